@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Portcullis vs nginx as a reverse proxy, side by side in one run.
+#
+#   bench/core.sh                 # defaults below
+#   DURATION=30 CONNECTIONS=128 ROUNDS=5 bench/core.sh
+#
+# Both proxies forward to the same upstream (nginx answering a fixed 200 on
+# its own port) with the same number of workers (WORKERS, default the core
+# count), keep-alive to the upstream, and access logs off. wrk drives each in
+# turn, ROUNDS times, alternating; the table shows the median round. Needs
+# wrk and nginx (apt-get install wrk nginx-light); installs them if missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION=${DURATION:-15}
+CONNECTIONS=${CONNECTIONS:-64}
+ROUNDS=${ROUNDS:-3}
+WORKERS=${WORKERS:-$(nproc)}
+WRK_THREADS=${WRK_THREADS:-2}
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/tmp/portcullis-target}"
+
+if ! command -v wrk >/dev/null || ! command -v nginx >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq wrk nginx-light >/dev/null
+fi
+cargo build --release --locked -p portcullis
+BIN="$CARGO_TARGET_DIR/release/portcullis"
+
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+UP_PORT=$(free_port); NGINX_PORT=$(free_port); PC_PORT=$(free_port)
+
+# The upstream: one nginx worker answering a small fixed body.
+mkdir -p "$WORK/up" "$WORK/px"
+cat > "$WORK/up/nginx.conf" <<CONF
+worker_processes 1;
+pid $WORK/up/nginx.pid;
+error_log $WORK/up/error.log;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  server { listen 127.0.0.1:$UP_PORT; location / { return 200 "hello from upstream\n"; } }
+}
+CONF
+nginx -p "$WORK/up" -c "$WORK/up/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+
+# nginx as the reverse proxy under test.
+cat > "$WORK/px/nginx.conf" <<CONF
+worker_processes $WORKERS;
+pid $WORK/px/nginx.pid;
+error_log $WORK/px/error.log;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  upstream app { server 127.0.0.1:$UP_PORT; keepalive 256; }
+  server {
+    listen 127.0.0.1:$NGINX_PORT;
+    location / {
+      proxy_pass http://app;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+    }
+  }
+}
+CONF
+nginx -p "$WORK/px" -c "$WORK/px/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+
+# Portcullis with the same route.
+mkdir -p "$WORK/policies"
+cat > "$WORK/policies/bench.yaml" <<YAML
+listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT" }]
+upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP_PORT"] }]
+routes: [{ name: all, match: { path_prefix: / }, upstream: app }]
+YAML
+TOKIO_WORKER_THREADS=$WORKERS RUST_LOG=warn "$BIN" serve --policies "$WORK/policies" & PIDS+=($!)
+
+wait_port() { for _ in $(seq 100); do curl -fsS "http://127.0.0.1:$1/" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "port $1 not ready" >&2; exit 1; }
+wait_port "$UP_PORT"; wait_port "$NGINX_PORT"; wait_port "$PC_PORT"
+
+# Prints "rps p50_us p99_us" for one wrk run.
+run_wrk() {
+  wrk -t"$WRK_THREADS" -c"$CONNECTIONS" -d"${DURATION}s" --latency "http://127.0.0.1:$1/bench" | awk '
+    function us(v) { if (v ~ /us$/) return v+0; if (v ~ /ms$/) return (v+0)*1000; if (v ~ /s$/) return (v+0)*1000000; return v }
+    /^ +50%/ { p50 = us($2) } /^ +99%/ { p99 = us($2) } /^Requests\/sec/ { rps = $2 }
+    /Non-2xx/ { bad = $NF } /Socket errors/ { err = $0 }
+    END { if (bad > 0 || err != "") { print "ERRORS " bad " " err > "/dev/stderr" } printf "%.0f %.0f %.0f\n", rps, p50, p99 }'
+}
+
+echo "warming up..."
+wrk -t1 -c8 -d2s "http://127.0.0.1:$NGINX_PORT/" >/dev/null
+wrk -t1 -c8 -d2s "http://127.0.0.1:$PC_PORT/" >/dev/null
+
+: > "$WORK/nginx.txt"; : > "$WORK/portcullis.txt"
+for r in $(seq "$ROUNDS"); do
+  run_wrk "$NGINX_PORT" >> "$WORK/nginx.txt"
+  run_wrk "$PC_PORT" >> "$WORK/portcullis.txt"
+  echo "round $r: nginx $(tail -1 "$WORK/nginx.txt") | portcullis $(tail -1 "$WORK/portcullis.txt")  (rps p50us p99us)"
+done
+
+median() { sort -n -k1 "$1" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
+read -r N_RPS N_P50 N_P99 <<<"$(median "$WORK/nginx.txt")"
+read -r P_RPS P_P50 P_P99 <<<"$(median "$WORK/portcullis.txt")"
+
+echo
+echo "wrk -t$WRK_THREADS -c$CONNECTIONS -d${DURATION}s, $WORKERS workers each, median of $ROUNDS rounds, $(nproc) cores"
+printf "%-12s %12s %10s %10s\n" proxy "requests/s" "p50 (us)" "p99 (us)"
+printf "%-12s %12s %10s %10s\n" nginx "$N_RPS" "$N_P50" "$N_P99"
+printf "%-12s %12s %10s %10s\n" portcullis "$P_RPS" "$P_P50" "$P_P99"
+awk -v a="$P_RPS" -v b="$N_RPS" -v c="$P_P99" -v d="$N_P99" \
+  'BEGIN { printf "ratio        %11.2fx %21.2fx (portcullis/nginx; rps higher is better, p99 lower)\n", a/b, c/d }'

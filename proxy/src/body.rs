@@ -1,0 +1,131 @@
+//! The one body type that flows through the proxy: a streamed hyper body
+//! (client → upstream, upstream → client) or a small body the proxy made
+//! itself. An enum rather than a boxed trait object keeps the hot path free
+//! of a per-request allocation.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
+
+use crate::telemetry::AccessLog;
+
+pin_project_lite::pin_project! {
+    /// A request or response body.
+    #[project = BodyProj]
+    pub enum Body {
+        /// Streamed from a peer, frame by frame, with backpressure.
+        Stream { #[pin] inner: Incoming },
+        /// Made by the proxy (error bodies, local answers); `None` once sent.
+        Full { data: Option<Bytes> },
+    }
+}
+
+impl Body {
+    /// A body of these bytes.
+    pub fn full(data: impl Into<Bytes>) -> Body {
+        let data: Bytes = data.into();
+        Body::Full {
+            data: (!data.is_empty()).then_some(data),
+        }
+    }
+
+    /// An empty body.
+    pub fn empty() -> Body {
+        Body::Full { data: None }
+    }
+}
+
+impl From<Incoming> for Body {
+    fn from(inner: Incoming) -> Body {
+        Body::Stream { inner }
+    }
+}
+
+impl http_body::Body for Body {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.project() {
+            BodyProj::Stream { inner } => inner.poll_frame(cx),
+            BodyProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Body::Stream { inner } => inner.is_end_stream(),
+            Body::Full { data } => data.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Body::Stream { inner } => inner.size_hint(),
+            Body::Full { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body on its way to the client. It carries the request's
+    /// access-log record, written when the body is finished or dropped, so
+    /// the logged duration and byte count cover the whole response.
+    pub struct ResponseBody {
+        #[pin]
+        inner: Body,
+        log: Option<AccessLog>,
+        // Keeps the upstream's in-flight count up until the response ends,
+        // for least-requests balancing.
+        guard: Option<crate::forward::InFlight>,
+    }
+}
+
+impl ResponseBody {
+    /// Wraps `inner`, logging with `log` when done.
+    pub fn new(
+        inner: Body,
+        log: Option<AccessLog>,
+        guard: Option<crate::forward::InFlight>,
+    ) -> Self {
+        ResponseBody { inner, log, guard }
+    }
+}
+
+impl http_body::Body for ResponseBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.project();
+        let polled = this.inner.poll_frame(cx);
+        if let (Poll::Ready(Some(Ok(frame))), Some(log)) = (&polled, this.log.as_mut())
+            && let Some(data) = frame.data_ref()
+        {
+            log.bytes_sent += data.len() as u64;
+        }
+        if let (Poll::Ready(Some(Err(_))), Some(log)) = (&polled, this.log.as_mut()) {
+            log.aborted = true;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

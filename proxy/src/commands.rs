@@ -1,0 +1,72 @@
+//! The binary's subcommands as library functions (the binary's edge:
+//! errors here are for people, so they are `anyhow`).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+
+use crate::config::{self, Config, ConfigErrors};
+use crate::server::{Drain, Server};
+
+/// Loads the policies from `dir`, or the built-in default set.
+pub fn load(dir: Option<&Path>) -> Result<Config, ConfigErrors> {
+    match dir {
+        Some(dir) => config::load_dir(dir),
+        None => config::load_sources(&config::default_sources(), &|n| std::env::var(n).ok()),
+    }
+}
+
+/// `portcullis check`: validates and prints every error as
+/// `file:line:column: message`. Exit 0 when valid, 1 otherwise.
+pub fn check(dir: Option<&Path>) -> ExitCode {
+    let shown = dir.map_or_else(
+        || "built-in default policies".to_owned(),
+        |d| d.display().to_string(),
+    );
+    match load(dir) {
+        Ok(config) => {
+            println!(
+                "{shown}: ok ({} listeners, {} upstreams, {} routes)",
+                config.listeners.len(),
+                config.upstreams.len(),
+                config.routes.len()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(errors) => {
+            for e in &errors.0 {
+                eprintln!("{e}");
+            }
+            eprintln!("{shown}: {} error(s)", errors.0.len());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `portcullis serve`: loads, binds, serves until SIGTERM or SIGINT, then
+/// drains as `drain` says.
+pub async fn serve(dir: Option<PathBuf>, drain: Drain) -> anyhow::Result<()> {
+    let config = load(dir.as_deref()).map_err(|e| anyhow::anyhow!("invalid policies:\n{e}"))?;
+    let server = Server::bind(config).await?;
+    server.run(shutdown_signal(), drain).await;
+    Ok(())
+}
+
+/// Completes on the first SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let term = signal(SignalKind::terminate()).context("installing the SIGTERM handler");
+    match term {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM received"),
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "no SIGTERM handling; stopping on SIGINT only");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

@@ -1,0 +1,781 @@
+//! Raw policy files → validated [`Config`]. Collects every error.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::uri::{Authority, Scheme};
+use http::{HeaderName, HeaderValue, Method, StatusCode, Uri};
+use rustls_pki_types::CertificateDer;
+use rustls_pki_types::pem::PemObject;
+use serde_saphyr::{Location, Spanned};
+
+use super::envsubst::expand;
+use super::raw::{
+    PolicyFile, RawCors, RawHeaderEdits, RawListener, RawRoute, RawUpstream, Text, TextMap,
+};
+use super::template::Template;
+use super::units::{parse_duration, parse_size};
+use super::{
+    Action, Balance, Config, ConfigError, ConfigErrors, Cors, Endpoint, HeaderEdits, Listener,
+    LocalResponse, PathRewrite, Pos, Probe, Route, Target, Timeouts, TlsSettings, Upstream,
+};
+use crate::router::{HostMatch, Router};
+
+const DEFAULT_MAX_CONNECTIONS: usize = 16_384;
+const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_MAX_HEADER_SIZE: usize = 32 * 1024;
+const DEFAULT_TIMEOUTS: Timeouts = Timeouts {
+    connect: Duration::from_secs(5),
+    // nginx's proxy_read_timeout, which the replaced routing service relied on.
+    request: Duration::from_secs(60),
+    idle: Duration::from_secs(90),
+};
+const DEFAULT_RETRIES: u32 = 1;
+
+/// Error collector and value parser for one file at a time.
+struct Ctx<'e> {
+    env: &'e dyn Fn(&str) -> Option<String>,
+    file: Arc<str>,
+    errors: Vec<ConfigError>,
+}
+
+impl Ctx<'_> {
+    fn pos(&self, loc: &Location) -> Pos {
+        Pos {
+            file: self.file.clone(),
+            line: loc.line(),
+            column: loc.column(),
+        }
+    }
+
+    fn err(&mut self, loc: &Location, message: impl Into<String>) {
+        let pos = self.pos(loc);
+        self.errors.push(ConfigError {
+            pos,
+            message: message.into(),
+        });
+    }
+
+    /// The value with `${ENV}` references expanded.
+    fn text(&mut self, t: &Text) -> Option<String> {
+        match expand(&t.value.0, self.env) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.err(&t.referenced, e);
+                None
+            }
+        }
+    }
+
+    fn parse<T>(&mut self, t: &Text, f: impl FnOnce(&str) -> Result<T, String>) -> Option<T> {
+        let s = self.text(t)?;
+        match f(s.trim()) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.err(&t.referenced, e);
+                None
+            }
+        }
+    }
+
+    fn parse_or<T>(
+        &mut self,
+        t: &Option<Text>,
+        default: T,
+        f: impl FnOnce(&str) -> Result<T, String>,
+    ) -> T {
+        match t {
+            Some(t) => self.parse(t, f).unwrap_or(default),
+            None => default,
+        }
+    }
+
+    fn flag(&mut self, t: &Option<Text>, default: bool) -> bool {
+        self.parse_or(t, default, |s| match s {
+            "true" => Ok(true),
+            "false" => Ok(false),
+            _ => Err(format!("`{s}` is not a boolean; write true or false")),
+        })
+    }
+
+    fn duration(&mut self, t: &Option<Text>, default: Duration) -> Duration {
+        self.parse_or(t, default, parse_duration)
+    }
+
+    /// Resolves a file path written in a policy relative to that policy's directory.
+    fn path(&mut self, t: &Text) -> Option<std::path::PathBuf> {
+        let s = self.text(t)?;
+        let p = Path::new(&s);
+        Some(if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            Path::new(&*self.file)
+                .parent()
+                .unwrap_or(Path::new("."))
+                .join(p)
+        })
+    }
+
+    fn header_pairs(&mut self, map: &TextMap) -> Vec<(HeaderName, HeaderValue)> {
+        let mut out = Vec::with_capacity(map.value.len());
+        for (name, value) in &map.value {
+            let Ok(name) = HeaderName::from_str(name) else {
+                self.err(
+                    &map.referenced,
+                    format!("`{name}` is not a valid header name"),
+                );
+                continue;
+            };
+            if let Some(v) = self.parse(value, |s| {
+                HeaderValue::from_str(s).map_err(|_| format!("`{s}` is not a valid header value"))
+            }) {
+                out.push((name, v));
+            }
+        }
+        out
+    }
+
+    fn header_edits(&mut self, raw: &Option<RawHeaderEdits>) -> HeaderEdits {
+        let Some(raw) = raw else {
+            return HeaderEdits::default();
+        };
+        let add = raw
+            .add
+            .as_ref()
+            .map(|m| self.header_pairs(m))
+            .unwrap_or_default();
+        let set = raw
+            .set
+            .as_ref()
+            .map(|m| self.header_pairs(m))
+            .unwrap_or_default();
+        let remove = raw
+            .remove
+            .iter()
+            .filter_map(|t| {
+                self.parse(t, |s| {
+                    HeaderName::from_str(s).map_err(|_| format!("`{s}` is not a valid header name"))
+                })
+            })
+            .collect();
+        HeaderEdits { add, set, remove }
+    }
+}
+
+/// A route waiting for the router, which needs every route first.
+struct PendingRoute {
+    index: usize,
+    host: HostMatch,
+    patterns: Vec<String>,
+    at: Location,
+    file: Arc<str>,
+}
+
+/// Builds the config from parsed files.
+pub(super) fn build(
+    files: &[(Arc<str>, PolicyFile)],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Config, ConfigErrors> {
+    let mut ctx = Ctx {
+        env,
+        file: "".into(),
+        errors: Vec::new(),
+    };
+    let mut listeners = Vec::new();
+    let mut upstreams: Vec<Arc<Upstream>> = Vec::new();
+    let mut upstream_index: HashMap<String, usize> = HashMap::new();
+
+    for (file, policy) in files {
+        ctx.file = file.clone();
+        for l in &policy.listeners {
+            if let Some(listener) = listener(&mut ctx, l) {
+                if let Some(dup) = listeners
+                    .iter()
+                    .find(|o: &&Listener| o.name == listener.name)
+                {
+                    let msg = format!(
+                        "listener `{}` is already defined at {}",
+                        listener.name, dup.defined_at
+                    );
+                    ctx.err(&l.referenced, msg);
+                } else if let Some(dup) = listeners
+                    .iter()
+                    .find(|o: &&Listener| o.bind == listener.bind && o.bind.port() != 0)
+                {
+                    let msg = format!(
+                        "address {} is already bound by listener `{}` ({})",
+                        listener.bind, dup.name, dup.defined_at
+                    );
+                    ctx.err(&l.referenced, msg);
+                } else {
+                    listeners.push(listener);
+                }
+            }
+        }
+        for u in &policy.upstreams {
+            if let Some(up) = upstream(&mut ctx, u) {
+                if let Some(&i) = upstream_index.get(&*up.name) {
+                    let msg = format!(
+                        "upstream `{}` is already defined at {}",
+                        up.name, upstreams[i].defined_at
+                    );
+                    ctx.err(&u.referenced, msg);
+                } else {
+                    upstream_index.insert(up.name.to_string(), upstreams.len());
+                    upstreams.push(Arc::new(up));
+                }
+            }
+        }
+    }
+
+    // Routes come after every file's upstreams, so a route may use an
+    // upstream defined in another file.
+    let mut routes: Vec<Arc<Route>> = Vec::new();
+    let mut pending: Vec<PendingRoute> = Vec::new();
+    let mut route_names: HashMap<String, Pos> = HashMap::new();
+    for (file, policy) in files {
+        ctx.file = file.clone();
+        for r in &policy.routes {
+            let Some((route, host, patterns)) = route(&mut ctx, r, &upstream_index, &mut upstreams)
+            else {
+                continue;
+            };
+            if let Some(pos) = route_names.get(&*route.name) {
+                let msg = format!("route `{}` is already defined at {pos}", route.name);
+                ctx.err(&r.referenced, msg);
+                continue;
+            }
+            route_names.insert(route.name.to_string(), route.defined_at.clone());
+            pending.push(PendingRoute {
+                index: routes.len(),
+                host,
+                patterns,
+                at: r.value.matcher.referenced,
+                file: file.clone(),
+            });
+            routes.push(Arc::new(route));
+        }
+    }
+
+    let mut router = Router::default();
+    for p in &pending {
+        for pattern in &p.patterns {
+            if let Err(e) = router.insert(&p.host, pattern, p.index, &routes) {
+                ctx.file = p.file.clone();
+                ctx.err(&p.at, e);
+            }
+        }
+    }
+
+    if ctx.errors.is_empty() {
+        Ok(Config {
+            listeners,
+            upstreams,
+            routes,
+            router,
+        })
+    } else {
+        Err(ConfigErrors(ctx.errors))
+    }
+}
+
+fn name(ctx: &mut Ctx, t: &Text, what: &str) -> Option<String> {
+    ctx.parse(t, |s| {
+        let ok = !s.is_empty()
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        if ok {
+            Ok(s.to_owned())
+        } else {
+            Err(format!(
+                "`{s}` is not a valid {what} name (letters, digits, `-`, `_`, `.`)"
+            ))
+        }
+    })
+}
+
+fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
+    let l = &raw.value;
+    let name = name(ctx, &l.name, "listener");
+    let bind = ctx.parse(&l.bind, |s| {
+        // `:8080` is shorthand for all IPv4 interfaces, as in Go and nginx.
+        let full = if s.starts_with(':') {
+            format!("0.0.0.0{s}")
+        } else {
+            s.to_owned()
+        };
+        SocketAddr::from_str(&full).map_err(|_| {
+            format!("`{s}` is not a bind address; write it like 0.0.0.0:8080 or [::]:8080")
+        })
+    });
+    let max_connections = ctx.parse_or(&l.max_connections, DEFAULT_MAX_CONNECTIONS, |s| match s
+        .parse::<usize>()
+    {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{s}` is not a positive number of connections")),
+    });
+    let header_read_timeout = ctx.duration(&l.header_read_timeout, DEFAULT_HEADER_READ_TIMEOUT);
+    let max_request_header_size =
+        ctx.parse_or(&l.max_request_header_size, DEFAULT_MAX_HEADER_SIZE, |s| {
+            let n = parse_size(s)?;
+            if (1024..=1 << 20).contains(&n) {
+                Ok(n as usize)
+            } else {
+                Err(format!(
+                    "`{s}` is out of range: the request header limit must be between 1KiB and 1MiB"
+                ))
+            }
+        });
+    let trust_forwarded_headers = ctx.flag(&l.trust_forwarded_headers, false);
+    Some(Listener {
+        name: name?,
+        bind: bind?,
+        max_connections,
+        header_read_timeout,
+        max_request_header_size,
+        trust_forwarded_headers,
+        defined_at: ctx.pos(&raw.referenced),
+    })
+}
+
+/// Parses a fixed endpoint URL: `http(s)://host[:port][/base]`.
+fn endpoint(s: &str) -> Result<Endpoint, String> {
+    let uri: Uri = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a URL; write it like http://service:8080"))?;
+    let scheme = match uri.scheme_str() {
+        Some("http") => Scheme::HTTP,
+        Some("https") => Scheme::HTTPS,
+        _ => return Err(format!("`{s}` must start with http:// or https://")),
+    };
+    let authority: Authority = uri
+        .authority()
+        .filter(|a| !a.host().is_empty())
+        .cloned()
+        .ok_or_else(|| format!("`{s}` has no host"))?;
+    if authority.as_str().contains('@') {
+        return Err(format!(
+            "`{s}`: credentials in upstream URLs are not supported; use request_headers"
+        ));
+    }
+    if uri.query().is_some() {
+        return Err(format!("`{s}`: an upstream URL cannot have a query"));
+    }
+    let path = uri.path().trim_end_matches('/');
+    let base_path = (!path.is_empty()).then(|| Arc::<str>::from(path));
+    Ok(Endpoint {
+        scheme,
+        authority,
+        base_path,
+    })
+}
+
+fn upstream_template(s: &str) -> Result<Target, String> {
+    let t = Template::parse(s, true)?;
+    if t.is_static() {
+        return Ok(Target::Endpoints(vec![endpoint(s)?]));
+    }
+    if !(s.starts_with("http://") || s.starts_with("https://")) {
+        return Err(format!("`{s}` must start with http:// or https://"));
+    }
+    Ok(Target::Template(t))
+}
+
+fn tls_settings(ctx: &mut Ctx, raw: &Option<super::raw::RawTls>) -> TlsSettings {
+    let Some(raw) = raw else {
+        return TlsSettings::default();
+    };
+    let mut ca_certs = Vec::new();
+    if let Some(t) = &raw.ca_file
+        && let Some(path) = ctx.path(t)
+    {
+        match CertificateDer::pem_file_iter(&path).and_then(|it| it.collect::<Result<Vec<_>, _>>())
+        {
+            Ok(certs) if !certs.is_empty() => ca_certs = certs,
+            Ok(_) => ctx.err(
+                &t.referenced,
+                format!("{} holds no PEM certificate", path.display()),
+            ),
+            Err(e) => ctx.err(
+                &t.referenced,
+                format!("cannot read CA file {}: {e}", path.display()),
+            ),
+        }
+    }
+    let server_name = raw.server_name.as_ref().and_then(|t| {
+        ctx.parse(t, |s| {
+            rustls_pki_types::ServerName::try_from(s)
+                .map(|_| s.to_owned())
+                .map_err(|_| format!("`{s}` is not a valid TLS server name"))
+        })
+    });
+    let insecure_skip_verify = ctx.flag(&raw.insecure_skip_verify, false);
+    TlsSettings {
+        ca_certs,
+        server_name,
+        insecure_skip_verify,
+    }
+}
+
+fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
+    let u = &raw.value;
+    let name = name(ctx, &u.name, "upstream");
+    let target = match (u.endpoints.is_empty(), &u.url) {
+        (false, None) => {
+            let eps: Vec<_> = u
+                .endpoints
+                .iter()
+                .filter_map(|t| ctx.parse(t, endpoint))
+                .collect();
+            (eps.len() == u.endpoints.len()).then_some(Target::Endpoints(eps))
+        }
+        (true, Some(t)) => ctx.parse(t, upstream_template),
+        _ => {
+            ctx.err(&raw.referenced, "an upstream needs either `endpoints` (a list of URLs) or `url` (a URL template), not both");
+            None
+        }
+    };
+    let balance = ctx.parse_or(&u.balance, Balance::RoundRobin, |s| match s {
+        "round_robin" => Ok(Balance::RoundRobin),
+        "least_requests" => Ok(Balance::LeastRequests),
+        _ => Err(format!(
+            "`{s}` is not a balancing policy; use round_robin or least_requests"
+        )),
+    });
+    let timeouts = match &u.timeouts {
+        Some(t) => Timeouts {
+            connect: ctx.duration(&t.connect, DEFAULT_TIMEOUTS.connect),
+            request: ctx.duration(&t.request, DEFAULT_TIMEOUTS.request),
+            idle: ctx.duration(&t.idle, DEFAULT_TIMEOUTS.idle),
+        },
+        None => DEFAULT_TIMEOUTS,
+    };
+    let retries = ctx.parse_or(&u.retries, DEFAULT_RETRIES, |s| {
+        s.parse::<u32>()
+            .ok()
+            .filter(|n| *n <= 10)
+            .ok_or_else(|| format!("`{s}` is not a retry count from 0 to 10"))
+    });
+    let tls = tls_settings(ctx, &u.tls);
+    let http2 = ctx.flag(&u.http2, false);
+    let preserve_host = ctx.flag(&u.preserve_host, false);
+    Some(Upstream {
+        name: name?.into(),
+        target: target?,
+        balance,
+        timeouts,
+        retries,
+        tls,
+        http2,
+        preserve_host,
+        defined_at: ctx.pos(&raw.referenced),
+    })
+}
+
+/// Parameter names a matchit pattern captures (`{id}` and `{*rest}`).
+fn pattern_params(pattern: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = pattern;
+    while let Some(i) = rest.find('{') {
+        let after = &rest[i + 1..];
+        if let Some(stripped) = after.strip_prefix('{') {
+            rest = stripped;
+            continue;
+        }
+        let Some(end) = after.find('}') else { break };
+        out.push(after[..end].trim_start_matches('*').to_owned());
+        rest = &after[end + 1..];
+    }
+    out
+}
+
+fn host_match(s: &str) -> Result<HostMatch, String> {
+    let s = s.to_ascii_lowercase();
+    let valid = |h: &str| {
+        !h.is_empty()
+            && h.split('.')
+                .all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'))
+    };
+    if let Some(domain) = s.strip_prefix("*.") {
+        if valid(domain) {
+            return Ok(HostMatch::Suffix(format!(".{domain}")));
+        }
+    } else if valid(&s) {
+        return Ok(HostMatch::Exact(s));
+    }
+    Err(format!(
+        "`{s}` is not a host match; write a host name (api.example.com) or a wildcard (*.example.com), without port"
+    ))
+}
+
+type RouteParts = (Route, HostMatch, Vec<String>);
+
+fn route(
+    ctx: &mut Ctx,
+    raw: &Spanned<RawRoute>,
+    upstream_index: &HashMap<String, usize>,
+    upstreams: &mut Vec<Arc<Upstream>>,
+) -> Option<RouteParts> {
+    let r = &raw.value;
+    let m = &r.matcher.value;
+    let name = name(ctx, &r.name, "route");
+
+    let host = match &m.host {
+        Some(t) => ctx.parse(t, host_match)?,
+        None => HostMatch::Any,
+    };
+    let mut patterns = Vec::new();
+    for t in m.path.iter().chain(m.paths.iter()) {
+        if let Some(p) = ctx.parse(t, |s| {
+            if s.starts_with('/') {
+                Ok(s.to_owned())
+            } else {
+                Err(format!("path `{s}` must start with `/`"))
+            }
+        }) {
+            patterns.push(p);
+        }
+    }
+    if let Some(t) = &m.path_prefix
+        && let Some(prefix) = ctx.parse(t, |s| {
+            if s.starts_with('/') && !s.contains('{') {
+                Ok(s.trim_end_matches('/').to_owned())
+            } else {
+                Err(format!(
+                    "path_prefix `{s}` must start with `/` and hold no parameters"
+                ))
+            }
+        })
+    {
+        // A prefix covers the path itself, its directory form and
+        // everything below, the remainder captured as {rest}.
+        if prefix.is_empty() {
+            patterns.extend(["/".to_owned(), "/{*rest}".to_owned()]);
+        } else {
+            patterns.extend([
+                prefix.clone(),
+                format!("{prefix}/"),
+                format!("{prefix}/{{*rest}}"),
+            ]);
+        }
+    }
+    if patterns.is_empty() && m.path.is_none() && m.paths.is_empty() && m.path_prefix.is_none() {
+        ctx.err(
+            &r.matcher.referenced,
+            "a route needs `path`, `paths` or `path_prefix` in its match",
+        );
+        return None;
+    }
+    let methods = if m.methods.is_empty() {
+        None
+    } else {
+        Some(
+            m.methods
+                .iter()
+                .filter_map(|t| {
+                    ctx.parse(t, |s| {
+                        let upper = s.to_ascii_uppercase();
+                        Method::from_bytes(upper.as_bytes())
+                            .map_err(|_| format!("`{s}` is not an HTTP method"))
+                    })
+                })
+                .collect::<Vec<_>>(),
+        )
+    };
+    let headers = m
+        .headers
+        .as_ref()
+        .map(|h| ctx.header_pairs(h))
+        .unwrap_or_default();
+
+    // Every parameter a template uses must be captured by every pattern,
+    // or some requests would render it empty.
+    let check_params = |ctx: &mut Ctx, t: &Template, at: &Location, what: &str| {
+        for p in t.params() {
+            if let Some(pat) = patterns
+                .iter()
+                .find(|pat| !pattern_params(pat).iter().any(|x| x == p))
+            {
+                ctx.err(
+                    at,
+                    format!("{what} uses `{{{p}}}` but path `{pat}` does not capture it"),
+                );
+            }
+        }
+    };
+
+    let actions = [
+        r.upstream.is_some(),
+        r.url.is_some(),
+        r.respond.is_some(),
+        r.health.is_some(),
+    ];
+    if actions.iter().filter(|a| **a).count() != 1 {
+        ctx.err(
+            &raw.referenced,
+            "a route needs exactly one of `upstream`, `url`, `respond` or `health`",
+        );
+        return None;
+    }
+    let timeout = r
+        .timeout
+        .as_ref()
+        .and_then(|t| ctx.parse(t, parse_duration));
+    let action = if let Some(t) = &r.upstream {
+        let up = ctx.text(t)?;
+        match upstream_index.get(up.trim()) {
+            Some(&i) => {
+                if let Target::Template(tpl) = &upstreams[i].target {
+                    let tpl = tpl.clone();
+                    check_params(ctx, &tpl, &t.referenced, &format!("upstream `{up}`"));
+                }
+                Action::Forward(i)
+            }
+            None => {
+                let mut known: Vec<_> = upstream_index.keys().map(String::as_str).collect();
+                known.sort_unstable();
+                ctx.err(
+                    &t.referenced,
+                    format!(
+                        "unknown upstream `{up}`; defined upstreams: {}",
+                        known.join(", ")
+                    ),
+                );
+                return None;
+            }
+        }
+    } else if let Some(t) = &r.url {
+        let target = ctx.parse(t, upstream_template)?;
+        if let Target::Template(tpl) = &target {
+            check_params(ctx, tpl, &t.referenced, "url");
+        }
+        upstreams.push(Arc::new(Upstream {
+            name: name.clone()?.into(),
+            target,
+            balance: Balance::RoundRobin,
+            timeouts: DEFAULT_TIMEOUTS,
+            retries: DEFAULT_RETRIES,
+            tls: TlsSettings::default(),
+            http2: false,
+            preserve_host: false,
+            defined_at: ctx.pos(&t.referenced),
+        }));
+        Action::Forward(upstreams.len() - 1)
+    } else if let Some(resp) = &r.respond {
+        let status = ctx.parse(&resp.value.status, |s| {
+            s.parse::<u16>()
+                .ok()
+                .and_then(|n| StatusCode::from_u16(n).ok())
+                .ok_or_else(|| format!("`{s}` is not an HTTP status code"))
+        })?;
+        let body = resp
+            .value
+            .body
+            .as_ref()
+            .and_then(|b| ctx.text(b))
+            .unwrap_or_default();
+        let headers = resp
+            .value
+            .headers
+            .as_ref()
+            .map(|h| ctx.header_pairs(h))
+            .unwrap_or_default();
+        Action::Respond(LocalResponse {
+            status,
+            headers,
+            body: Bytes::from(body),
+        })
+    } else {
+        let t = r.health.as_ref()?;
+        ctx.parse(t, |s| match s {
+            "live" => Ok(Action::Health(Probe::Live)),
+            "ready" => Ok(Action::Health(Probe::Ready)),
+            _ => Err(format!("`{s}` is not a probe; use live or ready")),
+        })?
+    };
+
+    let rewrite = match (&r.strip_prefix, &r.rewrite) {
+        (Some(_), Some(_)) => {
+            ctx.err(
+                &raw.referenced,
+                "use either `strip_prefix` or `rewrite`, not both",
+            );
+            PathRewrite::Keep
+        }
+        (Some(t), None) => ctx
+            .parse(t, |s| {
+                if s.starts_with('/') && s.len() > 1 {
+                    Ok(PathRewrite::StripPrefix(s.trim_end_matches('/').to_owned()))
+                } else {
+                    Err(format!(
+                        "strip_prefix `{s}` must start with `/` and not be `/` alone"
+                    ))
+                }
+            })
+            .unwrap_or(PathRewrite::Keep),
+        (None, Some(t)) => match ctx.parse(t, |s| {
+            if s.starts_with('/') {
+                Template::parse(s, false)
+            } else {
+                Err(format!("rewrite `{s}` must start with `/`"))
+            }
+        }) {
+            Some(tpl) => {
+                check_params(ctx, &tpl, &t.referenced, "rewrite");
+                PathRewrite::Template(tpl)
+            }
+            None => PathRewrite::Keep,
+        },
+        (None, None) => PathRewrite::Keep,
+    };
+    let request_headers = ctx.header_edits(&r.request_headers);
+    let response_headers = ctx.header_edits(&r.response_headers);
+    let websocket = ctx.flag(&r.websocket, false);
+    let error_cors = r.error_cors.as_ref().map(|c| cors(ctx, c));
+    Some((
+        Route {
+            name: name?.into(),
+            action,
+            methods,
+            headers,
+            rewrite,
+            request_headers,
+            response_headers,
+            timeout,
+            websocket,
+            error_cors,
+            defined_at: ctx.pos(&raw.referenced),
+        },
+        host,
+        patterns,
+    ))
+}
+
+fn cors(ctx: &mut Ctx, raw: &Spanned<RawCors>) -> Cors {
+    let mut origins = Vec::new();
+    for t in &raw.value.allow_origins {
+        if let Some(s) = ctx.text(t) {
+            // One value may hold a comma-separated list, so a single
+            // environment variable can carry several origins.
+            origins.extend(
+                s.split(',')
+                    .map(str::trim)
+                    .filter(|o| !o.is_empty())
+                    .map(str::to_owned),
+            );
+        }
+    }
+    let allow_any = origins.iter().any(|o| o == "*");
+    origins.retain(|o| o != "*");
+    let allow_credentials = ctx.flag(&raw.value.allow_credentials, false);
+    Cors {
+        allow_any,
+        origins,
+        allow_credentials,
+    }
+}

@@ -1,0 +1,127 @@
+//! `${NAME}` and `${NAME:-default}` references in policy values.
+//!
+//! The default may itself contain braces (URL templates such as
+//! `${EVENTSOURCE_URL:-http://{name}.svc}`) and nested references, so the
+//! closing brace is found by counting depth. `$$` is a literal `$`.
+
+/// Expands every reference in `input`, looking names up with `lookup`.
+pub fn expand(input: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+    if !input.contains('$') {
+        return Ok(input.to_owned());
+    }
+    let mut out = String::with_capacity(input.len());
+    let mut rest = input;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        if let Some(tail) = after.strip_prefix('$') {
+            out.push('$');
+            rest = tail;
+        } else if let Some(body_and_tail) = after.strip_prefix('{') {
+            let end = closing_brace(body_and_tail)
+                .ok_or_else(|| format!("unterminated `${{` in `{input}`"))?;
+            out.push_str(&reference(&body_and_tail[..end], lookup)?);
+            rest = &body_and_tail[end + 1..];
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Index of the `}` that closes a reference whose body starts at `s`.
+fn closing_brace(s: &str) -> Option<usize> {
+    let mut depth = 0usize;
+    for (i, c) in s.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => return Some(i),
+            '}' => depth -= 1,
+            _ => {}
+        }
+    }
+    None
+}
+
+fn reference(body: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+    let (name, default) = match body.find(":-") {
+        Some(i) => (&body[..i], Some(&body[i + 2..])),
+        None => (body, None),
+    };
+    let valid = !name.is_empty()
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && !name.starts_with(|c: char| c.is_ascii_digit());
+    if !valid {
+        return Err(format!(
+            "`${{{body}}}` is not a valid environment reference: use ${{NAME}} or ${{NAME:-default}}"
+        ));
+    }
+    match (lookup(name), default) {
+        // Like the shell's `:-`, an empty variable also takes the default.
+        (Some(v), Some(d)) if v.is_empty() => expand(d, lookup),
+        (Some(v), _) => Ok(v),
+        (None, Some(d)) => expand(d, lookup),
+        (None, None) => Err(format!(
+            "environment variable `{name}` is not set; set it or give a default as ${{{name}:-value}}"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::expand;
+
+    fn env(name: &str) -> Option<String> {
+        match name {
+            "HOST" => Some("example.com".into()),
+            "EMPTY" => Some(String::new()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn plain_text_is_unchanged() {
+        assert_eq!(expand("http://a:80/x", &env).unwrap(), "http://a:80/x");
+    }
+
+    #[test]
+    fn set_variable_wins_over_default() {
+        assert_eq!(
+            expand("http://${HOST:-other}/", &env).unwrap(),
+            "http://example.com/"
+        );
+    }
+
+    #[test]
+    fn default_may_hold_template_braces() {
+        assert_eq!(
+            expand("${URL:-http://{name}-svc.{ns}.svc}", &env).unwrap(),
+            "http://{name}-svc.{ns}.svc"
+        );
+    }
+
+    #[test]
+    fn nested_default_and_empty_variable() {
+        assert_eq!(expand("${EMPTY:-${HOST}}", &env).unwrap(), "example.com");
+    }
+
+    #[test]
+    fn dollar_escape_and_lone_dollar() {
+        assert_eq!(expand("a$$b $c", &env).unwrap(), "a$b $c");
+    }
+
+    #[test]
+    fn missing_variable_names_it() {
+        let err = expand("${NOPE}", &env).unwrap_err();
+        assert!(err.contains("`NOPE` is not set"), "{err}");
+    }
+
+    #[test]
+    fn unterminated_and_invalid_names_fail() {
+        assert!(expand("${HOST", &env).is_err());
+        assert!(expand("${1BAD}", &env).is_err());
+        assert!(expand("${}", &env).is_err());
+    }
+}

@@ -1,0 +1,136 @@
+//! Reading policy sources: a directory of `*.yaml` files (a mounted
+//! ConfigMap) or the default set compiled into the binary.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use serde_saphyr::{DefaultMessageFormatter, MessageFormatter};
+
+use super::raw::PolicyFile;
+use super::{Config, ConfigError, ConfigErrors, Pos, build};
+
+/// One policy file's name and text.
+#[derive(Debug, Clone)]
+pub struct Source {
+    /// Name shown in errors: the path it was read from.
+    pub name: String,
+    /// The YAML text.
+    pub text: String,
+}
+
+/// The default policy set that ships in `policies/`, compiled in so the
+/// binary runs anywhere without a policy directory.
+pub fn default_sources() -> Vec<Source> {
+    vec![Source {
+        name: "policies/routing.yaml".into(),
+        text: include_str!("../../../policies/routing.yaml").into(),
+    }]
+}
+
+/// Reads every `*.yaml`/`*.yml` file of `dir` in name order and builds the
+/// configuration. Dot-files are skipped: a ConfigMap mount keeps its real
+/// files under `..data` and timestamped `..2026_…` directories, and shows
+/// each key as a symlink at the top level.
+pub fn load_dir(dir: &Path) -> Result<Config, ConfigErrors> {
+    let dir_error = |message: String| {
+        ConfigErrors(vec![ConfigError {
+            pos: Pos {
+                file: dir.display().to_string().into(),
+                line: 0,
+                column: 0,
+            },
+            message,
+        }])
+    };
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| dir_error(format!("cannot read policy directory: {e}")))?;
+    let mut paths = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| dir_error(format!("cannot read policy directory: {e}")))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let is_yaml = name.ends_with(".yaml") || name.ends_with(".yml");
+        // `metadata` follows symlinks, which is what a ConfigMap key is.
+        if !name.starts_with('.') && is_yaml && entry.path().metadata().is_ok_and(|m| m.is_file()) {
+            paths.push(entry.path());
+        }
+    }
+    paths.sort();
+    if paths.is_empty() {
+        return Err(dir_error("no *.yaml policy files in this directory".into()));
+    }
+    let mut sources = Vec::with_capacity(paths.len());
+    let mut errors = Vec::new();
+    for path in paths {
+        match std::fs::read_to_string(&path) {
+            Ok(text) => sources.push(Source {
+                name: path.display().to_string(),
+                text,
+            }),
+            Err(e) => errors.push(ConfigError {
+                pos: Pos {
+                    file: path.display().to_string().into(),
+                    line: 0,
+                    column: 0,
+                },
+                message: format!("cannot read policy file: {e}"),
+            }),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(ConfigErrors(errors));
+    }
+    load_sources(&sources, &|name| std::env::var(name).ok())
+}
+
+/// Parses and validates a set of sources, looking up `${ENV}` references
+/// with `env`.
+pub fn load_sources(
+    sources: &[Source],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Config, ConfigErrors> {
+    let mut files = Vec::with_capacity(sources.len());
+    let mut errors = Vec::new();
+    for source in sources {
+        let file: Arc<str> = source.name.as_str().into();
+        match parse(&source.text) {
+            Ok(policy) => files.push((file, policy)),
+            Err(e) => {
+                let (line, column) = e.location().map_or((0, 0), |l| (l.line(), l.column()));
+                let message = DefaultMessageFormatter.format_message(&e).into_owned();
+                errors.push(ConfigError {
+                    pos: Pos { file, line, column },
+                    message,
+                });
+            }
+        }
+    }
+    match build::build(&files, env) {
+        Ok(config) if errors.is_empty() => Ok(config),
+        Ok(_) => Err(ConfigErrors(errors)),
+        Err(ConfigErrors(more)) => {
+            errors.extend(more);
+            // Report in reading order, as a compiler would.
+            errors.sort_by(|a, b| {
+                (&*a.pos.file, a.pos.line, a.pos.column).cmp(&(
+                    &*b.pos.file,
+                    b.pos.line,
+                    b.pos.column,
+                ))
+            });
+            Err(ConfigErrors(errors))
+        }
+    }
+}
+
+fn parse(text: &str) -> Result<PolicyFile, serde_saphyr::Error> {
+    // A file of only comments (a placeholder ConfigMap key) is an empty policy.
+    let blank = text.lines().all(|l| {
+        let l = l.trim();
+        l.is_empty() || l.starts_with('#') || l == "---"
+    });
+    if blank {
+        return Ok(PolicyFile::default());
+    }
+    serde_saphyr::from_str(text)
+}

@@ -1,0 +1,290 @@
+//! Policy files → one validated, immutable runtime model.
+//!
+//! YAML is parsed into the raw structs of [`raw`] (unknown keys rejected),
+//! then [`build`] checks everything at once and produces a [`Config`]. Every
+//! error carries `file:line:column`; all of them are collected, not just the
+//! first, so `portcullis check` can list them together.
+
+mod build;
+mod envsubst;
+mod load;
+mod raw;
+pub mod template;
+mod units;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::uri::{Authority, Scheme};
+use http::{HeaderName, HeaderValue, Method, StatusCode};
+use rustls_pki_types::CertificateDer;
+
+pub use load::{Source, default_sources, load_dir, load_sources};
+pub use template::Template;
+pub use units::{parse_duration, parse_size};
+
+use crate::router::Router;
+
+/// Where something was written in the policy files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pos {
+    /// The file as it was named when loaded (directory joined with file name).
+    pub file: Arc<str>,
+    /// 1-based line.
+    pub line: u64,
+    /// 1-based column.
+    pub column: u64,
+}
+
+impl fmt::Display for Pos {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}", self.file, self.line, self.column)
+    }
+}
+
+/// One problem in the policy files.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{pos}: {message}")]
+pub struct ConfigError {
+    /// Where the problem is.
+    pub pos: Pos,
+    /// What is wrong and, where it helps, what to do.
+    pub message: String,
+}
+
+/// Every problem found in one load; never empty.
+#[derive(Debug, Clone, thiserror::Error)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The validated configuration: listeners, upstreams, routes and the router
+/// that picks a route for a request. Immutable once built.
+#[derive(Debug)]
+pub struct Config {
+    /// Listeners to bind, in file order.
+    pub listeners: Vec<Listener>,
+    /// Upstreams, indexed by [`Action::Forward`].
+    pub upstreams: Vec<Arc<Upstream>>,
+    /// Routes, indexed by the router's matches.
+    pub routes: Vec<Arc<Route>>,
+    /// Host and path lookup over `routes`.
+    pub router: Router,
+}
+
+/// A TCP listener that serves HTTP/1.1 and cleartext HTTP/2 on one port.
+#[derive(Debug, Clone)]
+pub struct Listener {
+    /// Unique name, used in logs.
+    pub name: String,
+    /// Address to bind; port 0 picks a free port.
+    pub bind: SocketAddr,
+    /// Connections served at once; further clients wait in the accept queue.
+    pub max_connections: usize,
+    /// Time a client has to send a complete request head.
+    pub header_read_timeout: Duration,
+    /// Largest request head (request line and headers) accepted; larger gets 431.
+    pub max_request_header_size: usize,
+    /// Keep `X-Forwarded-Proto`/`-Host` from the client (behind an ingress controller).
+    pub trust_forwarded_headers: bool,
+    /// Where the listener was defined.
+    pub defined_at: Pos,
+}
+
+/// How requests are spread over an upstream's endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Balance {
+    /// Each endpoint in turn.
+    RoundRobin,
+    /// The endpoint with the fewest requests in flight.
+    LeastRequests,
+}
+
+/// Upstream timeouts.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// TCP (and TLS) connection establishment.
+    pub connect: Duration,
+    /// From sending the request to receiving the response head.
+    pub request: Duration,
+    /// How long an unused pooled connection is kept.
+    pub idle: Duration,
+}
+
+/// TLS settings for `https` endpoints.
+#[derive(Debug, Clone, Default)]
+pub struct TlsSettings {
+    /// Extra trusted roots (from `ca_file`); the system roots are trusted too.
+    pub ca_certs: Vec<CertificateDer<'static>>,
+    /// Name to verify and send as SNI instead of the endpoint host.
+    pub server_name: Option<String>,
+    /// Skip certificate verification (testing only; logged loudly).
+    pub insecure_skip_verify: bool,
+}
+
+/// One fixed upstream address: `scheme://authority[/base]`.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    /// `http` or `https`.
+    pub scheme: Scheme,
+    /// Host and port; the host is resolved at connect time.
+    pub authority: Authority,
+    /// A path prefix put before every forwarded path, without trailing `/`.
+    pub base_path: Option<Arc<str>>,
+}
+
+/// Where an upstream's requests go.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// A fixed set of endpoints, balanced.
+    Endpoints(Vec<Endpoint>),
+    /// A URL built per request from the route's path parameters.
+    Template(Template),
+}
+
+/// A named destination with its connection settings.
+#[derive(Debug)]
+pub struct Upstream {
+    /// Name used by routes and logs.
+    pub name: Arc<str>,
+    /// Endpoints or URL template.
+    pub target: Target,
+    /// Balancing across endpoints.
+    pub balance: Balance,
+    /// Timeouts.
+    pub timeouts: Timeouts,
+    /// Extra attempts for idempotent, bodiless requests whose connection failed.
+    pub retries: u32,
+    /// TLS for `https` endpoints.
+    pub tls: TlsSettings,
+    /// Speak HTTP/2 to the upstream (prior knowledge on cleartext, ALPN on TLS).
+    pub http2: bool,
+    /// Send the client's `Host` instead of the endpoint's.
+    pub preserve_host: bool,
+    /// Where the upstream was defined.
+    pub defined_at: Pos,
+}
+
+/// Header changes applied in order: remove, set, add.
+#[derive(Debug, Clone, Default)]
+pub struct HeaderEdits {
+    /// Headers appended (kept alongside existing values).
+    pub add: Vec<(HeaderName, HeaderValue)>,
+    /// Headers replaced.
+    pub set: Vec<(HeaderName, HeaderValue)>,
+    /// Headers removed.
+    pub remove: Vec<HeaderName>,
+}
+
+impl HeaderEdits {
+    /// True when there is nothing to do (the common case: skip the work).
+    pub fn is_empty(&self) -> bool {
+        self.add.is_empty() && self.set.is_empty() && self.remove.is_empty()
+    }
+
+    /// Applies the edits to `headers`.
+    pub fn apply(&self, headers: &mut http::HeaderMap) {
+        for name in &self.remove {
+            headers.remove(name);
+        }
+        for (name, value) in &self.set {
+            headers.insert(name.clone(), value.clone());
+        }
+        for (name, value) in &self.add {
+            headers.append(name.clone(), value.clone());
+        }
+    }
+}
+
+/// How the request path is changed before forwarding.
+#[derive(Debug, Clone)]
+pub enum PathRewrite {
+    /// Forward the path as received.
+    Keep,
+    /// Remove this prefix (at a segment boundary).
+    StripPrefix(String),
+    /// Replace the path with a template over the path parameters.
+    Template(Template),
+}
+
+/// CORS headers added to the proxy's own error answers on a route, so a
+/// browser client can read the error from a cross-origin call.
+#[derive(Debug, Clone)]
+pub struct Cors {
+    /// `*` was listed: any origin.
+    pub allow_any: bool,
+    /// Listed origins.
+    pub origins: Vec<String>,
+    /// Send `Access-Control-Allow-Credentials: true` (then the origin is echoed).
+    pub allow_credentials: bool,
+}
+
+/// Which probe a health route answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// 200 while the process serves.
+    Live,
+    /// 200 once the config is loaded and listeners are bound, 503 while draining.
+    Ready,
+}
+
+/// A fixed answer.
+#[derive(Debug, Clone)]
+pub struct LocalResponse {
+    /// Status code.
+    pub status: StatusCode,
+    /// Headers.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// Body.
+    pub body: bytes::Bytes,
+}
+
+/// What a route does with a request.
+#[derive(Debug, Clone)]
+pub enum Action {
+    /// Forward to `Config::upstreams[i]`.
+    Forward(usize),
+    /// Answer locally.
+    Respond(LocalResponse),
+    /// Answer a health probe.
+    Health(Probe),
+}
+
+/// A route: match conditions beyond host and path, and what to do.
+#[derive(Debug)]
+pub struct Route {
+    /// Name used in logs and error bodies.
+    pub name: Arc<str>,
+    /// What to do.
+    pub action: Action,
+    /// Allowed methods; `None` allows all.
+    pub methods: Option<Vec<Method>>,
+    /// Headers that must be present with exactly these values.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// Path change before forwarding.
+    pub rewrite: PathRewrite,
+    /// Changes to the upstream request's headers.
+    pub request_headers: HeaderEdits,
+    /// Changes to the response's headers.
+    pub response_headers: HeaderEdits,
+    /// Overrides the upstream's request timeout.
+    pub timeout: Option<Duration>,
+    /// Pass WebSocket (HTTP Upgrade) requests through.
+    pub websocket: bool,
+    /// CORS headers on the proxy's own error answers.
+    pub error_cors: Option<Cors>,
+    /// Where the route was defined.
+    pub defined_at: Pos,
+}

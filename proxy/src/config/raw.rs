@@ -1,0 +1,165 @@
+//! The policy files as written: serde structs that mirror the YAML one to one.
+//!
+//! Every leaf is a [`Text`] (a scalar with its source position) so that
+//! `${ENV}` references can appear in any value and every later validation
+//! error can point at `file:line:column`. Unknown keys are rejected here.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use serde::de::{self, Deserializer, Visitor};
+use serde_saphyr::Spanned;
+
+/// Any YAML scalar (string, number or boolean) kept as its text, so that
+/// environment references expand the same way in every kind of value.
+#[derive(Debug, Clone)]
+pub struct Scalar(pub String);
+
+impl<'de> Deserialize<'de> for Scalar {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ScalarVisitor;
+        impl Visitor<'_> for ScalarVisitor {
+            type Value = Scalar;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string, number or boolean")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Scalar, E> {
+                Ok(Scalar(v.to_owned()))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Scalar, E> {
+                Ok(Scalar(v))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Scalar, E> {
+                Ok(Scalar(v.to_string()))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Scalar, E> {
+                Ok(Scalar(v.to_string()))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Scalar, E> {
+                Ok(Scalar(v.to_string()))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Scalar, E> {
+                Ok(Scalar(v.to_string()))
+            }
+        }
+        d.deserialize_any(ScalarVisitor)
+    }
+}
+
+/// A scalar with the place it was written.
+pub type Text = Spanned<Scalar>;
+
+/// A string-to-string map (headers) with the map's own position.
+pub type TextMap = Spanned<BTreeMap<String, Text>>;
+
+/// One policy file. All sections are optional; files are merged.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyFile {
+    #[serde(default)]
+    pub listeners: Vec<Spanned<RawListener>>,
+    #[serde(default)]
+    pub upstreams: Vec<Spanned<RawUpstream>>,
+    #[serde(default)]
+    pub routes: Vec<Spanned<RawRoute>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawListener {
+    pub name: Text,
+    pub bind: Text,
+    pub max_connections: Option<Text>,
+    pub header_read_timeout: Option<Text>,
+    pub max_request_header_size: Option<Text>,
+    pub trust_forwarded_headers: Option<Text>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstream {
+    pub name: Text,
+    #[serde(default)]
+    pub endpoints: Vec<Text>,
+    /// An upstream URL template such as `http://{name}.{namespace}.svc`.
+    pub url: Option<Text>,
+    pub balance: Option<Text>,
+    pub timeouts: Option<RawTimeouts>,
+    pub retries: Option<Text>,
+    pub tls: Option<RawTls>,
+    pub http2: Option<Text>,
+    pub preserve_host: Option<Text>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTimeouts {
+    pub connect: Option<Text>,
+    pub request: Option<Text>,
+    pub idle: Option<Text>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    pub ca_file: Option<Text>,
+    pub server_name: Option<Text>,
+    pub insecure_skip_verify: Option<Text>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoute {
+    pub name: Text,
+    #[serde(rename = "match")]
+    pub matcher: Spanned<RawMatch>,
+    pub upstream: Option<Text>,
+    pub url: Option<Text>,
+    pub respond: Option<Spanned<RawRespond>>,
+    pub health: Option<Text>,
+    pub strip_prefix: Option<Text>,
+    pub rewrite: Option<Text>,
+    pub request_headers: Option<RawHeaderEdits>,
+    pub response_headers: Option<RawHeaderEdits>,
+    pub timeout: Option<Text>,
+    pub websocket: Option<Text>,
+    pub error_cors: Option<Spanned<RawCors>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMatch {
+    pub host: Option<Text>,
+    pub path: Option<Text>,
+    #[serde(default)]
+    pub paths: Vec<Text>,
+    pub path_prefix: Option<Text>,
+    #[serde(default)]
+    pub methods: Vec<Text>,
+    pub headers: Option<TextMap>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRespond {
+    pub status: Text,
+    pub body: Option<Text>,
+    pub headers: Option<TextMap>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHeaderEdits {
+    pub add: Option<TextMap>,
+    pub set: Option<TextMap>,
+    #[serde(default)]
+    pub remove: Vec<Text>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCors {
+    #[serde(default)]
+    pub allow_origins: Vec<Text>,
+    pub allow_credentials: Option<Text>,
+}

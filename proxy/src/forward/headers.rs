@@ -1,0 +1,158 @@
+//! Header handling between client and upstream: hop-by-hop removal,
+//! `X-Forwarded-*`, and HTTP Upgrade detection.
+
+use std::net::IpAddr;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
+/// plus the legacy ones proxies are expected to drop.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHORIZATION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+];
+
+/// Removes hop-by-hop headers, including any the `Connection` header names.
+/// With `keep_upgrade`, `Connection: upgrade` and `Upgrade` survive, for a
+/// WebSocket handshake that must reach the other side.
+pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    // Fast path: most requests carry none of these.
+    if !HOP_BY_HOP.iter().any(|h| headers.contains_key(h)) {
+        return;
+    }
+    let mut named: Vec<HeaderName> = Vec::new();
+    for value in headers.get_all(header::CONNECTION) {
+        if let Ok(v) = value.to_str() {
+            for token in v.split(',').map(str::trim) {
+                if let Ok(name) = HeaderName::from_bytes(token.as_bytes())
+                    && !(keep_upgrade && name == header::UPGRADE)
+                {
+                    named.push(name);
+                }
+            }
+        }
+    }
+    for name in named {
+        headers.remove(name);
+    }
+    for name in &HOP_BY_HOP {
+        if keep_upgrade && (name == header::CONNECTION || name == header::UPGRADE) {
+            continue;
+        }
+        headers.remove(name);
+    }
+    if keep_upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+}
+
+/// True for an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade`).
+pub fn is_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers.get_all(header::CONNECTION).iter().any(|v| {
+            v.to_str().is_ok_and(|v| {
+                v.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+            })
+        })
+}
+
+/// Sets `X-Forwarded-For` (appending the client), `X-Forwarded-Proto` and
+/// `X-Forwarded-Host`. With `trust`, proto and host the client already set
+/// are kept: the proxy then sits behind an ingress that knows the public side.
+pub fn set_forwarded(
+    headers: &mut HeaderMap,
+    client: IpAddr,
+    proto: &'static str,
+    host: Option<HeaderValue>,
+    trust: bool,
+) {
+    const XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
+    const XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
+    const XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+    let ip = client.to_canonical();
+    let xff = match headers.get(&XFF).and_then(|v| v.to_str().ok()) {
+        Some(prior) if !prior.is_empty() => format!("{prior}, {ip}"),
+        _ => ip.to_string(),
+    };
+    if let Ok(v) = HeaderValue::from_str(&xff) {
+        headers.insert(XFF, v);
+    }
+    if !(trust && headers.contains_key(&XFP)) {
+        headers.insert(XFP, HeaderValue::from_static(proto));
+    }
+    if !(trust && headers.contains_key(&XFH)) {
+        match host {
+            Some(v) => {
+                headers.insert(XFH, v);
+            }
+            None => {
+                headers.remove(XFH);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_go() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret"),
+        );
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        remove_hop_by_hop(&mut h, false);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn upgrade_survives_when_kept() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        remove_hop_by_hop(&mut h, true);
+        assert_eq!(h.get(header::UPGRADE).unwrap(), "websocket");
+        assert_eq!(h.get(header::CONNECTION).unwrap(), "upgrade");
+    }
+
+    #[test]
+    fn forwarded_headers_append_and_trust() {
+        let mut h = HeaderMap::new();
+        h.insert("x-forwarded-for", HeaderValue::from_static("203.0.113.9"));
+        h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+        set_forwarded(
+            &mut h,
+            "10.0.0.1".parse().unwrap(),
+            "http",
+            Some(HeaderValue::from_static("a.example")),
+            true,
+        );
+        assert_eq!(h.get("x-forwarded-for").unwrap(), "203.0.113.9, 10.0.0.1");
+        assert_eq!(h.get("x-forwarded-proto").unwrap(), "https");
+        assert_eq!(h.get("x-forwarded-host").unwrap(), "a.example");
+        set_forwarded(
+            &mut h,
+            "10.0.0.2".parse().unwrap(),
+            "http",
+            Some(HeaderValue::from_static("b.example")),
+            false,
+        );
+        assert_eq!(h.get("x-forwarded-proto").unwrap(), "http");
+        assert_eq!(h.get("x-forwarded-host").unwrap(), "b.example");
+    }
+}

@@ -1,0 +1,15 @@
+//! Portcullis: a WebAssembly-extensible edge proxy.
+//!
+//! A request is followed through: [`server`] (accept, HTTP/1.1 and h2c) →
+//! [`pipeline`] (route, answer or forward) → [`router`] (host and path
+//! lookup) → [`forward`] (upstream pool, balancing, retries, upgrades).
+//! [`config`] turns policy files into the immutable model all of them read.
+
+pub mod body;
+pub mod commands;
+pub mod config;
+pub mod forward;
+pub mod pipeline;
+pub mod router;
+pub mod server;
+pub mod telemetry;

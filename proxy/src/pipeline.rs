@@ -1,0 +1,460 @@
+//! The request path shared by every listener: route → (answer | forward).
+//!
+//! A [`Pipeline`] is built from one [`Config`] and never changes; a reload
+//! builds a new one and swaps it in, while requests in flight keep theirs.
+
+use std::borrow::Cow;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Instant;
+
+use http::header::{self, HeaderValue};
+use http::uri::PathAndQuery;
+use http::{Request, Response, StatusCode, Version};
+use hyper::body::Incoming;
+use tokio_util::task::TaskTracker;
+
+use crate::body::{Body, ResponseBody};
+use crate::config::{Action, Config, Cors, Listener, PathRewrite, Probe, Route};
+use crate::forward::{self, ForwardError, Outgoing, UpstreamPool};
+use crate::telemetry::AccessLog;
+
+/// Process-wide serving state that outlives any one pipeline.
+#[derive(Debug, Default)]
+pub struct Shared {
+    phase: AtomicU8,
+    /// Tasks that must finish before a drained shutdown completes
+    /// (connections and spliced upgrades).
+    pub tracker: TaskTracker,
+}
+
+const STARTING: u8 = 0;
+const READY: u8 = 1;
+const DRAINING: u8 = 2;
+
+impl Shared {
+    /// Config loaded and listeners bound: `/readyz` turns 200.
+    pub fn set_ready(&self) {
+        let _ = self
+            .phase
+            .compare_exchange(STARTING, READY, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// Shutting down: `/readyz` turns 503 for good.
+    pub fn set_draining(&self) {
+        self.phase.store(DRAINING, Ordering::Release);
+    }
+
+    /// True while `/readyz` should answer 200.
+    pub fn is_ready(&self) -> bool {
+        self.phase.load(Ordering::Acquire) == READY
+    }
+
+    /// True once shutdown started.
+    pub fn is_draining(&self) -> bool {
+        self.phase.load(Ordering::Acquire) == DRAINING
+    }
+}
+
+/// What the pipeline knows about the connection a request came on.
+#[derive(Debug)]
+pub struct ConnInfo {
+    /// The client's address.
+    pub client: SocketAddr,
+    /// The listener's settings.
+    pub listener: Arc<Listener>,
+    /// Whether the client connection is TLS.
+    pub tls: bool,
+}
+
+/// One configuration made ready to serve: routes plus upstream pools.
+pub struct Pipeline {
+    config: Arc<Config>,
+    upstreams: Vec<UpstreamPool>,
+    shared: Arc<Shared>,
+}
+
+/// Builds the JSON error answer the proxy gives on its own behalf.
+pub fn error_response(
+    status: StatusCode,
+    message: &str,
+    route: Option<&Route>,
+    origin: Option<&HeaderValue>,
+) -> Response<Body> {
+    let body = serde_json::json!({
+        "error": message,
+        "status": status.as_u16(),
+        "route": route.map(|r| &*r.name),
+    });
+    let mut resp = Response::new(Body::full(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    if let (Some(cors), Some(origin)) = (route.and_then(|r| r.error_cors.as_ref()), origin) {
+        add_cors(resp.headers_mut(), cors, origin);
+    }
+    resp
+}
+
+fn add_cors(headers: &mut http::HeaderMap, cors: &Cors, origin: &HeaderValue) {
+    let listed = origin
+        .to_str()
+        .is_ok_and(|o| cors.origins.iter().any(|x| x == o));
+    if !(cors.allow_any || listed) {
+        return;
+    }
+    // `*` may not be combined with credentials, so echo the origin then.
+    let value = if cors.allow_any && !cors.allow_credentials {
+        HeaderValue::from_static("*")
+    } else {
+        origin.clone()
+    };
+    headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, value);
+    if cors.allow_credentials {
+        headers.insert(
+            header::ACCESS_CONTROL_ALLOW_CREDENTIALS,
+            HeaderValue::from_static("true"),
+        );
+    }
+    headers.append(header::VARY, HeaderValue::from_static("Origin"));
+}
+
+/// Size of a request head as it was on the wire, near enough for a limit.
+fn head_size(req: &http::request::Parts) -> usize {
+    let line =
+        req.method.as_str().len() + req.uri.path_and_query().map_or(1, |p| p.as_str().len()) + 12;
+    req.headers
+        .iter()
+        .fold(line, |n, (k, v)| n + k.as_str().len() + v.len() + 4)
+}
+
+/// The request's host, lower case, without port.
+fn request_host(req: &http::request::Parts) -> Option<Cow<'_, str>> {
+    let raw = match req.uri.authority() {
+        Some(a) => a.host(),
+        None => {
+            let h = req.headers.get(header::HOST)?.to_str().ok()?;
+            // Strip a port, minding IPv6 literals like [::1]:8080.
+            match h.rfind(':') {
+                Some(i) if !h[i..].contains(']') => &h[..i],
+                _ => h,
+            }
+        }
+    };
+    Some(if raw.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(raw.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(raw)
+    })
+}
+
+/// Removes `.` and `..` segments (RFC 3986 §5.2.4) so `/a/../b` cannot reach
+/// a route the plain path would not, and returns `None` for a path that
+/// climbs above the root.
+fn normalize_path(path: &str) -> Option<Cow<'_, str>> {
+    let dotted = path.split('/').any(|s| {
+        s == "."
+            || s == ".."
+            || s.eq_ignore_ascii_case("%2e")
+            || s.eq_ignore_ascii_case("%2e%2e")
+            || s.eq_ignore_ascii_case(".%2e")
+            || s.eq_ignore_ascii_case("%2e.")
+    });
+    if !dotted {
+        return Some(Cow::Borrowed(path));
+    }
+    let mut out: Vec<&str> = Vec::new();
+    let segments: Vec<&str> = path.split('/').skip(1).collect();
+    let last = segments.len().saturating_sub(1);
+    for (i, seg) in segments.iter().enumerate() {
+        let lower = seg.to_ascii_lowercase();
+        match lower.as_str() {
+            "." | "%2e" => {
+                if i == last {
+                    out.push("");
+                }
+            }
+            ".." | "%2e%2e" | ".%2e" | "%2e." => {
+                out.pop()?;
+                if i == last {
+                    out.push("");
+                }
+            }
+            _ => out.push(seg),
+        }
+    }
+    Some(Cow::Owned(format!("/{}", out.join("/"))))
+}
+
+impl Pipeline {
+    /// Prepares a config for serving. Builds upstream clients; opens nothing.
+    pub fn new(config: Arc<Config>, shared: Arc<Shared>) -> Pipeline {
+        let upstreams = config
+            .upstreams
+            .iter()
+            .cloned()
+            .map(UpstreamPool::new)
+            .collect();
+        Pipeline {
+            config,
+            upstreams,
+            shared,
+        }
+    }
+
+    /// The config this pipeline serves.
+    pub fn config(&self) -> &Arc<Config> {
+        &self.config
+    }
+
+    /// Handles one request end to end. Never fails: every problem becomes
+    /// an HTTP answer.
+    pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ResponseBody> {
+        let start = Instant::now();
+        let mut log =
+            AccessLog::start(req.method(), req.uri().path_and_query(), conn.client, start);
+        let (resp, guard) = self.route_and_serve(req, conn, &mut log).await;
+        if let Some(log) = log.as_mut() {
+            log.status = resp.status().as_u16();
+        }
+        let (parts, body) = resp.into_parts();
+        Response::from_parts(parts, ResponseBody::new(body, log, guard))
+    }
+
+    async fn route_and_serve(
+        &self,
+        req: Request<Incoming>,
+        conn: &ConnInfo,
+        log: &mut Option<AccessLog>,
+    ) -> (Response<Body>, Option<forward::InFlight>) {
+        let (mut parts, body) = req.into_parts();
+        let origin = parts.headers.get(header::ORIGIN).cloned();
+        if head_size(&parts) > conn.listener.max_request_header_size {
+            return (
+                error_response(
+                    StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                    "request header too large",
+                    None,
+                    None,
+                ),
+                None,
+            );
+        }
+        let Some(path) = normalize_path(parts.uri.path()) else {
+            return (
+                error_response(StatusCode::BAD_REQUEST, "invalid path", None, None),
+                None,
+            );
+        };
+        let host = request_host(&parts);
+        let config = &*self.config;
+        let Some(found) = config.router.lookup(
+            host.as_deref().unwrap_or(""),
+            &path,
+            &parts.method,
+            &parts.headers,
+            &config.routes,
+        ) else {
+            return (
+                error_response(StatusCode::NOT_FOUND, "no route", None, None),
+                None,
+            );
+        };
+        let route = &config.routes[found.route];
+        if let Some(log) = log.as_mut() {
+            log.route = Some(route.name.clone());
+        }
+        let mut resp = match &route.action {
+            Action::Health(probe) => {
+                let ok = *probe == Probe::Live || self.shared.is_ready();
+                let (status, text) = if ok {
+                    (StatusCode::OK, "ok\n")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                };
+                let mut r = Response::new(Body::full(text));
+                *r.status_mut() = status;
+                r.headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+                r.headers_mut()
+                    .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                r
+            }
+            Action::Respond(local) => {
+                let mut r = Response::new(Body::full(local.body.clone()));
+                *r.status_mut() = local.status;
+                for (k, v) in &local.headers {
+                    r.headers_mut().append(k.clone(), v.clone());
+                }
+                r
+            }
+            Action::Forward(i) => {
+                let pool = &self.upstreams[*i];
+                if let Some(log) = log.as_mut() {
+                    log.upstream = Some(pool.spec.name.clone());
+                }
+                let new_path = match rewritten_path(
+                    route,
+                    &path,
+                    matches!(path, Cow::Borrowed(_)),
+                    &parts.uri,
+                    &found.params,
+                ) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        return (
+                            error_response(
+                                StatusCode::BAD_REQUEST,
+                                &e,
+                                Some(route),
+                                origin.as_ref(),
+                            ),
+                            None,
+                        );
+                    }
+                };
+                let upgrade = route.websocket
+                    && parts.version == Version::HTTP_11
+                    && forward::is_upgrade(&parts.headers);
+                let client_upgrade = if upgrade {
+                    parts.extensions.remove::<hyper::upgrade::OnUpgrade>()
+                } else {
+                    None
+                };
+                let proto = if conn.tls { "https" } else { "http" };
+                let mut headers = std::mem::take(&mut parts.headers);
+                forward::remove_hop_by_hop(&mut headers, upgrade);
+                // HTTP/2 clients send the host as :authority, HTTP/1 as Host.
+                let public_host = match parts.uri.authority() {
+                    Some(a) => HeaderValue::from_str(a.as_str()).ok(),
+                    None => headers.get(header::HOST).cloned(),
+                };
+                forward::set_forwarded(
+                    &mut headers,
+                    conn.client.ip(),
+                    proto,
+                    public_host,
+                    conn.listener.trust_forwarded_headers,
+                );
+                if !pool.spec.preserve_host {
+                    headers.remove(header::HOST);
+                }
+                if !route.request_headers.is_empty() {
+                    route.request_headers.apply(&mut headers);
+                }
+                let out = Outgoing {
+                    method: parts.method.clone(),
+                    path: new_path,
+                    headers,
+                    body: Body::from(body),
+                };
+                let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
+                match pool.send(out, &found.params, timeout).await {
+                    Ok((mut resp, guard)) => {
+                        if let Some(client_upgrade) = client_upgrade
+                            .filter(|_| resp.status() == StatusCode::SWITCHING_PROTOCOLS)
+                        {
+                            let upstream_upgrade = hyper::upgrade::on(&mut resp);
+                            forward::upgrade::splice(
+                                &self.shared.tracker,
+                                client_upgrade,
+                                upstream_upgrade,
+                                route.name.clone(),
+                            );
+                            let (parts, _) = resp.into_parts();
+                            let mut r = Response::from_parts(parts, Body::empty());
+                            *r.version_mut() = Version::HTTP_11;
+                            return (r, None);
+                        }
+                        let (mut parts, body) = resp.into_parts();
+                        forward::remove_hop_by_hop(&mut parts.headers, false);
+                        parts.version = Version::HTTP_11;
+                        let mut r = Response::from_parts(parts, Body::from(body));
+                        if !route.response_headers.is_empty() {
+                            route.response_headers.apply(r.headers_mut());
+                        }
+                        return (r, guard);
+                    }
+                    Err(e) => {
+                        log_forward_error(route, &pool.spec.name, &e);
+                        return (
+                            error_response(
+                                e.status(),
+                                e.public_message(),
+                                Some(route),
+                                origin.as_ref(),
+                            ),
+                            None,
+                        );
+                    }
+                }
+            }
+        };
+        if !route.response_headers.is_empty() {
+            route.response_headers.apply(resp.headers_mut());
+        }
+        (resp, None)
+    }
+}
+
+fn log_forward_error(route: &Route, upstream: &str, e: &ForwardError) {
+    match e {
+        ForwardError::BadTarget(_) => {
+            tracing::info!(route = %route.name, upstream, error = %e, "bad request target")
+        }
+        _ => tracing::warn!(route = %route.name, upstream, error = %e, "upstream request failed"),
+    }
+}
+
+/// The path and query to send upstream, after the route's rewrite.
+fn rewritten_path(
+    route: &Route,
+    path: &str,
+    unchanged: bool,
+    uri: &http::Uri,
+    params: &matchit::Params,
+) -> Result<PathAndQuery, String> {
+    let new: Cow<str> = match &route.rewrite {
+        // The common case: nothing changed, so reuse the received bytes.
+        PathRewrite::Keep if unchanged => {
+            return Ok(uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")));
+        }
+        PathRewrite::Keep => Cow::Borrowed(path),
+        PathRewrite::StripPrefix(prefix) => match path.strip_prefix(prefix.as_str()) {
+            Some("") => Cow::Borrowed("/"),
+            Some(rest) if rest.starts_with('/') => Cow::Borrowed(rest),
+            _ => Cow::Borrowed(path),
+        },
+        PathRewrite::Template(t) => Cow::Owned(t.render(|n| params.get(n))?),
+    };
+    let full: Cow<str> = match uri.query() {
+        Some(q) => Cow::Owned(format!("{new}?{q}")),
+        None => new,
+    };
+    PathAndQuery::try_from(full.as_ref()).map_err(|e| format!("rewritten path is invalid: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::normalize_path;
+
+    #[test]
+    fn dot_segments_are_resolved() {
+        assert_eq!(normalize_path("/a/b").unwrap(), "/a/b");
+        assert_eq!(normalize_path("/a/../b").unwrap(), "/b");
+        assert_eq!(normalize_path("/a/./b/.").unwrap(), "/a/b/");
+        assert_eq!(
+            normalize_path("/webhooks/%2E%2E/app-proxy").unwrap(),
+            "/app-proxy"
+        );
+        assert!(normalize_path("/../etc").is_none());
+    }
+}

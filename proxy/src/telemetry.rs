@@ -1,0 +1,96 @@
+//! Logging setup and the access log.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::Method;
+use http::uri::PathAndQuery;
+use tracing_subscriber::EnvFilter;
+
+/// Installs the global subscriber: text or JSON (`PORTCULLIS_LOG_FORMAT`),
+/// filtered by `RUST_LOG` (default `info`). Logs go to stderr.
+pub fn init() {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let json = std::env::var("PORTCULLIS_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // A second init (tests that start several servers) is harmless: ignore it.
+    let _ = if json {
+        builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// The target of access-log lines; `RUST_LOG=access=off` silences them.
+pub const ACCESS_TARGET: &str = "access";
+
+/// One request's access-log record, written when dropped (that is, when the
+/// response body has been sent, or the client went away).
+#[derive(Debug)]
+pub struct AccessLog {
+    /// Request method.
+    pub method: Method,
+    /// Request path and query as received.
+    pub path: Option<PathAndQuery>,
+    /// Client address.
+    pub client: SocketAddr,
+    /// Response status.
+    pub status: u16,
+    /// Route name, when one matched.
+    pub route: Option<Arc<str>>,
+    /// Upstream name, when forwarded.
+    pub upstream: Option<Arc<str>>,
+    /// When the request head was received.
+    pub start: Instant,
+    /// Response body bytes sent.
+    pub bytes_sent: u64,
+    /// The response body ended in an error (upstream reset mid-body).
+    pub aborted: bool,
+}
+
+impl AccessLog {
+    /// A record for a request, or `None` when access logging is off.
+    pub fn start(
+        method: &Method,
+        path: Option<&PathAndQuery>,
+        client: SocketAddr,
+        start: Instant,
+    ) -> Option<AccessLog> {
+        tracing::enabled!(target: ACCESS_TARGET, tracing::Level::INFO).then(|| AccessLog {
+            method: method.clone(),
+            path: path.cloned(),
+            client,
+            status: 0,
+            route: None,
+            upstream: None,
+            start,
+            bytes_sent: 0,
+            aborted: false,
+        })
+    }
+}
+
+impl Drop for AccessLog {
+    fn drop(&mut self) {
+        let path = self.path.as_ref().map_or("/", |p| p.as_str());
+        tracing::info!(
+            target: ACCESS_TARGET,
+            method = %self.method,
+            path,
+            status = self.status,
+            route = self.route.as_deref().unwrap_or("-"),
+            upstream = self.upstream.as_deref().unwrap_or("-"),
+            duration_ms = self.start.elapsed().as_secs_f64() * 1000.0,
+            bytes = self.bytes_sent,
+            client = %self.client,
+            aborted = self.aborted,
+        );
+    }
+}

@@ -1,0 +1,106 @@
+//! `portcullis check`: exit codes and `file:line:column: message` errors.
+
+use std::process::Command;
+
+use crate::support::binary;
+
+fn check(dir: &std::path::Path) -> (bool, String, String) {
+    let out = Command::new(binary())
+        .arg("check")
+        .arg("--policies")
+        .arg(dir)
+        .output()
+        .expect("run check");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_shipped_policies_are_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
+    let (ok, stdout, stderr) = check(&dir);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("ok"), "{stdout}");
+    // And the built-in copy too.
+    let out = Command::new(binary())
+        .arg("check")
+        .output()
+        .expect("run check");
+    assert!(out.status.success());
+}
+
+#[test]
+fn every_error_is_reported_with_file_line_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("a.yaml"),
+        r#"listeners:
+  - name: http
+    bind: "nope"
+upstreams:
+  - name: u1
+    endpoints: ["http://127.0.0.1:1"]
+    timeouts: { connect: 5 }
+routes:
+  - name: r1
+    match: { path: /a }
+    upstream: missing
+  - name: r2
+    match: { path: "/x/{a}" }
+    upstream: u1
+  - name: r3
+    match: { path: "/x/{b}" }
+    upstream: u1
+  - name: r4
+    match: { path: "/x/{a}" }
+    upstream: u1
+  - name: r5
+    match: { path: /b }
+    upstream: u1
+    timeout: soon
+"#,
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("b.yaml"),
+        "routes:\n  - name: x\n    match: { path: /y\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("c.yaml"),
+        "upstreams:\n  - name: z\n    endpoint: [\"http://a\"]\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("d.yaml"),
+        "routes:\n  - name: d\n    match: { path: /d }\n    url: \"${UNSET_TEST_VAR_XYZ}\"\n",
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "not a policy").unwrap();
+    let (ok, _, stderr) = check(dir.path());
+    assert!(!ok, "invalid policies must fail");
+    let a = dir.path().join("a.yaml").display().to_string();
+    let b = dir.path().join("b.yaml").display().to_string();
+    let c = dir.path().join("c.yaml").display().to_string();
+    let d = dir.path().join("d.yaml").display().to_string();
+    let expect = [
+        format!("{a}:3:11: `nope` is not a bind address"),
+        format!("{a}:7:26: `5` is not a duration"),
+        format!("{a}:11:15: unknown upstream `missing`"),
+        format!("{a}:16:12: path `/x/{{b}}` conflicts with path `/x/{{a}}` of route `r2`"),
+        format!("{a}:19:12: route `r4` conflicts with route `r2`"),
+        format!("{a}:24:14: `soon` is not a duration"),
+        format!("{b}:3:"),
+        format!("{c}:3:5: unknown field `endpoint`"),
+        format!("{d}:4:10: environment variable `UNSET_TEST_VAR_XYZ` is not set"),
+    ];
+    for e in &expect {
+        assert!(
+            stderr.lines().any(|l| l.starts_with(e.as_str())),
+            "missing `{e}` in:\n{stderr}"
+        );
+    }
+}

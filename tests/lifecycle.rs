@@ -1,0 +1,153 @@
+//! Process lifecycle: SIGTERM drain, readiness, slow clients, connection cap.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::{Request, Response};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{Notify, mpsc};
+
+use crate::support::Proxy;
+use crate::support::client::{self, body};
+use crate::support::process::ProxyProcess;
+use crate::support::upstream::{self, full};
+
+fn policy(upstream: &str) -> String {
+    format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: slow, endpoints: ["{upstream}"] }}]
+routes:
+  - {{ name: readyz, match: {{ path: /readyz }}, health: ready }}
+  - {{ name: slow, match: {{ path: /slow }}, upstream: slow }}
+"#
+    )
+}
+
+#[tokio::test]
+async fn sigterm_drains_a_slow_in_flight_request_then_exits_zero() {
+    let (arrived_tx, mut arrived) = mpsc::unbounded_channel();
+    let release = Arc::new(Notify::new());
+    let held = release.clone();
+    let slow = upstream::serve(move |_req| {
+        let (arrived_tx, held) = (arrived_tx.clone(), held.clone());
+        async move {
+            let _ = arrived_tx.send(());
+            held.notified().await;
+            Response::new(full("finished"))
+        }
+    })
+    .await;
+    let mut proxy = ProxyProcess::start(
+        &policy(&slow.url()),
+        &["--shutdown-delay", "1s", "--grace-period", "20s"],
+    )
+    .await;
+    assert_eq!(client::get(&proxy.url("/readyz")).await.status, 200);
+
+    let url = proxy.url("/slow");
+    let in_flight = tokio::spawn(async move { client::get(&url).await });
+    tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+        .await
+        .expect("request reached upstream");
+
+    proxy.signal("TERM");
+    proxy.wait_for_log("readyz is 503").await;
+    let ready = client::get(&proxy.url("/readyz")).await;
+    assert_eq!(ready.status, 503, "readyz must fail while draining");
+
+    // Wait until the listeners have closed, then let the request finish.
+    proxy.wait_for_log("closed listeners").await;
+    release.notify_one();
+    let answer = in_flight.await.unwrap();
+    assert_eq!(answer.status, 200);
+    assert_eq!(&answer.body[..], b"finished");
+    let status = proxy.wait_exit(Duration::from_secs(20)).await;
+    assert!(status.success(), "exit status {status:?}");
+
+    // One access-log line per request, with route, upstream and status.
+    let logs = proxy.logs.lock().unwrap().clone();
+    let access: Vec<serde_json::Value> = logs
+        .iter()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["target"] == "access" && v["path"] == "/slow")
+        .collect();
+    assert_eq!(access.len(), 1, "{logs:#?}");
+    assert_eq!(access[0]["status"], 200);
+    assert_eq!(access[0]["route"], "slow");
+    assert_eq!(access[0]["upstream"], "slow");
+    assert_eq!(access[0]["method"], "GET");
+    assert!(access[0]["duration_ms"].as_f64().is_some());
+}
+
+#[tokio::test]
+async fn slow_header_senders_are_cut_off() {
+    let proxy = Proxy::start_yaml(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0", header_read_timeout: 300ms }]
+routes: [{ name: ok, match: { path: /ok }, respond: { status: 200, body: ok } }]
+"#,
+    )
+    .await;
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    conn.write_all(b"GET /ok HTTP/1.1\r\nHost: a\r\n")
+        .await
+        .unwrap();
+    // Never finish the head: the proxy must close the connection itself.
+    let mut buf = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut buf)).await;
+    assert!(
+        closed.is_ok(),
+        "connection with an unfinished head was not closed"
+    );
+    assert_eq!(client::get(&proxy.url("/ok")).await.status, 200);
+}
+
+#[tokio::test]
+async fn connections_beyond_the_limit_wait_for_a_free_slot() {
+    let proxy = Proxy::start_yaml(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0", max_connections: 1 }]
+routes: [{ name: ok, match: { path: /ok }, respond: { status: 200, body: ok } }]
+"#,
+    )
+    .await;
+    // The first connection holds the only slot (keep-alive, idle).
+    let mut first = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    first
+        .write_all(b"GET /ok HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let n = first.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+
+    let url = proxy.url("/ok");
+    let mut second = tokio::spawn(async move { client::get(&url).await });
+    let waited = tokio::time::timeout(Duration::from_millis(300), &mut second).await;
+    assert!(
+        waited.is_err(),
+        "second connection was served while the first held the only slot"
+    );
+    drop(first);
+    let answer = tokio::time::timeout(Duration::from_secs(10), second)
+        .await
+        .expect("served after slot freed")
+        .unwrap();
+    assert_eq!(answer.status, 200);
+}
+
+#[tokio::test]
+async fn keep_alive_connections_serve_many_requests() {
+    let echo = upstream::echo("e").await;
+    let proxy = Proxy::start_default(&[("APP_PROXY_URL", echo.url())]).await;
+    let c = client::http1();
+    for i in 0..50 {
+        let req = Request::get(proxy.url(&format!("/app-proxy/{i}")))
+            .body(body(Bytes::new()))
+            .unwrap();
+        let a = client::send(&c, req).await;
+        assert_eq!(a.json()["path"], format!("/app-proxy/{i}"));
+    }
+}

@@ -1,0 +1,11 @@
+//! Integration tests: the real proxy (in-process or the binary) with real
+//! upstream servers and clients over loopback.
+
+mod support;
+
+mod check_cli;
+mod default_routes;
+mod errors;
+mod lifecycle;
+mod routing;
+mod streaming;

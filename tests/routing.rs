@@ -1,0 +1,223 @@
+//! Route matching and route actions beyond the default policies.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::{Request, Response};
+use tokio::sync::{Notify, mpsc};
+
+use crate::support::client::{self, Answer, body};
+use crate::support::upstream::{self, full};
+use crate::support::{Proxy, closed_port};
+
+async fn send(
+    proxy: &Proxy,
+    method: &str,
+    host: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Answer {
+    let mut req = Request::builder()
+        .method(method)
+        .uri(proxy.url(path))
+        .header("host", host);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    client::send(&client::http1(), req.body(body(Bytes::new())).unwrap()).await
+}
+
+#[tokio::test]
+async fn host_method_and_header_conditions_pick_the_route() {
+    let a = upstream::echo("a").await;
+    let b = upstream::echo("b").await;
+    let c = upstream::echo("c").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: a, endpoints: ["{}"] }}
+  - {{ name: b, endpoints: ["{}"] }}
+  - {{ name: c, endpoints: ["{}"] }}
+routes:
+  - {{ name: exact-host, match: {{ host: api.example.com, path_prefix: / }}, upstream: a }}
+  - {{ name: wildcard, match: {{ host: "*.example.com", path_prefix: / }}, upstream: b }}
+  - {{ name: deeper-wildcard, match: {{ host: "*.eu.example.com", path_prefix: / }}, upstream: c }}
+  - {{ name: any-get, match: {{ path: "/items/{{id}}", methods: [GET] }}, upstream: a }}
+  - {{ name: any-post, match: {{ path: "/items/{{id}}", methods: [post] }}, upstream: b }}
+  - {{ name: canary, match: {{ path: "/items/{{id}}", methods: [GET], headers: {{ x-canary: "yes" }} }}, upstream: c }}
+"#,
+        a.url(),
+        b.url(),
+        c.url()
+    ))
+    .await;
+    let pick = |ans: Answer| ans.json()["upstream"].as_str().unwrap().to_owned();
+    assert_eq!(
+        pick(send(&proxy, "GET", "API.example.com:8080", "/x", &[]).await),
+        "a"
+    );
+    assert_eq!(
+        pick(send(&proxy, "GET", "web.example.com", "/x", &[]).await),
+        "b"
+    );
+    assert_eq!(
+        pick(send(&proxy, "GET", "a.eu.example.com", "/x", &[]).await),
+        "c"
+    );
+    // The bare domain is not a subdomain of itself.
+    assert_eq!(
+        send(&proxy, "GET", "example.com", "/x", &[]).await.status,
+        404
+    );
+    assert_eq!(
+        pick(send(&proxy, "GET", "other.test", "/items/1", &[]).await),
+        "a"
+    );
+    assert_eq!(
+        pick(send(&proxy, "POST", "other.test", "/items/1", &[]).await),
+        "b"
+    );
+    assert_eq!(
+        pick(
+            send(
+                &proxy,
+                "GET",
+                "other.test",
+                "/items/1",
+                &[("x-canary", "yes")]
+            )
+            .await
+        ),
+        "c"
+    );
+    assert_eq!(
+        send(&proxy, "DELETE", "other.test", "/items/1", &[])
+            .await
+            .status,
+        404
+    );
+}
+
+#[tokio::test]
+async fn rewrites_header_edits_and_local_answers() {
+    let e = upstream::echo("e").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: e, endpoints: ["{}/base/"] }}]
+routes:
+  - name: rewrite
+    match: {{ path: "/v1/users/{{id}}/{{*rest}}" }}
+    upstream: e
+    rewrite: "/users/{{id}}/v1/{{rest}}"
+    request_headers:
+      add: {{ x-added: "1" }}
+      set: {{ user-agent: portcullis-test }}
+      remove: [x-secret]
+    response_headers:
+      set: {{ x-frame-options: DENY }}
+      remove: [content-type]
+  - name: teapot
+    match: {{ path: /teapot }}
+    respond: {{ status: 418, body: "short and stout", headers: {{ content-type: text/plain }} }}
+"#,
+        e.url()
+    ))
+    .await;
+    let a = send(
+        &proxy,
+        "GET",
+        "h",
+        "/v1/users/42/repos/x?page=2",
+        &[("x-secret", "s"), ("user-agent", "curl")],
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.header("x-frame-options"), Some("DENY"));
+    assert_eq!(a.header("content-type"), None);
+    let j: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+    // The endpoint's base path goes in front of the rewritten path.
+    assert_eq!(j["path"], "/base/users/42/v1/repos/x?page=2");
+    assert_eq!(j["headers"]["x-added"], "1");
+    assert_eq!(j["headers"]["user-agent"], "portcullis-test");
+    assert!(j["headers"].get("x-secret").is_none());
+    let t = send(&proxy, "GET", "h", "/teapot", &[]).await;
+    assert_eq!(t.status, 418);
+    assert_eq!(&t.body[..], b"short and stout");
+}
+
+#[tokio::test]
+async fn idempotent_requests_retry_past_a_dead_endpoint() {
+    let live = upstream::echo("live").await;
+    let dead = format!("http://127.0.0.1:{}", closed_port());
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: pair, endpoints: ["{dead}", "{}"], retries: 1 }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: pair }}]
+"#,
+        live.url()
+    ))
+    .await;
+    for _ in 0..6 {
+        let a = client::get(&proxy.url("/x")).await;
+        assert_eq!(a.status, 200, "GET must be retried on the live endpoint");
+    }
+    // A POST with a body is never retried: some attempts reach the dead one.
+    let mut failures = 0;
+    for _ in 0..6 {
+        let req = Request::post(proxy.url("/x"))
+            .body(body("payload"))
+            .unwrap();
+        if client::send(&client::http1(), req).await.status == 502 {
+            failures += 1;
+        }
+    }
+    assert_eq!(
+        failures, 3,
+        "round robin sends every other POST to the dead endpoint"
+    );
+}
+
+#[tokio::test]
+async fn least_requests_avoids_the_busy_endpoint() {
+    let (arrived_tx, mut arrived) = mpsc::unbounded_channel();
+    let release = Arc::new(Notify::new());
+    let held = release.clone();
+    let busy = upstream::serve(move |req: Request<hyper::body::Incoming>| {
+        let (arrived_tx, held) = (arrived_tx.clone(), held.clone());
+        async move {
+            if req.uri().path() == "/hold" {
+                let _ = arrived_tx.send(());
+                held.notified().await;
+            }
+            Response::new(full("busy"))
+        }
+    })
+    .await;
+    let idle = upstream::serve(|_req| async { Response::new(full("idle")) }).await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: pair, endpoints: ["{}", "{}"], balance: least_requests }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: pair }}]
+"#,
+        busy.url(),
+        idle.url()
+    ))
+    .await;
+    // First request goes to the first endpoint and stays there.
+    let url = proxy.url("/hold");
+    let held_req = tokio::spawn(async move { client::get(&url).await });
+    tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+        .await
+        .expect("held request arrived");
+    // Round robin would alternate; least-requests keeps choosing the idle one.
+    for _ in 0..4 {
+        assert_eq!(&client::get(&proxy.url("/quick")).await.body[..], b"idle");
+    }
+    release.notify_one();
+    assert_eq!(&held_req.await.unwrap().body[..], b"busy");
+}

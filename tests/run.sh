@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs every check and test of the project on a fresh machine: installs what
+# is missing, builds once (debug, dependencies optimised), then lints and tests.
+# `.ci/run` calls exactly this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Reuse one target directory outside the clone, so CI runs and local runs
+# share the dependency build.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/tmp/portcullis-target}"
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+if command -v rustup >/dev/null 2>&1; then
+  installed=$(rustup component list --installed 2>/dev/null || true)
+  for c in rustfmt clippy; do
+    grep -q "^$c" <<<"$installed" || rustup component add "$c"
+  done
+fi
+
+echo "== format"
+cargo fmt --all -- --check
+echo "== lint"
+cargo clippy --locked --all-targets -- -D warnings
+echo "== test"
+cargo test --locked --workspace

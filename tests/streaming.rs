@@ -1,0 +1,216 @@
+//! Bodies stream through the proxy: SSE event by event, large uploads and
+//! downloads with bounded memory, WebSocket frames both ways.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use hyper::{Request, Response};
+use tokio::sync::Notify;
+
+use crate::support::Proxy;
+use crate::support::client::{self, body};
+use crate::support::process::ProxyProcess;
+use crate::support::upstream::{self, RespBody};
+
+/// An SSE upstream that sends one event, then waits for `release` before
+/// sending the second and ending the stream.
+async fn sse_upstream(release: Arc<Notify>) -> upstream::Upstream {
+    upstream::serve(move |_req| {
+        let release = release.clone();
+        async move {
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(4);
+            tokio::spawn(async move {
+                let _ = tx
+                    .send(Ok(Frame::data(Bytes::from_static(
+                        b"event: status\ndata: one\n\n",
+                    ))))
+                    .await;
+                release.notified().await;
+                let _ = tx
+                    .send(Ok(Frame::data(Bytes::from_static(
+                        b"event: status\ndata: two\n\n",
+                    ))))
+                    .await;
+            });
+            let stream = tokio_stream_from(rx);
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .header("cache-control", "no-cache")
+                .body(BodyExt::boxed(StreamBody::new(stream)) as RespBody)
+                .expect("response")
+        }
+    })
+    .await
+}
+
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures_util::Stream<Item = T> + Send + 'static {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+#[tokio::test]
+async fn sse_events_arrive_one_by_one_before_the_upstream_finishes() {
+    let release = Arc::new(Notify::new());
+    let argo = sse_upstream(release.clone()).await;
+    let proxy = Proxy::start_default(&[("ARGO_SERVER_URL", argo.url())]).await;
+    let req = Request::get(proxy.url("/workflows/api/v1/workflow-events/argo"))
+        .header("accept", "text/event-stream")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(10), client::http1().request(req))
+        .await
+        .expect("head in time")
+        .expect("response");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let mut body = resp.into_body();
+    // The first event must arrive while the upstream is still holding the
+    // second one back: a buffering proxy would wait for the end and time out.
+    let first = tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .expect("first event before the upstream finished")
+        .expect("frame")
+        .expect("ok");
+    assert_eq!(
+        first.data_ref().map(|d| &d[..]),
+        Some(&b"event: status\ndata: one\n\n"[..])
+    );
+    release.notify_one();
+    let rest = tokio::time::timeout(Duration::from_secs(10), body.collect())
+        .await
+        .expect("rest")
+        .expect("ok")
+        .to_bytes();
+    assert_eq!(&rest[..], b"event: status\ndata: two\n\n");
+}
+
+#[tokio::test]
+async fn websocket_echo_through_app_proxy() {
+    let ws = upstream::websocket_echo().await;
+    let proxy = Proxy::start_default(&[("APP_PROXY_URL", ws.url())]).await;
+    let url = format!("ws://{}/app-proxy/ws", proxy.addr);
+    let (mut conn, resp) = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio_tungstenite::connect_async(url),
+    )
+    .await
+    .expect("handshake in time")
+    .expect("handshake");
+    assert_eq!(resp.status(), 101);
+    for i in 0..20 {
+        let msg = format!("hello {i}");
+        conn.send(tokio_tungstenite::tungstenite::Message::text(msg.clone()))
+            .await
+            .unwrap();
+        let back = tokio::time::timeout(Duration::from_secs(10), conn.next())
+            .await
+            .expect("echo")
+            .expect("frame")
+            .unwrap();
+        assert_eq!(back.into_text().unwrap().as_str(), msg);
+    }
+    let big = vec![7u8; 1 << 20];
+    conn.send(tokio_tungstenite::tungstenite::Message::binary(big.clone()))
+        .await
+        .unwrap();
+    let back = tokio::time::timeout(Duration::from_secs(10), conn.next())
+        .await
+        .expect("echo")
+        .expect("frame")
+        .unwrap();
+    assert_eq!(back.into_data().len(), big.len());
+    conn.close(None).await.unwrap();
+}
+
+#[tokio::test]
+async fn websocket_upgrade_is_refused_on_routes_that_do_not_allow_it() {
+    let ws = upstream::websocket_echo().await;
+    let proxy = Proxy::start_default(&[("ARGO_SERVER_URL", ws.url())]).await;
+    let url = format!("ws://{}/workflows/ws", proxy.addr);
+    let result = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio_tungstenite::connect_async(url),
+    )
+    .await
+    .expect("answer in time");
+    assert!(
+        result.is_err(),
+        "the workflows route does not allow upgrades"
+    );
+}
+
+const FIFTY_MB: u64 = 50 * 1024 * 1024;
+
+fn chunks(
+    total: u64,
+) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, std::io::Error>> + Send + 'static {
+    let chunk = Bytes::from(vec![0x5au8; 64 * 1024]);
+    let n = total / chunk.len() as u64;
+    futures_util::stream::iter((0..n).map(move |_| Ok(Frame::data(chunk.clone()))))
+}
+
+#[tokio::test]
+async fn fifty_megabytes_up_and_down_with_bounded_proxy_memory() {
+    let echo = upstream::echo("sink").await;
+    let source = upstream::serve(|_req| async {
+        Response::new(BodyExt::boxed(StreamBody::new(chunks(FIFTY_MB))) as RespBody)
+    })
+    .await;
+    let proxy = ProxyProcess::start(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: sink, endpoints: ["{}"] }}
+  - {{ name: source, endpoints: ["{}"] }}
+routes:
+  - {{ name: up, match: {{ path: /upload }}, upstream: sink }}
+  - {{ name: down, match: {{ path: /download }}, upstream: source }}
+"#,
+            echo.url(),
+            source.url()
+        ),
+        &[],
+    )
+    .await;
+    // Warm up (pools, allocator arenas) before taking the baseline.
+    assert_eq!(client::get(&proxy.url("/upload")).await.status, 200);
+    let baseline = proxy.peak_rss_kib();
+
+    let req = Request::post(proxy.url("/upload"))
+        .body(BodyExt::boxed(StreamBody::new(chunks(FIFTY_MB))))
+        .unwrap();
+    let a = client::send(&client::http1(), req).await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["body_len"], FIFTY_MB);
+
+    let resp = client::http1()
+        .request(
+            Request::get(proxy.url("/download"))
+                .body(body(Bytes::new()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    let mut received = 0u64;
+    while let Some(frame) = tokio::time::timeout(Duration::from_secs(20), body.frame())
+        .await
+        .expect("progress")
+    {
+        received += frame.unwrap().data_ref().map_or(0, |d| d.len() as u64);
+    }
+    assert_eq!(received, FIFTY_MB);
+
+    let growth_kib = proxy.peak_rss_kib().saturating_sub(baseline);
+    eprintln!("proxy peak RSS: baseline {baseline} KiB, growth {growth_kib} KiB over 2 x 50 MiB");
+    assert!(
+        growth_kib < 16 * 1024,
+        "proxy memory grew by {growth_kib} KiB: bodies are being buffered"
+    );
+}

@@ -1,0 +1,91 @@
+//! A real HTTP client for tests (hyper's pooled client).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// Request body type.
+pub type ReqBody = BoxBody<Bytes, std::io::Error>;
+
+/// A new HTTP/1.1 client.
+pub fn http1() -> Client<HttpConnector, ReqBody> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// A new cleartext HTTP/2 (prior knowledge) client.
+pub fn h2c() -> Client<HttpConnector, ReqBody> {
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http()
+}
+
+/// Wraps bytes as a request body.
+pub fn body(data: impl Into<Bytes>) -> ReqBody {
+    Full::new(data.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// A collected response.
+#[derive(Debug)]
+pub struct Answer {
+    /// Status.
+    pub status: StatusCode,
+    /// Headers.
+    pub headers: http::HeaderMap,
+    /// Body bytes.
+    pub body: Bytes,
+}
+
+impl Answer {
+    /// The body as JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    /// A header as text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// Collects a response, failing the test after 20 s.
+pub async fn collect(resp: Response<Incoming>) -> Answer {
+    let (parts, body) = resp.into_parts();
+    let body = tokio::time::timeout(Duration::from_secs(20), body.collect())
+        .await
+        .expect("response body within 20s")
+        .expect("response body")
+        .to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// Sends a request and collects the answer (20 s limit).
+pub async fn send(client: &Client<HttpConnector, ReqBody>, req: Request<ReqBody>) -> Answer {
+    let resp = tokio::time::timeout(Duration::from_secs(20), client.request(req))
+        .await
+        .expect("response within 20s")
+        .expect("request");
+    collect(resp).await
+}
+
+/// GET `url` with a fresh client.
+pub async fn get(url: &str) -> Answer {
+    let req = Request::get(url).body(body(Bytes::new())).expect("request");
+    send(&http1(), req).await
+}

@@ -1,0 +1,136 @@
+//! The `portcullis` binary as a child process, for what only a process
+//! shows: signals, exit codes, memory.
+
+use std::net::SocketAddr;
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+/// A running `portcullis serve`.
+pub struct ProxyProcess {
+    /// The child; killed when dropped.
+    pub child: Child,
+    /// Address of the first listener, read from its "listening" log line.
+    pub addr: SocketAddr,
+    /// Every log line so far.
+    pub logs: Arc<Mutex<Vec<String>>>,
+    lines: mpsc::UnboundedReceiver<String>,
+    _dir: tempfile::TempDir,
+}
+
+impl ProxyProcess {
+    /// Writes `yaml` as the only policy file and starts `portcullis serve`
+    /// on it with `args` added, waiting (20 s at most) until it listens.
+    pub async fn start(yaml: &str, args: &[&str]) -> ProxyProcess {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("policy.yaml"), yaml).expect("write policy");
+        let mut child = Command::new(super::binary())
+            .arg("serve")
+            .arg("--policies")
+            .arg(dir.path())
+            .args(args)
+            .env("PORTCULLIS_LOG_FORMAT", "json")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn portcullis");
+        let stderr = child.stderr.take().expect("stderr");
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let sink = logs.clone();
+        tokio::spawn(async move {
+            let mut reader = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = reader.next_line().await {
+                sink.lock().expect("log lock").push(line.clone());
+                let _ = tx.send(line);
+            }
+        });
+        let addr = tokio::time::timeout(Duration::from_secs(20), async {
+            while let Some(line) = rx.recv().await {
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+                    continue;
+                };
+                if v["message"] == "listening" {
+                    return v["addr"].as_str().and_then(|a| a.parse().ok());
+                }
+            }
+            None
+        })
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| {
+            panic!(
+                "portcullis did not start listening; logs: {:?}",
+                logs.lock().map(|l| l.clone())
+            )
+        });
+        ProxyProcess {
+            child,
+            addr,
+            logs,
+            lines: rx,
+            _dir: dir,
+        }
+    }
+
+    /// `http://addr` + `path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("running")
+    }
+
+    /// Sends a signal by name (`TERM`, `INT`, ...).
+    pub fn signal(&self, sig: &str) {
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -{sig} failed");
+    }
+
+    /// Peak resident memory (VmHWM) in KiB.
+    pub fn peak_rss_kib(&self) -> u64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).expect("proc status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmHWM")
+    }
+
+    /// Waits for a log line containing `needle` (20 s at most).
+    pub async fn wait_for_log(&mut self, needle: &str) -> String {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while let Some(line) = self.lines.recv().await {
+                if line.contains(needle) {
+                    return line;
+                }
+            }
+            panic!("log ended without `{needle}`");
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no log line with `{needle}` within 20s"))
+    }
+
+    /// Waits for the process to exit (`limit` at most).
+    pub async fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
+        tokio::time::timeout(limit, self.child.wait())
+            .await
+            .expect("process exits in time")
+            .expect("wait")
+    }
+}

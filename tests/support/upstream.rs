@@ -1,0 +1,163 @@
+//! Real upstream servers on 127.0.0.1:0.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+
+/// The body type test upstreams answer with.
+pub type RespBody = BoxBody<Bytes, std::io::Error>;
+
+/// Wraps bytes as a response body.
+pub fn full(data: impl Into<Bytes>) -> RespBody {
+    Full::new(data.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// A running upstream server.
+pub struct Upstream {
+    /// Its address.
+    pub addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Upstream {
+    /// `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts an HTTP/1.1 + h2c server that answers with `handler`.
+pub async fn serve<F, Fut>(handler: F) -> Upstream
+where
+    F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Response<RespBody>> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind upstream");
+    let addr = listener.local_addr().expect("addr");
+    let handler = Arc::new(handler);
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let handler = handler.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req| {
+                    let handler = handler.clone();
+                    async move { Ok::<_, Infallible>(handler(req).await) }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    Upstream { addr, task }
+}
+
+/// An upstream that answers every request with a JSON description of it:
+/// method, path (with query), headers, body length and an FNV-1a hash of
+/// the body, plus `name` so tests can tell upstreams apart.
+pub async fn echo(name: &'static str) -> Upstream {
+    serve(move |req: Request<Incoming>| async move {
+        let method = req.method().to_string();
+        let path = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.to_string())
+            .unwrap_or_default();
+        let mut headers = serde_json::Map::new();
+        for (k, v) in req.headers() {
+            let v = String::from_utf8_lossy(v.as_bytes()).into_owned();
+            headers
+                .entry(k.as_str().to_owned())
+                .and_modify(|e| {
+                    if let serde_json::Value::String(s) = e {
+                        s.push_str(", ");
+                        s.push_str(&v);
+                    }
+                })
+                .or_insert(serde_json::Value::String(v));
+        }
+        let mut body = req.into_body();
+        let mut len = 0u64;
+        let mut hash = 0xcbf29ce484222325u64;
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else { break };
+            if let Some(data) = frame.data_ref() {
+                len += data.len() as u64;
+                for b in data.iter() {
+                    hash ^= *b as u64;
+                    hash = hash.wrapping_mul(0x100000001b3);
+                }
+            }
+        }
+        let json = serde_json::json!({
+            "upstream": name, "method": method, "path": path, "headers": headers,
+            "body_len": len, "body_fnv": format!("{hash:016x}"),
+        });
+        Response::builder()
+            .header("content-type", "application/json")
+            .body(full(json.to_string()))
+            .expect("response")
+    })
+    .await
+}
+
+/// FNV-1a of a byte slice, matching [`echo`]'s `body_fnv`.
+pub fn fnv(data: &[u8]) -> String {
+    let mut hash = 0xcbf29ce484222325u64;
+    for b in data {
+        hash ^= *b as u64;
+        hash = hash.wrapping_mul(0x100000001b3);
+    }
+    format!("{hash:016x}")
+}
+
+/// A WebSocket echo server (text and binary frames echoed back).
+pub async fn websocket_echo() -> Upstream {
+    use futures_util::{SinkExt, StreamExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind ws");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let Ok(mut ws) = tokio_tungstenite::accept_async(stream).await else {
+                    return;
+                };
+                while let Some(Ok(msg)) = ws.next().await {
+                    if msg.is_text() || msg.is_binary() {
+                        if ws.send(msg).await.is_err() {
+                            break;
+                        }
+                    } else if msg.is_close() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    Upstream { addr, task }
+}
