@@ -9,3 +9,4 @@ mod errors;
 mod lifecycle;
 mod routing;
 mod streaming;
+mod tls_upstream;

@@ -7,9 +7,10 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http_body::{Frame, SizeHint};
+use http_body::{Body as _, Frame, SizeHint};
 use hyper::body::Incoming;
 
+use crate::forward::Held;
 use crate::telemetry::AccessLog;
 
 pin_project_lite::pin_project! {
@@ -83,20 +84,19 @@ pin_project_lite::pin_project! {
         #[pin]
         inner: Body,
         log: Option<AccessLog>,
-        // Keeps the upstream's in-flight count up until the response ends,
-        // for least-requests balancing.
-        guard: Option<crate::forward::InFlight>,
+        // The upstream connection and in-flight count, released when the
+        // body ends so the connection can serve the next request.
+        held: Held,
     }
 }
 
 impl ResponseBody {
     /// Wraps `inner`, logging with `log` when done.
-    pub fn new(
-        inner: Body,
-        log: Option<AccessLog>,
-        guard: Option<crate::forward::InFlight>,
-    ) -> Self {
-        ResponseBody { inner, log, guard }
+    pub fn new(inner: Body, log: Option<AccessLog>, mut held: Held) -> Self {
+        if inner.is_end_stream() {
+            held.finish();
+        }
+        ResponseBody { inner, log, held }
     }
 }
 
@@ -108,8 +108,13 @@ impl http_body::Body for ResponseBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = self.project();
-        let polled = this.inner.poll_frame(cx);
+        let mut this = self.project();
+        let polled = this.inner.as_mut().poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => this.held.finish(),
+            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.held.finish(),
+            _ => {}
+        }
         if let (Poll::Ready(Some(Ok(frame))), Some(log)) = (&polled, this.log.as_mut())
             && let Some(data) = frame.data_ref()
         {

@@ -46,10 +46,10 @@ pub fn check(dir: Option<&Path>) -> ExitCode {
 
 /// `portcullis serve`: loads, binds, serves until SIGTERM or SIGINT, then
 /// drains as `drain` says.
-pub async fn serve(dir: Option<PathBuf>, drain: Drain) -> anyhow::Result<()> {
+pub async fn serve(dir: Option<PathBuf>, workers: usize, drain: Drain) -> anyhow::Result<()> {
     let config = load(dir.as_deref()).map_err(|e| anyhow::anyhow!("invalid policies:\n{e}"))?;
-    let server = Server::bind(config).await?;
-    server.run(shutdown_signal(), drain).await;
+    let server = Server::bind(config, workers).await?;
+    server.run(shutdown_signal(), drain).await?;
     Ok(())
 }
 

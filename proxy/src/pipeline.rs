@@ -66,12 +66,16 @@ pub struct ConnInfo {
     pub listener: Arc<Listener>,
     /// Whether the client connection is TLS.
     pub tls: bool,
+    /// The worker thread serving it, which picks its upstream pools.
+    pub worker: usize,
 }
 
 /// One configuration made ready to serve: routes plus upstream pools.
 pub struct Pipeline {
     config: Arc<Config>,
-    upstreams: Vec<UpstreamPool>,
+    /// Upstream pools per worker thread, so connections stay on the thread
+    /// that made them: `upstreams[worker][upstream]`.
+    upstreams: Vec<Vec<UpstreamPool>>,
     shared: Arc<Shared>,
 }
 
@@ -192,13 +196,23 @@ fn normalize_path(path: &str) -> Option<Cow<'_, str>> {
 }
 
 impl Pipeline {
-    /// Prepares a config for serving. Builds upstream clients; opens nothing.
-    pub fn new(config: Arc<Config>, shared: Arc<Shared>) -> Pipeline {
-        let upstreams = config
+    /// Prepares a config for serving by `workers` threads. Builds upstream
+    /// pools; opens nothing.
+    pub fn new(config: Arc<Config>, shared: Arc<Shared>, workers: usize) -> Pipeline {
+        let counts: Vec<_> = config
             .upstreams
             .iter()
-            .cloned()
-            .map(UpstreamPool::new)
+            .map(|u| forward::in_flight_counts(u))
+            .collect();
+        let upstreams = (0..workers.max(1))
+            .map(|_| {
+                config
+                    .upstreams
+                    .iter()
+                    .zip(&counts)
+                    .map(|(u, c)| UpstreamPool::new(u.clone(), c.clone()))
+                    .collect()
+            })
             .collect();
         Pipeline {
             config,
@@ -218,12 +232,12 @@ impl Pipeline {
         let start = Instant::now();
         let mut log =
             AccessLog::start(req.method(), req.uri().path_and_query(), conn.client, start);
-        let (resp, guard) = self.route_and_serve(req, conn, &mut log).await;
+        let (resp, held) = self.route_and_serve(req, conn, &mut log).await;
         if let Some(log) = log.as_mut() {
             log.status = resp.status().as_u16();
         }
         let (parts, body) = resp.into_parts();
-        Response::from_parts(parts, ResponseBody::new(body, log, guard))
+        Response::from_parts(parts, ResponseBody::new(body, log, held))
     }
 
     async fn route_and_serve(
@@ -231,7 +245,7 @@ impl Pipeline {
         req: Request<Incoming>,
         conn: &ConnInfo,
         log: &mut Option<AccessLog>,
-    ) -> (Response<Body>, Option<forward::InFlight>) {
+    ) -> (Response<Body>, forward::Held) {
         let (mut parts, body) = req.into_parts();
         let origin = parts.headers.get(header::ORIGIN).cloned();
         if head_size(&parts) > conn.listener.max_request_header_size {
@@ -242,13 +256,13 @@ impl Pipeline {
                     None,
                     None,
                 ),
-                None,
+                forward::Held::default(),
             );
         }
         let Some(path) = normalize_path(parts.uri.path()) else {
             return (
                 error_response(StatusCode::BAD_REQUEST, "invalid path", None, None),
-                None,
+                forward::Held::default(),
             );
         };
         let host = request_host(&parts);
@@ -262,7 +276,7 @@ impl Pipeline {
         ) else {
             return (
                 error_response(StatusCode::NOT_FOUND, "no route", None, None),
-                None,
+                forward::Held::default(),
             );
         };
         let route = &config.routes[found.route];
@@ -294,7 +308,7 @@ impl Pipeline {
                 r
             }
             Action::Forward(i) => {
-                let pool = &self.upstreams[*i];
+                let pool = &self.upstreams[conn.worker % self.upstreams.len()][*i];
                 if let Some(log) = log.as_mut() {
                     log.upstream = Some(pool.spec.name.clone());
                 }
@@ -314,7 +328,7 @@ impl Pipeline {
                                 Some(route),
                                 origin.as_ref(),
                             ),
-                            None,
+                            forward::Held::default(),
                         );
                     }
                 };
@@ -355,7 +369,7 @@ impl Pipeline {
                 };
                 let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
                 match pool.send(out, &found.params, timeout).await {
-                    Ok((mut resp, guard)) => {
+                    Ok((mut resp, held)) => {
                         if let Some(client_upgrade) = client_upgrade
                             .filter(|_| resp.status() == StatusCode::SWITCHING_PROTOCOLS)
                         {
@@ -369,7 +383,7 @@ impl Pipeline {
                             let (parts, _) = resp.into_parts();
                             let mut r = Response::from_parts(parts, Body::empty());
                             *r.version_mut() = Version::HTTP_11;
-                            return (r, None);
+                            return (r, forward::Held::default());
                         }
                         let (mut parts, body) = resp.into_parts();
                         forward::remove_hop_by_hop(&mut parts.headers, false);
@@ -378,7 +392,7 @@ impl Pipeline {
                         if !route.response_headers.is_empty() {
                             route.response_headers.apply(r.headers_mut());
                         }
-                        return (r, guard);
+                        return (r, held);
                     }
                     Err(e) => {
                         log_forward_error(route, &pool.spec.name, &e);
@@ -389,7 +403,7 @@ impl Pipeline {
                                 Some(route),
                                 origin.as_ref(),
                             ),
-                            None,
+                            forward::Held::default(),
                         );
                     }
                 }
@@ -398,7 +412,7 @@ impl Pipeline {
         if !route.response_headers.is_empty() {
             route.response_headers.apply(resp.headers_mut());
         }
-        (resp, None)
+        (resp, forward::Held::default())
     }
 }
 

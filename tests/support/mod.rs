@@ -5,6 +5,7 @@
 
 pub mod client;
 pub mod process;
+pub mod tls;
 pub mod upstream;
 
 use std::collections::HashMap;
@@ -55,19 +56,30 @@ impl Proxy {
         Self::start_sources(config::default_sources(), vars).await
     }
 
+    /// Starts the proxy on an already loaded config.
+    pub async fn start_config_for_test(config: config::Config) -> Proxy {
+        Self::start_config(config, None).await
+    }
+
     async fn start_config(config: config::Config, dir: Option<tempfile::TempDir>) -> Proxy {
-        let server = Server::bind(config).await.expect("bind");
+        // Two workers, so tests cover requests spread over threads.
+        let server = Server::bind(config, 2).await.expect("bind");
         let addr = server.local_addrs()[0].1;
         let (tx, rx) = oneshot::channel();
-        let done = tokio::spawn(server.run(
-            async {
-                let _ = rx.await;
-            },
-            portcullis::server::Drain {
-                delay: Duration::ZERO,
-                grace: Duration::from_secs(5),
-            },
-        ));
+        let drain = portcullis::server::Drain {
+            delay: Duration::ZERO,
+            grace: Duration::from_secs(5),
+        };
+        let done = tokio::spawn(async move {
+            let _ = server
+                .run(
+                    async {
+                        let _ = rx.await;
+                    },
+                    drain,
+                )
+                .await;
+        });
         Proxy {
             addr,
             stop: Some(tx),

@@ -49,6 +49,23 @@ where
     F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Response<RespBody>> + Send + 'static,
 {
+    serve_with(handler, None).await
+}
+
+/// Like [`serve`], over TLS with `tls` (ALPN picks HTTP/1.1 or HTTP/2).
+pub async fn serve_tls<F, Fut>(handler: F, tls: Arc<rustls::ServerConfig>) -> Upstream
+where
+    F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Response<RespBody>> + Send + 'static,
+{
+    serve_with(handler, Some(tokio_rustls::TlsAcceptor::from(tls))).await
+}
+
+async fn serve_with<F, Fut>(handler: F, tls: Option<tokio_rustls::TlsAcceptor>) -> Upstream
+where
+    F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Response<RespBody>> + Send + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind upstream");
@@ -60,14 +77,28 @@ where
                 continue;
             };
             let handler = handler.clone();
+            let tls = tls.clone();
             tokio::spawn(async move {
                 let svc = service_fn(move |req| {
                     let handler = handler.clone();
                     async move { Ok::<_, Infallible>(handler(req).await) }
                 });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection_with_upgrades(TokioIo::new(stream), svc)
-                    .await;
+                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                match tls {
+                    None => {
+                        let _ = builder
+                            .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+                            .await;
+                    }
+                    Some(acceptor) => {
+                        let Ok(stream) = acceptor.accept(stream).await else {
+                            return;
+                        };
+                        let _ = builder
+                            .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+                            .await;
+                    }
+                }
             });
         }
     });
@@ -78,49 +109,65 @@ where
 /// method, path (with query), headers, body length and an FNV-1a hash of
 /// the body, plus `name` so tests can tell upstreams apart.
 pub async fn echo(name: &'static str) -> Upstream {
-    serve(move |req: Request<Incoming>| async move {
-        let method = req.method().to_string();
-        let path = req
-            .uri()
-            .path_and_query()
-            .map(|p| p.to_string())
-            .unwrap_or_default();
-        let mut headers = serde_json::Map::new();
-        for (k, v) in req.headers() {
-            let v = String::from_utf8_lossy(v.as_bytes()).into_owned();
-            headers
-                .entry(k.as_str().to_owned())
-                .and_modify(|e| {
-                    if let serde_json::Value::String(s) = e {
-                        s.push_str(", ");
-                        s.push_str(&v);
+    serve(echo_handler(name)).await
+}
+
+/// [`echo`] over TLS.
+pub async fn echo_tls(name: &'static str, tls: Arc<rustls::ServerConfig>) -> Upstream {
+    serve_tls(echo_handler(name), tls).await
+}
+
+fn echo_handler(
+    name: &'static str,
+) -> impl Fn(Request<Incoming>) -> std::pin::Pin<Box<dyn Future<Output = Response<RespBody>> + Send>>
++ Send
++ Sync
++ 'static {
+    move |req: Request<Incoming>| {
+        Box::pin(async move {
+            let version = format!("{:?}", req.version());
+            let method = req.method().to_string();
+            let path = req
+                .uri()
+                .path_and_query()
+                .map(|p| p.to_string())
+                .unwrap_or_default();
+            let mut headers = serde_json::Map::new();
+            for (k, v) in req.headers() {
+                let v = String::from_utf8_lossy(v.as_bytes()).into_owned();
+                headers
+                    .entry(k.as_str().to_owned())
+                    .and_modify(|e| {
+                        if let serde_json::Value::String(s) = e {
+                            s.push_str(", ");
+                            s.push_str(&v);
+                        }
+                    })
+                    .or_insert(serde_json::Value::String(v));
+            }
+            let mut body = req.into_body();
+            let mut len = 0u64;
+            let mut hash = 0xcbf29ce484222325u64;
+            while let Some(frame) = body.frame().await {
+                let Ok(frame) = frame else { break };
+                if let Some(data) = frame.data_ref() {
+                    len += data.len() as u64;
+                    for b in data.iter() {
+                        hash ^= *b as u64;
+                        hash = hash.wrapping_mul(0x100000001b3);
                     }
-                })
-                .or_insert(serde_json::Value::String(v));
-        }
-        let mut body = req.into_body();
-        let mut len = 0u64;
-        let mut hash = 0xcbf29ce484222325u64;
-        while let Some(frame) = body.frame().await {
-            let Ok(frame) = frame else { break };
-            if let Some(data) = frame.data_ref() {
-                len += data.len() as u64;
-                for b in data.iter() {
-                    hash ^= *b as u64;
-                    hash = hash.wrapping_mul(0x100000001b3);
                 }
             }
-        }
-        let json = serde_json::json!({
-            "upstream": name, "method": method, "path": path, "headers": headers,
-            "body_len": len, "body_fnv": format!("{hash:016x}"),
-        });
-        Response::builder()
-            .header("content-type", "application/json")
-            .body(full(json.to_string()))
-            .expect("response")
-    })
-    .await
+            let json = serde_json::json!({
+                "upstream": name, "method": method, "path": path, "headers": headers, "version": version,
+                "body_len": len, "body_fnv": format!("{hash:016x}"),
+            });
+            Response::builder()
+                .header("content-type", "application/json")
+                .body(full(json.to_string()))
+                .expect("response")
+        })
+    }
 }
 
 /// FNV-1a of a byte slice, matching [`echo`]'s `body_fnv`.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::uri::{Authority, Scheme};
+use http::uri::Authority;
 use http::{HeaderName, HeaderValue, Method, StatusCode, Uri};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
@@ -348,11 +348,9 @@ fn endpoint(s: &str) -> Result<Endpoint, String> {
     let uri: Uri = s
         .parse()
         .map_err(|_| format!("`{s}` is not a URL; write it like http://service:8080"))?;
-    let scheme = match uri.scheme_str() {
-        Some("http") => Scheme::HTTP,
-        Some("https") => Scheme::HTTPS,
-        _ => return Err(format!("`{s}` must start with http:// or https://")),
-    };
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err(format!("`{s}` must start with http:// or https://"));
+    }
     let authority: Authority = uri
         .authority()
         .filter(|a| !a.host().is_empty())
@@ -366,13 +364,7 @@ fn endpoint(s: &str) -> Result<Endpoint, String> {
     if uri.query().is_some() {
         return Err(format!("`{s}`: an upstream URL cannot have a query"));
     }
-    let path = uri.path().trim_end_matches('/');
-    let base_path = (!path.is_empty()).then(|| Arc::<str>::from(path));
-    Ok(Endpoint {
-        scheme,
-        authority,
-        base_path,
-    })
+    Endpoint::from_uri(&uri).ok_or_else(|| format!("`{s}` is not a usable upstream URL"))
 }
 
 fn upstream_template(s: &str) -> Result<Target, String> {

@@ -143,6 +143,23 @@ pub struct Endpoint {
     pub authority: Authority,
     /// A path prefix put before every forwarded path, without trailing `/`.
     pub base_path: Option<Arc<str>>,
+    /// The `Host` header for this endpoint, made once rather than per request.
+    pub host_header: HeaderValue,
+}
+
+impl Endpoint {
+    /// An endpoint from a parsed URL; `None` without scheme or host.
+    pub fn from_uri(uri: &http::Uri) -> Option<Endpoint> {
+        let authority = uri.authority()?.clone();
+        Some(Endpoint {
+            scheme: uri.scheme()?.clone(),
+            host_header: HeaderValue::from_str(authority.as_str()).ok()?,
+            authority,
+            base_path: Some(uri.path().trim_end_matches('/'))
+                .filter(|p| !p.is_empty())
+                .map(Into::into),
+        })
+    }
 }
 
 /// Where an upstream's requests go.

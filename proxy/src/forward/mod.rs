@@ -1,7 +1,8 @@
-//! Sending requests to upstreams: one pooled keep-alive client per upstream,
+//! Sending requests to upstreams: pooled keep-alive connections per upstream,
 //! endpoint balancing, timeouts, and retries of requests that never left.
 
 mod headers;
+mod pool;
 mod tls;
 pub mod upgrade;
 
@@ -9,15 +10,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use http::uri::{Authority, PathAndQuery, Scheme};
+use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
-use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 pub use headers::{is_upgrade, remove_hop_by_hop, set_forwarded};
+
+use pool::{ConnPool, Dest, Lease};
 
 use crate::body::Body;
 use crate::config::{Balance, Endpoint, Target, Upstream};
@@ -74,13 +73,39 @@ impl Drop for InFlight {
     }
 }
 
-type Connector = HttpsConnector<HttpConnector>;
+/// What a forwarded response holds on to until its body ends: the
+/// endpoint's in-flight count and, for HTTP/1.1, the connection.
+#[derive(Default)]
+pub struct Held {
+    in_flight: Option<InFlight>,
+    lease: Option<Lease>,
+}
 
-/// An upstream's live state: its client pool and balancing counters.
+impl Held {
+    /// The response body was read to its end: the connection can serve
+    /// the next request.
+    pub fn finish(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            lease.release();
+        }
+        self.in_flight = None;
+    }
+}
+
+/// The per-endpoint in-flight counts of an upstream, shared by the workers.
+pub fn in_flight_counts(spec: &Upstream) -> Arc<[AtomicUsize]> {
+    let n = match &spec.target {
+        Target::Endpoints(e) => e.len(),
+        Target::Template(_) => 1,
+    };
+    (0..n).map(|_| AtomicUsize::new(0)).collect()
+}
+
+/// An upstream's live state: its connections and balancing counters.
 pub struct UpstreamPool {
     /// The upstream's settings.
     pub spec: Arc<Upstream>,
-    client: Client<Connector, Body>,
+    conns: ConnPool,
     in_flight: Arc<[AtomicUsize]>,
     next: AtomicUsize,
 }
@@ -104,61 +129,31 @@ fn idempotent(m: &Method) -> bool {
     )
 }
 
+/// How many times a pooled connection that turned out closed is replaced
+/// before giving up (the request was never sent, so any method may go again).
+const STALE_RETRIES: usize = 3;
+
 impl UpstreamPool {
-    /// Builds the client for an upstream. No connection is opened yet.
-    pub fn new(spec: Arc<Upstream>) -> UpstreamPool {
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_connect_timeout(Some(spec.timeouts.connect));
-        http.set_nodelay(true);
-        http.set_keepalive(Some(Duration::from_secs(60)));
-        let tls = tls::client_config(&spec.tls);
+    /// Builds one worker's pool for an upstream; `in_flight` counts (per
+    /// endpoint) are shared by all workers' pools of the upstream, so
+    /// least-requests sees the whole process. No connection is opened yet.
+    pub fn new(spec: Arc<Upstream>, in_flight: Arc<[AtomicUsize]>) -> UpstreamPool {
         if spec.tls.insecure_skip_verify {
             tracing::warn!(upstream = %spec.name, "TLS certificate verification is off for this upstream");
         }
-        let builder = HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http();
-        let builder = match &spec.tls.server_name {
-            Some(name) => builder.with_server_name_resolver(FixedServerNameResolver::new(
-                rustls_pki_types::ServerName::try_from(name.clone()).unwrap_or_else(|_| {
-                    rustls_pki_types::ServerName::try_from("invalid.invalid".to_owned())
-                        .expect("static name is valid")
-                }),
-            )),
-            None => builder,
-        };
-        let connector = if spec.http2 {
-            builder.enable_http2().wrap_connector(http)
-        } else {
-            builder.enable_http1().wrap_connector(http)
-        };
-        let mut client = Client::builder(TokioExecutor::new());
-        client
-            .pool_idle_timeout(spec.timeouts.idle)
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .http2_only(spec.http2)
-            // Fat windows keep a long, fast path full (the defaults are 64 KiB).
-            .http2_initial_stream_window_size(4 << 20)
-            .http2_initial_connection_window_size(8 << 20)
-            .http2_keep_alive_interval(Some(Duration::from_secs(20)))
-            .http2_keep_alive_while_idle(false);
-        let endpoints = match &spec.target {
-            Target::Endpoints(e) => e.len(),
-            Target::Template(_) => 1,
-        };
         UpstreamPool {
-            client: client.build(connector),
-            in_flight: (0..endpoints).map(|_| AtomicUsize::new(0)).collect(),
+            conns: ConnPool::new(&spec, in_flight.len()),
+            in_flight,
             next: AtomicUsize::new(0),
             spec,
         }
     }
 
-    /// Picks the endpoint for an attempt.
-    fn pick(&self, endpoints: &[Endpoint]) -> usize {
-        let n = endpoints.len();
+    /// Picks the endpoint for a request.
+    fn pick(&self, n: usize) -> usize {
+        if n == 1 {
+            return 0;
+        }
         let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
         match self.spec.balance {
             Balance::RoundRobin => start,
@@ -169,16 +164,11 @@ impl UpstreamPool {
         }
     }
 
-    fn uri(
-        scheme: &Scheme,
-        authority: &Authority,
-        base: Option<&str>,
-        path: &PathAndQuery,
-    ) -> Result<Uri, ForwardError> {
+    fn uri(ep: &Endpoint, path: &PathAndQuery) -> Result<Uri, ForwardError> {
         let mut parts = http::uri::Parts::default();
-        parts.scheme = Some(scheme.clone());
-        parts.authority = Some(authority.clone());
-        parts.path_and_query = Some(match base {
+        parts.scheme = Some(ep.scheme.clone());
+        parts.authority = Some(ep.authority.clone());
+        parts.path_and_query = Some(match ep.base_path.as_deref() {
             None => path.clone(),
             Some(base) => {
                 let joined = format!("{base}{}", path.as_str());
@@ -191,36 +181,30 @@ impl UpstreamPool {
 
     /// Sends `out` to the upstream and waits for the response head, within
     /// `timeout`. Bodiless idempotent requests whose connection could not be
-    /// made are retried on the next endpoint, up to `retries` times.
+    /// made are retried on the next endpoint, up to `retries` times; a
+    /// request that a stale pooled connection gave back unsent is always
+    /// sent again on a new connection.
     pub async fn send(
         &self,
         out: Outgoing,
         params: &matchit::Params<'_, '_>,
         timeout: Duration,
-    ) -> Result<(Response<Incoming>, Option<InFlight>), ForwardError> {
+    ) -> Result<(Response<Incoming>, Held), ForwardError> {
         let rendered;
-        let endpoints: &[Endpoint] = match &self.spec.target {
-            Target::Endpoints(e) => e,
+        let (endpoints, template): (&[Endpoint], bool) = match &self.spec.target {
+            Target::Endpoints(e) => (e, false),
             Target::Template(t) => {
                 let url = t
                     .render(|name| params.get(name))
                     .map_err(ForwardError::BadTarget)?;
                 let ep = Uri::try_from(url.as_str())
                     .ok()
-                    .and_then(|u| {
-                        Some(Endpoint {
-                            scheme: u.scheme()?.clone(),
-                            authority: u.authority()?.clone(),
-                            base_path: Some(u.path().trim_end_matches('/'))
-                                .filter(|p| !p.is_empty())
-                                .map(Into::into),
-                        })
-                    })
+                    .and_then(|u| Endpoint::from_uri(&u))
                     .ok_or_else(|| {
                         ForwardError::BadTarget(format!("`{url}` is not a valid upstream URL"))
                     })?;
                 rendered = [ep];
-                &rendered
+                (&rendered, true)
             }
         };
         let version = if self.spec.http2 {
@@ -228,10 +212,17 @@ impl UpstreamPool {
         } else {
             Version::HTTP_11
         };
+        // As nginx's proxy_next_upstream: a retry goes to another endpoint,
+        // so a single-endpoint upstream never pays for keeping a copy.
         let retryable = self.spec.retries > 0
+            && endpoints.len() > 1
             && idempotent(&out.method)
             && http_body::Body::is_end_stream(&out.body);
-        let attempts = if retryable { 1 + self.spec.retries } else { 1 };
+        let attempts = if retryable {
+            1 + self.spec.retries.min(endpoints.len() as u32 - 1)
+        } else {
+            1
+        };
         let Outgoing {
             method,
             path,
@@ -240,10 +231,17 @@ impl UpstreamPool {
         } = out;
         let attempt_all = async {
             let mut last = None;
+            let first = self.pick(endpoints.len());
             for attempt in 0..attempts {
-                let i = self.pick(endpoints);
+                // Retries walk on from the balancer's choice, so each
+                // attempt tries a different endpoint.
+                let i = (first + attempt as usize) % endpoints.len();
                 let ep = &endpoints[i];
-                let uri = Self::uri(&ep.scheme, &ep.authority, ep.base_path.as_deref(), &path)?;
+                let dest = if template {
+                    Dest::Dynamic(ep)
+                } else {
+                    Dest::Fixed(i, ep)
+                };
                 let last_attempt = attempt + 1 == attempts;
                 // Keep a copy of the head only while a retry is still possible.
                 let hdrs = if last_attempt {
@@ -258,19 +256,53 @@ impl UpstreamPool {
                 };
                 let mut req = Request::new(b);
                 *req.method_mut() = method.clone();
-                *req.uri_mut() = uri;
+                *req.uri_mut() = Self::uri(ep, &path)?;
                 *req.version_mut() = version;
                 *req.headers_mut() = hdrs;
-                self.in_flight[i].fetch_add(1, Ordering::Relaxed);
-                let guard = InFlight(self.in_flight.clone(), i);
-                match self.client.request(req).await {
-                    Ok(resp) => return Ok((resp, Some(guard))),
-                    Err(e) if e.is_connect() => {
-                        let err = classify_connect(&e);
-                        tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, attempt, error = %err, "connect failed");
-                        last = Some(err);
+                if !self.spec.preserve_host && version == Version::HTTP_11 {
+                    req.headers_mut()
+                        .insert(http::header::HOST, ep.host_header.clone());
+                }
+                // Only least-requests reads the counts; other policies skip
+                // the shared atomics on the hot path.
+                let guard = (self.spec.balance == Balance::LeastRequests).then(|| {
+                    let slot = if template { 0 } else { i };
+                    self.in_flight[slot].fetch_add(1, Ordering::Relaxed);
+                    InFlight(self.in_flight.clone(), slot)
+                });
+                let mut fresh = false;
+                for _ in 0..=STALE_RETRIES {
+                    let (mut conn, reused) = match self.conns.checkout(&dest, fresh).await {
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, attempt, error = %e, "connect failed");
+                            last = Some(e);
+                            break;
+                        }
+                    };
+                    match conn.send(req).await {
+                        Ok(resp) => {
+                            return Ok((
+                                resp,
+                                Held {
+                                    in_flight: guard,
+                                    lease: conn.into_lease(),
+                                },
+                            ));
+                        }
+                        Err(mut e) => match e.take_message() {
+                            Some(back) if reused => {
+                                req = back;
+                                fresh = true;
+                            }
+                            _ => return Err(ForwardError::Failed(error_chain(e.error()))),
+                        },
                     }
-                    Err(e) => return Err(ForwardError::Failed(error_chain(&e))),
+                }
+                if last.is_none() {
+                    return Err(ForwardError::Failed(
+                        "pooled connections kept closing".into(),
+                    ));
                 }
             }
             Err(last.unwrap_or(ForwardError::Unreachable("no endpoint".into())))
@@ -291,17 +323,4 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
         src = inner.source();
     }
     s
-}
-
-fn classify_connect(e: &hyper_util::client::legacy::Error) -> ForwardError {
-    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(inner) = src {
-        if let Some(io) = inner.downcast_ref::<std::io::Error>()
-            && io.kind() == std::io::ErrorKind::TimedOut
-        {
-            return ForwardError::ConnectTimeout;
-        }
-        src = inner.source();
-    }
-    ForwardError::Unreachable(error_chain(e))
 }

@@ -1,0 +1,329 @@
+//! Upstream connections: dialing (DNS at connect time, TCP, optional TLS),
+//! the HTTP handshake, and keep-alive reuse.
+//!
+//! A hand-rolled pool rather than hyper-util's legacy client: that client
+//! clones its connector, boxes futures and hashes the destination for
+//! every request, which measured as most of the proxy's per-request CPU
+//! (see bench/). Here a fixed endpoint's idle connections sit in one slot
+//! found by index, and a connection goes back to its slot when the
+//! response body has been read to the end.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http::uri::Scheme;
+use hyper::client::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use rustls_pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+
+use super::ForwardError;
+use crate::body::Body;
+use crate::config::{Endpoint, Upstream};
+
+/// Most idle connections kept per endpoint; more are closed when returned.
+const MAX_IDLE_PER_ENDPOINT: usize = 512;
+
+/// A new connection's sender, before it has a slot.
+enum Sender {
+    H1(http1::SendRequest<Body>),
+    H2(http2::SendRequest<Body>),
+}
+
+/// A connection checked out for one request.
+pub enum Conn {
+    /// An HTTP/1.1 connection used by this request alone.
+    H1(Lease),
+    /// A handle on a shared, multiplexed HTTP/2 connection.
+    H2(http2::SendRequest<Body>),
+}
+
+impl Conn {
+    /// Sends `req`; when the request never left, the error gives it back.
+    pub async fn send(
+        &mut self,
+        req: http::Request<Body>,
+    ) -> Result<
+        http::Response<hyper::body::Incoming>,
+        hyper::client::conn::TrySendError<http::Request<Body>>,
+    > {
+        match self {
+            Conn::H1(lease) => lease.sender.try_send_request(req).await,
+            Conn::H2(sender) => sender.try_send_request(req).await,
+        }
+    }
+
+    /// The lease to keep until the response body ends (HTTP/1.1 only).
+    pub fn into_lease(self) -> Option<Lease> {
+        match self {
+            Conn::H1(lease) => Some(lease),
+            Conn::H2(_) => None,
+        }
+    }
+}
+
+struct Idle {
+    sender: http1::SendRequest<Body>,
+    since: Instant,
+}
+
+/// The connections of one endpoint.
+#[derive(Default)]
+pub struct Slot {
+    idle: Mutex<Vec<Idle>>,
+    h2: Mutex<Option<http2::SendRequest<Body>>>,
+}
+
+/// An HTTP/1.1 connection checked out of a slot. [`Lease::release`] puts it
+/// back for reuse; dropping it closes the connection once its last
+/// exchange is over.
+pub struct Lease {
+    sender: http1::SendRequest<Body>,
+    slot: Arc<Slot>,
+}
+
+impl Lease {
+    /// Returns the connection to its slot (the response has been read).
+    pub fn release(self) {
+        if self.sender.is_closed() {
+            return;
+        }
+        if let Ok(mut idle) = self.slot.idle.lock()
+            && idle.len() < MAX_IDLE_PER_ENDPOINT
+        {
+            idle.push(Idle {
+                sender: self.sender,
+                since: Instant::now(),
+            });
+        }
+    }
+}
+
+/// Dials and reuses connections for one upstream.
+pub struct ConnPool {
+    /// One slot per fixed endpoint, by index.
+    fixed: Box<[Arc<Slot>]>,
+    /// Slots of URL-template destinations, by scheme and authority.
+    dynamic: Mutex<HashMap<(bool, http::uri::Authority), Arc<Slot>>>,
+    tls: TlsConnector,
+    server_name: Option<ServerName<'static>>,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    http2: bool,
+}
+
+/// Which slot a request uses.
+pub enum Dest<'a> {
+    /// `Target::Endpoints[i]`.
+    Fixed(usize, &'a Endpoint),
+    /// A destination rendered from a URL template.
+    Dynamic(&'a Endpoint),
+}
+
+impl Dest<'_> {
+    fn endpoint(&self) -> &Endpoint {
+        match self {
+            Dest::Fixed(_, e) | Dest::Dynamic(e) => e,
+        }
+    }
+}
+
+impl ConnPool {
+    /// A pool for `spec` with `fixed` endpoint slots.
+    pub fn new(spec: &Upstream, fixed: usize) -> ConnPool {
+        let mut tls = super::tls::client_config(&spec.tls);
+        tls.alpn_protocols = if spec.http2 {
+            vec![b"h2".to_vec()]
+        } else {
+            vec![b"http/1.1".to_vec()]
+        };
+        let server_name = spec
+            .tls
+            .server_name
+            .as_ref()
+            .and_then(|n| ServerName::try_from(n.clone()).ok());
+        ConnPool {
+            fixed: (0..fixed).map(|_| Arc::new(Slot::default())).collect(),
+            dynamic: Mutex::new(HashMap::new()),
+            tls: TlsConnector::from(Arc::new(tls)),
+            server_name,
+            connect_timeout: spec.timeouts.connect,
+            idle_timeout: spec.timeouts.idle,
+            http2: spec.http2,
+        }
+    }
+
+    fn slot(&self, dest: &Dest) -> Arc<Slot> {
+        match dest {
+            Dest::Fixed(i, _) => self.fixed[*i].clone(),
+            Dest::Dynamic(ep) => {
+                let key = (ep.scheme == Scheme::HTTPS, ep.authority.clone());
+                let mut map = self.dynamic.lock().unwrap_or_else(|p| p.into_inner());
+                // Forget destinations whose connections are all gone, so a
+                // template over many hosts does not grow without bound.
+                if map.len() > 1024 {
+                    map.retain(|_, s| {
+                        Arc::strong_count(s) > 1 || s.idle.lock().is_ok_and(|i| !i.is_empty())
+                    });
+                }
+                map.entry(key).or_default().clone()
+            }
+        }
+    }
+
+    /// An idle HTTP/1.1 connection of `slot` that is ready for a request.
+    fn idle_h1(&self, slot: &Slot) -> Option<http1::SendRequest<Body>> {
+        let mut idle = slot.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        // The oldest are first: drop those idle too long.
+        let expired = idle
+            .iter()
+            .take_while(|c| now.duration_since(c.since) > self.idle_timeout)
+            .count();
+        idle.drain(..expired);
+        let mut busy = Vec::new();
+        let mut found = None;
+        while let Some(c) = idle.pop() {
+            if c.sender.is_closed() {
+                continue;
+            }
+            if c.sender.is_ready() {
+                found = Some(c.sender);
+                break;
+            }
+            busy.push(c);
+        }
+        idle.extend(busy);
+        found
+    }
+
+    /// A connection for `dest`: a reused one when one is idle (then the
+    /// flag is `true`), else a new one.
+    pub async fn checkout(
+        &self,
+        dest: &Dest<'_>,
+        fresh: bool,
+    ) -> Result<(Conn, bool), ForwardError> {
+        let slot = self.slot(dest);
+        if self.http2 {
+            let shared = slot.h2.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            if let Some(s) = shared.filter(|s| !s.is_closed() && !fresh) {
+                return Ok((Conn::H2(s), true));
+            }
+        } else if !fresh && let Some(sender) = self.idle_h1(&slot) {
+            return Ok((Conn::H1(Lease { sender, slot }), true));
+        }
+        // Boxed: dialing (DNS, TCP, TLS, handshake) is a large future, and
+        // keeping it inline would make every request's future that large,
+        // copied on every move, even when a pooled connection is reused.
+        match Box::pin(self.connect(dest.endpoint())).await? {
+            Sender::H1(sender) => Ok((Conn::H1(Lease { sender, slot }), false)),
+            Sender::H2(sender) => {
+                *slot.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some(sender.clone());
+                Ok((Conn::H2(sender), false))
+            }
+        }
+    }
+
+    async fn connect(&self, ep: &Endpoint) -> Result<Sender, ForwardError> {
+        let https = ep.scheme == Scheme::HTTPS;
+        let host = ep.authority.host();
+        let port = ep
+            .authority
+            .port_u16()
+            .unwrap_or(if https { 443 } else { 80 });
+        let dial = async {
+            let tcp = dial(host, port).await?;
+            if !https {
+                return self.handshake(tcp, self.http2).await;
+            }
+            let name = match &self.server_name {
+                Some(n) => n.clone(),
+                None => ServerName::try_from(
+                    host.trim_start_matches('[')
+                        .trim_end_matches(']')
+                        .to_owned(),
+                )
+                .map_err(|_| {
+                    ForwardError::Unreachable(format!("`{host}` is not a valid TLS server name"))
+                })?,
+            };
+            let tls = self.tls.connect(name, tcp).await.map_err(|e| {
+                ForwardError::Unreachable(format!("TLS handshake with {host}:{port}: {e}"))
+            })?;
+            let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+            if self.http2 && !h2 {
+                return Err(ForwardError::Unreachable(format!(
+                    "{host}:{port} did not agree to HTTP/2 (ALPN)"
+                )));
+            }
+            self.handshake(tls, h2).await
+        };
+        match tokio::time::timeout(self.connect_timeout, dial).await {
+            Ok(r) => r,
+            Err(_) => Err(ForwardError::ConnectTimeout),
+        }
+    }
+
+    async fn handshake<T>(&self, io: T, h2: bool) -> Result<Sender, ForwardError>
+    where
+        T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let io = TokioIo::new(io);
+        let failed = |e: hyper::Error| ForwardError::Unreachable(format!("HTTP handshake: {e}"));
+        if h2 {
+            let (sender, conn) = http2::Builder::new(TokioExecutor::new())
+                .timer(TokioTimer::new())
+                // Fat windows keep a long, fast path full (the default is 64 KiB).
+                .initial_stream_window_size(4 << 20)
+                .initial_connection_window_size(8 << 20)
+                .keep_alive_interval(Duration::from_secs(20))
+                .handshake(io)
+                .await
+                .map_err(failed)?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "upstream HTTP/2 connection closed");
+                }
+            });
+            Ok(Sender::H2(sender))
+        } else {
+            let (sender, conn) = http1::Builder::new().handshake(io).await.map_err(failed)?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.with_upgrades().await {
+                    tracing::debug!(error = %e, "upstream connection closed");
+                }
+            });
+            Ok(Sender::H1(sender))
+        }
+    }
+}
+
+/// Resolves `host` now (so DNS changes are seen on every new connection)
+/// and connects to the first address that answers.
+async fn dial(host: &str, port: u16) -> Result<TcpStream, ForwardError> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let addrs: Vec<_> = match bare.parse::<std::net::IpAddr>() {
+        Ok(ip) => vec![std::net::SocketAddr::new(ip, port)],
+        Err(_) => tokio::net::lookup_host((bare, port))
+            .await
+            .map_err(|e| ForwardError::Unreachable(format!("cannot resolve `{host}`: {e}")))?
+            .collect(),
+    };
+    let mut last = None;
+    for addr in addrs {
+        match TcpStream::connect(addr).await {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Err(e) => last = Some(format!("connect to {addr}: {e}")),
+        }
+    }
+    Err(ForwardError::Unreachable(last.unwrap_or_else(|| {
+        format!("`{host}` resolved to no address")
+    })))
+}

@@ -1,0 +1,73 @@
+//! `https` upstreams: a configured CA, verification failures, and HTTP/2.
+
+use crate::support::Proxy;
+use crate::support::client;
+use crate::support::tls::TestPki;
+use crate::support::upstream;
+
+#[tokio::test]
+async fn https_upstreams_verify_against_the_configured_ca() {
+    let pki = TestPki::new();
+    let h1 = upstream::echo_tls("h1", pki.server_config(&[b"http/1.1"])).await;
+    let h2 = upstream::echo_tls("h2", pki.server_config(&[b"h2"])).await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ca.pem"), &pki.ca_pem).unwrap();
+    let policy = format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: trusted, endpoints: ["https://localhost:{p1}"], tls: {{ ca_file: ca.pem }} }}
+  - {{ name: untrusted, endpoints: ["https://localhost:{p1}"] }}
+  - {{ name: skip, endpoints: ["https://localhost:{p1}"], tls: {{ insecure_skip_verify: true }} }}
+  - {{ name: renamed, endpoints: ["https://127.0.0.1:{p1}"], tls: {{ ca_file: ca.pem, server_name: localhost }} }}
+  - {{ name: h2, endpoints: ["https://localhost:{p2}"], http2: true, tls: {{ ca_file: ca.pem }} }}
+routes:
+  - {{ name: trusted, match: {{ path: /trusted }}, upstream: trusted }}
+  - {{ name: untrusted, match: {{ path: /untrusted }}, upstream: untrusted }}
+  - {{ name: skip, match: {{ path: /skip }}, upstream: skip }}
+  - {{ name: renamed, match: {{ path: /renamed }}, upstream: renamed }}
+  - {{ name: h2, match: {{ path: /h2 }}, upstream: h2 }}
+"#,
+        p1 = h1.addr.port(),
+        p2 = h2.addr.port()
+    );
+    std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
+    let config = portcullis::config::load_dir(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+    let proxy = Proxy::start_config_for_test(config).await;
+
+    let ok = client::get(&proxy.url("/trusted")).await;
+    assert_eq!(ok.status, 200, "{:?}", ok.body);
+    assert_eq!(ok.json()["upstream"], "h1");
+    assert_eq!(ok.json()["version"], "HTTP/1.1");
+
+    let bad = client::get(&proxy.url("/untrusted")).await;
+    assert_eq!(bad.status, 502, "an unknown issuer must not be trusted");
+    assert_eq!(bad.json()["error"], "upstream unreachable");
+
+    assert_eq!(client::get(&proxy.url("/skip")).await.status, 200);
+    assert_eq!(client::get(&proxy.url("/renamed")).await.status, 200);
+
+    let h2 = client::get(&proxy.url("/h2")).await;
+    assert_eq!(h2.status, 200);
+    assert_eq!(h2.json()["version"], "HTTP/2.0");
+}
+
+#[tokio::test]
+async fn upstream_host_names_are_resolved() {
+    let echo = upstream::echo("named").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: named, endpoints: ["http://localhost:{}"] }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: named }}]
+"#,
+        echo.addr.port()
+    ))
+    .await;
+    let a = client::get(&proxy.url("/x")).await;
+    assert_eq!(a.status, 200);
+    assert_eq!(
+        a.json()["headers"]["host"],
+        format!("localhost:{}", echo.addr.port())
+    );
+}
