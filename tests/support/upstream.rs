@@ -23,6 +23,10 @@ pub fn full(data: impl Into<Bytes>) -> RespBody {
         .boxed()
 }
 
+/// The client address of the connection a request came on.
+#[derive(Clone, Copy, Debug)]
+pub struct Peer(pub SocketAddr);
+
 /// A running upstream server.
 pub struct Upstream {
     /// Its address.
@@ -126,6 +130,11 @@ fn echo_handler(
     move |req: Request<Incoming>| {
         Box::pin(async move {
             let version = format!("{:?}", req.version());
+            let peer = req
+                .extensions()
+                .get::<Peer>()
+                .map(|p| p.0.to_string())
+                .unwrap_or_default();
             let method = req.method().to_string();
             let path = req
                 .uri()
@@ -159,7 +168,7 @@ fn echo_handler(
                 }
             }
             let json = serde_json::json!({
-                "upstream": name, "method": method, "path": path, "headers": headers, "version": version,
+                "upstream": name, "method": method, "path": path, "headers": headers, "version": version, "peer": peer,
                 "body_len": len, "body_fnv": format!("{hash:016x}"),
             });
             Response::builder()
