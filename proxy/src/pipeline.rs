@@ -62,6 +62,8 @@ impl Shared {
 pub struct ConnInfo {
     /// The client's address.
     pub client: SocketAddr,
+    /// The client's IP as an `X-Forwarded-For` entry, made once per connection.
+    pub client_ip: HeaderValue,
     /// The listener's settings.
     pub listener: Arc<Listener>,
     /// Whether the client connection is TLS.
@@ -350,7 +352,7 @@ impl Pipeline {
                 };
                 forward::set_forwarded(
                     &mut headers,
-                    conn.client.ip(),
+                    &conn.client_ip,
                     proto,
                     public_host,
                     conn.listener.trust_forwarded_headers,

@@ -369,6 +369,7 @@ async fn accept_loop(
         };
         let conn = Arc::new(ConnInfo {
             client,
+            client_ip: crate::forward::client_ip_header(client.ip()),
             listener: listener.clone(),
             tls: false,
             worker,

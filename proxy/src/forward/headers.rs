@@ -22,8 +22,9 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 /// With `keep_upgrade`, `Connection: upgrade` and `Upgrade` survive, for a
 /// WebSocket handshake that must reach the other side.
 pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
-    // Fast path: most requests carry none of these.
-    if !HOP_BY_HOP.iter().any(|h| headers.contains_key(h)) {
+    // Fast path: most messages carry none of these, and one pass over
+    // the few names present is cheaper than a hash lookup per listed name.
+    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
         return;
     }
     let mut named: Vec<HeaderName> = Vec::new();
@@ -63,12 +64,18 @@ pub fn is_upgrade(headers: &HeaderMap) -> bool {
         })
 }
 
+/// The `X-Forwarded-For` entry for a client address.
+pub fn client_ip_header(client: IpAddr) -> HeaderValue {
+    HeaderValue::try_from(client.to_canonical().to_string())
+        .unwrap_or(HeaderValue::from_static("unknown"))
+}
+
 /// Sets `X-Forwarded-For` (appending the client), `X-Forwarded-Proto` and
 /// `X-Forwarded-Host`. With `trust`, proto and host the client already set
 /// are kept: the proxy then sits behind an ingress that knows the public side.
 pub fn set_forwarded(
     headers: &mut HeaderMap,
-    client: IpAddr,
+    client: &HeaderValue,
     proto: &'static str,
     host: Option<HeaderValue>,
     trust: bool,
@@ -77,12 +84,14 @@ pub fn set_forwarded(
     const XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
     const XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-    let ip = client.to_canonical();
+    // `client` is the connection's address, rendered once per connection.
     let xff = match headers.get(&XFF).and_then(|v| v.to_str().ok()) {
-        Some(prior) if !prior.is_empty() => format!("{prior}, {ip}"),
-        _ => ip.to_string(),
+        Some(prior) if !prior.is_empty() => {
+            HeaderValue::try_from(format!("{prior}, {}", client.to_str().unwrap_or_default())).ok()
+        }
+        _ => Some(client.clone()),
     };
-    if let Ok(v) = HeaderValue::from_str(&xff) {
+    if let Some(v) = xff {
         headers.insert(XFF, v);
     }
     if !(trust && headers.contains_key(&XFP)) {
@@ -137,7 +146,7 @@ mod tests {
         h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
         set_forwarded(
             &mut h,
-            "10.0.0.1".parse().unwrap(),
+            &client_ip_header("10.0.0.1".parse().unwrap()),
             "http",
             Some(HeaderValue::from_static("a.example")),
             true,
@@ -147,7 +156,7 @@ mod tests {
         assert_eq!(h.get("x-forwarded-host").unwrap(), "a.example");
         set_forwarded(
             &mut h,
-            "10.0.0.2".parse().unwrap(),
+            &client_ip_header("10.0.0.2".parse().unwrap()),
             "http",
             Some(HeaderValue::from_static("b.example")),
             false,

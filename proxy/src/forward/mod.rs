@@ -14,7 +14,7 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 
-pub use headers::{is_upgrade, remove_hop_by_hop, set_forwarded};
+pub use headers::{client_ip_header, is_upgrade, remove_hop_by_hop, set_forwarded};
 
 use pool::{ConnPool, Dest, Lease};
 
