@@ -4,11 +4,15 @@
 #   bench/core.sh                 # defaults below
 #   DURATION=30 CONNECTIONS=128 ROUNDS=5 bench/core.sh
 #
-# Both proxies forward to the same upstream (nginx answering a fixed 200 on
+# Every proxy forwards to the same upstream (nginx answering a fixed 200 on
 # its own port) with the same number of workers (WORKERS, default the core
-# count), keep-alive to the upstream, and access logs off. wrk drives each in
-# turn, ROUNDS times, alternating; the table shows the median round. Needs
-# wrk and nginx (apt-get install wrk nginx-light); installs them if missing.
+# count) and access logs off. Two nginx set-ups run beside Portcullis:
+#   nginx-tuned  upstream keep-alive (keepalive 256, HTTP/1.1): nginx at its best;
+#   nginx-chart  proxy_pass as in the runtime chart's routing service that
+#                Portcullis replaces: a new upstream connection per request.
+# wrk drives each in turn, ROUNDS times; the table shows the median round.
+# Needs wrk and nginx (apt-get install wrk nginx-light); installs them if
+# missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,10 +35,10 @@ cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -r
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-UP_PORT=$(free_port); NGINX_PORT=$(free_port); PC_PORT=$(free_port)
+UP_PORT=$(free_port); NGINX_PORT=$(free_port); CHART_PORT=$(free_port); PC_PORT=$(free_port)
 
 # The upstream: one nginx worker answering a small fixed body.
-mkdir -p "$WORK/up" "$WORK/px"
+mkdir -p "$WORK/up" "$WORK/px" "$WORK/chart"
 cat > "$WORK/up/nginx.conf" <<CONF
 worker_processes 1;
 pid $WORK/up/nginx.pid;
@@ -71,6 +75,26 @@ http {
 CONF
 nginx -p "$WORK/px" -c "$WORK/px/nginx.conf" -g 'daemon off;' & PIDS+=($!)
 
+# nginx as the runtime chart configures its routing service (no upstream block).
+cat > "$WORK/chart/nginx.conf" <<CONF
+worker_processes $WORKERS;
+pid $WORK/chart/nginx.pid;
+error_log $WORK/chart/error.log;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  server {
+    listen 127.0.0.1:$CHART_PORT;
+    location / {
+      proxy_pass http://127.0.0.1:$UP_PORT;
+      proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+    }
+  }
+}
+CONF
+nginx -p "$WORK/chart" -c "$WORK/chart/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+
 # Portcullis with the same route.
 mkdir -p "$WORK/policies"
 cat > "$WORK/policies/bench.yaml" <<YAML
@@ -78,10 +102,10 @@ listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT" }]
 upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP_PORT"] }]
 routes: [{ name: all, match: { path_prefix: / }, upstream: app }]
 YAML
-TOKIO_WORKER_THREADS=$WORKERS RUST_LOG=warn "$BIN" serve --policies "$WORK/policies" & PIDS+=($!)
+RUST_LOG=warn "$BIN" serve --workers "$WORKERS" --policies "$WORK/policies" & PIDS+=($!)
 
 wait_port() { for _ in $(seq 100); do curl -fsS "http://127.0.0.1:$1/" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "port $1 not ready" >&2; exit 1; }
-wait_port "$UP_PORT"; wait_port "$NGINX_PORT"; wait_port "$PC_PORT"
+wait_port "$UP_PORT"; wait_port "$NGINX_PORT"; wait_port "$CHART_PORT"; wait_port "$PC_PORT"
 
 # Prints "rps p50_us p99_us" for one wrk run.
 run_wrk() {
@@ -93,24 +117,28 @@ run_wrk() {
 }
 
 echo "warming up..."
-wrk -t1 -c8 -d2s "http://127.0.0.1:$NGINX_PORT/" >/dev/null
-wrk -t1 -c8 -d2s "http://127.0.0.1:$PC_PORT/" >/dev/null
+for port in "$NGINX_PORT" "$CHART_PORT" "$PC_PORT"; do wrk -t1 -c8 -d2s "http://127.0.0.1:$port/" >/dev/null; done
 
-: > "$WORK/nginx.txt"; : > "$WORK/portcullis.txt"
+NAMES=(nginx-tuned nginx-chart portcullis)
+PORTS=("$NGINX_PORT" "$CHART_PORT" "$PC_PORT")
+for n in "${NAMES[@]}"; do : > "$WORK/$n.txt"; done
 for r in $(seq "$ROUNDS"); do
-  run_wrk "$NGINX_PORT" >> "$WORK/nginx.txt"
-  run_wrk "$PC_PORT" >> "$WORK/portcullis.txt"
-  echo "round $r: nginx $(tail -1 "$WORK/nginx.txt") | portcullis $(tail -1 "$WORK/portcullis.txt")  (rps p50us p99us)"
+  line="round $r:"
+  for i in "${!NAMES[@]}"; do
+    run_wrk "${PORTS[$i]}" >> "$WORK/${NAMES[$i]}.txt"
+    line="$line ${NAMES[$i]} $(tail -1 "$WORK/${NAMES[$i]}.txt") |"
+  done
+  echo "$line (rps p50us p99us)"
 done
 
 median() { sort -n -k1 "$1" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
-read -r N_RPS N_P50 N_P99 <<<"$(median "$WORK/nginx.txt")"
-read -r P_RPS P_P50 P_P99 <<<"$(median "$WORK/portcullis.txt")"
-
 echo
 echo "wrk -t$WRK_THREADS -c$CONNECTIONS -d${DURATION}s, $WORKERS workers each, median of $ROUNDS rounds, $(nproc) cores"
-printf "%-12s %12s %10s %10s\n" proxy "requests/s" "p50 (us)" "p99 (us)"
-printf "%-12s %12s %10s %10s\n" nginx "$N_RPS" "$N_P50" "$N_P99"
-printf "%-12s %12s %10s %10s\n" portcullis "$P_RPS" "$P_P50" "$P_P99"
-awk -v a="$P_RPS" -v b="$N_RPS" -v c="$P_P99" -v d="$N_P99" \
-  'BEGIN { printf "ratio        %11.2fx %21.2fx (portcullis/nginx; rps higher is better, p99 lower)\n", a/b, c/d }'
+printf "%-12s %12s %10s %10s %12s %12s\n" proxy "requests/s" "p50 (us)" "p99 (us)" "rps ratio" "p99 ratio"
+read -r P_RPS P_P50 P_P99 <<<"$(median "$WORK/portcullis.txt")"
+for n in "${NAMES[@]}"; do
+  read -r RPS P50 P99 <<<"$(median "$WORK/$n.txt")"
+  awk -v n="$n" -v r="$RPS" -v a="$P50" -v b="$P99" -v pr="$P_RPS" -v pp="$P_P99" \
+    'BEGIN { printf "%-12s %12d %10d %10d %11.2fx %11.2fx\n", n, r, a, b, pr/r, pp/b }'
+done
+echo "(ratios: portcullis / that row; rps higher is better, p99 lower is better)"
