@@ -17,9 +17,15 @@ if command -v rustup >/dev/null 2>&1; then
   done
 fi
 
+echo "== plugins (wasm32-wasip2 components, used by the tests)"
+plugins/build.sh
 echo "== format"
 cargo fmt --all -- --check
+cargo fmt --all --manifest-path plugins/Cargo.toml -- --check
 echo "== lint"
 cargo clippy --locked --all-targets -- -D warnings
+cargo clippy --locked --manifest-path plugins/Cargo.toml --target wasm32-wasip2 -- -D warnings
 echo "== test"
 cargo test --locked --workspace
+# The plugins' own unit tests run natively (their logic, not the bindings).
+cargo test --locked --manifest-path plugins/Cargo.toml -p webhook-signature --lib

@@ -17,20 +17,42 @@ pub fn load(dir: Option<&Path>) -> Result<Config, ConfigErrors> {
     }
 }
 
-/// `portcullis check`: validates and prints every error as
+/// Loads the policies and compiles and configures their plugins, as
+/// serving would, without binding anything.
+fn load_and_prepare(dir: Option<&Path>) -> Result<Config, ConfigErrors> {
+    let config = load(dir)?;
+    if config.plugins.is_empty() {
+        return Ok(config);
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            ConfigErrors(vec![crate::config::ConfigError {
+                pos: config.plugins[0].defined_at.clone(),
+                message: format!("cannot start a runtime to check plugins: {e}"),
+            }])
+        })?;
+    runtime.block_on(crate::plugin::prepare(&config))?;
+    Ok(config)
+}
+
+/// `portcullis check`: validates (plugins included: compiled, instantiated
+/// and asked to validate their config) and prints every error as
 /// `file:line:column: message`. Exit 0 when valid, 1 otherwise.
 pub fn check(dir: Option<&Path>) -> ExitCode {
     let shown = dir.map_or_else(
         || "built-in default policies".to_owned(),
         |d| d.display().to_string(),
     );
-    match load(dir) {
+    match load_and_prepare(dir) {
         Ok(config) => {
             println!(
-                "{shown}: ok ({} listeners, {} upstreams, {} routes)",
+                "{shown}: ok ({} listeners, {} upstreams, {} routes, {} plugins)",
                 config.listeners.len(),
                 config.upstreams.len(),
-                config.routes.len()
+                config.routes.len(),
+                config.plugins.len()
             );
             ExitCode::SUCCESS
         }

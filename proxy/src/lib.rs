@@ -6,10 +6,12 @@
 //! [`config`] turns policy files into the immutable model all of them read.
 
 pub mod body;
+pub mod chain;
 pub mod commands;
 pub mod config;
 pub mod forward;
 pub mod pipeline;
+pub mod plugin;
 pub mod router;
 pub mod server;
 pub mod telemetry;

@@ -19,6 +19,7 @@ use crate::body::{Body, ResponseBody};
 use crate::config::{Action, Config, Cors, Listener, PathRewrite, Probe, Route};
 use crate::forward::{self, ForwardError, Outgoing, UpstreamPool};
 use crate::telemetry::AccessLog;
+use crate::{chain, plugin};
 
 /// Process-wide serving state that outlives any one pipeline.
 #[derive(Debug, Default)]
@@ -75,6 +76,8 @@ pub struct ConnInfo {
 /// One configuration made ready to serve: routes plus upstream pools.
 pub struct Pipeline {
     config: Arc<Config>,
+    /// Each route's plugin chain.
+    chains: plugin::Chains,
     /// Upstream pools per worker thread, so connections stay on the thread
     /// that made them: `upstreams[worker][upstream]`.
     upstreams: Vec<Vec<UpstreamPool>>,
@@ -88,11 +91,28 @@ pub fn error_response(
     route: Option<&Route>,
     origin: Option<&HeaderValue>,
 ) -> Response<Body> {
-    let body = serde_json::json!({
+    let mut resp = json_error(status, message, route, None);
+    if let (Some(cors), Some(origin)) = (route.and_then(|r| r.error_cors.as_ref()), origin) {
+        add_cors(resp.headers_mut(), cors, origin);
+    }
+    resp
+}
+
+/// The proxy's JSON error answer: `{"error", "status", "route", "plugin"?}`.
+pub fn json_error(
+    status: StatusCode,
+    message: &str,
+    route: Option<&Route>,
+    plugin: Option<&str>,
+) -> Response<Body> {
+    let mut body = serde_json::json!({
         "error": message,
         "status": status.as_u16(),
         "route": route.map(|r| &*r.name),
     });
+    if let Some(plugin) = plugin {
+        body["plugin"] = plugin.into();
+    }
     let mut resp = Response::new(Body::full(body.to_string()));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
@@ -101,9 +121,6 @@ pub fn error_response(
     );
     resp.headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    if let (Some(cors), Some(origin)) = (route.and_then(|r| r.error_cors.as_ref()), origin) {
-        add_cors(resp.headers_mut(), cors, origin);
-    }
     resp
 }
 
@@ -200,7 +217,12 @@ fn normalize_path(path: &str) -> Option<Cow<'_, str>> {
 impl Pipeline {
     /// Prepares a config for serving by `workers` threads. Builds upstream
     /// pools; opens nothing.
-    pub fn new(config: Arc<Config>, shared: Arc<Shared>, workers: usize) -> Pipeline {
+    pub fn new(
+        config: Arc<Config>,
+        chains: plugin::Chains,
+        shared: Arc<Shared>,
+        workers: usize,
+    ) -> Pipeline {
         let counts: Vec<_> = config
             .upstreams
             .iter()
@@ -218,6 +240,7 @@ impl Pipeline {
             .collect();
         Pipeline {
             config,
+            chains,
             upstreams,
             shared,
         }
@@ -310,17 +333,48 @@ impl Pipeline {
                 r
             }
             Action::Forward(i) => {
-                let pool = &self.upstreams[conn.worker % self.upstreams.len()][*i];
+                let mut upstream = *i;
+                let mut body = Body::from(body);
+                let mut plugins = None;
+                let chain = &self.chains.routes[found.route];
+                if !chain.is_empty() {
+                    match chain::on_request(
+                        chain,
+                        &parts.method,
+                        &parts.uri,
+                        &mut parts.headers,
+                        &mut body,
+                        &path,
+                        &found.params,
+                        route,
+                        conn,
+                        config,
+                    )
+                    .await
+                    {
+                        chain::RequestOutcome::Forward(ctx) => {
+                            upstream = ctx.upstream.unwrap_or(upstream);
+                            plugins = Some(ctx);
+                        }
+                        chain::RequestOutcome::Answer(resp) => {
+                            return (resp, forward::Held::default());
+                        }
+                    }
+                }
+                let pool = &self.upstreams[conn.worker % self.upstreams.len()][upstream];
                 if let Some(log) = log.as_mut() {
                     log.upstream = Some(pool.spec.name.clone());
                 }
-                let new_path = match rewritten_path(
-                    route,
-                    &path,
-                    matches!(path, Cow::Borrowed(_)),
-                    &parts.uri,
-                    &found.params,
-                ) {
+                let plugin_path = plugins.as_mut().and_then(|p| p.path.take());
+                let new_path = match plugin_path.map(Ok).unwrap_or_else(|| {
+                    rewritten_path(
+                        route,
+                        &path,
+                        matches!(path, Cow::Borrowed(_)),
+                        &parts.uri,
+                        &found.params,
+                    )
+                }) {
                     Ok(p) => p,
                     Err(e) => {
                         return (
@@ -367,7 +421,7 @@ impl Pipeline {
                     method: parts.method.clone(),
                     path: new_path,
                     headers,
-                    body: Body::from(body),
+                    body,
                 };
                 let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
                 match pool.send(out, &found.params, timeout).await {
@@ -389,6 +443,11 @@ impl Pipeline {
                         }
                         let (mut parts, body) = resp.into_parts();
                         forward::remove_hop_by_hop(&mut parts.headers, false);
+                        if let Some(ctx) = &plugins
+                            && let Err(answer) = chain::on_response(ctx, route, &mut parts).await
+                        {
+                            return (answer, forward::Held::default());
+                        }
                         parts.version = Version::HTTP_11;
                         let mut r = Response::from_parts(parts, Body::from(body));
                         if !route.response_headers.is_empty() {

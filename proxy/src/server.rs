@@ -43,6 +43,9 @@ pub enum ServeError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// A plugin could not be compiled, linked or configured.
+    #[error("plugins:\n{0}")]
+    Plugins(crate::config::ConfigErrors),
     /// A worker thread could not be started.
     #[error("cannot start worker thread: {0}")]
     Worker(std::io::Error),
@@ -133,9 +136,13 @@ impl Server {
                 limit: Arc::new(Semaphore::new(l.max_connections)),
             });
         }
+        let chains = crate::plugin::prepare(&config)
+            .await
+            .map_err(ServeError::Plugins)?;
         let shared = Arc::new(Shared::default());
         let pipeline = Arc::new(ArcSwap::from_pointee(Pipeline::new(
             config,
+            chains,
             shared.clone(),
             workers,
         )));

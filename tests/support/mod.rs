@@ -56,6 +56,18 @@ impl Proxy {
         Self::start_sources(config::default_sources(), vars).await
     }
 
+    /// Starts the proxy on the policy directory `dir` (kept alive with the
+    /// proxy) with `${ENV}` looked up in `env`.
+    pub async fn start_dir(dir: tempfile::TempDir, env: &[(&str, String)]) -> Proxy {
+        let vars: HashMap<String, String> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
+        let config = config::load_dir_with_env(dir.path(), &|n| vars.get(n).cloned())
+            .unwrap_or_else(|e| panic!("test policies are invalid:\n{e}"));
+        Self::start_config(config, Some(dir)).await
+    }
+
     /// Starts the proxy on an already loaded config.
     pub async fn start_config_for_test(config: config::Config) -> Proxy {
         Self::start_config(config, None).await
@@ -116,6 +128,30 @@ impl Drop for Proxy {
 pub fn closed_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     l.local_addr().expect("addr").port()
+}
+
+/// A built plugin component (plugins/build.sh puts them in plugins/dist).
+pub fn plugin_file(name: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../plugins/dist")
+        .join(format!("{name}.wasm"));
+    assert!(
+        path.exists(),
+        "{} is missing: run plugins/build.sh (tests/run.sh does)",
+        path.display()
+    );
+    path
+}
+
+/// A temporary policy directory holding `yaml` as policy.yaml and copies
+/// of the named plugins.
+pub fn policy_dir(yaml: &str, plugins: &[&str]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("policy.yaml"), yaml).expect("write policy");
+    for p in plugins {
+        std::fs::copy(plugin_file(p), dir.path().join(format!("{p}.wasm"))).expect("copy plugin");
+    }
+    dir
 }
 
 /// Path of the built `portcullis` binary.

@@ -16,13 +16,15 @@ use serde_saphyr::{Location, Spanned};
 
 use super::envsubst::expand;
 use super::raw::{
-    PolicyFile, RawCors, RawHeaderEdits, RawListener, RawRoute, RawUpstream, Text, TextMap,
+    PolicyFile, RawCors, RawHeaderEdits, RawListener, RawPlugin, RawPluginUse, RawRoute,
+    RawUpstream, Text, TextMap,
 };
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
 use super::{
-    Action, Balance, Config, ConfigError, ConfigErrors, Cors, Endpoint, HeaderEdits, Listener,
-    LocalResponse, PathRewrite, Pos, Probe, Route, Target, Timeouts, TlsSettings, Upstream,
+    Action, Balance, Config, ConfigError, ConfigErrors, Cors, Endpoint, FailMode, HeaderEdits,
+    Listener, LocalResponse, PathRewrite, PluginModule, PluginUse, Pos, Probe, Route, Target,
+    Timeouts, TlsSettings, Upstream,
 };
 use crate::router::{HostMatch, Router};
 
@@ -189,6 +191,8 @@ pub(super) fn build(
     let mut listeners = Vec::new();
     let mut upstreams: Vec<Arc<Upstream>> = Vec::new();
     let mut upstream_index: HashMap<String, usize> = HashMap::new();
+    let mut plugin_defs: Vec<(Arc<str>, &Spanned<RawPlugin>, Pos)> = Vec::new();
+    let mut plugin_index: HashMap<String, usize> = HashMap::new();
 
     for (file, policy) in files {
         ctx.file = file.clone();
@@ -217,6 +221,20 @@ pub(super) fn build(
                 }
             }
         }
+        for p in &policy.plugins {
+            // Only plugins some route uses are read (below), so a policy
+            // may define one whose file is absent while nothing uses it.
+            if let Some(n) = name(&mut ctx, &p.value.name, "plugin") {
+                if let Some(&i) = plugin_index.get(&n) {
+                    let at: &Pos = &plugin_defs[i].2;
+                    let msg = format!("plugin `{n}` is already defined at {at}");
+                    ctx.err(&p.referenced, msg);
+                } else {
+                    plugin_index.insert(n, plugin_defs.len());
+                    plugin_defs.push((file.clone(), p, ctx.pos(&p.referenced)));
+                }
+            }
+        }
         for u in &policy.upstreams {
             if let Some(up) = upstream(&mut ctx, u) {
                 if let Some(&i) = upstream_index.get(&*up.name) {
@@ -233,15 +251,25 @@ pub(super) fn build(
         }
     }
 
-    // Routes come after every file's upstreams, so a route may use an
-    // upstream defined in another file.
+    // Uses come after every file's definitions, so a route may use an
+    // upstream or plugin defined in another file.
+    let mut global_plugins = Vec::new();
+    for (file, policy) in files {
+        ctx.file = file.clone();
+        for u in &policy.global_plugins {
+            if let Some(pu) = plugin_use(&mut ctx, u, &plugin_index) {
+                global_plugins.push(pu);
+            }
+        }
+    }
     let mut routes: Vec<Arc<Route>> = Vec::new();
     let mut pending: Vec<PendingRoute> = Vec::new();
     let mut route_names: HashMap<String, Pos> = HashMap::new();
     for (file, policy) in files {
         ctx.file = file.clone();
         for r in &policy.routes {
-            let Some((route, host, patterns)) = route(&mut ctx, r, &upstream_index, &mut upstreams)
+            let Some((route, host, patterns)) =
+                route(&mut ctx, r, &upstream_index, &plugin_index, &mut upstreams)
             else {
                 continue;
             };
@@ -272,12 +300,45 @@ pub(super) fn build(
         }
     }
 
+    // Read the plugins that are used, and renumber the uses to match.
+    let mut used = vec![false; plugin_defs.len()];
+    for u in global_plugins
+        .iter()
+        .chain(routes.iter().flat_map(|r| r.plugins.iter()))
+    {
+        used[u.plugin] = true;
+    }
+    let mut plugins: Vec<Arc<PluginModule>> = Vec::new();
+    let mut renumber = vec![usize::MAX; plugin_defs.len()];
+    for (i, (file, def, _)) in plugin_defs.iter().enumerate() {
+        if used[i] {
+            ctx.file = file.clone();
+            if let Some(m) = plugin_module(&mut ctx, def) {
+                renumber[i] = plugins.len();
+                plugins.push(Arc::new(m));
+            }
+        }
+    }
+    for u in &mut global_plugins {
+        u.plugin = renumber[u.plugin];
+    }
+    for r in &mut routes {
+        // Nothing else holds the routes yet.
+        if let Some(r) = Arc::get_mut(r) {
+            for u in &mut r.plugins {
+                u.plugin = renumber[u.plugin];
+            }
+        }
+    }
+
     if ctx.errors.is_empty() {
         Ok(Config {
             listeners,
             upstreams,
             routes,
             router,
+            plugins,
+            global_plugins,
         })
     } else {
         Err(ConfigErrors(ctx.errors))
@@ -511,6 +572,7 @@ fn route(
     ctx: &mut Ctx,
     raw: &Spanned<RawRoute>,
     upstream_index: &HashMap<String, usize>,
+    plugin_index: &HashMap<String, usize>,
     upstreams: &mut Vec<Arc<Upstream>>,
 ) -> Option<RouteParts> {
     let r = &raw.value;
@@ -729,6 +791,11 @@ fn route(
     let response_headers = ctx.header_edits(&r.response_headers);
     let websocket = ctx.flag(&r.websocket, false);
     let error_cors = r.error_cors.as_ref().map(|c| cors(ctx, c));
+    let plugins = r
+        .plugins
+        .iter()
+        .filter_map(|u| plugin_use(ctx, u, plugin_index))
+        .collect();
     Some((
         Route {
             name: name?.into(),
@@ -741,6 +808,7 @@ fn route(
             timeout,
             websocket,
             error_cors,
+            plugins,
             defined_at: ctx.pos(&raw.referenced),
         },
         host,
@@ -769,5 +837,176 @@ fn cors(ctx: &mut Ctx, raw: &Spanned<RawCors>) -> Cors {
         allow_any,
         origins,
         allow_credentials,
+    }
+}
+
+const DEFAULT_PLUGIN_TIMEOUT: Duration = Duration::from_millis(10);
+const DEFAULT_PLUGIN_MEMORY: usize = 16 << 20;
+/// The largest memory cap a plugin use may ask for (the pooling
+/// allocator reserves this much address space per instance slot).
+pub const MAX_PLUGIN_MEMORY: usize = 256 << 20;
+
+fn plugin_module(ctx: &mut Ctx, raw: &Spanned<RawPlugin>) -> Option<PluginModule> {
+    use sha2::Digest;
+    let p = &raw.value;
+    let name = name(ctx, &p.name, "plugin");
+    let path = ctx.path(&p.path)?;
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) => {
+            let hint = if e.kind() == std::io::ErrorKind::NotFound {
+                " (build the plugins with plugins/build.sh, or mount the file next to the policy)"
+            } else {
+                ""
+            };
+            ctx.err(
+                &p.path.referenced,
+                format!("cannot read plugin {}: {e}{hint}", path.display()),
+            );
+            return None;
+        }
+    };
+    let sha256: [u8; 32] = sha2::Sha256::digest(&bytes).into();
+    if let Some(pin) = &p.sha256 {
+        let expected = ctx.text(pin)?;
+        let actual = hex::encode(sha256);
+        if !expected.trim().eq_ignore_ascii_case(&actual) {
+            ctx.err(
+                &pin.referenced,
+                format!(
+                    "plugin {} has sha256 {actual}, but the policy pins {}",
+                    path.display(),
+                    expected.trim()
+                ),
+            );
+            return None;
+        }
+    }
+    Some(PluginModule {
+        name: name?.into(),
+        path,
+        bytes: bytes.into(),
+        sha256,
+        defined_at: ctx.pos(&raw.referenced),
+    })
+}
+
+fn plugin_use(
+    ctx: &mut Ctx,
+    raw: &Spanned<RawPluginUse>,
+    plugin_index: &HashMap<String, usize>,
+) -> Option<PluginUse> {
+    let u = &raw.value;
+    if let Some(t) = &u.enabled {
+        let on = ctx.parse(t, |s| match s {
+            "" | "false" => Ok(false),
+            "true" => Ok(true),
+            _ => Err(format!(
+                "`{s}` is not a boolean; write true or false (empty means false)"
+            )),
+        })?;
+        if !on {
+            return None;
+        }
+    }
+    let name = ctx.text(&u.plugin)?;
+    let Some(&plugin) = plugin_index.get(name.trim()) else {
+        let mut known: Vec<_> = plugin_index.keys().map(String::as_str).collect();
+        known.sort_unstable();
+        ctx.err(
+            &u.plugin.referenced,
+            format!(
+                "unknown plugin `{name}`; defined under `plugins:`: {}",
+                if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                }
+            ),
+        );
+        return None;
+    };
+    let config_json = match &u.config {
+        Some(c) => {
+            let mut value = c.value.clone();
+            resolve_config(ctx, &mut value, &c.referenced);
+            value.to_string()
+        }
+        None => "{}".to_owned(),
+    };
+    let fail = ctx.parse_or(&u.fail, FailMode::Closed, |s| match s {
+        "closed" => Ok(FailMode::Closed),
+        "open" => Ok(FailMode::Open),
+        _ => Err(format!("`{s}` is not a failure policy; use closed or open")),
+    });
+    let timeout = ctx.parse_or(&u.timeout, DEFAULT_PLUGIN_TIMEOUT, |s| {
+        let d = parse_duration(s)?;
+        if d.is_zero() || d > Duration::from_secs(10) {
+            Err(format!(
+                "plugin timeout `{s}` must be above 0 and at most 10s"
+            ))
+        } else {
+            Ok(d)
+        }
+    });
+    let memory = ctx.parse_or(&u.memory, DEFAULT_PLUGIN_MEMORY, |s| {
+        let n = parse_size(s)? as usize;
+        if (1 << 20..=MAX_PLUGIN_MEMORY).contains(&n) {
+            Ok(n)
+        } else {
+            Err(format!(
+                "plugin memory `{s}` must be between 1MiB and 256MiB"
+            ))
+        }
+    });
+    Some(PluginUse {
+        plugin,
+        config_json,
+        fail,
+        timeout,
+        memory,
+        defined_at: ctx.pos(&raw.referenced),
+    })
+}
+
+/// Expands `${ENV}` in every string of a plugin config and replaces
+/// `{from_file: path}` with the file's contents (a mounted Secret), so
+/// plugins get secrets without any access of their own.
+fn resolve_config(ctx: &mut Ctx, value: &mut serde_json::Value, at: &Location) {
+    use serde_json::Value;
+    match value {
+        Value::String(s) => match expand(s, ctx.env) {
+            Ok(v) => *s = v,
+            Err(e) => ctx.err(at, format!("in plugin config: {e}")),
+        },
+        Value::Array(items) => items.iter_mut().for_each(|v| resolve_config(ctx, v, at)),
+        Value::Object(map) => {
+            if map.len() == 1
+                && let Some(Value::String(file)) = map.get("from_file")
+            {
+                let file = match expand(file, ctx.env) {
+                    Ok(f) => f,
+                    Err(e) => return ctx.err(at, format!("in plugin config: {e}")),
+                };
+                let path = Path::new(&*ctx.file)
+                    .parent()
+                    .unwrap_or(Path::new("."))
+                    .join(&file);
+                match std::fs::read_to_string(&path) {
+                    // Secrets mounted from files usually end in a newline
+                    // that is not part of the secret.
+                    Ok(text) => {
+                        *value = Value::String(text.trim_end_matches(['\n', '\r']).to_owned())
+                    }
+                    Err(e) => ctx.err(
+                        at,
+                        format!("in plugin config: cannot read {}: {e}", path.display()),
+                    ),
+                }
+                return;
+            }
+            map.values_mut().for_each(|v| resolve_config(ctx, v, at));
+        }
+        _ => {}
     }
 }

@@ -46,18 +46,22 @@ fn closing_brace(s: &str) -> Option<usize> {
 }
 
 fn reference(body: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+    // `${NAME:+word}`: word when NAME is set and not empty, else nothing —
+    // for switches such as `enabled: "${WEBHOOK_SECRET:+true}"`.
+    let plus = body.find(":+");
+    if let Some(i) = plus.filter(|&p| body.find(":-").is_none_or(|m| p < m)) {
+        let name = &body[..i];
+        check_name(name, body)?;
+        return match lookup(name) {
+            Some(v) if !v.is_empty() => expand(&body[i + 2..], lookup),
+            _ => Ok(String::new()),
+        };
+    }
     let (name, default) = match body.find(":-") {
         Some(i) => (&body[..i], Some(&body[i + 2..])),
         None => (body, None),
     };
-    let valid = !name.is_empty()
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-        && !name.starts_with(|c: char| c.is_ascii_digit());
-    if !valid {
-        return Err(format!(
-            "`${{{body}}}` is not a valid environment reference: use ${{NAME}} or ${{NAME:-default}}"
-        ));
-    }
+    check_name(name, body)?;
     match (lookup(name), default) {
         // Like the shell's `:-`, an empty variable also takes the default.
         (Some(v), Some(d)) if v.is_empty() => expand(d, lookup),
@@ -66,6 +70,19 @@ fn reference(body: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<Stri
         (None, None) => Err(format!(
             "environment variable `{name}` is not set; set it or give a default as ${{{name}:-value}}"
         )),
+    }
+}
+
+fn check_name(name: &str, body: &str) -> Result<(), String> {
+    let valid = !name.is_empty()
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && !name.starts_with(|c: char| c.is_ascii_digit());
+    if valid {
+        Ok(())
+    } else {
+        Err(format!(
+            "`${{{body}}}` is not a valid environment reference: use ${{NAME}}, ${{NAME:-default}} or ${{NAME:+value}}"
+        ))
     }
 }
 
@@ -105,6 +122,13 @@ mod tests {
     #[test]
     fn nested_default_and_empty_variable() {
         assert_eq!(expand("${EMPTY:-${HOST}}", &env).unwrap(), "example.com");
+    }
+
+    #[test]
+    fn plus_form_gives_the_word_only_when_set() {
+        assert_eq!(expand("${HOST:+true}", &env).unwrap(), "true");
+        assert_eq!(expand("${EMPTY:+true}", &env).unwrap(), "");
+        assert_eq!(expand("${NOPE:+true}", &env).unwrap(), "");
     }
 
     #[test]

@@ -32,6 +32,14 @@ pub fn default_sources() -> Vec<Source> {
 /// files under `..data` and timestamped `..2026_…` directories, and shows
 /// each key as a symlink at the top level.
 pub fn load_dir(dir: &Path) -> Result<Config, ConfigErrors> {
+    load_dir_with_env(dir, &|name| std::env::var(name).ok())
+}
+
+/// [`load_dir`] with `${ENV}` references looked up with `env`.
+pub fn load_dir_with_env(
+    dir: &Path,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Config, ConfigErrors> {
     let dir_error = |message: String| {
         ConfigErrors(vec![ConfigError {
             pos: Pos {
@@ -80,7 +88,7 @@ pub fn load_dir(dir: &Path) -> Result<Config, ConfigErrors> {
     if !errors.is_empty() {
         return Err(ConfigErrors(errors));
     }
-    load_sources(&sources, &|name| std::env::var(name).ok())
+    load_sources(&sources, env)
 }
 
 /// Parses and validates a set of sources, looking up `${ENV}` references

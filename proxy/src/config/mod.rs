@@ -21,7 +21,8 @@ use http::uri::{Authority, Scheme};
 use http::{HeaderName, HeaderValue, Method, StatusCode};
 use rustls_pki_types::CertificateDer;
 
-pub use load::{Source, default_sources, load_dir, load_sources};
+pub use build::MAX_PLUGIN_MEMORY;
+pub use load::{Source, default_sources, load_dir, load_dir_with_env, load_sources};
 pub use template::Template;
 pub use units::{parse_duration, parse_size};
 
@@ -82,6 +83,58 @@ pub struct Config {
     pub routes: Vec<Arc<Route>>,
     /// Host and path lookup over `routes`.
     pub router: Router,
+    /// Plugin modules, indexed by [`PluginUse::plugin`].
+    pub plugins: Vec<Arc<PluginModule>>,
+    /// Plugins run for every route before the route's own.
+    pub global_plugins: Vec<PluginUse>,
+}
+
+impl Config {
+    /// The index of the upstream called `name`.
+    pub fn upstream_index(&self, name: &str) -> Option<usize> {
+        self.upstreams.iter().position(|u| &*u.name == name)
+    }
+}
+
+/// A plugin's WebAssembly component, read from disk.
+#[derive(Debug)]
+pub struct PluginModule {
+    /// Name routes use.
+    pub name: Arc<str>,
+    /// The file it was read from.
+    pub path: std::path::PathBuf,
+    /// The component's bytes.
+    pub bytes: Arc<[u8]>,
+    /// SHA-256 of the bytes (also the compile cache key).
+    pub sha256: [u8; 32],
+    /// Where it was defined.
+    pub defined_at: Pos,
+}
+
+/// What a plugin failure does to the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailMode {
+    /// Answer that request with an error (500, or 503 on timeout).
+    Closed,
+    /// Let the request through as if the plugin had not been there.
+    Open,
+}
+
+/// A plugin attached to a route (or globally), with its config.
+#[derive(Debug, Clone)]
+pub struct PluginUse {
+    /// Index into `Config::plugins`.
+    pub plugin: usize,
+    /// The config handed to the plugin, as JSON (env and files resolved).
+    pub config_json: String,
+    /// Failure policy.
+    pub fail: FailMode,
+    /// Deadline per call.
+    pub timeout: Duration,
+    /// Memory cap per instance, bytes.
+    pub memory: usize,
+    /// Where it was attached.
+    pub defined_at: Pos,
 }
 
 /// A TCP listener that serves HTTP/1.1 and cleartext HTTP/2 on one port.
@@ -302,6 +355,8 @@ pub struct Route {
     pub websocket: bool,
     /// CORS headers on the proxy's own error answers.
     pub error_cors: Option<Cors>,
+    /// Plugins run on this route, in order (after the global ones).
+    pub plugins: Vec<PluginUse>,
     /// Where the route was defined.
     pub defined_at: Pos,
 }

@@ -62,6 +62,41 @@ pub struct PolicyFile {
     pub upstreams: Vec<Spanned<RawUpstream>>,
     #[serde(default)]
     pub routes: Vec<Spanned<RawRoute>>,
+    #[serde(default)]
+    pub plugins: Vec<Spanned<RawPlugin>>,
+    /// Plugins run for every route, before the route's own.
+    #[serde(default)]
+    pub global_plugins: Vec<Spanned<RawPluginUse>>,
+}
+
+/// A plugin module: a WebAssembly component file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPlugin {
+    pub name: Text,
+    /// Relative to the policy file's directory.
+    pub path: Text,
+    /// Optional pin: the file's SHA-256, hex.
+    pub sha256: Option<Text>,
+}
+
+/// A plugin attached to a route (or globally) with its config.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPluginUse {
+    /// The plugin's name under `plugins:`.
+    #[serde(rename = "use")]
+    pub plugin: Text,
+    /// Free-form; handed to the plugin as JSON.
+    pub config: Option<Spanned<serde_json::Value>>,
+    /// `closed` (default) or `open`.
+    pub fail: Option<Text>,
+    /// Deadline per call (default 10ms).
+    pub timeout: Option<Text>,
+    /// Memory cap per instance (default 16MiB).
+    pub memory: Option<Text>,
+    /// `false` (or empty) leaves the plugin out.
+    pub enabled: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -124,6 +159,8 @@ pub struct RawRoute {
     pub timeout: Option<Text>,
     pub websocket: Option<Text>,
     pub error_cors: Option<Spanned<RawCors>>,
+    #[serde(default)]
+    pub plugins: Vec<Spanned<RawPluginUse>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds every plugin to a WebAssembly component (wasm32-wasip2) and copies
+# them to plugins/dist/<name>.wasm. Adds the Rust target when missing.
+#
+#   plugins/build.sh            # all plugins and test fixtures
+set -euo pipefail
+cd "$(dirname "$0")"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/tmp/portcullis-target}"
+
+if command -v rustup >/dev/null 2>&1 && ! rustup target list --installed | grep -qx wasm32-wasip2; then
+  rustup target add wasm32-wasip2
+fi
+cargo build --locked --release --target wasm32-wasip2
+mkdir -p dist
+out="$CARGO_TARGET_DIR/wasm32-wasip2/release"
+for crate in webhook-signature header-rules fixture-loop-forever fixture-trap fixture-grow-memory; do
+  cp "$out/${crate//-/_}.wasm" "dist/$crate.wasm"
+done
+# The default policies use the webhook plugin from their own directory.
+cp dist/webhook-signature.wasm ../policies/webhook-signature.wasm
+ls -l dist

@@ -1,0 +1,166 @@
+//! Header rules: add, set and remove request and response headers, and
+//! CORS — preflight requests are answered locally, and allowed origins get
+//! the `Access-Control-Allow-*` headers on responses.
+
+use std::collections::BTreeMap;
+
+use portcullis_sdk::{
+    Decision, Header, HeaderEdits, Hooks, LocalResponse, Plugin, RequestHead, ResponseHead,
+    RouteInfo, header,
+};
+use serde::Deserialize;
+
+/// Edits for one direction.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Edits {
+    #[serde(default)]
+    add: BTreeMap<String, String>,
+    #[serde(default)]
+    set: BTreeMap<String, String>,
+    #[serde(default)]
+    remove: Vec<String>,
+}
+
+impl Edits {
+    fn to_wit(&self) -> HeaderEdits {
+        HeaderEdits {
+            remove: self.remove.iter().map(|n| n.to_ascii_lowercase()).collect(),
+            set: self.set.iter().map(|(k, v)| header(k, v)).collect(),
+            add: self.add.iter().map(|(k, v)| header(k, v)).collect(),
+        }
+    }
+}
+
+/// CORS settings.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cors {
+    allow_origins: Vec<String>,
+    #[serde(default = "default_methods")]
+    allow_methods: Vec<String>,
+    #[serde(default)]
+    allow_headers: Vec<String>,
+    #[serde(default)]
+    expose_headers: Vec<String>,
+    #[serde(default)]
+    allow_credentials: bool,
+    #[serde(default = "default_max_age")]
+    max_age: u32,
+}
+
+fn default_methods() -> Vec<String> {
+    ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+        .map(String::from)
+        .to_vec()
+}
+
+fn default_max_age() -> u32 {
+    600
+}
+
+impl Cors {
+    /// The `Access-Control-Allow-Origin` value for `origin`, if allowed.
+    fn allow_origin(&self, origin: &str) -> Option<String> {
+        let any = self.allow_origins.iter().any(|o| o == "*");
+        if any && !self.allow_credentials {
+            Some("*".into())
+        } else if any || self.allow_origins.iter().any(|o| o == origin) {
+            // `*` cannot go with credentials, so the origin is echoed.
+            Some(origin.to_owned())
+        } else {
+            None
+        }
+    }
+
+    fn common(&self, origin: String) -> Vec<Header> {
+        let mut h = vec![
+            header("access-control-allow-origin", &origin),
+            header("vary", "Origin"),
+        ];
+        if self.allow_credentials {
+            h.push(header("access-control-allow-credentials", "true"));
+        }
+        h
+    }
+}
+
+/// The route's config.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    request: Edits,
+    #[serde(default)]
+    response: Edits,
+    cors: Option<Cors>,
+}
+
+struct HeaderRules;
+
+impl Plugin for HeaderRules {
+    type Config = Config;
+    const HOOKS: Hooks = Hooks::REQUEST.union(Hooks::RESPONSE);
+
+    fn on_request(
+        c: &Config,
+        req: &RequestHead,
+        _route: &RouteInfo,
+        _body: Option<&[u8]>,
+    ) -> Decision {
+        if let (Some(cors), Some(origin)) = (&c.cors, req.header_str("origin"))
+            && req.method == "OPTIONS"
+            && req.header("access-control-request-method").is_some()
+        {
+            let Some(allowed) = cors.allow_origin(origin) else {
+                return portcullis_sdk::respond(403, "origin not allowed");
+            };
+            let mut headers = cors.common(allowed);
+            headers.push(header(
+                "access-control-allow-methods",
+                &cors.allow_methods.join(", "),
+            ));
+            let requested = req
+                .header_str("access-control-request-headers")
+                .unwrap_or("");
+            let allow_headers = if cors.allow_headers.is_empty() {
+                requested.to_owned()
+            } else {
+                cors.allow_headers.join(", ")
+            };
+            if !allow_headers.is_empty() {
+                headers.push(header("access-control-allow-headers", &allow_headers));
+            }
+            headers.push(header("access-control-max-age", &cors.max_age.to_string()));
+            return Decision::Respond(LocalResponse {
+                status: 204,
+                headers,
+                body: Vec::new(),
+            });
+        }
+        portcullis_sdk::forward_with(c.request.to_wit())
+    }
+
+    fn on_response(
+        c: &Config,
+        req: &RequestHead,
+        _route: &RouteInfo,
+        _resp: &ResponseHead,
+    ) -> HeaderEdits {
+        let mut edits = c.response.to_wit();
+        if let (Some(cors), Some(origin)) = (&c.cors, req.header_str("origin"))
+            && let Some(allowed) = cors.allow_origin(origin)
+        {
+            edits.set.extend(cors.common(allowed));
+            if !cors.expose_headers.is_empty() {
+                edits.set.push(header(
+                    "access-control-expose-headers",
+                    &cors.expose_headers.join(", "),
+                ));
+            }
+        }
+        edits
+    }
+}
+
+portcullis_sdk::plugin!(HeaderRules);

@@ -1,0 +1,254 @@
+//! Write a Portcullis policy plugin in a few lines.
+//!
+//! ```ignore
+//! use portcullis_sdk::{Decision, Plugin, RequestHead, RouteInfo};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct Config { header: String }
+//!
+//! struct RequireHeader;
+//!
+//! impl Plugin for RequireHeader {
+//!     type Config = Config;
+//!     fn on_request(c: &Config, req: &RequestHead, _: &RouteInfo, _: Option<&[u8]>) -> Decision {
+//!         match req.header(&c.header) {
+//!             Some(_) => portcullis_sdk::forward(),
+//!             None => portcullis_sdk::respond(403, "missing header"),
+//!         }
+//!     }
+//! }
+//!
+//! portcullis_sdk::plugin!(RequireHeader);
+//! ```
+//!
+//! Build with `cargo build --release --target wasm32-wasip2`; the `.wasm`
+//! file is the component a policy names.
+
+/// The generated bindings. In a module of their own: generated at the crate
+/// root, the exported macro and its re-export collide.
+#[doc(hidden)]
+pub mod bindings {
+    wit_bindgen::generate!({
+        path: "../../wit",
+        world: "policy",
+        pub_export_macro: true,
+        default_bindings_module: "portcullis_sdk::bindings",
+    });
+}
+
+#[doc(hidden)]
+pub use bindings::Guest;
+use bindings::portcullis;
+pub use bindings::portcullis::policy::host::Level;
+pub use bindings::portcullis::policy::types::{
+    Decision, Forward, Header, HeaderEdits, Hooks, LocalResponse, RequestHead, ResponseHead,
+    RouteInfo,
+};
+
+/// A policy: parse a config once, then decide on requests.
+pub trait Plugin {
+    /// The per-route config, parsed from the policy's `config:` (as JSON).
+    type Config: serde::de::DeserializeOwned + Send + Sync + 'static;
+
+    /// The calls this plugin wants; the proxy skips the others.
+    const HOOKS: Hooks = Hooks::REQUEST;
+
+    /// Checks a parsed config beyond what its type says.
+    fn validate(_config: &Self::Config) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// Decides on a request; `body` is `Some` after asking with [`read_body`].
+    fn on_request(
+        config: &Self::Config,
+        request: &RequestHead,
+        route: &RouteInfo,
+        body: Option<&[u8]>,
+    ) -> Decision;
+
+    /// Edits the response head (needs [`Hooks::RESPONSE`] in `HOOKS`).
+    fn on_response(
+        _config: &Self::Config,
+        _request: &RequestHead,
+        _route: &RouteInfo,
+        _response: &ResponseHead,
+    ) -> HeaderEdits {
+        no_edits()
+    }
+}
+
+/// Parses a config, naming the problem for `portcullis check`.
+pub fn parse_config<T: serde::de::DeserializeOwned>(json: &str) -> Result<T, String> {
+    serde_json::from_str(json).map_err(|e| format!("invalid config: {e}"))
+}
+
+/// No header changes.
+pub fn no_edits() -> HeaderEdits {
+    HeaderEdits {
+        remove: Vec::new(),
+        set: Vec::new(),
+        add: Vec::new(),
+    }
+}
+
+/// Forward the request unchanged.
+pub fn forward() -> Decision {
+    Decision::Forward(Forward {
+        headers: no_edits(),
+        path: None,
+        upstream: None,
+    })
+}
+
+/// Forward with header changes.
+pub fn forward_with(headers: HeaderEdits) -> Decision {
+    Decision::Forward(Forward {
+        headers,
+        path: None,
+        upstream: None,
+    })
+}
+
+/// Send the request to another named upstream.
+pub fn route_to(upstream: impl Into<String>) -> Decision {
+    Decision::Forward(Forward {
+        headers: no_edits(),
+        path: None,
+        upstream: Some(upstream.into()),
+    })
+}
+
+/// Ask for the request body, up to `max` bytes.
+pub fn read_body(max: u32) -> Decision {
+    Decision::ReadBody(max)
+}
+
+/// Answer with a small JSON error body: `{"error": message}`.
+pub fn respond(status: u16, message: &str) -> Decision {
+    Decision::Respond(LocalResponse {
+        status,
+        headers: vec![header("content-type", "application/json")],
+        body: serde_json::json!({ "error": message })
+            .to_string()
+            .into_bytes(),
+    })
+}
+
+/// A header from a name and a text value.
+pub fn header(name: &str, value: &str) -> Header {
+    Header {
+        name: name.to_ascii_lowercase(),
+        value: value.as_bytes().to_vec(),
+    }
+}
+
+/// Logs through the proxy's log.
+pub fn log(level: Level, message: &str) {
+    portcullis::policy::host::log(level, message);
+}
+
+/// Wall-clock milliseconds since the Unix epoch, from the host.
+pub fn now_unix_ms() -> u64 {
+    portcullis::policy::host::now_unix_ms()
+}
+
+/// Adds to one of the plugin's counters.
+pub fn count(name: &str, delta: u64) {
+    portcullis::policy::host::count(name, delta);
+}
+
+impl RequestHead {
+    /// The first value of a header (name in any case).
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| h.value.as_slice())
+    }
+
+    /// The first value of a header, as text.
+    pub fn header_str(&self, name: &str) -> Option<&str> {
+        self.header(name).and_then(|v| std::str::from_utf8(v).ok())
+    }
+}
+
+impl ResponseHead {
+    /// The first value of a header (name in any case).
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| h.value.as_slice())
+    }
+}
+
+impl RouteInfo {
+    /// A path parameter.
+    pub fn param(&self, name: &str) -> Option<&str> {
+        self.params
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Exports a [`Plugin`] as the component's `policy` world.
+#[macro_export]
+macro_rules! plugin {
+    ($plugin:ty) => {
+        struct __PortcullisGuest;
+
+        static __PORTCULLIS_CONFIG: ::std::sync::OnceLock<<$plugin as $crate::Plugin>::Config> =
+            ::std::sync::OnceLock::new();
+
+        impl $crate::Guest for __PortcullisGuest {
+            fn hooks() -> $crate::Hooks {
+                <$plugin as $crate::Plugin>::HOOKS
+            }
+
+            fn validate_config(config: String) -> Result<(), String> {
+                let parsed = $crate::parse_config::<<$plugin as $crate::Plugin>::Config>(&config)?;
+                <$plugin as $crate::Plugin>::validate(&parsed)
+            }
+
+            fn configure(config: String) -> Result<(), String> {
+                let parsed = $crate::parse_config::<<$plugin as $crate::Plugin>::Config>(&config)?;
+                <$plugin as $crate::Plugin>::validate(&parsed)?;
+                __PORTCULLIS_CONFIG
+                    .set(parsed)
+                    .map_err(|_| "configure called twice".to_string())
+            }
+
+            fn on_request(
+                request: $crate::RequestHead,
+                route: $crate::RouteInfo,
+                body: Option<Vec<u8>>,
+            ) -> $crate::Decision {
+                match __PORTCULLIS_CONFIG.get() {
+                    Some(c) => <$plugin as $crate::Plugin>::on_request(
+                        c,
+                        &request,
+                        &route,
+                        body.as_deref(),
+                    ),
+                    None => $crate::respond(500, "plugin called before configure"),
+                }
+            }
+
+            fn on_response(
+                request: $crate::RequestHead,
+                route: $crate::RouteInfo,
+                response: $crate::ResponseHead,
+            ) -> $crate::HeaderEdits {
+                match __PORTCULLIS_CONFIG.get() {
+                    Some(c) => {
+                        <$plugin as $crate::Plugin>::on_response(c, &request, &route, &response)
+                    }
+                    None => $crate::no_edits(),
+                }
+            }
+        }
+
+        $crate::bindings::export!(__PortcullisGuest);
+    };
+}

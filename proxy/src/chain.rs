@@ -1,0 +1,262 @@
+//! Running a route's plugin chain on a request and its response.
+//!
+//! Plugins run in order (global ones first). Each may let the request on
+//! with header edits, a new path or another upstream; answer it itself; or
+//! ask for the body first, which is then read (up to the plugin's bound)
+//! and forwarded exactly as the plugin saw it. Response hooks run in
+//! reverse order on the upstream's response head.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header;
+use http::uri::PathAndQuery;
+use http::{Response, StatusCode};
+use http_body_util::BodyExt;
+
+use crate::body::Body;
+use crate::config::{Config, FailMode, Route};
+use crate::pipeline::ConnInfo;
+use crate::plugin::{
+    self, Binding, Decision, Hooks, PluginError, RequestHead, ResponseHead, RouteInfo,
+};
+
+/// What the request hooks decided.
+pub enum RequestOutcome {
+    /// Go on to the upstream.
+    Forward(PluginContext),
+    /// Answer now with this.
+    Answer(Response<Body>),
+}
+
+/// What the response hooks need, kept from the request hooks.
+pub struct PluginContext {
+    head: RequestHead,
+    info: RouteInfo,
+    chain: Arc<[Arc<Binding>]>,
+    /// Another upstream (index), if a plugin chose one.
+    pub upstream: Option<usize>,
+    /// The path to send, if a plugin set one (it replaces the route's rewrite).
+    pub path: Option<PathAndQuery>,
+}
+
+fn plugin_error(route: &Route, e: &PluginError) -> Response<Body> {
+    json_error(e.status(), e.kind(), route, Some(e.plugin()))
+}
+
+fn json_error(
+    status: StatusCode,
+    message: &str,
+    route: &Route,
+    plugin: Option<&str>,
+) -> Response<Body> {
+    crate::pipeline::json_error(status, message, Some(route), plugin)
+}
+
+/// Reads the request body into memory, up to `max` bytes.
+async fn read_body(body: Body, headers: &http::HeaderMap, max: u32) -> Result<Bytes, StatusCode> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > u64::from(max)) {
+        return Err(StatusCode::PAYLOAD_TOO_LARGE);
+    }
+    match http_body_util::Limited::new(body, max as usize)
+        .collect()
+        .await
+    {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(StatusCode::PAYLOAD_TOO_LARGE),
+        Err(_) => Err(StatusCode::BAD_REQUEST),
+    }
+}
+
+/// Runs the request hooks of `chain`. `body` is replaced by the buffered
+/// bytes when a plugin read it.
+#[allow(clippy::too_many_arguments)]
+pub async fn on_request(
+    chain: &Arc<[Arc<Binding>]>,
+    method: &http::Method,
+    uri: &http::Uri,
+    headers: &mut http::HeaderMap,
+    body: &mut Body,
+    path: &str,
+    params: &matchit::Params<'_, '_>,
+    route: &Route,
+    conn: &ConnInfo,
+    config: &Config,
+) -> RequestOutcome {
+    let mut head = plugin::request_head(method, uri, headers, path, conn.client.ip(), conn.tls);
+    let info = RouteInfo {
+        name: route.name.to_string(),
+        params: params
+            .iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+    };
+    let mut ctx_upstream = None;
+    let mut ctx_path = None;
+    let mut buffered: Option<Bytes> = None;
+    for binding in chain.iter().filter(|b| b.hooks.contains(Hooks::REQUEST)) {
+        let mut read_once = false;
+        loop {
+            match binding.on_request(&head, &info, buffered.as_deref()).await {
+                Ok(Decision::Forward(f)) => {
+                    if !(f.headers.remove.is_empty()
+                        && f.headers.set.is_empty()
+                        && f.headers.add.is_empty())
+                    {
+                        plugin::apply_edits(headers, &f.headers, &binding.plugin);
+                        // Later plugins see the request as edited.
+                        head.headers = plugin::to_wit_headers(headers);
+                    }
+                    if let Some(p) = f.path {
+                        match PathAndQuery::try_from(p.as_str()) {
+                            Ok(pq) if p.starts_with('/') => {
+                                head.path = pq.path().to_owned();
+                                head.query = pq.query().map(str::to_owned);
+                                ctx_path = Some(pq);
+                            }
+                            _ => {
+                                tracing::warn!(plugin = %binding.plugin, route = %route.name, path = %p, "plugin set an invalid path");
+                                return RequestOutcome::Answer(json_error(
+                                    StatusCode::INTERNAL_SERVER_ERROR,
+                                    "plugin set an invalid path",
+                                    route,
+                                    Some(&binding.plugin),
+                                ));
+                            }
+                        }
+                    }
+                    if let Some(name) = f.upstream {
+                        match config.upstream_index(&name) {
+                            Some(i) => ctx_upstream = Some(i),
+                            None => {
+                                tracing::warn!(plugin = %binding.plugin, route = %route.name, upstream = %name, "plugin chose an unknown upstream");
+                                return RequestOutcome::Answer(json_error(
+                                    StatusCode::INTERNAL_SERVER_ERROR,
+                                    "plugin chose an unknown upstream",
+                                    route,
+                                    Some(&binding.plugin),
+                                ));
+                            }
+                        }
+                    }
+                    break;
+                }
+                Ok(Decision::Respond(local)) => {
+                    let mut resp = Response::new(Body::full(local.body));
+                    *resp.status_mut() = StatusCode::from_u16(local.status)
+                        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                    let edits = plugin::HeaderEdits {
+                        remove: Vec::new(),
+                        set: Vec::new(),
+                        add: local.headers,
+                    };
+                    plugin::apply_edits(resp.headers_mut(), &edits, &binding.plugin);
+                    return RequestOutcome::Answer(resp);
+                }
+                Ok(Decision::ReadBody(max)) if !read_once && buffered.is_none() => {
+                    read_once = true;
+                    let taken = std::mem::replace(body, Body::empty());
+                    match read_body(taken, headers, max).await {
+                        Ok(bytes) => {
+                            // Forward exactly the bytes the plugin will see.
+                            *body = Body::full(bytes.clone());
+                            buffered = Some(bytes);
+                        }
+                        Err(status) => {
+                            let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+                                "request body too large for the route's plugin"
+                            } else {
+                                "request body could not be read"
+                            };
+                            return RequestOutcome::Answer(json_error(
+                                status,
+                                message,
+                                route,
+                                Some(&binding.plugin),
+                            ));
+                        }
+                    }
+                }
+                // The body was already read (by this plugin or an earlier one).
+                Ok(Decision::ReadBody(_)) if !read_once => read_once = true,
+                Ok(Decision::ReadBody(_)) => {
+                    let e = PluginError::Trap {
+                        plugin: binding.plugin.clone(),
+                        message: "asked for the body twice".into(),
+                    };
+                    match fail(binding, route, &e) {
+                        Some(resp) => return RequestOutcome::Answer(resp),
+                        None => break,
+                    }
+                }
+                Err(e) => match fail(binding, route, &e) {
+                    Some(resp) => return RequestOutcome::Answer(resp),
+                    None => break,
+                },
+            }
+        }
+    }
+    RequestOutcome::Forward(PluginContext {
+        head,
+        info,
+        chain: chain.clone(),
+        upstream: ctx_upstream,
+        path: ctx_path,
+    })
+}
+
+/// Logs a plugin failure and applies its failure policy: `Some` answer
+/// when closed, `None` (carry on) when open.
+fn fail(binding: &Binding, route: &Route, e: &PluginError) -> Option<Response<Body>> {
+    let c = plugin::counters();
+    *c.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry((binding.plugin.clone(), "failures".into()))
+        .or_default() += 1;
+    match binding.fail {
+        FailMode::Closed => {
+            tracing::warn!(plugin = %binding.plugin, route = %route.name, error = %e, "plugin failed; request refused (fail: closed)");
+            Some(plugin_error(route, e))
+        }
+        FailMode::Open => {
+            tracing::warn!(plugin = %binding.plugin, route = %route.name, error = %e, "plugin failed; request let through (fail: open)");
+            None
+        }
+    }
+}
+
+/// Runs the response hooks, last plugin first, on an upstream response
+/// head. `Err` is the answer to send instead when a plugin fails closed.
+pub async fn on_response(
+    ctx: &PluginContext,
+    route: &Route,
+    resp: &mut http::response::Parts,
+) -> Result<(), Response<Body>> {
+    let mut head: Option<ResponseHead> = None;
+    for binding in ctx
+        .chain
+        .iter()
+        .rev()
+        .filter(|b| b.hooks.contains(Hooks::RESPONSE))
+    {
+        let h = head.get_or_insert_with(|| ResponseHead {
+            status: resp.status.as_u16(),
+            headers: plugin::to_wit_headers(&resp.headers),
+        });
+        match binding.on_response(&ctx.head, &ctx.info, h).await {
+            Ok(edits) => {
+                plugin::apply_edits(&mut resp.headers, &edits, &binding.plugin);
+                head = None;
+            }
+            Err(e) => {
+                if let Some(answer) = fail(binding, route, &e) {
+                    return Err(answer);
+                }
+            }
+        }
+    }
+    Ok(())
+}

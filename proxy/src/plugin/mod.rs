@@ -1,0 +1,556 @@
+//! WebAssembly policy plugins (the `portcullis:policy` world in `wit/`):
+//! compiling components, keeping instances, and calling them with a
+//! deadline and a memory cap.
+//!
+//! - One [`wasmtime::Engine`] per process with the pooling allocator;
+//!   components are compiled once per content hash (a reload that keeps a
+//!   module reuses its compiled code) on a blocking thread.
+//! - A [`Binding`] is one plugin attached with one config. It keeps idle
+//!   instances for reuse; an instance that traps is thrown away.
+//! - Every call runs under an epoch deadline (a ticker thread advances the
+//!   epoch each millisecond) and a memory cap, so a plugin that loops or
+//!   hoards fails its own request and nothing else.
+
+mod bindings;
+mod state;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
+
+pub use bindings::{
+    Decision, Forward, Header, HeaderEdits, Hooks, LocalResponse, RequestHead, ResponseHead,
+    RouteInfo,
+};
+use bindings::{Policy, PolicyPre};
+use state::State;
+pub use state::counters;
+
+use crate::config::{Config, ConfigError, ConfigErrors, FailMode, PluginModule, PluginUse};
+
+/// How often the epoch advances; deadlines are whole ticks.
+const TICK: Duration = Duration::from_millis(1);
+/// Instance slots in the pooling allocator (each plugin instance takes one
+/// while it exists, idle or busy).
+const POOL_SLOTS: u32 = 1000;
+/// Idle instances kept per binding.
+const MAX_IDLE: usize = 64;
+
+/// Why a plugin call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    /// The call ran past its deadline.
+    #[error("plugin `{plugin}` timed out after {timeout:?}")]
+    Timeout {
+        /// Plugin name.
+        plugin: Arc<str>,
+        /// The deadline.
+        timeout: Duration,
+    },
+    /// The instance tried to grow its memory past the cap.
+    #[error("plugin `{plugin}` ran out of memory (cap {cap} bytes)")]
+    OutOfMemory {
+        /// Plugin name.
+        plugin: Arc<str>,
+        /// The cap.
+        cap: usize,
+    },
+    /// The plugin trapped (a panic, an unreachable, a bad access...).
+    #[error("plugin `{plugin}` failed: {message}")]
+    Trap {
+        /// Plugin name.
+        plugin: Arc<str>,
+        /// What wasmtime reported.
+        message: String,
+    },
+    /// The plugin refused its config or could not be instantiated.
+    #[error("plugin `{plugin}` could not start: {message}")]
+    Setup {
+        /// Plugin name.
+        plugin: Arc<str>,
+        /// Why.
+        message: String,
+    },
+}
+
+impl PluginError {
+    /// The status the client gets when the plugin fails closed.
+    pub fn status(&self) -> http::StatusCode {
+        match self {
+            PluginError::Timeout { .. } => http::StatusCode::SERVICE_UNAVAILABLE,
+            _ => http::StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// A short kind for logs and error bodies.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PluginError::Timeout { .. } => "plugin timed out",
+            PluginError::OutOfMemory { .. } => "plugin ran out of memory",
+            PluginError::Trap { .. } => "plugin failed",
+            PluginError::Setup { .. } => "plugin could not start",
+        }
+    }
+
+    /// The plugin's name.
+    pub fn plugin(&self) -> &str {
+        match self {
+            PluginError::Timeout { plugin, .. }
+            | PluginError::OutOfMemory { plugin, .. }
+            | PluginError::Trap { plugin, .. }
+            | PluginError::Setup { plugin, .. } => plugin,
+        }
+    }
+}
+
+/// The process's plugin engine: compiler, linker and compile cache.
+pub struct PluginHost {
+    engine: Engine,
+    linker: Linker<State>,
+    compiled: Mutex<HashMap<[u8; 32], Component>>,
+}
+
+/// The process-wide host, made on first use (a proxy without plugins never
+/// reserves the pool's address space or starts the epoch ticker).
+pub fn host() -> Result<&'static PluginHost, String> {
+    static HOST: OnceLock<Result<PluginHost, String>> = OnceLock::new();
+    HOST.get_or_init(|| {
+        PluginHost::new().map_err(|e| format!("cannot start the WebAssembly engine: {e:#}"))
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+impl PluginHost {
+    fn new() -> wasmtime::Result<PluginHost> {
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_component_instances(POOL_SLOTS)
+            .total_core_instances(POOL_SLOTS * 4)
+            .total_memories(POOL_SLOTS)
+            .total_tables(POOL_SLOTS * 4)
+            .total_stacks(POOL_SLOTS)
+            .max_memory_size(crate::config::MAX_PLUGIN_MEMORY);
+        let mut config = wasmtime::Config::new();
+        config
+            .epoch_interruption(true)
+            .wasm_component_model(true)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
+            // Reserve per memory only what the largest cap allows rather
+            // than wasmtime's 4 GiB default, so the pool's address space
+            // stays modest; bounds checks make up for the smaller guard.
+            .memory_reservation(crate::config::MAX_PLUGIN_MEMORY as u64)
+            .memory_guard_size(64 << 10);
+        let engine = Engine::new(&config)?;
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        Policy::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?;
+        let ticker = engine.weak();
+        std::thread::Builder::new()
+            .name("portcullis-wasm-epoch".into())
+            .spawn(move || {
+                while let Some(engine) = ticker.upgrade() {
+                    engine.increment_epoch();
+                    drop(engine);
+                    std::thread::sleep(TICK);
+                }
+            })?;
+        Ok(PluginHost {
+            engine,
+            linker,
+            compiled: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The compiled component of a module (compiled at most once per hash).
+    /// Blocking: call from a blocking thread.
+    fn compile(&self, module: &PluginModule) -> Result<Component, String> {
+        if let Some(c) = self
+            .compiled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&module.sha256)
+        {
+            return Ok(c.clone());
+        }
+        let component = Component::new(&self.engine, &module.bytes).map_err(|e| {
+            format!(
+                "{} is not a valid plugin component: {e:#}",
+                module.path.display()
+            )
+        })?;
+        self.compiled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(module.sha256, component.clone());
+        Ok(component)
+    }
+}
+
+/// One live plugin instance.
+struct Instance {
+    store: Store<State>,
+    policy: Policy,
+}
+
+/// A plugin attached with one config: instantiates on demand, keeps idle
+/// instances, and applies the deadline and memory cap to every call.
+pub struct Binding {
+    /// The plugin's name.
+    pub plugin: Arc<str>,
+    /// Failure policy.
+    pub fail: FailMode,
+    /// Which calls the plugin wants.
+    pub hooks: Hooks,
+    pre: PolicyPre<State>,
+    engine: Engine,
+    config_json: String,
+    timeout: Duration,
+    memory: usize,
+    idle: Mutex<Vec<Instance>>,
+}
+
+impl std::fmt::Debug for Binding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Binding")
+            .field("plugin", &self.plugin)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Binding {
+    fn deadline_ticks(&self) -> u64 {
+        // One extra tick: the current one may be nearly over.
+        (self.timeout.as_micros() / TICK.as_micros()) as u64 + 1
+    }
+
+    fn classify(&self, e: wasmtime::Error, store: &Store<State>) -> PluginError {
+        let plugin = self.plugin.clone();
+        if matches!(
+            e.downcast_ref::<wasmtime::Trap>(),
+            Some(wasmtime::Trap::Interrupt)
+        ) {
+            return PluginError::Timeout {
+                plugin,
+                timeout: self.timeout,
+            };
+        }
+        if store.data().limits.hit {
+            return PluginError::OutOfMemory {
+                plugin,
+                cap: self.memory,
+            };
+        }
+        PluginError::Trap {
+            plugin,
+            message: format!("{e:#}").lines().next().unwrap_or("trap").to_owned(),
+        }
+    }
+
+    async fn instantiate(&self) -> Result<Instance, PluginError> {
+        let setup = |message: String| PluginError::Setup {
+            plugin: self.plugin.clone(),
+            message,
+        };
+        let mut store = Store::new(&self.engine, State::new(self.plugin.clone(), self.memory));
+        store.limiter(|s| &mut s.limits);
+        store.set_epoch_deadline(self.deadline_ticks());
+        let policy = self
+            .pre
+            .instantiate_async(&mut store)
+            .await
+            .map_err(|e| setup(format!("{e:#}")))?;
+        store.set_epoch_deadline(self.deadline_ticks());
+        match policy.call_configure(&mut store, &self.config_json).await {
+            Ok(Ok(())) => Ok(Instance { store, policy }),
+            Ok(Err(message)) => Err(setup(format!("config refused: {message}"))),
+            Err(e) => Err(self.classify(e, &store)),
+        }
+    }
+
+    async fn checkout(&self) -> Result<Instance, PluginError> {
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match idle {
+            Some(i) => Ok(i),
+            None => self.instantiate().await,
+        }
+    }
+
+    fn checkin(&self, instance: Instance) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < MAX_IDLE {
+            idle.push(instance);
+        }
+    }
+
+    /// Calls `on-request`. A failed instance is dropped, not reused.
+    pub async fn on_request(
+        &self,
+        req: &RequestHead,
+        route: &RouteInfo,
+        body: Option<&[u8]>,
+    ) -> Result<Decision, PluginError> {
+        let mut inst = self.checkout().await?;
+        inst.store.set_epoch_deadline(self.deadline_ticks());
+        match inst
+            .policy
+            .call_on_request(&mut inst.store, req, route, body)
+            .await
+        {
+            Ok(d) => {
+                self.checkin(inst);
+                Ok(d)
+            }
+            Err(e) => Err(self.classify(e, &inst.store)),
+        }
+    }
+
+    /// Calls `on-response`.
+    pub async fn on_response(
+        &self,
+        req: &RequestHead,
+        route: &RouteInfo,
+        resp: &ResponseHead,
+    ) -> Result<HeaderEdits, PluginError> {
+        let mut inst = self.checkout().await?;
+        inst.store.set_epoch_deadline(self.deadline_ticks());
+        match inst
+            .policy
+            .call_on_response(&mut inst.store, req, route, resp)
+            .await
+        {
+            Ok(edits) => {
+                self.checkin(inst);
+                Ok(edits)
+            }
+            Err(e) => Err(self.classify(e, &inst.store)),
+        }
+    }
+}
+
+/// Every route's plugin chain (global plugins first), ready to call.
+#[derive(Debug, Default)]
+pub struct Chains {
+    /// By route index.
+    pub routes: Vec<Arc<[Arc<Binding>]>>,
+}
+
+/// Compiles every plugin the config uses, instantiates each use once and
+/// asks the plugin to validate its config. Errors name the plugin, the
+/// route and the place in the policy files.
+pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
+    if config.plugins.is_empty() {
+        return Ok(Chains {
+            routes: config
+                .routes
+                .iter()
+                .map(|_| Arc::from(Vec::new()))
+                .collect(),
+        });
+    }
+    let fail_at = |pos: &crate::config::Pos, message: String| {
+        ConfigErrors(vec![ConfigError {
+            pos: pos.clone(),
+            message,
+        }])
+    };
+    let host = host().map_err(|e| fail_at(&config.plugins[0].defined_at, e))?;
+
+    // Compile (CPU-heavy) off the async workers.
+    let modules = config.plugins.clone();
+    let compiled = tokio::task::spawn_blocking(move || {
+        modules
+            .iter()
+            .map(|m| {
+                host.compile(m).and_then(|c| {
+                    host.linker
+                        .instantiate_pre(&c)
+                        .map_err(|e| format!("{} cannot be linked: {e:#}", m.path.display()))
+                })
+            })
+            .collect::<Vec<_>>()
+    })
+    .await
+    .map_err(|e| {
+        fail_at(
+            &config.plugins[0].defined_at,
+            format!("plugin compilation crashed: {e}"),
+        )
+    })?;
+    let mut errors = Vec::new();
+    let mut pres = Vec::with_capacity(compiled.len());
+    for (module, result) in config.plugins.iter().zip(compiled) {
+        match result.and_then(|pre| {
+            PolicyPre::new(pre).map_err(|e| {
+                format!(
+                    "{} does not export the portcullis:policy world: {e:#}",
+                    module.path.display()
+                )
+            })
+        }) {
+            Ok(pre) => pres.push(Some(pre)),
+            Err(message) => {
+                errors.push(ConfigError {
+                    pos: module.defined_at.clone(),
+                    message,
+                });
+                pres.push(None);
+            }
+        }
+    }
+    // Uses of modules that failed to compile are skipped (their error is
+    // reported); the others are still checked, so one run lists all.
+    let bind = |u: &PluginUse, route: Option<&str>| {
+        let module = &config.plugins[u.plugin];
+        let pre = pres[u.plugin].clone();
+        let engine = host.engine.clone();
+        let u = u.clone();
+        let name = module.name.clone();
+        let on = route.map_or_else(|| "the global chain".to_owned(), |r| format!("route `{r}`"));
+        async move {
+            let Some(pre) = pre else { return Ok(None) };
+            let mut binding = Binding {
+                plugin: name.clone(),
+                fail: u.fail,
+                hooks: Hooks::empty(),
+                pre,
+                engine,
+                config_json: u.config_json.clone(),
+                timeout: u.timeout,
+                memory: u.memory,
+                idle: Mutex::new(Vec::new()),
+            };
+            let at = |message: String| ConfigError {
+                pos: u.defined_at.clone(),
+                message: format!("plugin `{name}` on {on}: {message}"),
+            };
+            // Instantiating runs the plugin's start-up and `configure`,
+            // which validates the config; a plugin that cannot start is
+            // refused here rather than on the first request.
+            let mut inst = match binding.instantiate().await {
+                Ok(i) => i,
+                Err(PluginError::Setup { message, .. }) => return Err(at(message)),
+                Err(e) => return Err(at(e.to_string())),
+            };
+            inst.store.set_epoch_deadline(binding.deadline_ticks());
+            match inst
+                .policy
+                .call_validate_config(&mut inst.store, &u.config_json)
+                .await
+            {
+                Ok(Ok(())) => {}
+                Ok(Err(m)) => return Err(at(format!("invalid config: {m}"))),
+                Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
+            }
+            inst.store.set_epoch_deadline(binding.deadline_ticks());
+            binding.hooks = match inst.policy.call_hooks(&mut inst.store).await {
+                Ok(h) => h,
+                Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
+            };
+            binding.checkin(inst);
+            Ok(Some(Arc::new(binding)))
+        }
+    };
+
+    let mut global = Vec::new();
+    for u in &config.global_plugins {
+        match bind(u, None).await {
+            Ok(Some(b)) => global.push(b),
+            Ok(None) => {}
+            Err(e) => errors.push(e),
+        }
+    }
+    let mut routes = Vec::with_capacity(config.routes.len());
+    for route in &config.routes {
+        let mut chain = global.clone();
+        for u in &route.plugins {
+            match bind(u, Some(&route.name)).await {
+                Ok(Some(b)) => chain.push(b),
+                Ok(None) => {}
+                Err(e) => errors.push(e),
+            }
+        }
+        routes.push(Arc::from(chain));
+    }
+    if errors.is_empty() {
+        Ok(Chains { routes })
+    } else {
+        Err(ConfigErrors(errors))
+    }
+}
+
+/// The request head handed to plugins.
+pub fn request_head(
+    method: &http::Method,
+    uri: &http::Uri,
+    headers: &http::HeaderMap,
+    path: &str,
+    client: std::net::IpAddr,
+    tls: bool,
+) -> RequestHead {
+    let authority = uri
+        .authority()
+        .map(|a| a.as_str().to_owned())
+        .or_else(|| {
+            headers
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .map(str::to_owned)
+        })
+        .unwrap_or_default();
+    RequestHead {
+        method: method.as_str().to_owned(),
+        scheme: if tls { "https" } else { "http" }.to_owned(),
+        authority,
+        path: path.to_owned(),
+        query: uri.query().map(str::to_owned),
+        headers: to_wit_headers(headers),
+        client_addr: client.to_canonical().to_string(),
+        tls,
+        sni: None,
+    }
+}
+
+/// Headers in the plugin's form.
+pub fn to_wit_headers(headers: &http::HeaderMap) -> Vec<Header> {
+    headers
+        .iter()
+        .map(|(k, v)| Header {
+            name: k.as_str().to_owned(),
+            value: v.as_bytes().to_vec(),
+        })
+        .collect()
+}
+
+/// Applies a plugin's header edits; invalid names or values are skipped
+/// and reported.
+pub fn apply_edits(headers: &mut http::HeaderMap, edits: &HeaderEdits, plugin: &str) {
+    use http::{HeaderName, HeaderValue};
+    for name in &edits.remove {
+        if let Ok(n) = HeaderName::from_bytes(name.as_bytes()) {
+            headers.remove(n);
+        }
+    }
+    let valid = |h: &Header| match (
+        HeaderName::from_bytes(h.name.as_bytes()),
+        HeaderValue::from_bytes(&h.value),
+    ) {
+        (Ok(n), Ok(v)) => Some((n, v)),
+        _ => {
+            tracing::warn!(plugin, header = %h.name, "plugin set an invalid header; skipped");
+            None
+        }
+    };
+    for h in &edits.set {
+        if let Some((n, v)) = valid(h) {
+            headers.insert(n, v);
+        }
+    }
+    for h in &edits.add {
+        if let Some((n, v)) = valid(h) {
+            headers.append(n, v);
+        }
+    }
+}

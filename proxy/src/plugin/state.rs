@@ -1,0 +1,120 @@
+//! What each plugin instance's store holds, and the host functions.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use wasmtime::component::ResourceTable;
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use super::bindings::{Level, portcullis::policy::host};
+
+/// The per-instance store data.
+pub struct State {
+    /// The plugin's name, for its log lines and counters.
+    pub plugin: Arc<str>,
+    /// An empty WASI context: no files, environment, arguments or network.
+    wasi: WasiCtx,
+    table: ResourceTable,
+    /// Memory cap for this instance.
+    pub limits: MemoryCap,
+}
+
+impl State {
+    /// State for an instance of `plugin` capped at `memory` bytes.
+    pub fn new(plugin: Arc<str>, memory: usize) -> State {
+        State {
+            plugin,
+            wasi: WasiCtx::builder().build(),
+            table: ResourceTable::new(),
+            limits: MemoryCap {
+                max: memory,
+                hit: false,
+            },
+        }
+    }
+}
+
+impl WasiView for State {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+/// Refuses memory growth past `max`, and remembers that it did so a trap
+/// that follows can be reported as memory exhaustion.
+pub struct MemoryCap {
+    max: usize,
+    /// Growth was refused at least once.
+    pub hit: bool,
+}
+
+impl wasmtime::ResourceLimiter for MemoryCap {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.max {
+            self.hit = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= 100_000)
+    }
+}
+
+/// Counter values by plugin and counter name.
+pub type Counters = HashMap<(Arc<str>, String), u64>;
+
+/// Counters plugins add to through `host.count` (and the proxy's own
+/// per-plugin `failures`), by plugin and name.
+pub fn counters() -> &'static Mutex<Counters> {
+    static COUNTERS: OnceLock<Mutex<Counters>> = OnceLock::new();
+    COUNTERS.get_or_init(Default::default)
+}
+
+impl host::Host for State {
+    fn log(&mut self, level: Level, message: String) {
+        let plugin = &*self.plugin;
+        // Bounded, so a plugin cannot flood the log with one call.
+        let message: &str = &message[..message.floor_char_boundary(4096)];
+        match level {
+            Level::Trace => tracing::trace!(target: "plugin", plugin, "{message}"),
+            Level::Debug => tracing::debug!(target: "plugin", plugin, "{message}"),
+            Level::Info => tracing::info!(target: "plugin", plugin, "{message}"),
+            Level::Warn => tracing::warn!(target: "plugin", plugin, "{message}"),
+            Level::Error => tracing::error!(target: "plugin", plugin, "{message}"),
+        }
+    }
+
+    fn now_unix_ms(&mut self) -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    }
+
+    fn count(&mut self, name: String, delta: u64) {
+        if name.len() > 64 {
+            return;
+        }
+        let mut c = counters().lock().unwrap_or_else(|p| p.into_inner());
+        // A plugin may not make unbounded numbers of counters.
+        if c.len() < 10_000 || c.contains_key(&(self.plugin.clone(), name.clone())) {
+            *c.entry((self.plugin.clone(), name)).or_default() += delta;
+        }
+    }
+}
+
+impl super::bindings::portcullis::policy::types::Host for State {}
