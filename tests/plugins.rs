@@ -418,3 +418,222 @@ routes:
         assert!(stderr.contains(needle), "missing `{needle}` in:\n{stderr}");
     }
 }
+
+fn jwt(
+    header: serde_json::Value,
+    claims: serde_json::Value,
+    sign: impl Fn(&[u8]) -> Vec<u8>,
+) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let signed = format!(
+        "{}.{}",
+        b64.encode(header.to_string()),
+        b64.encode(claims.to_string())
+    );
+    format!("{signed}.{}", b64.encode(sign(signed.as_bytes())))
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+#[tokio::test]
+async fn jwt_auth_checks_signature_expiry_and_audience() {
+    use base64::Engine as _;
+    use p256::ecdsa::signature::Signer;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let ec_key = p256::ecdsa::SigningKey::random(&mut rand_core::OsRng);
+    let point = ec_key.verifying_key().to_encoded_point(false);
+    let jwks = serde_json::json!({ "keys": [
+        { "kty": "EC", "kid": "k1", "crv": "P-256", "x": b64.encode(point.x().unwrap()), "y": b64.encode(point.y().unwrap()) }
+    ]});
+    let (api, hits) = counted_echo().await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: api, endpoints: ["{}"] }}]
+plugins: [{{ name: jwt, path: jwt-auth.wasm }}]
+routes:
+  - name: api
+    match: {{ path_prefix: /api }}
+    upstream: api
+    plugins:
+      - use: jwt
+        config:
+          hs256_secret: "${{JWT_SECRET}}"
+          jwks: {jwks}
+          issuer: https://issuer.example
+          audiences: [runtime-api]
+          claims_to_headers: {{ sub: x-user, tenant: x-tenant }}
+"#,
+            api.url()
+        ),
+        &["jwt-auth"],
+    );
+    let proxy = Proxy::start_dir(dir, &[("JWT_SECRET", "hs-secret".into())]).await;
+    let claims = |exp: u64, aud: &str| serde_json::json!({ "sub": "alice", "tenant": "blue", "iss": "https://issuer.example", "aud": aud, "exp": exp });
+    let es256 = |c: serde_json::Value| {
+        jwt(serde_json::json!({ "alg": "ES256", "kid": "k1" }), c, |m| {
+            let sig: p256::ecdsa::Signature = ec_key.sign(m);
+            sig.to_bytes().to_vec()
+        })
+    };
+    let hs256 = |c: serde_json::Value| {
+        jwt(serde_json::json!({ "alg": "HS256" }), c, |m| {
+            use hmac::Mac;
+            let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(b"hs-secret").unwrap();
+            mac.update(m);
+            mac.finalize().into_bytes().to_vec()
+        })
+    };
+    let call = |token: Option<String>| {
+        let url = proxy.url("/api/me");
+        async move {
+            let mut req = Request::get(url).header("x-user", "mallory");
+            if let Some(t) = token {
+                req = req.header("authorization", format!("Bearer {t}"));
+            }
+            client::send(&client::http1(), req.body(body(Bytes::new())).unwrap()).await
+        }
+    };
+    let later = now_secs() + 600;
+
+    let a = call(Some(es256(claims(later, "runtime-api")))).await;
+    assert_eq!(a.status, 200, "{:?}", String::from_utf8_lossy(&a.body));
+    assert_eq!(
+        a.json()["headers"]["x-user"],
+        "alice",
+        "the claim replaces a client-sent header"
+    );
+    assert_eq!(a.json()["headers"]["x-tenant"], "blue");
+    assert_eq!(
+        call(Some(hs256(claims(later, "runtime-api")))).await.status,
+        200
+    );
+
+    let expired = call(Some(es256(claims(now_secs() - 3600, "runtime-api")))).await;
+    assert_eq!(expired.status, 401);
+    assert_eq!(expired.header("www-authenticate"), Some("Bearer"));
+    assert_eq!(
+        call(Some(es256(claims(later, "other-api")))).await.status,
+        401
+    );
+    assert_eq!(call(None).await.status, 401);
+    assert_eq!(call(Some("not.a.jwt".into())).await.status, 401);
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        2,
+        "refused requests never reach the upstream"
+    );
+}
+
+#[tokio::test]
+async fn canary_route_by_header_cookie_and_share() {
+    let stable = upstream::echo("stable").await;
+    let canary = upstream::echo("canary").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: stable, endpoints: ["{}"] }}
+  - {{ name: canary, endpoints: ["{}"] }}
+plugins: [{{ name: canary, path: canary-route.wasm }}]
+routes:
+  - name: app
+    match: {{ path_prefix: / }}
+    upstream: stable
+    plugins:
+      - use: canary
+        config: {{ upstream: canary, percent: 25, header: {{ name: x-canary, value: always }}, cookie: {{ name: canary }} }}
+"#,
+            stable.url(),
+            canary.url()
+        ),
+        &["canary-route"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let c = client::http1();
+    let which = |req: Request<_>| {
+        let c = c.clone();
+        async move {
+            client::send(&c, req).await.json()["upstream"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        }
+    };
+    let header = Request::get(proxy.url("/x"))
+        .header("x-canary", "always")
+        .body(body(Bytes::new()))
+        .unwrap();
+    assert_eq!(which(header).await, "canary");
+    let cookie = Request::get(proxy.url("/x"))
+        .header("cookie", "a=1; canary=1")
+        .body(body(Bytes::new()))
+        .unwrap();
+    assert_eq!(which(cookie).await, "canary");
+    let mut to_canary = 0;
+    for _ in 0..100 {
+        if which(
+            Request::get(proxy.url("/x"))
+                .body(body(Bytes::new()))
+                .unwrap(),
+        )
+        .await
+            == "canary"
+        {
+            to_canary += 1;
+        }
+    }
+    // Each plugin instance spreads exactly 25 in 100; requests served by
+    // more than one instance land close to that.
+    assert!(
+        (15..=35).contains(&to_canary),
+        "{to_canary} of 100 went to the canary"
+    );
+}
+
+#[tokio::test]
+async fn ip_allow_trusts_only_the_configured_hops() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: ips, path: ip-allow.wasm }}]
+routes:
+  - {{ name: local, match: {{ path: /local }}, upstream: app, plugins: [{{ use: ips, config: {{ allow: [127.0.0.0/8] }} }}] }}
+  - {{ name: office, match: {{ path: /office }}, upstream: app, plugins: [{{ use: ips, config: {{ allow: [203.0.113.0/24], deny: [203.0.113.66], trusted_hops: 1 }} }}] }}
+"#,
+            app.url()
+        ),
+        &["ip-allow"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let get = |path: &str, xff: Option<&str>| {
+        let mut req = Request::get(proxy.url(path));
+        if let Some(x) = xff {
+            req = req.header("x-forwarded-for", x);
+        }
+        let req = req.body(body(Bytes::new())).unwrap();
+        async move { client::send(&client::http1(), req).await.status }
+    };
+    assert_eq!(get("/local", None).await, 200);
+    // A client cannot talk its way in with its own X-Forwarded-For: only
+    // the entry the trusted hop appended counts.
+    assert_eq!(get("/local", Some("127.0.0.1")).await, 200);
+    assert_eq!(get("/office", Some("203.0.113.10")).await, 200);
+    assert_eq!(
+        get("/office", Some("203.0.113.10, 198.51.100.7")).await,
+        403
+    );
+    assert_eq!(get("/office", Some("203.0.113.66")).await, 403);
+    assert_eq!(get("/office", None).await, 403);
+}

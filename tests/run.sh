@@ -28,4 +28,5 @@ cargo clippy --locked --manifest-path plugins/Cargo.toml --target wasm32-wasip2 
 echo "== test"
 cargo test --locked --workspace
 # The plugins' own unit tests run natively (their logic, not the bindings).
-cargo test --locked --manifest-path plugins/Cargo.toml -p webhook-signature --lib
+cargo test --locked --manifest-path plugins/Cargo.toml --lib \
+  -p webhook-signature -p jwt-auth -p ip-allow -p canary-route

@@ -1,0 +1,389 @@
+//! Bearer JWT authentication.
+//!
+//! Verifies `Authorization: Bearer <jwt>` signed with HS256 (a shared
+//! secret), RS256 or ES256 (keys from a JWKS in the config, chosen by `kid`
+//! when the token names one), then checks `exp` and `nbf` (with leeway),
+//! `iss` and `aud` when configured, and can copy chosen claims into request
+//! headers for the upstream. Failures answer 401 with `WWW-Authenticate`.
+
+use std::collections::BTreeMap;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
+use hmac::{Hmac, Mac};
+use portcullis_sdk::{Decision, HeaderEdits, Plugin, RequestHead, RouteInfo, header};
+use serde::Deserialize;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// One key of a JSON Web Key Set (RFC 7517); only what verification needs.
+#[derive(Deserialize, Clone)]
+pub struct Jwk {
+    kty: String,
+    kid: Option<String>,
+    alg: Option<String>,
+    // RSA
+    n: Option<String>,
+    e: Option<String>,
+    // EC
+    crv: Option<String>,
+    x: Option<String>,
+    y: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Jwks {
+    keys: Vec<Jwk>,
+}
+
+/// The route's config.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// HS256 shared secret.
+    hs256_secret: Option<String>,
+    /// A JWKS document (as an object, or as JSON text) for RS256/ES256.
+    jwks: Option<Value>,
+    issuer: Option<String>,
+    /// Accepted audiences; the token's `aud` must contain one.
+    #[serde(default)]
+    audiences: Vec<String>,
+    #[serde(default = "default_leeway")]
+    leeway_secs: u64,
+    /// Claim name → request header to set (string, number or bool claims).
+    #[serde(default)]
+    claims_to_headers: BTreeMap<String, String>,
+    /// Answer 401 without a token (default), or let tokenless requests on.
+    #[serde(default = "yes")]
+    required: bool,
+}
+
+fn default_leeway() -> u64 {
+    30
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Config {
+    fn parsed_keys(&self) -> Result<Vec<Jwk>, String> {
+        let Some(jwks) = &self.jwks else {
+            return Ok(Vec::new());
+        };
+        let doc: Jwks = match jwks {
+            Value::String(text) => serde_json::from_str(text),
+            other => serde_json::from_value(other.clone()),
+        }
+        .map_err(|e| format!("`jwks` is not a JWKS document: {e}"))?;
+        for k in &doc.keys {
+            match k.kty.as_str() {
+                "RSA" if k.n.is_some() && k.e.is_some() => {}
+                "EC" if k.crv.as_deref() == Some("P-256") && k.x.is_some() && k.y.is_some() => {}
+                other => {
+                    return Err(format!(
+                        "unsupported JWK (kty `{other}`): use RSA, or EC on P-256"
+                    ));
+                }
+            }
+        }
+        Ok(doc.keys)
+    }
+}
+
+/// Why a token was refused (shown in logs, not to the client).
+#[derive(Debug, PartialEq)]
+pub enum Refusal {
+    Malformed,
+    Algorithm(String),
+    NoKey,
+    Signature,
+    Expired,
+    NotYetValid,
+    Issuer,
+    Audience,
+}
+
+fn b64(part: &str) -> Result<Vec<u8>, Refusal> {
+    B64.decode(part).map_err(|_| Refusal::Malformed)
+}
+
+/// Verifies `token` against `config` at `now` (seconds); returns the claims.
+pub fn verify(
+    config: &Config,
+    keys: &[Jwk],
+    token: &str,
+    now: u64,
+) -> Result<serde_json::Map<String, Value>, Refusal> {
+    let mut parts = token.split('.');
+    let (Some(h), Some(p), Some(s), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(Refusal::Malformed);
+    };
+    let header: Value = serde_json::from_slice(&b64(h)?).map_err(|_| Refusal::Malformed)?;
+    let signature = b64(s)?;
+    let signed = &token.as_bytes()[..h.len() + 1 + p.len()];
+    let alg = header["alg"].as_str().unwrap_or("");
+    let kid = header["kid"].as_str();
+    let pick = |kty: &str| {
+        keys.iter()
+            .filter(|k| k.kty == kty && k.alg.as_deref().is_none_or(|a| a == alg))
+            .find(|k| kid.is_none() || k.kid.as_deref() == kid)
+            .ok_or(Refusal::NoKey)
+    };
+    match alg {
+        "HS256" => {
+            let secret = config.hs256_secret.as_deref().ok_or(Refusal::NoKey)?;
+            let mut mac =
+                Hmac::<Sha256>::new_from_slice(secret.as_bytes()).map_err(|_| Refusal::NoKey)?;
+            mac.update(signed);
+            mac.verify_slice(&signature)
+                .map_err(|_| Refusal::Signature)?;
+        }
+        "RS256" => {
+            let k = pick("RSA")?;
+            let n = rsa::BigUint::from_bytes_be(&b64(k.n.as_deref().unwrap_or(""))?);
+            let e = rsa::BigUint::from_bytes_be(&b64(k.e.as_deref().unwrap_or(""))?);
+            let key = rsa::RsaPublicKey::new(n, e).map_err(|_| Refusal::NoKey)?;
+            let digest = Sha256::digest(signed);
+            key.verify(rsa::Pkcs1v15Sign::new::<Sha256>(), &digest, &signature)
+                .map_err(|_| Refusal::Signature)?;
+        }
+        "ES256" => {
+            use p256::ecdsa::signature::Verifier;
+            let k = pick("EC")?;
+            let (x, y) = (
+                b64(k.x.as_deref().unwrap_or(""))?,
+                b64(k.y.as_deref().unwrap_or(""))?,
+            );
+            if x.len() != 32 || y.len() != 32 {
+                return Err(Refusal::NoKey);
+            }
+            let point = p256::EncodedPoint::from_affine_coordinates(
+                x.as_slice().into(),
+                y.as_slice().into(),
+                false,
+            );
+            let key = p256::ecdsa::VerifyingKey::from_encoded_point(&point)
+                .map_err(|_| Refusal::NoKey)?;
+            // JWS carries ES256 signatures as raw r||s (64 bytes).
+            let sig =
+                p256::ecdsa::Signature::from_slice(&signature).map_err(|_| Refusal::Signature)?;
+            key.verify(signed, &sig).map_err(|_| Refusal::Signature)?;
+        }
+        // "none" and anything else: refused, whatever the token claims.
+        other => return Err(Refusal::Algorithm(other.to_owned())),
+    }
+    let claims: serde_json::Map<String, Value> =
+        serde_json::from_slice(&b64(p)?).map_err(|_| Refusal::Malformed)?;
+    if let Some(exp) = claims.get("exp").and_then(Value::as_u64)
+        && now > exp + config.leeway_secs
+    {
+        return Err(Refusal::Expired);
+    }
+    if let Some(nbf) = claims.get("nbf").and_then(Value::as_u64)
+        && now + config.leeway_secs < nbf
+    {
+        return Err(Refusal::NotYetValid);
+    }
+    if let Some(iss) = &config.issuer
+        && claims.get("iss").and_then(Value::as_str) != Some(iss)
+    {
+        return Err(Refusal::Issuer);
+    }
+    if !config.audiences.is_empty() {
+        let ok = match claims.get("aud") {
+            Some(Value::String(a)) => config.audiences.contains(a),
+            Some(Value::Array(list)) => list
+                .iter()
+                .filter_map(Value::as_str)
+                .any(|a| config.audiences.iter().any(|x| x == a)),
+            _ => false,
+        };
+        if !ok {
+            return Err(Refusal::Audience);
+        }
+    }
+    Ok(claims)
+}
+
+struct JwtAuth;
+
+impl Plugin for JwtAuth {
+    type Config = Config;
+
+    fn validate(c: &Config) -> Result<(), String> {
+        let keys = c.parsed_keys()?;
+        if c.hs256_secret.as_deref().is_none_or(str::is_empty) && keys.is_empty() {
+            return Err("give `hs256_secret` or `jwks` (or both)".into());
+        }
+        Ok(())
+    }
+
+    fn on_request(
+        c: &Config,
+        req: &RequestHead,
+        _route: &RouteInfo,
+        _body: Option<&[u8]>,
+    ) -> Decision {
+        let token = req
+            .header_str("authorization")
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .map(str::trim);
+        let Some(token) = token else {
+            return if c.required {
+                unauthorized("missing bearer token")
+            } else {
+                portcullis_sdk::forward()
+            };
+        };
+        let keys = keys(c);
+        match verify(c, keys, token, portcullis_sdk::now_unix_ms() / 1000) {
+            Ok(claims) => {
+                let mut edits = HeaderEdits {
+                    remove: Vec::new(),
+                    set: Vec::new(),
+                    add: Vec::new(),
+                };
+                for (claim, name) in &c.claims_to_headers {
+                    // Never pass through a client-sent copy of a claim header.
+                    edits.remove.push(name.to_ascii_lowercase());
+                    let value = match claims.get(claim) {
+                        Some(Value::String(s)) => s.clone(),
+                        Some(v @ (Value::Number(_) | Value::Bool(_))) => v.to_string(),
+                        _ => continue,
+                    };
+                    edits.set.push(header(name, &value));
+                }
+                portcullis_sdk::forward_with(edits)
+            }
+            Err(why) => unauthorized(&format!("{why:?}")),
+        }
+    }
+}
+
+/// The config's keys, parsed once per instance.
+fn keys(c: &Config) -> &'static [Jwk] {
+    static KEYS: std::sync::OnceLock<Vec<Jwk>> = std::sync::OnceLock::new();
+    KEYS.get_or_init(|| c.parsed_keys().unwrap_or_default())
+}
+
+fn unauthorized(why: &str) -> Decision {
+    portcullis_sdk::count("refused", 1);
+    portcullis_sdk::log(portcullis_sdk::Level::Debug, &format!("jwt refused: {why}"));
+    match portcullis_sdk::respond(401, "invalid or missing bearer token") {
+        Decision::Respond(mut r) => {
+            r.headers.push(header("www-authenticate", "Bearer"));
+            Decision::Respond(r)
+        }
+        other => other,
+    }
+}
+
+portcullis_sdk::plugin!(JwtAuth);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use p256::ecdsa::signature::Signer;
+
+    fn config(json: Value) -> (Config, Vec<Jwk>) {
+        let c: Config = serde_json::from_value(json).unwrap();
+        let keys = c.parsed_keys().unwrap();
+        (c, keys)
+    }
+
+    fn token(header: Value, claims: Value, sign: impl Fn(&[u8]) -> Vec<u8>) -> String {
+        let signed = format!(
+            "{}.{}",
+            B64.encode(header.to_string()),
+            B64.encode(claims.to_string())
+        );
+        format!("{signed}.{}", B64.encode(sign(signed.as_bytes())))
+    }
+
+    fn hs(secret: &str) -> impl Fn(&[u8]) -> Vec<u8> + '_ {
+        move |m| {
+            let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).unwrap();
+            mac.update(m);
+            mac.finalize().into_bytes().to_vec()
+        }
+    }
+
+    #[test]
+    fn hs256_valid_expired_and_audience() {
+        let (c, k) = config(
+            serde_json::json!({ "hs256_secret": "s3", "audiences": ["api"], "issuer": "me" }),
+        );
+        let h = serde_json::json!({ "alg": "HS256" });
+        let ok = token(
+            h.clone(),
+            serde_json::json!({ "exp": 2000, "aud": "api", "iss": "me" }),
+            hs("s3"),
+        );
+        assert!(verify(&c, &k, &ok, 1000).is_ok());
+        assert_eq!(verify(&c, &k, &ok, 3000), Err(Refusal::Expired));
+        let wrong_aud = token(
+            h.clone(),
+            serde_json::json!({ "exp": 2000, "aud": ["web"], "iss": "me" }),
+            hs("s3"),
+        );
+        assert_eq!(verify(&c, &k, &wrong_aud, 1000), Err(Refusal::Audience));
+        let forged = token(
+            h,
+            serde_json::json!({ "exp": 2000, "aud": "api", "iss": "me" }),
+            hs("guess"),
+        );
+        assert_eq!(verify(&c, &k, &forged, 1000), Err(Refusal::Signature));
+        let none = token(
+            serde_json::json!({ "alg": "none" }),
+            serde_json::json!({}),
+            |_| Vec::new(),
+        );
+        assert!(matches!(
+            verify(&c, &k, &none, 1000),
+            Err(Refusal::Algorithm(_))
+        ));
+    }
+
+    #[test]
+    fn rs256_and_es256_from_jwks() {
+        use rsa::traits::PublicKeyParts;
+        let mut rng = rand_core::OsRng;
+        let rsa_key = rsa::RsaPrivateKey::new(&mut rng, 2048).unwrap();
+        let ec_key = p256::ecdsa::SigningKey::random(&mut rng);
+        let point = ec_key.verifying_key().to_encoded_point(false);
+        let jwks = serde_json::json!({ "keys": [
+            { "kty": "RSA", "kid": "r1", "n": B64.encode(rsa_key.n().to_bytes_be()), "e": B64.encode(rsa_key.e().to_bytes_be()) },
+            { "kty": "EC", "kid": "e1", "crv": "P-256", "x": B64.encode(point.x().unwrap()), "y": B64.encode(point.y().unwrap()) },
+        ]});
+        let (c, k) = config(serde_json::json!({ "jwks": jwks }));
+        let claims = serde_json::json!({ "sub": "alice", "exp": 2000 });
+        let rs = token(
+            serde_json::json!({ "alg": "RS256", "kid": "r1" }),
+            claims.clone(),
+            |m| {
+                rsa_key
+                    .sign(rsa::Pkcs1v15Sign::new::<Sha256>(), &Sha256::digest(m))
+                    .unwrap()
+            },
+        );
+        assert_eq!(verify(&c, &k, &rs, 1000).unwrap()["sub"], "alice");
+        let es = token(
+            serde_json::json!({ "alg": "ES256", "kid": "e1" }),
+            claims,
+            |m| {
+                let sig: p256::ecdsa::Signature = ec_key.sign(m);
+                sig.to_bytes().to_vec()
+            },
+        );
+        assert!(verify(&c, &k, &es, 1000).is_ok());
+        let mut tampered = es.clone();
+        tampered.replace_range(tampered.len() - 5.., "AAAAA");
+        assert_eq!(verify(&c, &k, &tampered, 1000), Err(Refusal::Signature));
+    }
+}
