@@ -308,6 +308,30 @@ impl Pipeline {
         if let Some(log) = log.as_mut() {
             log.route = Some(route.name.clone());
         }
+        // The route's plugins run first, whatever the action, except for
+        // health probes (a plugin must not make a pod look dead).
+        let mut body = Body::from(body);
+        let mut plugins = None;
+        let chain = &self.chains.routes[found.route];
+        if !chain.is_empty() && !matches!(route.action, Action::Health(_)) {
+            match chain::on_request(
+                chain,
+                &parts.method,
+                &parts.uri,
+                &mut parts.headers,
+                &mut body,
+                &path,
+                &found.params,
+                route,
+                conn,
+                config,
+            )
+            .await
+            {
+                chain::RequestOutcome::Forward(ctx) => plugins = Some(ctx),
+                chain::RequestOutcome::Answer(resp) => return (resp, forward::Held::default()),
+            }
+        }
         let mut resp = match &route.action {
             Action::Health(probe) => {
                 let ok = *probe == Probe::Live || self.shared.is_ready();
@@ -333,34 +357,7 @@ impl Pipeline {
                 r
             }
             Action::Forward(i) => {
-                let mut upstream = *i;
-                let mut body = Body::from(body);
-                let mut plugins = None;
-                let chain = &self.chains.routes[found.route];
-                if !chain.is_empty() {
-                    match chain::on_request(
-                        chain,
-                        &parts.method,
-                        &parts.uri,
-                        &mut parts.headers,
-                        &mut body,
-                        &path,
-                        &found.params,
-                        route,
-                        conn,
-                        config,
-                    )
-                    .await
-                    {
-                        chain::RequestOutcome::Forward(ctx) => {
-                            upstream = ctx.upstream.unwrap_or(upstream);
-                            plugins = Some(ctx);
-                        }
-                        chain::RequestOutcome::Answer(resp) => {
-                            return (resp, forward::Held::default());
-                        }
-                    }
-                }
+                let upstream = plugins.as_ref().and_then(|c| c.upstream).unwrap_or(*i);
                 let pool = &self.upstreams[conn.worker % self.upstreams.len()][upstream];
                 if let Some(log) = log.as_mut() {
                     log.upstream = Some(pool.spec.name.clone());

@@ -22,7 +22,8 @@
 //! ```
 //!
 //! Build with `cargo build --release --target wasm32-wasip2`; the `.wasm`
-//! file is the component a policy names.
+//! file is the component a policy names. This example is built and tested
+//! as `plugins/examples/require-header`.
 
 /// The generated bindings. In a module of their own: generated at the crate
 /// root, the exported macro and its re-export collide.

@@ -959,8 +959,16 @@ fn plugin_use(
             ))
         }
     });
+    let fresh_instances = ctx.parse_or(&u.instances, false, |s| match s {
+        "reuse" => Ok(false),
+        "per-request" => Ok(true),
+        _ => Err(format!(
+            "`{s}` is not an instance policy; use reuse or per-request"
+        )),
+    });
     Some(PluginUse {
         plugin,
+        fresh_instances,
         config_json,
         fail,
         timeout,

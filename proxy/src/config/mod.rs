@@ -133,6 +133,9 @@ pub struct PluginUse {
     pub timeout: Duration,
     /// Memory cap per instance, bytes.
     pub memory: usize,
+    /// A new instance for every request (nothing can carry over between
+    /// requests) instead of reusing idle ones.
+    pub fresh_instances: bool,
     /// Where it was attached.
     pub defined_at: Pos,
 }

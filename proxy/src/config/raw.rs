@@ -97,6 +97,8 @@ pub struct RawPluginUse {
     pub memory: Option<Text>,
     /// `false` (or empty) leaves the plugin out.
     pub enabled: Option<Text>,
+    /// `reuse` (default) or `per-request`.
+    pub instances: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -209,6 +209,7 @@ pub struct Binding {
     config_json: String,
     timeout: Duration,
     memory: usize,
+    fresh: bool,
     idle: Mutex<Vec<Instance>>,
 }
 
@@ -279,6 +280,9 @@ impl Binding {
     }
 
     fn checkin(&self, instance: Instance) {
+        if self.fresh {
+            return;
+        }
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         if idle.len() < MAX_IDLE {
             idle.push(instance);
@@ -420,6 +424,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                 config_json: u.config_json.clone(),
                 timeout: u.timeout,
                 memory: u.memory,
+                fresh: u.fresh_instances,
                 idle: Mutex::new(Vec::new()),
             };
             let at = |message: String| ConfigError {

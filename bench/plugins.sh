@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The cost of a header-only auth plugin: the same route with and without
+# jwt-auth (HS256 bearer token), in one Portcullis process, side by side.
+#
+#   bench/plugins.sh                    # defaults below
+#   DURATION=20 ROUNDS=5 bench/plugins.sh
+#
+# Routes (same upstream: one nginx worker answering a fixed body):
+#   /plain   no plugin
+#   /auth    jwt-auth, instances reused (the default)
+#   /fresh   jwt-auth, a new instance per request (instances: per-request)
+# Throughput: wrk -c$CONNECTIONS, median of ROUNDS. Added latency per call:
+# p50 with one connection (-c1), minus the plain route's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION=${DURATION:-10}
+CONNECTIONS=${CONNECTIONS:-64}
+ROUNDS=${ROUNDS:-3}
+WORKERS=${WORKERS:-$(nproc)}
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/tmp/portcullis-target}"
+
+if ! command -v wrk >/dev/null || ! command -v nginx >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq wrk nginx-light >/dev/null
+fi
+plugins/build.sh >/dev/null
+cargo build --release --locked -p portcullis
+BIN="$CARGO_TARGET_DIR/release/portcullis"
+
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+UP_PORT=$(free_port); PC_PORT=$(free_port)
+
+mkdir -p "$WORK/up" "$WORK/policies"
+cat > "$WORK/up/nginx.conf" <<CONF
+worker_processes 1;
+pid $WORK/up/nginx.pid;
+error_log $WORK/up/error.log;
+events { worker_connections 4096; }
+http { access_log off; keepalive_requests 1000000;
+  server { listen 127.0.0.1:$UP_PORT; location / { return 200 "hello from upstream\n"; } } }
+CONF
+nginx -p "$WORK/up" -c "$WORK/up/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+
+cp plugins/dist/jwt-auth.wasm "$WORK/policies/"
+cat > "$WORK/policies/bench.yaml" <<YAML
+listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT" }]
+upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP_PORT"] }]
+plugins: [{ name: jwt, path: jwt-auth.wasm }]
+routes:
+  - { name: plain, match: { path: /plain }, upstream: app }
+  - { name: auth, match: { path: /auth }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret } }] }
+  - { name: fresh, match: { path: /fresh }, upstream: app, plugins: [{ use: jwt, instances: per-request, config: { hs256_secret: bench-secret } }] }
+YAML
+RUST_LOG=warn "$BIN" serve --workers "$WORKERS" --policies "$WORK/policies" & PIDS+=($!)
+
+# An HS256 token for the bench secret, valid for an hour.
+TOKEN=$(python3 - <<'PY'
+import base64, hmac, hashlib, json, time
+b = lambda d: base64.urlsafe_b64encode(d).rstrip(b"=").decode()
+h = b(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
+c = b(json.dumps({"sub": "bench", "exp": int(time.time()) + 3600}).encode())
+s = b(hmac.new(b"bench-secret", f"{h}.{c}".encode(), hashlib.sha256).digest())
+print(f"{h}.{c}.{s}")
+PY
+)
+for _ in $(seq 100); do curl -fsS -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT/auth" >/dev/null 2>&1 && break; sleep 0.1; done
+curl -fsS -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT/auth" >/dev/null
+
+run_wrk() { # path threads connections -> "rps p50_us p99_us"
+  wrk -t"$2" -c"$3" -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$1" | awk '
+    function us(v) { if (v ~ /us$/) return v+0; if (v ~ /ms$/) return (v+0)*1000; if (v ~ /s$/) return (v+0)*1000000; return v }
+    /^ +50%/ { p50 = us($2) } /^ +99%/ { p99 = us($2) } /^Requests\/sec/ { rps = $2 }
+    /Non-2xx/ { print "ERRORS: " $0 > "/dev/stderr" }
+    END { printf "%.0f %.2f %.0f\n", rps, p50, p99 }'
+}
+for p in /plain /auth /fresh; do wrk -t1 -c8 -d2s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$p" >/dev/null; done
+
+for p in plain auth fresh; do : > "$WORK/$p.c64"; : > "$WORK/$p.c1"; done
+for r in $(seq "$ROUNDS"); do
+  for p in plain auth fresh; do
+    run_wrk "/$p" 2 "$CONNECTIONS" >> "$WORK/$p.c64"
+    run_wrk "/$p" 1 1 >> "$WORK/$p.c1"
+  done
+  echo "round $r: $(for p in plain auth fresh; do echo -n "$p [$(tail -1 "$WORK/$p.c64") | c1 $(tail -1 "$WORK/$p.c1")] "; done)"
+done
+median() { sort -n -k"$2" "$1" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
+read -r BASE _ _ <<<"$(median "$WORK/plain.c64" 1)"
+read -r _ BASE_P50 _ <<<"$(median "$WORK/plain.c1" 2)"
+echo
+echo "wrk -t2 -c$CONNECTIONS -d${DURATION}s (throughput) and -t1 -c1 (latency), $WORKERS workers, median of $ROUNDS rounds"
+printf "%-8s %12s %10s %14s %16s\n" route "requests/s" "vs plain" "p50 -c1 (us)" "added p50 (us)"
+for p in plain auth fresh; do
+  read -r RPS _ _ <<<"$(median "$WORK/$p.c64" 1)"
+  read -r _ P50 _ <<<"$(median "$WORK/$p.c1" 2)"
+  awk -v n="$p" -v r="$RPS" -v b="$BASE" -v l="$P50" -v bl="$BASE_P50" \
+    'BEGIN { printf "%-8s %12d %9.1f%% %14.1f %16.1f\n", n, r, (r/b-1)*100, l, l-bl }'
+done
