@@ -32,6 +32,9 @@ pub enum RequestOutcome {
 /// What the response hooks need, kept from the request hooks.
 pub struct PluginContext {
     head: RequestHead,
+    /// The request headers as forwarded, kept only when a response hook
+    /// will want them.
+    request_headers: http::HeaderMap,
     info: RouteInfo,
     chain: Arc<[Arc<Binding>]>,
     /// Another upstream (index), if a plugin chose one.
@@ -100,16 +103,13 @@ pub async fn on_request(
     for binding in chain.iter().filter(|b| b.hooks.contains(Hooks::REQUEST)) {
         let mut read_once = false;
         loop {
-            match binding.on_request(&head, &info, buffered.as_deref()).await {
+            match binding
+                .on_request(&head, headers, &info, buffered.as_deref())
+                .await
+            {
                 Ok(Decision::Forward(f)) => {
-                    if !(f.headers.remove.is_empty()
-                        && f.headers.set.is_empty()
-                        && f.headers.add.is_empty())
-                    {
-                        plugin::apply_edits(headers, &f.headers, &binding.plugin);
-                        // Later plugins see the request as edited.
-                        head.headers = plugin::to_wit_headers(headers);
-                    }
+                    // Later plugins read the request as edited.
+                    plugin::apply_edits(headers, &f.headers, &binding.plugin);
                     if let Some(p) = f.path {
                         match PathAndQuery::try_from(p.as_str()) {
                             Ok(pq) if p.starts_with('/') => {
@@ -199,8 +199,17 @@ pub async fn on_request(
             }
         }
     }
+    // Response hooks read the request's headers too; keep a copy only
+    // when one will.
+    let wants_response = chain.iter().any(|b| b.hooks.contains(Hooks::RESPONSE));
+    let request_headers = if wants_response {
+        headers.clone()
+    } else {
+        http::HeaderMap::new()
+    };
     RequestOutcome::Forward(PluginContext {
         head,
+        request_headers,
         info,
         chain: chain.clone(),
         upstream: ctx_upstream,
@@ -231,26 +240,30 @@ fn fail(binding: &Binding, route: &Route, e: &PluginError) -> Option<Response<Bo
 /// Runs the response hooks, last plugin first, on an upstream response
 /// head. `Err` is the answer to send instead when a plugin fails closed.
 pub async fn on_response(
-    ctx: &PluginContext,
+    ctx: &mut PluginContext,
     route: &Route,
     resp: &mut http::response::Parts,
 ) -> Result<(), Response<Body>> {
-    let mut head: Option<ResponseHead> = None;
-    for binding in ctx
-        .chain
+    let chain = ctx.chain.clone();
+    for binding in chain
         .iter()
         .rev()
         .filter(|b| b.hooks.contains(Hooks::RESPONSE))
     {
-        let h = head.get_or_insert_with(|| ResponseHead {
+        let head = ResponseHead {
             status: resp.status.as_u16(),
-            headers: plugin::to_wit_headers(&resp.headers),
-        });
-        match binding.on_response(&ctx.head, &ctx.info, h).await {
-            Ok(edits) => {
-                plugin::apply_edits(&mut resp.headers, &edits, &binding.plugin);
-                head = None;
-            }
+        };
+        match binding
+            .on_response(
+                &ctx.head,
+                &mut ctx.request_headers,
+                &ctx.info,
+                head,
+                &mut resp.headers,
+            )
+            .await
+        {
+            Ok(edits) => plugin::apply_edits(&mut resp.headers, &edits, &binding.plugin),
             Err(e) => {
                 if let Some(answer) = fail(binding, route, &e) {
                     return Err(answer);

@@ -440,7 +440,7 @@ impl Pipeline {
                         }
                         let (mut parts, body) = resp.into_parts();
                         forward::remove_hop_by_hop(&mut parts.headers, false);
-                        if let Some(ctx) = &plugins
+                        if let Some(ctx) = plugins.as_mut()
                             && let Err(answer) = chain::on_response(ctx, route, &mut parts).await
                         {
                             return (answer, forward::Held::default());

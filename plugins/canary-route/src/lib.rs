@@ -70,15 +70,18 @@ impl Plugin for CanaryRoute {
         _route: &RouteInfo,
         _body: Option<&[u8]>,
     ) -> Decision {
-        let by_header = selected(
-            &c.header,
-            c.header.as_ref().and_then(|h| req.header_str(&h.name)),
-        );
+        let header_value = c.header.as_ref().and_then(|h| req.header_str(&h.name));
+        let by_header = selected(&c.header, header_value.as_deref());
+        let cookies = if c.cookie.is_some() {
+            req.header_str("cookie")
+        } else {
+            None
+        };
         let by_cookie = selected(
             &c.cookie,
             c.cookie
                 .as_ref()
-                .and_then(|k| cookie(req.header_str("cookie")?, &k.name)),
+                .and_then(|k| cookie(cookies.as_deref()?, &k.name)),
         );
         let by_share = c.percent > 0 && {
             let acc = ACCUMULATOR.load(Ordering::Relaxed) + c.percent;

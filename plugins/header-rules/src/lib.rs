@@ -112,7 +112,7 @@ impl Plugin for HeaderRules {
             && req.method == "OPTIONS"
             && req.header("access-control-request-method").is_some()
         {
-            let Some(allowed) = cors.allow_origin(origin) else {
+            let Some(allowed) = cors.allow_origin(&origin) else {
                 return portcullis_sdk::respond(403, "origin not allowed");
             };
             let mut headers = cors.common(allowed);
@@ -122,9 +122,9 @@ impl Plugin for HeaderRules {
             ));
             let requested = req
                 .header_str("access-control-request-headers")
-                .unwrap_or("");
+                .unwrap_or_default();
             let allow_headers = if cors.allow_headers.is_empty() {
-                requested.to_owned()
+                requested
             } else {
                 cors.allow_headers.join(", ")
             };
@@ -149,7 +149,7 @@ impl Plugin for HeaderRules {
     ) -> HeaderEdits {
         let mut edits = c.response.to_wit();
         if let (Some(cors), Some(origin)) = (&c.cors, req.header_str("origin"))
-            && let Some(allowed) = cors.allow_origin(origin)
+            && let Some(allowed) = cors.allow_origin(&origin)
         {
             edits.set.extend(cors.common(allowed));
             if !cors.expose_headers.is_empty() {

@@ -122,7 +122,7 @@ impl Plugin for IpAllow {
         );
         let Some(ip) = client_ip(
             &req.client_addr,
-            req.header_str("x-forwarded-for"),
+            req.header_str("x-forwarded-for").as_deref(),
             c.trusted_hops,
         ) else {
             return portcullis_sdk::respond(403, "client address unknown");

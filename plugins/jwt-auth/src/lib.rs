@@ -227,8 +227,9 @@ impl Plugin for JwtAuth {
         _route: &RouteInfo,
         _body: Option<&[u8]>,
     ) -> Decision {
-        let token = req
-            .header_str("authorization")
+        let authorization = req.header_str("authorization");
+        let token = authorization
+            .as_deref()
             .and_then(|v| {
                 v.strip_prefix("Bearer ")
                     .or_else(|| v.strip_prefix("bearer "))

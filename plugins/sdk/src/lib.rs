@@ -158,28 +158,35 @@ pub fn count(name: &str, delta: u64) {
     portcullis::policy::host::count(name, delta);
 }
 
+// Headers are fetched from the host on demand (one host call per header
+// asked for), rather than copied into the plugin with every request.
 impl RequestHead {
-    /// The first value of a header (name in any case).
-    pub fn header(&self, name: &str) -> Option<&[u8]> {
-        self.headers
-            .iter()
-            .find(|h| h.name.eq_ignore_ascii_case(name))
-            .map(|h| h.value.as_slice())
+    /// The request's first value of a header (name in any case), as edited
+    /// by the plugins that ran before this one.
+    pub fn header(&self, name: &str) -> Option<Vec<u8>> {
+        portcullis::policy::host::request_header(name)
     }
 
-    /// The first value of a header, as text.
-    pub fn header_str(&self, name: &str) -> Option<&str> {
-        self.header(name).and_then(|v| std::str::from_utf8(v).ok())
+    /// [`RequestHead::header`] as text.
+    pub fn header_str(&self, name: &str) -> Option<String> {
+        self.header(name).and_then(|v| String::from_utf8(v).ok())
+    }
+
+    /// All of the request's headers.
+    pub fn headers(&self) -> Vec<Header> {
+        portcullis::policy::host::request_headers()
     }
 }
 
 impl ResponseHead {
-    /// The first value of a header (name in any case).
-    pub fn header(&self, name: &str) -> Option<&[u8]> {
-        self.headers
-            .iter()
-            .find(|h| h.name.eq_ignore_ascii_case(name))
-            .map(|h| h.value.as_slice())
+    /// The response's first value of a header (name in any case).
+    pub fn header(&self, name: &str) -> Option<Vec<u8>> {
+        portcullis::policy::host::response_header(name)
+    }
+
+    /// All of the response's headers.
+    pub fn headers(&self) -> Vec<Header> {
+        portcullis::policy::host::response_headers()
     }
 }
 

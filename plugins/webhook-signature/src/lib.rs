@@ -94,7 +94,7 @@ impl Plugin for WebhookSignature {
         };
         match body {
             None => portcullis_sdk::read_body(c.max_body),
-            Some(body) if hmac_matches(c.secret.as_bytes(), body, signature) => {
+            Some(body) if hmac_matches(c.secret.as_bytes(), body, &signature) => {
                 portcullis_sdk::count("verified", 1);
                 portcullis_sdk::forward()
             }

@@ -289,20 +289,25 @@ impl Binding {
         }
     }
 
-    /// Calls `on-request`. A failed instance is dropped, not reused.
+    /// Calls `on-request`; the plugin reads `headers` through host calls
+    /// (they are lent to the instance for the call, not copied). A failed
+    /// instance is dropped, not reused.
     pub async fn on_request(
         &self,
         req: &RequestHead,
+        headers: &mut http::HeaderMap,
         route: &RouteInfo,
         body: Option<&[u8]>,
     ) -> Result<Decision, PluginError> {
         let mut inst = self.checkout().await?;
         inst.store.set_epoch_deadline(self.deadline_ticks());
-        match inst
+        inst.store.data_mut().request_headers = std::mem::take(headers);
+        let result = inst
             .policy
             .call_on_request(&mut inst.store, req, route, body)
-            .await
-        {
+            .await;
+        *headers = std::mem::take(&mut inst.store.data_mut().request_headers);
+        match result {
             Ok(d) => {
                 self.checkin(inst);
                 Ok(d)
@@ -311,20 +316,27 @@ impl Binding {
         }
     }
 
-    /// Calls `on-response`.
+    /// Calls `on-response`, lending the request's and the response's
+    /// headers to the instance for the call.
     pub async fn on_response(
         &self,
         req: &RequestHead,
+        req_headers: &mut http::HeaderMap,
         route: &RouteInfo,
-        resp: &ResponseHead,
+        resp: ResponseHead,
+        resp_headers: &mut http::HeaderMap,
     ) -> Result<HeaderEdits, PluginError> {
         let mut inst = self.checkout().await?;
         inst.store.set_epoch_deadline(self.deadline_ticks());
-        match inst
+        inst.store.data_mut().request_headers = std::mem::take(req_headers);
+        inst.store.data_mut().response_headers = std::mem::take(resp_headers);
+        let result = inst
             .policy
             .call_on_response(&mut inst.store, req, route, resp)
-            .await
-        {
+            .await;
+        *req_headers = std::mem::take(&mut inst.store.data_mut().request_headers);
+        *resp_headers = std::mem::take(&mut inst.store.data_mut().response_headers);
+        match result {
             Ok(edits) => {
                 self.checkin(inst);
                 Ok(edits)
@@ -511,7 +523,6 @@ pub fn request_head(
         authority,
         path: path.to_owned(),
         query: uri.query().map(str::to_owned),
-        headers: to_wit_headers(headers),
         client_addr: client.to_canonical().to_string(),
         tls,
         sni: None,

@@ -17,6 +17,11 @@ pub struct State {
     table: ResourceTable,
     /// Memory cap for this instance.
     pub limits: MemoryCap,
+    /// The current request's headers, moved in for the length of a call
+    /// (no copy) and handed out only as the plugin asks.
+    pub request_headers: http::HeaderMap,
+    /// The current response's headers, likewise, during `on-response`.
+    pub response_headers: http::HeaderMap,
 }
 
 impl State {
@@ -30,6 +35,8 @@ impl State {
                 max: memory,
                 hit: false,
             },
+            request_headers: http::HeaderMap::new(),
+            response_headers: http::HeaderMap::new(),
         }
     }
 }
@@ -105,6 +112,22 @@ impl host::Host for State {
             .map_or(0, |d| d.as_millis() as u64)
     }
 
+    fn request_header(&mut self, name: String) -> Option<Vec<u8>> {
+        first(&self.request_headers, &name)
+    }
+
+    fn request_headers(&mut self) -> Vec<super::bindings::Header> {
+        super::to_wit_headers(&self.request_headers)
+    }
+
+    fn response_header(&mut self, name: String) -> Option<Vec<u8>> {
+        first(&self.response_headers, &name)
+    }
+
+    fn response_headers(&mut self) -> Vec<super::bindings::Header> {
+        super::to_wit_headers(&self.response_headers)
+    }
+
     fn count(&mut self, name: String, delta: u64) {
         if name.len() > 64 {
             return;
@@ -118,3 +141,8 @@ impl host::Host for State {
 }
 
 impl super::bindings::portcullis::policy::types::Host for State {}
+
+fn first(headers: &http::HeaderMap, name: &str) -> Option<Vec<u8>> {
+    // Looking up by &str parses (and lower-cases) the name; no allocation.
+    headers.get(name).map(|v| v.as_bytes().to_vec())
+}
