@@ -7,7 +7,8 @@
 #
 # Routes (same upstream: one nginx worker answering a fixed body):
 #   /plain   no plugin
-#   /auth    jwt-auth, instances reused (the default)
+#   /key     the SDK example (require-header): a header-only API-key check
+#   /auth    jwt-auth (HS256), instances reused (the default)
 #   /fresh   jwt-auth, a new instance per request (instances: per-request)
 # Throughput: wrk -c$CONNECTIONS, median of ROUNDS. Added latency per call:
 # p50 with one connection (-c1), minus the plain route's.
@@ -45,13 +46,14 @@ http { access_log off; keepalive_requests 1000000;
 CONF
 nginx -p "$WORK/up" -c "$WORK/up/nginx.conf" -g 'daemon off;' & PIDS+=($!)
 
-cp plugins/dist/jwt-auth.wasm "$WORK/policies/"
+cp plugins/dist/jwt-auth.wasm plugins/dist/example-require-header.wasm "$WORK/policies/"
 cat > "$WORK/policies/bench.yaml" <<YAML
 listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT" }]
 upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP_PORT"] }]
-plugins: [{ name: jwt, path: jwt-auth.wasm }]
+plugins: [{ name: jwt, path: jwt-auth.wasm }, { name: key, path: example-require-header.wasm }]
 routes:
   - { name: plain, match: { path: /plain }, upstream: app }
+  - { name: key, match: { path: /key }, upstream: app, plugins: [{ use: key, config: { header: authorization } }] }
   - { name: auth, match: { path: /auth }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret } }] }
   - { name: fresh, match: { path: /fresh }, upstream: app, plugins: [{ use: jwt, instances: per-request, config: { hs256_secret: bench-secret } }] }
 YAML
@@ -77,15 +79,15 @@ run_wrk() { # path threads connections -> "rps p50_us p99_us"
     /Non-2xx/ { print "ERRORS: " $0 > "/dev/stderr" }
     END { printf "%.0f %.2f %.0f\n", rps, p50, p99 }'
 }
-for p in /plain /auth /fresh; do wrk -t1 -c8 -d2s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$p" >/dev/null; done
+for p in /plain /key /auth /fresh; do wrk -t1 -c8 -d2s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$p" >/dev/null; done
 
-for p in plain auth fresh; do : > "$WORK/$p.c64"; : > "$WORK/$p.c1"; done
+for p in plain key auth fresh; do : > "$WORK/$p.c64"; : > "$WORK/$p.c1"; done
 for r in $(seq "$ROUNDS"); do
-  for p in plain auth fresh; do
+  for p in plain key auth fresh; do
     run_wrk "/$p" 2 "$CONNECTIONS" >> "$WORK/$p.c64"
     run_wrk "/$p" 1 1 >> "$WORK/$p.c1"
   done
-  echo "round $r: $(for p in plain auth fresh; do echo -n "$p [$(tail -1 "$WORK/$p.c64") | c1 $(tail -1 "$WORK/$p.c1")] "; done)"
+  echo "round $r: $(for p in plain key auth fresh; do echo -n "$p [$(tail -1 "$WORK/$p.c64") | c1 $(tail -1 "$WORK/$p.c1")] "; done)"
 done
 median() { sort -n -k"$2" "$1" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
 read -r BASE _ _ <<<"$(median "$WORK/plain.c64" 1)"
@@ -93,7 +95,7 @@ read -r _ BASE_P50 _ <<<"$(median "$WORK/plain.c1" 2)"
 echo
 echo "wrk -t2 -c$CONNECTIONS -d${DURATION}s (throughput) and -t1 -c1 (latency), $WORKERS workers, median of $ROUNDS rounds"
 printf "%-8s %12s %10s %14s %16s\n" route "requests/s" "vs plain" "p50 -c1 (us)" "added p50 (us)"
-for p in plain auth fresh; do
+for p in plain key auth fresh; do
   read -r RPS _ _ <<<"$(median "$WORK/$p.c64" 1)"
   read -r _ P50 _ <<<"$(median "$WORK/$p.c1" 2)"
   awk -v n="$p" -v r="$RPS" -v b="$BASE" -v l="$P50" -v bl="$BASE_P50" \

@@ -24,7 +24,7 @@ use crate::plugin::{
 /// What the request hooks decided.
 pub enum RequestOutcome {
     /// Go on to the upstream.
-    Forward(PluginContext),
+    Forward(Box<PluginContext>),
     /// Answer now with this.
     Answer(Response<Body>),
 }
@@ -207,14 +207,14 @@ pub async fn on_request(
     } else {
         http::HeaderMap::new()
     };
-    RequestOutcome::Forward(PluginContext {
+    RequestOutcome::Forward(Box::new(PluginContext {
         head,
         request_headers,
         info,
         chain: chain.clone(),
         upstream: ctx_upstream,
         path: ctx_path,
-    })
+    }))
 }
 
 /// Logs a plugin failure and applies its failure policy: `Some` answer

@@ -132,10 +132,20 @@ impl PluginHost {
             .total_memories(POOL_SLOTS)
             .total_tables(POOL_SLOTS * 4)
             .total_stacks(POOL_SLOTS)
-            .max_memory_size(crate::config::MAX_PLUGIN_MEMORY);
+            .max_memory_size(crate::config::MAX_PLUGIN_MEMORY)
+            // Keep the hot part of reused fiber stacks, memories and tables
+            // mapped: by default each is decommitted when returned to the
+            // pool, and every call then pays page faults to touch it again.
+            .async_stack_keep_resident(256 << 10)
+            .linear_memory_keep_resident(1 << 20)
+            .table_keep_resident(64 << 10);
         let mut config = wasmtime::Config::new();
         config
             .epoch_interruption(true)
+            // Plugins are small policies, not programs with deep recursion;
+            // smaller stacks keep the pool's footprint down.
+            .async_stack_size(1 << 20)
+            .max_wasm_stack(512 << 10)
             .wasm_component_model(true)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
             // Reserve per memory only what the largest cap allows rather
