@@ -21,36 +21,11 @@ CONNECTIONS=${CONNECTIONS:-64}
 ROUNDS=${ROUNDS:-3}
 WORKERS=${WORKERS:-$(nproc)}
 WRK_THREADS=${WRK_THREADS:-2}
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/tmp/portcullis-target}"
-
-if ! command -v wrk >/dev/null || ! command -v nginx >/dev/null; then
-  apt-get update -qq && apt-get install -y -qq wrk nginx-light >/dev/null
-fi
-cargo build --release --locked -p portcullis
-BIN="$CARGO_TARGET_DIR/release/portcullis"
-
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
-trap cleanup EXIT
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# shellcheck source=bench/common.sh
+. bench/common.sh
 UP_PORT=$(free_port); NGINX_PORT=$(free_port); CHART_PORT=$(free_port); PC_PORT=$(free_port)
-
-# The upstream: one nginx worker answering a small fixed body.
-mkdir -p "$WORK/up" "$WORK/px" "$WORK/chart"
-cat > "$WORK/up/nginx.conf" <<CONF
-worker_processes 1;
-pid $WORK/up/nginx.pid;
-error_log $WORK/up/error.log;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  keepalive_requests 1000000;
-  server { listen 127.0.0.1:$UP_PORT; location / { return 200 "hello from upstream\n"; } }
-}
-CONF
-nginx -p "$WORK/up" -c "$WORK/up/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+mkdir -p "$WORK/px" "$WORK/chart"
+start_upstream "$UP_PORT"
 
 # nginx as the reverse proxy under test.
 cat > "$WORK/px/nginx.conf" <<CONF
@@ -108,13 +83,7 @@ wait_port() { for _ in $(seq 100); do curl -fsS "http://127.0.0.1:$1/" >/dev/nul
 wait_port "$UP_PORT"; wait_port "$NGINX_PORT"; wait_port "$CHART_PORT"; wait_port "$PC_PORT"
 
 # Prints "rps p50_us p99_us" for one wrk run.
-run_wrk() {
-  wrk -t"$WRK_THREADS" -c"$CONNECTIONS" -d"${DURATION}s" --latency "http://127.0.0.1:$1/bench" | awk '
-    function us(v) { if (v ~ /us$/) return v+0; if (v ~ /ms$/) return (v+0)*1000; if (v ~ /s$/) return (v+0)*1000000; return v }
-    /^ +50%/ { p50 = us($2) } /^ +99%/ { p99 = us($2) } /^Requests\/sec/ { rps = $2 }
-    /Non-2xx/ { bad = $NF } /Socket errors/ { err = $0 }
-    END { if (bad > 0 || err != "") { print "ERRORS " bad " " err > "/dev/stderr" } printf "%.0f %.0f %.0f\n", rps, p50, p99 }'
-}
+run_wrk() { wrk -t"$WRK_THREADS" -c"$CONNECTIONS" -d"${DURATION}s" --latency "http://127.0.0.1:$1/bench" | wrk_figures; }
 
 echo "warming up..."
 for port in "$NGINX_PORT" "$CHART_PORT" "$PC_PORT"; do wrk -t1 -c8 -d2s "http://127.0.0.1:$port/" >/dev/null; done
@@ -131,7 +100,6 @@ for r in $(seq "$ROUNDS"); do
   echo "$line (rps p50us p99us)"
 done
 
-median() { sort -n -k1 "$1" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
 echo
 echo "wrk -t$WRK_THREADS -c$CONNECTIONS -d${DURATION}s, $WORKERS workers each, median of $ROUNDS rounds, $(nproc) cores"
 printf "%-12s %12s %10s %10s %12s %12s\n" proxy "requests/s" "p50 (us)" "p99 (us)" "rps ratio" "p99 ratio"

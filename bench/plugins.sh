@@ -19,32 +19,12 @@ DURATION=${DURATION:-10}
 CONNECTIONS=${CONNECTIONS:-64}
 ROUNDS=${ROUNDS:-3}
 WORKERS=${WORKERS:-$(nproc)}
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/tmp/portcullis-target}"
-
-if ! command -v wrk >/dev/null || ! command -v nginx >/dev/null; then
-  apt-get update -qq && apt-get install -y -qq wrk nginx-light >/dev/null
-fi
 plugins/build.sh >/dev/null
-cargo build --release --locked -p portcullis
-BIN="$CARGO_TARGET_DIR/release/portcullis"
-
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
-trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# shellcheck source=bench/common.sh
+. bench/common.sh
 UP_PORT=$(free_port); PC_PORT=$(free_port)
-
-mkdir -p "$WORK/up" "$WORK/policies"
-cat > "$WORK/up/nginx.conf" <<CONF
-worker_processes 1;
-pid $WORK/up/nginx.pid;
-error_log $WORK/up/error.log;
-events { worker_connections 4096; }
-http { access_log off; keepalive_requests 1000000;
-  server { listen 127.0.0.1:$UP_PORT; location / { return 200 "hello from upstream\n"; } } }
-CONF
-nginx -p "$WORK/up" -c "$WORK/up/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+mkdir -p "$WORK/policies"
+start_upstream "$UP_PORT"
 
 cp plugins/dist/jwt-auth.wasm plugins/dist/example-require-header.wasm "$WORK/policies/"
 cat > "$WORK/policies/bench.yaml" <<YAML
@@ -73,11 +53,7 @@ for _ in $(seq 100); do curl -fsS -H "authorization: Bearer $TOKEN" "http://127.
 curl -fsS -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT/auth" >/dev/null
 
 run_wrk() { # path threads connections -> "rps p50_us p99_us"
-  wrk -t"$2" -c"$3" -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$1" | awk '
-    function us(v) { if (v ~ /us$/) return v+0; if (v ~ /ms$/) return (v+0)*1000; if (v ~ /s$/) return (v+0)*1000000; return v }
-    /^ +50%/ { p50 = us($2) } /^ +99%/ { p99 = us($2) } /^Requests\/sec/ { rps = $2 }
-    /Non-2xx/ { print "ERRORS: " $0 > "/dev/stderr" }
-    END { printf "%.0f %.2f %.0f\n", rps, p50, p99 }'
+  wrk -t"$2" -c"$3" -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$1" | wrk_figures
 }
 for p in /plain /key /auth /fresh; do wrk -t1 -c8 -d2s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$p" >/dev/null; done
 
@@ -89,7 +65,6 @@ for r in $(seq "$ROUNDS"); do
   done
   echo "round $r: $(for p in plain key auth fresh; do echo -n "$p [$(tail -1 "$WORK/$p.c64") | c1 $(tail -1 "$WORK/$p.c1")] "; done)"
 done
-median() { sort -n -k"$2" "$1" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
 read -r BASE _ _ <<<"$(median "$WORK/plain.c64" 1)"
 read -r _ BASE_P50 _ <<<"$(median "$WORK/plain.c1" 2)"
 echo
