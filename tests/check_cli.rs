@@ -104,3 +104,25 @@ routes:
         );
     }
 }
+
+#[test]
+fn a_configmap_mount_is_read_through_its_symlinks() {
+    use std::os::unix::fs::symlink;
+    // The kubelet's layout: files in a timestamped directory, `..data`
+    // pointing at it, and each key a symlink through `..data`.
+    let dir = tempfile::tempdir().unwrap();
+    let stamp = dir.path().join("..2026_11_22_00_00_00.000000001");
+    std::fs::create_dir(&stamp).unwrap();
+    std::fs::write(
+        stamp.join("routing.yaml"),
+        "listeners: [{ name: http, bind: \"127.0.0.1:0\" }]\nroutes: [{ name: ok, match: { path: /ok }, respond: { status: 200 } }]\n",
+    )
+    .unwrap();
+    std::fs::write(stamp.join("notes.txt"), "not a policy").unwrap();
+    symlink(stamp.file_name().unwrap(), dir.path().join("..data")).unwrap();
+    symlink("..data/routing.yaml", dir.path().join("routing.yaml")).unwrap();
+    symlink("..data/notes.txt", dir.path().join("notes.txt")).unwrap();
+    let (ok, stdout, stderr) = check(dir.path());
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("1 routes"), "{stdout}");
+}

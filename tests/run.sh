@@ -10,6 +10,22 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/tmp/portcullis-target}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
+# Cargo's fingerprints for this workspace's own crates record the checkout
+# they were built from, and a build from another checkout (a CI clone)
+# would take them as fresh. When the checkout changed, drop those crates'
+# artifacts (not the dependencies') so what is tested is this checkout.
+mkdir -p "$CARGO_TARGET_DIR"
+marker="$CARGO_TARGET_DIR/.portcullis-checkout"
+if [ "$(cat "$marker" 2>/dev/null)" != "$PWD" ]; then
+  cargo clean -p portcullis >/dev/null 2>&1 || true
+  for crate in portcullis-sdk webhook-signature header-rules jwt-auth ip-allow canary-route \
+      example-require-header fixture-loop-forever fixture-trap fixture-grow-memory; do
+    cargo clean --manifest-path plugins/Cargo.toml -p "$crate" >/dev/null 2>&1 || true
+    cargo clean --manifest-path plugins/Cargo.toml --target wasm32-wasip2 -p "$crate" >/dev/null 2>&1 || true
+  done
+  echo "$PWD" > "$marker"
+fi
+
 if command -v rustup >/dev/null 2>&1; then
   installed=$(rustup component list --installed 2>/dev/null || true)
   for c in rustfmt clippy; do
