@@ -7,7 +7,6 @@ use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::time::Instant;
 
 use http::header::{self, HeaderValue};
 use http::uri::PathAndQuery;
@@ -254,9 +253,7 @@ impl Pipeline {
     /// Handles one request end to end. Never fails: every problem becomes
     /// an HTTP answer.
     pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ResponseBody> {
-        let start = Instant::now();
-        let mut log =
-            AccessLog::start(req.method(), req.uri().path_and_query(), conn.client, start);
+        let mut log = AccessLog::start(req.method(), req.uri().path_and_query(), conn.client);
         let (resp, held) = self.route_and_serve(req, conn, &mut log).await;
         if let Some(log) = log.as_mut() {
             log.status = resp.status().as_u16();
@@ -314,7 +311,10 @@ impl Pipeline {
         let mut plugins = None;
         let chain = &self.chains.routes[found.route];
         if !chain.is_empty() && !matches!(route.action, Action::Health(_)) {
-            match chain::on_request(
+            // Boxed: the plugin calls' futures are large, and inline they
+            // would make every request's future (plugins or not) larger,
+            // copied on every move.
+            match Box::pin(chain::on_request(
                 chain,
                 &parts.method,
                 &parts.uri,
@@ -325,7 +325,7 @@ impl Pipeline {
                 route,
                 conn,
                 config,
-            )
+            ))
             .await
             {
                 chain::RequestOutcome::Forward(ctx) => plugins = Some(ctx),
@@ -441,7 +441,8 @@ impl Pipeline {
                         let (mut parts, body) = resp.into_parts();
                         forward::remove_hop_by_hop(&mut parts.headers, false);
                         if let Some(ctx) = plugins.as_mut()
-                            && let Err(answer) = chain::on_response(ctx, route, &mut parts).await
+                            && let Err(answer) =
+                                Box::pin(chain::on_response(ctx, route, &mut parts)).await
                         {
                             return (answer, forward::Held::default());
                         }

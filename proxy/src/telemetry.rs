@@ -56,12 +56,12 @@ pub struct AccessLog {
 }
 
 impl AccessLog {
-    /// A record for a request, or `None` when access logging is off.
+    /// A record for a request starting now, or `None` when access logging
+    /// is off.
     pub fn start(
         method: &Method,
         path: Option<&PathAndQuery>,
         client: SocketAddr,
-        start: Instant,
     ) -> Option<AccessLog> {
         tracing::enabled!(target: ACCESS_TARGET, tracing::Level::INFO).then(|| AccessLog {
             method: method.clone(),
@@ -70,7 +70,8 @@ impl AccessLog {
             status: 0,
             route: None,
             upstream: None,
-            start,
+            // Read the clock only when the line will be written.
+            start: Instant::now(),
             bytes_sent: 0,
             aborted: false,
         })
