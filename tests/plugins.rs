@@ -18,7 +18,10 @@ async fn counted_echo() -> (Upstream, Arc<AtomicUsize>) {
     let echo = upstream::echo("counted").await;
     let counter = hits.clone();
     let target = echo.url();
+    // The front owns the echo server: both stop when the front is dropped.
+    let echo = Arc::new(echo);
     let front = upstream::serve(move |req: Request<hyper::body::Incoming>| {
+        let _owned = &echo;
         counter.fetch_add(1, Ordering::SeqCst);
         let target = target.clone();
         async move {
@@ -45,8 +48,6 @@ async fn counted_echo() -> (Upstream, Arc<AtomicUsize>) {
         }
     })
     .await;
-    // Keep the echo server alive as long as the front.
-    std::mem::forget(echo);
     (front, hits)
 }
 

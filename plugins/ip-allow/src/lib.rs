@@ -96,6 +96,18 @@ pub fn client_ip(peer: &str, xff: Option<&str>, trusted_hops: usize) -> Option<I
         .or_else(|| peer.parse().ok())
 }
 
+/// The config's blocks, parsed once per instance (each instance has one
+/// config, and `validate` already refused bad ones) rather than per request.
+fn parsed(c: &Config) -> &'static (Vec<Cidr>, Vec<Cidr>) {
+    static BLOCKS: std::sync::OnceLock<(Vec<Cidr>, Vec<Cidr>)> = std::sync::OnceLock::new();
+    BLOCKS.get_or_init(|| {
+        (
+            blocks(&c.allow).unwrap_or_default(),
+            blocks(&c.deny).unwrap_or_default(),
+        )
+    })
+}
+
 struct IpAllow;
 
 impl Plugin for IpAllow {
@@ -116,10 +128,7 @@ impl Plugin for IpAllow {
         _route: &RouteInfo,
         _body: Option<&[u8]>,
     ) -> Decision {
-        let (allow, deny) = (
-            blocks(&c.allow).unwrap_or_default(),
-            blocks(&c.deny).unwrap_or_default(),
-        );
+        let (allow, deny) = parsed(c);
         let Some(ip) = client_ip(
             &req.client_addr,
             req.header_str("x-forwarded-for").as_deref(),
