@@ -8,6 +8,7 @@ mod default_routes;
 mod errors;
 mod lifecycle;
 mod plugins;
+mod reload;
 mod routing;
 mod streaming;
 mod tls_upstream;

@@ -175,7 +175,9 @@ routes:
             echo.url(),
             source.url()
         ),
-        &[],
+        // One worker: each worker thread has its own allocator arenas, and
+        // which of them serve the two transfers would change the figure.
+        &["--workers", "1"],
     )
     .await;
     // Warm up (pools, allocator arenas) before taking the baseline.

@@ -3,10 +3,12 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::Context;
 
 use crate::config::{self, Config, ConfigErrors};
+use crate::reload::{Reloader, WatchOptions};
 use crate::server::{Drain, Server};
 
 /// Loads the policies from `dir`, or the built-in default set.
@@ -66,12 +68,44 @@ pub fn check(dir: Option<&Path>) -> ExitCode {
     }
 }
 
-/// `portcullis serve`: loads, binds, serves until SIGTERM or SIGINT, then
-/// drains as `drain` says.
-pub async fn serve(dir: Option<PathBuf>, workers: usize, drain: Drain) -> anyhow::Result<()> {
-    let config = load(dir.as_deref()).map_err(|e| anyhow::anyhow!("invalid policies:\n{e}"))?;
-    let server = Server::bind(config, workers).await?;
-    server.run(shutdown_signal(), drain).await?;
+/// How `portcullis serve` runs.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Policy directory; the built-in default set when `None`.
+    pub policies: Option<PathBuf>,
+    /// Worker threads.
+    pub workers: usize,
+    /// How shutdown drains.
+    pub drain: Drain,
+    /// The admin listener's address; `None` turns it off.
+    pub admin: Option<std::net::SocketAddr>,
+    /// When the policies are reloaded.
+    pub watch: WatchOptions,
+}
+
+/// `portcullis serve`: loads, binds, serves until SIGTERM or SIGINT (and
+/// reloads the policies when they change, on SIGHUP and on the admin
+/// endpoint's request), then drains as `options.drain` says.
+pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
+    let config =
+        load(options.policies.as_deref()).map_err(|e| anyhow::anyhow!("invalid policies:\n{e}"))?;
+    let server = Server::bind(config, options.workers).await?;
+    let reloader = Arc::new(Reloader::new(
+        options.policies.clone(),
+        server.control().clone(),
+    ));
+    if let Some(addr) = options.admin {
+        crate::admin::serve(addr, reloader.clone())
+            .await
+            .with_context(|| {
+                format!("cannot bind the admin listener on {addr} (--admin off turns it off)")
+            })?;
+    }
+    let watch = crate::reload::watch(reloader, options.watch).await;
+    let watching = tokio::spawn(watch.run());
+    let served = server.run(shutdown_signal(), options.drain).await;
+    watching.abort();
+    served?;
     Ok(())
 }
 

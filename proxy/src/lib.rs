@@ -5,6 +5,7 @@
 //! lookup) → [`forward`] (upstream pool, balancing, retries, upgrades).
 //! [`config`] turns policy files into the immutable model all of them read.
 
+pub mod admin;
 pub mod body;
 pub mod chain;
 pub mod commands;
@@ -12,6 +13,7 @@ pub mod config;
 pub mod forward;
 pub mod pipeline;
 pub mod plugin;
+pub mod reload;
 pub mod router;
 pub mod server;
 pub mod telemetry;

@@ -41,6 +41,20 @@ enum Command {
         /// Worker threads (each with its own event loop); default: one per CPU.
         #[arg(long, env = "PORTCULLIS_WORKERS")]
         workers: Option<usize>,
+        /// Admin listener (status, metrics, reload); `off` turns it off.
+        #[arg(long, env = "PORTCULLIS_ADMIN", default_value = "127.0.0.1:9901", value_parser = parse_admin)]
+        admin: Admin,
+        /// Reload when files in the policy directory change (SIGHUP and
+        /// `POST /reload` on the admin listener reload either way).
+        #[arg(long, env = "PORTCULLIS_WATCH", default_value_t = true, action = clap::ArgAction::Set)]
+        watch: bool,
+        /// Quiet time after a change before reloading.
+        #[arg(long, env = "PORTCULLIS_WATCH_DEBOUNCE", default_value = "100ms", value_parser = parse_duration)]
+        watch_debounce: Duration,
+        /// How often to check the policies even without a change event
+        /// (events can be lost); `0s` turns the check off.
+        #[arg(long, env = "PORTCULLIS_WATCH_POLL", default_value = "10s", value_parser = parse_duration)]
+        watch_poll: Duration,
     },
     /// Validate policies without serving; prints `file:line:column: message` per error.
     Check {
@@ -54,6 +68,19 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     portcullis::config::parse_duration(s)
 }
 
+/// The admin listener's address, or none.
+#[derive(Debug, Clone, Copy)]
+struct Admin(Option<std::net::SocketAddr>);
+
+fn parse_admin(s: &str) -> Result<Admin, String> {
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(Admin(None));
+    }
+    s.parse()
+        .map(|a| Admin(Some(a)))
+        .map_err(|_| format!("`{s}` is not an address like 127.0.0.1:9901 (or `off`)"))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -63,6 +90,10 @@ fn main() -> ExitCode {
             grace_period,
             shutdown_delay,
             workers,
+            admin,
+            watch,
+            watch_debounce,
+            watch_poll,
         } => {
             let workers = workers.unwrap_or_else(portcullis::server::default_workers);
             let drain = portcullis::server::Drain {
@@ -82,7 +113,18 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match runtime.block_on(portcullis::commands::serve(policies, workers, drain)) {
+            let options = portcullis::commands::ServeOptions {
+                policies,
+                workers,
+                drain,
+                admin: admin.0,
+                watch: portcullis::reload::WatchOptions {
+                    events: watch,
+                    debounce: watch_debounce,
+                    poll: watch_poll,
+                },
+            };
+            match runtime.block_on(portcullis::commands::serve(options)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");

@@ -79,7 +79,7 @@ pub struct Pipeline {
     chains: plugin::Chains,
     /// Upstream pools per worker thread, so connections stay on the thread
     /// that made them: `upstreams[worker][upstream]`.
-    upstreams: Vec<Vec<UpstreamPool>>,
+    upstreams: Vec<Vec<Arc<UpstreamPool>>>,
     shared: Arc<Shared>,
 }
 
@@ -215,28 +215,35 @@ fn normalize_path(path: &str) -> Option<Cow<'_, str>> {
 
 impl Pipeline {
     /// Prepares a config for serving by `workers` threads. Builds upstream
-    /// pools; opens nothing.
+    /// pools, taking over those of `previous` whose upstream did not change
+    /// (a reload keeps their warm connections); opens nothing.
     pub fn new(
         config: Arc<Config>,
         chains: plugin::Chains,
         shared: Arc<Shared>,
         workers: usize,
+        previous: Option<&Pipeline>,
     ) -> Pipeline {
-        let counts: Vec<_> = config
-            .upstreams
-            .iter()
-            .map(|u| forward::in_flight_counts(u))
-            .collect();
-        let upstreams = (0..workers.max(1))
-            .map(|_| {
-                config
+        let workers = workers.max(1);
+        let mut upstreams: Vec<Vec<Arc<UpstreamPool>>> = (0..workers).map(|_| Vec::new()).collect();
+        for (i, spec) in config.upstreams.iter().enumerate() {
+            let kept = previous.and_then(|p| {
+                let j = p
+                    .config
                     .upstreams
                     .iter()
-                    .zip(&counts)
-                    .map(|(u, c)| UpstreamPool::new(u.clone(), c.clone()))
-                    .collect()
-            })
-            .collect();
+                    .position(|old| old.same_settings(spec))?;
+                (p.upstreams.len() == workers).then_some((p, j))
+            });
+            let counts = forward::in_flight_counts(spec);
+            for (w, pools) in upstreams.iter_mut().enumerate() {
+                pools.push(match kept {
+                    Some((p, j)) => p.upstreams[w][j].clone(),
+                    None => Arc::new(UpstreamPool::new(spec.clone(), counts.clone())),
+                });
+            }
+            debug_assert_eq!(upstreams[0].len(), i + 1);
+        }
         Pipeline {
             config,
             chains,

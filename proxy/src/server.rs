@@ -19,8 +19,9 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Listener};
 use crate::pipeline::{ConnInfo, Pipeline, Shared};
@@ -70,21 +71,88 @@ impl Default for Drain {
     }
 }
 
-/// One listener's sockets: one per worker, all on the same address.
-struct BoundListener {
+/// A listener's settings as its accept loops read them at each accept, so
+/// a reload can change them without re-binding.
+pub struct ListenerSettings {
     spec: Arc<Listener>,
-    addr: SocketAddr,
-    sockets: Vec<std::net::TcpListener>,
-    /// Shared by the workers: the connection cap is per listener.
+    /// The connection cap, shared by the workers' sockets. A reload that
+    /// changes the cap starts a new count; connections open at that time
+    /// stay counted against the old one until they close.
     limit: Arc<Semaphore>,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+}
+
+impl ListenerSettings {
+    fn new(spec: &Listener, previous: Option<&ListenerSettings>) -> ListenerSettings {
+        let limit = match previous {
+            Some(p) if p.spec.max_connections == spec.max_connections => p.limit.clone(),
+            _ => Arc::new(Semaphore::new(spec.max_connections)),
+        };
+        ListenerSettings {
+            builder: Arc::new(http_builder(spec)),
+            spec: Arc::new(spec.clone()),
+            limit,
+        }
+    }
+}
+
+/// A listener being served, as the control side tracks it.
+struct ActiveListener {
+    name: String,
+    /// The address as configured (port 0 stays 0): with the name, what
+    /// identifies the listener across reloads.
+    bind: SocketAddr,
+    /// The address as bound.
+    addr: SocketAddr,
+    settings: Arc<ArcSwap<ListenerSettings>>,
+    /// Stops this listener's accept loops (a child of the server's stop).
+    stop: CancellationToken,
+    /// Each accept loop holds a sender until its socket is closed.
+    closed: mpsc::Receiver<()>,
+}
+
+/// What the control side tells a worker.
+enum WorkerCommand {
+    /// Start accepting on this socket (the worker's own of a listener).
+    Listen {
+        socket: std::net::TcpListener,
+        settings: Arc<ArcSwap<ListenerSettings>>,
+        stop: CancellationToken,
+        /// Dropped once the socket is closed.
+        open: mpsc::Sender<()>,
+    },
+}
+
+/// The serving side as reloads and the admin endpoint see it: swaps in new
+/// configurations and reports the listeners.
+pub struct Control {
+    workers: usize,
+    pipeline: Arc<ArcSwap<Pipeline>>,
+    shared: Arc<Shared>,
+    /// Listeners by configuration. Held through a whole `apply` (which
+    /// never waits on anything), so reloads cannot interleave.
+    listeners: std::sync::Mutex<Vec<ActiveListener>>,
+    to_workers: Vec<mpsc::UnboundedSender<WorkerCommand>>,
+    stop_accepting: CancellationToken,
+}
+
+/// One listener as the admin endpoint shows it.
+#[derive(Debug, Clone)]
+pub struct ListenerStatus {
+    /// Name.
+    pub name: String,
+    /// Bound address.
+    pub addr: SocketAddr,
+    /// Connections open now.
+    pub connections: usize,
+    /// The cap.
+    pub max_connections: usize,
 }
 
 /// A server with its listeners bound, ready to run.
 pub struct Server {
-    listeners: Vec<BoundListener>,
-    workers: usize,
-    pipeline: Arc<ArcSwap<Pipeline>>,
-    shared: Arc<Shared>,
+    control: Arc<Control>,
+    from_control: Vec<mpsc::UnboundedReceiver<WorkerCommand>>,
 }
 
 /// The number of worker threads when not configured: the CPUs this process
@@ -104,6 +172,27 @@ fn reuseport_socket(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> 
     Ok(socket.into())
 }
 
+/// Binds one socket per worker on the listener's address; the first
+/// settles the port (port 0 picks one) and the others join it.
+fn bind_sockets(
+    l: &Listener,
+    workers: usize,
+) -> Result<(SocketAddr, Vec<std::net::TcpListener>), ServeError> {
+    let bind_err = |source| ServeError::Bind {
+        name: l.name.clone(),
+        defined_at: l.defined_at.clone(),
+        addr: l.bind,
+        source,
+    };
+    let first = reuseport_socket(l.bind).map_err(bind_err)?;
+    let addr = first.local_addr().map_err(bind_err)?;
+    let mut sockets = vec![first];
+    for _ in 1..workers {
+        sockets.push(reuseport_socket(addr).map_err(bind_err)?);
+    }
+    Ok((addr, sockets))
+}
+
 impl Server {
     /// Binds every listener of `config` for `workers` worker threads. Once
     /// this returns, `/readyz` is 200.
@@ -112,55 +201,47 @@ impl Server {
             return Err(ServeError::NoListeners);
         }
         let workers = workers.max(1);
-        let config = Arc::new(config);
-        let mut listeners = Vec::with_capacity(config.listeners.len());
+        let mut bound = Vec::with_capacity(config.listeners.len());
         for l in &config.listeners {
-            let bind_err = |source| ServeError::Bind {
-                name: l.name.clone(),
-                defined_at: l.defined_at.clone(),
-                addr: l.bind,
-                source,
-            };
-            // The first socket settles the port (port 0 picks one); the
-            // other workers' sockets join it.
-            let first = reuseport_socket(l.bind).map_err(bind_err)?;
-            let addr = first.local_addr().map_err(bind_err)?;
-            let mut sockets = vec![first];
-            for _ in 1..workers {
-                sockets.push(reuseport_socket(addr).map_err(bind_err)?);
-            }
-            listeners.push(BoundListener {
-                spec: Arc::new(l.clone()),
-                addr,
-                sockets,
-                limit: Arc::new(Semaphore::new(l.max_connections)),
-            });
+            bound.push(bind_sockets(l, workers)?);
         }
         let chains = crate::plugin::prepare(&config)
             .await
             .map_err(ServeError::Plugins)?;
         let shared = Arc::new(Shared::default());
+        let config = Arc::new(config);
         let pipeline = Arc::new(ArcSwap::from_pointee(Pipeline::new(
-            config,
+            config.clone(),
             chains,
             shared.clone(),
             workers,
+            None,
         )));
-        shared.set_ready();
-        Ok(Server {
-            listeners,
+        let (to_workers, from_control) = (0..workers).map(|_| mpsc::unbounded_channel()).unzip();
+        let control = Arc::new(Control {
             workers,
             pipeline,
-            shared,
+            shared: shared.clone(),
+            listeners: std::sync::Mutex::new(Vec::new()),
+            to_workers,
+            stop_accepting: CancellationToken::new(),
+        });
+        {
+            let mut active = control.active();
+            for (spec, (addr, sockets)) in config.listeners.iter().zip(bound) {
+                active.push(control.start_listener(spec, addr, sockets));
+            }
+        }
+        shared.set_ready();
+        Ok(Server {
+            control,
+            from_control,
         })
     }
 
     /// The bound address of each listener, by name (useful with port 0).
     pub fn local_addrs(&self) -> Vec<(String, SocketAddr)> {
-        self.listeners
-            .iter()
-            .map(|l| (l.spec.name.clone(), l.addr))
-            .collect()
+        self.control.local_addrs()
     }
 
     /// The bound address of the listener called `name`.
@@ -173,7 +254,12 @@ impl Server {
 
     /// The serving state (readiness, drain).
     pub fn shared(&self) -> &Arc<Shared> {
-        &self.shared
+        &self.control.shared
+    }
+
+    /// The handle reloads and the admin endpoint use.
+    pub fn control(&self) -> &Arc<Control> {
+        &self.control
     }
 
     /// Serves until `shutdown` completes, then drains: `/readyz` turns 503
@@ -186,37 +272,25 @@ impl Server {
         shutdown: impl Future<Output = ()>,
         drain: Drain,
     ) -> Result<(), ServeError> {
-        let stop_accepting = CancellationToken::new();
+        let control = self.control;
         let abort = CancellationToken::new();
-        for l in &self.listeners {
-            tracing::info!(listener = %l.spec.name, addr = %l.addr, workers = self.workers, "listening");
+        for (name, addr) in control.local_addrs() {
+            tracing::info!(listener = %name, addr = %addr, workers = control.workers, "listening");
         }
-        // Hand each worker its socket of every listener.
-        let mut per_worker: Vec<Vec<WorkerSocket>> =
-            (0..self.workers).map(|_| Vec::new()).collect();
-        for l in self.listeners {
-            for (w, socket) in l.sockets.into_iter().enumerate() {
-                per_worker[w].push(WorkerSocket {
-                    spec: l.spec.clone(),
-                    socket,
-                    limit: l.limit.clone(),
-                });
-            }
-        }
-        let mut done = Vec::with_capacity(self.workers);
-        for (index, sockets) in per_worker.into_iter().enumerate() {
+        let mut done = Vec::with_capacity(control.workers);
+        for (index, commands) in self.from_control.into_iter().enumerate() {
             let (tx, rx) = oneshot::channel();
             let worker = Worker {
                 index,
-                pipeline: self.pipeline.clone(),
-                shared: self.shared.clone(),
-                stop_accepting: stop_accepting.clone(),
+                pipeline: control.pipeline.clone(),
+                shared: control.shared.clone(),
+                stop_accepting: control.stop_accepting.clone(),
                 abort: abort.clone(),
             };
             std::thread::Builder::new()
                 .name(format!("portcullis-worker-{index}"))
                 .spawn(move || {
-                    worker.run(sockets);
+                    worker.run(commands);
                     let _ = tx.send(());
                 })
                 .map_err(ServeError::Worker)?;
@@ -224,7 +298,7 @@ impl Server {
         }
 
         shutdown.await;
-        self.shared.set_draining();
+        control.shared.set_draining();
         if !drain.delay.is_zero() {
             tracing::info!(
                 delay_secs = drain.delay.as_secs_f64(),
@@ -236,7 +310,7 @@ impl Server {
             grace_secs = drain.grace.as_secs_f64(),
             "shutting down: closed listeners, draining connections"
         );
-        stop_accepting.cancel();
+        control.stop_accepting.cancel();
         let all_done = futures_util::future::join_all(done);
         match tokio::time::timeout(drain.grace, all_done).await {
             Ok(_) => tracing::info!("drained; all connections closed"),
@@ -252,11 +326,165 @@ impl Server {
     }
 }
 
-/// A worker's socket of one listener.
-struct WorkerSocket {
-    spec: Arc<Listener>,
-    socket: std::net::TcpListener,
-    limit: Arc<Semaphore>,
+/// What a reload changed in the listeners.
+#[derive(Debug, Default)]
+pub struct ListenerChanges {
+    /// Listeners bound by this reload, with their addresses.
+    pub added: Vec<(String, SocketAddr)>,
+    /// Listeners closed by this reload.
+    pub removed: Vec<(String, SocketAddr)>,
+    /// Complete when every socket of the removed listeners is closed.
+    pub closing: Vec<mpsc::Receiver<()>>,
+}
+
+impl ListenerChanges {
+    /// Waits until the removed listeners refuse connections (their open
+    /// connections may still be finishing).
+    pub async fn closed(&mut self) {
+        for c in &mut self.closing {
+            while c.recv().await.is_some() {}
+        }
+    }
+}
+
+impl Control {
+    /// Swaps in a new configuration whose plugins are already prepared:
+    /// binds listeners it adds (and fails whole, changing nothing, when one
+    /// cannot be bound), swaps the pipeline (requests in flight keep the old
+    /// one; the next request on any connection gets the new one), then
+    /// starts the new listeners and closes the removed ones, whose open
+    /// connections finish their requests. Listeners both versions have keep
+    /// their sockets and connections.
+    pub fn apply(
+        &self,
+        config: Config,
+        chains: crate::plugin::Chains,
+    ) -> Result<ListenerChanges, ServeError> {
+        if config.listeners.is_empty() {
+            return Err(ServeError::NoListeners);
+        }
+        let mut active = self.active();
+        let mut fresh = Vec::new();
+        for spec in &config.listeners {
+            if !active
+                .iter()
+                .any(|a| a.name == spec.name && a.bind == spec.bind)
+            {
+                // An error drops the sockets bound so far, which closes them.
+                let (addr, sockets) = bind_sockets(spec, self.workers)?;
+                fresh.push((spec.clone(), addr, sockets));
+            }
+        }
+        let config = Arc::new(config);
+        let previous = self.pipeline.load_full();
+        self.pipeline.store(Arc::new(Pipeline::new(
+            config.clone(),
+            chains,
+            self.shared.clone(),
+            self.workers,
+            Some(&previous),
+        )));
+        drop(previous);
+
+        let mut changes = ListenerChanges::default();
+        let mut kept = Vec::with_capacity(config.listeners.len());
+        for a in active.drain(..) {
+            match config
+                .listeners
+                .iter()
+                .find(|s| s.name == a.name && s.bind == a.bind)
+            {
+                Some(spec) => {
+                    let settings = ListenerSettings::new(spec, Some(&a.settings.load()));
+                    a.settings.store(Arc::new(settings));
+                    kept.push(a);
+                }
+                None => {
+                    tracing::info!(listener = %a.name, addr = %a.addr, "listener removed; closing it");
+                    a.stop.cancel();
+                    changes.removed.push((a.name, a.addr));
+                    changes.closing.push(a.closed);
+                }
+            }
+        }
+        for (spec, addr, sockets) in fresh {
+            tracing::info!(listener = %spec.name, addr = %addr, workers = self.workers, "listening");
+            changes.added.push((spec.name.clone(), addr));
+            kept.push(self.start_listener(&spec, addr, sockets));
+        }
+        *active = kept;
+        Ok(changes)
+    }
+
+    /// Hands each worker its socket of a listener.
+    fn start_listener(
+        &self,
+        spec: &Listener,
+        addr: SocketAddr,
+        sockets: Vec<std::net::TcpListener>,
+    ) -> ActiveListener {
+        let settings = Arc::new(ArcSwap::from_pointee(ListenerSettings::new(spec, None)));
+        let stop = self.stop_accepting.child_token();
+        let (open, closed) = mpsc::channel(1);
+        for (socket, worker) in sockets.into_iter().zip(&self.to_workers) {
+            // A worker that is gone has stopped serving anyway.
+            let _ = worker.send(WorkerCommand::Listen {
+                socket,
+                settings: settings.clone(),
+                stop: stop.clone(),
+                open: open.clone(),
+            });
+        }
+        ActiveListener {
+            name: spec.name.clone(),
+            bind: spec.bind,
+            addr,
+            settings,
+            stop,
+            closed,
+        }
+    }
+
+    /// The bound address of each listener, by name.
+    pub fn local_addrs(&self) -> Vec<(String, SocketAddr)> {
+        self.active()
+            .iter()
+            .map(|l| (l.name.clone(), l.addr))
+            .collect()
+    }
+
+    /// Each listener with its open connections.
+    pub fn listeners(&self) -> Vec<ListenerStatus> {
+        self.active()
+            .iter()
+            .map(|l| {
+                let s = l.settings.load();
+                let max = s.spec.max_connections;
+                ListenerStatus {
+                    name: l.name.clone(),
+                    addr: l.addr,
+                    connections: max.saturating_sub(s.limit.available_permits()),
+                    max_connections: max,
+                }
+            })
+            .collect()
+    }
+
+    fn active(&self) -> std::sync::MutexGuard<'_, Vec<ActiveListener>> {
+        // Nothing under this lock is expected to panic; if something did,
+        // the listeners still serve and the list is the best record left.
+        self.listeners.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The configuration serving new requests now.
+    pub fn pipeline(&self) -> Arc<Pipeline> {
+        self.pipeline.load_full()
+    }
+
+    /// The serving state (readiness, drain).
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
 }
 
 /// One worker thread's share of the server.
@@ -269,7 +497,7 @@ struct Worker {
 }
 
 impl Worker {
-    fn run(self, sockets: Vec<WorkerSocket>) {
+    fn run(self, mut commands: mpsc::UnboundedReceiver<WorkerCommand>) {
         let runtime = match tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -281,33 +509,43 @@ impl Worker {
             }
         };
         runtime.block_on(async move {
-            let graceful = Arc::new(GracefulShutdown::new());
-            let tracker = tokio_util::task::TaskTracker::new();
-            let mut loops = Vec::new();
-            for WorkerSocket { spec, socket, limit } in sockets {
+            // Accept loops and connections; each accept loop drains its own
+            // connections when it stops.
+            let tracker = TaskTracker::new();
+            loop {
+                let command = tokio::select! {
+                    c = commands.recv() => c,
+                    _ = self.stop_accepting.cancelled() => None,
+                };
+                let Some(WorkerCommand::Listen {
+                    socket,
+                    settings,
+                    stop,
+                    open,
+                }) = command
+                else {
+                    break;
+                };
                 match TcpListener::from_std(socket) {
-                    Ok(socket) => loops.push(tokio::spawn(accept_loop(
-                        spec,
-                        socket,
-                        limit,
-                        self.index,
-                        self.pipeline.clone(),
-                        graceful.clone(),
-                        tracker.clone(),
-                        self.stop_accepting.clone(),
-                    ))),
-                    Err(e) => tracing::error!(listener = %spec.name, error = %e, "cannot register listener"),
+                    Ok(socket) => {
+                        tracker.spawn(accept_loop(
+                            settings,
+                            socket,
+                            self.index,
+                            self.pipeline.clone(),
+                            tracker.clone(),
+                            stop,
+                            open,
+                        ));
+                    }
+                    Err(e) => {
+                        let name = settings.load().spec.name.clone();
+                        tracing::error!(listener = %name, error = %e, "cannot register listener");
+                    }
                 }
             }
-            self.stop_accepting.cancelled().await;
-            for l in loops {
-                let _ = l.await;
-            }
-            // Every accept loop has returned, so this is the only owner left.
-            let graceful = Arc::try_unwrap(graceful).unwrap_or_else(|_| GracefulShutdown::new());
             tracker.close();
             let drained = async {
-                graceful.shutdown().await;
                 tracker.wait().await;
                 // Spliced WebSocket connections are tracked process-wide.
                 self.shared.tracker.close();
@@ -321,17 +559,8 @@ impl Worker {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn accept_loop(
-    listener: Arc<Listener>,
-    socket: TcpListener,
-    limit: Arc<Semaphore>,
-    worker: usize,
-    pipeline: Arc<ArcSwap<Pipeline>>,
-    graceful: Arc<GracefulShutdown>,
-    tracker: tokio_util::task::TaskTracker,
-    stop: CancellationToken,
-) {
+/// The HTTP server settings of a listener.
+fn http_builder(listener: &Listener) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -353,7 +582,21 @@ async fn accept_loop(
         .initial_connection_window_size(8 << 20)
         .max_concurrent_streams(1024)
         .keep_alive_interval(Some(Duration::from_secs(30)));
-    let builder = Arc::new(builder);
+    builder
+}
+
+/// Accepts on one worker's socket of a listener until `stop`, then lets
+/// the connections it accepted finish their requests.
+async fn accept_loop(
+    settings: Arc<ArcSwap<ListenerSettings>>,
+    socket: TcpListener,
+    worker: usize,
+    pipeline: Arc<ArcSwap<Pipeline>>,
+    tracker: TaskTracker,
+    stop: CancellationToken,
+    open: mpsc::Sender<()>,
+) {
+    let graceful = GracefulShutdown::new();
     loop {
         let (stream, client) = tokio::select! {
             r = socket.accept() => match r {
@@ -361,33 +604,46 @@ async fn accept_loop(
                 Err(e) => {
                     // Out of file descriptors and the like: back off briefly
                     // rather than spin; the listener stays up.
-                    tracing::warn!(listener = %listener.name, error = %e, "accept failed");
+                    let name = settings.load().spec.name.clone();
+                    tracing::warn!(listener = %name, error = %e, "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             },
-            _ = stop.cancelled() => return,
+            _ = stop.cancelled() => break,
         };
+        let current = settings.load_full();
         // The cap is shared by the workers, so a slot is taken after
         // accepting: a worker that held one while waiting on its own
         // socket would starve the others. Each worker holds at most one
         // accepted connection waiting for a slot; the rest stay queued in
         // the kernel.
         let permit = tokio::select! {
-            p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
-            _ = stop.cancelled() => return,
+            p = current.limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            _ = stop.cancelled() => break,
         };
         let conn = Arc::new(ConnInfo {
             client,
             client_ip: crate::forward::client_ip_header(client.ip()),
-            listener: listener.clone(),
+            listener: current.spec.clone(),
             tls: false,
             worker,
         });
         serve_connection(
-            stream, conn, &builder, &pipeline, &tracker, &graceful, permit,
+            stream,
+            conn,
+            &current.builder,
+            &pipeline,
+            &tracker,
+            &graceful,
+            permit,
         );
     }
+    // Closing the socket now refuses new connections at once; the open
+    // ones finish their current request and close.
+    drop(socket);
+    drop(open);
+    graceful.shutdown().await;
 }
 
 fn serve_connection(
@@ -395,7 +651,7 @@ fn serve_connection(
     conn: Arc<ConnInfo>,
     builder: &Arc<auto::Builder<TokioExecutor>>,
     pipeline: &Arc<ArcSwap<Pipeline>>,
-    tracker: &tokio_util::task::TaskTracker,
+    tracker: &TaskTracker,
     graceful: &GracefulShutdown,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) {

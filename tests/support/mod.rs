@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod client;
+pub mod configmap;
 pub mod process;
 pub mod tls;
 pub mod upstream;

@@ -16,10 +16,12 @@ pub struct ProxyProcess {
     pub child: Child,
     /// Address of the first listener, read from its "listening" log line.
     pub addr: SocketAddr,
+    /// Address of the admin listener (on a free port unless `args` set one).
+    pub admin: Option<SocketAddr>,
     /// Every log line so far.
     pub logs: Arc<Mutex<Vec<String>>>,
     lines: mpsc::UnboundedReceiver<String>,
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl ProxyProcess {
@@ -28,10 +30,25 @@ impl ProxyProcess {
     pub async fn start(yaml: &str, args: &[&str]) -> ProxyProcess {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("policy.yaml"), yaml).expect("write policy");
+        let mut proxy = Self::start_on(dir.path(), args).await;
+        proxy._dir = Some(dir);
+        proxy
+    }
+
+    /// Starts `portcullis serve --policies dir` with `args` added (and the
+    /// admin listener on a free port unless `args` name one), waiting (20 s
+    /// at most) until it listens.
+    pub async fn start_on(dir: &std::path::Path, args: &[&str]) -> ProxyProcess {
+        let admin_args: &[&str] = if args.contains(&"--admin") {
+            &[]
+        } else {
+            &["--admin", "127.0.0.1:0"]
+        };
         let mut child = Command::new(super::binary())
             .arg("serve")
             .arg("--policies")
-            .arg(dir.path())
+            .arg(dir)
+            .args(admin_args)
             .args(args)
             .env("PORTCULLIS_LOG_FORMAT", "json")
             .env("RUST_LOG", "info")
@@ -52,13 +69,17 @@ impl ProxyProcess {
                 let _ = tx.send(line);
             }
         });
+        let mut admin = None;
         let addr = tokio::time::timeout(Duration::from_secs(20), async {
             while let Some(line) = rx.recv().await {
                 let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
                     continue;
                 };
-                if v["message"] == "listening" {
-                    return v["addr"].as_str().and_then(|a| a.parse().ok());
+                let addr = v["addr"].as_str().and_then(|a| a.parse().ok());
+                if v["message"] == "admin listening" {
+                    admin = addr;
+                } else if v["message"] == "listening" {
+                    return addr;
                 }
             }
             None
@@ -75,15 +96,47 @@ impl ProxyProcess {
         ProxyProcess {
             child,
             addr,
+            admin,
             logs,
             lines: rx,
-            _dir: dir,
+            _dir: None,
         }
     }
 
     /// `http://addr` + `path`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// `http://admin` + `path`.
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin.expect("admin listener"), path)
+    }
+
+    /// The admin endpoint's `/status`.
+    pub async fn status(&self) -> serde_json::Value {
+        super::client::get(&self.admin_url("/status")).await.json()
+    }
+
+    /// Waits until `/status` satisfies `done` (20 s at most) and returns it.
+    /// The admin endpoint is the reload's readiness signal.
+    pub async fn wait_status(
+        &self,
+        what: &str,
+        done: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let status = self.status().await;
+            if done(&status) {
+                return status;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "status never showed {what}: {status:#}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     /// The process id.

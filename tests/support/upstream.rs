@@ -77,13 +77,14 @@ where
     let handler = Arc::new(handler);
     let task = tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
+            let Ok((stream, peer)) = listener.accept().await else {
                 continue;
             };
             let handler = handler.clone();
             let tls = tls.clone();
             tokio::spawn(async move {
-                let svc = service_fn(move |req| {
+                let svc = service_fn(move |mut req: Request<Incoming>| {
+                    req.extensions_mut().insert(Peer(peer));
                     let handler = handler.clone();
                     async move { Ok::<_, Infallible>(handler(req).await) }
                 });

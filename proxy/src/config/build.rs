@@ -44,6 +44,9 @@ struct Ctx<'e> {
     env: &'e dyn Fn(&str) -> Option<String>,
     file: Arc<str>,
     errors: Vec<ConfigError>,
+    /// Files the policies refer to (plugins, CA files, secrets): a reload
+    /// watches them too.
+    files: Vec<std::path::PathBuf>,
 }
 
 impl Ctx<'_> {
@@ -113,14 +116,16 @@ impl Ctx<'_> {
     fn path(&mut self, t: &Text) -> Option<std::path::PathBuf> {
         let s = self.text(t)?;
         let p = Path::new(&s);
-        Some(if p.is_absolute() {
+        let path = if p.is_absolute() {
             p.to_path_buf()
         } else {
             Path::new(&*self.file)
                 .parent()
                 .unwrap_or(Path::new("."))
                 .join(p)
-        })
+        };
+        self.files.push(path.clone());
+        Some(path)
     }
 
     fn header_pairs(&mut self, map: &TextMap) -> Vec<(HeaderName, HeaderValue)> {
@@ -187,6 +192,7 @@ pub(super) fn build(
         env,
         file: "".into(),
         errors: Vec::new(),
+        files: Vec::new(),
     };
     let mut listeners = Vec::new();
     let mut upstreams: Vec<Arc<Upstream>> = Vec::new();
@@ -339,6 +345,8 @@ pub(super) fn build(
             router,
             plugins,
             global_plugins,
+            files: ctx.files,
+            fingerprint: [0; 32],
         })
     } else {
         Err(ConfigErrors(ctx.errors))
@@ -693,13 +701,12 @@ fn route(
             None => {
                 let mut known: Vec<_> = upstream_index.keys().map(String::as_str).collect();
                 known.sort_unstable();
-                ctx.err(
-                    &t.referenced,
-                    format!(
-                        "unknown upstream `{up}`; defined upstreams: {}",
-                        known.join(", ")
-                    ),
-                );
+                let defined = if known.is_empty() {
+                    "no upstream is defined".to_owned()
+                } else {
+                    format!("defined upstreams: {}", known.join(", "))
+                };
+                ctx.err(&t.referenced, format!("unknown upstream `{up}`; {defined}"));
                 return None;
             }
         }
@@ -1000,6 +1007,7 @@ fn resolve_config(ctx: &mut Ctx, value: &mut serde_json::Value, at: &Location) {
                     .parent()
                     .unwrap_or(Path::new("."))
                     .join(&file);
+                ctx.files.push(path.clone());
                 match std::fs::read_to_string(&path) {
                     // Secrets mounted from files usually end in a newline
                     // that is not part of the secret.

@@ -114,7 +114,10 @@ pub fn load_sources(
         }
     }
     match build::build(&files, env) {
-        Ok(config) if errors.is_empty() => Ok(config),
+        Ok(mut config) if errors.is_empty() => {
+            config.fingerprint = fingerprint(sources, &config);
+            Ok(config)
+        }
         Ok(_) => Err(ConfigErrors(errors)),
         Err(ConfigErrors(more)) => {
             errors.extend(more);
@@ -129,6 +132,34 @@ pub fn load_sources(
             Err(ConfigErrors(errors))
         }
     }
+}
+
+/// Hashes what the config was built from; see [`Config::fingerprint`].
+fn fingerprint(sources: &[Source], config: &Config) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    // Length-prefixed, so bytes moving from one field to the next change it.
+    let mut put = |bytes: &[u8]| {
+        hash.update((bytes.len() as u64).to_le_bytes());
+        hash.update(bytes);
+    };
+    for source in sources {
+        put(source.name.as_bytes());
+        put(source.text.as_bytes());
+    }
+    for plugin in &config.plugins {
+        put(&plugin.sha256);
+    }
+    for upstream in &config.upstreams {
+        for cert in &upstream.tls.ca_certs {
+            put(cert.as_ref());
+        }
+    }
+    let uses = config.routes.iter().flat_map(|r| &r.plugins);
+    for plugin_use in uses.chain(&config.global_plugins) {
+        put(plugin_use.config_json.as_bytes());
+    }
+    hash.finalize().into()
 }
 
 fn parse(text: &str) -> Result<PolicyFile, serde_saphyr::Error> {

@@ -87,6 +87,13 @@ pub struct Config {
     pub plugins: Vec<Arc<PluginModule>>,
     /// Plugins run for every route before the route's own.
     pub global_plugins: Vec<PluginUse>,
+    /// Files read besides the policy files themselves (plugins, CA files,
+    /// secrets), so a reload can watch where they live.
+    pub files: Vec<std::path::PathBuf>,
+    /// SHA-256 over everything the config was built from: policy texts,
+    /// plugin modules, CA certificates and resolved plugin configs
+    /// (secrets included). Equal fingerprints mean nothing to reload.
+    pub fingerprint: [u8; 32],
 }
 
 impl Config {
@@ -169,7 +176,7 @@ pub enum Balance {
 }
 
 /// Upstream timeouts.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timeouts {
     /// TCP (and TLS) connection establishment.
     pub connect: Duration,
@@ -180,7 +187,7 @@ pub struct Timeouts {
 }
 
 /// TLS settings for `https` endpoints.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TlsSettings {
     /// Extra trusted roots (from `ca_file`); the system roots are trusted too.
     pub ca_certs: Vec<CertificateDer<'static>>,
@@ -191,7 +198,7 @@ pub struct TlsSettings {
 }
 
 /// One fixed upstream address: `scheme://authority[/base]`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
     /// `http` or `https`.
     pub scheme: Scheme,
@@ -219,7 +226,7 @@ impl Endpoint {
 }
 
 /// Where an upstream's requests go.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
     /// A fixed set of endpoints, balanced.
     Endpoints(Vec<Endpoint>),
@@ -248,6 +255,21 @@ pub struct Upstream {
     pub preserve_host: bool,
     /// Where the upstream was defined.
     pub defined_at: Pos,
+}
+
+impl Upstream {
+    /// True when `other` connects the same way, wherever it was written: a
+    /// reload then keeps this upstream's pooled connections.
+    pub fn same_settings(&self, other: &Upstream) -> bool {
+        self.name == other.name
+            && self.target == other.target
+            && self.balance == other.balance
+            && self.timeouts == other.timeouts
+            && self.retries == other.retries
+            && self.tls == other.tls
+            && self.http2 == other.http2
+            && self.preserve_host == other.preserve_host
+    }
 }
 
 /// Header changes applied in order: remove, set, add.

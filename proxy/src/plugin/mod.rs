@@ -113,10 +113,23 @@ pub struct PluginHost {
     compiled: Mutex<HashMap<[u8; 32], Component>>,
 }
 
+static HOST: OnceLock<Result<PluginHost, String>> = OnceLock::new();
+
+/// Drops compiled modules the active `config` no longer uses, so a proxy
+/// reloaded with new plugin versions many times does not keep every
+/// version's machine code.
+pub fn forget_unused(config: &Config) {
+    if let Some(Ok(host)) = HOST.get() {
+        host.compiled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|hash, _| config.plugins.iter().any(|m| &m.sha256 == hash));
+    }
+}
+
 /// The process-wide host, made on first use (a proxy without plugins never
 /// reserves the pool's address space or starts the epoch ticker).
 pub fn host() -> Result<&'static PluginHost, String> {
-    static HOST: OnceLock<Result<PluginHost, String>> = OnceLock::new();
     HOST.get_or_init(|| {
         PluginHost::new().map_err(|e| format!("cannot start the WebAssembly engine: {e:#}"))
     })

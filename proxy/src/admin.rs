@@ -1,0 +1,277 @@
+//! The admin listener (`127.0.0.1:9901` by default, like Envoy's): status
+//! of the configuration and its reloads, Prometheus metrics, and a reload
+//! on demand. It is separate from the traffic listeners so it is never
+//! exposed with them.
+//!
+//! - `GET /status`: JSON — active config fingerprint, generation, loaded
+//!   at, reload counts, last error, listeners.
+//! - `GET /metrics`: Prometheus text format.
+//! - `POST /reload`: reload now; 200 when applied or unchanged, 422 with the
+//!   errors when rejected.
+
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+use crate::reload::{Outcome, Reloader, Trigger};
+
+/// Binds the admin listener and serves it on the current runtime until the
+/// process ends.
+pub async fn serve(addr: SocketAddr, reloader: Arc<Reloader>) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    tracing::info!(addr = %local, "admin listening");
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = match listener.accept().await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let reloader = reloader.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |req| {
+                    let reloader = reloader.clone();
+                    async move { Ok::<_, Infallible>(handle(req, &reloader).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Ok(local)
+}
+
+type Answer = Response<Full<Bytes>>;
+
+async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
+    match (req.method(), req.uri().path()) {
+        (&Method::GET, "/status") => json(StatusCode::OK, status_json(reloader)),
+        (&Method::GET, "/metrics") => {
+            let mut resp = Response::new(Full::new(Bytes::from(metrics(reloader))));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            resp
+        }
+        (&Method::POST, "/reload") => {
+            let outcome = reloader.reload(Trigger::Admin).await;
+            let (status, result) = match &outcome {
+                Outcome::Applied { .. } => (StatusCode::OK, "applied"),
+                Outcome::Unchanged => (StatusCode::OK, "unchanged"),
+                Outcome::Rejected { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "rejected"),
+            };
+            let mut body = serde_json::json!({ "result": result, "status": status_json(reloader) });
+            if let Outcome::Rejected { message } = outcome {
+                body["errors"] = message.lines().collect::<Vec<_>>().into();
+            }
+            json(status, body)
+        }
+        (_, "/status" | "/metrics" | "/reload") => json(
+            StatusCode::METHOD_NOT_ALLOWED,
+            serde_json::json!({"error": "use GET /status, GET /metrics or POST /reload"}),
+        ),
+        _ => json(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": "not found", "endpoints": ["GET /status", "GET /metrics", "POST /reload"]}),
+        ),
+    }
+}
+
+fn json(status: StatusCode, value: serde_json::Value) -> Answer {
+    let mut resp = Response::new(Full::new(Bytes::from(value.to_string())));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+fn unix_secs(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn status_json(reloader: &Reloader) -> serde_json::Value {
+    let s = reloader.status();
+    let control = reloader.control();
+    let pipeline = control.pipeline();
+    let config = pipeline.config();
+    let listeners: Vec<_> = control
+        .listeners()
+        .into_iter()
+        .map(|l| {
+            serde_json::json!({
+                "name": l.name,
+                "addr": l.addr.to_string(),
+                "connections": l.connections,
+                "max_connections": l.max_connections,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "policies": reloader.dir().map_or_else(|| "built-in".to_owned(), |d| d.display().to_string()),
+        "ready": control.shared().is_ready(),
+        "draining": control.shared().is_draining(),
+        "config": {
+            "generation": s.generation,
+            "fingerprint": s.fingerprint,
+            "loaded_at": rfc3339(s.loaded_at),
+            "listeners": listeners,
+            "upstreams": config.upstreams.iter().map(|u| &*u.name).collect::<Vec<_>>(),
+            "routes": config.routes.iter().map(|r| &*r.name).collect::<Vec<_>>(),
+            "plugins": config.plugins.iter().map(|p| serde_json::json!({
+                "name": &*p.name,
+                "path": p.path.display().to_string(),
+                "sha256": hex::encode(p.sha256),
+            })).collect::<Vec<_>>(),
+        },
+        "reloads": {
+            "applied": s.applied,
+            "rejected": s.rejected,
+            "unchanged": s.unchanged,
+            "last_duration_ms": s.last_duration.map(|d| d.as_secs_f64() * 1e3),
+            "watched": s.watched.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        },
+        "files_match_active": !s.pending_error,
+        "last_error": s.last_error.as_ref().map(|f| serde_json::json!({
+            "at": rfc3339(f.at),
+            "trigger": f.trigger.as_str(),
+            "message": f.message,
+        })),
+    })
+}
+
+/// Escapes a Prometheus label value.
+fn label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn metrics(reloader: &Reloader) -> String {
+    let s = reloader.status();
+    let control = reloader.control();
+    let mut out = String::with_capacity(2048);
+    let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (labels, value) in samples {
+            let _ = writeln!(out, "{name}{labels} {value}");
+        }
+    };
+    metric(
+        "portcullis_info",
+        "gauge",
+        "Build and active configuration.",
+        &[(
+            format!(
+                "{{version=\"{}\",config_fingerprint=\"{}\"}}",
+                env!("CARGO_PKG_VERSION"),
+                s.fingerprint
+            ),
+            1.0,
+        )],
+    );
+    metric(
+        "portcullis_ready",
+        "gauge",
+        "1 while /readyz answers 200.",
+        &[(
+            String::new(),
+            f64::from(u8::from(control.shared().is_ready())),
+        )],
+    );
+    metric(
+        "portcullis_config_generation",
+        "gauge",
+        "Generation of the active configuration (1 at start, +1 per applied reload).",
+        &[(String::new(), s.generation as f64)],
+    );
+    metric(
+        "portcullis_config_loaded_timestamp_seconds",
+        "gauge",
+        "When the active configuration was applied.",
+        &[(String::new(), unix_secs(s.loaded_at))],
+    );
+    metric(
+        "portcullis_config_reloads_total",
+        "counter",
+        "Reload attempts by result.",
+        &[
+            ("{result=\"applied\"}".into(), s.applied as f64),
+            ("{result=\"rejected\"}".into(), s.rejected as f64),
+            ("{result=\"unchanged\"}".into(), s.unchanged as f64),
+        ],
+    );
+    metric(
+        "portcullis_config_files_match_active",
+        "gauge",
+        "0 while the policy files hold a rejected change.",
+        &[(String::new(), f64::from(u8::from(!s.pending_error)))],
+    );
+    if let Some(f) = &s.last_error {
+        metric(
+            "portcullis_config_last_rejected_timestamp_seconds",
+            "gauge",
+            "When a reload was last rejected.",
+            &[(String::new(), unix_secs(f.at))],
+        );
+    }
+    let listeners = control.listeners();
+    let conns: Vec<_> = listeners
+        .iter()
+        .map(|l| {
+            (
+                format!("{{listener=\"{}\"}}", label(&l.name)),
+                l.connections as f64,
+            )
+        })
+        .collect();
+    metric(
+        "portcullis_listener_connections",
+        "gauge",
+        "Client connections open.",
+        &conns,
+    );
+    let mut counters: Vec<_> = crate::plugin::counters()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|((plugin, name), v)| {
+            (
+                format!("{{plugin=\"{}\",name=\"{}\"}}", label(plugin), label(name)),
+                *v as f64,
+            )
+        })
+        .collect();
+    counters.sort_by(|a, b| a.0.cmp(&b.0));
+    metric(
+        "portcullis_plugin_counter_total",
+        "counter",
+        "Counters plugins keep through host.count, and each plugin's failures (name=\"failures\").",
+        &counters,
+    );
+    out
+}
