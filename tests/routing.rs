@@ -250,3 +250,27 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: e }}]
     }
     assert_eq!(peers.len(), 1, "upstream connections used: {peers:?}");
 }
+
+#[tokio::test]
+async fn http1_upstreams_get_the_origin_form_request_target() {
+    // Some origin servers (Python's http.server among them) take
+    // `GET http://host/path` as a file name; the proxy must send `GET /path`.
+    let e = upstream::echo("e").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: e, endpoints: ["{}/base"] }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: e }}]
+"#,
+        e.url()
+    ))
+    .await;
+    // Through HTTP/1.1 and through HTTP/2 (whose requests carry a full URI).
+    let a = client::get(&proxy.url("/x?y=1")).await;
+    assert_eq!(a.json()["target"], "/base/x?y=1");
+    let req = Request::get(proxy.url("/x?y=2"))
+        .body(body(Bytes::new()))
+        .unwrap();
+    let a = client::send(&client::h2c(), req).await;
+    assert_eq!(a.json()["target"], "/base/x?y=2");
+}

@@ -137,6 +137,8 @@ fn echo_handler(
                 .map(|p| p.0.to_string())
                 .unwrap_or_default();
             let method = req.method().to_string();
+            // As written on the request line: origin or absolute form.
+            let target = req.uri().to_string();
             let path = req
                 .uri()
                 .path_and_query()
@@ -169,7 +171,7 @@ fn echo_handler(
                 }
             }
             let json = serde_json::json!({
-                "upstream": name, "method": method, "path": path, "headers": headers, "version": version, "peer": peer,
+                "upstream": name, "method": method, "path": path, "target": target, "headers": headers, "version": version, "peer": peer,
                 "body_len": len, "body_fnv": format!("{hash:016x}"),
             });
             Response::builder()

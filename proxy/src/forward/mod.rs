@@ -15,6 +15,7 @@ use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 
 pub use headers::{client_ip_header, is_upgrade, remove_hop_by_hop, set_forwarded};
+pub use tls::client_config as client_tls_config;
 
 use pool::{ConnPool, Dest, Lease};
 
@@ -164,10 +165,16 @@ impl UpstreamPool {
         }
     }
 
-    fn uri(ep: &Endpoint, path: &PathAndQuery) -> Result<Uri, ForwardError> {
+    /// The request target: origin-form (`/path?query`) for HTTP/1.1, as
+    /// RFC 9112 §3.2.1 asks of a client talking to an origin server (some
+    /// servers do not take the absolute form); scheme and authority too for
+    /// HTTP/2, which sends them as pseudo-headers.
+    fn uri(ep: &Endpoint, path: &PathAndQuery, version: Version) -> Result<Uri, ForwardError> {
         let mut parts = http::uri::Parts::default();
-        parts.scheme = Some(ep.scheme.clone());
-        parts.authority = Some(ep.authority.clone());
+        if version != Version::HTTP_11 {
+            parts.scheme = Some(ep.scheme.clone());
+            parts.authority = Some(ep.authority.clone());
+        }
         parts.path_and_query = Some(match ep.base_path.as_deref() {
             None => path.clone(),
             Some(base) => {
@@ -256,7 +263,7 @@ impl UpstreamPool {
                 };
                 let mut req = Request::new(b);
                 *req.method_mut() = method.clone();
-                *req.uri_mut() = Self::uri(ep, &path)?;
+                *req.uri_mut() = Self::uri(ep, &path, version)?;
                 *req.version_mut() = version;
                 *req.headers_mut() = hdrs;
                 if !self.spec.preserve_host && version == Version::HTTP_11 {
