@@ -12,3 +12,4 @@ mod reload;
 mod routing;
 mod streaming;
 mod tls_upstream;
+mod tunnel;

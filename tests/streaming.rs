@@ -146,19 +146,11 @@ async fn websocket_upgrade_is_refused_on_routes_that_do_not_allow_it() {
 
 const FIFTY_MB: u64 = 50 * 1024 * 1024;
 
-fn chunks(
-    total: u64,
-) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, std::io::Error>> + Send + 'static {
-    let chunk = Bytes::from(vec![0x5au8; 64 * 1024]);
-    let n = total / chunk.len() as u64;
-    futures_util::stream::iter((0..n).map(move |_| Ok(Frame::data(chunk.clone()))))
-}
-
 #[tokio::test]
 async fn fifty_megabytes_up_and_down_with_bounded_proxy_memory() {
     let echo = upstream::echo("sink").await;
     let source = upstream::serve(|_req| async {
-        Response::new(BodyExt::boxed(StreamBody::new(chunks(FIFTY_MB))) as RespBody)
+        Response::new(BodyExt::boxed(StreamBody::new(upstream::chunks(FIFTY_MB))) as RespBody)
     })
     .await;
     let proxy = ProxyProcess::start(
@@ -185,7 +177,7 @@ routes:
     let baseline = proxy.peak_rss_kib();
 
     let req = Request::post(proxy.url("/upload"))
-        .body(BodyExt::boxed(StreamBody::new(chunks(FIFTY_MB))))
+        .body(BodyExt::boxed(StreamBody::new(upstream::chunks(FIFTY_MB))))
         .unwrap();
     let a = client::send(&client::http1(), req).await;
     assert_eq!(a.status, 200);

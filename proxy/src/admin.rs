@@ -11,7 +11,9 @@
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -28,6 +30,23 @@ use crate::reload::{Outcome, Reloader, Trigger};
 /// Binds the admin listener and serves it on the current runtime until the
 /// process ends.
 pub async fn serve(addr: SocketAddr, reloader: Arc<Reloader>) -> std::io::Result<SocketAddr> {
+    serve_with(
+        addr,
+        Arc::new(move |req| {
+            let reloader = reloader.clone();
+            Box::pin(async move { handle(req, &reloader).await })
+        }),
+    )
+    .await
+}
+
+/// An admin endpoint's request handler.
+pub type Handler =
+    Arc<dyn Fn(Request<Incoming>) -> Pin<Box<dyn Future<Output = Answer> + Send>> + Send + Sync>;
+
+/// Binds an admin listener on `addr` and answers with `handler` until the
+/// process ends.
+pub async fn serve_with(addr: SocketAddr, handler: Handler) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     tracing::info!(addr = %local, "admin listening");
@@ -41,11 +60,11 @@ pub async fn serve(addr: SocketAddr, reloader: Arc<Reloader>) -> std::io::Result
                     continue;
                 }
             };
-            let reloader = reloader.clone();
+            let handler = handler.clone();
             tokio::spawn(async move {
                 let service = service_fn(move |req| {
-                    let reloader = reloader.clone();
-                    async move { Ok::<_, Infallible>(handle(req, &reloader).await) }
+                    let answer = handler(req);
+                    async move { Ok::<_, Infallible>(answer.await) }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), service)
@@ -56,19 +75,13 @@ pub async fn serve(addr: SocketAddr, reloader: Arc<Reloader>) -> std::io::Result
     Ok(local)
 }
 
-type Answer = Response<Full<Bytes>>;
+/// An admin answer.
+pub type Answer = Response<Full<Bytes>>;
 
 async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/status") => json(StatusCode::OK, status_json(reloader)),
-        (&Method::GET, "/metrics") => {
-            let mut resp = Response::new(Full::new(Bytes::from(metrics(reloader))));
-            resp.headers_mut().insert(
-                header::CONTENT_TYPE,
-                header::HeaderValue::from_static("text/plain; version=0.0.4"),
-            );
-            resp
-        }
+        (&Method::GET, "/metrics") => prometheus(metrics(reloader)),
         (&Method::POST, "/reload") => {
             let outcome = reloader.reload(Trigger::Admin).await;
             let (status, result) = match &outcome {
@@ -93,7 +106,26 @@ async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
     }
 }
 
-fn json(status: StatusCode, value: serde_json::Value) -> Answer {
+/// A Prometheus text answer.
+pub fn prometheus(text: String) -> Answer {
+    let mut resp = Response::new(Full::new(Bytes::from(text)));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
+    resp
+}
+
+/// Writes one metric family in Prometheus text format.
+pub fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, f64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (labels, value) in samples {
+        let _ = writeln!(out, "{name}{labels} {value}");
+    }
+}
+
+/// A JSON answer.
+pub fn json(status: StatusCode, value: serde_json::Value) -> Answer {
     let mut resp = Response::new(Full::new(Bytes::from(value.to_string())));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
@@ -103,7 +135,8 @@ fn json(status: StatusCode, value: serde_json::Value) -> Answer {
     resp
 }
 
-fn rfc3339(t: SystemTime) -> String {
+/// A time as RFC 3339 with milliseconds.
+pub fn rfc3339(t: SystemTime) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
@@ -164,7 +197,7 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
 }
 
 /// Escapes a Prometheus label value.
-fn label(value: &str) -> String {
+pub fn label(value: &str) -> String {
     value
         .replace('\\', "\\\\")
         .replace('"', "\\\"")
@@ -176,10 +209,7 @@ fn metrics(reloader: &Reloader) -> String {
     let control = reloader.control();
     let mut out = String::with_capacity(2048);
     let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (labels, value) in samples {
-            let _ = writeln!(out, "{name}{labels} {value}");
-        }
+        metric(&mut out, name, kind, help, samples)
     };
     metric(
         "portcullis_info",

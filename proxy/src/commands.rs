@@ -94,19 +94,120 @@ pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         options.policies.clone(),
         server.control().clone(),
     ));
+    let watching = control_plane(reloader, options.admin, options.watch).await?;
+    let served = server.run(shutdown_signal(), options.drain).await;
+    watching.abort();
+    served?;
+    Ok(())
+}
+
+/// How `portcullis tunnel-client` runs.
+#[derive(Debug, Clone)]
+pub struct TunnelClientOptions {
+    /// The tunnel: server, identity, target.
+    pub client: crate::tunnel::client::ClientOptions,
+    /// Worker threads.
+    pub workers: usize,
+    /// How shutdown drains.
+    pub drain: Drain,
+    /// The admin listener; `None` turns it off.
+    pub admin: Option<std::net::SocketAddr>,
+    /// When the policies are reloaded.
+    pub watch: WatchOptions,
+}
+
+/// `portcullis tunnel-client`: the routing core (policies, plugins, hot
+/// reload, and any listeners the policies define) fed by tunnel
+/// connections to the server. Ends on SIGTERM/SIGINT after draining, or
+/// with an error when another client takes over this runtime id.
+pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
+    use crate::tunnel::client::{Dialer, Target, run_slot, upstream_policy};
+    let (config, reloader_source) = match &options.client.target {
+        Target::Policies(dir) => (
+            load(dir.as_deref()).map_err(|e| anyhow::anyhow!("invalid policies:\n{e}"))?,
+            Ok(dir.clone()),
+        ),
+        Target::Upstream(url) => {
+            let sources = vec![upstream_policy(url)];
+            let config = config::load_sources(&sources, &|n| std::env::var(n).ok())
+                .map_err(|e| anyhow::anyhow!("--upstream {url}: {e}"))?;
+            (config, Err(sources))
+        }
+    };
+    let dialer = Arc::new(Dialer::new(options.client.clone())?);
+    let server = Server::bind_with(config, options.workers, false).await?;
+    let control = server.control().clone();
+    let reloader = Arc::new(match reloader_source {
+        Ok(dir) => Reloader::new(dir, control.clone()),
+        Err(sources) => Reloader::with_sources(sources, control.clone()),
+    });
+    let watching = control_plane(reloader, options.admin, options.watch).await?;
+    for slot in 0..options.client.connections.max(1) {
+        let dialer = dialer.clone();
+        control.spawn_on_worker(slot, move |ctx| Box::pin(run_slot(slot, dialer, ctx)));
+    }
+    let give_up = dialer.give_up.clone();
+    let stop = async {
+        tokio::select! {
+            _ = shutdown_signal() => {}
+            _ = give_up.cancelled() => {}
+        }
+    };
+    let served = server.run(stop, options.drain).await;
+    watching.abort();
+    served?;
+    if dialer.was_replaced() {
+        anyhow::bail!(
+            "another tunnel client took over runtime `{}`",
+            options.client.runtime_id
+        );
+    }
+    Ok(())
+}
+
+/// `portcullis tunnel-server`: serves until SIGTERM/SIGINT.
+pub async fn tunnel_server(options: crate::tunnel::server::ServerOptions) -> anyhow::Result<()> {
+    let server = crate::tunnel::server::TunnelServer::bind(&options).await?;
     if let Some(addr) = options.admin {
+        server.serve_admin(addr).await.with_context(|| {
+            format!("cannot bind the admin listener on {addr} (--admin off turns it off)")
+        })?;
+    }
+    server.run(shutdown_signal()).await
+}
+
+/// `portcullis hash-token`: reads a token on stdin, prints its hash for
+/// the tunnel server's tokens file.
+pub fn hash_token() -> ExitCode {
+    let mut token = String::new();
+    if let Err(e) = std::io::Read::read_to_string(&mut std::io::stdin(), &mut token) {
+        eprintln!("portcullis hash-token: cannot read stdin: {e}");
+        return ExitCode::FAILURE;
+    }
+    if token.trim().is_empty() {
+        eprintln!("portcullis hash-token: no token on stdin");
+        return ExitCode::FAILURE;
+    }
+    println!("{}", crate::tunnel::tokens::hash_token(&token));
+    ExitCode::SUCCESS
+}
+
+/// Starts the admin listener (unless `admin` is `None`) and the reload
+/// triggers; returns the reload task, to stop when serving ends.
+async fn control_plane(
+    reloader: Arc<Reloader>,
+    admin: Option<std::net::SocketAddr>,
+    watch: WatchOptions,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    if let Some(addr) = admin {
         crate::admin::serve(addr, reloader.clone())
             .await
             .with_context(|| {
                 format!("cannot bind the admin listener on {addr} (--admin off turns it off)")
             })?;
     }
-    let watch = crate::reload::watch(reloader, options.watch).await;
-    let watching = tokio::spawn(watch.run());
-    let served = server.run(shutdown_signal(), options.drain).await;
-    watching.abort();
-    served?;
-    Ok(())
+    let watch = crate::reload::watch(reloader, watch).await;
+    Ok(tokio::spawn(watch.run()))
 }
 
 /// Completes on the first SIGTERM or SIGINT.

@@ -17,3 +17,4 @@ pub mod reload;
 pub mod router;
 pub mod server;
 pub mod telemetry;
+pub mod tunnel;

@@ -56,6 +56,70 @@ enum Command {
         #[arg(long, env = "PORTCULLIS_WATCH_POLL", default_value = "10s", value_parser = parse_duration)]
         watch_poll: Duration,
     },
+    /// The public side of outbound tunnels: forwards requests for
+    /// `<runtime-id>.<domain>` through that runtime's tunnel.
+    TunnelServer {
+        /// Public HTTP listener.
+        #[arg(long, env = "PORTCULLIS_PUBLIC")]
+        public: std::net::SocketAddr,
+        /// Tunnel endpoint (WebSocket; TLS with --cert and --key).
+        #[arg(long, env = "PORTCULLIS_TUNNEL_LISTEN")]
+        tunnel_listen: std::net::SocketAddr,
+        /// Runtimes are reached as `<runtime-id>.<domain>`.
+        #[arg(long, env = "PORTCULLIS_DOMAIN")]
+        domain: String,
+        /// YAML map of runtime id → token hash (`portcullis hash-token`);
+        /// re-read when it changes.
+        #[arg(long, env = "PORTCULLIS_TOKENS")]
+        tokens: PathBuf,
+        /// Certificate chain (PEM) for the tunnel endpoint.
+        #[arg(long, env = "PORTCULLIS_CERT", requires = "key")]
+        cert: Option<PathBuf>,
+        /// Private key (PEM) for the tunnel endpoint.
+        #[arg(long, env = "PORTCULLIS_KEY", requires = "cert")]
+        key: Option<PathBuf>,
+        /// Admin listener (connected runtimes, metrics); `off` turns it off.
+        #[arg(long, env = "PORTCULLIS_ADMIN", default_value = "127.0.0.1:9901", value_parser = parse_admin)]
+        admin: Admin,
+    },
+    /// The cluster side of a tunnel: dials out to the tunnel server and
+    /// serves what comes through with the routing core.
+    TunnelClient {
+        /// Tunnel server URL: `wss://host[:port]` (`ws://` for testing).
+        #[arg(long, env = "PORTCULLIS_SERVER")]
+        server: http::Uri,
+        /// This runtime's id (a DNS label).
+        #[arg(long, env = "PORTCULLIS_RUNTIME_ID")]
+        runtime_id: String,
+        /// File holding the token (a mounted Secret); otherwise the
+        /// PORTCULLIS_TOKEN environment variable.
+        #[arg(long, env = "PORTCULLIS_TOKEN_FILE")]
+        token_file: Option<PathBuf>,
+        /// Policy directory for the routing core (the built-in policies
+        /// when neither this nor --upstream is given).
+        #[arg(long, env = "PORTCULLIS_POLICIES", conflicts_with = "upstream")]
+        policies: Option<PathBuf>,
+        /// Send everything to this one upstream URL instead.
+        #[arg(long, env = "PORTCULLIS_UPSTREAM")]
+        upstream: Option<String>,
+        /// Tunnel connections kept open.
+        #[arg(long, env = "PORTCULLIS_CONNECTIONS", default_value_t = 2)]
+        connections: usize,
+        /// Extra CA certificate (PEM) trusted for the server.
+        #[arg(long, env = "PORTCULLIS_CA")]
+        ca: Option<PathBuf>,
+        /// Worker threads; default: one per CPU.
+        #[arg(long, env = "PORTCULLIS_WORKERS")]
+        workers: Option<usize>,
+        /// How long in-flight requests may run after SIGTERM.
+        #[arg(long, env = "PORTCULLIS_GRACE_PERIOD", default_value = "30s", value_parser = parse_duration)]
+        grace_period: Duration,
+        /// Admin listener (status, metrics, reload); `off` turns it off.
+        #[arg(long, env = "PORTCULLIS_ADMIN", default_value = "127.0.0.1:9901", value_parser = parse_admin)]
+        admin: Admin,
+    },
+    /// Read a token on stdin and print its hash for the tokens file.
+    HashToken,
     /// Validate policies without serving; prints `file:line:column: message` per error.
     Check {
         /// Directory of *.yaml policy files; the built-in defaults when not given.
@@ -81,10 +145,115 @@ fn parse_admin(s: &str) -> Result<Admin, String> {
         .map_err(|_| format!("`{s}` is not an address like 127.0.0.1:9901 (or `off`)"))
 }
 
+/// Runs `work` on a current-thread runtime (the serving workers run their
+/// own), reporting an error the way every command does.
+fn run<F: std::future::Future<Output = anyhow::Result<()>>>(work: impl FnOnce() -> F) -> ExitCode {
+    run_on(tokio::runtime::Builder::new_current_thread(), work)
+}
+
+/// [`run`] on a runtime made by `builder`.
+fn run_on<F: std::future::Future<Output = anyhow::Result<()>>>(
+    mut builder: tokio::runtime::Builder,
+    work: impl FnOnce() -> F,
+) -> ExitCode {
+    let runtime = match builder.enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("portcullis: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(work()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("portcullis: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Check { policies } => portcullis::commands::check(policies.as_deref()),
+        Command::HashToken => portcullis::commands::hash_token(),
+        Command::TunnelServer {
+            public,
+            tunnel_listen,
+            domain,
+            tokens,
+            cert,
+            key,
+            admin,
+        } => {
+            portcullis::telemetry::init();
+            let options = portcullis::tunnel::server::ServerOptions {
+                public,
+                tunnel: tunnel_listen,
+                domain,
+                tokens,
+                tls: cert.zip(key),
+                admin: admin.0,
+            };
+            // Unlike the routing core, the tunnel server is one
+            // multi-threaded runtime: its work is relaying between sockets.
+            run_on(tokio::runtime::Builder::new_multi_thread(), || {
+                portcullis::commands::tunnel_server(options)
+            })
+        }
+        Command::TunnelClient {
+            server,
+            runtime_id,
+            token_file,
+            policies,
+            upstream,
+            connections,
+            ca,
+            workers,
+            grace_period,
+            admin,
+        } => {
+            use portcullis::tunnel::client::{ClientOptions, Target, Token};
+            let token = match (token_file, std::env::var("PORTCULLIS_TOKEN")) {
+                (Some(file), _) => Token::File(file),
+                (None, Ok(value)) => Token::Value(value),
+                (None, Err(_)) => {
+                    eprintln!(
+                        "portcullis tunnel-client: give --token-file FILE or set PORTCULLIS_TOKEN"
+                    );
+                    return ExitCode::from(2);
+                }
+            };
+            if !portcullis::tunnel::tokens::valid_runtime_id(&runtime_id) {
+                eprintln!(
+                    "portcullis tunnel-client: --runtime-id `{runtime_id}` must be a DNS label (a-z, 0-9, -)"
+                );
+                return ExitCode::from(2);
+            }
+            portcullis::telemetry::init();
+            let options = portcullis::commands::TunnelClientOptions {
+                client: ClientOptions {
+                    server,
+                    runtime_id,
+                    token,
+                    target: match upstream {
+                        Some(url) => Target::Upstream(url),
+                        None => Target::Policies(policies),
+                    },
+                    connections,
+                    ca,
+                },
+                workers: workers.unwrap_or_else(portcullis::server::default_workers),
+                drain: portcullis::server::Drain {
+                    delay: Duration::ZERO,
+                    grace: grace_period,
+                },
+                admin: admin.0,
+                watch: portcullis::reload::WatchOptions::default(),
+            };
+            run(|| portcullis::commands::tunnel_client(options))
+        }
         Command::Serve {
             policies,
             grace_period,
@@ -101,18 +270,6 @@ fn main() -> ExitCode {
                 grace: grace_period,
             };
             portcullis::telemetry::init();
-            // The control plane (signals, drain) is light; the worker
-            // threads run their own runtimes.
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build();
-            let runtime = match runtime {
-                Ok(rt) => rt,
-                Err(e) => {
-                    eprintln!("portcullis: cannot start the async runtime: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
             let options = portcullis::commands::ServeOptions {
                 policies,
                 workers,
@@ -124,14 +281,9 @@ fn main() -> ExitCode {
                     poll: watch_poll,
                 },
             };
-            match runtime.block_on(portcullis::commands::serve(options)) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    tracing::error!("{e:#}");
-                    eprintln!("portcullis: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+            // The control plane (signals, drain, reloads) is light; the
+            // worker threads run their own runtimes.
+            run(|| portcullis::commands::serve(options))
         }
     }
 }

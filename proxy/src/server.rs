@@ -121,6 +121,25 @@ enum WorkerCommand {
         /// Dropped once the socket is closed.
         open: mpsc::Sender<()>,
     },
+    /// Run a task on the worker's runtime (tunnel connections), tracked
+    /// like a connection so shutdown drains it.
+    Spawn(Box<dyn FnOnce(WorkerContext) -> LocalTask + Send>),
+}
+
+/// A task for a worker's runtime (a current-thread runtime: it stays on
+/// that worker's thread).
+pub type LocalTask = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// What a task spawned on a worker gets.
+#[derive(Clone)]
+pub struct WorkerContext {
+    /// The worker's index (picks its upstream pools).
+    pub worker: usize,
+    /// The configuration swapped by reloads.
+    pub pipeline: Arc<ArcSwap<Pipeline>>,
+    /// Cancelled when the server starts draining: stop taking new work,
+    /// finish what is in flight.
+    pub stop: CancellationToken,
 }
 
 /// The serving side as reloads and the admin endpoint see it: swaps in new
@@ -134,6 +153,8 @@ pub struct Control {
     listeners: std::sync::Mutex<Vec<ActiveListener>>,
     to_workers: Vec<mpsc::UnboundedSender<WorkerCommand>>,
     stop_accepting: CancellationToken,
+    /// A tunnel client may serve without listeners of its own.
+    require_listeners: bool,
 }
 
 /// One listener as the admin endpoint shows it.
@@ -197,7 +218,18 @@ impl Server {
     /// Binds every listener of `config` for `workers` worker threads. Once
     /// this returns, `/readyz` is 200.
     pub async fn bind(config: Config, workers: usize) -> Result<Server, ServeError> {
-        if config.listeners.is_empty() {
+        Self::bind_with(config, workers, true).await
+    }
+
+    /// [`Server::bind`], allowing a config without listeners when
+    /// `require_listeners` is false (the tunnel client's requests arrive
+    /// through the tunnel).
+    pub async fn bind_with(
+        config: Config,
+        workers: usize,
+        require_listeners: bool,
+    ) -> Result<Server, ServeError> {
+        if require_listeners && config.listeners.is_empty() {
             return Err(ServeError::NoListeners);
         }
         let workers = workers.max(1);
@@ -225,6 +257,7 @@ impl Server {
             listeners: std::sync::Mutex::new(Vec::new()),
             to_workers,
             stop_accepting: CancellationToken::new(),
+            require_listeners,
         });
         {
             let mut active = control.active();
@@ -360,7 +393,7 @@ impl Control {
         config: Config,
         chains: crate::plugin::Chains,
     ) -> Result<ListenerChanges, ServeError> {
-        if config.listeners.is_empty() {
+        if self.require_listeners && config.listeners.is_empty() {
             return Err(ServeError::NoListeners);
         }
         let mut active = self.active();
@@ -476,6 +509,20 @@ impl Control {
         self.listeners.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Runs `task` on worker `worker % workers`, in that worker's runtime.
+    pub fn spawn_on_worker(
+        &self,
+        worker: usize,
+        task: impl FnOnce(WorkerContext) -> LocalTask + Send + 'static,
+    ) {
+        let _ = self.to_workers[worker % self.workers].send(WorkerCommand::Spawn(Box::new(task)));
+    }
+
+    /// The number of worker threads.
+    pub fn workers(&self) -> usize {
+        self.workers
+    }
+
     /// The configuration serving new requests now.
     pub fn pipeline(&self) -> Arc<Pipeline> {
         self.pipeline.load_full()
@@ -517,14 +564,23 @@ impl Worker {
                     c = commands.recv() => c,
                     _ = self.stop_accepting.cancelled() => None,
                 };
-                let Some(WorkerCommand::Listen {
-                    socket,
-                    settings,
-                    stop,
-                    open,
-                }) = command
-                else {
-                    break;
+                let (socket, settings, stop, open) = match command {
+                    Some(WorkerCommand::Listen {
+                        socket,
+                        settings,
+                        stop,
+                        open,
+                    }) => (socket, settings, stop, open),
+                    Some(WorkerCommand::Spawn(make)) => {
+                        let task = make(WorkerContext {
+                            worker: self.index,
+                            pipeline: self.pipeline.clone(),
+                            stop: self.stop_accepting.clone(),
+                        });
+                        tracker.spawn(task);
+                        continue;
+                    }
+                    None => break,
                 };
                 match TcpListener::from_std(socket) {
                     Ok(socket) => {

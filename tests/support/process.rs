@@ -18,6 +18,9 @@ pub struct ProxyProcess {
     pub addr: SocketAddr,
     /// Address of the admin listener (on a free port unless `args` set one).
     pub admin: Option<SocketAddr>,
+    /// Every address logged before the process was ready, by log message
+    /// (`listening`, `public listening`, `tunnel listening`, ...).
+    pub addrs: std::collections::HashMap<String, SocketAddr>,
     /// Every log line so far.
     pub logs: Arc<Mutex<Vec<String>>>,
     lines: mpsc::UnboundedReceiver<String>,
@@ -39,17 +42,28 @@ impl ProxyProcess {
     /// admin listener on a free port unless `args` name one), waiting (20 s
     /// at most) until it listens.
     pub async fn start_on(dir: &std::path::Path, args: &[&str]) -> ProxyProcess {
-        let admin_args: &[&str] = if args.contains(&"--admin") {
+        let mut all = vec![
+            "serve".to_owned(),
+            "--policies".to_owned(),
+            dir.display().to_string(),
+        ];
+        all.extend(args.iter().map(|a| a.to_string()));
+        Self::launch(&all, &[], "listening").await
+    }
+
+    /// Starts `portcullis` with `args` (plus the admin listener on a free
+    /// port unless `args` name one) and `env`, waiting (20 s at most) for
+    /// the log line whose message is `ready`.
+    pub async fn launch(args: &[String], env: &[(&str, String)], ready: &str) -> ProxyProcess {
+        let admin_args: &[&str] = if args.iter().any(|a| a == "--admin") {
             &[]
         } else {
             &["--admin", "127.0.0.1:0"]
         };
         let mut child = Command::new(super::binary())
-            .arg("serve")
-            .arg("--policies")
-            .arg(dir)
-            .args(admin_args)
             .args(args)
+            .args(admin_args)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .env("PORTCULLIS_LOG_FORMAT", "json")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -69,25 +83,31 @@ impl ProxyProcess {
                 let _ = tx.send(line);
             }
         });
-        let mut admin = None;
-        let addr = tokio::time::timeout(Duration::from_secs(20), async {
+        let mut addrs = std::collections::HashMap::new();
+        let started = tokio::time::timeout(Duration::from_secs(20), async {
             while let Some(line) = rx.recv().await {
                 let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
                     continue;
                 };
-                let addr = v["addr"].as_str().and_then(|a| a.parse().ok());
-                if v["message"] == "admin listening" {
-                    admin = addr;
-                } else if v["message"] == "listening" {
-                    return addr;
+                let message = v["message"].as_str().unwrap_or_default().to_owned();
+                if let Some(addr) = v["addr"].as_str().and_then(|a| a.parse().ok()) {
+                    addrs.entry(message.clone()).or_insert(addr);
+                }
+                if message == ready {
+                    return Some(());
                 }
             }
             None
         })
         .await
         .ok()
-        .flatten()
-        .unwrap_or_else(|| {
+        .flatten();
+        let admin = addrs.get("admin listening").copied();
+        let addr = addrs
+            .get("listening")
+            .copied()
+            .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
+        started.unwrap_or_else(|| {
             panic!(
                 "portcullis did not start listening; logs: {:?}",
                 logs.lock().map(|l| l.clone())
@@ -97,6 +117,7 @@ impl ProxyProcess {
             child,
             addr,
             admin,
+            addrs,
             logs,
             lines: rx,
             _dir: None,
@@ -154,6 +175,21 @@ impl ProxyProcess {
         assert!(status.success(), "kill -{sig} failed");
     }
 
+    /// Resident memory now (VmRSS) in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        self.proc_status_kib("VmRSS:")
+    }
+
+    fn proc_status_kib(&self, field: &str) -> u64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).expect("proc status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("proc status field")
+    }
+
     /// Peak resident memory (VmHWM) in KiB.
     pub fn peak_rss_kib(&self) -> u64 {
         let status =
@@ -163,6 +199,15 @@ impl ProxyProcess {
             .find_map(|l| l.strip_prefix("VmHWM:"))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
             .expect("VmHWM")
+    }
+
+    /// The first log line so far containing `needle`.
+    pub fn find_log(&self, needle: &str) -> String {
+        let logs = self.logs.lock().expect("log lock");
+        logs.iter()
+            .find(|l| l.contains(needle))
+            .cloned()
+            .unwrap_or_else(|| panic!("no log line with `{needle}` in {logs:#?}"))
     }
 
     /// Waits for a log line containing `needle` (20 s at most).

@@ -182,6 +182,17 @@ fn echo_handler(
     }
 }
 
+/// A body of `total` bytes (a multiple of 64 KiB) as a stream of 64 KiB
+/// frames, made as it is read.
+pub fn chunks(
+    total: u64,
+) -> impl futures_util::Stream<Item = Result<hyper::body::Frame<Bytes>, std::io::Error>> + Send + 'static
+{
+    let chunk = Bytes::from(vec![0x5au8; 64 * 1024]);
+    let n = total / chunk.len() as u64;
+    futures_util::stream::iter((0..n).map(move |_| Ok(hyper::body::Frame::data(chunk.clone()))))
+}
+
 /// FNV-1a of a byte slice, matching [`echo`]'s `body_fnv`.
 pub fn fnv(data: &[u8]) -> String {
     let mut hash = 0xcbf29ce484222325u64;

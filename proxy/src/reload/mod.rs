@@ -108,6 +108,9 @@ pub struct Status {
 /// Reloads one policy directory into one server.
 pub struct Reloader {
     dir: Option<PathBuf>,
+    /// Without a directory: the fixed sources the server was started on
+    /// (the built-in set when `None`).
+    fixed: Option<Arc<Vec<crate::config::Source>>>,
     control: Arc<Control>,
     status: Mutex<Status>,
     /// One reload at a time: a SIGHUP during a file-triggered reload waits
@@ -138,9 +141,18 @@ impl Reloader {
                 watched,
             }),
             dir,
+            fixed: None,
             control,
             running: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// A reloader for a server started on fixed `sources` (not a
+    /// directory): reloads find them unchanged.
+    pub fn with_sources(sources: Vec<crate::config::Source>, control: Arc<Control>) -> Reloader {
+        let mut reloader = Reloader::new(None, control);
+        reloader.fixed = Some(Arc::new(sources));
+        reloader
     }
 
     /// The policy directory, if not the built-in set.
@@ -169,10 +181,16 @@ impl Reloader {
         let started = Instant::now();
         // Reading and hashing plugin files is blocking I/O.
         let dir = self.dir.clone();
-        let loaded = tokio::task::spawn_blocking(move || crate::commands::load(dir.as_deref()))
-            .await
-            .map_err(|e| format!("reading the policies crashed: {e}"))
-            .and_then(|r| r.map_err(|e| e.to_string()));
+        let fixed = self.fixed.clone();
+        let loaded = tokio::task::spawn_blocking(move || match fixed {
+            Some(sources) if dir.is_none() => {
+                crate::config::load_sources(&sources, &|n| std::env::var(n).ok())
+            }
+            _ => crate::commands::load(dir.as_deref()),
+        })
+        .await
+        .map_err(|e| format!("reading the policies crashed: {e}"))
+        .and_then(|r| r.map_err(|e| e.to_string()));
         let config = match loaded {
             Ok(config) => config,
             Err(message) => return self.reject(trigger, message),

@@ -1,0 +1,406 @@
+//! `portcullis tunnel-client`: the cluster side. Keeps N outbound tunnel
+//! connections to the server and serves the requests that come through
+//! them with the in-process routing core (its policies and plugins, hot
+//! reloaded) — no second network hop — or with one upstream URL.
+//!
+//! Each tunnel connection lives on one of the routing core's worker
+//! threads and uses that worker's upstream pools, like a listener's
+//! connection would.
+
+use std::convert::Infallible;
+use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+use super::ws_io::WsIo;
+use crate::body::{Body, ResponseBody};
+use crate::config::Listener;
+use crate::pipeline::ConnInfo;
+use crate::server::WorkerContext;
+
+/// Where the tunnel's requests go.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// The routing core on these policies (the built-in set when `None`).
+    Policies(Option<PathBuf>),
+    /// Everything to this one upstream URL.
+    Upstream(String),
+}
+
+/// Where the token comes from.
+#[derive(Clone)]
+pub enum Token {
+    /// Given directly (environment variable).
+    Value(String),
+    /// Read from this file at every connection attempt, so a rotated
+    /// Secret is picked up without a restart.
+    File(PathBuf),
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Token::Value(_) => f.write_str("Token::Value(..)"),
+            Token::File(p) => write!(f, "Token::File({})", p.display()),
+        }
+    }
+}
+
+impl Token {
+    fn read(&self) -> Result<String, String> {
+        let token = match self {
+            Token::Value(v) => v.clone(),
+            Token::File(p) => std::fs::read_to_string(p)
+                .map_err(|e| format!("reading the token file {}: {e}", p.display()))?,
+        };
+        let token = token.trim().to_owned();
+        if token.is_empty() {
+            return Err("the token is empty".into());
+        }
+        Ok(token)
+    }
+}
+
+/// How the tunnel client runs.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// `wss://host[:port]` (or `ws://` for local testing).
+    pub server: http::Uri,
+    /// This runtime's id.
+    pub runtime_id: String,
+    /// Its token.
+    pub token: Token,
+    /// Where requests go.
+    pub target: Target,
+    /// Tunnel connections kept open.
+    pub connections: usize,
+    /// Extra CA certificate (PEM) to trust for the server.
+    pub ca: Option<PathBuf>,
+}
+
+/// Reconnection delays: jittered exponential backoff from 0.5 s to 30 s,
+/// reset once a connection has stayed up for [`STABLE`].
+struct Backoff {
+    next: Duration,
+}
+
+const FIRST_DELAY: Duration = Duration::from_millis(500);
+const MAX_DELAY: Duration = Duration::from_secs(30);
+const STABLE: Duration = Duration::from_secs(30);
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff { next: FIRST_DELAY }
+    }
+
+    /// The next delay: between half and all of the current step, so
+    /// clients cut off together do not come back together.
+    fn next(&mut self) -> Duration {
+        let step = self.next;
+        self.next = (self.next * 2).min(MAX_DELAY);
+        let random = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        step / 2 + step.mul_f64((random % 1000) as f64 / 2000.0)
+    }
+
+    fn reset(&mut self) {
+        self.next = FIRST_DELAY;
+    }
+}
+
+/// The policy source a `Target::Upstream` client serves: one upstream and
+/// one route for every path.
+pub fn upstream_policy(url: &str) -> crate::config::Source {
+    crate::config::Source {
+        name: "--upstream".into(),
+        text: format!(
+            "upstreams: [{{ name: upstream, endpoints: [\"{}\"] }}]\nroutes:\n  - {{ name: upstream, match: {{ path_prefix: / }}, upstream: upstream }}\n",
+            url.replace('"', "%22")
+        ),
+    }
+}
+
+/// What every tunnel connection of this client shares.
+pub struct Dialer {
+    options: ClientOptions,
+    instance: String,
+    tls: Option<tokio_rustls::TlsConnector>,
+    /// The listener settings tunnel requests are served under.
+    listener: Arc<Listener>,
+    /// Set when the server says another client took over this runtime.
+    replaced: AtomicBool,
+    /// Cancelled to stop the whole client (after a takeover).
+    pub give_up: CancellationToken,
+}
+
+impl Dialer {
+    /// Prepares TLS for `wss://` servers.
+    pub fn new(options: ClientOptions) -> anyhow::Result<Dialer> {
+        use anyhow::Context;
+        let tls = match options.server.scheme_str() {
+            Some("wss") => {
+                let mut settings = crate::config::TlsSettings::default();
+                if let Some(ca) = &options.ca {
+                    use rustls_pki_types::CertificateDer;
+                    use rustls_pki_types::pem::PemObject;
+                    settings.ca_certs = CertificateDer::pem_file_iter(ca)
+                        .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+                        .with_context(|| format!("reading --ca {}", ca.display()))?;
+                }
+                let mut config = crate::forward::client_tls_config(&settings);
+                config.alpn_protocols = vec![b"http/1.1".to_vec()];
+                Some(tokio_rustls::TlsConnector::from(Arc::new(config)))
+            }
+            Some("ws") => None,
+            _ => anyhow::bail!(
+                "--server {} must be a wss:// (or ws:// for testing) URL",
+                options.server
+            ),
+        };
+        anyhow::ensure!(
+            options.server.host().is_some(),
+            "--server {} has no host",
+            options.server
+        );
+        let random = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        Ok(Dialer {
+            // Start time first: the server keeps the newest client.
+            instance: format!("{started}-{random:016x}"),
+            tls,
+            listener: Arc::new(Listener {
+                name: "tunnel".into(),
+                bind: SocketAddr::from(([0, 0, 0, 0], 0)),
+                max_connections: usize::MAX,
+                header_read_timeout: Duration::from_secs(30),
+                max_request_header_size: 64 << 10,
+                // The tunnel server sets X-Forwarded-Proto and -Host.
+                trust_forwarded_headers: true,
+                defined_at: crate::config::Pos {
+                    file: "--server".into(),
+                    line: 0,
+                    column: 0,
+                },
+            }),
+            options,
+            replaced: AtomicBool::new(false),
+            give_up: CancellationToken::new(),
+        })
+    }
+
+    /// True once another client took over this runtime id.
+    pub fn was_replaced(&self) -> bool {
+        self.replaced.load(Ordering::Relaxed)
+    }
+
+    /// Dials, authenticates and returns the WebSocket as a byte stream.
+    async fn dial(&self) -> Result<TokioIo<WsIo<TunnelStream>>, String> {
+        let uri = &self.options.server;
+        let host = uri.host().unwrap_or_default();
+        let tls = self.tls.is_some();
+        let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        let host_for_connect = host.trim_start_matches('[').trim_end_matches(']');
+        let tcp = TcpStream::connect((host_for_connect, port))
+            .await
+            .map_err(|e| format!("connecting to {host}:{port}: {e}"))?;
+        let _ = tcp.set_nodelay(true);
+        let stream = match &self.tls {
+            Some(connector) => {
+                let name = rustls_pki_types::ServerName::try_from(host_for_connect.to_owned())
+                    .map_err(|e| format!("server name {host}: {e}"))?;
+                let tls = connector
+                    .connect(name, tcp)
+                    .await
+                    .map_err(|e| format!("TLS with {host}: {e}"))?;
+                tokio_util::either::Either::Left(tls)
+            }
+            None => tokio_util::either::Either::Right(tcp),
+        };
+        let url = format!(
+            "{}://{}{}",
+            if tls { "wss" } else { "ws" },
+            uri.authority().map_or(host, |a| a.as_str()),
+            super::TUNNEL_PATH
+        );
+        let mut request =
+            tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(
+                url.as_str(),
+            )
+            .map_err(|e| format!("bad server URL {url}: {e}"))?;
+        let headers = request.headers_mut();
+        let value = |s: &str| {
+            http::HeaderValue::from_str(s)
+                .map_err(|_| "token or runtime id is not a valid header value".to_owned())
+        };
+        headers.insert(
+            http::header::AUTHORIZATION,
+            value(&format!("Bearer {}", self.options.token.read()?))?,
+        );
+        headers.insert(super::RUNTIME_HEADER, value(&self.options.runtime_id)?);
+        headers.insert(super::INSTANCE_HEADER, value(&self.instance)?);
+        let (ws, _) =
+            tokio_tungstenite::client_async_with_config(request, stream, Some(super::ws_config()))
+                .await
+                .map_err(|e| match e {
+                    tokio_tungstenite::tungstenite::Error::Http(resp) => format!(
+                        "the server refused the tunnel: {} {}",
+                        resp.status(),
+                        resp.body()
+                            .as_deref()
+                            .map(String::from_utf8_lossy)
+                            .unwrap_or_default()
+                    ),
+                    e => format!("WebSocket handshake with {url}: {e}"),
+                })?;
+        Ok(TokioIo::new(WsIo::new(ws)))
+    }
+}
+
+type TunnelStream =
+    tokio_util::either::Either<tokio_rustls::client::TlsStream<TcpStream>, TcpStream>;
+
+/// One tunnel connection slot: dials, serves until the tunnel ends, and
+/// dials again after a backoff, until the worker drains.
+pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
+    let mut backoff = Backoff::new();
+    loop {
+        if ctx.stop.is_cancelled() || dialer.give_up.is_cancelled() {
+            return;
+        }
+        let started = Instant::now();
+        let dialed = tokio::select! {
+            r = tokio::time::timeout(super::HANDSHAKE_TIMEOUT, dialer.dial()) => r.unwrap_or_else(|_| Err("no handshake within 10s".into())),
+            _ = ctx.stop.cancelled() => return,
+            _ = dialer.give_up.cancelled() => return,
+        };
+        match dialed {
+            Ok(io) => {
+                tracing::debug!(slot, "tunnel handshake done");
+                serve(io, slot, &dialer, &ctx).await;
+                if dialer.was_replaced() {
+                    tracing::error!(slot, runtime = %dialer.options.runtime_id, "another client took over this runtime id; stopping");
+                    dialer.give_up.cancel();
+                    return;
+                }
+                if ctx.stop.is_cancelled() {
+                    return;
+                }
+                tracing::warn!(slot, "tunnel lost; reconnecting");
+            }
+            Err(e) => tracing::warn!(slot, error = %e, "tunnel connection failed"),
+        }
+        if started.elapsed() >= STABLE {
+            backoff.reset();
+        }
+        let delay = backoff.next();
+        tracing::debug!(
+            slot,
+            delay_ms = delay.as_millis() as u64,
+            "reconnecting after backoff"
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = ctx.stop.cancelled() => return,
+            _ = dialer.give_up.cancelled() => return,
+        }
+    }
+}
+
+/// Serves HTTP/2 from the server over one tunnel until it ends; on drain,
+/// stops taking new streams and lets those in flight finish.
+async fn serve(
+    io: TokioIo<WsIo<TunnelStream>>,
+    slot: usize,
+    dialer: &Arc<Dialer>,
+    ctx: &WorkerContext,
+) {
+    // The server pings as soon as it has registered the tunnel: from then
+    // on public requests can arrive, so that is when it counts as connected.
+    let connected = Arc::new(AtomicBool::new(false));
+    let service = {
+        let dialer = dialer.clone();
+        let pipeline = ctx.pipeline.clone();
+        let worker = ctx.worker;
+        service_fn(move |req: Request<Incoming>| {
+            if req.headers().contains_key(super::CONTROL)
+                && !connected.swap(true, Ordering::Relaxed)
+            {
+                tracing::info!(slot, server = %dialer.options.server, runtime = %dialer.options.runtime_id, "tunnel connected");
+            }
+            let dialer = dialer.clone();
+            let pipeline = pipeline.load_full();
+            async move { Ok::<_, Infallible>(handle(req, &dialer, &pipeline, worker).await) }
+        })
+    };
+    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .initial_stream_window_size(super::STREAM_WINDOW)
+        .initial_connection_window_size(super::CONNECTION_WINDOW)
+        .max_concurrent_streams(4096)
+        .keep_alive_interval(super::KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(super::KEEPALIVE_TIMEOUT)
+        .serve_connection(io, service);
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "tunnel connection ended with an error");
+            }
+            return;
+        }
+        _ = ctx.stop.cancelled() => {}
+        _ = dialer.give_up.cancelled() => {}
+    }
+    // Draining: GOAWAY, then the streams in flight run to their end.
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
+}
+
+async fn handle(
+    mut req: Request<Incoming>,
+    dialer: &Dialer,
+    pipeline: &crate::pipeline::Pipeline,
+    worker: usize,
+) -> Response<ResponseBody> {
+    if let Some(what) = req.headers().get(super::CONTROL) {
+        if what == super::REPLACED {
+            dialer.replaced.store(true, Ordering::Relaxed);
+            dialer.give_up.cancel();
+        }
+        let mut resp = Response::new(ResponseBody::new(Body::empty(), None, Default::default()));
+        *resp.status_mut() = StatusCode::NO_CONTENT;
+        return resp;
+    }
+    // The public client, as the tunnel server saw it.
+    // Only for this hop: the upstream sees the address in X-Forwarded-For.
+    let client = req
+        .headers_mut()
+        .remove(super::CLIENT_ADDR)
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
+    let conn = ConnInfo {
+        client,
+        client_ip: crate::forward::client_ip_header(client.ip()),
+        listener: dialer.listener.clone(),
+        tls: false,
+        worker,
+    };
+    pipeline.handle(req, &conn).await
+}

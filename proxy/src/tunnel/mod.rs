@@ -1,0 +1,64 @@
+//! Outbound-only tunnels: a runtime in a closed cluster dials out to a
+//! public tunnel server, which sends public traffic for that runtime back
+//! through the tunnel into the routing core.
+//!
+//! The transport is a WebSocket (over TLS in production) carrying one
+//! HTTP/2 connection, with the tunnel server as the HTTP/2 client: every
+//! public request is one HTTP/2 stream, so many run at once over one
+//! tunnel with HTTP/2's per-stream and per-connection flow control, and a
+//! slow stream never stalls the others. Windows are sized for long, fat
+//! paths ([`STREAM_WINDOW`], [`CONNECTION_WINDOW`]). Both sides send
+//! HTTP/2 pings, so a dead peer is noticed within [`KEEPALIVE_TIMEOUT`]
+//! after the last [`KEEPALIVE_INTERVAL`].
+//!
+//! The server talks to the client with a few requests of its own, marked
+//! by the [`CONTROL`] header (stripped from public requests): `ping`
+//! measures the round trip, `replaced` tells a client another one took
+//! over its runtime id.
+
+pub mod client;
+pub mod server;
+pub mod tokens;
+pub mod ws_io;
+
+use std::time::Duration;
+
+/// The path the tunnel endpoint accepts WebSocket handshakes on.
+pub const TUNNEL_PATH: &str = "/_portcullis/tunnel";
+/// Handshake header: the runtime id the client claims.
+pub const RUNTIME_HEADER: &str = "x-portcullis-runtime";
+/// Handshake header: identifies one client process (`<start unix ms>-<random>`),
+/// so a second process for the same runtime is told apart from another
+/// connection of the first, and the newer one wins.
+pub const INSTANCE_HEADER: &str = "x-portcullis-instance";
+/// Server → client: a control request rather than public traffic.
+pub const CONTROL: &str = "x-portcullis-control";
+/// Server → client: the public client's address.
+pub const CLIENT_ADDR: &str = "x-portcullis-client";
+/// Close code sent to a client whose runtime id another client took over.
+pub const REPLACED: &str = "replaced";
+
+/// HTTP/2 window per stream: several MiB, so one transfer fills a path
+/// with a large bandwidth-delay product.
+pub const STREAM_WINDOW: u32 = 4 << 20;
+/// HTTP/2 window per tunnel connection, shared by its streams.
+pub const CONNECTION_WINDOW: u32 = 16 << 20;
+/// How often each side pings the other.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// How long a ping may go unanswered before the tunnel counts as dead.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Time allowed for TCP + TLS + WebSocket handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// WebSocket settings for the tunnel: messages are HTTP/2 frames, so the
+/// limits only need to fit the largest write HTTP/2 makes.
+pub fn ws_config() -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig {
+    // tungstenite's default 128 KiB read and write buffers, per tunnel,
+    // were most of an idle tunnel's memory; HTTP/2 frames are at most
+    // 16 KiB, so smaller buffers cost no extra round trips.
+    tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+        .read_buffer_size(32 << 10)
+        .write_buffer_size(32 << 10)
+        .max_message_size(Some(32 << 20))
+        .max_frame_size(Some(32 << 20))
+}

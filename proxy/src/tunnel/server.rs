@@ -1,0 +1,801 @@
+//! `portcullis tunnel-server`: the public side. Accepts tunnel clients on
+//! the tunnel endpoint (WebSocket, over TLS when given a certificate),
+//! authenticates them, and forwards each public request for
+//! `<runtime-id>.<domain>` through that runtime's tunnel.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use http::header::{self, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode, Uri, Version};
+use hyper::body::Incoming;
+use hyper::client::conn::http2::SendRequest;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::tokens::{Refusal, Tokens, valid_runtime_id};
+use super::ws_io::WsIo;
+use crate::body::Body;
+
+/// How the tunnel server runs.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Public HTTP listener.
+    pub public: SocketAddr,
+    /// Tunnel endpoint listener.
+    pub tunnel: SocketAddr,
+    /// Runtimes are reached as `<runtime-id>.<domain>`.
+    pub domain: String,
+    /// The tokens file (runtime id → token hash).
+    pub tokens: PathBuf,
+    /// Certificate chain and key (PEM) for `wss://`; plain `ws://` without.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// Admin listener; `None` turns it off.
+    pub admin: Option<SocketAddr>,
+}
+
+/// One tunnel connection from a client.
+pub struct Tunnel {
+    id: u64,
+    instance: String,
+    /// The token hash it authenticated with.
+    token: [u8; 32],
+    remote: SocketAddr,
+    since: SystemTime,
+    sender: SendRequest<Body>,
+    /// Last measured round trip, microseconds (0 until measured).
+    rtt_us: AtomicU64,
+    /// Public requests in flight on this tunnel.
+    active: AtomicUsize,
+    closed: CancellationToken,
+}
+
+/// The runtimes connected now.
+#[derive(Default)]
+pub struct Registry {
+    runtimes: Mutex<HashMap<String, Runtime>>,
+    next_id: AtomicU64,
+}
+
+#[derive(Default)]
+struct Runtime {
+    instance: String,
+    tunnels: Vec<Arc<Tunnel>>,
+    next: usize,
+}
+
+/// When a client instance started: the number its instance id begins with
+/// (`<unix-ms>-<random>`); 0 when absent.
+fn started(instance: &str) -> u128 {
+    instance
+        .split('-')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Runtime>> {
+        self.runtimes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A tunnel of runtime `id`, taking turns among its connections.
+    fn pick(&self, id: &str) -> Option<Arc<Tunnel>> {
+        let mut runtimes = self.lock();
+        let runtime = runtimes.get_mut(id)?;
+        let n = runtime.tunnels.len();
+        for _ in 0..n {
+            runtime.next = (runtime.next + 1) % n;
+            let t = &runtime.tunnels[runtime.next];
+            if !t.sender.is_closed() {
+                return Some(t.clone());
+            }
+        }
+        None
+    }
+
+    /// Adds a tunnel and returns the tunnels to tell they were replaced
+    /// and close. One client process (instance) serves a runtime at a
+    /// time, and the most recently started one wins: its tunnels replace
+    /// an older instance's, and a tunnel from an older instance is itself
+    /// turned away. Deciding by start time rather than by arrival keeps
+    /// two clients whose connections interleave (a rolling update) from
+    /// taking the runtime from each other in turn.
+    fn add(&self, runtime: &str, tunnel: Arc<Tunnel>) -> Vec<Arc<Tunnel>> {
+        let mut runtimes = self.lock();
+        let entry = runtimes.entry(runtime.to_owned()).or_default();
+        if entry.instance == tunnel.instance || entry.tunnels.is_empty() {
+            entry.instance = tunnel.instance.clone();
+            entry.tunnels.push(tunnel);
+            return Vec::new();
+        }
+        if started(&tunnel.instance) > started(&entry.instance) {
+            entry.instance = tunnel.instance.clone();
+            std::mem::replace(&mut entry.tunnels, vec![tunnel])
+        } else {
+            vec![tunnel]
+        }
+    }
+
+    fn remove(&self, runtime: &str, id: u64) {
+        let mut runtimes = self.lock();
+        if let Some(entry) = runtimes.get_mut(runtime) {
+            entry.tunnels.retain(|t| t.id != id);
+            if entry.tunnels.is_empty() {
+                runtimes.remove(runtime);
+            }
+        }
+    }
+
+    /// Connected runtimes for the admin endpoint, by id.
+    pub fn snapshot(&self) -> Vec<RuntimeStatus> {
+        let runtimes = self.lock();
+        let mut out: Vec<_> = runtimes
+            .iter()
+            .map(|(id, r)| RuntimeStatus {
+                id: id.clone(),
+                tunnels: r
+                    .tunnels
+                    .iter()
+                    .map(|t| TunnelStatus {
+                        remote: t.remote,
+                        since: t.since,
+                        rtt: Duration::from_micros(t.rtt_us.load(Ordering::Relaxed)),
+                        active: t.active.load(Ordering::Relaxed),
+                    })
+                    .collect(),
+            })
+            .collect();
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+}
+
+/// A connected runtime.
+#[derive(Debug, Clone)]
+pub struct RuntimeStatus {
+    /// Runtime id.
+    pub id: String,
+    /// Its tunnel connections.
+    pub tunnels: Vec<TunnelStatus>,
+}
+
+/// One tunnel connection.
+#[derive(Debug, Clone)]
+pub struct TunnelStatus {
+    /// The client's address.
+    pub remote: SocketAddr,
+    /// Connected since.
+    pub since: SystemTime,
+    /// Last measured round trip (zero until measured).
+    pub rtt: Duration,
+    /// Requests in flight.
+    pub active: usize,
+}
+
+/// A bound tunnel server, ready to run.
+pub struct TunnelServer {
+    public: TcpListener,
+    tunnel: TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    registry: Registry,
+    tokens: Tokens,
+    /// `.domain`, lower case.
+    suffix: String,
+    public_tls: bool,
+}
+
+fn load_tls(cert: &PathBuf, key: &PathBuf) -> anyhow::Result<tokio_rustls::TlsAcceptor> {
+    use anyhow::Context;
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_file_iter(cert)
+        .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+        .with_context(|| format!("reading certificate {}", cert.display()))?;
+    anyhow::ensure!(!certs.is_empty(), "{} holds no certificate", cert.display());
+    let key = PrivateKeyDer::from_pem_file(key)
+        .with_context(|| format!("reading private key {}", key.display()))?;
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .context("certificate and key do not match")?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+impl TunnelServer {
+    /// Reads the tokens file and certificate and binds both listeners.
+    pub async fn bind(options: &ServerOptions) -> anyhow::Result<TunnelServer> {
+        use anyhow::Context;
+        let tokens = Tokens::load(options.tokens.clone()).map_err(anyhow::Error::msg)?;
+        let tls = match &options.tls {
+            Some((cert, key)) => Some(load_tls(cert, key)?),
+            None => None,
+        };
+        let domain = options.domain.trim_matches('.').to_ascii_lowercase();
+        anyhow::ensure!(!domain.is_empty(), "--domain is empty");
+        let public = TcpListener::bind(options.public)
+            .await
+            .with_context(|| format!("cannot bind the public listener on {}", options.public))?;
+        let tunnel = TcpListener::bind(options.tunnel)
+            .await
+            .with_context(|| format!("cannot bind the tunnel listener on {}", options.tunnel))?;
+        Ok(TunnelServer {
+            public,
+            tunnel,
+            tls,
+            shared: Arc::new(Shared {
+                registry: Registry::default(),
+                tokens,
+                suffix: format!(".{domain}"),
+                public_tls: false,
+            }),
+        })
+    }
+
+    /// The public listener's address.
+    pub fn public_addr(&self) -> std::io::Result<SocketAddr> {
+        self.public.local_addr()
+    }
+
+    /// The tunnel endpoint's address.
+    pub fn tunnel_addr(&self) -> std::io::Result<SocketAddr> {
+        self.tunnel.local_addr()
+    }
+
+    /// Serves the admin endpoint on `addr`: `/status` lists the connected
+    /// runtimes, `/metrics` has them as gauges.
+    pub async fn serve_admin(&self, addr: SocketAddr) -> std::io::Result<SocketAddr> {
+        let shared = self.shared.clone();
+        crate::admin::serve_with(
+            addr,
+            Arc::new(move |req| {
+                let shared = shared.clone();
+                Box::pin(async move { admin(req, &shared) })
+            }),
+        )
+        .await
+    }
+
+    /// Serves until `shutdown` completes.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let public_addr = self.public.local_addr()?;
+        let tunnel_addr = self.tunnel.local_addr()?;
+        tracing::info!(addr = %public_addr, "public listening");
+        tracing::info!(addr = %tunnel_addr, tls = self.tls.is_some(), "tunnel listening");
+        let tracker = TaskTracker::new();
+        let stop = CancellationToken::new();
+        tracker.spawn(accept_tunnels(
+            self.tunnel,
+            self.tls,
+            self.shared.clone(),
+            tracker.clone(),
+            stop.clone(),
+        ));
+        tracker.spawn(accept_public(
+            self.public,
+            self.shared.clone(),
+            tracker.clone(),
+            stop.clone(),
+        ));
+        shutdown.await;
+        tracing::info!("shutting down");
+        stop.cancel();
+        tracker.close();
+        let _ = tokio::time::timeout(Duration::from_secs(10), tracker.wait()).await;
+        Ok(())
+    }
+}
+
+async fn accept_tunnels(
+    listener: TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shared: Arc<Shared>,
+    tracker: TaskTracker,
+    stop: CancellationToken,
+) {
+    loop {
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(pair) => pair,
+                Err(e) => {
+                    tracing::warn!(error = %e, "tunnel accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stop.cancelled() => return,
+        };
+        let _ = stream.set_nodelay(true);
+        tracker.spawn(serve_tunnel(
+            stream,
+            peer,
+            tls.clone(),
+            shared.clone(),
+            stop.clone(),
+        ));
+    }
+}
+
+/// Why a tunnel handshake was refused, for the log.
+fn refusal_response(
+    status: StatusCode,
+    message: &str,
+) -> tokio_tungstenite::tungstenite::handshake::server::ErrorResponse {
+    let mut resp = Response::new(Some(format!("{{\"error\":\"{message}\"}}")));
+    *resp.status_mut() = status;
+    resp
+}
+
+/// One tunnel connection: handshake, authentication, then HTTP/2 over the
+/// WebSocket until it ends.
+async fn serve_tunnel(
+    stream: TcpStream,
+    peer: SocketAddr,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+) {
+    let handshake = async {
+        match tls {
+            Some(acceptor) => {
+                let tls = acceptor
+                    .accept(stream)
+                    .await
+                    .map_err(|e| format!("TLS handshake: {e}"))?;
+                websocket(tokio_util::either::Either::Left(tls), peer, &shared).await
+            }
+            None => websocket(tokio_util::either::Either::Right(stream), peer, &shared).await,
+        }
+    };
+    let (ws, (runtime, instance, token)) =
+        match tokio::time::timeout(super::HANDSHAKE_TIMEOUT, handshake).await {
+            Ok(Ok(done)) => done,
+            Ok(Err(e)) => {
+                tracing::warn!(peer = %peer, error = %e, "tunnel connection refused");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(peer = %peer, "tunnel connection refused: no handshake within 10s");
+                return;
+            }
+        };
+    let handshake = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .initial_stream_window_size(super::STREAM_WINDOW)
+        .initial_connection_window_size(super::CONNECTION_WINDOW)
+        .max_concurrent_reset_streams(1024)
+        .keep_alive_interval(super::KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(super::KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
+        .handshake::<_, Body>(TokioIo::new(WsIo::new(ws)))
+        .await;
+    let (sender, conn) = match handshake {
+        Ok(pair) => pair,
+        Err(e) => {
+            tracing::warn!(peer = %peer, runtime, error = %e, "tunnel HTTP/2 handshake failed");
+            return;
+        }
+    };
+    let tunnel = Arc::new(Tunnel {
+        id: shared.registry.next_id.fetch_add(1, Ordering::Relaxed),
+        instance,
+        token,
+        remote: peer,
+        since: SystemTime::now(),
+        sender,
+        rtt_us: AtomicU64::new(0),
+        active: AtomicUsize::new(0),
+        closed: CancellationToken::new(),
+    });
+    let replaced = shared.registry.add(&runtime, tunnel.clone());
+    if !replaced.iter().any(|t| t.id == tunnel.id) {
+        tracing::info!(runtime, peer = %peer, "tunnel connected");
+    }
+    for old in replaced {
+        tracing::warn!(runtime, old = %old.remote, new = %peer, "another client took over this runtime; closing the older client's tunnel");
+        tokio::spawn(async move {
+            let _ = control(&old, super::REPLACED).await;
+            old.closed.cancel();
+        });
+    }
+    let pings = measure_rtt(tunnel.clone(), &shared, &runtime);
+    let pings = async {
+        pings.await;
+        // Let the client see its tunnel end rather than hang on it.
+        tunnel.closed.cancel();
+    };
+    tokio::select! {
+        r = conn => match r {
+            Ok(()) => tracing::info!(runtime, peer = %peer, "tunnel closed"),
+            Err(e) => tracing::warn!(runtime, peer = %peer, error = %e, "tunnel lost"),
+        },
+        _ = pings => {}
+        _ = tunnel.closed.cancelled() => tracing::info!(runtime, peer = %peer, "tunnel closed by the server"),
+        _ = stop.cancelled() => {}
+    }
+    shared.registry.remove(&runtime, tunnel.id);
+}
+
+/// The WebSocket handshake with authentication. Returns the socket, the
+/// runtime id and the client instance.
+// tungstenite's callback returns its large error response by value.
+#[allow(clippy::result_large_err)]
+async fn websocket<S>(
+    stream: S,
+    peer: SocketAddr,
+    shared: &Shared,
+) -> Result<
+    (
+        tokio_tungstenite::WebSocketStream<S>,
+        (String, String, [u8; 32]),
+    ),
+    String,
+>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let mut who: Option<(String, String, [u8; 32])> = None;
+    let mut refused: Option<String> = None;
+    let check = |req: &tokio_tungstenite::tungstenite::handshake::server::Request, resp| {
+        let header = |name: &str| {
+            req.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+        };
+        if req.uri().path() != super::TUNNEL_PATH {
+            refused = Some(format!("wrong path {}", req.uri().path()));
+            return Err(refusal_response(
+                StatusCode::NOT_FOUND,
+                "not a tunnel endpoint",
+            ));
+        }
+        let runtime = header(super::RUNTIME_HEADER).to_owned();
+        let token = header(header::AUTHORIZATION.as_str())
+            .strip_prefix("Bearer ")
+            .unwrap_or("");
+        if !valid_runtime_id(&runtime) {
+            refused = Some(format!("invalid runtime id {runtime:?}"));
+            return Err(refusal_response(
+                StatusCode::BAD_REQUEST,
+                "invalid runtime id",
+            ));
+        }
+        match shared.tokens.verify(peer.ip(), &runtime, token) {
+            Ok(hash) => {
+                who = Some((runtime, header(super::INSTANCE_HEADER).to_owned(), hash));
+                Ok(resp)
+            }
+            Err(Refusal::BadCredentials) => {
+                refused = Some(format!("bad credentials for runtime `{runtime}`"));
+                Err(refusal_response(
+                    StatusCode::UNAUTHORIZED,
+                    "bad credentials",
+                ))
+            }
+            Err(Refusal::RateLimited) => {
+                refused = Some(format!("too many failed attempts (runtime `{runtime}`)"));
+                Err(refusal_response(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too many failed attempts",
+                ))
+            }
+        }
+    };
+    let result =
+        tokio_tungstenite::accept_hdr_async_with_config(stream, check, Some(super::ws_config()))
+            .await;
+    match (result, who) {
+        (Ok(ws), Some(who)) => Ok((ws, who)),
+        (Ok(_), None) => Err("handshake accepted without credentials".into()),
+        (Err(e), _) => Err(refused.unwrap_or_else(|| format!("not a tunnel handshake: {e}"))),
+    }
+}
+
+/// Sends a control request to the client behind `tunnel`.
+async fn control(tunnel: &Tunnel, what: &'static str) -> Result<(), String> {
+    let req = Request::builder()
+        .uri("http://tunnel/_portcullis/control")
+        .header(super::CONTROL, what)
+        .body(Body::empty())
+        .map_err(|e| e.to_string())?;
+    let mut sender = tunnel.sender.clone();
+    let resp = tokio::time::timeout(super::KEEPALIVE_TIMEOUT, sender.send_request(req))
+        .await
+        .map_err(|_| "no answer".to_owned())?
+        .map_err(|e| e.to_string())?;
+    if resp.status().is_success() {
+        Ok(())
+    } else {
+        Err(format!("answered {}", resp.status()))
+    }
+}
+
+/// Measures the round trip every keep-alive interval (shown on the admin
+/// endpoint); returns when the client stops answering, or when the
+/// runtime's token was rotated or removed from the tokens file.
+async fn measure_rtt(tunnel: Arc<Tunnel>, shared: &Shared, runtime: &str) {
+    loop {
+        if shared.tokens.current(runtime) != Some(tunnel.token) {
+            tracing::warn!(runtime, peer = %tunnel.remote, "the runtime's token changed in the tokens file; closing its tunnel");
+            return;
+        }
+        let start = Instant::now();
+        match control(&tunnel, "ping").await {
+            Ok(()) => tunnel
+                .rtt_us
+                .store(start.elapsed().as_micros() as u64, Ordering::Relaxed),
+            Err(e) => {
+                tracing::warn!(runtime, peer = %tunnel.remote, error = %e, "tunnel ping failed; closing it");
+                return;
+            }
+        }
+        tokio::time::sleep(super::KEEPALIVE_INTERVAL).await;
+    }
+}
+
+async fn accept_public(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    tracker: TaskTracker,
+    stop: CancellationToken,
+) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .initial_stream_window_size(super::STREAM_WINDOW)
+        .initial_connection_window_size(super::CONNECTION_WINDOW);
+    let builder = Arc::new(builder);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(pair) => pair,
+                Err(e) => {
+                    tracing::warn!(error = %e, "public accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stop.cancelled() => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let shared = shared.clone();
+        let service = service_fn(move |req| {
+            let shared = shared.clone();
+            async move { Ok::<_, Infallible>(forward(req, peer, &shared).await) }
+        });
+        let served = graceful.watch(
+            builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                .into_owned(),
+        );
+        tracker.spawn(async move {
+            let _ = served.await;
+        });
+    }
+    graceful.shutdown().await;
+}
+
+/// The public request's host, lower case, without port.
+fn host_of(req: &Request<Incoming>) -> Option<String> {
+    let raw = match req.uri().authority() {
+        Some(a) => a.host().to_owned(),
+        None => {
+            let h = req.headers().get(header::HOST)?.to_str().ok()?;
+            match h.rfind(':') {
+                Some(i) if !h[i..].contains(']') => h[..i].to_owned(),
+                _ => h.to_owned(),
+            }
+        }
+    };
+    Some(raw.to_ascii_lowercase())
+}
+
+fn error(status: StatusCode, message: &str, runtime: Option<&str>) -> Response<Body> {
+    let body = serde_json::json!({
+        "error": message,
+        "status": status.as_u16(),
+        "runtime": runtime,
+    });
+    let mut resp = Response::new(Body::full(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
+}
+
+/// Forwards one public request through its runtime's tunnel.
+async fn forward(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Response<Body> {
+    let Some(host) = host_of(&req) else {
+        return error(StatusCode::BAD_REQUEST, "request has no host", None);
+    };
+    let Some(runtime) = host.strip_suffix(&shared.suffix) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            &format!("{host} is not a runtime under this tunnel's domain"),
+            None,
+        );
+    };
+    if !valid_runtime_id(runtime) {
+        return error(StatusCode::NOT_FOUND, "not a runtime host", None);
+    }
+    if crate::forward::is_upgrade(req.headers()) {
+        // Not carried yet: it needs HTTP/2 extended CONNECT (RFC 8441)
+        // through the tunnel. Say so rather than hang.
+        return error(
+            StatusCode::NOT_IMPLEMENTED,
+            "WebSocket upgrades through the tunnel are not supported yet",
+            Some(runtime),
+        );
+    }
+    let Some(tunnel) = shared.registry.pick(runtime) else {
+        return if shared.tokens.knows(runtime) {
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "runtime is not connected",
+                Some(runtime),
+            )
+        } else {
+            error(StatusCode::BAD_GATEWAY, "unknown runtime", Some(runtime))
+        };
+    };
+    let (mut parts, body) = req.into_parts();
+    crate::forward::remove_hop_by_hop(&mut parts.headers, false);
+    // Only the tunnel server speaks these.
+    parts
+        .headers
+        .remove(HeaderName::from_static(super::CONTROL));
+    parts
+        .headers
+        .remove(HeaderName::from_static(super::CLIENT_ADDR));
+    if let Ok(v) = HeaderValue::from_str(&peer.to_string()) {
+        parts
+            .headers
+            .insert(HeaderName::from_static(super::CLIENT_ADDR), v);
+    }
+    let proto = if shared.public_tls { "https" } else { "http" };
+    parts.headers.insert(
+        HeaderName::from_static("x-forwarded-proto"),
+        HeaderValue::from_static(proto),
+    );
+    if let Ok(v) = HeaderValue::from_str(&host) {
+        parts
+            .headers
+            .insert(HeaderName::from_static("x-forwarded-host"), v);
+    }
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    parts.uri = match Uri::builder()
+        .scheme(proto)
+        .authority(host.as_str())
+        .path_and_query(path)
+        .build()
+    {
+        Ok(uri) => uri,
+        Err(_) => return error(StatusCode::BAD_REQUEST, "bad request target", Some(runtime)),
+    };
+    parts.version = Version::HTTP_2;
+    parts.headers.remove(header::HOST);
+    let req = Request::from_parts(parts, Body::from(body));
+    let mut sender = tunnel.sender.clone();
+    tunnel.active.fetch_add(1, Ordering::Relaxed);
+    let result = sender.send_request(req).await;
+    tunnel.active.fetch_sub(1, Ordering::Relaxed);
+    match result {
+        Ok(resp) => {
+            let (mut parts, body) = resp.into_parts();
+            crate::forward::remove_hop_by_hop(&mut parts.headers, false);
+            Response::from_parts(parts, Body::from(body))
+        }
+        Err(e) => {
+            tracing::warn!(runtime, error = %e, "request through the tunnel failed");
+            error(
+                StatusCode::BAD_GATEWAY,
+                "the tunnel to this runtime failed",
+                Some(runtime),
+            )
+        }
+    }
+}
+
+fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
+    let runtimes = shared.registry.snapshot();
+    match req.uri().path() {
+        "/status" => crate::admin::json(
+            StatusCode::OK,
+            serde_json::json!({
+                "version": env!("CARGO_PKG_VERSION"),
+                "runtimes": runtimes.iter().map(|r| serde_json::json!({
+                    "id": r.id,
+                    "connections": r.tunnels.len(),
+                    "connected_since": r.tunnels.iter().map(|t| t.since).min().map(crate::admin::rfc3339),
+                    "tunnels": r.tunnels.iter().map(|t| serde_json::json!({
+                        "remote": t.remote.to_string(),
+                        "since": crate::admin::rfc3339(t.since),
+                        "rtt_ms": t.rtt.as_secs_f64() * 1e3,
+                        "active_requests": t.active,
+                    })).collect::<Vec<_>>(),
+                })).collect::<Vec<_>>(),
+            }),
+        ),
+        "/metrics" => {
+            use crate::admin::{label, metric};
+            let mut out = String::new();
+            metric(
+                &mut out,
+                "portcullis_tunnel_runtimes",
+                "gauge",
+                "Runtimes with at least one tunnel connected.",
+                &[(String::new(), runtimes.len() as f64)],
+            );
+            let per = |f: &dyn Fn(&RuntimeStatus) -> f64| -> Vec<(String, f64)> {
+                runtimes
+                    .iter()
+                    .map(|r| (format!("{{runtime=\"{}\"}}", label(&r.id)), f(r)))
+                    .collect()
+            };
+            metric(
+                &mut out,
+                "portcullis_tunnel_connections",
+                "gauge",
+                "Tunnel connections per runtime.",
+                &per(&|r| r.tunnels.len() as f64),
+            );
+            metric(
+                &mut out,
+                "portcullis_tunnel_rtt_seconds",
+                "gauge",
+                "Smallest round trip measured among a runtime's tunnels.",
+                &per(&|r| {
+                    r.tunnels
+                        .iter()
+                        .map(|t| t.rtt.as_secs_f64())
+                        .fold(f64::INFINITY, f64::min)
+                }),
+            );
+            metric(
+                &mut out,
+                "portcullis_tunnel_active_requests",
+                "gauge",
+                "Public requests in flight per runtime.",
+                &per(&|r| r.tunnels.iter().map(|t| t.active as f64).sum()),
+            );
+            crate::admin::prometheus(out)
+        }
+        _ => crate::admin::json(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": "not found", "endpoints": ["GET /status", "GET /metrics"]}),
+        ),
+    }
+}

@@ -1,0 +1,803 @@
+//! Tunnels end to end, all real processes on loopback: public client →
+//! `portcullis tunnel-server` → WebSocket → `portcullis tunnel-client` →
+//! routing core → real upstream.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use hyper::{Request, Response};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{Notify, mpsc};
+
+use crate::support::client::{self, Answer, body};
+use crate::support::process::ProxyProcess;
+use crate::support::upstream::{self, RespBody, full};
+
+const DOMAIN: &str = "tunnel.test";
+
+/// A running tunnel server with its tokens file.
+struct TunnelServer {
+    process: ProxyProcess,
+    public: SocketAddr,
+    tunnel: SocketAddr,
+    dir: tempfile::TempDir,
+    /// `wss://localhost:port` with `--ca` when TLS is on, else `ws://ip:port`.
+    url: String,
+    ca: Option<String>,
+}
+
+/// Tokens for the runtimes the tests use.
+const TOKENS: [(&str, &str); 2] = [
+    ("rt-a", "token-a-0123456789"),
+    ("rt-b", "token-b-0123456789"),
+];
+
+fn hash(token: &str) -> String {
+    use sha2::Digest;
+    format!(
+        "sha256:{}",
+        hex::encode(sha2::Sha256::digest(token.as_bytes()))
+    )
+}
+
+impl TunnelServer {
+    async fn start() -> TunnelServer {
+        Self::start_with(false).await
+    }
+
+    /// With `tls`, the tunnel endpoint is `wss://` with a certificate from
+    /// a private CA the clients are given with `--ca`.
+    async fn start_with(tls: bool) -> TunnelServer {
+        let dir = tempfile::tempdir().unwrap();
+        let tokens: String = TOKENS
+            .iter()
+            .map(|(id, t)| format!("{id}: {}\n", hash(t)))
+            .collect();
+        std::fs::write(dir.path().join("tokens.yaml"), tokens).unwrap();
+        if tls {
+            let pki = crate::support::tls::TestPki::new();
+            std::fs::write(dir.path().join("cert.pem"), &pki.leaf_pem).unwrap();
+            std::fs::write(dir.path().join("key.pem"), &pki.leaf_key_pem).unwrap();
+            std::fs::write(dir.path().join("ca.pem"), &pki.ca_pem).unwrap();
+        }
+        Self::start_in(
+            dir,
+            "127.0.0.1:0".parse().unwrap(),
+            "127.0.0.1:0".parse().unwrap(),
+        )
+        .await
+    }
+
+    async fn start_in(
+        dir: tempfile::TempDir,
+        public: SocketAddr,
+        tunnel: SocketAddr,
+    ) -> TunnelServer {
+        let mut args: Vec<String> = [
+            "tunnel-server",
+            "--public",
+            &public.to_string(),
+            "--tunnel-listen",
+            &tunnel.to_string(),
+            "--domain",
+            DOMAIN,
+            "--tokens",
+            &dir.path().join("tokens.yaml").display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let tls = dir.path().join("cert.pem").exists();
+        if tls {
+            for (flag, file) in [("--cert", "cert.pem"), ("--key", "key.pem")] {
+                args.push(flag.into());
+                args.push(dir.path().join(file).display().to_string());
+            }
+        }
+        let process = ProxyProcess::launch(&args, &[], "tunnel listening").await;
+        let tunnel = process.addrs["tunnel listening"];
+        TunnelServer {
+            public: process.addrs["public listening"],
+            url: if tls {
+                format!("wss://localhost:{}", tunnel.port())
+            } else {
+                format!("ws://{tunnel}")
+            },
+            ca: tls.then(|| dir.path().join("ca.pem").display().to_string()),
+            tunnel,
+            process,
+            dir,
+        }
+    }
+
+    /// Starts a tunnel client for `runtime` with `token`, serving `target`
+    /// (`--policies DIR` or `--upstream URL`), and waits until its first
+    /// tunnel is connected.
+    async fn client(&self, runtime: &str, token: &str, target: &[&str]) -> ProxyProcess {
+        self.client_via(&self.url, runtime, token, target).await
+    }
+
+    /// [`TunnelServer::client`] dialing `url` (a relay in front of the
+    /// tunnel endpoint, say).
+    async fn client_via(
+        &self,
+        url: &str,
+        runtime: &str,
+        token: &str,
+        target: &[&str],
+    ) -> ProxyProcess {
+        let mut args: Vec<String> = vec![
+            "tunnel-client".into(),
+            "--server".into(),
+            url.into(),
+            "--runtime-id".into(),
+            runtime.into(),
+        ];
+        if let Some(ca) = &self.ca {
+            args.push("--ca".into());
+            args.push(ca.clone());
+        }
+        args.extend(target.iter().map(|s| s.to_string()));
+        ProxyProcess::launch(
+            &args,
+            &[("PORTCULLIS_TOKEN", token.to_owned())],
+            "tunnel connected",
+        )
+        .await
+    }
+
+    /// A request to the public listener for `runtime`.
+    fn request(&self, runtime: &str, method: &str, path: &str) -> http::request::Builder {
+        Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", self.public))
+            .header("host", format!("{runtime}.{DOMAIN}"))
+    }
+
+    async fn get(&self, runtime: &str, path: &str) -> Answer {
+        let req = self
+            .request(runtime, "GET", path)
+            .body(body(Bytes::new()))
+            .unwrap();
+        client::send(&client::http1(), req).await
+    }
+
+    /// Waits until the server lists `runtime` with `connections` tunnels.
+    async fn wait_connections(&self, runtime: &str, connections: usize) {
+        self.process
+            .wait_status(&format!("{runtime} with {connections} tunnels"), |s| {
+                let listed = s["runtimes"]
+                    .as_array()
+                    .and_then(|r| r.iter().find(|r| r["id"] == runtime))
+                    .map_or(0, |r| r["connections"].as_u64().unwrap_or(0) as usize);
+                listed == connections
+            })
+            .await;
+    }
+}
+
+/// A policy directory for the tunnel client's routing core.
+fn policies(yaml: &str) -> tempfile::TempDir {
+    crate::support::policy_dir(yaml, &[])
+}
+
+#[tokio::test]
+async fn public_requests_reach_the_routing_core_through_the_tunnel() {
+    let echo = upstream::echo("api").await;
+    let server = TunnelServer::start().await;
+    let dir = policies(&format!(
+        r#"
+upstreams: [{{ name: api, endpoints: ["{}"] }}]
+routes:
+  - {{ name: api, match: {{ path_prefix: /api }}, upstream: api }}
+  - {{ name: hello, match: {{ path: /hello }}, respond: {{ status: 200, body: "hello from the cluster" }} }}
+"#,
+        echo.url()
+    ));
+    let path = dir.path().display().to_string();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--policies", &path])
+        .await;
+
+    let hello = server.get("rt-a", "/hello").await;
+    assert_eq!(hello.status, 200);
+    assert_eq!(hello.body, "hello from the cluster");
+
+    // A body streamed up, with the forwarding headers a direct ingress gives.
+    let data = vec![7u8; 1 << 20];
+    let req = server
+        .request("rt-a", "POST", "/api/items?x=1")
+        .header("x-forwarded-for", "198.51.100.7")
+        .body(body(data.clone()))
+        .unwrap();
+    let a = client::send(&client::http1(), req).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let e = a.json();
+    assert_eq!(e["method"], "POST");
+    assert_eq!(e["target"], "/api/items?x=1");
+    assert_eq!(e["body_len"], 1 << 20);
+    assert_eq!(e["body_fnv"], upstream::fnv(&data));
+    assert_eq!(e["headers"]["x-forwarded-for"], "198.51.100.7, 127.0.0.1");
+    assert_eq!(e["headers"]["x-forwarded-proto"], "http");
+    assert_eq!(e["headers"]["x-forwarded-host"], format!("rt-a.{DOMAIN}"));
+    assert!(e["headers"].get("x-portcullis-client").is_none(), "{e:#}");
+
+    // The routing core's own answers come back as they are.
+    assert_eq!(server.get("rt-a", "/nowhere").await.status, 404);
+    server.wait_connections("rt-a", 2).await;
+}
+
+#[tokio::test]
+async fn the_webhook_route_verifies_signatures_through_the_tunnel() {
+    let events = upstream::echo("events").await;
+    let dir = crate::support::policy_dir(
+        &format!(
+            r#"
+upstreams: [{{ name: events, endpoints: ["{}"] }}]
+plugins: [{{ name: sig, path: webhook-signature.wasm }}]
+routes:
+  - name: webhooks
+    match: {{ path: "/webhooks/{{*rest}}" }}
+    upstream: events
+    plugins: [{{ use: sig, config: {{ provider: gitlab, secret: hook-secret }} }}]
+"#,
+            events.url()
+        ),
+        &["webhook-signature"],
+    );
+    let server = TunnelServer::start().await;
+    let path = dir.path().display().to_string();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--policies", &path])
+        .await;
+    let send = |token: &str| {
+        let req = server
+            .request("rt-a", "POST", "/webhooks/push")
+            .header("x-gitlab-token", token)
+            .body(body("{}"))
+            .unwrap();
+        async move { client::send(&client::http1(), req).await }
+    };
+    assert_eq!(send("hook-secret").await.status, 200);
+    let refused = send("guess").await;
+    assert_eq!(refused.status, 401, "{:?}", refused.body);
+}
+
+#[tokio::test]
+async fn upstream_mode_fronts_one_service() {
+    let echo = upstream::echo("single").await;
+    let server = TunnelServer::start().await;
+    let url = echo.url();
+    let _client = server
+        .client("rt-b", TOKENS[1].1, &["--upstream", &url])
+        .await;
+    let a = server.get("rt-b", "/any/path?q=1").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["upstream"], "single");
+    assert_eq!(a.json()["target"], "/any/path?q=1");
+}
+
+#[tokio::test]
+async fn server_sent_events_stream_through_the_tunnel() {
+    let release = Arc::new(Notify::new());
+    let held = release.clone();
+    let sse = upstream::serve(move |_req| {
+        let held = held.clone();
+        async move {
+            let (tx, mut rx) = mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(4);
+            tokio::spawn(async move {
+                let _ = tx.send(Ok(Frame::data(Bytes::from("data: one\n\n")))).await;
+                held.notified().await;
+                let _ = tx.send(Ok(Frame::data(Bytes::from("data: two\n\n")))).await;
+            });
+            let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(BodyExt::boxed(StreamBody::new(stream)) as RespBody)
+                .unwrap()
+        }
+    })
+    .await;
+    let server = TunnelServer::start().await;
+    let url = sse.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let req = server
+        .request("rt-a", "GET", "/events")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let resp = client::http1().request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut events = resp.into_body();
+    // The first event arrives while the upstream still holds the second.
+    let first = tokio::time::timeout(Duration::from_secs(10), events.frame())
+        .await
+        .expect("first event before the upstream finished")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.into_data().unwrap(), "data: one\n\n");
+    release.notify_one();
+    let rest = events.collect().await.unwrap().to_bytes();
+    assert_eq!(rest, "data: two\n\n");
+}
+
+#[tokio::test]
+async fn a_hundred_megabytes_up_and_down_with_bounded_memory_on_both_sides() {
+    const SIZE: u64 = 100 << 20;
+    let sink = upstream::echo("sink").await;
+    let source = upstream::serve(|_req| async {
+        Response::new(BodyExt::boxed(StreamBody::new(upstream::chunks(SIZE))) as RespBody)
+    })
+    .await;
+    let dir = policies(&format!(
+        r#"
+upstreams: [{{ name: sink, endpoints: ["{}"] }}, {{ name: source, endpoints: ["{}"] }}]
+routes:
+  - {{ name: up, match: {{ path: /upload }}, upstream: sink }}
+  - {{ name: down, match: {{ path: /download }}, upstream: source }}
+"#,
+        sink.url(),
+        source.url()
+    ));
+    let server = TunnelServer::start().await;
+    let path = dir.path().display().to_string();
+    let client_process = server
+        .client(
+            "rt-a",
+            TOKENS[0].1,
+            &["--policies", &path, "--connections", "1", "--workers", "1"],
+        )
+        .await;
+    // Warm up both sides before the baselines.
+    assert_eq!(server.get("rt-a", "/upload").await.status, 200);
+    let server_base = server.process.peak_rss_kib();
+    let client_base = client_process.peak_rss_kib();
+
+    let req = server
+        .request("rt-a", "POST", "/upload")
+        .body(BodyExt::boxed(StreamBody::new(upstream::chunks(SIZE))))
+        .unwrap();
+    let a = client::send(&client::http1(), req).await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["body_len"], SIZE);
+
+    let req = server
+        .request("rt-a", "GET", "/download")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let resp = client::http1().request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut received = 0u64;
+    let mut down = resp.into_body();
+    while let Some(frame) = tokio::time::timeout(Duration::from_secs(20), down.frame())
+        .await
+        .expect("progress")
+    {
+        received += frame.unwrap().data_ref().map_or(0, |d| d.len() as u64);
+    }
+    assert_eq!(received, SIZE);
+
+    let server_growth = server.process.peak_rss_kib().saturating_sub(server_base);
+    let client_growth = client_process.peak_rss_kib().saturating_sub(client_base);
+    eprintln!(
+        "peak RSS growth over 2 x 100 MiB: server {server_growth} KiB, client {client_growth} KiB"
+    );
+    // Windows are 4 MiB per stream and 16 MiB per connection: memory may
+    // hold a window, never a body.
+    for (side, growth) in [("server", server_growth), ("client", client_growth)] {
+        assert!(
+            growth < 48 * 1024,
+            "{side} grew by {growth} KiB: bodies are being buffered"
+        );
+    }
+}
+
+#[tokio::test]
+async fn two_hundred_requests_run_at_once_over_the_tunnel() {
+    const N: usize = 200;
+    // The upstream answers nobody until all 200 are waiting: only true
+    // concurrency gets through.
+    let arrived = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let all_in = Arc::new(Notify::new());
+    let (a2, n2) = (arrived.clone(), all_in.clone());
+    let gate = upstream::serve(move |_req| {
+        let (arrived, all_in) = (a2.clone(), n2.clone());
+        async move {
+            let notified = all_in.notified();
+            if arrived.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == N {
+                all_in.notify_waiters();
+            } else {
+                notified.await;
+            }
+            Response::new(full("through"))
+        }
+    })
+    .await;
+    let server = TunnelServer::start().await;
+    let url = gate.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let c = client::http1();
+    let mut requests = Vec::new();
+    for i in 0..N {
+        let req = server
+            .request("rt-a", "GET", &format!("/r{i}"))
+            .body(body(Bytes::new()))
+            .unwrap();
+        let c = c.clone();
+        requests.push(tokio::spawn(async move { client::send(&c, req).await }));
+    }
+    for r in requests {
+        let a = r.await.unwrap();
+        assert_eq!(a.status, 200);
+        assert_eq!(a.body, "through");
+    }
+}
+
+#[tokio::test]
+async fn unknown_and_disconnected_runtimes_get_prompt_json_errors() {
+    let server = TunnelServer::start().await;
+    let start = Instant::now();
+    let unknown = server.get("rt-zzz", "/").await;
+    assert_eq!(unknown.status, 502);
+    assert_eq!(unknown.json()["error"], "unknown runtime");
+    let absent = server.get("rt-a", "/").await;
+    assert_eq!(absent.status, 503);
+    assert_eq!(absent.json()["runtime"], "rt-a");
+    let elsewhere = client::get(&format!("http://{}/", server.public)).await;
+    assert_eq!(elsewhere.status, 404);
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "errors must not hang"
+    );
+}
+
+#[tokio::test]
+async fn bad_credentials_and_garbage_are_refused_and_logged_without_disturbing_others() {
+    let echo = upstream::echo("ok").await;
+    let mut server = TunnelServer::start().await;
+    let url = echo.url();
+    let _good = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+
+    // A wrong token, and a valid token used for another runtime's id.
+    for (runtime, token) in [("rt-a", "not-the-token"), ("rt-a", TOKENS[1].1)] {
+        let args: Vec<String> = [
+            "tunnel-client",
+            "--server",
+            &format!("ws://{}", server.tunnel),
+            "--runtime-id",
+            runtime,
+            "--upstream",
+            &url,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let bad = ProxyProcess::launch(
+            &args,
+            &[("PORTCULLIS_TOKEN", token.into())],
+            "tunnel connection failed",
+        )
+        .await;
+        let line = bad.find_log("tunnel connection failed");
+        assert!(line.contains("401"), "{line}");
+        let line = server
+            .process
+            .wait_for_log("bad credentials for runtime `rt-a`")
+            .await;
+        assert!(line.contains("tunnel connection refused"), "{line}");
+    }
+
+    // Bytes that are not a WebSocket handshake.
+    let mut raw = tokio::net::TcpStream::connect(server.tunnel).await.unwrap();
+    raw.write_all(b"\x16\x03\x01garbage that is not HTTP\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), raw.read_to_end(&mut buf))
+        .await
+        .expect("the server closes a garbage connection");
+    let line = server.process.wait_for_log("not a tunnel handshake").await;
+    assert!(line.contains("tunnel connection refused"), "{line}");
+
+    // The good tunnel never noticed.
+    assert_eq!(server.get("rt-a", "/still").await.status, 200);
+}
+
+#[tokio::test]
+async fn tunnels_run_over_tls_with_a_private_ca() {
+    let echo = upstream::echo("tls").await;
+    let server = TunnelServer::start_with(true).await;
+    assert!(server.url.starts_with("wss://"));
+    let url = echo.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let a = server.get("rt-a", "/over-tls").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["upstream"], "tls");
+}
+
+/// A TCP relay in front of the tunnel endpoint that the test can cut.
+struct Relay {
+    addr: SocketAddr,
+    /// Cancelled by [`Relay::cut`] for the connections relayed so far.
+    current: Arc<std::sync::Mutex<tokio_util::sync::CancellationToken>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn start(to: SocketAddr) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let current = Arc::new(std::sync::Mutex::new(
+            tokio_util::sync::CancellationToken::new(),
+        ));
+        let tokens = current.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                let cut = tokens.lock().unwrap().clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        // Dropping both sockets: the tunnel is gone, mid-stream.
+                        _ = cut.cancelled() => {}
+                    }
+                });
+            }
+        });
+        Relay {
+            addr,
+            current,
+            task,
+        }
+    }
+
+    /// Cuts every relayed connection; later ones are relayed normally.
+    fn cut(&self) {
+        let mut current = self.current.lock().unwrap();
+        current.cancel();
+        *current = tokio_util::sync::CancellationToken::new();
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// An upstream that holds every request until released, telling the test
+/// when one arrives.
+async fn holding_upstream() -> (upstream::Upstream, mpsc::UnboundedReceiver<()>, Arc<Notify>) {
+    let (arrived_tx, arrived) = mpsc::unbounded_channel();
+    let release = Arc::new(Notify::new());
+    let held = release.clone();
+    let up = upstream::serve(move |req: Request<hyper::body::Incoming>| {
+        let (arrived_tx, held) = (arrived_tx.clone(), held.clone());
+        async move {
+            if req.uri().path() == "/slow" {
+                let _ = arrived_tx.send(());
+                held.notified().await;
+            }
+            Response::new(full(format!("done {}", req.uri().path())))
+        }
+    })
+    .await;
+    (up, arrived, release)
+}
+
+#[tokio::test]
+async fn a_cut_tunnel_fails_in_flight_requests_promptly_and_the_client_reconnects() {
+    let (up, mut arrived, _release) = holding_upstream().await;
+    let server = TunnelServer::start().await;
+    let relay = Relay::start(server.tunnel).await;
+    let url = up.url();
+    let mut client = server
+        .client_via(
+            &format!("ws://{}", relay.addr),
+            "rt-a",
+            TOKENS[0].1,
+            &["--upstream", &url, "--connections", "1"],
+        )
+        .await;
+    let req = server
+        .request("rt-a", "GET", "/slow")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let in_flight = tokio::spawn(async move { client::send(&client::http1(), req).await });
+    tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+        .await
+        .expect("request reached the upstream");
+
+    let cut_at = Instant::now();
+    relay.cut();
+    let answer = in_flight.await.unwrap();
+    assert_eq!(answer.status, 502, "{:?}", answer.body);
+    assert!(
+        cut_at.elapsed() < Duration::from_secs(5),
+        "in-flight request took {:?} to fail",
+        cut_at.elapsed()
+    );
+
+    // The client notices, backs off (0.5 s at first) and dials again.
+    client.wait_for_log("tunnel lost").await;
+    client.wait_for_log("tunnel connected").await;
+    let again = server.get("rt-a", "/fast").await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.body, "done /fast");
+}
+
+#[tokio::test]
+async fn a_restarted_server_gets_its_clients_back() {
+    let echo = upstream::echo("back").await;
+    let server = TunnelServer::start().await;
+    let url = echo.url();
+    let mut client = server
+        .client(
+            "rt-a",
+            TOKENS[0].1,
+            &["--upstream", &url, "--connections", "1"],
+        )
+        .await;
+    assert_eq!(server.get("rt-a", "/").await.status, 200);
+    let (public, tunnel) = (server.public, server.tunnel);
+    let TunnelServer {
+        mut process, dir, ..
+    } = server;
+    process.signal("KILL");
+    process.wait_exit(Duration::from_secs(10)).await;
+    client.wait_for_log("tunnel lost").await;
+
+    let server = TunnelServer::start_in(dir, public, tunnel).await;
+    client.wait_for_log("tunnel connected").await;
+    let a = server.get("rt-a", "/back").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["upstream"], "back");
+}
+
+#[tokio::test]
+async fn a_second_client_takes_over_its_runtime_and_the_first_stops() {
+    let first_up = upstream::serve(|_req| async { Response::new(full("first")) }).await;
+    let second_up = upstream::serve(|_req| async { Response::new(full("second")) }).await;
+    let server = TunnelServer::start().await;
+    let url = first_up.url();
+    let mut first = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    assert_eq!(server.get("rt-a", "/").await.body, "first");
+
+    let url = second_up.url();
+    let _second = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let line = first.wait_for_log("another client took over").await;
+    assert!(line.contains("rt-a"), "{line}");
+    let status = first.wait_exit(Duration::from_secs(20)).await;
+    assert!(
+        !status.success(),
+        "the replaced client must exit with an error"
+    );
+    server.wait_connections("rt-a", 2).await;
+    for _ in 0..10 {
+        assert_eq!(server.get("rt-a", "/").await.body, "second");
+    }
+}
+
+#[tokio::test]
+async fn sigterm_drains_the_client_then_it_exits() {
+    let (up, mut arrived, release) = holding_upstream().await;
+    let server = TunnelServer::start().await;
+    let url = up.url();
+    let mut client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let req = server
+        .request("rt-a", "GET", "/slow")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let in_flight = tokio::spawn(async move { client::send(&client::http1(), req).await });
+    tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+        .await
+        .expect("request reached the upstream");
+    client.signal("TERM");
+    client.wait_for_log("closed listeners").await;
+    release.notify_one();
+    let answer = in_flight.await.unwrap();
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.body, "done /slow");
+    let status = client.wait_exit(Duration::from_secs(20)).await;
+    assert!(status.success(), "exit status {status:?}");
+}
+
+#[tokio::test]
+async fn rotating_a_token_closes_tunnels_using_the_old_one_and_the_client_follows() {
+    let echo = upstream::echo("rotated").await;
+    let server = TunnelServer::start().await;
+    let token_dir = tempfile::tempdir().unwrap();
+    let token_file = token_dir.path().join("token");
+    std::fs::write(&token_file, format!("{}\n", TOKENS[0].1)).unwrap();
+    let url = echo.url();
+    let file = token_file.display().to_string();
+    let mut client = server
+        .client(
+            "rt-a",
+            "unused-env-token",
+            &[
+                "--upstream",
+                &url,
+                "--connections",
+                "1",
+                "--token-file",
+                &file,
+            ],
+        )
+        .await;
+    assert_eq!(server.get("rt-a", "/").await.status, 200);
+
+    // The Secret is rotated on both sides: the client's mounted token and
+    // the server's tokens file (written aside and renamed, as a mount does).
+    let new_token = "token-a-rotated-9876543210";
+    std::fs::write(&token_file, new_token).unwrap();
+    let tokens = server.dir.path().join("tokens.yaml");
+    let text = std::fs::read_to_string(&tokens)
+        .unwrap()
+        .replace(&hash(TOKENS[0].1), &hash(new_token));
+    std::fs::write(server.dir.path().join(".tokens.new"), text).unwrap();
+    std::fs::rename(server.dir.path().join(".tokens.new"), &tokens).unwrap();
+
+    // Within a ping interval the old tunnel is closed; the client dials
+    // again with the token file's new content.
+    client.wait_for_log("tunnel lost").await;
+    client.wait_for_log("tunnel connected").await;
+    assert_eq!(server.get("rt-a", "/").await.status, 200);
+    server
+        .process
+        .find_log("the runtime's token changed in the tokens file");
+}
+
+#[tokio::test]
+async fn a_thousand_idle_tunnels_on_one_server() {
+    let echo = upstream::echo("many").await;
+    let server = TunnelServer::start().await;
+    let before = server.process.rss_kib();
+    let url = echo.url();
+    let _client = server
+        .client(
+            "rt-a",
+            TOKENS[0].1,
+            &[
+                "--upstream",
+                &url,
+                "--connections",
+                "1000",
+                "--workers",
+                "1",
+            ],
+        )
+        .await;
+    server.wait_connections("rt-a", 1000).await;
+    let after = server.process.rss_kib();
+    eprintln!(
+        "tunnel server RSS: {before} KiB idle, {after} KiB with 1000 tunnels: {:.1} KiB per tunnel",
+        (after.saturating_sub(before)) as f64 / 1000.0
+    );
+    // Still serving, spread over the tunnels.
+    for _ in 0..20 {
+        assert_eq!(server.get("rt-a", "/").await.status, 200);
+    }
+}
