@@ -125,7 +125,7 @@ pub fn upstream_policy(url: &str) -> crate::config::Source {
     crate::config::Source {
         name: "--upstream".into(),
         text: format!(
-            "upstreams: [{{ name: upstream, endpoints: [\"{}\"] }}]\nroutes:\n  - {{ name: upstream, match: {{ path_prefix: / }}, upstream: upstream }}\n",
+            "upstreams: [{{ name: upstream, endpoints: [\"{}\"] }}]\nroutes:\n  - {{ name: upstream, match: {{ path_prefix: / }}, upstream: upstream, websocket: true }}\n",
             url.replace('"', "%22")
         ),
     }
@@ -352,6 +352,8 @@ async fn serve(
         .initial_stream_window_size(super::STREAM_WINDOW)
         .initial_connection_window_size(super::CONNECTION_WINDOW)
         .max_concurrent_streams(4096)
+        // WebSocket upgrades arrive as extended CONNECT (RFC 8441).
+        .enable_connect_protocol()
         .keep_alive_interval(super::KEEPALIVE_INTERVAL)
         .keep_alive_timeout(super::KEEPALIVE_TIMEOUT)
         .serve_connection(io, service);
@@ -402,5 +404,34 @@ async fn handle(
         tls: false,
         worker,
     };
-    pipeline.handle(req, &conn).await
+    let Some(protocol) = req.extensions_mut().remove::<hyper::ext::Protocol>() else {
+        return pipeline.handle(req, &conn).await;
+    };
+    // An extended CONNECT is a public client's HTTP/1.1 upgrade: hand the
+    // routing core that upgrade request. The stream's own OnUpgrade stays
+    // in the extensions, so the core splices the upstream to this stream
+    // once it answers 200 here for the upstream's 101.
+    let (mut parts, body) = req.into_parts();
+    parts.method = http::Method::GET;
+    parts.version = http::Version::HTTP_11;
+    match http::HeaderValue::from_str(protocol.as_str()) {
+        Ok(v) => parts.headers.insert(http::header::UPGRADE, v),
+        Err(_) => parts.headers.insert(
+            http::header::UPGRADE,
+            http::HeaderValue::from_static("websocket"),
+        ),
+    };
+    parts.headers.insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("upgrade"),
+    );
+    let mut resp = pipeline
+        .handle(Request::from_parts(parts, body), &conn)
+        .await;
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        *resp.status_mut() = StatusCode::OK;
+        resp.headers_mut().remove(http::header::CONNECTION);
+        resp.headers_mut().remove(http::header::UPGRADE);
+    }
+    resp
 }

@@ -633,7 +633,7 @@ fn error(status: StatusCode, message: &str, runtime: Option<&str>) -> Response<B
 }
 
 /// Forwards one public request through its runtime's tunnel.
-async fn forward(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Response<Body> {
+async fn forward(mut req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Response<Body> {
     let Some(host) = host_of(&req) else {
         return error(StatusCode::BAD_REQUEST, "request has no host", None);
     };
@@ -647,15 +647,6 @@ async fn forward(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> R
     if !valid_runtime_id(runtime) {
         return error(StatusCode::NOT_FOUND, "not a runtime host", None);
     }
-    if crate::forward::is_upgrade(req.headers()) {
-        // Not carried yet: it needs HTTP/2 extended CONNECT (RFC 8441)
-        // through the tunnel. Say so rather than hang.
-        return error(
-            StatusCode::NOT_IMPLEMENTED,
-            "WebSocket upgrades through the tunnel are not supported yet",
-            Some(runtime),
-        );
-    }
     let Some(tunnel) = shared.registry.pick(runtime) else {
         return if shared.tokens.knows(runtime) {
             error(
@@ -667,8 +658,20 @@ async fn forward(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> R
             error(StatusCode::BAD_GATEWAY, "unknown runtime", Some(runtime))
         };
     };
+    // An HTTP/1.1 upgrade (WebSocket) crosses the tunnel as an HTTP/2
+    // extended CONNECT (RFC 8441) whose stream then carries the bytes.
+    let upgrade = crate::forward::is_upgrade(req.headers())
+        .then(|| req.headers().get(header::UPGRADE).cloned())
+        .flatten();
+    let public_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
     crate::forward::remove_hop_by_hop(&mut parts.headers, false);
+    if let Some(protocol) = &upgrade {
+        parts.method = http::Method::CONNECT;
+        parts.extensions.insert(hyper::ext::Protocol::from(
+            protocol.to_str().unwrap_or("websocket"),
+        ));
+    }
     // Only the tunnel server speaks these.
     parts
         .headers
@@ -707,15 +710,36 @@ async fn forward(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> R
     };
     parts.version = Version::HTTP_2;
     parts.headers.remove(header::HOST);
-    let req = Request::from_parts(parts, Body::from(body));
+    let body = if upgrade.is_some() {
+        Body::empty()
+    } else {
+        Body::from(body)
+    };
+    let req = Request::from_parts(parts, body);
     let mut sender = tunnel.sender.clone();
     tunnel.active.fetch_add(1, Ordering::Relaxed);
     let result = sender.send_request(req).await;
     tunnel.active.fetch_sub(1, Ordering::Relaxed);
     match result {
-        Ok(resp) => {
+        Ok(mut resp) => {
+            let upgraded = match (public_upgrade, &upgrade) {
+                (Some(public), Some(protocol)) if resp.status() == StatusCode::OK => {
+                    let tunnel_side = hyper::upgrade::on(&mut resp);
+                    splice(public, tunnel_side, runtime.to_owned());
+                    Some(protocol.clone())
+                }
+                _ => None,
+            };
             let (mut parts, body) = resp.into_parts();
             crate::forward::remove_hop_by_hop(&mut parts.headers, false);
+            if let Some(protocol) = upgraded {
+                parts.status = StatusCode::SWITCHING_PROTOCOLS;
+                parts.headers.insert(header::UPGRADE, protocol);
+                parts
+                    .headers
+                    .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+                return Response::from_parts(parts, Body::empty());
+            }
             Response::from_parts(parts, Body::from(body))
         }
         Err(e) => {
@@ -727,6 +751,24 @@ async fn forward(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> R
             )
         }
     }
+}
+
+/// Copies both ways between the public client's upgraded connection and
+/// the tunnel stream, once both are ready.
+fn splice(public: hyper::upgrade::OnUpgrade, tunnel: hyper::upgrade::OnUpgrade, runtime: String) {
+    tokio::spawn(async move {
+        let (public, tunnel) = match tokio::try_join!(public, tunnel) {
+            Ok(pair) => pair,
+            Err(e) => {
+                tracing::warn!(runtime, error = %e, "upgrade through the tunnel failed");
+                return;
+            }
+        };
+        let (mut public, mut tunnel) = (TokioIo::new(public), TokioIo::new(tunnel));
+        if let Err(e) = tokio::io::copy_bidirectional(&mut public, &mut tunnel).await {
+            tracing::debug!(runtime, error = %e, "upgraded connection through the tunnel ended with an error");
+        }
+    });
 }
 
 fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
