@@ -17,7 +17,8 @@ trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-# The upstream on $1: one nginx worker answering a small fixed body.
+# The upstream on $1: one nginx worker answering a small fixed body (and
+# serving $WORK/big.bin at /big when it exists).
 start_upstream() {
   mkdir -p "$WORK/up"
   cat > "$WORK/up/nginx.conf" <<CONF
@@ -28,7 +29,12 @@ events { worker_connections 4096; }
 http {
   access_log off;
   keepalive_requests 1000000;
-  server { listen 127.0.0.1:$1; location / { return 200 "hello from upstream\n"; } }
+  server {
+    listen 127.0.0.1:$1;
+    location / { return 200 "hello from upstream\n"; }
+    # A large file for throughput runs (bench/tunnel.sh writes it).
+    location = /big { alias $WORK/big.bin; }
+  }
 }
 CONF
   nginx -p "$WORK/up" -c "$WORK/up/nginx.conf" -g 'daemon off;' & PIDS+=($!)

@@ -19,10 +19,9 @@ use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
-use super::ws_io::WsIo;
+use super::{BoxIo, Hello};
 use crate::body::{Body, ResponseBody};
 use crate::config::Listener;
 use crate::pipeline::ConnInfo;
@@ -208,71 +207,17 @@ impl Dialer {
         self.replaced.load(Ordering::Relaxed)
     }
 
-    /// Dials, authenticates and returns the WebSocket as a byte stream.
-    async fn dial(&self) -> Result<TokioIo<WsIo<TunnelStream>>, String> {
-        let uri = &self.options.server;
-        let host = uri.host().unwrap_or_default();
-        let tls = self.tls.is_some();
-        let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
-        let host_for_connect = host.trim_start_matches('[').trim_end_matches(']');
-        let tcp = TcpStream::connect((host_for_connect, port))
-            .await
-            .map_err(|e| format!("connecting to {host}:{port}: {e}"))?;
-        let _ = tcp.set_nodelay(true);
-        let stream = match &self.tls {
-            Some(connector) => {
-                let name = rustls_pki_types::ServerName::try_from(host_for_connect.to_owned())
-                    .map_err(|e| format!("server name {host}: {e}"))?;
-                let tls = connector
-                    .connect(name, tcp)
-                    .await
-                    .map_err(|e| format!("TLS with {host}: {e}"))?;
-                tokio_util::either::Either::Left(tls)
-            }
-            None => tokio_util::either::Either::Right(tcp),
+    /// Dials, authenticates and returns the tunnel's byte stream.
+    async fn dial(&self) -> Result<TokioIo<BoxIo>, String> {
+        let hello = Hello {
+            runtime: self.options.runtime_id.clone(),
+            instance: self.instance.clone(),
+            token: self.options.token.read()?,
         };
-        let url = format!(
-            "{}://{}{}",
-            if tls { "wss" } else { "ws" },
-            uri.authority().map_or(host, |a| a.as_str()),
-            super::TUNNEL_PATH
-        );
-        let mut request =
-            tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(
-                url.as_str(),
-            )
-            .map_err(|e| format!("bad server URL {url}: {e}"))?;
-        let headers = request.headers_mut();
-        let value = |s: &str| {
-            http::HeaderValue::from_str(s)
-                .map_err(|_| "token or runtime id is not a valid header value".to_owned())
-        };
-        headers.insert(
-            http::header::AUTHORIZATION,
-            value(&format!("Bearer {}", self.options.token.read()?))?,
-        );
-        headers.insert(super::RUNTIME_HEADER, value(&self.options.runtime_id)?);
-        headers.insert(super::INSTANCE_HEADER, value(&self.instance)?);
-        let (ws, _) =
-            tokio_tungstenite::client_async_with_config(request, stream, Some(super::ws_config()))
-                .await
-                .map_err(|e| match e {
-                    tokio_tungstenite::tungstenite::Error::Http(resp) => format!(
-                        "the server refused the tunnel: {} {}",
-                        resp.status(),
-                        resp.body()
-                            .as_deref()
-                            .map(String::from_utf8_lossy)
-                            .unwrap_or_default()
-                    ),
-                    e => format!("WebSocket handshake with {url}: {e}"),
-                })?;
-        Ok(TokioIo::new(WsIo::new(ws)))
+        let io = super::websocket::dial(&self.options.server, self.tls.as_ref(), &hello).await?;
+        Ok(TokioIo::new(io))
     }
 }
-
-type TunnelStream =
-    tokio_util::either::Either<tokio_rustls::client::TlsStream<TcpStream>, TcpStream>;
 
 /// One tunnel connection slot: dials, serves until the tunnel ends, and
 /// dials again after a backoff, until the worker drains.
@@ -323,12 +268,7 @@ pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
 
 /// Serves HTTP/2 from the server over one tunnel until it ends; on drain,
 /// stops taking new streams and lets those in flight finish.
-async fn serve(
-    io: TokioIo<WsIo<TunnelStream>>,
-    slot: usize,
-    dialer: &Arc<Dialer>,
-    ctx: &WorkerContext,
-) {
+async fn serve(io: TokioIo<BoxIo>, slot: usize, dialer: &Arc<Dialer>, ctx: &WorkerContext) {
     // The server pings as soon as it has registered the tunnel: from then
     // on public requests can arrive, so that is when it counts as connected.
     let connected = Arc::new(AtomicBool::new(false));

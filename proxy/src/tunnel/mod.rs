@@ -19,9 +19,41 @@
 pub mod client;
 pub mod server;
 pub mod tokens;
+pub mod websocket;
 pub mod ws_io;
 
 use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// A tunnel's byte stream, whatever carries it.
+pub trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
+
+/// A boxed [`Io`]: the one type the HTTP/2 side sees.
+pub type BoxIo = Box<dyn Io>;
+
+/// What a client presents when it opens a tunnel.
+#[derive(Clone)]
+pub struct Hello {
+    /// The runtime id it claims.
+    pub runtime: String,
+    /// Its process instance (see [`INSTANCE_HEADER`]).
+    pub instance: String,
+    /// Its token.
+    pub token: String,
+}
+
+/// Why the server turned a tunnel away.
+#[derive(Debug)]
+pub struct Refused {
+    /// Status sent to the client.
+    pub status: http::StatusCode,
+    /// Short message sent to the client.
+    pub message: &'static str,
+    /// What the server logs.
+    pub reason: String,
+}
 
 /// The path the tunnel endpoint accepts WebSocket handshakes on.
 pub const TUNNEL_PATH: &str = "/_portcullis/tunnel";

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::tokens::{Refusal, Tokens, valid_runtime_id};
-use super::ws_io::WsIo;
+use super::{Hello, Refused};
 use crate::body::Body;
 
 /// How the tunnel server runs.
@@ -334,16 +334,6 @@ async fn accept_tunnels(
     }
 }
 
-/// Why a tunnel handshake was refused, for the log.
-fn refusal_response(
-    status: StatusCode,
-    message: &str,
-) -> tokio_tungstenite::tungstenite::handshake::server::ErrorResponse {
-    let mut resp = Response::new(Some(format!("{{\"error\":\"{message}\"}}")));
-    *resp.status_mut() = status;
-    resp
-}
-
 /// One tunnel connection: handshake, authentication, then HTTP/2 over the
 /// WebSocket until it ends.
 async fn serve_tunnel(
@@ -353,30 +343,48 @@ async fn serve_tunnel(
     shared: Arc<Shared>,
     stop: CancellationToken,
 ) {
-    let handshake = async {
-        match tls {
-            Some(acceptor) => {
-                let tls = acceptor
-                    .accept(stream)
-                    .await
-                    .map_err(|e| format!("TLS handshake: {e}"))?;
-                websocket(tokio_util::either::Either::Left(tls), peer, &shared).await
-            }
-            None => websocket(tokio_util::either::Either::Right(stream), peer, &shared).await,
+    let check = |hello: &Hello| {
+        let refused = |status, message, reason| Refused {
+            status,
+            message,
+            reason,
+        };
+        if !valid_runtime_id(&hello.runtime) {
+            return Err(refused(
+                StatusCode::BAD_REQUEST,
+                "invalid runtime id",
+                format!("invalid runtime id {:?}", hello.runtime),
+            ));
+        }
+        shared
+            .tokens
+            .verify(peer.ip(), &hello.runtime, &hello.token)
+            .map_err(|r| match r {
+                Refusal::BadCredentials => refused(
+                    StatusCode::UNAUTHORIZED,
+                    "bad credentials",
+                    format!("bad credentials for runtime `{}`", hello.runtime),
+                ),
+                Refusal::RateLimited => refused(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too many failed attempts",
+                    format!("too many failed attempts (runtime `{}`)", hello.runtime),
+                ),
+            })
+    };
+    let accepted = super::websocket::accept(stream, tls, check);
+    let (io, hello, token) = match tokio::time::timeout(super::HANDSHAKE_TIMEOUT, accepted).await {
+        Ok(Ok(done)) => done,
+        Ok(Err(e)) => {
+            tracing::warn!(peer = %peer, error = %e, "tunnel connection refused");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(peer = %peer, "tunnel connection refused: no handshake within 10s");
+            return;
         }
     };
-    let (ws, (runtime, instance, token)) =
-        match tokio::time::timeout(super::HANDSHAKE_TIMEOUT, handshake).await {
-            Ok(Ok(done)) => done,
-            Ok(Err(e)) => {
-                tracing::warn!(peer = %peer, error = %e, "tunnel connection refused");
-                return;
-            }
-            Err(_) => {
-                tracing::warn!(peer = %peer, "tunnel connection refused: no handshake within 10s");
-                return;
-            }
-        };
+    let (runtime, instance) = (hello.runtime, hello.instance);
     let handshake = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .initial_stream_window_size(super::STREAM_WINDOW)
@@ -385,7 +393,7 @@ async fn serve_tunnel(
         .keep_alive_interval(super::KEEPALIVE_INTERVAL)
         .keep_alive_timeout(super::KEEPALIVE_TIMEOUT)
         .keep_alive_while_idle(true)
-        .handshake::<_, Body>(TokioIo::new(WsIo::new(ws)))
+        .handshake::<_, Body>(TokioIo::new(io))
         .await;
     let (sender, conn) = match handshake {
         Ok(pair) => pair,
@@ -432,82 +440,6 @@ async fn serve_tunnel(
         _ = stop.cancelled() => {}
     }
     shared.registry.remove(&runtime, tunnel.id);
-}
-
-/// The WebSocket handshake with authentication. Returns the socket, the
-/// runtime id and the client instance.
-// tungstenite's callback returns its large error response by value.
-#[allow(clippy::result_large_err)]
-async fn websocket<S>(
-    stream: S,
-    peer: SocketAddr,
-    shared: &Shared,
-) -> Result<
-    (
-        tokio_tungstenite::WebSocketStream<S>,
-        (String, String, [u8; 32]),
-    ),
-    String,
->
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    let mut who: Option<(String, String, [u8; 32])> = None;
-    let mut refused: Option<String> = None;
-    let check = |req: &tokio_tungstenite::tungstenite::handshake::server::Request, resp| {
-        let header = |name: &str| {
-            req.headers()
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("")
-        };
-        if req.uri().path() != super::TUNNEL_PATH {
-            refused = Some(format!("wrong path {}", req.uri().path()));
-            return Err(refusal_response(
-                StatusCode::NOT_FOUND,
-                "not a tunnel endpoint",
-            ));
-        }
-        let runtime = header(super::RUNTIME_HEADER).to_owned();
-        let token = header(header::AUTHORIZATION.as_str())
-            .strip_prefix("Bearer ")
-            .unwrap_or("");
-        if !valid_runtime_id(&runtime) {
-            refused = Some(format!("invalid runtime id {runtime:?}"));
-            return Err(refusal_response(
-                StatusCode::BAD_REQUEST,
-                "invalid runtime id",
-            ));
-        }
-        match shared.tokens.verify(peer.ip(), &runtime, token) {
-            Ok(hash) => {
-                who = Some((runtime, header(super::INSTANCE_HEADER).to_owned(), hash));
-                Ok(resp)
-            }
-            Err(Refusal::BadCredentials) => {
-                refused = Some(format!("bad credentials for runtime `{runtime}`"));
-                Err(refusal_response(
-                    StatusCode::UNAUTHORIZED,
-                    "bad credentials",
-                ))
-            }
-            Err(Refusal::RateLimited) => {
-                refused = Some(format!("too many failed attempts (runtime `{runtime}`)"));
-                Err(refusal_response(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "too many failed attempts",
-                ))
-            }
-        }
-    };
-    let result =
-        tokio_tungstenite::accept_hdr_async_with_config(stream, check, Some(super::ws_config()))
-            .await;
-    match (result, who) {
-        (Ok(ws), Some(who)) => Ok((ws, who)),
-        (Ok(_), None) => Err("handshake accepted without credentials".into()),
-        (Err(e), _) => Err(refused.unwrap_or_else(|| format!("not a tunnel handshake: {e}"))),
-    }
 }
 
 /// Sends a control request to the client behind `tunnel`.

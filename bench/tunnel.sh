@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Portcullis tunnel vs rathole, side by side in one run, TLS on both tunnels.
+#
+#   bench/tunnel.sh
+#   DURATION=10 ROUNDS=3 CONNECTIONS=64 BIG_MB=512 IDLE=200 bench/tunnel.sh
+#
+# Both carry public traffic from a server-side listener through a tunnel
+# the client dialled out over TLS, to the same upstream (one nginx worker):
+#   requests/s  wrk -c$CONNECTIONS on a small body, keep-alive;
+#   throughput  one stream: curl downloads a BIG_MB file through the tunnel;
+#   idle memory the tunnel server's RSS growth per idle tunnel (IDLE tunnels:
+#               rathole services, Portcullis --connections).
+# rathole is a TCP-level tunnel (one data channel per public connection);
+# Portcullis is HTTP-aware (routing core on the client, HTTP/2 streams over
+# a WebSocket). Installs wrk, nginx and rathole if missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION=${DURATION:-10}
+ROUNDS=${ROUNDS:-3}
+CONNECTIONS=${CONNECTIONS:-64}
+BIG_MB=${BIG_MB:-512}
+IDLE=${IDLE:-200}
+# shellcheck source=bench/common.sh
+. bench/common.sh
+command -v rathole >/dev/null || cargo install rathole
+export RUST_LOG=warn
+
+# A private CA and a leaf for localhost; rathole's server wants PKCS#12.
+cd "$WORK"
+openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=bench-ca 2>/dev/null
+openssl req -newkey rsa:2048 -nodes -keyout leaf.key -out leaf.csr -subj /CN=localhost 2>/dev/null
+printf 'subjectAltName=DNS:localhost\n' > leaf.ext
+openssl x509 -req -in leaf.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out leaf.pem -days 2 -extfile leaf.ext 2>/dev/null
+openssl pkcs12 -export -out identity.pfx -inkey leaf.key -in leaf.pem -certfile ca.pem -passout pass:bench
+head -c "$((BIG_MB << 20))" /dev/zero > big.bin
+cd - >/dev/null
+
+UP=$(free_port); RH_CTL=$(free_port); RH_PUB=$(free_port); PC_TUN=$(free_port); PC_PUB=$(free_port)
+start_upstream "$UP"
+
+# rathole: one service through one TLS control channel.
+cat > "$WORK/rh-server.toml" <<CONF
+[server]
+bind_addr = "127.0.0.1:$RH_CTL"
+[server.transport]
+type = "tls"
+[server.transport.tls]
+pkcs12 = "$WORK/identity.pfx"
+pkcs12_password = "bench"
+[server.services.web]
+token = "bench-token"
+bind_addr = "127.0.0.1:$RH_PUB"
+CONF
+cat > "$WORK/rh-client.toml" <<CONF
+[client]
+remote_addr = "localhost:$RH_CTL"
+[client.transport]
+type = "tls"
+[client.transport.tls]
+trusted_root = "$WORK/ca.pem"
+hostname = "localhost"
+[client.services.web]
+token = "bench-token"
+local_addr = "127.0.0.1:$UP"
+CONF
+rathole --server "$WORK/rh-server.toml" & PIDS+=($!)
+sleep 0.5
+rathole --client "$WORK/rh-client.toml" & PIDS+=($!)
+
+# Portcullis: tunnel server with TLS, client fronting the same upstream.
+echo "bench: $(printf bench-token | "$BIN" hash-token)" > "$WORK/tokens.yaml"
+"$BIN" tunnel-server --public "127.0.0.1:$PC_PUB" --tunnel-listen "127.0.0.1:$PC_TUN" \
+  --domain bench.test --tokens "$WORK/tokens.yaml" --cert "$WORK/leaf.pem" --key "$WORK/leaf.key" \
+  --admin off & PIDS+=($!)
+sleep 0.5
+PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PC_TUN" --ca "$WORK/ca.pem" \
+  --runtime-id bench --upstream "http://127.0.0.1:$UP" --admin off & PIDS+=($!)
+
+wait_ok() { for _ in $(seq 100); do curl -sf -o /dev/null "$@" && return 0; sleep 0.1; done; echo "not answering: $*" >&2; exit 1; }
+wait_ok "http://127.0.0.1:$RH_PUB/"
+wait_ok -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/"
+
+: > "$WORK/rps.rh"; : > "$WORK/rps.pc"; : > "$WORK/mbps.rh"; : > "$WORK/mbps.pc"
+for round in $(seq "$ROUNDS"); do
+  wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" --latency "http://127.0.0.1:$RH_PUB/" | wrk_figures >> "$WORK/rps.rh"
+  wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" --latency -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/" | wrk_figures >> "$WORK/rps.pc"
+  curl -s -o /dev/null -w '%{speed_download}\n' "http://127.0.0.1:$RH_PUB/big" | awk '{printf "%.0f\n", $1 / 1048576}' >> "$WORK/mbps.rh"
+  curl -s -o /dev/null -w '%{speed_download}\n' -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/big" | awk '{printf "%.0f\n", $1 / 1048576}' >> "$WORK/mbps.pc"
+  echo "round $round done" >&2
+done
+
+# Idle tunnels: a fresh server of each kind, RSS before and after IDLE
+# tunnels connect.
+rss() { awk '/VmRSS/ { print $2 }' "/proc/$1/status"; }
+RH2_CTL=$(free_port); PC2_TUN=$(free_port); PC2_PUB=$(free_port)
+{
+  printf '[server]\nbind_addr = "127.0.0.1:%s"\n[server.transport]\ntype = "tls"\n[server.transport.tls]\npkcs12 = "%s"\npkcs12_password = "bench"\n' "$RH2_CTL" "$WORK/identity.pfx"
+  for i in $(seq "$IDLE"); do printf '[server.services.s%s]\ntoken = "t"\nbind_addr = "127.0.0.1:%s"\n' "$i" "$(free_port)"; done
+} > "$WORK/rh-idle-server.toml"
+{
+  printf '[client]\nremote_addr = "localhost:%s"\n[client.transport]\ntype = "tls"\n[client.transport.tls]\ntrusted_root = "%s"\nhostname = "localhost"\n' "$RH2_CTL" "$WORK/ca.pem"
+  for i in $(seq "$IDLE"); do printf '[client.services.s%s]\ntoken = "t"\nlocal_addr = "127.0.0.1:%s"\n' "$i" "$UP"; done
+} > "$WORK/rh-idle-client.toml"
+rathole --server "$WORK/rh-idle-server.toml" & RH2=$!; PIDS+=($RH2)
+sleep 1; RH_BEFORE=$(rss $RH2)
+rathole --client "$WORK/rh-idle-client.toml" & PIDS+=($!)
+sleep 5; RH_AFTER=$(rss $RH2)
+
+"$BIN" tunnel-server --public "127.0.0.1:$PC2_PUB" --tunnel-listen "127.0.0.1:$PC2_TUN" \
+  --domain bench.test --tokens "$WORK/tokens.yaml" --cert "$WORK/leaf.pem" --key "$WORK/leaf.key" \
+  --admin off & PC2=$!; PIDS+=($PC2)
+sleep 1; PC_BEFORE=$(rss $PC2)
+PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PC2_TUN" --ca "$WORK/ca.pem" \
+  --runtime-id bench --upstream "http://127.0.0.1:$UP" --connections "$IDLE" --admin off & PIDS+=($!)
+sleep 5; PC_AFTER=$(rss $PC2)
+
+read -r rh_rps rh_p50 rh_p99 < <(median "$WORK/rps.rh" 1)
+read -r pc_rps pc_p50 pc_p99 < <(median "$WORK/rps.pc" 1)
+rh_mb=$(sort -n "$WORK/mbps.rh" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)')
+pc_mb=$(sort -n "$WORK/mbps.pc" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)')
+echo
+echo "TLS tunnels, wrk -t2 -c$CONNECTIONS -d${DURATION}s, one-stream download of $BIG_MB MiB, median of $ROUNDS rounds, $(nproc) cores"
+printf '%-12s %12s %10s %10s %14s %18s\n' tunnel "requests/s" "p50 (us)" "p99 (us)" "stream MiB/s" "idle KiB/tunnel"
+printf '%-12s %12s %10s %10s %14s %18s\n' rathole "$rh_rps" "$rh_p50" "$rh_p99" "$rh_mb" "$(( (RH_AFTER - RH_BEFORE) / IDLE ))"
+printf '%-12s %12s %10s %10s %14s %18s\n' portcullis "$pc_rps" "$pc_p50" "$pc_p99" "$pc_mb" "$(( (PC_AFTER - PC_BEFORE) / IDLE ))"
+awk -v a="$pc_rps" -v b="$rh_rps" -v c="$pc_mb" -v d="$rh_mb" 'BEGIN { printf "portcullis / rathole: requests/s %.2fx, stream throughput %.2fx\n", a / b, c / d }'
