@@ -531,6 +531,8 @@ struct Relay {
     addr: SocketAddr,
     /// Cancelled by [`Relay::cut`] for the connections relayed so far.
     current: Arc<std::sync::Mutex<tokio_util::sync::CancellationToken>>,
+    /// Set before a cut: keep the server's side open (half-open tunnel).
+    half_open: Arc<std::sync::atomic::AtomicBool>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -542,12 +544,15 @@ impl Relay {
             tokio_util::sync::CancellationToken::new(),
         ));
         let tokens = current.clone();
+        let half_open = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let half = half_open.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((mut inbound, _)) = listener.accept().await else {
                     continue;
                 };
                 let cut = tokens.lock().unwrap().clone();
+                let half = half.clone();
                 tokio::spawn(async move {
                     let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await else {
                         return;
@@ -555,7 +560,14 @@ impl Relay {
                     tokio::select! {
                         _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
                         // Dropping both sockets: the tunnel is gone, mid-stream.
-                        _ = cut.cancelled() => {}
+                        _ = cut.cancelled() => {
+                            if half.load(std::sync::atomic::Ordering::SeqCst) {
+                                // The client's side goes; the server's stays
+                                // open and silent, as after a lost route.
+                                drop(inbound);
+                                std::future::pending::<()>().await;
+                            }
+                        }
                     }
                 });
             }
@@ -563,8 +575,17 @@ impl Relay {
         Relay {
             addr,
             current,
+            half_open,
             task,
         }
+    }
+
+    /// Cuts the client's side of every relayed connection and leaves the
+    /// server's open and silent.
+    fn cut_half_open(&self) {
+        self.half_open
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.cut();
     }
 
     /// Cuts every relayed connection; later ones are relayed normally.
@@ -848,4 +869,38 @@ async fn websocket_echo_through_the_tunnel() {
         .unwrap();
     assert_eq!(back.into_data(), big);
     conn.close(None).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_client_dialling_again_replaces_its_half_open_tunnel_at_once() {
+    let echo = upstream::echo("fresh").await;
+    let mut server = TunnelServer::start().await;
+    let relay = Relay::start(server.tunnel).await;
+    let url = echo.url();
+    let mut client = server
+        .client_via(
+            &format!("ws://{}", relay.addr),
+            "rt-a",
+            TOKENS[0].1,
+            &["--upstream", &url, "--connections", "1"],
+        )
+        .await;
+    server.wait_connections("rt-a", 1).await;
+    // The server's side of the old tunnel stays open: by itself it would
+    // notice only after the ping timeout (20 s).
+    relay.cut_half_open();
+    client.wait_for_log("tunnel lost").await;
+    client.wait_for_log("tunnel connected").await;
+    let line = server
+        .process
+        .wait_for_log("client dialled this slot again")
+        .await;
+    assert!(line.contains("rt-a"), "{line}");
+    server.wait_connections("rt-a", 1).await;
+    // Every request lands on the live tunnel, none on the dead one.
+    for _ in 0..10 {
+        let start = Instant::now();
+        assert_eq!(server.get("rt-a", "/").await.status, 200);
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
 }

@@ -208,10 +208,11 @@ impl Dialer {
     }
 
     /// Dials, authenticates and returns the tunnel's byte stream.
-    async fn dial(&self) -> Result<TokioIo<BoxIo>, String> {
+    async fn dial(&self, slot: usize) -> Result<TokioIo<BoxIo>, String> {
         let hello = Hello {
             runtime: self.options.runtime_id.clone(),
             instance: self.instance.clone(),
+            slot: slot as u32,
             token: self.options.token.read()?,
         };
         let io = super::websocket::dial(&self.options.server, self.tls.as_ref(), &hello).await?;
@@ -229,7 +230,7 @@ pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
         }
         let started = Instant::now();
         let dialed = tokio::select! {
-            r = tokio::time::timeout(super::HANDSHAKE_TIMEOUT, dialer.dial()) => r.unwrap_or_else(|_| Err("no handshake within 10s".into())),
+            r = tokio::time::timeout(super::HANDSHAKE_TIMEOUT, dialer.dial(slot)) => r.unwrap_or_else(|_| Err("no handshake within 10s".into())),
             _ = ctx.stop.cancelled() => return,
             _ = dialer.give_up.cancelled() => return,
         };

@@ -40,6 +40,8 @@ pub struct Hello {
     pub runtime: String,
     /// Its process instance (see [`INSTANCE_HEADER`]).
     pub instance: String,
+    /// Which of its connections this is (see [`SLOT_HEADER`]).
+    pub slot: u32,
     /// Its token.
     pub token: String,
 }
@@ -63,6 +65,10 @@ pub const RUNTIME_HEADER: &str = "x-portcullis-runtime";
 /// so a second process for the same runtime is told apart from another
 /// connection of the first, and the newer one wins.
 pub const INSTANCE_HEADER: &str = "x-portcullis-instance";
+/// Handshake header: which of the client's `--connections` this is. A
+/// tunnel dialled again for the same slot replaces the old one at once,
+/// which the server may not yet know is dead (a half-open connection).
+pub const SLOT_HEADER: &str = "x-portcullis-slot";
 /// Server → client: a control request rather than public traffic.
 pub const CONTROL: &str = "x-portcullis-control";
 /// Server → client: the public client's address.

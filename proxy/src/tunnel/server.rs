@@ -48,6 +48,7 @@ pub struct ServerOptions {
 pub struct Tunnel {
     id: u64,
     instance: String,
+    slot: u32,
     /// The token hash it authenticated with.
     token: [u8; 32],
     remote: SocketAddr,
@@ -72,6 +73,15 @@ struct Runtime {
     instance: String,
     tunnels: Vec<Arc<Tunnel>>,
     next: usize,
+}
+
+/// Tunnels to close after adding one.
+#[derive(Default)]
+struct Added {
+    /// Another client instance's, to tell it was replaced.
+    replaced: Vec<Arc<Tunnel>>,
+    /// Earlier tunnels of the same slot, given up on by the client.
+    stale: Vec<Arc<Tunnel>>,
 }
 
 /// When a client instance started: the number its instance id begins with
@@ -104,27 +114,33 @@ impl Registry {
         None
     }
 
-    /// Adds a tunnel and returns the tunnels to tell they were replaced
-    /// and close. One client process (instance) serves a runtime at a
-    /// time, and the most recently started one wins: its tunnels replace
-    /// an older instance's, and a tunnel from an older instance is itself
-    /// turned away. Deciding by start time rather than by arrival keeps
-    /// two clients whose connections interleave (a rolling update) from
-    /// taking the runtime from each other in turn.
-    fn add(&self, runtime: &str, tunnel: Arc<Tunnel>) -> Vec<Arc<Tunnel>> {
+    /// Adds a tunnel and says which tunnels to close. One client process
+    /// (instance) serves a runtime at a time, and the most recently
+    /// started one wins: its tunnels replace an older instance's, and a
+    /// tunnel from an older instance is itself turned away (`replaced`:
+    /// those clients are told, and stop). Deciding by start time rather
+    /// than by arrival keeps two clients whose connections interleave (a
+    /// rolling update) from taking the runtime from each other in turn.
+    /// A tunnel dialled again for a slot the instance already has replaces
+    /// that one (`stale`): the client has given up on it, though the
+    /// server may not have noticed yet.
+    fn add(&self, runtime: &str, tunnel: Arc<Tunnel>) -> Added {
         let mut runtimes = self.lock();
         let entry = runtimes.entry(runtime.to_owned()).or_default();
+        let mut added = Added::default();
         if entry.instance == tunnel.instance || entry.tunnels.is_empty() {
             entry.instance = tunnel.instance.clone();
+            if let Some(i) = entry.tunnels.iter().position(|t| t.slot == tunnel.slot) {
+                added.stale.push(entry.tunnels.swap_remove(i));
+            }
             entry.tunnels.push(tunnel);
-            return Vec::new();
-        }
-        if started(&tunnel.instance) > started(&entry.instance) {
+        } else if started(&tunnel.instance) > started(&entry.instance) {
             entry.instance = tunnel.instance.clone();
-            std::mem::replace(&mut entry.tunnels, vec![tunnel])
+            added.replaced = std::mem::replace(&mut entry.tunnels, vec![tunnel]);
         } else {
-            vec![tunnel]
+            added.replaced.push(tunnel);
         }
+        added
     }
 
     fn remove(&self, runtime: &str, id: u64) {
@@ -384,7 +400,7 @@ async fn serve_tunnel(
             return;
         }
     };
-    let (runtime, instance) = (hello.runtime, hello.instance);
+    let (runtime, instance, slot) = (hello.runtime, hello.instance, hello.slot);
     let handshake = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .initial_stream_window_size(super::STREAM_WINDOW)
@@ -405,6 +421,7 @@ async fn serve_tunnel(
     let tunnel = Arc::new(Tunnel {
         id: shared.registry.next_id.fetch_add(1, Ordering::Relaxed),
         instance,
+        slot,
         token,
         remote: peer,
         since: SystemTime::now(),
@@ -413,9 +430,13 @@ async fn serve_tunnel(
         active: AtomicUsize::new(0),
         closed: CancellationToken::new(),
     });
-    let replaced = shared.registry.add(&runtime, tunnel.clone());
+    let Added { replaced, stale } = shared.registry.add(&runtime, tunnel.clone());
     if !replaced.iter().any(|t| t.id == tunnel.id) {
-        tracing::info!(runtime, peer = %peer, "tunnel connected");
+        tracing::info!(runtime, peer = %peer, slot, "tunnel connected");
+    }
+    for old in stale {
+        tracing::info!(runtime, old = %old.remote, new = %peer, slot, "client dialled this slot again; closing its previous tunnel");
+        old.closed.cancel();
     }
     for old in replaced {
         tracing::warn!(runtime, old = %old.remote, new = %peer, "another client took over this runtime; closing the older client's tunnel");

@@ -65,6 +65,7 @@ fn request(
     );
     headers.insert(super::RUNTIME_HEADER, value(&hello.runtime)?);
     headers.insert(super::INSTANCE_HEADER, value(&hello.instance)?);
+    headers.insert(super::SLOT_HEADER, value(&hello.slot.to_string())?);
     Ok(request)
 }
 
@@ -144,6 +145,7 @@ where
         let hello = Hello {
             runtime: header(super::RUNTIME_HEADER),
             instance: header(super::INSTANCE_HEADER),
+            slot: header(super::SLOT_HEADER).parse().unwrap_or(0),
             token: header(http::header::AUTHORIZATION.as_str())
                 .strip_prefix("Bearer ")
                 .unwrap_or("")
