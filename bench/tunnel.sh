@@ -34,6 +34,8 @@ printf 'subjectAltName=DNS:localhost\n' > leaf.ext
 openssl x509 -req -in leaf.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out leaf.pem -days 2 -extfile leaf.ext 2>/dev/null
 openssl pkcs12 -export -out identity.pfx -inkey leaf.key -in leaf.pem -certfile ca.pem -passout pass:bench
 head -c "$((BIG_MB << 20))" /dev/zero > big.bin
+# nginx's workers drop root: let them read the file.
+chmod a+rx "$WORK"; chmod a+r big.bin
 cd - >/dev/null
 
 UP=$(free_port); RH_CTL=$(free_port); RH_PUB=$(free_port); PC_TUN=$(free_port); PC_PUB=$(free_port)
@@ -77,6 +79,11 @@ sleep 0.5
 PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PC_TUN" --ca "$WORK/ca.pem" \
   --runtime-id bench --upstream "http://127.0.0.1:$UP" --admin off & PIDS+=($!)
 
+# MiB/s of one download; fails the run unless all of it arrived.
+download() {
+  curl -s -o /dev/null -w '%{http_code} %{size_download} %{speed_download}\n' "$@" |
+    awk -v want="$((BIG_MB << 20))" '$1 != 200 || $2 != want { print "download failed: " $0 > "/dev/stderr"; exit 1 } { printf "%.0f\n", $3 / 1048576 }'
+}
 wait_ok() { for _ in $(seq 100); do curl -sf -o /dev/null "$@" && return 0; sleep 0.1; done; echo "not answering: $*" >&2; exit 1; }
 wait_ok "http://127.0.0.1:$RH_PUB/"
 wait_ok -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/"
@@ -85,8 +92,8 @@ wait_ok -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/"
 for round in $(seq "$ROUNDS"); do
   wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" --latency "http://127.0.0.1:$RH_PUB/" | wrk_figures >> "$WORK/rps.rh"
   wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" --latency -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/" | wrk_figures >> "$WORK/rps.pc"
-  curl -s -o /dev/null -w '%{speed_download}\n' "http://127.0.0.1:$RH_PUB/big" | awk '{printf "%.0f\n", $1 / 1048576}' >> "$WORK/mbps.rh"
-  curl -s -o /dev/null -w '%{speed_download}\n' -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/big" | awk '{printf "%.0f\n", $1 / 1048576}' >> "$WORK/mbps.pc"
+  download "http://127.0.0.1:$RH_PUB/big" >> "$WORK/mbps.rh"
+  download -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/big" >> "$WORK/mbps.pc"
   echo "round $round done" >&2
 done
 

@@ -81,6 +81,9 @@ enum Command {
         /// Admin listener (connected runtimes, metrics); `off` turns it off.
         #[arg(long, env = "PORTCULLIS_ADMIN", default_value = "127.0.0.1:9901", value_parser = parse_admin)]
         admin: Admin,
+        /// Worker threads (each with its own event loop); default: one per CPU.
+        #[arg(long, env = "PORTCULLIS_WORKERS")]
+        workers: Option<usize>,
     },
     /// The cluster side of a tunnel: dials out to the tunnel server and
     /// serves what comes through with the routing core.
@@ -186,6 +189,7 @@ fn main() -> ExitCode {
             cert,
             key,
             admin,
+            workers,
         } => {
             portcullis::telemetry::init();
             let options = portcullis::tunnel::server::ServerOptions {
@@ -195,12 +199,11 @@ fn main() -> ExitCode {
                 tokens,
                 tls: cert.zip(key),
                 admin: admin.0,
+                workers: workers.unwrap_or_else(portcullis::server::default_workers),
             };
-            // Unlike the routing core, the tunnel server is one
-            // multi-threaded runtime: its work is relaying between sockets.
-            run_on(tokio::runtime::Builder::new_multi_thread(), || {
-                portcullis::commands::tunnel_server(options)
-            })
+            // The control plane (signals, tunnel accepts, admin); workers
+            // run their own event loops.
+            run(|| portcullis::commands::tunnel_server(options))
         }
         Command::TunnelClient {
             server,

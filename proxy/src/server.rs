@@ -182,7 +182,8 @@ pub fn default_workers() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-fn reuseport_socket(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+/// A listening socket others can join on the same address (one per worker).
+pub(crate) fn reuseport_socket(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     use socket2::{Domain, Protocol, Socket, Type};
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     socket.set_reuse_address(true)?;

@@ -42,6 +42,8 @@ pub struct ServerOptions {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// Admin listener; `None` turns it off.
     pub admin: Option<SocketAddr>,
+    /// Worker threads, each with its own event loop.
+    pub workers: usize,
 }
 
 /// One tunnel connection from a client.
@@ -49,6 +51,8 @@ pub struct Tunnel {
     id: u64,
     instance: String,
     slot: u32,
+    /// The worker thread driving its connection.
+    worker: usize,
     /// The token hash it authenticated with.
     token: [u8; 32],
     remote: SocketAddr,
@@ -99,19 +103,26 @@ impl Registry {
         self.runtimes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A tunnel of runtime `id`, taking turns among its connections.
-    fn pick(&self, id: &str) -> Option<Arc<Tunnel>> {
+    /// A tunnel of runtime `id`, taking turns among its connections, and
+    /// among those driven by `worker` when there are any: a request then
+    /// stays on one thread from the public socket to the tunnel and back.
+    fn pick(&self, id: &str, worker: usize) -> Option<Arc<Tunnel>> {
         let mut runtimes = self.lock();
         let runtime = runtimes.get_mut(id)?;
         let n = runtime.tunnels.len();
+        let mut other = None;
         for _ in 0..n {
             runtime.next = (runtime.next + 1) % n;
             let t = &runtime.tunnels[runtime.next];
-            if !t.sender.is_closed() {
+            if t.sender.is_closed() {
+                continue;
+            }
+            if t.worker == worker {
                 return Some(t.clone());
             }
+            other.get_or_insert_with(|| t.clone());
         }
-        None
+        other
     }
 
     /// Adds a tunnel and says which tunnels to close. One client process
@@ -201,8 +212,11 @@ pub struct TunnelStatus {
 
 /// A bound tunnel server, ready to run.
 pub struct TunnelServer {
-    public: TcpListener,
+    /// One public socket per worker (SO_REUSEPORT).
+    public: Vec<std::net::TcpListener>,
+    public_addr: SocketAddr,
     tunnel: TcpListener,
+    workers: usize,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shared: Arc<Shared>,
 }
@@ -247,15 +261,22 @@ impl TunnelServer {
         };
         let domain = options.domain.trim_matches('.').to_ascii_lowercase();
         anyhow::ensure!(!domain.is_empty(), "--domain is empty");
-        let public = TcpListener::bind(options.public)
-            .await
-            .with_context(|| format!("cannot bind the public listener on {}", options.public))?;
+        let workers = options.workers.max(1);
+        let public_err = || format!("cannot bind the public listener on {}", options.public);
+        let first = crate::server::reuseport_socket(options.public).with_context(public_err)?;
+        let public_addr = first.local_addr()?;
+        let mut public = vec![first];
+        for _ in 1..workers {
+            public.push(crate::server::reuseport_socket(public_addr).with_context(public_err)?);
+        }
         let tunnel = TcpListener::bind(options.tunnel)
             .await
             .with_context(|| format!("cannot bind the tunnel listener on {}", options.tunnel))?;
         Ok(TunnelServer {
             public,
+            public_addr,
             tunnel,
+            workers,
             tls,
             shared: Arc::new(Shared {
                 registry: Registry::default(),
@@ -268,7 +289,7 @@ impl TunnelServer {
 
     /// The public listener's address.
     pub fn public_addr(&self) -> std::io::Result<SocketAddr> {
-        self.public.local_addr()
+        Ok(self.public_addr)
     }
 
     /// The tunnel endpoint's address.
@@ -290,43 +311,117 @@ impl TunnelServer {
         .await
     }
 
-    /// Serves until `shutdown` completes.
+    /// Serves until `shutdown` completes. Thread per core, like the
+    /// routing core: each worker accepts public connections on its own
+    /// socket and drives the tunnel connections handed to it; a public
+    /// request goes through a tunnel of its own worker when the runtime
+    /// has one there, so it crosses no thread.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-        let public_addr = self.public.local_addr()?;
         let tunnel_addr = self.tunnel.local_addr()?;
-        tracing::info!(addr = %public_addr, "public listening");
+        tracing::info!(addr = %self.public_addr, workers = self.workers, "public listening");
         tracing::info!(addr = %tunnel_addr, tls = self.tls.is_some(), "tunnel listening");
-        let tracker = TaskTracker::new();
         let stop = CancellationToken::new();
-        tracker.spawn(accept_tunnels(
-            self.tunnel,
-            self.tls,
-            self.shared.clone(),
-            tracker.clone(),
-            stop.clone(),
-        ));
-        tracker.spawn(accept_public(
-            self.public,
-            self.shared.clone(),
-            tracker.clone(),
-            stop.clone(),
-        ));
-        shutdown.await;
+        let mut to_workers = Vec::with_capacity(self.workers);
+        let mut done = Vec::with_capacity(self.workers);
+        for (index, public) in self.public.into_iter().enumerate() {
+            let (tx, rx) =
+                tokio::sync::mpsc::unbounded_channel::<(std::net::TcpStream, SocketAddr)>();
+            to_workers.push(tx);
+            let (shared, tls, stop) = (self.shared.clone(), self.tls.clone(), stop.clone());
+            let (finished, finished_rx) = tokio::sync::oneshot::channel::<()>();
+            std::thread::Builder::new()
+                .name(format!("portcullis-tunnel-{index}"))
+                .spawn(move || {
+                    worker(index, public, rx, tls, shared, stop);
+                    let _ = finished.send(());
+                })?;
+            done.push(finished_rx);
+        }
+        let accepting = accept_tunnels(self.tunnel, to_workers, stop.clone());
+        tokio::select! {
+            _ = shutdown => {}
+            _ = accepting => {}
+        }
         tracing::info!("shutting down");
         stop.cancel();
-        tracker.close();
-        let _ = tokio::time::timeout(Duration::from_secs(10), tracker.wait()).await;
+        let _ = tokio::time::timeout(
+            Duration::from_secs(10),
+            futures_util::future::join_all(done),
+        )
+        .await;
         Ok(())
     }
 }
 
-async fn accept_tunnels(
-    listener: TcpListener,
+/// One worker thread: its public socket, and the tunnels handed to it.
+fn worker(
+    index: usize,
+    public: std::net::TcpListener,
+    mut tunnels: tokio::sync::mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shared: Arc<Shared>,
-    tracker: TaskTracker,
     stop: CancellationToken,
 ) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(worker = index, error = %e, "cannot start worker runtime");
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        let tracker = TaskTracker::new();
+        match TcpListener::from_std(public) {
+            Ok(public) => {
+                tracker.spawn(accept_public(
+                    public,
+                    index,
+                    shared.clone(),
+                    tracker.clone(),
+                    stop.clone(),
+                ));
+            }
+            Err(e) => {
+                tracing::error!(worker = index, error = %e, "cannot register the public listener")
+            }
+        }
+        loop {
+            let (stream, peer) = tokio::select! {
+                t = tunnels.recv() => match t { Some(t) => t, None => break },
+                _ = stop.cancelled() => break,
+            };
+            match TcpStream::from_std(stream) {
+                Ok(stream) => {
+                    tracker.spawn(serve_tunnel(
+                        stream,
+                        peer,
+                        index,
+                        tls.clone(),
+                        shared.clone(),
+                        stop.clone(),
+                    ));
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %peer, error = %e, "cannot register a tunnel connection")
+                }
+            }
+        }
+        tracker.close();
+        tracker.wait().await;
+    });
+}
+
+/// Accepts tunnel connections and hands them to the workers in turn, so
+/// each worker drives its share of the tunnels.
+async fn accept_tunnels(
+    listener: TcpListener,
+    workers: Vec<tokio::sync::mpsc::UnboundedSender<(std::net::TcpStream, SocketAddr)>>,
+    stop: CancellationToken,
+) {
+    let mut next = 0;
     loop {
         let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
@@ -340,13 +435,13 @@ async fn accept_tunnels(
             _ = stop.cancelled() => return,
         };
         let _ = stream.set_nodelay(true);
-        tracker.spawn(serve_tunnel(
-            stream,
-            peer,
-            tls.clone(),
-            shared.clone(),
-            stop.clone(),
-        ));
+        let Ok(stream) = stream.into_std() else {
+            continue;
+        };
+        next = (next + 1) % workers.len();
+        if workers[next].send((stream, peer)).is_err() {
+            return;
+        }
     }
 }
 
@@ -355,6 +450,7 @@ async fn accept_tunnels(
 async fn serve_tunnel(
     stream: TcpStream,
     peer: SocketAddr,
+    worker: usize,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shared: Arc<Shared>,
     stop: CancellationToken,
@@ -422,6 +518,7 @@ async fn serve_tunnel(
         id: shared.registry.next_id.fetch_add(1, Ordering::Relaxed),
         instance,
         slot,
+        worker,
         token,
         remote: peer,
         since: SystemTime::now(),
@@ -507,6 +604,7 @@ async fn measure_rtt(tunnel: Arc<Tunnel>, shared: &Shared, runtime: &str) {
 
 async fn accept_public(
     listener: TcpListener,
+    worker: usize,
     shared: Arc<Shared>,
     tracker: TaskTracker,
     stop: CancellationToken,
@@ -539,7 +637,7 @@ async fn accept_public(
         let shared = shared.clone();
         let service = service_fn(move |req| {
             let shared = shared.clone();
-            async move { Ok::<_, Infallible>(forward(req, peer, &shared).await) }
+            async move { Ok::<_, Infallible>(forward(req, peer, worker, &shared).await) }
         });
         let served = graceful.watch(
             builder
@@ -586,7 +684,12 @@ fn error(status: StatusCode, message: &str, runtime: Option<&str>) -> Response<B
 }
 
 /// Forwards one public request through its runtime's tunnel.
-async fn forward(mut req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Response<Body> {
+async fn forward(
+    mut req: Request<Incoming>,
+    peer: SocketAddr,
+    worker: usize,
+    shared: &Shared,
+) -> Response<Body> {
     let Some(host) = host_of(&req) else {
         return error(StatusCode::BAD_REQUEST, "request has no host", None);
     };
@@ -600,7 +703,7 @@ async fn forward(mut req: Request<Incoming>, peer: SocketAddr, shared: &Shared) 
     if !valid_runtime_id(runtime) {
         return error(StatusCode::NOT_FOUND, "not a runtime host", None);
     }
-    let Some(tunnel) = shared.registry.pick(runtime) else {
+    let Some(tunnel) = shared.registry.pick(runtime, worker) else {
         return if shared.tokens.knows(runtime) {
             error(
                 StatusCode::SERVICE_UNAVAILABLE,
