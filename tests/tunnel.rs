@@ -904,3 +904,54 @@ async fn a_client_dialling_again_replaces_its_half_open_tunnel_at_once() {
         assert!(start.elapsed() < Duration::from_secs(5));
     }
 }
+
+#[tokio::test]
+async fn a_renewed_certificate_is_served_without_a_restart() {
+    let echo = upstream::echo("renewed").await;
+    let mut server = TunnelServer::start_with(true).await;
+    let url = echo.url();
+    let _first = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+
+    // The certificate is renewed by another CA; the files are replaced as
+    // a Secret update does (written aside, renamed into place).
+    let renewed = crate::support::tls::TestPki::new();
+    let dir = server.dir.path().to_path_buf();
+    // A key that does not match the certificate is refused, and the
+    // previous pair stays in use.
+    std::fs::write(dir.join(".key.new"), TestKeyOnly::pem()).unwrap();
+    std::fs::rename(dir.join(".key.new"), dir.join("key.pem")).unwrap();
+    let _still = server
+        .client("rt-b", TOKENS[1].1, &["--upstream", &url])
+        .await;
+    let line = server
+        .process
+        .wait_for_log("TLS certificate not reloaded")
+        .await;
+    assert!(line.contains("do not belong together"), "{line}");
+
+    std::fs::write(dir.join(".cert.new"), &renewed.leaf_pem).unwrap();
+    std::fs::write(dir.join(".key.new"), &renewed.leaf_key_pem).unwrap();
+    std::fs::rename(dir.join(".key.new"), dir.join("key.pem")).unwrap();
+    std::fs::rename(dir.join(".cert.new"), dir.join("cert.pem")).unwrap();
+    std::fs::write(dir.join("ca.pem"), &renewed.ca_pem).unwrap();
+    // Only the renewed certificate verifies with the new CA.
+    let _renewed = server
+        .client("rt-b", TOKENS[1].1, &["--upstream", &url])
+        .await;
+    server
+        .process
+        .wait_for_log("TLS certificate reloaded")
+        .await;
+    assert_eq!(server.get("rt-b", "/").await.status, 200);
+}
+
+/// A private key unrelated to any certificate in the test.
+struct TestKeyOnly;
+
+impl TestKeyOnly {
+    fn pem() -> String {
+        rcgen::KeyPair::generate().unwrap().serialize_pem()
+    }
+}

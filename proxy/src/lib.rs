@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod body;
+pub mod cert_files;
 pub mod chain;
 pub mod commands;
 pub mod config;

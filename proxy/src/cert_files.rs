@@ -1,0 +1,86 @@
+//! A TLS certificate and key read from files and read again when they
+//! change (a renewed cert-manager Secret, say), without a restart: each
+//! handshake checks the files' modification time and length, which costs
+//! two `stat` calls. A pair that fails to load keeps the previous one in
+//! use and is logged once per change.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+/// What the files looked like when last read.
+type Stamp = [(Option<SystemTime>, u64); 2];
+
+/// Serves the certificate in `cert` with the key in `key`.
+#[derive(Debug)]
+pub struct CertFiles {
+    cert: PathBuf,
+    key: PathBuf,
+    current: Mutex<(Stamp, Arc<CertifiedKey>)>,
+}
+
+fn stamp(path: &Path) -> (Option<SystemTime>, u64) {
+    std::fs::metadata(path).map_or((None, 0), |m| (m.modified().ok(), m.len()))
+}
+
+fn load(cert: &Path, key: &Path) -> Result<CertifiedKey, String> {
+    let certs = CertificateDer::pem_file_iter(cert)
+        .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("reading certificate {}: {e}", cert.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{} holds no certificate", cert.display()));
+    }
+    let key_der = PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| format!("reading private key {}: {e}", key.display()))?;
+    let signing = rustls::crypto::ring::sign::any_supported_type(&key_der)
+        .map_err(|e| format!("private key {}: {e}", key.display()))?;
+    let certified = CertifiedKey::new(certs, signing);
+    certified.keys_match().map_err(|e| {
+        format!(
+            "{} and {} do not belong together: {e}",
+            cert.display(),
+            key.display()
+        )
+    })?;
+    Ok(certified)
+}
+
+impl CertFiles {
+    /// Reads the pair; an error names the file and the problem.
+    pub fn load(cert: PathBuf, key: PathBuf) -> Result<CertFiles, String> {
+        let seen = [stamp(&cert), stamp(&key)];
+        let certified = load(&cert, &key)?;
+        Ok(CertFiles {
+            current: Mutex::new((seen, Arc::new(certified))),
+            cert,
+            key,
+        })
+    }
+}
+
+impl ResolvesServerCert for CertFiles {
+    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        let now = [stamp(&self.cert), stamp(&self.key)];
+        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if current.0 != now {
+            // Recorded either way: a broken pair is reported once, and
+            // tried again when the files change again.
+            current.0 = now;
+            match load(&self.cert, &self.key) {
+                Ok(certified) => {
+                    tracing::info!(cert = %self.cert.display(), "TLS certificate reloaded");
+                    current.1 = Arc::new(certified);
+                }
+                Err(e) => tracing::error!(
+                    "TLS certificate not reloaded, the previous one stays in use: {e}"
+                ),
+            }
+        }
+        Some(current.1.clone())
+    }
+}
