@@ -534,12 +534,9 @@ async fn serve_tunnel(
             old.closed.cancel();
         });
     }
+    // Ends when the client stops answering or its token is no longer
+    // valid; the select below then drops the connection.
     let pings = measure_rtt(tunnel.clone(), &shared, &runtime);
-    let pings = async {
-        pings.await;
-        // Let the client see its tunnel end rather than hang on it.
-        tunnel.closed.cancel();
-    };
     tokio::select! {
         r = conn => match r {
             Ok(()) => tracing::info!(runtime, peer = %peer, "tunnel closed"),
