@@ -44,6 +44,17 @@ fn hash(token: &str) -> String {
     )
 }
 
+/// A directory with `tokens.yaml` for [`TOKENS`].
+fn tokens_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: String = TOKENS
+        .iter()
+        .map(|(id, t)| format!("{id}: {}\n", hash(t)))
+        .collect();
+    std::fs::write(dir.path().join("tokens.yaml"), tokens).unwrap();
+    dir
+}
+
 impl TunnelServer {
     async fn start() -> TunnelServer {
         Self::start_with(false).await
@@ -52,12 +63,7 @@ impl TunnelServer {
     /// With `tls`, the tunnel endpoint is `wss://` with a certificate from
     /// a private CA the clients are given with `--ca`.
     async fn start_with(tls: bool) -> TunnelServer {
-        let dir = tempfile::tempdir().unwrap();
-        let tokens: String = TOKENS
-            .iter()
-            .map(|(id, t)| format!("{id}: {}\n", hash(t)))
-            .collect();
-        std::fs::write(dir.path().join("tokens.yaml"), tokens).unwrap();
+        let dir = tokens_dir();
         if tls {
             let pki = crate::support::tls::TestPki::new();
             std::fs::write(dir.path().join("cert.pem"), &pki.leaf_pem).unwrap();
@@ -954,4 +960,49 @@ impl TestKeyOnly {
     fn pem() -> String {
         rcgen::KeyPair::generate().unwrap().serialize_pem()
     }
+}
+
+#[tokio::test]
+async fn the_client_is_ready_only_while_a_tunnel_carries_pings() {
+    let dir = policies(
+        r#"
+listeners: [{ name: local, bind: "127.0.0.1:0" }]
+routes: [{ name: readyz, match: { path: /readyz }, health: ready }]
+"#,
+    );
+    // No server yet: the client keeps dialling a closed port.
+    let tunnel_port = crate::support::closed_port();
+    let path = dir.path().display().to_string();
+    let args: Vec<String> = [
+        "tunnel-client",
+        "--server",
+        &format!("ws://127.0.0.1:{tunnel_port}"),
+        "--runtime-id",
+        "rt-a",
+        "--policies",
+        &path,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut client = ProxyProcess::launch(
+        &args,
+        &[("PORTCULLIS_TOKEN", TOKENS[0].1.into())],
+        "listening",
+    )
+    .await;
+    client.wait_for_log("tunnel connection failed").await;
+    assert_eq!(client::get(&client.url("/readyz")).await.status, 503);
+    assert_eq!(client::get(&client.admin_url("/readyz")).await.status, 503);
+
+    // The server comes up where the client is dialling.
+    let _server = TunnelServer::start_in(
+        tokens_dir(),
+        "127.0.0.1:0".parse().unwrap(),
+        format!("127.0.0.1:{tunnel_port}").parse().unwrap(),
+    )
+    .await;
+    client.wait_for_log("tunnel connected").await;
+    assert_eq!(client::get(&client.url("/readyz")).await.status, 200);
+    assert_eq!(client::get(&client.admin_url("/readyz")).await.status, 200);
 }

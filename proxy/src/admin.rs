@@ -82,6 +82,17 @@ async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/status") => json(StatusCode::OK, status_json(reloader)),
         (&Method::GET, "/metrics") => prometheus(metrics(reloader)),
+        (&Method::GET, "/readyz") => {
+            let ready = reloader.control().shared().is_ready();
+            json(
+                if ready {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                },
+                serde_json::json!({ "ready": ready }),
+            )
+        }
         (&Method::POST, "/reload") => {
             let outcome = reloader.reload(Trigger::Admin).await;
             let (status, result) = match &outcome {

@@ -137,6 +137,11 @@ pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
     let dialer = Arc::new(Dialer::new(options.client.clone())?);
     let server = Server::bind_with(config, options.workers, false).await?;
     let control = server.control().clone();
+    // Ready means requests can come through: a tunnel the server pings.
+    let gate = dialer.clone();
+    server
+        .shared()
+        .set_gate(Box::new(move || gate.tunnels_up() > 0));
     let reloader = Arc::new(match reloader_source {
         Ok(dir) => Reloader::new(dir, control.clone()),
         Err(sources) => Reloader::with_sources(sources, control.clone()),

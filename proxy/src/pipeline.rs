@@ -20,10 +20,15 @@ use crate::forward::{self, ForwardError, Outgoing, UpstreamPool};
 use crate::telemetry::AccessLog;
 use crate::{chain, plugin};
 
+/// An extra condition for readiness (the tunnel client's: a tunnel that
+/// answers pings).
+pub type ReadyGate = Box<dyn Fn() -> bool + Send + Sync>;
+
 /// Process-wide serving state that outlives any one pipeline.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Shared {
     phase: AtomicU8,
+    gate: std::sync::OnceLock<ReadyGate>,
     /// Tasks that must finish before a drained shutdown completes
     /// (connections and spliced upgrades).
     pub tracker: TaskTracker,
@@ -32,6 +37,14 @@ pub struct Shared {
 const STARTING: u8 = 0;
 const READY: u8 = 1;
 const DRAINING: u8 = 2;
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("phase", &self.phase)
+            .finish_non_exhaustive()
+    }
+}
 
 impl Shared {
     /// Config loaded and listeners bound: `/readyz` turns 200.
@@ -48,7 +61,12 @@ impl Shared {
 
     /// True while `/readyz` should answer 200.
     pub fn is_ready(&self) -> bool {
-        self.phase.load(Ordering::Acquire) == READY
+        self.phase.load(Ordering::Acquire) == READY && self.gate.get().is_none_or(|ready| ready())
+    }
+
+    /// Makes readiness also depend on `gate` (set once).
+    pub fn set_gate(&self, gate: ReadyGate) {
+        let _ = self.gate.set(gate);
     }
 
     /// True once shutdown started.

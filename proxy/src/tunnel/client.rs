@@ -139,6 +139,12 @@ pub struct Dialer {
     listener: Arc<Listener>,
     /// Set when the server says another client took over this runtime.
     replaced: AtomicBool,
+    /// Per slot: when the server last pinged through it (ms since
+    /// `epoch`, 0 while down). A tunnel counts as up while pings arrive,
+    /// not merely while its socket is open: a half-dead connection must
+    /// not look ready.
+    last_ping: Vec<std::sync::atomic::AtomicU64>,
+    epoch: Instant,
     /// Cancelled to stop the whole client (after a takeover).
     pub give_up: CancellationToken,
 }
@@ -196,10 +202,38 @@ impl Dialer {
                     column: 0,
                 },
             }),
+            last_ping: (0..options.connections.max(1))
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+            epoch: Instant::now(),
             options,
             replaced: AtomicBool::new(false),
             give_up: CancellationToken::new(),
         })
+    }
+
+    /// Tunnels the server pinged through within two ping intervals.
+    pub fn tunnels_up(&self) -> usize {
+        let now = self.epoch.elapsed().as_millis() as u64;
+        let window = 2 * super::KEEPALIVE_INTERVAL.as_millis() as u64 + 5_000;
+        self.last_ping
+            .iter()
+            .map(|t| t.load(Ordering::Relaxed))
+            .filter(|&t| t != 0 && now.saturating_sub(t) < window)
+            .count()
+    }
+
+    fn pinged(&self, slot: usize) {
+        let now = (self.epoch.elapsed().as_millis() as u64).max(1);
+        if let Some(t) = self.last_ping.get(slot) {
+            t.store(now, Ordering::Relaxed);
+        }
+    }
+
+    fn down(&self, slot: usize) {
+        if let Some(t) = self.last_ping.get(slot) {
+            t.store(0, Ordering::Relaxed);
+        }
     }
 
     /// True once another client took over this runtime id.
@@ -238,6 +272,7 @@ pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
             Ok(io) => {
                 tracing::debug!(slot, "tunnel handshake done");
                 serve(io, slot, &dialer, &ctx).await;
+                dialer.down(slot);
                 if dialer.was_replaced() {
                     tracing::error!(slot, runtime = %dialer.options.runtime_id, "another client took over this runtime id; stopping");
                     dialer.give_up.cancel();
@@ -278,10 +313,11 @@ async fn serve(io: TokioIo<BoxIo>, slot: usize, dialer: &Arc<Dialer>, ctx: &Work
         let pipeline = ctx.pipeline.clone();
         let worker = ctx.worker;
         service_fn(move |req: Request<Incoming>| {
-            if req.headers().contains_key(super::CONTROL)
-                && !connected.swap(true, Ordering::Relaxed)
-            {
-                tracing::info!(slot, server = %dialer.options.server, runtime = %dialer.options.runtime_id, "tunnel connected");
+            if req.headers().contains_key(super::CONTROL) {
+                dialer.pinged(slot);
+                if !connected.swap(true, Ordering::Relaxed) {
+                    tracing::info!(slot, server = %dialer.options.server, runtime = %dialer.options.runtime_id, "tunnel connected");
+                }
             }
             let dialer = dialer.clone();
             let pipeline = pipeline.load_full();
