@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::{SinkExt, StreamExt};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use hyper::{Request, Response};
@@ -94,7 +93,7 @@ async fn websocket_echo_through_app_proxy() {
     let ws = upstream::websocket_echo().await;
     let proxy = Proxy::start_default(&[("APP_PROXY_URL", ws.url())]).await;
     let url = format!("ws://{}/app-proxy/ws", proxy.addr);
-    let (mut conn, resp) = tokio::time::timeout(
+    let (conn, resp) = tokio::time::timeout(
         Duration::from_secs(10),
         tokio_tungstenite::connect_async(url),
     )
@@ -102,29 +101,7 @@ async fn websocket_echo_through_app_proxy() {
     .expect("handshake in time")
     .expect("handshake");
     assert_eq!(resp.status(), 101);
-    for i in 0..20 {
-        let msg = format!("hello {i}");
-        conn.send(tokio_tungstenite::tungstenite::Message::text(msg.clone()))
-            .await
-            .unwrap();
-        let back = tokio::time::timeout(Duration::from_secs(10), conn.next())
-            .await
-            .expect("echo")
-            .expect("frame")
-            .unwrap();
-        assert_eq!(back.into_text().unwrap().as_str(), msg);
-    }
-    let big = vec![7u8; 1 << 20];
-    conn.send(tokio_tungstenite::tungstenite::Message::binary(big.clone()))
-        .await
-        .unwrap();
-    let back = tokio::time::timeout(Duration::from_secs(10), conn.next())
-        .await
-        .expect("echo")
-        .expect("frame")
-        .unwrap();
-    assert_eq!(back.into_data().len(), big.len());
-    conn.close(None).await.unwrap();
+    crate::support::client::websocket_echo_exchange(conn).await;
 }
 
 #[tokio::test]

@@ -831,8 +831,6 @@ async fn a_thousand_idle_tunnels_on_one_server() {
 
 #[tokio::test]
 async fn websocket_echo_through_the_tunnel() {
-    use futures_util::{SinkExt, StreamExt};
-    use tokio_tungstenite::tungstenite::Message;
     let ws = upstream::websocket_echo().await;
     let server = TunnelServer::start().await;
     let url = ws.url();
@@ -848,7 +846,7 @@ async fn websocket_echo_through_the_tunnel() {
     request
         .headers_mut()
         .insert("host", format!("rt-a.{DOMAIN}").parse().unwrap());
-    let (mut conn, resp) = tokio::time::timeout(
+    let (conn, resp) = tokio::time::timeout(
         Duration::from_secs(10),
         tokio_tungstenite::connect_async(request),
     )
@@ -856,25 +854,7 @@ async fn websocket_echo_through_the_tunnel() {
     .expect("handshake in time")
     .expect("handshake");
     assert_eq!(resp.status(), 101);
-    for i in 0..20 {
-        let msg = format!("hello {i}");
-        conn.send(Message::text(msg.clone())).await.unwrap();
-        let back = tokio::time::timeout(Duration::from_secs(10), conn.next())
-            .await
-            .expect("echo")
-            .expect("frame")
-            .unwrap();
-        assert_eq!(back.into_text().unwrap().as_str(), msg);
-    }
-    let big = vec![7u8; 1 << 20];
-    conn.send(Message::binary(big.clone())).await.unwrap();
-    let back = tokio::time::timeout(Duration::from_secs(10), conn.next())
-        .await
-        .expect("echo")
-        .expect("frame")
-        .unwrap();
-    assert_eq!(back.into_data(), big);
-    conn.close(None).await.unwrap();
+    crate::support::client::websocket_echo_exchange(conn).await;
 }
 
 #[tokio::test]

@@ -52,14 +52,7 @@ pub async fn serve_with(addr: SocketAddr, handler: Handler) -> std::io::Result<S
     tracing::info!(addr = %local, "admin listening");
     tokio::spawn(async move {
         loop {
-            let (stream, _) = match listener.accept().await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "admin accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
+            let (stream, _) = crate::server::accept(&listener, "admin").await;
             let handler = handler.clone();
             tokio::spawn(async move {
                 let service = service_fn(move |req| {

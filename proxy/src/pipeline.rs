@@ -130,6 +130,11 @@ pub fn json_error(
     if let Some(plugin) = plugin {
         body["plugin"] = plugin.into();
     }
+    json_response(status, &body)
+}
+
+/// A small JSON answer the proxy makes itself (never cached).
+pub fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<Body> {
     let mut resp = Response::new(Body::full(body.to_string()));
     *resp.status_mut() = status;
     resp.headers_mut().insert(

@@ -182,6 +182,21 @@ pub fn default_workers() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// The next connection on `listener`. Accept errors (out of file
+/// descriptors and the like) are logged as `what` and retried after a short
+/// pause rather than in a spin; the listener stays up.
+pub(crate) async fn accept(listener: &TcpListener, what: &str) -> (TcpStream, SocketAddr) {
+    loop {
+        match listener.accept().await {
+            Ok(pair) => return pair,
+            Err(e) => {
+                tracing::warn!(listener = what, error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
 /// A listening socket others can join on the same address (one per worker).
 pub(crate) fn reuseport_socket(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     use socket2::{Domain, Protocol, Socket, Type};
@@ -654,19 +669,12 @@ async fn accept_loop(
     open: mpsc::Sender<()>,
 ) {
     let graceful = GracefulShutdown::new();
+    // Fixed for the loop's life: a listener renamed by a reload is another
+    // listener.
+    let name = settings.load().spec.name.clone();
     loop {
         let (stream, client) = tokio::select! {
-            r = socket.accept() => match r {
-                Ok(pair) => pair,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off briefly
-                    // rather than spin; the listener stays up.
-                    let name = settings.load().spec.name.clone();
-                    tracing::warn!(listener = %name, error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+            pair = accept(&socket, &name) => pair,
             _ = stop.cancelled() => break,
         };
         let current = settings.load_full();

@@ -89,3 +89,32 @@ pub async fn get(url: &str) -> Answer {
     let req = Request::get(url).body(body(Bytes::new())).expect("request");
     send(&http1(), req).await
 }
+
+/// Checks a WebSocket connection to an echo server: 20 text messages and a
+/// 1 MiB binary one come back unchanged; then closes it.
+pub async fn websocket_echo_exchange<S>(mut conn: tokio_tungstenite::WebSocketStream<S>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    for i in 0..20 {
+        let msg = format!("hello {i}");
+        conn.send(Message::text(msg.clone())).await.unwrap();
+        let back = tokio::time::timeout(Duration::from_secs(10), conn.next())
+            .await
+            .expect("echo")
+            .expect("frame")
+            .unwrap();
+        assert_eq!(back.into_text().unwrap().as_str(), msg);
+    }
+    let big = vec![7u8; 1 << 20];
+    conn.send(Message::binary(big.clone())).await.unwrap();
+    let back = tokio::time::timeout(Duration::from_secs(10), conn.next())
+        .await
+        .expect("echo")
+        .expect("frame")
+        .unwrap();
+    assert_eq!(back.into_data(), big);
+    conn.close(None).await.unwrap();
+}

@@ -416,14 +416,7 @@ async fn accept_tunnels(
     let mut next = 0;
     loop {
         let (stream, peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(pair) => pair,
-                Err(e) => {
-                    tracing::warn!(error = %e, "tunnel accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+            pair = crate::server::accept(&listener, "tunnel") => pair,
             _ = stop.cancelled() => return,
         };
         let _ = stream.set_nodelay(true);
@@ -612,14 +605,7 @@ async fn accept_public(
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     loop {
         let (stream, peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(pair) => pair,
-                Err(e) => {
-                    tracing::warn!(error = %e, "public accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+            pair = crate::server::accept(&listener, "public") => pair,
             _ = stop.cancelled() => break,
         };
         let _ = stream.set_nodelay(true);
@@ -661,15 +647,7 @@ fn error(status: StatusCode, message: &str, runtime: Option<&str>) -> Response<B
         "status": status.as_u16(),
         "runtime": runtime,
     });
-    let mut resp = Response::new(Body::full(body.to_string()));
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    resp.headers_mut()
-        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    resp
+    crate::pipeline::json_response(status, &body)
 }
 
 /// Forwards one public request through its runtime's tunnel.
