@@ -83,6 +83,16 @@ impl TunnelServer {
         public: SocketAddr,
         tunnel: SocketAddr,
     ) -> TunnelServer {
+        Self::start_in_with(dir, public, tunnel, &[]).await
+    }
+
+    /// [`TunnelServer::start_in`] with `extra` arguments.
+    async fn start_in_with(
+        dir: tempfile::TempDir,
+        public: SocketAddr,
+        tunnel: SocketAddr,
+        extra: &[&str],
+    ) -> TunnelServer {
         let mut args: Vec<String> = [
             "tunnel-server",
             "--public",
@@ -97,6 +107,7 @@ impl TunnelServer {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        args.extend(extra.iter().map(|a| a.to_string()));
         let tls = dir.path().join("cert.pem").exists();
         if tls {
             for (flag, file) in [("--cert", "cert.pem"), ("--key", "key.pem")] {
@@ -985,4 +996,42 @@ routes: [{ name: readyz, match: { path: /readyz }, health: ready }]
     client.wait_for_log("tunnel connected").await;
     assert_eq!(client::get(&client.url("/readyz")).await.status, 200);
     assert_eq!(client::get(&client.admin_url("/readyz")).await.status, 200);
+}
+
+#[tokio::test]
+async fn public_connections_beyond_the_cap_wait_for_a_free_slot() {
+    let echo = upstream::echo("capped").await;
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let server =
+        TunnelServer::start_in_with(tokens_dir(), any, any, &["--max-connections", "1"]).await;
+    let url = echo.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    // The first public connection holds the only slot (keep-alive, idle).
+    let mut first = tokio::net::TcpStream::connect(server.public).await.unwrap();
+    first
+        .write_all(format!("GET / HTTP/1.1\r\nHost: rt-a.{DOMAIN}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let n = first.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+
+    let req = server
+        .request("rt-a", "GET", "/second")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let mut second = tokio::spawn(async move { client::send(&client::http1(), req).await });
+    let waited = tokio::time::timeout(Duration::from_millis(300), &mut second).await;
+    assert!(
+        waited.is_err(),
+        "second connection was served while the first held the only slot"
+    );
+    drop(first);
+    let answer = tokio::time::timeout(Duration::from_secs(10), second)
+        .await
+        .expect("served after the slot was freed")
+        .unwrap();
+    assert_eq!(answer.status, 200);
 }

@@ -84,6 +84,9 @@ enum Command {
         /// Worker threads (each with its own event loop); default: one per CPU.
         #[arg(long, env = "PORTCULLIS_WORKERS")]
         workers: Option<usize>,
+        /// Public connections served at once; more wait in the accept queue.
+        #[arg(long, env = "PORTCULLIS_MAX_CONNECTIONS", default_value_t = 16384)]
+        max_connections: usize,
     },
     /// The cluster side of a tunnel: dials out to the tunnel server and
     /// serves what comes through with the routing core.
@@ -190,6 +193,7 @@ fn main() -> ExitCode {
             key,
             admin,
             workers,
+            max_connections,
         } => {
             portcullis::telemetry::init();
             let options = portcullis::tunnel::server::ServerOptions {
@@ -200,6 +204,7 @@ fn main() -> ExitCode {
                 tls: cert.zip(key),
                 admin: admin.0,
                 workers: workers.unwrap_or_else(portcullis::server::default_workers),
+                max_connections,
             };
             // The control plane (signals, tunnel accepts, admin); workers
             // run their own event loops.

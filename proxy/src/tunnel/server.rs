@@ -44,6 +44,9 @@ pub struct ServerOptions {
     pub admin: Option<SocketAddr>,
     /// Worker threads, each with its own event loop.
     pub workers: usize,
+    /// Public connections served at once (all workers together); more
+    /// wait in the kernel's accept queue.
+    pub max_connections: usize,
 }
 
 /// One tunnel connection from a client.
@@ -223,6 +226,8 @@ pub struct TunnelServer {
 
 struct Shared {
     registry: Registry,
+    /// The public listener's connection cap.
+    public_slots: Arc<tokio::sync::Semaphore>,
     tokens: Tokens,
     /// `.domain`, lower case.
     suffix: String,
@@ -272,6 +277,7 @@ impl TunnelServer {
             tls,
             shared: Arc::new(Shared {
                 registry: Registry::default(),
+                public_slots: Arc::new(tokio::sync::Semaphore::new(options.max_connections.max(1))),
                 tokens,
                 suffix: format!(".{domain}"),
                 public_tls: false,
@@ -608,6 +614,12 @@ async fn accept_public(
             pair = crate::server::accept(&listener, "public") => pair,
             _ = stop.cancelled() => break,
         };
+        // As in the routing core: a slot is taken after accepting, so a
+        // worker waiting for one never starves the others.
+        let permit = tokio::select! {
+            p = shared.public_slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            _ = stop.cancelled() => break,
+        };
         let _ = stream.set_nodelay(true);
         let shared = shared.clone();
         let service = service_fn(move |req| {
@@ -621,6 +633,7 @@ async fn accept_public(
         );
         tracker.spawn(async move {
             let _ = served.await;
+            drop(permit);
         });
     }
     graceful.shutdown().await;
