@@ -245,6 +245,11 @@ routes:
 
     // The routing core's own answers come back as they are.
     assert_eq!(server.get("rt-a", "/nowhere").await.status, 404);
+    // The server writes an access line per public request.
+    let mut server = server;
+    let line = server.process.wait_for_log("\"path\":\"/nowhere\"").await;
+    assert!(line.contains("\"status\":404"), "{line}");
+    assert!(line.contains(&format!("rt-a.{DOMAIN}")), "{line}");
     server.wait_connections("rt-a", 2).await;
 }
 

@@ -25,7 +25,9 @@ use tokio_util::task::TaskTracker;
 
 use super::tokens::{Refusal, Tokens, valid_runtime_id};
 use super::{Hello, Refused};
-use crate::body::Body;
+use crate::body::{Body, ResponseBody};
+use crate::forward::Held;
+use crate::telemetry::AccessLog;
 
 /// How the tunnel server runs.
 #[derive(Debug, Clone)]
@@ -622,9 +624,23 @@ async fn accept_public(
         };
         let _ = stream.set_nodelay(true);
         let shared = shared.clone();
-        let service = service_fn(move |req| {
+        let service = service_fn(move |req: Request<Incoming>| {
             let shared = shared.clone();
-            async move { Ok::<_, Infallible>(forward(req, peer, worker, &shared).await) }
+            // One access line per public request, written when its
+            // response body ends (as the routing core does); `upstream`
+            // is the runtime's host.
+            let mut log = AccessLog::start(req.method(), req.uri().path_and_query(), peer);
+            if let Some(log) = log.as_mut() {
+                log.upstream = host_of(&req).map(Into::into);
+            }
+            async move {
+                let resp = forward(req, peer, worker, &shared).await;
+                let log = log.map(|mut log| {
+                    log.status = resp.status().as_u16();
+                    log
+                });
+                Ok::<_, Infallible>(resp.map(|body| ResponseBody::new(body, log, Held::default())))
+            }
         });
         let served = graceful.watch(
             builder
