@@ -167,6 +167,18 @@ impl TunnelServer {
         .await
     }
 
+    /// A one-connection `rt-a` client fronting `upstream`, dialling through
+    /// `relay`.
+    async fn relayed_client(&self, relay: &Relay, upstream: &str) -> ProxyProcess {
+        self.client_via(
+            &format!("ws://{}", relay.addr),
+            "rt-a",
+            TOKENS[0].1,
+            &["--upstream", upstream, "--connections", "1"],
+        )
+        .await
+    }
+
     /// A request to the public listener for `runtime`.
     fn request(&self, runtime: &str, method: &str, path: &str) -> http::request::Builder {
         Request::builder()
@@ -650,14 +662,7 @@ async fn a_cut_tunnel_fails_in_flight_requests_promptly_and_the_client_reconnect
     let server = TunnelServer::start().await;
     let relay = Relay::start(server.tunnel).await;
     let url = up.url();
-    let mut client = server
-        .client_via(
-            &format!("ws://{}", relay.addr),
-            "rt-a",
-            TOKENS[0].1,
-            &["--upstream", &url, "--connections", "1"],
-        )
-        .await;
+    let mut client = server.relayed_client(&relay, &url).await;
     let req = server
         .request("rt-a", "GET", "/slow")
         .body(body(Bytes::new()))
@@ -862,15 +867,7 @@ async fn websocket_echo_through_the_tunnel() {
     request
         .headers_mut()
         .insert("host", format!("rt-a.{DOMAIN}").parse().unwrap());
-    let (conn, resp) = tokio::time::timeout(
-        Duration::from_secs(10),
-        tokio_tungstenite::connect_async(request),
-    )
-    .await
-    .expect("handshake in time")
-    .expect("handshake");
-    assert_eq!(resp.status(), 101);
-    crate::support::client::websocket_echo_exchange(conn).await;
+    crate::support::client::websocket_echo(request).await;
 }
 
 #[tokio::test]
@@ -879,14 +876,7 @@ async fn a_client_dialling_again_replaces_its_half_open_tunnel_at_once() {
     let mut server = TunnelServer::start().await;
     let relay = Relay::start(server.tunnel).await;
     let url = echo.url();
-    let mut client = server
-        .client_via(
-            &format!("ws://{}", relay.addr),
-            "rt-a",
-            TOKENS[0].1,
-            &["--upstream", &url, "--connections", "1"],
-        )
-        .await;
+    let mut client = server.relayed_client(&relay, &url).await;
     server.wait_connections("rt-a", 1).await;
     // The server's side of the old tunnel stays open: by itself it would
     // notice only after the ping timeout (20 s).

@@ -90,6 +90,23 @@ pub async fn get(url: &str) -> Answer {
     send(&http1(), req).await
 }
 
+/// Opens a WebSocket to an echo server through `request` (10 s at most for
+/// the handshake, which must answer 101) and checks the exchange.
+pub async fn websocket_echo<R>(request: R)
+where
+    R: tokio_tungstenite::tungstenite::client::IntoClientRequest + Unpin,
+{
+    let (conn, resp) = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio_tungstenite::connect_async(request),
+    )
+    .await
+    .expect("handshake in time")
+    .expect("handshake");
+    assert_eq!(resp.status(), 101);
+    websocket_echo_exchange(conn).await;
+}
+
 /// Checks a WebSocket connection to an echo server: 20 text messages and a
 /// 1 MiB binary one come back unchanged; then closes it.
 pub async fn websocket_echo_exchange<S>(mut conn: tokio_tungstenite::WebSocketStream<S>)
