@@ -348,6 +348,36 @@ routes:
     assert!(served > 0);
 }
 
+#[tokio::test]
+async fn a_panicking_plugins_message_is_in_the_log_with_its_name() {
+    let good = upstream::echo("good").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: good, endpoints: ["{}"] }}]
+plugins: [{{ name: crashy, path: fixture-trap.wasm }}]
+routes:
+  - {{ name: trap, match: {{ path: /trap }}, upstream: good, plugins: [{{ use: crashy, timeout: 2s }}] }}
+  - {{ name: good, match: {{ path: /good }}, upstream: good }}
+"#,
+            good.url()
+        ),
+        &["fixture-trap"],
+    );
+    let mut proxy = crate::support::process::ProxyProcess::start_on(dir.path(), &[]).await;
+    let a = client::get(&proxy.url("/trap")).await;
+    assert_eq!(a.status, 500);
+    // The standard library prints the panic to stderr before trapping; the
+    // host logs it, tagged with the plugin and the stream.
+    let line = proxy.wait_for_log("this plugin always fails").await;
+    assert!(line.contains("crashy") && line.contains("stderr"), "{line}");
+    // The failure itself names what the trap was, not only that one happened.
+    let failed = proxy.wait_for_log("plugin failed; request refused").await;
+    assert!(failed.contains("unreachable"), "{failed}");
+    assert_eq!(client::get(&proxy.url("/good")).await.status, 200);
+}
+
 #[test]
 fn check_reports_plugin_problems_with_route_and_place() {
     use std::process::Command;

@@ -103,10 +103,7 @@ pub async fn on_request(
     for binding in chain.iter().filter(|b| b.hooks.contains(Hooks::REQUEST)) {
         let mut read_once = false;
         loop {
-            match binding
-                .on_request(&head, headers, &info, buffered.as_deref())
-                .await
-            {
+            match binding.on_request(&head, headers, &info, buffered.as_deref()) {
                 Ok(Decision::Forward(f)) => {
                     // Later plugins read the request as edited.
                     plugin::apply_edits(headers, &f.headers, &binding.plugin);
@@ -238,12 +235,12 @@ fn fail(binding: &Binding, route: &Route, e: &PluginError) -> Option<Response<Bo
 }
 
 /// Runs the response hooks, last plugin first, on an upstream response
-/// head. `Err` is the answer to send instead when a plugin fails closed.
-pub async fn on_response(
+/// head. `Some` is the answer to send instead when a plugin fails closed.
+pub fn on_response(
     ctx: &mut PluginContext,
     route: &Route,
     resp: &mut http::response::Parts,
-) -> Result<(), Response<Body>> {
+) -> Option<Response<Body>> {
     let chain = ctx.chain.clone();
     for binding in chain
         .iter()
@@ -253,23 +250,20 @@ pub async fn on_response(
         let head = ResponseHead {
             status: resp.status.as_u16(),
         };
-        match binding
-            .on_response(
-                &ctx.head,
-                &mut ctx.request_headers,
-                &ctx.info,
-                head,
-                &mut resp.headers,
-            )
-            .await
-        {
+        match binding.on_response(
+            &ctx.head,
+            &mut ctx.request_headers,
+            &ctx.info,
+            head,
+            &mut resp.headers,
+        ) {
             Ok(edits) => plugin::apply_edits(&mut resp.headers, &edits, &binding.plugin),
             Err(e) => {
                 if let Some(answer) = fail(binding, route, &e) {
-                    return Err(answer);
+                    return Some(answer);
                 }
             }
         }
     }
-    Ok(())
+    None
 }

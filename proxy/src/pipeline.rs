@@ -341,9 +341,9 @@ impl Pipeline {
         let mut plugins = None;
         let chain = &self.chains.routes[found.route];
         if !chain.is_empty() && !matches!(route.action, Action::Health(_)) {
-            // Boxed: the plugin calls' futures are large, and inline they
-            // would make every request's future (plugins or not) larger,
-            // copied on every move.
+            // Boxed: the chain's future (which may read a body for a
+            // plugin) would otherwise make every request's future, plugins
+            // or not, larger, and it is copied on every move.
             match Box::pin(chain::on_request(
                 chain,
                 &parts.method,
@@ -471,8 +471,7 @@ impl Pipeline {
                         let (mut parts, body) = resp.into_parts();
                         forward::remove_hop_by_hop(&mut parts.headers, false);
                         if let Some(ctx) = plugins.as_mut()
-                            && let Err(answer) =
-                                Box::pin(chain::on_response(ctx, route, &mut parts)).await
+                            && let Some(answer) = chain::on_response(ctx, route, &mut parts)
                         {
                             return (answer, forward::Held::default());
                         }

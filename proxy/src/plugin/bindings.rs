@@ -3,10 +3,6 @@
 wasmtime::component::bindgen!({
     path: "../wit",
     world: "policy",
-    // Exports are called with `call_async`: WASI's host side (linked for
-    // plugins whose toolchain imports it) is async, and an async call never
-    // blocks the worker's runtime.
-    exports: { default: async },
 });
 
 pub use self::portcullis::policy::host::Level;

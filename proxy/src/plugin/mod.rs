@@ -13,6 +13,8 @@
 
 mod bindings;
 mod state;
+mod stdio;
+mod wasi;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -144,20 +146,19 @@ impl PluginHost {
             .total_core_instances(POOL_SLOTS * 4)
             .total_memories(POOL_SLOTS)
             .total_tables(POOL_SLOTS * 4)
-            .total_stacks(POOL_SLOTS)
             .max_memory_size(crate::config::MAX_PLUGIN_MEMORY)
-            // Keep the hot part of reused fiber stacks, memories and tables
-            // mapped: by default each is decommitted when returned to the
-            // pool, and every call then pays page faults to touch it again.
-            .async_stack_keep_resident(256 << 10)
+            // Keep the hot part of reused memories and tables mapped: by
+            // default each is decommitted when returned to the pool, and a
+            // new instance then pays page faults to touch it again.
             .linear_memory_keep_resident(1 << 20)
             .table_keep_resident(64 << 10);
         let mut config = wasmtime::Config::new();
         config
             .epoch_interruption(true)
-            // Plugins are small policies, not programs with deep recursion;
-            // smaller stacks keep the pool's footprint down.
-            .async_stack_size(1 << 20)
+            // Plugins are small policies, not programs with deep recursion.
+            // Calls are synchronous and run on the worker's own stack: no
+            // fiber to switch to per call, and the epoch deadline bounds
+            // how long one can hold the thread.
             .max_wasm_stack(512 << 10)
             .wasm_component_model(true)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
@@ -168,7 +169,7 @@ impl PluginHost {
             .memory_guard_size(64 << 10);
         let engine = Engine::new(&config)?;
         let mut linker = Linker::new(&engine);
-        wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        wasi::add_to_linker(&mut linker)?;
         Policy::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?;
         let ticker = engine.weak();
         std::thread::Builder::new()
@@ -269,11 +270,13 @@ impl Binding {
         }
         PluginError::Trap {
             plugin,
-            message: format!("{e:#}").lines().next().unwrap_or("trap").to_owned(),
+            // The root cause says what happened ("wasm `unreachable`
+            // instruction executed"); the outer layers only that a call failed.
+            message: e.root_cause().to_string(),
         }
     }
 
-    async fn instantiate(&self) -> Result<Instance, PluginError> {
+    fn instantiate(&self) -> Result<Instance, PluginError> {
         let setup = |message: String| PluginError::Setup {
             plugin: self.plugin.clone(),
             message,
@@ -283,22 +286,21 @@ impl Binding {
         store.set_epoch_deadline(self.deadline_ticks());
         let policy = self
             .pre
-            .instantiate_async(&mut store)
-            .await
+            .instantiate(&mut store)
             .map_err(|e| setup(format!("{e:#}")))?;
         store.set_epoch_deadline(self.deadline_ticks());
-        match policy.call_configure(&mut store, &self.config_json).await {
+        match policy.call_configure(&mut store, &self.config_json) {
             Ok(Ok(())) => Ok(Instance { store, policy }),
             Ok(Err(message)) => Err(setup(format!("config refused: {message}"))),
             Err(e) => Err(self.classify(e, &store)),
         }
     }
 
-    async fn checkout(&self) -> Result<Instance, PluginError> {
+    fn checkout(&self) -> Result<Instance, PluginError> {
         let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
         match idle {
             Some(i) => Ok(i),
-            None => self.instantiate().await,
+            None => self.instantiate(),
         }
     }
 
@@ -315,20 +317,19 @@ impl Binding {
     /// Calls `on-request`; the plugin reads `headers` through host calls
     /// (they are lent to the instance for the call, not copied). A failed
     /// instance is dropped, not reused.
-    pub async fn on_request(
+    pub fn on_request(
         &self,
         req: &RequestHead,
         headers: &mut http::HeaderMap,
         route: &RouteInfo,
         body: Option<&[u8]>,
     ) -> Result<Decision, PluginError> {
-        let mut inst = self.checkout().await?;
+        let mut inst = self.checkout()?;
         inst.store.set_epoch_deadline(self.deadline_ticks());
         inst.store.data_mut().request_headers = std::mem::take(headers);
         let result = inst
             .policy
-            .call_on_request(&mut inst.store, req, route, body)
-            .await;
+            .call_on_request(&mut inst.store, req, route, body);
         *headers = std::mem::take(&mut inst.store.data_mut().request_headers);
         match result {
             Ok(d) => {
@@ -341,7 +342,7 @@ impl Binding {
 
     /// Calls `on-response`, lending the request's and the response's
     /// headers to the instance for the call.
-    pub async fn on_response(
+    pub fn on_response(
         &self,
         req: &RequestHead,
         req_headers: &mut http::HeaderMap,
@@ -349,14 +350,13 @@ impl Binding {
         resp: ResponseHead,
         resp_headers: &mut http::HeaderMap,
     ) -> Result<HeaderEdits, PluginError> {
-        let mut inst = self.checkout().await?;
+        let mut inst = self.checkout()?;
         inst.store.set_epoch_deadline(self.deadline_ticks());
         inst.store.data_mut().request_headers = std::mem::take(req_headers);
         inst.store.data_mut().response_headers = std::mem::take(resp_headers);
         let result = inst
             .policy
-            .call_on_response(&mut inst.store, req, route, resp)
-            .await;
+            .call_on_response(&mut inst.store, req, route, resp);
         *req_headers = std::mem::take(&mut inst.store.data_mut().request_headers);
         *resp_headers = std::mem::take(&mut inst.store.data_mut().response_headers);
         match result {
@@ -404,6 +404,8 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
             .iter()
             .map(|m| {
                 host.compile(m).and_then(|c| {
+                    // A plugin importing more than the plugin WASI set
+                    // (files, sockets) is refused here, naming the import.
                     host.linker
                         .instantiate_pre(&c)
                         .map_err(|e| format!("{} cannot be linked: {e:#}", m.path.display()))
@@ -469,7 +471,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
             // Instantiating runs the plugin's start-up and `configure`,
             // which validates the config; a plugin that cannot start is
             // refused here rather than on the first request.
-            let mut inst = match binding.instantiate().await {
+            let mut inst = match binding.instantiate() {
                 Ok(i) => i,
                 Err(PluginError::Setup { message, .. }) => return Err(at(message)),
                 Err(e) => return Err(at(e.to_string())),
@@ -478,14 +480,13 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
             match inst
                 .policy
                 .call_validate_config(&mut inst.store, &u.config_json)
-                .await
             {
                 Ok(Ok(())) => {}
                 Ok(Err(m)) => return Err(at(format!("invalid config: {m}"))),
                 Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
             }
             inst.store.set_epoch_deadline(binding.deadline_ticks());
-            binding.hooks = match inst.policy.call_hooks(&mut inst.store).await {
+            binding.hooks = match inst.policy.call_hooks(&mut inst.store) {
                 Ok(h) => h,
                 Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
             };

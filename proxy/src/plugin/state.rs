@@ -7,12 +7,14 @@ use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use super::bindings::{Level, portcullis::policy::host};
+use super::stdio::PluginOutput;
 
 /// The per-instance store data.
 pub struct State {
     /// The plugin's name, for its log lines and counters.
     pub plugin: Arc<str>,
-    /// An empty WASI context: no files, environment, arguments or network.
+    /// A WASI context with no files, environment, arguments or network;
+    /// stdout and stderr go to the log.
     wasi: WasiCtx,
     table: ResourceTable,
     /// Memory cap for this instance.
@@ -28,8 +30,11 @@ impl State {
     /// State for an instance of `plugin` capped at `memory` bytes.
     pub fn new(plugin: Arc<str>, memory: usize) -> State {
         State {
+            wasi: WasiCtx::builder()
+                .stdout(PluginOutput::stdout(plugin.clone()))
+                .stderr(PluginOutput::stderr(plugin.clone()))
+                .build(),
             plugin,
-            wasi: WasiCtx::builder().build(),
             table: ResourceTable::new(),
             limits: MemoryCap {
                 max: memory,
