@@ -10,14 +10,18 @@
 #   /key     the SDK example (require-header): a header-only API-key check
 #   /auth    jwt-auth (HS256), instances reused (the default)
 #   /fresh   jwt-auth, a new instance per request (instances: per-request)
-# Throughput: wrk -c$CONNECTIONS, median of ROUNDS. Added latency per call:
-# p50 with one connection (-c1), minus the plain route's.
+# Throughput: wrk -c$CONNECTIONS, routes interleaved, median of ROUNDS, with
+# the proxy's own CPU time per request (user+system, from /proc) beside it:
+# on a small shared machine requests/s swings by 10% between runs, CPU per
+# request much less. Added latency per call: p50 with one connection (-c1),
+# minus the plain route's. Last, examples/plugin_call.rs times the plugin
+# call alone (the same instance called back to back on one thread).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DURATION=${DURATION:-10}
 CONNECTIONS=${CONNECTIONS:-64}
-ROUNDS=${ROUNDS:-3}
+ROUNDS=${ROUNDS:-5}
 WORKERS=${WORKERS:-$(nproc)}
 plugins/build.sh >/dev/null
 # shellcheck source=bench/common.sh
@@ -38,6 +42,9 @@ routes:
   - { name: fresh, match: { path: /fresh }, upstream: app, plugins: [{ use: jwt, instances: per-request, config: { hs256_secret: bench-secret } }] }
 YAML
 RUST_LOG=warn "$BIN" serve --workers "$WORKERS" --policies "$WORK/policies" & PIDS+=($!)
+PC_PID=$!
+# The proxy's CPU time so far, in clock ticks.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$PC_PID/stat"; }
 
 # An HS256 token for the bench secret, valid for an hour.
 TOKEN=$(python3 - <<'PY'
@@ -55,24 +62,47 @@ curl -fsS -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT/auth" >/d
 run_wrk() { # path threads connections -> "rps p50_us p99_us"
   wrk -t"$2" -c"$3" -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$1" | wrk_figures
 }
+TICK_US=$((1000000 / $(getconf CLK_TCK)))
+run_wrk_cpu() { # path -> "rps p50_us p99_us cpu_us_per_request"
+  local before after figures
+  before=$(cpu_ticks)
+  figures=$(run_wrk "$1" 2 "$CONNECTIONS")
+  after=$(cpu_ticks)
+  awk -v f="$figures" -v t=$((after - before)) -v us="$TICK_US" -v d="$DURATION" \
+    'BEGIN { split(f, a, " "); printf "%s %.2f\n", f, t * us / (a[1] * d) }'
+}
 for p in /plain /key /auth /fresh; do wrk -t1 -c8 -d2s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$p" >/dev/null; done
 
 for p in plain key auth fresh; do : > "$WORK/$p.c64"; : > "$WORK/$p.c1"; done
 for r in $(seq "$ROUNDS"); do
   for p in plain key auth fresh; do
-    run_wrk "/$p" 2 "$CONNECTIONS" >> "$WORK/$p.c64"
+    run_wrk_cpu "/$p" >> "$WORK/$p.c64"
     run_wrk "/$p" 1 1 >> "$WORK/$p.c1"
   done
   echo "round $r: $(for p in plain key auth fresh; do echo -n "$p [$(tail -1 "$WORK/$p.c64") | c1 $(tail -1 "$WORK/$p.c1")] "; done)"
 done
-read -r BASE _ _ <<<"$(median "$WORK/plain.c64" 1)"
 read -r _ BASE_P50 _ <<<"$(median "$WORK/plain.c1" 2)"
+read -r _ _ _ BASE_CPU <<<"$(median "$WORK/plain.c64" 4)"
+# Each round runs the routes back to back, so a route's requests/s over the
+# plain route's of the same round cancels the machine's drift between rounds.
+paired() { paste -d' ' "$WORK/$1.c64" "$WORK/plain.c64" | awk '{ print $1 / $5 }' | sort -g | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
 echo
 echo "wrk -t2 -c$CONNECTIONS -d${DURATION}s (throughput) and -t1 -c1 (latency), $WORKERS workers, median of $ROUNDS rounds"
-printf "%-8s %12s %10s %14s %16s\n" route "requests/s" "vs plain" "p50 -c1 (us)" "added p50 (us)"
+printf "%-8s %12s %10s %14s %14s %14s %16s\n" route "requests/s" "vs plain" "proxy CPU/req" "added CPU/req" "p50 -c1 (us)" "added p50 (us)"
 for p in plain key auth fresh; do
   read -r RPS _ _ <<<"$(median "$WORK/$p.c64" 1)"
+  read -r _ _ _ CPU <<<"$(median "$WORK/$p.c64" 4)"
   read -r _ P50 _ <<<"$(median "$WORK/$p.c1" 2)"
-  awk -v n="$p" -v r="$RPS" -v b="$BASE" -v l="$P50" -v bl="$BASE_P50" \
-    'BEGIN { printf "%-8s %12d %9.1f%% %14.1f %16.1f\n", n, r, (r/b-1)*100, l, l-bl }'
+  awk -v n="$p" -v r="$RPS" -v q="$(paired "$p")" -v c="$CPU" -v bc="$BASE_CPU" -v l="$P50" -v bl="$BASE_P50" \
+    'BEGIN { printf "%-8s %12d %9.1f%% %11.2f us %11.2f us %14.1f %16.1f\n", n, r, (q-1)*100, c, c-bc, l, l-bl }'
 done
+echo "(vs plain: median over rounds of the route's requests/s over the plain route's in the same round)"
+
+if [ "${CALLS:-1}" != 0 ]; then
+  echo
+  echo "One plugin call alone (examples/plugin_call.rs, 200,000 calls after warm-up):"
+  cargo build --release --locked -p portcullis --example plugin_call >/dev/null 2>&1
+  grep -v fresh "$WORK/policies/bench.yaml" > "$WORK/calls.yaml"
+  mkdir -p "$WORK/calls" && cp "$WORK/calls.yaml" "$WORK/policies/"*.wasm "$WORK/calls/"
+  "$CARGO_TARGET_DIR/release/examples/plugin_call" "$WORK/calls" 200000 "authorization: Bearer $TOKEN"
+fi

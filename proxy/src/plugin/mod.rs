@@ -6,10 +6,12 @@
 //!   components are compiled once per content hash (a reload that keeps a
 //!   module reuses its compiled code) on a blocking thread.
 //! - A [`Binding`] is one plugin attached with one config. It keeps idle
-//!   instances for reuse; an instance that traps is thrown away.
-//! - Every call runs under an epoch deadline (a ticker thread advances the
-//!   epoch each millisecond) and a memory cap, so a plugin that loops or
-//!   hoards fails its own request and nothing else.
+//!   instances for reuse, per thread; an instance that traps is thrown away.
+//! - Calls are synchronous, on the calling worker's stack. Every call runs
+//!   under an epoch deadline (a ticker thread advances the epoch each
+//!   millisecond) and a memory cap, so a plugin that loops or hoards fails
+//!   its own request, holds its worker no longer than the deadline, and
+//!   touches nothing else.
 
 mod bindings;
 mod state;
@@ -38,8 +40,23 @@ const TICK: Duration = Duration::from_millis(1);
 /// Instance slots in the pooling allocator (each plugin instance takes one
 /// while it exists, idle or busy).
 const POOL_SLOTS: u32 = 1000;
-/// Idle instances kept per binding.
-const MAX_IDLE: usize = 64;
+/// Idle instances kept per binding and thread shard. Calls are
+/// synchronous, so a thread uses one instance of a binding at a time.
+const MAX_IDLE: usize = 4;
+/// Shards of a binding's idle instances; each thread takes its own.
+const SHARDS: usize = 16;
+
+/// This thread's shard. A worker then reuses the instance it used last:
+/// its memory and the host's state for it are still in that core's
+/// caches, where an instance handed between workers arrives cold.
+fn shard() -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed) % SHARDS;
+    }
+    SHARD.with(|s| *s)
+}
 
 /// Why a plugin call failed.
 #[derive(Debug, thiserror::Error)]
@@ -234,7 +251,7 @@ pub struct Binding {
     timeout: Duration,
     memory: usize,
     fresh: bool,
-    idle: Mutex<Vec<Instance>>,
+    idle: [Mutex<Vec<Instance>>; SHARDS],
 }
 
 impl std::fmt::Debug for Binding {
@@ -297,7 +314,10 @@ impl Binding {
     }
 
     fn checkout(&self) -> Result<Instance, PluginError> {
-        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let idle = self.idle[shard()]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
         match idle {
             Some(i) => Ok(i),
             None => self.instantiate(),
@@ -308,7 +328,7 @@ impl Binding {
         if self.fresh {
             return;
         }
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let mut idle = self.idle[shard()].lock().unwrap_or_else(|p| p.into_inner());
         if idle.len() < MAX_IDLE {
             idle.push(instance);
         }
@@ -462,7 +482,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                 timeout: u.timeout,
                 memory: u.memory,
                 fresh: u.fresh_instances,
-                idle: Mutex::new(Vec::new()),
+                idle: std::array::from_fn(|_| Mutex::new(Vec::new())),
             };
             let at = |message: String| ConfigError {
                 pos: u.defined_at.clone(),
