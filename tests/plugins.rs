@@ -277,6 +277,7 @@ plugins:
   - {{ name: loop, path: fixture-loop-forever.wasm }}
   - {{ name: trap, path: fixture-trap.wasm }}
   - {{ name: hog, path: fixture-grow-memory.wasm }}
+  - {{ name: sleep, path: fixture-sleep.wasm }}
 routes:
   - {{ name: good, match: {{ path: /good }}, upstream: good }}
   - {{ name: loop, match: {{ path: /loop }}, upstream: good, plugins: [{{ use: loop }}] }}
@@ -285,6 +286,8 @@ routes:
   - {{ name: trap, match: {{ path: /trap }}, upstream: good, plugins: [{{ use: trap, timeout: 2s }}] }}
   - {{ name: hog, match: {{ path: /hog }}, upstream: good, plugins: [{{ use: hog, memory: 8MiB, timeout: 2s }}] }}
   - {{ name: open, match: {{ path: /open }}, upstream: good, plugins: [{{ use: loop, fail: open }}] }}
+  # Sleeps 5 s: a plugin may not block its worker, so the call traps at once.
+  - {{ name: sleep, match: {{ path: /sleep }}, upstream: good, plugins: [{{ use: sleep, timeout: 2s }}] }}
 "#,
             good.url()
         ),
@@ -292,6 +295,7 @@ routes:
             "fixture-loop-forever",
             "fixture-trap",
             "fixture-grow-memory",
+            "fixture-sleep",
         ],
     );
     let proxy = Arc::new(Proxy::start_dir(dir, &[]).await);
@@ -323,6 +327,7 @@ routes:
             ("/loop", 503, "plugin timed out"),
             ("/trap", 500, "plugin failed"),
             ("/hog", 500, "plugin ran out of memory"),
+            ("/sleep", 500, "plugin failed"),
         ] {
             let started = Instant::now();
             let a = client::get(&proxy.url(path)).await;
@@ -336,7 +341,11 @@ routes:
             assert_eq!(a.json()["error"], error, "{path}");
             // Deadlines are 10 ms (loop) and 2 s; the margin covers a
             // debug build. Without the deadline the loop never returns.
-            let limit = Duration::from_secs(if path == "/loop" { 1 } else { 3 });
+            let limit = Duration::from_secs(if path == "/loop" || path == "/sleep" {
+                1
+            } else {
+                3
+            });
             assert!(took < limit, "{path} took {took:?}");
         }
     }
@@ -349,21 +358,22 @@ routes:
 }
 
 #[tokio::test]
-async fn a_panicking_plugins_message_is_in_the_log_with_its_name() {
+async fn a_panicking_or_blocking_plugin_is_logged_with_its_name_and_cause() {
     let good = upstream::echo("good").await;
     let dir = policy_dir(
         &format!(
             r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
 upstreams: [{{ name: good, endpoints: ["{}"] }}]
-plugins: [{{ name: crashy, path: fixture-trap.wasm }}]
+plugins: [{{ name: crashy, path: fixture-trap.wasm }}, {{ name: sleepy, path: fixture-sleep.wasm }}]
 routes:
   - {{ name: trap, match: {{ path: /trap }}, upstream: good, plugins: [{{ use: crashy, timeout: 2s }}] }}
+  - {{ name: sleep, match: {{ path: /sleep }}, upstream: good, plugins: [{{ use: sleepy, timeout: 2s }}] }}
   - {{ name: good, match: {{ path: /good }}, upstream: good }}
 "#,
             good.url()
         ),
-        &["fixture-trap"],
+        &["fixture-trap", "fixture-sleep"],
     );
     let mut proxy = crate::support::process::ProxyProcess::start_on(dir.path(), &[]).await;
     let a = client::get(&proxy.url("/trap")).await;
@@ -375,6 +385,14 @@ routes:
     // The failure itself names what the trap was, not only that one happened.
     let failed = proxy.wait_for_log("plugin failed; request refused").await;
     assert!(failed.contains("unreachable"), "{failed}");
+    // A plugin that tries to wait (here: sleep) is stopped at once, and the
+    // log says which call would have blocked.
+    assert_eq!(client::get(&proxy.url("/sleep")).await.status, 500);
+    let blocked = proxy.wait_for_log("plugins may not block").await;
+    assert!(
+        blocked.contains("sleepy") && blocked.contains("pollable"),
+        "{blocked}"
+    );
     assert_eq!(client::get(&proxy.url("/good")).await.status, 200);
 }
 
