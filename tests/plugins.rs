@@ -397,6 +397,34 @@ routes:
 }
 
 #[test]
+fn a_plugin_that_imports_the_filesystem_is_refused_naming_the_import() {
+    use std::process::Command;
+    let dir = policy_dir(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+upstreams: [{ name: u, endpoints: ["http://127.0.0.1:1"] }]
+plugins: [{ name: snoop, path: fixture-read-file.wasm }]
+routes:
+  - { name: r, match: { path: /r }, upstream: u, plugins: [{ use: snoop }] }
+"#,
+        &["fixture-read-file"],
+    );
+    let out = Command::new(crate::support::binary())
+        .arg("check")
+        .arg("--policies")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("fixture-read-file.wasm cannot be linked")
+            && stderr.contains("wasi:filesystem/"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn check_reports_plugin_problems_with_route_and_place() {
     use std::process::Command;
     let dir = policy_dir(

@@ -9,9 +9,8 @@
 //! already runs one. Nothing a plugin can reach ever needs to wait (stdout
 //! and stderr go to the log, stdin is empty), so here those functions run
 //! their operation once: done if it is ready, a trap if it would have had
-//! to wait. Imports outside this set (files, sockets) link as functions
-//! that trap: a plugin built with them loads, and fails only if it calls
-//! one.
+//! to wait. A plugin importing more than this set (files, sockets) does
+//! not link: `check` and a reload refuse it, naming the import.
 
 use futures_util::FutureExt;
 use wasmtime::component::{Linker, Resource, ResourceTable};
