@@ -510,7 +510,9 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                 Ok(h) => h,
                 Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
             };
-            binding.checkin(inst);
+            // Not kept: idle instances are per thread, and this is not a
+            // worker's; kept, it would hold a pool slot for nothing.
+            drop(inst);
             Ok(Some(Arc::new(binding)))
         }
     };
