@@ -164,10 +164,13 @@ impl PluginHost {
             .total_memories(POOL_SLOTS)
             .total_tables(POOL_SLOTS * 4)
             .max_memory_size(crate::config::MAX_PLUGIN_MEMORY)
-            // Keep the hot part of reused memories and tables mapped: by
-            // default each is decommitted when returned to the pool, and a
-            // new instance then pays page faults to touch it again.
-            .linear_memory_keep_resident(1 << 20)
+            // Keep the start of reused memories and tables mapped (zeroed
+            // by memset on release) rather than decommitted, saving the next
+            // instance page faults there. Only 64 KiB: a Rust guest's first
+            // MiB is mostly its unused shadow stack, and zeroing all of it
+            // on every release cost more than the faults it saved (a new
+            // instance per request: 7.9k -> 10.4k req/s with jwt-auth).
+            .linear_memory_keep_resident(64 << 10)
             .table_keep_resident(64 << 10);
         let mut config = wasmtime::Config::new();
         config
