@@ -22,21 +22,23 @@ use crate::plugin::{
 };
 
 /// What the request hooks decided.
-pub enum RequestOutcome {
+pub enum RequestOutcome<'a> {
     /// Go on to the upstream.
-    Forward(Box<PluginContext>),
+    Forward(Box<PluginContext<'a>>),
     /// Answer now with this.
     Answer(Response<Body>),
 }
 
 /// What the response hooks need, kept from the request hooks.
-pub struct PluginContext {
+pub struct PluginContext<'a> {
     head: RequestHead,
     /// The request headers as forwarded, kept only when a response hook
     /// will want them.
     request_headers: http::HeaderMap,
     info: RouteInfo,
-    chain: Arc<[Arc<Binding>]>,
+    /// Borrowed from the pipeline, which outlives the request: no
+    /// reference count shared by the workers to bump per request.
+    chain: &'a [Arc<Binding>],
     /// Another upstream (index), if a plugin chose one.
     pub upstream: Option<usize>,
     /// The path to send, if a plugin set one (it replaces the route's rewrite).
@@ -77,8 +79,8 @@ async fn read_body(body: Body, headers: &http::HeaderMap, max: u32) -> Result<By
 /// Runs the request hooks of `chain`. `body` is replaced by the buffered
 /// bytes when a plugin read it.
 #[allow(clippy::too_many_arguments)]
-pub async fn on_request(
-    chain: &Arc<[Arc<Binding>]>,
+pub async fn on_request<'a>(
+    chain: &'a [Arc<Binding>],
     method: &http::Method,
     uri: &http::Uri,
     headers: &mut http::HeaderMap,
@@ -88,7 +90,7 @@ pub async fn on_request(
     route: &Route,
     conn: &ConnInfo,
     config: &Config,
-) -> RequestOutcome {
+) -> RequestOutcome<'a> {
     let mut head = plugin::request_head(method, uri, headers, path, conn.client.ip(), conn.tls);
     let info = RouteInfo {
         name: route.name.to_string(),
@@ -208,7 +210,7 @@ pub async fn on_request(
         head,
         request_headers,
         info,
-        chain: chain.clone(),
+        chain,
         upstream: ctx_upstream,
         path: ctx_path,
     }))
@@ -237,11 +239,11 @@ fn fail(binding: &Binding, route: &Route, e: &PluginError) -> Option<Response<Bo
 /// Runs the response hooks, last plugin first, on an upstream response
 /// head. `Some` is the answer to send instead when a plugin fails closed.
 pub fn on_response(
-    ctx: &mut PluginContext,
+    ctx: &mut PluginContext<'_>,
     route: &Route,
     resp: &mut http::response::Parts,
 ) -> Option<Response<Body>> {
-    let chain = ctx.chain.clone();
+    let chain = ctx.chain;
     for binding in chain
         .iter()
         .rev()
