@@ -47,7 +47,7 @@ fn main() -> anyhow::Result<()> {
             };
             let uri: http::Uri = format!("/{}", route.name).parse()?;
             let client = "127.0.0.1".parse()?;
-            let info = RouteInfo {
+            let mut info = RouteInfo {
                 name: route.name.to_string(),
                 params: Vec::new(),
             };
@@ -55,7 +55,7 @@ fn main() -> anyhow::Result<()> {
             let mut decision = String::new();
             for i in 0..calls + calls / 10 {
                 let start = Instant::now();
-                let head = plugin::request_head(
+                let mut head = plugin::request_head(
                     &http::Method::GET,
                     &uri,
                     &headers,
@@ -63,7 +63,7 @@ fn main() -> anyhow::Result<()> {
                     client,
                     false,
                 );
-                let d = binding.on_request(&head, &mut headers, &info, None);
+                let d = binding.on_request(&mut head, &mut headers, &mut info, None);
                 let took = start.elapsed();
                 // The first tenth warms caches and instances up.
                 if i >= calls / 10 {

@@ -92,7 +92,7 @@ pub async fn on_request<'a>(
     config: &Config,
 ) -> RequestOutcome<'a> {
     let mut head = plugin::request_head(method, uri, headers, path, conn.client.ip(), conn.tls);
-    let info = RouteInfo {
+    let mut info = RouteInfo {
         name: route.name.to_string(),
         params: params
             .iter()
@@ -105,7 +105,7 @@ pub async fn on_request<'a>(
     for binding in chain.iter().filter(|b| b.hooks.contains(Hooks::REQUEST)) {
         let mut read_once = false;
         loop {
-            match binding.on_request(&head, headers, &info, buffered.as_deref()) {
+            match binding.on_request(&mut head, headers, &mut info, buffered.as_deref()) {
                 Ok(Decision::Forward(f)) => {
                     // Later plugins read the request as edited.
                     plugin::apply_edits(headers, &f.headers, &binding.plugin);
@@ -253,9 +253,9 @@ pub fn on_response(
             status: resp.status.as_u16(),
         };
         match binding.on_response(
-            &ctx.head,
+            &mut ctx.head,
             &mut ctx.request_headers,
-            &ctx.info,
+            &mut ctx.info,
             head,
             &mut resp.headers,
         ) {

@@ -41,10 +41,63 @@ pub mod bindings {
 pub use bindings::Guest;
 use bindings::portcullis;
 pub use bindings::portcullis::policy::host::Level;
+/// The fields of a request head (what [`RequestHead`] derefs to).
+pub use bindings::portcullis::policy::types::RequestHead as RequestFields;
+/// The fields of a route (what [`RouteInfo`] derefs to).
+pub use bindings::portcullis::policy::types::RouteInfo as RouteFields;
 pub use bindings::portcullis::policy::types::{
-    Decision, Forward, Header, HeaderEdits, Hooks, LocalResponse, RequestHead, ResponseHead,
-    RouteInfo,
+    Decision, Forward, Header, HeaderEdits, Hooks, LocalResponse, ResponseHead,
 };
+
+use std::cell::OnceCell;
+use std::ops::Deref;
+
+/// The current request. Its fields (`method`, `path`, `client_addr`...)
+/// read like a struct's, but are fetched from the host the first time one
+/// is used: a plugin that only checks a header never pays for the rest.
+pub struct RequestHead {
+    fields: OnceCell<RequestFields>,
+}
+
+/// The route the current request matched (`name`, `params`), fetched from
+/// the host on first use like [`RequestHead`].
+pub struct RouteInfo {
+    fields: OnceCell<RouteFields>,
+}
+
+impl RequestHead {
+    #[doc(hidden)]
+    pub fn current() -> RequestHead {
+        RequestHead {
+            fields: OnceCell::new(),
+        }
+    }
+}
+
+impl Deref for RequestHead {
+    type Target = RequestFields;
+    fn deref(&self) -> &RequestFields {
+        self.fields
+            .get_or_init(portcullis::policy::host::current_request)
+    }
+}
+
+impl RouteInfo {
+    #[doc(hidden)]
+    pub fn current() -> RouteInfo {
+        RouteInfo {
+            fields: OnceCell::new(),
+        }
+    }
+}
+
+impl Deref for RouteInfo {
+    type Target = RouteFields;
+    fn deref(&self) -> &RouteFields {
+        self.fields
+            .get_or_init(portcullis::policy::host::current_route)
+    }
+}
 
 /// A policy: parse a config once, then decide on requests.
 pub trait Plugin {
@@ -227,31 +280,26 @@ macro_rules! plugin {
                     .map_err(|_| "configure called twice".to_string())
             }
 
-            fn on_request(
-                request: $crate::RequestHead,
-                route: $crate::RouteInfo,
-                body: Option<Vec<u8>>,
-            ) -> $crate::Decision {
+            fn on_request(body: Option<Vec<u8>>) -> $crate::Decision {
                 match __PORTCULLIS_CONFIG.get() {
                     Some(c) => <$plugin as $crate::Plugin>::on_request(
                         c,
-                        &request,
-                        &route,
+                        &$crate::RequestHead::current(),
+                        &$crate::RouteInfo::current(),
                         body.as_deref(),
                     ),
                     None => $crate::respond(500, "plugin called before configure"),
                 }
             }
 
-            fn on_response(
-                request: $crate::RequestHead,
-                route: $crate::RouteInfo,
-                response: $crate::ResponseHead,
-            ) -> $crate::HeaderEdits {
+            fn on_response(response: $crate::ResponseHead) -> $crate::HeaderEdits {
                 match __PORTCULLIS_CONFIG.get() {
-                    Some(c) => {
-                        <$plugin as $crate::Plugin>::on_response(c, &request, &route, &response)
-                    }
+                    Some(c) => <$plugin as $crate::Plugin>::on_response(
+                        c,
+                        &$crate::RequestHead::current(),
+                        &$crate::RouteInfo::current(),
+                        &response,
+                    ),
                     None => $crate::no_edits(),
                 }
             }

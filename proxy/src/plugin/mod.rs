@@ -337,23 +337,27 @@ impl Binding {
         }
     }
 
-    /// Calls `on-request`; the plugin reads `headers` through host calls
-    /// (they are lent to the instance for the call, not copied). A failed
-    /// instance is dropped, not reused.
+    /// Calls `on-request`. The request head, route and headers are lent to
+    /// the instance for the call (moved in and back, not copied); the
+    /// plugin reads through host calls only what it needs, so a
+    /// header-only check pays for one header. A failed instance is dropped,
+    /// not reused.
     pub fn on_request(
         &self,
-        req: &RequestHead,
+        req: &mut RequestHead,
         headers: &mut http::HeaderMap,
-        route: &RouteInfo,
+        route: &mut RouteInfo,
         body: Option<&[u8]>,
     ) -> Result<Decision, PluginError> {
         let mut inst = self.checkout()?;
         inst.store.set_epoch_deadline(self.deadline_ticks());
-        inst.store.data_mut().request_headers = std::mem::take(headers);
-        let result = inst
-            .policy
-            .call_on_request(&mut inst.store, req, route, body);
-        *headers = std::mem::take(&mut inst.store.data_mut().request_headers);
+        let data = inst.store.data_mut();
+        data.request = Some(lend(req, route));
+        data.request_headers = std::mem::take(headers);
+        let result = inst.policy.call_on_request(&mut inst.store, body);
+        let data = inst.store.data_mut();
+        *headers = std::mem::take(&mut data.request_headers);
+        give_back(data.request.take(), req, route);
         match result {
             Ok(d) => {
                 self.checkin(inst);
@@ -363,25 +367,27 @@ impl Binding {
         }
     }
 
-    /// Calls `on-response`, lending the request's and the response's
-    /// headers to the instance for the call.
+    /// Calls `on-response`, lending the request (head, route, headers) and
+    /// the response's headers to the instance for the call.
     pub fn on_response(
         &self,
-        req: &RequestHead,
+        req: &mut RequestHead,
         req_headers: &mut http::HeaderMap,
-        route: &RouteInfo,
+        route: &mut RouteInfo,
         resp: ResponseHead,
         resp_headers: &mut http::HeaderMap,
     ) -> Result<HeaderEdits, PluginError> {
         let mut inst = self.checkout()?;
         inst.store.set_epoch_deadline(self.deadline_ticks());
-        inst.store.data_mut().request_headers = std::mem::take(req_headers);
-        inst.store.data_mut().response_headers = std::mem::take(resp_headers);
-        let result = inst
-            .policy
-            .call_on_response(&mut inst.store, req, route, resp);
-        *req_headers = std::mem::take(&mut inst.store.data_mut().request_headers);
-        *resp_headers = std::mem::take(&mut inst.store.data_mut().response_headers);
+        let data = inst.store.data_mut();
+        data.request = Some(lend(req, route));
+        data.request_headers = std::mem::take(req_headers);
+        data.response_headers = std::mem::take(resp_headers);
+        let result = inst.policy.call_on_response(&mut inst.store, resp);
+        let data = inst.store.data_mut();
+        *req_headers = std::mem::take(&mut data.request_headers);
+        *resp_headers = std::mem::take(&mut data.response_headers);
+        give_back(data.request.take(), req, route);
         match result {
             Ok(edits) => {
                 self.checkin(inst);
@@ -389,6 +395,44 @@ impl Binding {
             }
             Err(e) => Err(self.classify(e, &inst.store)),
         }
+    }
+}
+
+/// A request head with nothing in it (no allocation).
+pub(crate) fn empty_head() -> RequestHead {
+    RequestHead {
+        method: String::new(),
+        scheme: String::new(),
+        authority: String::new(),
+        path: String::new(),
+        query: None,
+        client_addr: String::new(),
+        tls: false,
+        sni: None,
+    }
+}
+
+/// Route info with nothing in it (no allocation).
+pub(crate) fn empty_route() -> RouteInfo {
+    RouteInfo {
+        name: String::new(),
+        params: Vec::new(),
+    }
+}
+
+/// Moves a request's head and route out for a call, leaving empty ones.
+fn lend(req: &mut RequestHead, route: &mut RouteInfo) -> (RequestHead, RouteInfo) {
+    (
+        std::mem::replace(req, empty_head()),
+        std::mem::replace(route, empty_route()),
+    )
+}
+
+/// Puts back what [`lend`] moved out.
+fn give_back(lent: Option<(RequestHead, RouteInfo)>, req: &mut RequestHead, route: &mut RouteInfo) {
+    if let Some((head, info)) = lent {
+        *req = head;
+        *route = info;
     }
 }
 

@@ -8,6 +8,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use super::bindings::{Level, portcullis::policy::host};
 use super::stdio::PluginOutput;
+use super::{RequestHead, RouteInfo};
 
 /// The per-instance store data.
 pub struct State {
@@ -19,8 +20,10 @@ pub struct State {
     table: ResourceTable,
     /// Memory cap for this instance.
     pub limits: MemoryCap,
-    /// The current request's headers, moved in for the length of a call
-    /// (no copy) and handed out only as the plugin asks.
+    /// The current request's head and route, moved in for the length of
+    /// a call (no copy) and handed out only if the plugin asks.
+    pub request: Option<(RequestHead, RouteInfo)>,
+    /// The current request's headers, likewise.
     pub request_headers: http::HeaderMap,
     /// The current response's headers, likewise, during `on-response`.
     pub response_headers: http::HeaderMap,
@@ -40,6 +43,7 @@ impl State {
                 max: memory,
                 hit: false,
             },
+            request: None,
             request_headers: http::HeaderMap::new(),
             response_headers: http::HeaderMap::new(),
         }
@@ -115,6 +119,20 @@ impl host::Host for State {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64)
+    }
+
+    fn current_request(&mut self) -> RequestHead {
+        match &self.request {
+            Some((head, _)) => head.clone(),
+            None => super::empty_head(),
+        }
+    }
+
+    fn current_route(&mut self) -> RouteInfo {
+        match &self.request {
+            Some((_, route)) => route.clone(),
+            None => super::empty_route(),
+        }
     }
 
     fn request_header(&mut self, name: String) -> Option<Vec<u8>> {
