@@ -52,50 +52,49 @@ pub use bindings::portcullis::policy::types::{
 use std::cell::OnceCell;
 use std::ops::Deref;
 
-/// The current request. Its fields (`method`, `path`, `client_addr`...)
-/// read like a struct's, but are fetched from the host the first time one
-/// is used: a plugin that only checks a header never pays for the rest.
-pub struct RequestHead {
-    fields: OnceCell<RequestFields>,
+/// Something of the current call the host hands out on request: fetched
+/// the first time it is used, then kept for the rest of the call.
+pub struct FromHost<T> {
+    fields: OnceCell<T>,
+    fetch: fn() -> T,
 }
 
-/// The route the current request matched (`name`, `params`), fetched from
-/// the host on first use like [`RequestHead`].
-pub struct RouteInfo {
-    fields: OnceCell<RouteFields>,
-}
-
-impl RequestHead {
-    #[doc(hidden)]
-    pub fn current() -> RequestHead {
-        RequestHead {
+impl<T> FromHost<T> {
+    fn new(fetch: fn() -> T) -> FromHost<T> {
+        FromHost {
             fields: OnceCell::new(),
+            fetch,
         }
     }
 }
 
-impl Deref for RequestHead {
-    type Target = RequestFields;
-    fn deref(&self) -> &RequestFields {
-        self.fields
-            .get_or_init(portcullis::policy::host::current_request)
+impl<T> Deref for FromHost<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.fields.get_or_init(self.fetch)
+    }
+}
+
+/// The current request. Its fields (`method`, `path`, `client_addr`...)
+/// read like a struct's, but are fetched from the host the first time one
+/// is used: a plugin that only checks a header never pays for the rest.
+pub type RequestHead = FromHost<RequestFields>;
+
+/// The route the current request matched (`name`, `params`), fetched from
+/// the host on first use like [`RequestHead`].
+pub type RouteInfo = FromHost<RouteFields>;
+
+impl RequestHead {
+    #[doc(hidden)]
+    pub fn current() -> RequestHead {
+        FromHost::new(portcullis::policy::host::current_request)
     }
 }
 
 impl RouteInfo {
     #[doc(hidden)]
     pub fn current() -> RouteInfo {
-        RouteInfo {
-            fields: OnceCell::new(),
-        }
-    }
-}
-
-impl Deref for RouteInfo {
-    type Target = RouteFields;
-    fn deref(&self) -> &RouteFields {
-        self.fields
-            .get_or_init(portcullis::policy::host::current_route)
+        FromHost::new(portcullis::policy::host::current_route)
     }
 }
 
