@@ -13,3 +13,4 @@ mod routing;
 mod streaming;
 mod tls_upstream;
 mod tunnel;
+mod upstream_h1;

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http_body::{Body as _, Frame, SizeHint};
 use hyper::body::Incoming;
 
-use crate::forward::Held;
+use crate::forward::{H1Body, Held};
 use crate::telemetry::AccessLog;
 
 pin_project_lite::pin_project! {
@@ -19,6 +19,8 @@ pin_project_lite::pin_project! {
     pub enum Body {
         /// Streamed from a peer, frame by frame, with backpressure.
         Stream { #[pin] inner: Incoming },
+        /// Read from an upstream HTTP/1.1 connection by the request's task.
+        Upstream { inner: H1Body },
         /// Made by the proxy (error bodies, local answers); `None` once sent.
         Full { data: Option<Bytes> },
     }
@@ -39,6 +41,10 @@ impl Body {
     }
 }
 
+/// A body's error: hyper's, or the upstream reader's (boxed: errors are
+/// rare, and this keeps the type small).
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
 impl From<Incoming> for Body {
     fn from(inner: Incoming) -> Body {
         Body::Stream { inner }
@@ -47,14 +53,15 @@ impl From<Incoming> for Body {
 
 impl http_body::Body for Body {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         match self.project() {
-            BodyProj::Stream { inner } => inner.poll_frame(cx),
+            BodyProj::Stream { inner } => inner.poll_frame(cx).map_err(Into::into),
+            BodyProj::Upstream { inner } => Pin::new(inner).poll_frame(cx).map_err(Into::into),
             BodyProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
         }
     }
@@ -62,6 +69,7 @@ impl http_body::Body for Body {
     fn is_end_stream(&self) -> bool {
         match self {
             Body::Stream { inner } => inner.is_end_stream(),
+            Body::Upstream { inner } => inner.is_end_stream(),
             Body::Full { data } => data.is_none(),
         }
     }
@@ -69,6 +77,7 @@ impl http_body::Body for Body {
     fn size_hint(&self) -> SizeHint {
         match self {
             Body::Stream { inner } => inner.size_hint(),
+            Body::Upstream { inner } => inner.size_hint(),
             Body::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
@@ -102,12 +111,12 @@ impl ResponseBody {
 
 impl http_body::Body for ResponseBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let mut this = self.project();
         let polled = this.inner.as_mut().poll_frame(cx);
         match &polled {

@@ -476,7 +476,7 @@ impl Pipeline {
                             return (answer, forward::Held::default());
                         }
                         parts.version = Version::HTTP_11;
-                        let mut r = Response::from_parts(parts, Body::from(body));
+                        let mut r = Response::from_parts(parts, body);
                         if !route.response_headers.is_empty() {
                             route.response_headers.apply(r.headers_mut());
                         }

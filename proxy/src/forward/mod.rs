@@ -1,6 +1,7 @@
 //! Sending requests to upstreams: pooled keep-alive connections per upstream,
 //! endpoint balancing, timeouts, and retries of requests that never left.
 
+mod h1;
 mod headers;
 mod pool;
 mod tls;
@@ -12,12 +13,12 @@ use std::time::Duration;
 
 use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
-use hyper::body::Incoming;
 
+pub use h1::H1Body;
 pub use headers::{client_ip_header, is_upgrade, remove_hop_by_hop, set_forwarded};
 pub use tls::client_config as client_tls_config;
 
-use pool::{ConnPool, Dest, Lease};
+use pool::{Conn, ConnPool, Dest, Lease};
 
 use crate::body::Body;
 use crate::config::{Balance, Endpoint, Target, Upstream};
@@ -196,7 +197,7 @@ impl UpstreamPool {
         out: Outgoing,
         params: &matchit::Params<'_, '_>,
         timeout: Duration,
-    ) -> Result<(Response<Incoming>, Held), ForwardError> {
+    ) -> Result<(Response<Body>, Held), ForwardError> {
         let rendered;
         let (endpoints, template): (&[Endpoint], bool) = match &self.spec.target {
             Target::Endpoints(e) => (e, false),
@@ -230,6 +231,11 @@ impl UpstreamPool {
         } else {
             1
         };
+        // Bodiless HTTP/1.1 requests are exchanged by this task (`h1`);
+        // bodies and upgrades go through hyper's connection task.
+        let in_task = version == Version::HTTP_11
+            && http_body::Body::is_end_stream(&out.body)
+            && !headers::is_upgrade(&out.headers);
         let Outgoing {
             method,
             path,
@@ -251,25 +257,18 @@ impl UpstreamPool {
                 };
                 let last_attempt = attempt + 1 == attempts;
                 // Keep a copy of the head only while a retry is still possible.
-                let hdrs = if last_attempt {
+                let mut hdrs = if last_attempt {
                     std::mem::take(&mut headers)
                 } else {
                     headers.clone()
                 };
-                let b = if last_attempt {
+                let mut b = if last_attempt {
                     std::mem::replace(&mut body, Body::empty())
                 } else {
                     Body::empty()
                 };
-                let mut req = Request::new(b);
-                *req.method_mut() = method.clone();
-                *req.uri_mut() = Self::uri(ep, &path, version)?;
-                *req.version_mut() = version;
-                *req.headers_mut() = hdrs;
-                if !self.spec.preserve_host && version == Version::HTTP_11 {
-                    req.headers_mut()
-                        .insert(http::header::HOST, ep.host_header.clone());
-                }
+                let host = (!self.spec.preserve_host && version == Version::HTTP_11)
+                    .then_some(&ep.host_header);
                 // Only least-requests reads the counts; other policies skip
                 // the shared atomics on the hot path.
                 let guard = (self.spec.balance == Balance::LeastRequests).then(|| {
@@ -277,9 +276,10 @@ impl UpstreamPool {
                     self.in_flight[slot].fetch_add(1, Ordering::Relaxed);
                     InFlight(self.in_flight.clone(), slot)
                 });
+                let mut req = None;
                 let mut fresh = false;
                 for _ in 0..=STALE_RETRIES {
-                    let (mut conn, reused) = match self.conns.checkout(&dest, fresh).await {
+                    let (conn, reused) = match self.conns.checkout(&dest, fresh, in_task).await {
                         Ok(c) => c,
                         Err(e) => {
                             tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, attempt, error = %e, "connect failed");
@@ -287,10 +287,58 @@ impl UpstreamPool {
                             break;
                         }
                     };
-                    match conn.send(req).await {
+                    let mut conn = match conn {
+                        Conn::InTask(mut conn, slot) => {
+                            let prefix = ep.base_path.as_deref().unwrap_or("");
+                            match conn
+                                .exchange(&method, prefix, path.as_str(), host, &hdrs)
+                                .await
+                            {
+                                Ok((resp, framing)) => {
+                                    let home = h1::keeps_alive(&resp, framing).then_some(slot);
+                                    let body = H1Body::new(conn, framing, home);
+                                    let resp = resp.map(|()| Body::Upstream { inner: body });
+                                    let held = Held {
+                                        in_flight: guard,
+                                        lease: None,
+                                    };
+                                    return Ok((resp, held));
+                                }
+                                // A pooled connection the upstream closed
+                                // while idle: the request may not have been
+                                // seen, so an idempotent one goes again on a
+                                // new connection (as nginx and hyper do).
+                                Err(h1::ExchangeError::Closed(_))
+                                    if reused && idempotent(&method) =>
+                                {
+                                    fresh = true;
+                                    continue;
+                                }
+                                Err(
+                                    h1::ExchangeError::Closed(e) | h1::ExchangeError::Failed(e),
+                                ) => return Err(ForwardError::Failed(e)),
+                            }
+                        }
+                        c => c,
+                    };
+                    let r = match req.take() {
+                        Some(r) => r,
+                        None => {
+                            let mut r = Request::new(std::mem::replace(&mut b, Body::empty()));
+                            *r.method_mut() = method.clone();
+                            *r.uri_mut() = Self::uri(ep, &path, version)?;
+                            *r.version_mut() = version;
+                            *r.headers_mut() = std::mem::take(&mut hdrs);
+                            if let Some(host) = host {
+                                r.headers_mut().insert(http::header::HOST, host.clone());
+                            }
+                            r
+                        }
+                    };
+                    match conn.send(r).await {
                         Ok(resp) => {
                             return Ok((
-                                resp,
+                                resp.map(Body::from),
                                 Held {
                                     in_flight: guard,
                                     lease: conn.into_lease(),
@@ -299,7 +347,7 @@ impl UpstreamPool {
                         }
                         Err(mut e) => match e.take_message() {
                             Some(back) if reused => {
-                                req = back;
+                                req = Some(back);
                                 fresh = true;
                             }
                             _ => return Err(ForwardError::Failed(error_chain(e.error()))),

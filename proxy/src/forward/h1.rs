@@ -1,0 +1,867 @@
+//! HTTP/1.1 to an upstream within the request's own task, for requests
+//! without a body (most proxied traffic: GETs, probes, SSE subscriptions).
+//!
+//! hyper's client runs each connection as a separate task: a request is
+//! handed to it over a channel, the response head comes back over another,
+//! and the body is fed through a third, each hand-off a task wake-up. For a
+//! small request that is most of the proxy's user-space CPU (bench/core.sh).
+//! Here the request's task writes the head, parses the response head, and
+//! the response body reads the socket itself as the client side pulls it;
+//! when the body ends the connection goes back to its pool slot.
+//!
+//! Requests with a body, upgrades and HTTP/2 still go through hyper, which
+//! reads the response while the body is still being sent.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Response, StatusCode, Version};
+use http_body::{Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+
+use super::pool::Slot;
+
+/// Response heads larger than this are refused (nginx's default buffer for
+/// them is 4–8 KiB; this leaves room for big cookies).
+pub const MAX_HEAD: usize = 64 * 1024;
+/// Most header fields in a response head.
+const MAX_HEADERS: usize = 128;
+/// The first read of a response; body reads grow from here when they fill it.
+const FIRST_READ: usize = 8 * 1024;
+/// Largest single body read.
+const MAX_READ: usize = 256 * 1024;
+/// Longest chunk-size or trailer line accepted.
+const MAX_LINE: usize = 4 * 1024;
+
+/// An upstream byte stream: plain TCP or TLS.
+pub enum Io {
+    /// Cleartext.
+    Tcp(TcpStream),
+    /// TLS (boxed: the session state is large).
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Io {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Io {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// An upstream connection driven by the request's task.
+pub struct H1Conn {
+    io: Io,
+    /// Bytes read and not yet used.
+    buf: BytesMut,
+    /// The request head being written (kept to reuse its allocation).
+    head: Vec<u8>,
+    /// The size of the next read.
+    read_size: usize,
+}
+
+/// Why an exchange failed.
+#[derive(Debug)]
+pub enum ExchangeError {
+    /// The connection closed (or reset) before any byte of a response came
+    /// back. On a reused connection the upstream most likely closed it
+    /// while idle: an idempotent request may go again on a new one.
+    Closed(String),
+    /// Anything else; the request may have been processed.
+    Failed(String),
+}
+
+impl H1Conn {
+    /// A connection over `io`, with nothing buffered. Boxed once for its
+    /// whole life: it moves between the pool and each response body, and
+    /// inline it would make every body (and request future) much larger.
+    pub fn new(io: Io) -> Box<H1Conn> {
+        Box::new(H1Conn {
+            io,
+            buf: BytesMut::new(),
+            head: Vec::new(),
+            read_size: FIRST_READ,
+        })
+    }
+
+    /// The stream, for a hand-over to hyper (only ever done while idle,
+    /// when nothing is buffered).
+    pub fn into_io(self) -> Io {
+        self.io
+    }
+
+    /// Whether an idle connection can still carry a request: the upstream
+    /// has neither closed it nor sent anything unasked. Costs no system
+    /// call while the socket has not turned readable.
+    pub fn is_reusable(&mut self) -> bool {
+        if !self.buf.is_empty() {
+            return false;
+        }
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let mut probe = [0u8; 1];
+        let mut rb = ReadBuf::new(&mut probe);
+        // Pending: nothing to read, still open. Ready: EOF, an error, or
+        // bytes nobody asked for; none leaves the connection usable.
+        Pin::new(&mut self.io)
+            .poll_read(&mut cx, &mut rb)
+            .is_pending()
+    }
+
+    /// Reads more into `buf`; `Ok(0)` at end of stream.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.buf.capacity() - self.buf.len() < self.read_size / 2 {
+            self.buf.reserve(self.read_size);
+        }
+        let n = ready!(tokio_util::io::poll_read_buf(
+            Pin::new(&mut self.io),
+            cx,
+            &mut self.buf
+        ))?;
+        // A read that filled what it was given suggests a fast stream:
+        // read more at a time (as hyper's adaptive read buffer does).
+        if n >= self.read_size && self.read_size < MAX_READ {
+            self.read_size *= 2;
+        }
+        Poll::Ready(Ok(n))
+    }
+
+    async fn fill(&mut self) -> io::Result<usize> {
+        std::future::poll_fn(|cx| self.poll_fill(cx)).await
+    }
+
+    /// Sends a bodiless request and reads the response head. `host` is
+    /// written first when given; `prefix` goes before `path` (an
+    /// endpoint's base path).
+    pub async fn exchange(
+        &mut self,
+        method: &Method,
+        prefix: &str,
+        path: &str,
+        host: Option<&HeaderValue>,
+        headers: &HeaderMap,
+    ) -> Result<(Response<()>, Framing), ExchangeError> {
+        self.read_size = FIRST_READ;
+        encode_head(&mut self.head, method, prefix, path, host, headers);
+        if let Err(e) = self.io.write_all(&self.head).await {
+            return Err(ExchangeError::Closed(format!("writing the request: {e}")));
+        }
+        let mut received = false;
+        loop {
+            if !self.buf.is_empty() {
+                received = true;
+                if let Some((resp, len)) = parse_head(&self.buf)? {
+                    if len > MAX_HEAD {
+                        return Err(head_too_large());
+                    }
+                    let mut resp = resp;
+                    let head = self.buf.split_to(len).freeze();
+                    fill_headers(&head, &mut resp)?;
+                    let status = resp.status();
+                    // Interim answers (100 Continue, 103 Early Hints) come
+                    // before the real one; a bodiless request has no use
+                    // for them. 101 needs an upgrade, which goes by hyper.
+                    if status.is_informational() {
+                        if status == StatusCode::SWITCHING_PROTOCOLS {
+                            return Err(ExchangeError::Failed(
+                                "upstream switched protocols without being asked".into(),
+                            ));
+                        }
+                        continue;
+                    }
+                    let framing = framing(method, &mut resp)?;
+                    return Ok((resp, framing));
+                }
+                if self.buf.len() >= MAX_HEAD {
+                    return Err(head_too_large());
+                }
+            }
+            match self.fill().await {
+                Ok(0) if !received => {
+                    return Err(ExchangeError::Closed(
+                        "connection closed before a response".into(),
+                    ));
+                }
+                Ok(0) => {
+                    return Err(ExchangeError::Failed(
+                        "connection closed in the middle of the response head".into(),
+                    ));
+                }
+                Ok(_) => {}
+                Err(e) if !received => {
+                    return Err(ExchangeError::Closed(format!("reading the response: {e}")));
+                }
+                Err(e) => {
+                    return Err(ExchangeError::Failed(format!("reading the response: {e}")));
+                }
+            }
+        }
+    }
+}
+
+fn head_too_large() -> ExchangeError {
+    ExchangeError::Failed(format!(
+        "upstream response head is larger than {} KiB",
+        MAX_HEAD / 1024
+    ))
+}
+
+/// Writes the request head into `out`. Header values are valid by
+/// construction (`HeaderValue` holds no CR or LF), so nothing needs escaping.
+fn encode_head(
+    out: &mut Vec<u8>,
+    method: &Method,
+    prefix: &str,
+    path: &str,
+    host: Option<&HeaderValue>,
+    headers: &HeaderMap,
+) {
+    out.clear();
+    out.extend_from_slice(method.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(prefix.as_bytes());
+    out.extend_from_slice(path.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    if let Some(host) = host {
+        out.extend_from_slice(b"host: ");
+        out.extend_from_slice(host.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    for (name, value) in headers {
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    // Some servers refuse a POST or PUT without a length (411), even an
+    // empty one; hyper adds it the same way.
+    if needs_zero_length(method) && !headers.contains_key(header::CONTENT_LENGTH) {
+        out.extend_from_slice(b"content-length: 0\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+fn needs_zero_length(m: &Method) -> bool {
+    !matches!(
+        *m,
+        Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::TRACE
+    ) && *m != Method::CONNECT
+}
+
+/// Where each header of a parsed head sits in the head's bytes.
+type Spans = ([(usize, usize, usize, usize); MAX_HEADERS], usize);
+
+thread_local! {
+    // Spans of the last parse, read by `fill_headers` right after; kept
+    // here rather than on the stack of the request's future, which would
+    // make every request future 4 KiB larger.
+    static SPANS: std::cell::RefCell<Spans> =
+        const { std::cell::RefCell::new(([(0, 0, 0, 0); MAX_HEADERS], 0)) };
+}
+
+/// Parses a response head at the start of `buf`: `None` while incomplete,
+/// else the response (headers not yet filled in) and the head's length.
+fn parse_head(buf: &[u8]) -> Result<Option<(Response<()>, usize)>, ExchangeError> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut fields);
+    let len = match parsed.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(ExchangeError::Failed(format!(
+                "upstream response has more than {MAX_HEADERS} header fields"
+            )));
+        }
+        Err(e) => return Err(ExchangeError::Failed(format!("invalid response head: {e}"))),
+    };
+    let status = parsed
+        .code
+        .and_then(|c| StatusCode::from_u16(c).ok())
+        .ok_or_else(|| ExchangeError::Failed("invalid response status".into()))?;
+    let version = match parsed.version {
+        Some(0) => Version::HTTP_10,
+        _ => Version::HTTP_11,
+    };
+    let base = buf.as_ptr() as usize;
+    SPANS.with_borrow_mut(|(spans, n)| {
+        *n = parsed.headers.len();
+        for (span, h) in spans.iter_mut().zip(parsed.headers.iter()) {
+            *span = (
+                h.name.as_ptr() as usize - base,
+                h.name.len(),
+                h.value.as_ptr() as usize - base,
+                h.value.len(),
+            );
+        }
+    });
+    let mut resp = Response::new(());
+    *resp.status_mut() = status;
+    *resp.version_mut() = version;
+    Ok(Some((resp, len)))
+}
+
+/// Fills in the headers of the head last parsed, whose bytes are `head`;
+/// values share `head`'s memory rather than being copied.
+fn fill_headers(head: &Bytes, resp: &mut Response<()>) -> Result<(), ExchangeError> {
+    SPANS.with_borrow(|(spans, n)| {
+        let headers = resp.headers_mut();
+        headers.reserve(*n);
+        for &(ns, nl, vs, vl) in &spans[..*n] {
+            let name = HeaderName::from_bytes(&head[ns..ns + nl]).map_err(|_| {
+                ExchangeError::Failed(format!(
+                    "invalid header name `{}` in the response",
+                    String::from_utf8_lossy(&head[ns..ns + nl])
+                ))
+            })?;
+            let value = HeaderValue::from_maybe_shared(head.slice(vs..vs + vl)).map_err(|_| {
+                ExchangeError::Failed(format!("invalid value for header `{name}` in the response"))
+            })?;
+            headers.append(name, value);
+        }
+        Ok(())
+    })
+}
+
+/// How the response body is delimited (RFC 9112 §6.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// This many bytes follow (0: no body).
+    Length(u64),
+    /// Chunked transfer coding.
+    Chunked,
+    /// The body runs until the upstream closes the connection.
+    UntilClose,
+}
+
+/// The response's framing; also drops a `Content-Length` that a
+/// `Transfer-Encoding` overrides, so it cannot reach the client.
+fn framing(method: &Method, resp: &mut Response<()>) -> Result<Framing, ExchangeError> {
+    let status = resp.status();
+    if *method == Method::HEAD
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        return Ok(Framing::Length(0));
+    }
+    let headers = resp.headers_mut();
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        headers.remove(header::CONTENT_LENGTH);
+        let last = headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .next_back()
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.rsplit(',').next())
+            .map(str::trim);
+        return Ok(match last {
+            Some(c) if c.eq_ignore_ascii_case("chunked") => Framing::Chunked,
+            _ => Framing::UntilClose,
+        });
+    }
+    let mut length = None;
+    for value in headers.get_all(header::CONTENT_LENGTH) {
+        // "42, 42" (a repeated field folded) is allowed; different numbers are not.
+        for part in value.to_str().unwrap_or("x").split(',') {
+            let n = part.trim();
+            let n = (!n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| n.parse::<u64>().ok())
+                .flatten()
+                .ok_or_else(|| invalid_length(value))?;
+            if length.is_some_and(|l| l != n) {
+                return Err(invalid_length(value));
+            }
+            length = Some(n);
+        }
+    }
+    Ok(match length {
+        Some(n) => Framing::Length(n),
+        None => Framing::UntilClose,
+    })
+}
+
+fn invalid_length(v: &HeaderValue) -> ExchangeError {
+    ExchangeError::Failed(format!(
+        "invalid Content-Length `{}` in the response",
+        String::from_utf8_lossy(v.as_bytes())
+    ))
+}
+
+/// Whether the connection may carry another request after this response.
+pub fn keeps_alive(resp: &Response<()>, framing: Framing) -> bool {
+    if framing == Framing::UntilClose || resp.version() != Version::HTTP_11 {
+        return false;
+    }
+    !resp.headers().get_all(header::CONNECTION).iter().any(|v| {
+        v.to_str()
+            .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")))
+    })
+}
+
+/// Where the body reader is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Bytes left in a `Content-Length` body.
+    Length(u64),
+    /// Before a chunk-size line.
+    ChunkSize,
+    /// Bytes left in the current chunk.
+    ChunkData(u64),
+    /// The CRLF after a chunk's data.
+    ChunkEnd,
+    /// After the last chunk: trailer lines up to an empty one.
+    Trailers,
+    /// Until the upstream closes.
+    UntilClose,
+    /// The body has ended.
+    Done,
+}
+
+/// A response body read from the upstream connection as it is polled.
+/// When the body ends the connection returns to its slot (if it can carry
+/// another request); dropped before that, the connection is closed.
+pub struct H1Body {
+    conn: Option<Box<H1Conn>>,
+    state: State,
+    /// Where the connection goes when the body ends; `None` to close it.
+    home: Option<Arc<Slot>>,
+}
+
+/// What went wrong with a response body.
+#[derive(Debug, thiserror::Error)]
+#[error("upstream response body: {0}")]
+pub struct BodyError(String);
+
+impl H1Body {
+    /// The body of a response that arrived on `conn`.
+    pub fn new(conn: Box<H1Conn>, framing: Framing, home: Option<Arc<Slot>>) -> H1Body {
+        let state = match framing {
+            Framing::Length(n) => State::Length(n),
+            Framing::Chunked => State::ChunkSize,
+            Framing::UntilClose => State::UntilClose,
+        };
+        let mut body = H1Body {
+            conn: Some(conn),
+            state,
+            home,
+        };
+        if state == State::Length(0) {
+            body.end();
+        }
+        body
+    }
+
+    /// The body is complete: give the connection back, or close it.
+    fn end(&mut self) {
+        self.state = State::Done;
+        if let (Some(conn), Some(home)) = (self.conn.take(), self.home.take())
+            && conn.buf.is_empty()
+        {
+            home.put_h1(conn);
+        }
+    }
+
+    fn fail(&mut self, msg: String) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        self.conn = None;
+        self.state = State::Done;
+        Poll::Ready(Some(Err(BodyError(msg))))
+    }
+
+    /// Consumes the chunked framing that is already buffered, up to the
+    /// next chunk's data, so the end of the body is seen as soon as its
+    /// bytes are in (and the connection freed before the client asks again).
+    fn settle(&mut self) -> Result<(), String> {
+        let Some(conn) = self.conn.as_mut() else {
+            return Ok(());
+        };
+        loop {
+            match self.state {
+                State::ChunkEnd => {
+                    let Some(line) = take_line(&mut conn.buf)? else {
+                        return Ok(());
+                    };
+                    if !line.is_empty() {
+                        return Err("chunk data longer than its size".into());
+                    }
+                    self.state = State::ChunkSize;
+                }
+                State::ChunkSize => {
+                    let Some(line) = take_line(&mut conn.buf)? else {
+                        return Ok(());
+                    };
+                    let size = chunk_size(&line)?;
+                    self.state = if size == 0 {
+                        State::Trailers
+                    } else {
+                        State::ChunkData(size)
+                    };
+                    if size != 0 {
+                        return Ok(());
+                    }
+                }
+                State::Trailers => {
+                    // Trailer fields are dropped, as nginx does for HTTP/1.1.
+                    let Some(line) = take_line(&mut conn.buf)? else {
+                        return Ok(());
+                    };
+                    if line.is_empty() {
+                        self.end();
+                        return Ok(());
+                    }
+                }
+                _ => return Ok(()),
+            }
+        }
+    }
+}
+
+/// Takes one line (without its CRLF or LF) off the front of `buf`, if a
+/// whole line is there.
+fn take_line(buf: &mut BytesMut) -> Result<Option<Bytes>, String> {
+    match buf.iter().position(|&b| b == b'\n') {
+        Some(i) => {
+            let mut line = buf.split_to(i + 1);
+            line.truncate(i);
+            if line.last() == Some(&b'\r') {
+                line.truncate(i - 1);
+            }
+            Ok(Some(line.freeze()))
+        }
+        None if buf.len() > MAX_LINE => Err("chunk framing line too long".into()),
+        None => Ok(None),
+    }
+}
+
+/// The size in a chunk-size line (`1a3f` or `1a3f;ext=value`).
+fn chunk_size(line: &[u8]) -> Result<u64, String> {
+    let digits = line
+        .split(|&b| b == b';')
+        .next()
+        .unwrap_or_default()
+        .trim_ascii();
+    if digits.is_empty() || digits.len() > 15 {
+        return Err(format!(
+            "invalid chunk size `{}`",
+            String::from_utf8_lossy(line)
+        ));
+    }
+    digits.iter().try_fold(0u64, |n, &b| {
+        let d = (b as char)
+            .to_digit(16)
+            .ok_or_else(|| format!("invalid chunk size `{}`", String::from_utf8_lossy(line)))?;
+        Ok(n * 16 + d as u64)
+    })
+}
+
+impl http_body::Body for H1Body {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = self.get_mut();
+        loop {
+            if let Err(e) = this.settle() {
+                return this.fail(e);
+            }
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let want = match this.state {
+                State::Done => return Poll::Ready(None),
+                State::Length(n) | State::ChunkData(n) => n,
+                State::UntilClose => u64::MAX,
+                // Framing lines not all buffered yet: read more.
+                State::ChunkSize | State::ChunkEnd | State::Trailers => 0,
+            };
+            if want > 0 && !conn.buf.is_empty() {
+                let n = conn
+                    .buf
+                    .len()
+                    .min(usize::try_from(want).unwrap_or(usize::MAX));
+                let data = conn.buf.split_to(n).freeze();
+                let left = want - n as u64;
+                match this.state {
+                    State::Length(_) if left == 0 => this.end(),
+                    State::Length(_) => this.state = State::Length(left),
+                    State::ChunkData(_) if left == 0 => this.state = State::ChunkEnd,
+                    State::ChunkData(_) => this.state = State::ChunkData(left),
+                    _ => {}
+                }
+                if let Err(e) = this.settle() {
+                    return this.fail(e);
+                }
+                return Poll::Ready(Some(Ok(Frame::data(data))));
+            }
+            match ready!(conn.poll_fill(cx)) {
+                Ok(0) if this.state == State::UntilClose => {
+                    this.state = State::Done;
+                    this.conn = None;
+                    return Poll::Ready(None);
+                }
+                Ok(0) => {
+                    return this
+                        .fail("upstream closed the connection before the body ended".into());
+                }
+                Ok(_) => {}
+                Err(e) => return this.fail(format!("reading from the upstream: {e}")),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.state == State::Done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.state {
+            State::Length(n) => SizeHint::with_exact(n),
+            State::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body::Body as _;
+    use tokio::io::AsyncReadExt;
+
+    /// A loopback pair: the proxy's end wrapped as an upstream connection,
+    /// and the upstream's end to write scripted bytes into.
+    async fn pair() -> (Box<H1Conn>, TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let ours = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (theirs, _) = l.accept().await.unwrap();
+        (H1Conn::new(Io::Tcp(ours)), theirs)
+    }
+
+    async fn next_data(body: &mut H1Body) -> Bytes {
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await;
+        frame
+            .expect("a frame")
+            .expect("no error")
+            .into_data()
+            .expect("data")
+    }
+
+    #[tokio::test]
+    async fn chunked_body_split_anywhere_ends_exactly_and_goes_home() {
+        let (conn, mut up) = pair().await;
+        let slot = Arc::new(Slot::default());
+        let mut body = H1Body::new(conn, Framing::Chunked, Some(slot.clone()));
+        // Each write is read before the next is sent, so the decoder sees
+        // the framing cut in the middle of a size line, of data, of a CRLF
+        // and of the trailers.
+        up.write_all(b"5;ext").await.unwrap();
+        up.write_all(b"=1\r\nhel").await.unwrap();
+        assert_eq!(next_data(&mut body).await, "hel");
+        up.write_all(b"lo\r").await.unwrap();
+        assert_eq!(next_data(&mut body).await, "lo");
+        up.write_all(b"\n3\r\n!!!\r\n0\r\nx-t: 1\r").await.unwrap();
+        assert_eq!(next_data(&mut body).await, "!!!");
+        assert!(!body.is_end_stream(), "the trailers have not ended yet");
+        assert_eq!(slot.idle_count(), 0);
+        up.write_all(b"\n\r\n").await.unwrap();
+        let end = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
+        assert!(end.is_none());
+        assert!(body.is_end_stream());
+        assert_eq!(
+            slot.idle_count(),
+            1,
+            "a cleanly ended body returns its connection"
+        );
+    }
+
+    #[tokio::test]
+    async fn length_body_ends_with_its_last_byte_and_a_dropped_body_closes() {
+        let (conn, mut up) = pair().await;
+        let slot = Arc::new(Slot::default());
+        let mut body = H1Body::new(conn, Framing::Length(6), Some(slot.clone()));
+        assert_eq!(body.size_hint().exact(), Some(6));
+        up.write_all(b"abc").await.unwrap();
+        assert_eq!(next_data(&mut body).await, "abc");
+        up.write_all(b"def").await.unwrap();
+        assert_eq!(next_data(&mut body).await, "def");
+        // Ended with the last data frame, before the client asks again.
+        assert!(body.is_end_stream());
+        assert_eq!(slot.idle_count(), 1);
+
+        let (conn, mut up) = pair().await;
+        let body = H1Body::new(conn, Framing::Length(6), Some(slot.clone()));
+        drop(body);
+        // The upstream sees the connection closed, not parked.
+        let mut rest = Vec::new();
+        let closed =
+            tokio::time::timeout(std::time::Duration::from_secs(5), up.read_to_end(&mut rest));
+        assert!(
+            closed.await.is_ok(),
+            "the dropped body's connection stayed open"
+        );
+        assert_eq!(slot.idle_count(), 1);
+    }
+
+    #[test]
+    fn chunk_sizes() {
+        assert_eq!(chunk_size(b"1a3f").unwrap(), 0x1a3f);
+        assert_eq!(chunk_size(b"0").unwrap(), 0);
+        assert_eq!(chunk_size(b"10;name=value").unwrap(), 16);
+        assert_eq!(chunk_size(b"A ").unwrap(), 10);
+        assert!(chunk_size(b"").is_err());
+        assert!(chunk_size(b"xyz").is_err());
+        assert!(chunk_size(b"-1").is_err());
+        assert!(chunk_size(b"1000000000000000").is_err());
+    }
+
+    #[test]
+    fn head_is_encoded_with_host_first_and_zero_length_for_post() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-a", HeaderValue::from_static("1"));
+        let mut out = Vec::new();
+        let host = HeaderValue::from_static("up:80");
+        encode_head(
+            &mut out,
+            &Method::POST,
+            "/base",
+            "/p?q=1",
+            Some(&host),
+            &headers,
+        );
+        assert_eq!(
+            out,
+            b"POST /base/p?q=1 HTTP/1.1\r\nhost: up:80\r\nx-a: 1\r\ncontent-length: 0\r\n\r\n"
+        );
+        encode_head(&mut out, &Method::GET, "", "/", None, &headers);
+        assert_eq!(out, b"GET / HTTP/1.1\r\nx-a: 1\r\n\r\n");
+    }
+
+    fn parsed(raw: &str, method: &Method) -> Result<(Response<()>, Framing), ExchangeError> {
+        let buf = Bytes::copy_from_slice(raw.as_bytes());
+        let (mut resp, len) = parse_head(&buf)?.expect("complete head");
+        fill_headers(&buf.slice(..len), &mut resp)?;
+        let f = framing(method, &mut resp)?;
+        Ok((resp, f))
+    }
+
+    #[test]
+    fn framing_follows_rfc_9112() {
+        let get = Method::GET;
+        let f = |raw: &str| {
+            parsed(raw, &get)
+                .map(|(_, f)| f)
+                .map_err(|e| format!("{e:?}"))
+        };
+        assert_eq!(
+            f("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"),
+            Ok(Framing::Length(5))
+        );
+        assert_eq!(
+            f("HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\n\r\n"),
+            Ok(Framing::Length(5))
+        );
+        assert!(f("HTTP/1.1 200 OK\r\ncontent-length: 5, 6\r\n\r\n").is_err());
+        assert!(f("HTTP/1.1 200 OK\r\ncontent-length: +5\r\n\r\n").is_err());
+        assert_eq!(
+            f("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"),
+            Ok(Framing::Chunked)
+        );
+        assert_eq!(
+            f("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n"),
+            Ok(Framing::UntilClose)
+        );
+        assert_eq!(f("HTTP/1.1 200 OK\r\n\r\n"), Ok(Framing::UntilClose));
+        assert_eq!(
+            f("HTTP/1.1 204 No Content\r\ncontent-length: 9\r\n\r\n"),
+            Ok(Framing::Length(0))
+        );
+        assert_eq!(
+            f("HTTP/1.1 304 Not Modified\r\n\r\n"),
+            Ok(Framing::Length(0))
+        );
+        let (_, head) = parsed(
+            "HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n",
+            &Method::HEAD,
+        )
+        .unwrap();
+        assert_eq!(head, Framing::Length(0));
+        // Transfer-Encoding wins over Content-Length, which must not reach the client.
+        let (resp, fr) = parsed(
+            "HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n",
+            &get,
+        )
+        .unwrap();
+        assert_eq!(fr, Framing::Chunked);
+        assert!(!resp.headers().contains_key(header::CONTENT_LENGTH));
+    }
+
+    #[test]
+    fn keep_alive_rules() {
+        let ka = |raw: &str| {
+            let (resp, f) = parsed(raw, &Method::GET).unwrap();
+            keeps_alive(&resp, f)
+        };
+        assert!(ka("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"));
+        assert!(!ka(
+            "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+        ));
+        assert!(!ka(
+            "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nConnection: keep-alive, Close\r\n\r\n"
+        ));
+        assert!(!ka("HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n"));
+        assert!(!ka("HTTP/1.1 200 OK\r\n\r\n"));
+    }
+
+    #[test]
+    fn bad_heads_are_refused_with_a_reason() {
+        let err = |raw: &str| match parsed(raw, &Method::GET) {
+            Err(ExchangeError::Failed(m)) => m,
+            other => panic!("expected a failure, got {other:?}"),
+        };
+        assert!(err("HTTP/1.1 200 OK\r\nbad header\r\n\r\n").contains("invalid response head"));
+        assert!(err("HTTP/1.1 2000 OK\r\n\r\n").contains("invalid response head"));
+        assert!(
+            parse_head(b"HTTP/1.1 200 OK\r\nx: y\r\n")
+                .unwrap()
+                .is_none()
+        );
+    }
+}

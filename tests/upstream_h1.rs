@@ -1,0 +1,402 @@
+//! The proxy's HTTP/1.1 exchange with upstreams, against a scripted TCP
+//! upstream that answers with exact bytes: framing (length, chunked,
+//! until close), keep-alive and reuse, stale pooled connections, and
+//! upstreams that send something broken.
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use hyper::Request;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::support::Proxy;
+use crate::support::client::{self, body};
+
+/// What the scripted upstream does with one request.
+enum Reply {
+    /// Write these bytes and keep the connection for the next request.
+    Keep(Vec<u8>),
+    /// Write these bytes, then close.
+    Close(Vec<u8>),
+}
+
+/// One request as the upstream saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    /// Which accepted connection (0, 1, ...).
+    conn: usize,
+    /// The request head, as text.
+    head: String,
+}
+
+/// A TCP upstream that reads request heads (and Content-Length bodies) and
+/// answers each with the handler's bytes.
+struct Scripted {
+    addr: std::net::SocketAddr,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Scripted {
+    async fn start<F>(reply: F) -> Scripted
+    where
+        F: Fn(usize, &str) -> Reply + Send + Sync + 'static,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let reply = Arc::new(reply);
+        let log = seen.clone();
+        tokio::spawn(async move {
+            for conn in 0.. {
+                let Ok((sock, _)) = listener.accept().await else {
+                    return;
+                };
+                tokio::spawn(serve(sock, conn, log.clone(), reply.clone()));
+            }
+        });
+        Scripted { addr, seen }
+    }
+
+    fn yaml(&self) -> String {
+        format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: up, endpoints: ["http://{}"], retries: 0 }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up }}]
+"#,
+            self.addr
+        )
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// How many connections the proxy opened.
+    fn connections(&self) -> usize {
+        self.seen().iter().map(|s| s.conn + 1).max().unwrap_or(0)
+    }
+}
+
+async fn serve<F>(mut sock: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>, reply: Arc<F>)
+where
+    F: Fn(usize, &str) -> Reply + Send + Sync + 'static,
+{
+    let mut buf = Vec::new();
+    loop {
+        let end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            let mut chunk = [0u8; 4096];
+            match sock.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+        buf.drain(..end);
+        // Skip a Content-Length body (chunked request bodies are not used here).
+        let length = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .and_then(|n| n.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        while buf.len() < length {
+            let mut chunk = [0u8; 4096];
+            match sock.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        buf.drain(..length);
+        let n = {
+            let mut s = seen.lock().unwrap();
+            s.push(Seen {
+                conn,
+                head: head.clone(),
+            });
+            s.iter().filter(|s| s.conn == conn).count() - 1
+        };
+        match reply(n, &head) {
+            Reply::Keep(bytes) => {
+                if sock.write_all(&bytes).await.is_err() {
+                    return;
+                }
+            }
+            Reply::Close(bytes) => {
+                let _ = sock.write_all(&bytes).await;
+                return;
+            }
+        }
+    }
+}
+
+fn keep(s: &str) -> Reply {
+    Reply::Keep(s.as_bytes().to_vec())
+}
+
+/// GET `path` through `client` (one client keeps one connection to the
+/// proxy, so its requests share a worker and its upstream pool).
+async fn get(
+    client: &hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        client::ReqBody,
+    >,
+    proxy: &Proxy,
+    method: &str,
+    path: &str,
+) -> client::Answer {
+    let req = Request::builder()
+        .method(method)
+        .uri(proxy.url(path))
+        .body(body(Bytes::new()))
+        .unwrap();
+    client::send(client, req).await
+}
+
+#[tokio::test]
+async fn chunked_bodies_with_extensions_and_trailers_arrive_whole_and_the_connection_is_reused() {
+    let up = Scripted::start(|_, _| {
+        keep(
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nx-up: 1\r\n\r\n\
+             5;name=value\r\nhello\r\n7\r\n, world\r\n0\r\nx-trailer: t\r\n\r\n",
+        )
+    })
+    .await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    let c = client::http1();
+    for _ in 0..3 {
+        let a = get(&c, &proxy, "GET", "/c").await;
+        assert_eq!(a.status, 200);
+        assert_eq!(&a.body[..], b"hello, world");
+        assert_eq!(a.header("x-up"), Some("1"));
+    }
+    assert_eq!(up.seen().len(), 3);
+    assert_eq!(
+        up.connections(),
+        1,
+        "each response ended cleanly, so one connection serves all"
+    );
+}
+
+#[tokio::test]
+async fn content_length_bodies_keep_the_connection_and_the_request_head_is_as_sent() {
+    let up = Scripted::start(|_, _| keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    let c = client::http1();
+    let a = get(&c, &proxy, "GET", "/a/b?q=1").await;
+    assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"ok"[..]));
+    let a = get(&c, &proxy, "POST", "/p").await;
+    assert_eq!(a.status, 200);
+    let seen = up.seen();
+    assert_eq!(up.connections(), 1);
+    let first = &seen[0].head;
+    assert!(first.starts_with("GET /a/b?q=1 HTTP/1.1\r\n"), "{first}");
+    assert!(first.contains(&format!("host: {}\r\n", up.addr)), "{first}");
+    assert!(first.contains("x-forwarded-for: 127.0.0.1\r\n"), "{first}");
+    // An empty POST says so: some servers answer 411 otherwise.
+    assert!(seen[1].head.starts_with("POST /p HTTP/1.1\r\n"));
+    assert!(
+        seen[1].head.contains("content-length: 0\r\n"),
+        "{}",
+        seen[1].head
+    );
+}
+
+#[tokio::test]
+async fn requests_with_and_without_bodies_share_the_pooled_connections() {
+    let up = Scripted::start(|_, _| keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    let c = client::http1();
+    // Bodiless, with a body (hyper takes the pooled connection over), and
+    // bodiless again on the connection hyper now drives.
+    assert_eq!(get(&c, &proxy, "GET", "/1").await.status, 200);
+    let req = Request::post(proxy.url("/2"))
+        .body(body(Bytes::from_static(b"payload")))
+        .unwrap();
+    assert_eq!(client::send(&c, req).await.status, 200);
+    assert_eq!(get(&c, &proxy, "GET", "/3").await.status, 200);
+    let seen = up.seen();
+    assert_eq!(seen.len(), 3);
+    assert!(
+        seen[1].head.contains("content-length: 7\r\n"),
+        "{}",
+        seen[1].head
+    );
+    assert_eq!(up.connections(), 1);
+}
+
+#[tokio::test]
+async fn a_body_until_close_is_passed_whole_and_the_connection_is_not_reused() {
+    let up = Scripted::start(|_, _| {
+        Reply::Close(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it".to_vec())
+    })
+    .await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    let c = client::http1();
+    for _ in 0..2 {
+        let a = get(&c, &proxy, "GET", "/").await;
+        assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"all of it"[..]));
+    }
+    assert_eq!(up.connections(), 2);
+}
+
+#[tokio::test]
+async fn connection_close_and_http_1_0_answers_are_not_reused() {
+    let up = Scripted::start(|_, head| {
+        if head.starts_with("GET /old ") {
+            keep("HTTP/1.0 200 OK\r\ncontent-length: 1\r\n\r\nb")
+        } else {
+            keep("HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 1\r\n\r\na")
+        }
+    })
+    .await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    let c = client::http1();
+    for (path, want) in [("/close", "a"), ("/old", "b"), ("/close", "a")] {
+        assert_eq!(
+            &get(&c, &proxy, "GET", path).await.body[..],
+            want.as_bytes()
+        );
+    }
+    // Each connection served exactly one request: the proxy never sent a
+    // second one on a connection the upstream asked to close.
+    assert_eq!(up.connections(), 3);
+    assert_eq!(up.seen().len(), 3);
+}
+
+#[tokio::test]
+async fn head_204_304_and_interim_answers_carry_no_body() {
+    let up = Scripted::start(|_, head| {
+        if head.starts_with("HEAD") {
+            keep("HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+        } else if head.starts_with("GET /204") {
+            keep("HTTP/1.1 204 No Content\r\n\r\n")
+        } else if head.starts_with("GET /304") {
+            keep("HTTP/1.1 304 Not Modified\r\netag: \"x\"\r\n\r\n")
+        } else {
+            keep(
+                "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </s.css>\r\n\r\n\
+                 HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfinal",
+            )
+        }
+    })
+    .await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    let c = client::http1();
+    let a = get(&c, &proxy, "HEAD", "/h").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.header("content-length"), Some("1000"));
+    assert!(a.body.is_empty());
+    assert_eq!(get(&c, &proxy, "GET", "/204").await.status, 204);
+    let a = get(&c, &proxy, "GET", "/304").await;
+    assert_eq!((a.status.as_u16(), a.header("etag")), (304, Some("\"x\"")));
+    let a = get(&c, &proxy, "GET", "/interim").await;
+    assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"final"[..]));
+    assert_eq!(
+        up.connections(),
+        1,
+        "none of these answers ends the connection"
+    );
+}
+
+#[tokio::test]
+async fn a_reused_connection_dropped_by_the_upstream_is_retried_for_get_only() {
+    // The upstream reads the second request on each connection and closes
+    // without answering: what a keep-alive timeout racing a request looks
+    // like from the proxy.
+    let up = Scripted::start(|n, _| match n {
+        0 => keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"),
+        _ => Reply::Close(Vec::new()),
+    })
+    .await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    let c = client::http1();
+    assert_eq!(get(&c, &proxy, "GET", "/").await.status, 200);
+    // The GET finds its pooled connection dead after sending; it goes again
+    // on a new connection and succeeds.
+    let a = get(&c, &proxy, "GET", "/").await;
+    assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"ok"[..]));
+    assert_eq!(up.connections(), 2);
+    // A POST is not sent twice: the upstream may have acted on it.
+    let a = get(&c, &proxy, "POST", "/").await;
+    assert_eq!(a.status, 502);
+    assert_eq!(a.json()["error"], "upstream connection failed");
+    let posts = up
+        .seen()
+        .iter()
+        .filter(|s| s.head.starts_with("POST"))
+        .count();
+    assert_eq!(posts, 1);
+}
+
+#[tokio::test]
+async fn broken_answers_are_502_and_the_proxy_keeps_serving() {
+    let big = format!(
+        "HTTP/1.1 200 OK\r\nx-big: {}\r\n\r\n",
+        "a".repeat(70 * 1024)
+    );
+    let up = Scripted::start(move |_, head| {
+        let path = head.split(' ').nth(1).unwrap_or("");
+        match path {
+            "/garbage" => Reply::Close(b"SSH-2.0-OpenSSH\r\n\r\n".to_vec()),
+            "/bad-length" => {
+                Reply::Close(b"HTTP/1.1 200 OK\r\ncontent-length: 1, 2\r\n\r\nx".to_vec())
+            }
+            "/huge-head" => Reply::Close(big.clone().into_bytes()),
+            "/switch" => Reply::Close(b"HTTP/1.1 101 Switching Protocols\r\n\r\n".to_vec()),
+            "/bad-chunk" => Reply::Close(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n".to_vec(),
+            ),
+            _ => keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"),
+        }
+    })
+    .await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    for path in ["/garbage", "/bad-length", "/huge-head", "/switch"] {
+        let a = client::get(&proxy.url(path)).await;
+        assert_eq!(a.status, 502, "{path}");
+        assert_eq!(a.json()["error"], "upstream connection failed", "{path}");
+        assert_eq!(client::get(&proxy.url("/fine")).await.status, 200);
+    }
+    // A body that breaks after the head was accepted cannot become a 502:
+    // the client sees the response cut short, and the next request is served.
+    assert_cut_short(&proxy, "/bad-chunk").await;
+    assert_eq!(client::get(&proxy.url("/fine")).await.status, 200);
+}
+
+#[tokio::test]
+async fn a_body_cut_short_by_the_upstream_is_cut_short_for_the_client() {
+    let up = Scripted::start(|_, _| {
+        Reply::Close(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf".to_vec())
+    })
+    .await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    assert_cut_short(&proxy, "/").await;
+}
+
+/// GET `path` must fail on the client's side: either no response at all
+/// (the proxy had not flushed the head when the body broke) or a body that
+/// ends in an error, never what looks like a whole response.
+async fn assert_cut_short(proxy: &Proxy, path: &str) {
+    let req = Request::get(proxy.url(path))
+        .body(body(Bytes::new()))
+        .unwrap();
+    let sent = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        client::http1().request(req),
+    )
+    .await
+    .expect("an answer or an error within 20 s");
+    if let Ok(resp) = sent {
+        let collected = tokio::time::timeout(
+            std::time::Duration::from_secs(20),
+            http_body_util::BodyExt::collect(resp.into_body()),
+        )
+        .await
+        .expect("the body ends within 20 s");
+        assert!(collected.is_err(), "{path}: a cut body looked complete");
+    }
+}
