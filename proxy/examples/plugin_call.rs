@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use portcullis::plugin::{self, Decision, RouteInfo};
+use portcullis::plugin::{self, Decision, RequestFacts};
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -41,29 +41,28 @@ fn main() -> anyhow::Result<()> {
             "{:<10} {:>10} {:>10} {:>10}  decision",
             "route", "p50 (us)", "p99 (us)", "mean (us)"
         );
-        for (route, chain) in config.routes.iter().zip(&chains.routes) {
+        for (index, (route, chain)) in config.routes.iter().zip(&chains.routes).enumerate() {
             let Some(binding) = chain.first() else {
                 continue;
             };
             let uri: http::Uri = format!("/{}", route.name).parse()?;
             let client = "127.0.0.1".parse()?;
-            let mut info = RouteInfo {
-                name: route.name.to_string(),
-                params: Vec::new(),
-            };
             let mut times = Vec::with_capacity(calls);
             let mut decision = String::new();
             for i in 0..calls + calls / 10 {
                 let start = Instant::now();
-                let mut head = plugin::request_head(
-                    &http::Method::GET,
-                    &uri,
-                    &headers,
-                    uri.path(),
+                // What the chain builds per request, timed with the call.
+                let mut facts = Some(RequestFacts {
+                    method: http::Method::GET,
+                    uri: uri.clone(),
+                    normalized: None,
+                    rewritten: None,
                     client,
-                    false,
-                );
-                let d = binding.on_request(&mut head, &mut headers, &mut info, None);
+                    tls: false,
+                    route: index,
+                    params: Vec::new(),
+                });
+                let d = binding.on_request(&mut facts, &mut headers, None);
                 let took = start.elapsed();
                 // The first tenth warms caches and instances up.
                 if i >= calls / 10 {

@@ -17,9 +17,7 @@ use http_body_util::BodyExt;
 use crate::body::Body;
 use crate::config::{Config, FailMode, Route};
 use crate::pipeline::ConnInfo;
-use crate::plugin::{
-    self, Binding, Decision, Hooks, PluginError, RequestHead, ResponseHead, RouteInfo,
-};
+use crate::plugin::{self, Binding, Decision, Hooks, PluginError, RequestFacts, ResponseHead};
 
 /// What the request hooks decided.
 pub enum RequestOutcome<'a> {
@@ -31,11 +29,11 @@ pub enum RequestOutcome<'a> {
 
 /// What the response hooks need, kept from the request hooks.
 pub struct PluginContext<'a> {
-    head: RequestHead,
-    /// The request headers as forwarded, kept only when a response hook
-    /// will want them.
+    /// What the request hooks saw, kept only when a response hook will
+    /// want it (`None` otherwise, or while lent to a call).
+    facts: Option<RequestFacts>,
+    /// The request headers as forwarded, likewise.
     request_headers: http::HeaderMap,
-    info: RouteInfo,
     /// Borrowed from the pipeline, which outlives the request: no
     /// reference count shared by the workers to bump per request.
     chain: &'a [Arc<Binding>],
@@ -87,33 +85,39 @@ pub async fn on_request<'a>(
     body: &mut Body,
     path: &str,
     params: &matchit::Params<'_, '_>,
-    route: &Route,
+    (route_index, route): (usize, &Route),
     conn: &ConnInfo,
     config: &Config,
 ) -> RequestOutcome<'a> {
-    let mut head = plugin::request_head(method, uri, headers, path, conn.client.ip(), conn.tls);
-    let mut info = RouteInfo {
-        name: route.name.to_string(),
+    let mut facts = Some(RequestFacts {
+        method: method.clone(),
+        uri: uri.clone(),
+        normalized: (path != uri.path()).then(|| path.to_owned()),
+        rewritten: None,
+        client: conn.client.ip(),
+        tls: conn.tls,
+        route: route_index,
         params: params
             .iter()
             .map(|(k, v)| (k.to_owned(), v.to_owned()))
             .collect(),
-    };
+    });
     let mut ctx_upstream = None;
     let mut ctx_path = None;
     let mut buffered: Option<Bytes> = None;
     for binding in chain.iter().filter(|b| b.hooks.contains(Hooks::REQUEST)) {
         let mut read_once = false;
         loop {
-            match binding.on_request(&mut head, headers, &mut info, buffered.as_deref()) {
+            match binding.on_request(&mut facts, headers, buffered.as_deref()) {
                 Ok(Decision::Forward(f)) => {
                     // Later plugins read the request as edited.
                     plugin::apply_edits(headers, &f.headers, &binding.plugin);
                     if let Some(p) = f.path {
                         match PathAndQuery::try_from(p.as_str()) {
                             Ok(pq) if p.starts_with('/') => {
-                                head.path = pq.path().to_owned();
-                                head.query = pq.query().map(str::to_owned);
+                                if let Some(f) = facts.as_mut() {
+                                    f.rewritten = Some(pq.clone());
+                                }
                                 ctx_path = Some(pq);
                             }
                             _ => {
@@ -201,15 +205,14 @@ pub async fn on_request<'a>(
     // Response hooks read the request's headers too; keep a copy only
     // when one will.
     let wants_response = chain.iter().any(|b| b.hooks.contains(Hooks::RESPONSE));
-    let request_headers = if wants_response {
-        headers.clone()
+    let (facts, request_headers) = if wants_response {
+        (facts, headers.clone())
     } else {
-        http::HeaderMap::new()
+        (None, http::HeaderMap::new())
     };
     RequestOutcome::Forward(Box::new(PluginContext {
-        head,
+        facts,
         request_headers,
-        info,
         chain,
         upstream: ctx_upstream,
         path: ctx_path,
@@ -253,9 +256,8 @@ pub fn on_response(
             status: resp.status.as_u16(),
         };
         match binding.on_response(
-            &mut ctx.head,
+            &mut ctx.facts,
             &mut ctx.request_headers,
-            &mut ctx.info,
             head,
             &mut resp.headers,
         ) {

@@ -352,7 +352,7 @@ impl Pipeline {
                 &mut body,
                 &path,
                 &found.params,
-                route,
+                (found.route, route),
                 conn,
                 config,
             ))

@@ -7,7 +7,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
 /// plus the legacy ones proxies are expected to drop.
-const HOP_BY_HOP: [HeaderName; 8] = [
+static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     header::TE,
     header::TRAILER,

@@ -255,6 +255,8 @@ pub struct Binding {
     memory: usize,
     fresh: bool,
     idle: [Mutex<Vec<Instance>>; SHARDS],
+    /// The config's route names by index, for `current-route`.
+    route_names: Arc<[Arc<str>]>,
 }
 
 impl std::fmt::Debug for Binding {
@@ -301,7 +303,10 @@ impl Binding {
             plugin: self.plugin.clone(),
             message,
         };
-        let mut store = Store::new(&self.engine, State::new(self.plugin.clone(), self.memory));
+        let mut store = Store::new(
+            &self.engine,
+            State::new(self.plugin.clone(), self.memory, self.route_names.clone()),
+        );
         store.limiter(|s| &mut s.limits);
         store.set_epoch_deadline(self.deadline_ticks());
         let policy = self
@@ -337,27 +342,26 @@ impl Binding {
         }
     }
 
-    /// Calls `on-request`. The request head, route and headers are lent to
-    /// the instance for the call (moved in and back, not copied); the
-    /// plugin reads through host calls only what it needs, so a
-    /// header-only check pays for one header. A failed instance is dropped,
-    /// not reused.
+    /// Calls `on-request`. The request's facts and headers are lent to the
+    /// instance for the call (moved in and back, not copied); the plugin
+    /// reads through host calls only what it needs, and the request head
+    /// and route records are built only if it asks, so a header-only check
+    /// pays for one header. A failed instance is dropped, not reused.
     pub fn on_request(
         &self,
-        req: &mut RequestHead,
+        req: &mut Option<RequestFacts>,
         headers: &mut http::HeaderMap,
-        route: &mut RouteInfo,
         body: Option<&[u8]>,
     ) -> Result<Decision, PluginError> {
         let mut inst = self.checkout()?;
         inst.store.set_epoch_deadline(self.deadline_ticks());
         let data = inst.store.data_mut();
-        data.request = Some(lend(req, route));
+        data.request = req.take();
         data.request_headers = std::mem::take(headers);
         let result = inst.policy.call_on_request(&mut inst.store, body);
         let data = inst.store.data_mut();
         *headers = std::mem::take(&mut data.request_headers);
-        give_back(data.request.take(), req, route);
+        *req = data.request.take();
         match result {
             Ok(d) => {
                 self.checkin(inst);
@@ -367,27 +371,26 @@ impl Binding {
         }
     }
 
-    /// Calls `on-response`, lending the request (head, route, headers) and
-    /// the response's headers to the instance for the call.
+    /// Calls `on-response`, lending the request (facts, headers) and the
+    /// response's headers to the instance for the call.
     pub fn on_response(
         &self,
-        req: &mut RequestHead,
+        req: &mut Option<RequestFacts>,
         req_headers: &mut http::HeaderMap,
-        route: &mut RouteInfo,
         resp: ResponseHead,
         resp_headers: &mut http::HeaderMap,
     ) -> Result<HeaderEdits, PluginError> {
         let mut inst = self.checkout()?;
         inst.store.set_epoch_deadline(self.deadline_ticks());
         let data = inst.store.data_mut();
-        data.request = Some(lend(req, route));
+        data.request = req.take();
         data.request_headers = std::mem::take(req_headers);
         data.response_headers = std::mem::take(resp_headers);
         let result = inst.policy.call_on_response(&mut inst.store, resp);
         let data = inst.store.data_mut();
         *req_headers = std::mem::take(&mut data.request_headers);
         *resp_headers = std::mem::take(&mut data.response_headers);
-        give_back(data.request.take(), req, route);
+        *req = data.request.take();
         match result {
             Ok(edits) => {
                 self.checkin(inst);
@@ -417,22 +420,6 @@ pub(crate) fn empty_route() -> RouteInfo {
     RouteInfo {
         name: String::new(),
         params: Vec::new(),
-    }
-}
-
-/// Moves a request's head and route out for a call, leaving empty ones.
-fn lend(req: &mut RequestHead, route: &mut RouteInfo) -> (RequestHead, RouteInfo) {
-    (
-        std::mem::replace(req, empty_head()),
-        std::mem::replace(route, empty_route()),
-    )
-}
-
-/// Puts back what [`lend`] moved out.
-fn give_back(lent: Option<(RequestHead, RouteInfo)>, req: &mut RequestHead, route: &mut RouteInfo) {
-    if let Some((head, info)) = lent {
-        *req = head;
-        *route = info;
     }
 }
 
@@ -510,12 +497,14 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
     }
     // Uses of modules that failed to compile are skipped (their error is
     // reported); the others are still checked, so one run lists all.
+    let route_names: Arc<[Arc<str>]> = config.routes.iter().map(|r| r.name.clone()).collect();
     let bind = |u: &PluginUse, route: Option<&str>| {
         let module = &config.plugins[u.plugin];
         let pre = pres[u.plugin].clone();
         let engine = host.engine.clone();
         let u = u.clone();
         let name = module.name.clone();
+        let route_names = route_names.clone();
         let on = route.map_or_else(|| "the global chain".to_owned(), |r| format!("route `{r}`"));
         async move {
             let Some(pre) = pre else { return Ok(None) };
@@ -530,6 +519,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                 memory: u.memory,
                 fresh: u.fresh_instances,
                 idle: std::array::from_fn(|_| Mutex::new(Vec::new())),
+                route_names,
             };
             let at = |message: String| ConfigError {
                 pos: u.defined_at.clone(),
@@ -591,34 +581,71 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
     }
 }
 
-/// The request head handed to plugins.
-pub fn request_head(
-    method: &http::Method,
-    uri: &http::Uri,
-    headers: &http::HeaderMap,
-    path: &str,
-    client: std::net::IpAddr,
-    tls: bool,
-) -> RequestHead {
-    let authority = uri
-        .authority()
-        .map(|a| a.as_str().to_owned())
-        .or_else(|| {
-            headers
-                .get(http::header::HOST)
-                .and_then(|h| h.to_str().ok())
-                .map(str::to_owned)
-        })
-        .unwrap_or_default();
-    RequestHead {
-        method: method.as_str().to_owned(),
-        scheme: if tls { "https" } else { "http" }.to_owned(),
-        authority,
-        path: path.to_owned(),
-        query: uri.query().map(str::to_owned),
-        client_addr: client.to_canonical().to_string(),
-        tls,
-        sni: None,
+/// What a plugin's view of the request is made from. The WIT records
+/// (`request-head`, `route-info`, six strings and a list) are built from
+/// these only when a plugin asks for them, which most header checks never do.
+#[derive(Debug, Clone)]
+pub struct RequestFacts {
+    /// Method.
+    pub method: http::Method,
+    /// The request target as received (a clone shares its bytes).
+    pub uri: http::Uri,
+    /// The normalized path, when it differs from the target's.
+    pub normalized: Option<String>,
+    /// The path and query a plugin set; later plugins see it.
+    pub rewritten: Option<http::uri::PathAndQuery>,
+    /// The client's address.
+    pub client: std::net::IpAddr,
+    /// Whether the client connection is TLS.
+    pub tls: bool,
+    /// The route's index in the config.
+    pub route: usize,
+    /// The route's path parameters (empty for routes without any).
+    pub params: Vec<(String, String)>,
+}
+
+impl RequestFacts {
+    /// The request head as plugins see it; `headers` supplies the host
+    /// when the target has no authority (HTTP/1.1 origin form).
+    pub fn head(&self, headers: &http::HeaderMap) -> RequestHead {
+        let authority = self
+            .uri
+            .authority()
+            .map(|a| a.as_str().to_owned())
+            .or_else(|| {
+                headers
+                    .get(http::header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .map(str::to_owned)
+            })
+            .unwrap_or_default();
+        let (path, query) = match &self.rewritten {
+            Some(pq) => (pq.path(), pq.query()),
+            None => (
+                self.normalized.as_deref().unwrap_or(self.uri.path()),
+                self.uri.query(),
+            ),
+        };
+        RequestHead {
+            method: self.method.as_str().to_owned(),
+            scheme: if self.tls { "https" } else { "http" }.to_owned(),
+            authority,
+            path: path.to_owned(),
+            query: query.map(str::to_owned),
+            client_addr: self.client.to_canonical().to_string(),
+            tls: self.tls,
+            sni: None,
+        }
+    }
+
+    /// The route as plugins see it.
+    pub fn route_info(&self, names: &[Arc<str>]) -> RouteInfo {
+        RouteInfo {
+            name: names
+                .get(self.route)
+                .map_or_else(String::new, |n| n.to_string()),
+            params: self.params.clone(),
+        }
     }
 }
 
@@ -661,5 +688,70 @@ pub fn apply_edits(headers: &mut http::HeaderMap, edits: &HeaderEdits, plugin: &
         if let Some((n, v)) = valid(h) {
             headers.append(n, v);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(uri: &str) -> RequestFacts {
+        RequestFacts {
+            method: http::Method::PATCH,
+            uri: uri.parse().unwrap(),
+            normalized: None,
+            rewritten: None,
+            client: "::ffff:10.1.2.3".parse().unwrap(),
+            tls: true,
+            route: 1,
+            params: vec![("name".into(), "hooks".into())],
+        }
+    }
+
+    #[test]
+    fn the_head_is_built_from_the_facts_as_plugins_see_them() {
+        let mut headers = http::HeaderMap::new();
+        headers.insert(http::header::HOST, "public.example".parse().unwrap());
+        let f = facts("/a/./b?x=1");
+        let head = f.head(&headers);
+        assert_eq!(head.method, "PATCH");
+        assert_eq!(head.scheme, "https");
+        assert!(head.tls);
+        // Origin form: the host comes from the Host header.
+        assert_eq!(head.authority, "public.example");
+        assert_eq!(
+            (head.path.as_str(), head.query.as_deref()),
+            ("/a/./b", Some("x=1"))
+        );
+        // An IPv4 client on a dual-stack socket reads as IPv4.
+        assert_eq!(head.client_addr, "10.1.2.3");
+
+        // The normalized path replaces the target's; a plugin's rewrite
+        // replaces both, query included.
+        let mut f = facts("http://h2.example/a/./b?x=1");
+        f.normalized = Some("/a/b".into());
+        let head = f.head(&headers);
+        assert_eq!(head.authority, "h2.example");
+        assert_eq!(
+            (head.path.as_str(), head.query.as_deref()),
+            ("/a/b", Some("x=1"))
+        );
+        f.rewritten = Some("/new?y=2".parse().unwrap());
+        let head = f.head(&headers);
+        assert_eq!(
+            (head.path.as_str(), head.query.as_deref()),
+            ("/new", Some("y=2"))
+        );
+    }
+
+    #[test]
+    fn the_route_is_named_from_the_config_index() {
+        let names: Vec<Arc<str>> = vec!["first".into(), "webhooks".into()];
+        let info = facts("/").route_info(&names);
+        assert_eq!(info.name, "webhooks");
+        assert_eq!(info.params, vec![("name".to_owned(), "hooks".to_owned())]);
+        let mut f = facts("/");
+        f.route = 7;
+        assert_eq!(f.route_info(&names).name, "");
     }
 }

@@ -8,7 +8,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use super::bindings::{Level, portcullis::policy::host};
 use super::stdio::PluginOutput;
-use super::{RequestHead, RouteInfo};
+use super::{RequestFacts, RequestHead, RouteInfo};
 
 /// The per-instance store data.
 pub struct State {
@@ -20,9 +20,12 @@ pub struct State {
     table: ResourceTable,
     /// Memory cap for this instance.
     pub limits: MemoryCap,
-    /// The current request's head and route, moved in for the length of
-    /// a call (no copy) and handed out only if the plugin asks.
-    pub request: Option<(RequestHead, RouteInfo)>,
+    /// What the current request's head and route are made from, moved in
+    /// for the length of a call (no copy); the records are built only if
+    /// the plugin asks.
+    pub request: Option<RequestFacts>,
+    /// The config's route names by index.
+    route_names: Arc<[Arc<str>]>,
     /// The current request's headers, likewise.
     pub request_headers: http::HeaderMap,
     /// The current response's headers, likewise, during `on-response`.
@@ -31,7 +34,7 @@ pub struct State {
 
 impl State {
     /// State for an instance of `plugin` capped at `memory` bytes.
-    pub fn new(plugin: Arc<str>, memory: usize) -> State {
+    pub fn new(plugin: Arc<str>, memory: usize, route_names: Arc<[Arc<str>]>) -> State {
         State {
             wasi: WasiCtx::builder()
                 .stdout(PluginOutput::stdout(plugin.clone()))
@@ -44,6 +47,7 @@ impl State {
                 hit: false,
             },
             request: None,
+            route_names,
             request_headers: http::HeaderMap::new(),
             response_headers: http::HeaderMap::new(),
         }
@@ -123,14 +127,14 @@ impl host::Host for State {
 
     fn current_request(&mut self) -> RequestHead {
         match &self.request {
-            Some((head, _)) => head.clone(),
+            Some(facts) => facts.head(&self.request_headers),
             None => super::empty_head(),
         }
     }
 
     fn current_route(&mut self) -> RouteInfo {
         match &self.request {
-            Some((_, route)) => route.clone(),
+            Some(facts) => facts.route_info(&self.route_names),
             None => super::empty_route(),
         }
     }
