@@ -21,10 +21,37 @@ use crate::plugin::{self, Binding, Decision, Hooks, PluginError, RequestFacts, R
 
 /// What the request hooks decided.
 pub enum RequestOutcome<'a> {
-    /// Go on to the upstream.
-    Forward(Box<PluginContext<'a>>),
+    /// Go on to the upstream, with what the response hooks or the
+    /// forwarding need (`None` when nothing: no allocation then).
+    Forward(Option<Box<PluginContext<'a>>>),
     /// Answer now with this.
     Answer(Response<Body>),
+}
+
+/// How far the request hooks got without waiting on anything.
+pub enum Step<'a> {
+    /// All of them ran.
+    Done(RequestOutcome<'a>),
+    /// A plugin asked for the body: read it with [`PendingBody::read`],
+    /// which runs the rest of the chain.
+    ReadBody(Box<PendingBody<'a>>),
+}
+
+/// What the request hooks have set so far.
+struct Progress {
+    /// Lent to each call; `None` only while lent.
+    facts: Option<RequestFacts>,
+    upstream: Option<usize>,
+    path: Option<PathAndQuery>,
+}
+
+/// A chain stopped at the plugin that asked for the request body.
+pub struct PendingBody<'a> {
+    chain: &'a [Arc<Binding>],
+    /// Index (among the request hooks) of the plugin that asked.
+    at: usize,
+    max: u32,
+    progress: Progress,
 }
 
 /// What the response hooks need, kept from the request hooks.
@@ -74,74 +101,142 @@ async fn read_body(body: Body, headers: &http::HeaderMap, max: u32) -> Result<By
     }
 }
 
-/// Runs the request hooks of `chain`. `body` is replaced by the buffered
-/// bytes when a plugin read it.
+/// Runs the request hooks of `chain`, without waiting on anything: a
+/// plain function, so a route's plugins cost no future of their own (and
+/// no allocation) unless one asks for the body.
 #[allow(clippy::too_many_arguments)]
-pub async fn on_request<'a>(
+pub fn on_request<'a>(
     chain: &'a [Arc<Binding>],
     method: &http::Method,
     uri: &http::Uri,
     headers: &mut http::HeaderMap,
-    body: &mut Body,
     path: &str,
     params: &matchit::Params<'_, '_>,
     (route_index, route): (usize, &Route),
     conn: &ConnInfo,
     config: &Config,
-) -> RequestOutcome<'a> {
-    let mut facts = Some(RequestFacts {
-        method: method.clone(),
-        uri: uri.clone(),
-        normalized: (path != uri.path()).then(|| path.to_owned()),
-        rewritten: None,
-        client: conn.client.ip(),
-        tls: conn.tls,
-        route: route_index,
-        params: params
-            .iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect(),
-    });
-    let mut ctx_upstream = None;
-    let mut ctx_path = None;
-    let mut buffered: Option<Bytes> = None;
-    for binding in chain.iter().filter(|b| b.hooks.contains(Hooks::REQUEST)) {
-        let mut read_once = false;
+) -> Step<'a> {
+    let progress = Progress {
+        facts: Some(RequestFacts {
+            method: method.clone(),
+            uri: uri.clone(),
+            normalized: (path != uri.path()).then(|| path.to_owned()),
+            rewritten: None,
+            client: conn.client.ip(),
+            tls: conn.tls,
+            route: route_index,
+            params: params
+                .iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+        }),
+        upstream: None,
+        path: None,
+    };
+    run(chain, 0, progress, headers, None, route, config)
+}
+
+impl<'a> PendingBody<'a> {
+    /// Reads the request body (up to the plugin's bound) into memory,
+    /// forwards exactly those bytes, and runs the rest of the chain with
+    /// them, starting again at the plugin that asked.
+    pub async fn read(
+        self,
+        body: &mut Body,
+        headers: &mut http::HeaderMap,
+        route: &Route,
+        config: &Config,
+    ) -> RequestOutcome<'a> {
+        let taken = std::mem::replace(body, Body::empty());
+        match read_body(taken, headers, self.max).await {
+            Ok(bytes) => {
+                *body = Body::full(bytes.clone());
+                match run(
+                    self.chain,
+                    self.at,
+                    self.progress,
+                    headers,
+                    Some(&bytes),
+                    route,
+                    config,
+                ) {
+                    Step::Done(outcome) => outcome,
+                    // With the body in hand, no plugin is asked again.
+                    Step::ReadBody(_) => unreachable!("the body was already read"),
+                }
+            }
+            Err(status) => {
+                let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+                    "request body too large for the route's plugin"
+                } else {
+                    "request body could not be read"
+                };
+                let plugin = self
+                    .chain
+                    .iter()
+                    .filter(|b| b.hooks.contains(Hooks::REQUEST))
+                    .nth(self.at)
+                    .map(|b| b.plugin.clone());
+                RequestOutcome::Answer(json_error(status, message, route, plugin.as_deref()))
+            }
+        }
+    }
+}
+
+/// Runs the request hooks from the `start`-th on. With `buffered`, the
+/// body was read for the `start`-th plugin, which is called again with it.
+fn run<'a>(
+    chain: &'a [Arc<Binding>],
+    start: usize,
+    mut progress: Progress,
+    headers: &mut http::HeaderMap,
+    buffered: Option<&Bytes>,
+    route: &Route,
+    config: &Config,
+) -> Step<'a> {
+    let hooks = chain
+        .iter()
+        .filter(|b| b.hooks.contains(Hooks::REQUEST))
+        .enumerate()
+        .skip(start);
+    for (i, binding) in hooks {
+        // The plugin that asked for the body has had its one ask.
+        let mut read_once = buffered.is_some() && i == start;
         loop {
-            match binding.on_request(&mut facts, headers, buffered.as_deref()) {
+            match binding.on_request(&mut progress.facts, headers, buffered.map(|b| &b[..])) {
                 Ok(Decision::Forward(f)) => {
                     // Later plugins read the request as edited.
                     plugin::apply_edits(headers, &f.headers, &binding.plugin);
                     if let Some(p) = f.path {
                         match PathAndQuery::try_from(p.as_str()) {
                             Ok(pq) if p.starts_with('/') => {
-                                if let Some(f) = facts.as_mut() {
+                                if let Some(f) = progress.facts.as_mut() {
                                     f.rewritten = Some(pq.clone());
                                 }
-                                ctx_path = Some(pq);
+                                progress.path = Some(pq);
                             }
                             _ => {
                                 tracing::warn!(plugin = %binding.plugin, route = %route.name, path = %p, "plugin set an invalid path");
-                                return RequestOutcome::Answer(json_error(
+                                return Step::Done(RequestOutcome::Answer(json_error(
                                     StatusCode::INTERNAL_SERVER_ERROR,
                                     "plugin set an invalid path",
                                     route,
                                     Some(&binding.plugin),
-                                ));
+                                )));
                             }
                         }
                     }
                     if let Some(name) = f.upstream {
                         match config.upstream_index(&name) {
-                            Some(i) => ctx_upstream = Some(i),
+                            Some(u) => progress.upstream = Some(u),
                             None => {
                                 tracing::warn!(plugin = %binding.plugin, route = %route.name, upstream = %name, "plugin chose an unknown upstream");
-                                return RequestOutcome::Answer(json_error(
+                                return Step::Done(RequestOutcome::Answer(json_error(
                                     StatusCode::INTERNAL_SERVER_ERROR,
                                     "plugin chose an unknown upstream",
                                     route,
                                     Some(&binding.plugin),
-                                ));
+                                )));
                             }
                         }
                     }
@@ -157,33 +252,18 @@ pub async fn on_request<'a>(
                         add: local.headers,
                     };
                     plugin::apply_edits(resp.headers_mut(), &edits, &binding.plugin);
-                    return RequestOutcome::Answer(resp);
+                    return Step::Done(RequestOutcome::Answer(resp));
                 }
                 Ok(Decision::ReadBody(max)) if !read_once && buffered.is_none() => {
-                    read_once = true;
-                    let taken = std::mem::replace(body, Body::empty());
-                    match read_body(taken, headers, max).await {
-                        Ok(bytes) => {
-                            // Forward exactly the bytes the plugin will see.
-                            *body = Body::full(bytes.clone());
-                            buffered = Some(bytes);
-                        }
-                        Err(status) => {
-                            let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-                                "request body too large for the route's plugin"
-                            } else {
-                                "request body could not be read"
-                            };
-                            return RequestOutcome::Answer(json_error(
-                                status,
-                                message,
-                                route,
-                                Some(&binding.plugin),
-                            ));
-                        }
-                    }
+                    return Step::ReadBody(Box::new(PendingBody {
+                        chain,
+                        at: i,
+                        max,
+                        progress,
+                    }));
                 }
-                // The body was already read (by this plugin or an earlier one).
+                // The body was already read (by this plugin or an earlier
+                // one): call again, with it.
                 Ok(Decision::ReadBody(_)) if !read_once => read_once = true,
                 Ok(Decision::ReadBody(_)) => {
                     let e = PluginError::Trap {
@@ -191,32 +271,34 @@ pub async fn on_request<'a>(
                         message: "asked for the body twice".into(),
                     };
                     match fail(binding, route, &e) {
-                        Some(resp) => return RequestOutcome::Answer(resp),
+                        Some(resp) => return Step::Done(RequestOutcome::Answer(resp)),
                         None => break,
                     }
                 }
                 Err(e) => match fail(binding, route, &e) {
-                    Some(resp) => return RequestOutcome::Answer(resp),
+                    Some(resp) => return Step::Done(RequestOutcome::Answer(resp)),
                     None => break,
                 },
             }
         }
     }
-    // Response hooks read the request's headers too; keep a copy only
-    // when one will.
+    // Response hooks read the request too; keep it only when one will.
     let wants_response = chain.iter().any(|b| b.hooks.contains(Hooks::RESPONSE));
+    if !wants_response && progress.upstream.is_none() && progress.path.is_none() {
+        return Step::Done(RequestOutcome::Forward(None));
+    }
     let (facts, request_headers) = if wants_response {
-        (facts, headers.clone())
+        (progress.facts, headers.clone())
     } else {
         (None, http::HeaderMap::new())
     };
-    RequestOutcome::Forward(Box::new(PluginContext {
+    Step::Done(RequestOutcome::Forward(Some(Box::new(PluginContext {
         facts,
         request_headers,
         chain,
-        upstream: ctx_upstream,
-        path: ctx_path,
-    }))
+        upstream: progress.upstream,
+        path: progress.path,
+    }))))
 }
 
 /// Logs a plugin failure and applies its failure policy: `Some` answer

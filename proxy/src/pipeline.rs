@@ -341,24 +341,28 @@ impl Pipeline {
         let mut plugins = None;
         let chain = &self.chains.routes[found.route];
         if !chain.is_empty() && !matches!(route.action, Action::Health(_)) {
-            // Boxed: the chain's future (which may read a body for a
-            // plugin) would otherwise make every request's future, plugins
-            // or not, larger, and it is copied on every move.
-            match Box::pin(chain::on_request(
+            let step = chain::on_request(
                 chain,
                 &parts.method,
                 &parts.uri,
                 &mut parts.headers,
-                &mut body,
                 &path,
                 &found.params,
                 (found.route, route),
                 conn,
                 config,
-            ))
-            .await
-            {
-                chain::RequestOutcome::Forward(ctx) => plugins = Some(ctx),
+            );
+            let outcome = match step {
+                chain::Step::Done(outcome) => outcome,
+                // Boxed: reading the body is a large future, and inline it
+                // would make every request's future larger, copied on
+                // every move, plugins or not.
+                chain::Step::ReadBody(pending) => {
+                    Box::pin(pending.read(&mut body, &mut parts.headers, route, config)).await
+                }
+            };
+            match outcome {
+                chain::RequestOutcome::Forward(ctx) => plugins = ctx,
                 chain::RequestOutcome::Answer(resp) => return (resp, forward::Held::default()),
             }
         }
