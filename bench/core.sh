@@ -10,7 +10,10 @@
 #   nginx-tuned  upstream keep-alive (keepalive 256, HTTP/1.1): nginx at its best;
 #   nginx-chart  proxy_pass as in the runtime chart's routing service that
 #                Portcullis replaces: a new upstream connection per request.
-# wrk drives each in turn, ROUNDS times; the table shows the median round.
+# wrk drives each in turn, ROUNDS times; the table shows the median round,
+# with each proxy's own CPU time per request (user and system, from /proc,
+# all its processes): on a small shared machine requests/s swing by ~10%
+# between runs, CPU per request much less.
 # Needs wrk and nginx (apt-get install wrk nginx-light); installs them if
 # missing.
 set -euo pipefail
@@ -49,6 +52,7 @@ http {
 }
 CONF
 nginx -p "$WORK/px" -c "$WORK/px/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+TUNED_PID=$!
 
 # nginx as the runtime chart configures its routing service (no upstream block).
 cat > "$WORK/chart/nginx.conf" <<CONF
@@ -69,6 +73,7 @@ http {
 }
 CONF
 nginx -p "$WORK/chart" -c "$WORK/chart/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+CHART_PID=$!
 
 # Portcullis with the same route.
 mkdir -p "$WORK/policies"
@@ -78,35 +83,54 @@ upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP_PORT"] }]
 routes: [{ name: all, match: { path_prefix: / }, upstream: app }]
 YAML
 RUST_LOG=warn "$BIN" serve --workers "$WORKERS" --policies "$WORK/policies" & PIDS+=($!)
+PC_PID=$!
 
 wait_port() { for _ in $(seq 100); do curl -fsS "http://127.0.0.1:$1/" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "port $1 not ready" >&2; exit 1; }
 wait_port "$UP_PORT"; wait_port "$NGINX_PORT"; wait_port "$CHART_PORT"; wait_port "$PC_PORT"
 
 # Prints "rps p50_us p99_us" for one wrk run.
 run_wrk() { wrk -t"$WRK_THREADS" -c"$CONNECTIONS" -d"${DURATION}s" --latency "http://127.0.0.1:$1/bench" | wrk_figures; }
+# User and system CPU time so far, in clock ticks, of process $1 and its
+# children (nginx's workers).
+cpu_ticks() { for p in "$1" $(pgrep -P "$1"); do awk '{print $14, $15}' "/proc/$p/stat"; done | awk '{u += $1; s += $2} END {print u, s}'; }
+TICK_US=$((1000000 / $(getconf CLK_TCK)))
+# Runs wrk on port $1 against process $2: "rps p50_us p99_us user_us sys_us"
+# (CPU per request).
+measure() {
+  local u1 s1 u2 s2 figures
+  read -r u1 s1 <<<"$(cpu_ticks "$2")"
+  figures=$(run_wrk "$1")
+  read -r u2 s2 <<<"$(cpu_ticks "$2")"
+  awk -v f="$figures" -v u=$((u2 - u1)) -v s=$((s2 - s1)) -v t="$TICK_US" -v d="$DURATION" \
+    'BEGIN { split(f, a, " "); n = a[1] * d; printf "%s %.2f %.2f\n", f, u * t / n, s * t / n }'
+}
 
 echo "warming up..."
 for port in "$NGINX_PORT" "$CHART_PORT" "$PC_PORT"; do wrk -t1 -c8 -d2s "http://127.0.0.1:$port/" >/dev/null; done
 
 NAMES=(nginx-tuned nginx-chart portcullis)
 PORTS=("$NGINX_PORT" "$CHART_PORT" "$PC_PORT")
+PROCS=("$TUNED_PID" "$CHART_PID" "$PC_PID")
 for n in "${NAMES[@]}"; do : > "$WORK/$n.txt"; done
 for r in $(seq "$ROUNDS"); do
   line="round $r:"
   for i in "${!NAMES[@]}"; do
-    run_wrk "${PORTS[$i]}" >> "$WORK/${NAMES[$i]}.txt"
+    measure "${PORTS[$i]}" "${PROCS[$i]}" >> "$WORK/${NAMES[$i]}.txt"
     line="$line ${NAMES[$i]} $(tail -1 "$WORK/${NAMES[$i]}.txt") |"
   done
-  echo "$line (rps p50us p99us)"
+  echo "$line (rps p50us p99us user-us/req sys-us/req)"
 done
 
 echo
 echo "wrk -t$WRK_THREADS -c$CONNECTIONS -d${DURATION}s, $WORKERS workers each, median of $ROUNDS rounds, $(nproc) cores"
-printf "%-12s %12s %10s %10s %12s %12s\n" proxy "requests/s" "p50 (us)" "p99 (us)" "rps ratio" "p99 ratio"
-read -r P_RPS P_P50 P_P99 <<<"$(median "$WORK/portcullis.txt")"
+printf "%-12s %12s %10s %10s %12s %12s %14s\n" proxy "requests/s" "p50 (us)" "p99 (us)" "rps ratio" "p99 ratio" "CPU/req (us)"
+read -r P_RPS P_P50 P_P99 _ <<<"$(median "$WORK/portcullis.txt")"
 for n in "${NAMES[@]}"; do
-  read -r RPS P50 P99 <<<"$(median "$WORK/$n.txt")"
-  awk -v n="$n" -v r="$RPS" -v a="$P50" -v b="$P99" -v pr="$P_RPS" -v pp="$P_P99" \
-    'BEGIN { printf "%-12s %12d %10d %10d %11.2fx %11.2fx\n", n, r, a, b, pr/r, pp/b }'
+  read -r RPS P50 P99 _ <<<"$(median "$WORK/$n.txt")"
+  # CPU per request: the median round by user time, as user + system.
+  read -r _ _ _ U S <<<"$(median "$WORK/$n.txt" 4)"
+  awk -v n="$n" -v r="$RPS" -v a="$P50" -v b="$P99" -v pr="$P_RPS" -v pp="$P_P99" -v u="$U" -v s="$S" \
+    'BEGIN { printf "%-12s %12d %10d %10d %11.2fx %11.2fx %6.1f + %5.1f\n", n, r, a, b, pr/r, pp/b, u, s }'
 done
-echo "(ratios: portcullis / that row; rps higher is better, p99 lower is better)"
+echo "(ratios: portcullis / that row; rps higher is better, p99 lower is better;"
+echo " CPU/req: the proxy's own user + system time per request)"
