@@ -28,6 +28,8 @@ struct Seen {
     conn: usize,
     /// The request head, as text.
     head: String,
+    /// The request body (Content-Length bodies only).
+    body: Vec<u8>,
 }
 
 /// A TCP upstream that reads request heads (and Content-Length bodies) and
@@ -59,11 +61,15 @@ impl Scripted {
     }
 
     fn yaml(&self) -> String {
+        self.yaml_with_timeout("30s")
+    }
+
+    fn yaml_with_timeout(&self, timeout: &str) -> String {
         format!(
             r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
 upstreams: [{{ name: up, endpoints: ["http://{}"], retries: 0 }}]
-routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up, timeout: {timeout} }}]
 "#,
             self.addr
         )
@@ -110,12 +116,13 @@ where
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
             }
         }
-        buf.drain(..length);
+        let body: Vec<u8> = buf.drain(..length).collect();
         let n = {
             let mut s = seen.lock().unwrap();
             s.push(Seen {
                 conn,
                 head: head.clone(),
+                body,
             });
             s.iter().filter(|s| s.conn == conn).count() - 1
         };
@@ -210,21 +217,20 @@ async fn requests_with_and_without_bodies_share_the_pooled_connections() {
     let up = Scripted::start(|_, _| keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
     let c = client::http1();
-    // Bodiless, with a body (hyper takes the pooled connection over), and
-    // bodiless again on the connection hyper now drives.
+    // Bodiless; a small body (sent whole by the request's task); a body
+    // too large to hold (streamed by hyper, which takes the pooled
+    // connection over); bodiless again on the connection hyper now drives.
     assert_eq!(get(&c, &proxy, "GET", "/1").await.status, 200);
-    let req = Request::post(proxy.url("/2"))
-        .body(body(Bytes::from_static(b"payload")))
-        .unwrap();
+    assert_eq!(send_body(&c, &proxy, "POST", b"payload").await.status, 200);
+    let large = Bytes::from(vec![b'x'; 100 * 1024]);
+    let req = Request::post(proxy.url("/3")).body(body(large)).unwrap();
     assert_eq!(client::send(&c, req).await.status, 200);
-    assert_eq!(get(&c, &proxy, "GET", "/3").await.status, 200);
+    assert_eq!(get(&c, &proxy, "GET", "/4").await.status, 200);
     let seen = up.seen();
-    assert_eq!(seen.len(), 3);
-    assert!(
-        seen[1].head.contains("content-length: 7\r\n"),
-        "{}",
-        seen[1].head
-    );
+    assert_eq!(seen.len(), 4);
+    assert_eq!(seen[1].body, b"payload");
+    assert_eq!(seen[2].body.len(), 100 * 1024);
+    assert!(seen[3].head.starts_with("GET /4 "), "{}", seen[3].head);
     assert_eq!(up.connections(), 1);
 }
 
@@ -303,7 +309,7 @@ async fn head_204_304_and_interim_answers_carry_no_body() {
 }
 
 #[tokio::test]
-async fn a_reused_connection_dropped_by_the_upstream_is_retried_for_get_only() {
+async fn a_reused_connection_dropped_by_the_upstream_is_retried_for_idempotent_methods_only() {
     // The upstream reads the second request on each connection and closes
     // without answering: what a keep-alive timeout racing a request looks
     // like from the proxy.
@@ -320,8 +326,21 @@ async fn a_reused_connection_dropped_by_the_upstream_is_retried_for_get_only() {
     let a = get(&c, &proxy, "GET", "/").await;
     assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"ok"[..]));
     assert_eq!(up.connections(), 2);
+    // So does a PUT with a small body (held whole), body and all.
+    let a = send_body(&c, &proxy, "PUT", b"{\"v\":1}").await;
+    assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"ok"[..]));
+    let puts: Vec<Seen> = up
+        .seen()
+        .into_iter()
+        .filter(|s| s.head.starts_with("PUT"))
+        .collect();
+    assert_eq!(puts.len(), 2);
+    for put in &puts {
+        assert_eq!(put.body, b"{\"v\":1}");
+        assert!(put.head.contains("content-length: 7\r\n"), "{}", put.head);
+    }
     // A POST is not sent twice: the upstream may have acted on it.
-    let a = get(&c, &proxy, "POST", "/").await;
+    let a = send_body(&c, &proxy, "POST", b"once").await;
     assert_eq!(a.status, 502);
     assert_eq!(a.json()["error"], "upstream connection failed");
     let posts = up
@@ -399,4 +418,67 @@ async fn assert_cut_short(proxy: &Proxy, path: &str) {
         .expect("the body ends within 20 s");
         assert!(collected.is_err(), "{path}: a cut body looked complete");
     }
+}
+
+/// Sends `method /` with `body` through `client`.
+async fn send_body(
+    client: &hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        client::ReqBody,
+    >,
+    proxy: &Proxy,
+    method: &str,
+    body_bytes: &'static [u8],
+) -> client::Answer {
+    let req = Request::builder()
+        .method(method)
+        .uri(proxy.url("/"))
+        .body(body(Bytes::from_static(body_bytes)))
+        .unwrap();
+    client::send(client, req).await
+}
+
+#[tokio::test]
+async fn a_large_body_streams_and_arrives_whole() {
+    let up = Scripted::start(|_, _| keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let req = Request::post(proxy.url("/big"))
+        .body(body(Bytes::from(payload.clone())))
+        .unwrap();
+    assert_eq!(client::send(&client::http1(), req).await.status, 200);
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    assert!(
+        seen[0].head.contains("content-length: 200000\r\n"),
+        "{}",
+        seen[0].head
+    );
+    assert!(seen[0].body == payload, "the upstream got other bytes");
+}
+
+#[tokio::test]
+async fn a_client_too_slow_with_its_body_gets_408_and_nothing_reaches_the_upstream() {
+    let up = Scripted::start(|_, _| keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
+    let proxy = Proxy::start_yaml(&up.yaml_with_timeout("300ms")).await;
+    let mut sock = TcpStream::connect(proxy.addr).await.unwrap();
+    sock.write_all(b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        let mut chunk = [0u8; 1024];
+        while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = sock.read(&mut chunk).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            answer.extend_from_slice(&chunk[..n]);
+        }
+    });
+    read.await.expect("an answer within 10 s");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(up.seen().is_empty(), "a partial body must not be forwarded");
+    assert_eq!(client::get(&proxy.url("/fine")).await.status, 200);
 }

@@ -513,6 +513,9 @@ fn log_forward_error(route: &Route, upstream: &str, e: &ForwardError) {
         ForwardError::BadTarget(_) => {
             tracing::info!(route = %route.name, upstream, error = %e, "bad request target")
         }
+        ForwardError::RequestBody(_) | ForwardError::RequestBodyTimeout(_) => {
+            tracing::info!(route = %route.name, upstream, error = %e, "request body not received")
+        }
         _ => tracing::warn!(route = %route.name, upstream, error = %e, "upstream request failed"),
     }
 }

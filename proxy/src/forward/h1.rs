@@ -1,5 +1,6 @@
 //! HTTP/1.1 to an upstream within the request's own task, for requests
-//! without a body (most proxied traffic: GETs, probes, SSE subscriptions).
+//! whose body (if any) is already in hand: most proxied traffic (GETs,
+//! probes, SSE subscriptions, small JSON posts).
 //!
 //! hyper's client runs each connection as a separate task: a request is
 //! handed to it over a channel, the response head comes back over another,
@@ -9,8 +10,8 @@
 //! the response body reads the socket itself as the client side pulls it;
 //! when the body ends the connection goes back to its pool slot.
 //!
-//! Requests with a body, upgrades and HTTP/2 still go through hyper, which
-//! reads the response while the body is still being sent.
+//! Streamed request bodies, upgrades and HTTP/2 still go through hyper,
+//! which reads the response while the body is still being sent.
 
 use std::io;
 use std::pin::Pin;
@@ -167,9 +168,9 @@ impl H1Conn {
         std::future::poll_fn(|cx| self.poll_fill(cx)).await
     }
 
-    /// Sends a bodiless request and reads the response head. `host` is
-    /// written first when given; `prefix` goes before `path` (an
-    /// endpoint's base path).
+    /// Sends a request (head and `body`, in one write) and reads the
+    /// response head. `host` is written first when given; `prefix` goes
+    /// before `path` (an endpoint's base path).
     pub async fn exchange(
         &mut self,
         method: &Method,
@@ -177,9 +178,10 @@ impl H1Conn {
         path: &str,
         host: Option<&HeaderValue>,
         headers: &HeaderMap,
+        body: Option<&[u8]>,
     ) -> Result<(Response<()>, Framing), ExchangeError> {
         self.read_size = FIRST_READ;
-        encode_head(&mut self.head, method, prefix, path, host, headers);
+        encode_head(&mut self.head, method, prefix, path, host, headers, body);
         if let Err(e) = self.io.write_all(&self.head).await {
             return Err(ExchangeError::Closed(format!("writing the request: {e}")));
         }
@@ -243,8 +245,10 @@ fn head_too_large() -> ExchangeError {
     ))
 }
 
-/// Writes the request head into `out`. Header values are valid by
-/// construction (`HeaderValue` holds no CR or LF), so nothing needs escaping.
+/// Writes the request head, then `body`, into `out`. Header values are
+/// valid by construction (`HeaderValue` holds no CR or LF), so nothing
+/// needs escaping. The body's length is written from the bytes at hand;
+/// a `Content-Length` in `headers` is not copied.
 fn encode_head(
     out: &mut Vec<u8>,
     method: &Method,
@@ -252,6 +256,7 @@ fn encode_head(
     path: &str,
     host: Option<&HeaderValue>,
     headers: &HeaderMap,
+    body: Option<&[u8]>,
 ) {
     out.clear();
     out.extend_from_slice(method.as_str().as_bytes());
@@ -265,15 +270,25 @@ fn encode_head(
         out.extend_from_slice(b"\r\n");
     }
     for (name, value) in headers {
+        if name == header::CONTENT_LENGTH {
+            continue;
+        }
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-    // Some servers refuse a POST or PUT without a length (411), even an
-    // empty one; hyper adds it the same way.
-    if needs_zero_length(method) && !headers.contains_key(header::CONTENT_LENGTH) {
-        out.extend_from_slice(b"content-length: 0\r\n");
+    match body {
+        Some(b) if !b.is_empty() => {
+            use std::io::Write as _;
+            let _ = write!(out, "content-length: {}\r\n\r\n", b.len());
+            out.extend_from_slice(b);
+            return;
+        }
+        // Some servers refuse a POST or PUT without a length (411), even
+        // an empty one; hyper adds it the same way.
+        _ if needs_zero_length(method) => out.extend_from_slice(b"content-length: 0\r\n"),
+        _ => {}
     }
     out.extend_from_slice(b"\r\n");
 }
@@ -765,13 +780,21 @@ mod tests {
             "/p?q=1",
             Some(&host),
             &headers,
+            None,
         );
         assert_eq!(
             out,
             b"POST /base/p?q=1 HTTP/1.1\r\nhost: up:80\r\nx-a: 1\r\ncontent-length: 0\r\n\r\n"
         );
-        encode_head(&mut out, &Method::GET, "", "/", None, &headers);
+        encode_head(&mut out, &Method::GET, "", "/", None, &headers, None);
         assert_eq!(out, b"GET / HTTP/1.1\r\nx-a: 1\r\n\r\n");
+        // The length comes from the bytes sent, whatever the client said.
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("99"));
+        encode_head(&mut out, &Method::PUT, "", "/", None, &headers, Some(b"{}"));
+        assert_eq!(
+            out,
+            b"PUT / HTTP/1.1\r\nx-a: 1\r\ncontent-length: 2\r\n\r\n{}"
+        );
     }
 
     fn parsed(raw: &str, method: &Method) -> Result<(Response<()>, Framing), ExchangeError> {

@@ -41,6 +41,13 @@ pub enum ForwardError {
     /// A path parameter cannot be used to build the upstream URL.
     #[error("{0}")]
     BadTarget(String),
+    /// The client's request body could not be read (it went away, or sent
+    /// something broken).
+    #[error("reading the request body: {0}")]
+    RequestBody(String),
+    /// The client took longer than the request timeout to send its body.
+    #[error("request body not received within {0:?}")]
+    RequestBodyTimeout(Duration),
 }
 
 impl ForwardError {
@@ -49,7 +56,8 @@ impl ForwardError {
         match self {
             ForwardError::Unreachable(_) | ForwardError::Failed(_) => StatusCode::BAD_GATEWAY,
             ForwardError::ConnectTimeout | ForwardError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
-            ForwardError::BadTarget(_) => StatusCode::BAD_REQUEST,
+            ForwardError::BadTarget(_) | ForwardError::RequestBody(_) => StatusCode::BAD_REQUEST,
+            ForwardError::RequestBodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
         }
     }
 
@@ -61,6 +69,8 @@ impl ForwardError {
             ForwardError::Timeout(_) => "upstream timeout",
             ForwardError::Failed(_) => "upstream connection failed",
             ForwardError::BadTarget(_) => "invalid path parameter",
+            ForwardError::RequestBody(_) => "request body could not be read",
+            ForwardError::RequestBodyTimeout(_) => "request body timeout",
         }
     }
 }
@@ -129,6 +139,23 @@ fn idempotent(m: &Method) -> bool {
         *m,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE | Method::TRACE
     )
+}
+
+/// Request bodies of a known length up to this size are read before the
+/// request goes out (as nginx buffers bodies in memory up to its
+/// `client_body_buffer_size`): the request is then exchanged in-task in
+/// one write, and can be sent again if a pooled connection turns out dead.
+/// Longer bodies, and bodies of unknown length, stream through hyper.
+const MAX_BUFFERED_BODY: u64 = 64 * 1024;
+
+/// Reads all of a small body (see [`MAX_BUFFERED_BODY`]) within `timeout`.
+async fn read_small_body(body: Body, timeout: Duration) -> Result<bytes::Bytes, ForwardError> {
+    let limited = http_body_util::Limited::new(body, MAX_BUFFERED_BODY as usize);
+    match tokio::time::timeout(timeout, http_body_util::BodyExt::collect(limited)).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) => Err(ForwardError::RequestBody(e.to_string())),
+        Err(_) => Err(ForwardError::RequestBodyTimeout(timeout)),
+    }
 }
 
 /// How many times a pooled connection that turned out closed is replaced
@@ -220,28 +247,38 @@ impl UpstreamPool {
         } else {
             Version::HTTP_11
         };
-        // As nginx's proxy_next_upstream: a retry goes to another endpoint,
-        // so a single-endpoint upstream never pays for keeping a copy.
-        let retryable = self.spec.retries > 0
-            && endpoints.len() > 1
-            && idempotent(&out.method)
-            && http_body::Body::is_end_stream(&out.body);
-        let attempts = if retryable {
-            1 + self.spec.retries.min(endpoints.len() as u32 - 1)
-        } else {
-            1
-        };
-        // Bodiless HTTP/1.1 requests are exchanged by this task (`h1`);
-        // bodies and upgrades go through hyper's connection task.
-        let in_task = version == Version::HTTP_11
-            && http_body::Body::is_end_stream(&out.body)
-            && !headers::is_upgrade(&out.headers);
         let Outgoing {
             method,
             path,
             mut headers,
             mut body,
         } = out;
+        let upgrade = headers::is_upgrade(&headers);
+        let bodiless = http_body::Body::is_end_stream(&body);
+        // A small body of known length is read now: the request is then
+        // whole in hand (one write, and sendable again).
+        let payload = match http_body::Body::size_hint(&body).exact() {
+            Some(n) if !bodiless && !upgrade && n <= MAX_BUFFERED_BODY => {
+                let taken = std::mem::replace(&mut body, Body::empty());
+                Some(read_small_body(taken, timeout).await?)
+            }
+            _ => None,
+        };
+        let whole = bodiless || payload.is_some();
+        // As nginx's proxy_next_upstream: a retry goes to another endpoint,
+        // so a single-endpoint upstream never pays for keeping a copy.
+        let retryable =
+            self.spec.retries > 0 && endpoints.len() > 1 && idempotent(&method) && whole;
+        let attempts = if retryable {
+            1 + self.spec.retries.min(endpoints.len() as u32 - 1)
+        } else {
+            1
+        };
+        // Requests in hand are exchanged with HTTP/1.1 upstreams by this
+        // task (`h1`); streamed bodies and upgrades go through hyper's
+        // connection task, which reads the response while the body is
+        // still going out.
+        let in_task = version == Version::HTTP_11 && !upgrade && whole;
         let attempt_all = async {
             let mut last = None;
             let first = self.pick(endpoints.len());
@@ -262,10 +299,10 @@ impl UpstreamPool {
                 } else {
                     headers.clone()
                 };
-                let mut b = if last_attempt {
-                    std::mem::replace(&mut body, Body::empty())
-                } else {
-                    Body::empty()
+                let mut b = match &payload {
+                    Some(p) => Body::full(p.clone()),
+                    None if last_attempt => std::mem::replace(&mut body, Body::empty()),
+                    None => Body::empty(),
                 };
                 let host = (!self.spec.preserve_host && version == Version::HTTP_11)
                     .then_some(&ep.host_header);
@@ -291,7 +328,14 @@ impl UpstreamPool {
                         Conn::InTask(mut conn, slot) => {
                             let prefix = ep.base_path.as_deref().unwrap_or("");
                             match conn
-                                .exchange(&method, prefix, path.as_str(), host, &hdrs)
+                                .exchange(
+                                    &method,
+                                    prefix,
+                                    path.as_str(),
+                                    host,
+                                    &hdrs,
+                                    payload.as_deref(),
+                                )
                                 .await
                             {
                                 Ok((resp, framing)) => {
