@@ -465,20 +465,57 @@ async fn a_client_too_slow_with_its_body_gets_408_and_nothing_reaches_the_upstre
     sock.write_all(b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc")
         .await
         .unwrap();
-    let mut answer = Vec::new();
-    let read = tokio::time::timeout(std::time::Duration::from_secs(10), async {
-        let mut chunk = [0u8; 1024];
-        while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
-            let n = sock.read(&mut chunk).await.unwrap();
-            if n == 0 {
-                break;
-            }
-            answer.extend_from_slice(&chunk[..n]);
-        }
-    });
-    read.await.expect("an answer within 10 s");
-    let text = String::from_utf8_lossy(&answer);
+    let text = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        read_until(&mut sock, b"\r\n\r\n"),
+    )
+    .await
+    .expect("an answer within 10 s");
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
     assert!(up.seen().is_empty(), "a partial body must not be forwarded");
     assert_eq!(client::get(&proxy.url("/fine")).await.status, 200);
+}
+
+#[tokio::test]
+async fn a_client_expecting_100_continue_is_told_to_send_and_its_body_arrives() {
+    let up = Scripted::start(|_, _| keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    let mut sock = TcpStream::connect(proxy.addr).await.unwrap();
+    sock.write_all(
+        b"POST /e HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 5\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    // The client sends nothing more until told to; a proxy waiting for the
+    // body without saying so would hang here.
+    let interim = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        read_until(&mut sock, b"\r\n\r\n"),
+    )
+    .await
+    .expect("100 Continue within 10 s");
+    assert!(interim.starts_with("HTTP/1.1 100 Continue"), "{interim}");
+    sock.write_all(b"hello").await.unwrap();
+    let answer = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        read_until(&mut sock, b"\r\n\r\nok"),
+    )
+    .await
+    .expect("the answer within 10 s");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].body, b"hello");
+}
+
+/// Reads from `sock` until `want` has arrived; everything read, as text.
+async fn read_until(sock: &mut TcpStream, want: &[u8]) -> String {
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !got.windows(want.len()).any(|w| w == want) {
+        let n = sock.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&chunk[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
 }
