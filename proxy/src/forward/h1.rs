@@ -123,6 +123,18 @@ impl H1Conn {
         })
     }
 
+    /// Drops buffers grown for a large exchange, so an idle connection
+    /// holds a few KiB, not what its biggest response needed.
+    fn shrink(&mut self) {
+        if self.buf.capacity() > 2 * FIRST_READ {
+            self.buf = BytesMut::new();
+        }
+        if self.head.capacity() > 2 * FIRST_READ {
+            self.head = Vec::new();
+        }
+        self.read_size = FIRST_READ;
+    }
+
     /// The stream, for a hand-over to hyper (only ever done while idle,
     /// when nothing is buffered).
     pub fn into_io(self) -> Io {
@@ -198,8 +210,9 @@ impl H1Conn {
                     fill_headers(&head, &mut resp)?;
                     let status = resp.status();
                     // Interim answers (100 Continue, 103 Early Hints) come
-                    // before the real one; a bodiless request has no use
-                    // for them. 101 needs an upgrade, which goes by hyper.
+                    // before the real one; the request went out whole, so
+                    // they change nothing. 101 needs an upgrade, which goes
+                    // by hyper.
                     if status.is_informational() {
                         if status == StatusCode::SWITCHING_PROTOCOLS {
                             return Err(ExchangeError::Failed(
@@ -505,9 +518,10 @@ impl H1Body {
     /// The body is complete: give the connection back, or close it.
     fn end(&mut self) {
         self.state = State::Done;
-        if let (Some(conn), Some(home)) = (self.conn.take(), self.home.take())
+        if let (Some(mut conn), Some(home)) = (self.conn.take(), self.home.take())
             && conn.buf.is_empty()
         {
+            conn.shrink();
             home.put_h1(conn);
         }
     }
@@ -753,6 +767,31 @@ mod tests {
             "the dropped body's connection stayed open"
         );
         assert_eq!(slot.idle_count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_parked_connection_keeps_small_buffers() {
+        let (conn, mut up) = pair().await;
+        let slot = Arc::new(Slot::default());
+        let mut body = H1Body::new(conn, Framing::Length(300_000), Some(slot.clone()));
+        let sent = vec![7u8; 300_000];
+        let writer = tokio::spawn(async move {
+            up.write_all(&sent).await.unwrap();
+            up
+        });
+        let mut got = 0;
+        while got < 300_000 {
+            got += next_data(&mut body).await.len();
+        }
+        let _up = writer.await.unwrap();
+        assert_eq!(slot.idle_count(), 1);
+        let parked = slot.take_bare().expect("the parked connection");
+        assert!(
+            parked.buf.capacity() <= 2 * FIRST_READ,
+            "{}",
+            parked.buf.capacity()
+        );
+        assert_eq!(parked.read_size, FIRST_READ);
     }
 
     #[test]

@@ -111,6 +111,15 @@ impl Slot {
     pub fn idle_count(&self) -> usize {
         self.idle.lock().map_or(0, |i| i.len())
     }
+
+    /// The last bare connection parked here, taken out.
+    #[cfg(test)]
+    pub fn take_bare(&self) -> Option<Box<H1Conn>> {
+        match self.idle.lock().ok()?.pop()?.conn {
+            IdleConn::Bare(c) => Some(c),
+            IdleConn::Hyper(_) => None,
+        }
+    }
 }
 
 /// An HTTP/1.1 connection checked out of a slot. [`Lease::release`] puts it
