@@ -1,7 +1,7 @@
 # Build: docker build -t portcullis .
 # Run:   docker run -p 8080:8080 portcullis             (default policies)
 #        docker run -v ./my-policies:/etc/portcullis/policies -p 8080:8080 portcullis
-FROM rust:1.95-bookworm AS build
+FROM rust:1.97-bookworm AS build
 WORKDIR /src
 COPY . .
 ENV CARGO_TARGET_DIR=/src/target

@@ -27,6 +27,9 @@ if [ "$(cat "$marker" 2>/dev/null)" != "$PWD" ]; then
 fi
 
 if command -v rustup >/dev/null 2>&1; then
+  # The toolchain rust-toolchain.toml names (with rustfmt, clippy and the
+  # wasm32-wasip2 target), installed if this machine lacks it.
+  rustup toolchain install
   installed=$(rustup component list --installed 2>/dev/null || true)
   for c in rustfmt clippy; do
     grep -q "^$c" <<<"$installed" || rustup component add "$c"
