@@ -201,13 +201,7 @@ impl H1Conn {
         loop {
             if !self.buf.is_empty() {
                 received = true;
-                if let Some((resp, len)) = parse_head(&self.buf)? {
-                    if len > MAX_HEAD {
-                        return Err(head_too_large());
-                    }
-                    let mut resp = resp;
-                    let head = self.buf.split_to(len).freeze();
-                    fill_headers(&head, &mut resp)?;
+                if let Some(mut resp) = take_head(&mut self.buf)? {
                     let status = resp.status();
                     // Interim answers (100 Continue, 103 Early Hints) come
                     // before the real one; the request went out whole, so
@@ -313,20 +307,11 @@ fn needs_zero_length(m: &Method) -> bool {
     ) && *m != Method::CONNECT
 }
 
-/// Where each header of a parsed head sits in the head's bytes.
-type Spans = ([(usize, usize, usize, usize); MAX_HEADERS], usize);
-
-thread_local! {
-    // Spans of the last parse, read by `fill_headers` right after; kept
-    // here rather than on the stack of the request's future, which would
-    // make every request future 4 KiB larger.
-    static SPANS: std::cell::RefCell<Spans> =
-        const { std::cell::RefCell::new(([(0, 0, 0, 0); MAX_HEADERS], 0)) };
-}
-
-/// Parses a response head at the start of `buf`: `None` while incomplete,
-/// else the response (headers not yet filled in) and the head's length.
-fn parse_head(buf: &[u8]) -> Result<Option<(Response<()>, usize)>, ExchangeError> {
+/// Takes a whole response head off the front of `buf`: `None` while it is
+/// incomplete. Header values share the head's bytes rather than being
+/// copied. A plain function (not async): its 4 KiB of parse state lives on
+/// the stack for the call only, not in every request's future.
+fn take_head(buf: &mut BytesMut) -> Result<Option<Response<()>>, ExchangeError> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut parsed = httparse::Response::new(&mut fields);
     let len = match parsed.parse(buf) {
@@ -339,6 +324,9 @@ fn parse_head(buf: &[u8]) -> Result<Option<(Response<()>, usize)>, ExchangeError
         }
         Err(e) => return Err(ExchangeError::Failed(format!("invalid response head: {e}"))),
     };
+    if len > MAX_HEAD {
+        return Err(head_too_large());
+    }
     let status = parsed
         .code
         .and_then(|c| StatusCode::from_u16(c).ok())
@@ -347,44 +335,37 @@ fn parse_head(buf: &[u8]) -> Result<Option<(Response<()>, usize)>, ExchangeError
         Some(0) => Version::HTTP_10,
         _ => Version::HTTP_11,
     };
+    // Where each field sits in the head, to slice the frozen bytes with.
     let base = buf.as_ptr() as usize;
-    SPANS.with_borrow_mut(|(spans, n)| {
-        *n = parsed.headers.len();
-        for (span, h) in spans.iter_mut().zip(parsed.headers.iter()) {
-            *span = (
-                h.name.as_ptr() as usize - base,
-                h.name.len(),
-                h.value.as_ptr() as usize - base,
-                h.value.len(),
-            );
-        }
-    });
+    let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
+    let n = parsed.headers.len();
+    for (span, h) in spans.iter_mut().zip(parsed.headers.iter()) {
+        *span = (
+            h.name.as_ptr() as usize - base,
+            h.name.len(),
+            h.value.as_ptr() as usize - base,
+            h.value.len(),
+        );
+    }
+    let head = buf.split_to(len).freeze();
     let mut resp = Response::new(());
     *resp.status_mut() = status;
     *resp.version_mut() = version;
-    Ok(Some((resp, len)))
-}
-
-/// Fills in the headers of the head last parsed, whose bytes are `head`;
-/// values share `head`'s memory rather than being copied.
-fn fill_headers(head: &Bytes, resp: &mut Response<()>) -> Result<(), ExchangeError> {
-    SPANS.with_borrow(|(spans, n)| {
-        let headers = resp.headers_mut();
-        headers.reserve(*n);
-        for &(ns, nl, vs, vl) in &spans[..*n] {
-            let name = HeaderName::from_bytes(&head[ns..ns + nl]).map_err(|_| {
-                ExchangeError::Failed(format!(
-                    "invalid header name `{}` in the response",
-                    String::from_utf8_lossy(&head[ns..ns + nl])
-                ))
-            })?;
-            let value = HeaderValue::from_maybe_shared(head.slice(vs..vs + vl)).map_err(|_| {
-                ExchangeError::Failed(format!("invalid value for header `{name}` in the response"))
-            })?;
-            headers.append(name, value);
-        }
-        Ok(())
-    })
+    let headers = resp.headers_mut();
+    headers.reserve(n);
+    for &(ns, nl, vs, vl) in &spans[..n] {
+        let name = HeaderName::from_bytes(&head[ns..ns + nl]).map_err(|_| {
+            ExchangeError::Failed(format!(
+                "invalid header name `{}` in the response",
+                String::from_utf8_lossy(&head[ns..ns + nl])
+            ))
+        })?;
+        let value = HeaderValue::from_maybe_shared(head.slice(vs..vs + vl)).map_err(|_| {
+            ExchangeError::Failed(format!("invalid value for header `{name}` in the response"))
+        })?;
+        headers.append(name, value);
+    }
+    Ok(Some(resp))
 }
 
 /// How the response body is delimited (RFC 9112 §6.3).
@@ -837,9 +818,8 @@ mod tests {
     }
 
     fn parsed(raw: &str, method: &Method) -> Result<(Response<()>, Framing), ExchangeError> {
-        let buf = Bytes::copy_from_slice(raw.as_bytes());
-        let (mut resp, len) = parse_head(&buf)?.expect("complete head");
-        fill_headers(&buf.slice(..len), &mut resp)?;
+        let mut buf = BytesMut::from(raw.as_bytes());
+        let mut resp = take_head(&mut buf)?.expect("complete head");
         let f = framing(method, &mut resp)?;
         Ok((resp, f))
     }
@@ -921,7 +901,7 @@ mod tests {
         assert!(err("HTTP/1.1 200 OK\r\nbad header\r\n\r\n").contains("invalid response head"));
         assert!(err("HTTP/1.1 2000 OK\r\n\r\n").contains("invalid response head"));
         assert!(
-            parse_head(b"HTTP/1.1 200 OK\r\nx: y\r\n")
+            take_head(&mut BytesMut::from(&b"HTTP/1.1 200 OK\r\nx: y\r\n"[..]))
                 .unwrap()
                 .is_none()
         );
