@@ -2,21 +2,7 @@
 
 use std::process::Command;
 
-use crate::support::binary;
-
-fn check(dir: &std::path::Path) -> (bool, String, String) {
-    let out = Command::new(binary())
-        .arg("check")
-        .arg("--policies")
-        .arg(dir)
-        .output()
-        .expect("run check");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use crate::support::{binary, check};
 
 #[test]
 fn the_shipped_policies_are_valid() {

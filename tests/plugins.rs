@@ -398,7 +398,6 @@ routes:
 
 #[test]
 fn a_plugin_that_imports_the_filesystem_is_refused_naming_the_import() {
-    use std::process::Command;
     let dir = policy_dir(
         r#"
 listeners: [{ name: http, bind: "127.0.0.1:0" }]
@@ -409,14 +408,8 @@ routes:
 "#,
         &["fixture-read-file"],
     );
-    let out = Command::new(crate::support::binary())
-        .arg("check")
-        .arg("--policies")
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok, "{stderr}");
     assert!(
         stderr.contains("fixture-read-file.wasm cannot be linked")
             && stderr.contains("wasi:filesystem/"),
@@ -426,7 +419,6 @@ routes:
 
 #[test]
 fn check_reports_plugin_problems_with_route_and_place() {
-    use std::process::Command;
     let dir = policy_dir(
         r#"
 listeners: [{ name: http, bind: "127.0.0.1:0" }]
@@ -453,14 +445,8 @@ routes:
         &["webhook-signature"],
     );
     std::fs::write(dir.path().join("junk.wasm"), b"\0asm not really").unwrap();
-    let out = Command::new(crate::support::binary())
-        .arg("check")
-        .arg("--policies")
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok);
     let file = dir.path().join("policy.yaml").display().to_string();
     // Loading errors come first: each names file:line:column.
     for needle in [
@@ -480,14 +466,8 @@ routes:
         .map(|l| format!("{l}\n"))
         .collect();
     std::fs::write(dir.path().join("policy.yaml"), fixed).unwrap();
-    let out = Command::new(crate::support::binary())
-        .arg("check")
-        .arg("--policies")
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok);
     for needle in [
         "is not a valid plugin component",
         "plugin `sig` on route `empty-secret`",

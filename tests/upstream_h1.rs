@@ -140,6 +140,11 @@ where
     }
 }
 
+/// `200 ok`, keeping the connection.
+fn ok() -> Reply {
+    keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+}
+
 fn keep(s: &str) -> Reply {
     Reply::Keep(s.as_bytes().to_vec())
 }
@@ -190,7 +195,7 @@ async fn chunked_bodies_with_extensions_and_trailers_arrive_whole_and_the_connec
 
 #[tokio::test]
 async fn content_length_bodies_keep_the_connection_and_the_request_head_is_as_sent() {
-    let up = Scripted::start(|_, _| keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
+    let up = Scripted::start(|_, _| ok()).await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
     let c = client::http1();
     let a = get(&c, &proxy, "GET", "/a/b?q=1").await;
@@ -214,7 +219,7 @@ async fn content_length_bodies_keep_the_connection_and_the_request_head_is_as_se
 
 #[tokio::test]
 async fn requests_with_and_without_bodies_share_the_pooled_connections() {
-    let up = Scripted::start(|_, _| keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
+    let up = Scripted::start(|_, _| ok()).await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
     let c = client::http1();
     // Bodiless; a small body (sent whole by the request's task); a body
@@ -314,7 +319,7 @@ async fn a_reused_connection_dropped_by_the_upstream_is_retried_for_idempotent_m
     // without answering: what a keep-alive timeout racing a request looks
     // like from the proxy.
     let up = Scripted::start(|n, _| match n {
-        0 => keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"),
+        0 => ok(),
         _ => Reply::Close(Vec::new()),
     })
     .await;
@@ -369,7 +374,7 @@ async fn broken_answers_are_502_and_the_proxy_keeps_serving() {
             "/bad-chunk" => Reply::Close(
                 b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n".to_vec(),
             ),
-            _ => keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"),
+            _ => ok(),
         }
     })
     .await;
@@ -440,7 +445,7 @@ async fn send_body(
 
 #[tokio::test]
 async fn a_large_body_streams_and_arrives_whole() {
-    let up = Scripted::start(|_, _| keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
+    let up = Scripted::start(|_, _| ok()).await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
     let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
     let req = Request::post(proxy.url("/big"))
@@ -459,18 +464,13 @@ async fn a_large_body_streams_and_arrives_whole() {
 
 #[tokio::test]
 async fn a_client_too_slow_with_its_body_gets_408_and_nothing_reaches_the_upstream() {
-    let up = Scripted::start(|_, _| keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
+    let up = Scripted::start(|_, _| ok()).await;
     let proxy = Proxy::start_yaml(&up.yaml_with_timeout("300ms")).await;
     let mut sock = TcpStream::connect(proxy.addr).await.unwrap();
     sock.write_all(b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc")
         .await
         .unwrap();
-    let text = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        read_until(&mut sock, b"\r\n\r\n"),
-    )
-    .await
-    .expect("an answer within 10 s");
+    let text = read_until(&mut sock, b"\r\n\r\n").await;
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
     assert!(up.seen().is_empty(), "a partial body must not be forwarded");
     assert_eq!(client::get(&proxy.url("/fine")).await.status, 200);
@@ -478,7 +478,7 @@ async fn a_client_too_slow_with_its_body_gets_408_and_nothing_reaches_the_upstre
 
 #[tokio::test]
 async fn a_client_expecting_100_continue_is_told_to_send_and_its_body_arrives() {
-    let up = Scripted::start(|_, _| keep("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
+    let up = Scripted::start(|_, _| ok()).await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
     let mut sock = TcpStream::connect(proxy.addr).await.unwrap();
     sock.write_all(
@@ -488,34 +488,30 @@ async fn a_client_expecting_100_continue_is_told_to_send_and_its_body_arrives() 
     .unwrap();
     // The client sends nothing more until told to; a proxy waiting for the
     // body without saying so would hang here.
-    let interim = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        read_until(&mut sock, b"\r\n\r\n"),
-    )
-    .await
-    .expect("100 Continue within 10 s");
+    let interim = read_until(&mut sock, b"\r\n\r\n").await;
     assert!(interim.starts_with("HTTP/1.1 100 Continue"), "{interim}");
     sock.write_all(b"hello").await.unwrap();
-    let answer = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        read_until(&mut sock, b"\r\n\r\nok"),
-    )
-    .await
-    .expect("the answer within 10 s");
+    let answer = read_until(&mut sock, b"\r\n\r\nok").await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     let seen = up.seen();
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].body, b"hello");
 }
 
-/// Reads from `sock` until `want` has arrived; everything read, as text.
+/// Reads from `sock` until `want` has arrived (10 s at most); everything
+/// read, as text.
 async fn read_until(sock: &mut TcpStream, want: &[u8]) -> String {
     let mut got = Vec::new();
     let mut chunk = [0u8; 1024];
-    while !got.windows(want.len()).any(|w| w == want) {
-        let n = sock.read(&mut chunk).await.unwrap();
-        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
-        got.extend_from_slice(&chunk[..n]);
-    }
+    let reading = async {
+        while !got.windows(want.len()).any(|w| w == want) {
+            let n = sock.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&chunk[..n]);
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(10), reading)
+        .await
+        .unwrap_or_else(|_| panic!("no {:?} within 10 s", String::from_utf8_lossy(want)));
     String::from_utf8_lossy(&got).into_owned()
 }

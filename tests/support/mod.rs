@@ -125,6 +125,22 @@ impl Drop for Proxy {
     }
 }
 
+/// Runs `portcullis check --policies dir`: whether it passed, its stdout
+/// and its stderr.
+pub fn check(dir: &std::path::Path) -> (bool, String, String) {
+    let out = std::process::Command::new(binary())
+        .arg("check")
+        .arg("--policies")
+        .arg(dir)
+        .output()
+        .expect("run check");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// A loopback port with nothing listening on it (bound, then released).
 pub fn closed_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
