@@ -11,6 +11,7 @@ pub mod cert_files;
 pub mod chain;
 pub mod commands;
 pub mod config;
+pub mod drain;
 pub mod forward;
 pub mod pipeline;
 pub mod plugin;

@@ -17,13 +17,13 @@ use arc_swap::ArcSwap;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Listener};
+use crate::drain::Connections;
 use crate::pipeline::{ConnInfo, Pipeline, Shared};
 
 /// Why the server could not start.
@@ -691,7 +691,7 @@ async fn accept_loop(
     stop: CancellationToken,
     open: mpsc::Sender<()>,
 ) {
-    let graceful = GracefulShutdown::new();
+    let connections = Connections::new();
     // Fixed for the loop's life: a listener renamed by a reload is another
     // listener.
     let name = settings.load().spec.name.clone();
@@ -723,7 +723,7 @@ async fn accept_loop(
             &current.builder,
             &pipeline,
             &tracker,
-            &graceful,
+            &connections,
             permit,
         );
     }
@@ -731,7 +731,7 @@ async fn accept_loop(
     // ones finish their current request and close.
     drop(socket);
     drop(open);
-    graceful.shutdown().await;
+    connections.shutdown().await;
 }
 
 fn serve_connection(
@@ -740,7 +740,7 @@ fn serve_connection(
     builder: &Arc<auto::Builder<TokioExecutor>>,
     pipeline: &Arc<ArcSwap<Pipeline>>,
     tracker: &TaskTracker,
-    graceful: &GracefulShutdown,
+    connections: &Connections,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) {
     let _ = stream.set_nodelay(true);
@@ -756,7 +756,7 @@ fn serve_connection(
     });
     let builder = builder.clone();
     let io = TokioIo::new(stream);
-    let served = graceful.watch(
+    let served = connections.watch(
         builder
             .serve_connection_with_upgrades(io, service)
             .into_owned(),

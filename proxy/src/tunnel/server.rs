@@ -610,7 +610,7 @@ async fn accept_public(
         .initial_stream_window_size(super::STREAM_WINDOW)
         .initial_connection_window_size(super::CONNECTION_WINDOW);
     let builder = Arc::new(builder);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let connections = crate::drain::Connections::new();
     loop {
         let (stream, peer) = tokio::select! {
             pair = crate::server::accept(&listener, "public") => pair,
@@ -642,7 +642,7 @@ async fn accept_public(
                 Ok::<_, Infallible>(resp.map(|body| ResponseBody::new(body, log, Held::default())))
             }
         });
-        let served = graceful.watch(
+        let served = connections.watch(
             builder
                 .serve_connection_with_upgrades(TokioIo::new(stream), service)
                 .into_owned(),
@@ -652,7 +652,7 @@ async fn accept_public(
             drop(permit);
         });
     }
-    graceful.shutdown().await;
+    connections.shutdown().await;
 }
 
 /// The public request's host, lower case, without port.

@@ -1,0 +1,303 @@
+//! Graceful shutdown of a listener's connections, at the cost of one atomic
+//! load per wake-up of a connection.
+//!
+//! hyper-util's `GracefulShutdown` does the same job by polling a
+//! `watch::Receiver::changed()` future beside every connection, and a
+//! waiting `Notified` takes its `Notify`'s mutex on every poll: a lock and
+//! the coop budget bookkeeping several times per request, for a signal that
+//! comes once in a process's life. Here a connection hands its task's waker
+//! over once and afterwards only reads a flag.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+
+use hyper_util::server::graceful::GracefulConnection;
+use tokio::sync::Notify;
+
+/// One set of connections (one listener's on one worker) and the signal
+/// that closes them.
+#[derive(Default)]
+pub struct Connections {
+    shared: Arc<Shared>,
+}
+
+#[derive(Default)]
+struct Shared {
+    draining: AtomicBool,
+    /// Every connection still open, with the waker to call when draining
+    /// starts (none until its first poll).
+    open: Mutex<Open>,
+    all_closed: Notify,
+}
+
+#[derive(Default)]
+struct Open {
+    next_id: u64,
+    wakers: HashMap<u64, Option<Waker>>,
+}
+
+impl Shared {
+    fn open(&self) -> MutexGuard<'_, Open> {
+        // The map stays consistent whatever panicked while holding it.
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Connections {
+    pub fn new() -> Connections {
+        Connections::default()
+    }
+
+    /// Wraps a connection so that [`Connections::shutdown`] asks it to finish its
+    /// current requests and close.
+    pub fn watch<C: GracefulConnection>(&self, conn: C) -> Watched<C> {
+        let mut open = self.shared.open();
+        let id = open.next_id;
+        open.next_id += 1;
+        open.wakers.insert(id, None);
+        Watched {
+            conn,
+            shared: self.shared.clone(),
+            id,
+            waker: None,
+            shutting_down: false,
+        }
+    }
+
+    /// Asks every watched connection to close once idle, and waits until
+    /// all of them have ended.
+    pub async fn shutdown(self) {
+        self.shared.draining.store(true, Ordering::Release);
+        let wakers: Vec<Waker> = {
+            let mut open = self.shared.open();
+            open.wakers.values_mut().filter_map(Option::take).collect()
+        };
+        wakers.into_iter().for_each(Waker::wake);
+        loop {
+            let closed = self.shared.all_closed.notified();
+            tokio::pin!(closed);
+            // Registered before the check, so a last close in between
+            // still wakes this wait.
+            closed.as_mut().enable();
+            if self.shared.open().wakers.is_empty() {
+                return;
+            }
+            closed.await;
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A connection watched by [`Connections`].
+    pub struct Watched<C> {
+        #[pin]
+        conn: C,
+        shared: Arc<Shared>,
+        id: u64,
+        // The waker handed over, kept to notice a different one.
+        waker: Option<Waker>,
+        shutting_down: bool,
+    }
+
+    impl<C> PinnedDrop for Watched<C> {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            let mut open = this.shared.open();
+            open.wakers.remove(this.id);
+            if open.wakers.is_empty() {
+                drop(open);
+                this.shared.all_closed.notify_waiters();
+            }
+        }
+    }
+}
+
+impl<C: GracefulConnection> Future for Watched<C> {
+    type Output = C::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {
+        let mut this = self.project();
+        if !*this.shutting_down {
+            let mut draining = this.shared.draining.load(Ordering::Acquire);
+            if !draining && !this.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                let waker = cx.waker().clone();
+                let mut open = this.shared.open();
+                if let Some(slot) = open.wakers.get_mut(this.id) {
+                    *slot = Some(waker.clone());
+                }
+                // Read again under the lock: draining may have started
+                // after the first read and taken the wakers before this
+                // one was in.
+                draining = this.shared.draining.load(Ordering::Acquire);
+                *this.waker = Some(waker);
+            }
+            if draining {
+                *this.shutting_down = true;
+                this.conn.as_mut().graceful_shutdown();
+            }
+        }
+        this.conn.poll(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::time::Duration;
+
+    use http_body_util::Full;
+    use hyper::body::{Bytes, Incoming};
+    use hyper::service::service_fn;
+    use hyper::{Request, Response};
+    use hyper_util::rt::TokioIo;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+    use tokio::sync::{mpsc, oneshot};
+
+    use super::*;
+
+    /// A bound on waits that should end at once; reaching it fails the test.
+    const BOUND: Duration = Duration::from_secs(5);
+
+    /// Serves one accepted connection under `connections`; each request
+    /// reports on `arrived` and is answered when the test sends on the
+    /// oneshot it carries.
+    async fn serve_one(
+        listener: &TcpListener,
+        connections: &Connections,
+        arrived: mpsc::UnboundedSender<oneshot::Sender<()>>,
+    ) -> tokio::task::JoinHandle<()> {
+        let (stream, _) = listener.accept().await.unwrap();
+        let service = service_fn(move |_req: Request<Incoming>| {
+            let arrived = arrived.clone();
+            async move {
+                let (answer, wait) = oneshot::channel();
+                let _ = arrived.send(answer);
+                let _ = wait.await;
+                Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
+            }
+        });
+        let conn = hyper::server::conn::http1::Builder::new()
+            .serve_connection(TokioIo::new(stream), service);
+        let watched = connections.watch(conn);
+        tokio::spawn(async move {
+            let _ = watched.await;
+        })
+    }
+
+    async fn read_response(client: &mut TcpStream) -> String {
+        let mut buf = vec![0; 1024];
+        let mut got = String::new();
+        while !got.ends_with("done") {
+            let n = tokio::time::timeout(BOUND, client.read(&mut buf))
+                .await
+                .expect("response within the bound")
+                .unwrap();
+            assert!(n > 0, "connection closed before the response: {got:?}");
+            got.push_str(std::str::from_utf8(&buf[..n]).unwrap());
+        }
+        got
+    }
+
+    async fn expect_eof(client: &mut TcpStream) {
+        let mut buf = [0; 64];
+        let n = tokio::time::timeout(BOUND, client.read(&mut buf))
+            .await
+            .expect("close within the bound")
+            .unwrap();
+        assert_eq!(n, 0, "expected the connection closed");
+    }
+
+    const GET: &[u8] = b"GET / HTTP/1.1\r\nhost: t\r\n\r\n";
+
+    /// A listener and a client connected to it.
+    async fn connected() -> (TcpListener, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        (listener, client)
+    }
+
+    async fn finished(shutdown: tokio::task::JoinHandle<()>) {
+        tokio::time::timeout(BOUND, shutdown)
+            .await
+            .expect("shutdown ends with the last connection")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn shutdown_with_nothing_open_returns_at_once() {
+        tokio::time::timeout(BOUND, Connections::new().shutdown())
+            .await
+            .expect("no connection to wait for");
+    }
+
+    #[tokio::test]
+    async fn idle_keep_alive_connection_is_closed() {
+        let (listener, mut client) = connected().await;
+        let connections = Connections::new();
+        let (tx, mut arrived) = mpsc::unbounded_channel();
+        let served = serve_one(&listener, &connections, tx).await;
+        client.write_all(GET).await.unwrap();
+        arrived.recv().await.unwrap().send(()).unwrap();
+        let first = read_response(&mut client).await;
+        assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+        assert!(!first.contains("connection: close"), "{first}");
+
+        tokio::time::timeout(BOUND, connections.shutdown())
+            .await
+            .expect("shutdown ends once the idle connection closed");
+        expect_eof(&mut client).await;
+        served.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn request_in_flight_finishes_then_the_connection_closes() {
+        let (listener, mut client) = connected().await;
+        let connections = Connections::new();
+        let shared = connections.shared.clone();
+        let (tx, mut arrived) = mpsc::unbounded_channel();
+        let _served = serve_one(&listener, &connections, tx).await;
+        client.write_all(GET).await.unwrap();
+        let answer = arrived.recv().await.unwrap();
+
+        let shutdown = tokio::spawn(connections.shutdown());
+        while !shared.draining.load(Ordering::Acquire) {
+            tokio::task::yield_now().await;
+        }
+        assert!(!shutdown.is_finished(), "a request is still in flight");
+        answer.send(()).unwrap();
+        let response = read_response(&mut client).await;
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        assert!(response.contains("connection: close"), "{response}");
+        expect_eof(&mut client).await;
+        finished(shutdown).await;
+    }
+
+    #[tokio::test]
+    async fn connection_not_yet_polled_still_closes() {
+        let (listener, mut client) = connected().await;
+        let connections = Connections::new();
+        let (stream, _) = listener.accept().await.unwrap();
+        let service = service_fn(|_req: Request<Incoming>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
+        });
+        let watched = connections.watch(
+            hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service),
+        );
+        // Draining starts before the connection's first poll, so it never
+        // handed over a waker; it must see the flag when first polled.
+        let shutdown = tokio::spawn(connections.shutdown());
+        tokio::task::yield_now().await;
+        let served = tokio::spawn(watched);
+        expect_eof(&mut client).await;
+        served.await.unwrap().unwrap();
+        finished(shutdown).await;
+    }
+}
