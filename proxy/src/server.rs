@@ -644,7 +644,7 @@ impl Worker {
 /// than all of them. With this timer always due sooner, a timer of a
 /// second or more never wakes the driver; the cost is one wake-up per
 /// period on an idle worker.
-async fn timer_anchor() {
+pub(crate) async fn timer_anchor() {
     let mut tick = tokio::time::interval(ANCHOR_PERIOD);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

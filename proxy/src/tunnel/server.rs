@@ -373,6 +373,7 @@ fn worker(
         }
     };
     runtime.block_on(async move {
+        tokio::spawn(crate::server::timer_anchor());
         let tracker = TaskTracker::new();
         match TcpListener::from_std(public) {
             Ok(public) => {
