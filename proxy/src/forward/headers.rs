@@ -22,18 +22,33 @@ static HOP_BY_HOP: [HeaderName; 8] = [
 /// With `keep_upgrade`, `Connection: upgrade` and `Upgrade` survive, for a
 /// WebSocket handshake that must reach the other side.
 pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
-    // Fast path: most messages carry none of these, and one pass over
-    // the few names present is cheaper than a hash lookup per listed name.
-    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+    // One pass over the few names present finds which listed ones to
+    // remove: a hash lookup per listed name cost more, and almost every
+    // upstream response carries `Connection: keep-alive` and nothing else
+    // from the list.
+    let mut present = [false; HOP_BY_HOP.len()];
+    for name in headers.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
+            present[i] = true;
+        }
+    }
+    if !present.contains(&true) {
         return;
     }
+    // Names the `Connection` header lists besides the listed ones (those go
+    // below) and `close`, so the usual values cost no parsed name.
     let mut named: Vec<HeaderName> = Vec::new();
     for value in headers.get_all(header::CONNECTION) {
         if let Ok(v) = value.to_str() {
             for token in v.split(',').map(str::trim) {
-                if let Ok(name) = HeaderName::from_bytes(token.as_bytes())
-                    && !(keep_upgrade && name == header::UPGRADE)
+                if token.eq_ignore_ascii_case("close")
+                    || HOP_BY_HOP
+                        .iter()
+                        .any(|h| h.as_str().eq_ignore_ascii_case(token))
                 {
+                    continue;
+                }
+                if let Ok(name) = HeaderName::from_bytes(token.as_bytes()) {
                     named.push(name);
                 }
             }
@@ -42,7 +57,7 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     for name in named {
         headers.remove(name);
     }
-    for name in &HOP_BY_HOP {
+    for (name, _) in HOP_BY_HOP.iter().zip(present).filter(|(_, p)| *p) {
         if keep_upgrade && (name == header::CONNECTION || name == header::UPGRADE) {
             continue;
         }
@@ -127,6 +142,61 @@ mod tests {
         remove_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
+    }
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|&(n, v)| (HeaderName::from_static(n), HeaderValue::from_static(v)))
+            .collect()
+    }
+
+    /// The names left after removal, sorted.
+    fn left_after(mut h: HeaderMap, keep_upgrade: bool) -> Vec<String> {
+        remove_hop_by_hop(&mut h, keep_upgrade);
+        let mut left: Vec<String> = h.iter().map(|(k, v)| format!("{k}: {v:?}")).collect();
+        left.sort_unstable();
+        left
+    }
+
+    #[test]
+    fn keep_alive_response_loses_only_its_connection_headers() {
+        let h = headers(&[
+            ("connection", "Keep-Alive"),
+            ("keep-alive", "timeout=5"),
+            ("content-length", "3"),
+            ("server", "nginx"),
+        ]);
+        assert_eq!(
+            left_after(h, false),
+            [r#"content-length: "3""#, r#"server: "nginx""#]
+        );
+    }
+
+    #[test]
+    fn connection_may_name_listed_headers_in_any_case() {
+        let h = headers(&[
+            ("connection", "close, TE, X-Hop"),
+            ("te", "trailers"),
+            ("x-hop", "1"),
+            ("trailer", "x-sum"),
+            ("accept", "*/*"),
+        ]);
+        assert_eq!(left_after(h, false), [r#"accept: "*/*""#]);
+    }
+
+    #[test]
+    fn upgrade_kept_while_other_hop_headers_go() {
+        let h = headers(&[
+            ("connection", "keep-alive, Upgrade"),
+            ("upgrade", "websocket"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-connection", "keep-alive"),
+        ]);
+        assert_eq!(
+            left_after(h, true),
+            [r#"connection: "upgrade""#, r#"upgrade: "websocket""#]
+        );
     }
 
     #[test]
