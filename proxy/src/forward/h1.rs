@@ -35,6 +35,8 @@ pub const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 128;
 /// The first read of a response; body reads grow from here when they fill it.
 const FIRST_READ: usize = 8 * 1024;
+/// The largest header map (in entries) kept for reuse by a connection.
+const SPARE_HEADERS: usize = 64;
 /// Largest single body read.
 const MAX_READ: usize = 256 * 1024;
 /// Longest chunk-size or trailer line accepted.
@@ -97,6 +99,11 @@ pub struct H1Conn {
     head: Vec<u8>,
     /// The size of the next read.
     read_size: usize,
+    /// An emptied header map to parse the next response head into. The
+    /// request's map comes back here after its exchange, and hyper's server
+    /// keeps each response's map for the connection's next request: the
+    /// allocations go round instead of being made twice per request.
+    spare: HeaderMap,
 }
 
 /// Why an exchange failed.
@@ -120,6 +127,7 @@ impl H1Conn {
             buf: BytesMut::new(),
             head: Vec::new(),
             read_size: FIRST_READ,
+            spare: HeaderMap::new(),
         })
     }
 
@@ -133,6 +141,15 @@ impl H1Conn {
             self.head = Vec::new();
         }
         self.read_size = FIRST_READ;
+    }
+
+    /// Keeps a request's header map, emptied, for the next response head.
+    /// A map grown for an unusual message is let go.
+    pub fn recycle(&mut self, mut headers: HeaderMap) {
+        if headers.capacity() <= SPARE_HEADERS {
+            headers.clear();
+            self.spare = headers;
+        }
     }
 
     /// The stream, for a hand-over to hyper (only ever done while idle,
@@ -201,7 +218,7 @@ impl H1Conn {
         loop {
             if !self.buf.is_empty() {
                 received = true;
-                if let Some(mut resp) = take_head(&mut self.buf)? {
+                if let Some(mut resp) = take_head(&mut self.buf, &mut self.spare)? {
                     let status = resp.status();
                     // Interim answers (100 Continue, 103 Early Hints) come
                     // before the real one; the request went out whole, so
@@ -309,9 +326,13 @@ fn needs_zero_length(m: &Method) -> bool {
 
 /// Takes a whole response head off the front of `buf`: `None` while it is
 /// incomplete. Header values share the head's bytes rather than being
-/// copied. A plain function (not async): its 4 KiB of parse state lives on
-/// the stack for the call only, not in every request's future.
-fn take_head(buf: &mut BytesMut) -> Result<Option<Response<()>>, ExchangeError> {
+/// copied; the header map is `spare`'s when it has one. A plain function
+/// (not async): its 4 KiB of parse state lives on the stack for the call
+/// only, not in every request's future.
+fn take_head(
+    buf: &mut BytesMut,
+    spare: &mut HeaderMap,
+) -> Result<Option<Response<()>>, ExchangeError> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut parsed = httparse::Response::new(&mut fields);
     let len = match parsed.parse(buf) {
@@ -352,6 +373,7 @@ fn take_head(buf: &mut BytesMut) -> Result<Option<Response<()>>, ExchangeError> 
     *resp.status_mut() = status;
     *resp.version_mut() = version;
     let headers = resp.headers_mut();
+    *headers = std::mem::take(spare);
     headers.reserve(n);
     for &(ns, nl, vs, vl) in &spans[..n] {
         let name = HeaderName::from_bytes(&head[ns..ns + nl]).map_err(|_| {
@@ -751,6 +773,32 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_recycled_request_map_holds_only_the_response_headers() {
+        let (mut conn, mut up) = pair().await;
+        let mut request = HeaderMap::with_capacity(16);
+        request.insert(header::AUTHORIZATION, HeaderValue::from_static("secret"));
+        request.insert("x-request-only", HeaderValue::from_static("1"));
+        let reused = request.capacity();
+        conn.recycle(request);
+        up.write_all(b"HTTP/1.1 200 OK\r\nserver: up\r\ncontent-length: 0\r\n\r\n")
+            .await
+            .unwrap();
+        let (resp, _) = conn
+            .exchange(&Method::GET, "", "/", None, &HeaderMap::new(), None)
+            .await
+            .unwrap();
+        let names: Vec<&str> = resp.headers().keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["server", "content-length"]);
+        assert_eq!(resp.headers().capacity(), reused, "the map was not reused");
+
+        // A map grown past the bound is not kept.
+        let mut big = HeaderMap::with_capacity(4 * SPARE_HEADERS);
+        big.insert("x-big", HeaderValue::from_static("1"));
+        conn.recycle(big);
+        assert!(conn.spare.capacity() < 4 * SPARE_HEADERS);
+    }
+
+    #[tokio::test]
     async fn a_parked_connection_keeps_small_buffers() {
         let (conn, mut up) = pair().await;
         let slot = Arc::new(Slot::default());
@@ -819,7 +867,7 @@ mod tests {
 
     fn parsed(raw: &str, method: &Method) -> Result<(Response<()>, Framing), ExchangeError> {
         let mut buf = BytesMut::from(raw.as_bytes());
-        let mut resp = take_head(&mut buf)?.expect("complete head");
+        let mut resp = take_head(&mut buf, &mut HeaderMap::new())?.expect("complete head");
         let f = framing(method, &mut resp)?;
         Ok((resp, f))
     }
@@ -901,9 +949,12 @@ mod tests {
         assert!(err("HTTP/1.1 200 OK\r\nbad header\r\n\r\n").contains("invalid response head"));
         assert!(err("HTTP/1.1 2000 OK\r\n\r\n").contains("invalid response head"));
         assert!(
-            take_head(&mut BytesMut::from(&b"HTTP/1.1 200 OK\r\nx: y\r\n"[..]))
-                .unwrap()
-                .is_none()
+            take_head(
+                &mut BytesMut::from(&b"HTTP/1.1 200 OK\r\nx: y\r\n"[..]),
+                &mut HeaderMap::new(),
+            )
+            .unwrap()
+            .is_none()
         );
     }
 }

@@ -339,6 +339,7 @@ impl UpstreamPool {
                                 .await
                             {
                                 Ok((resp, framing)) => {
+                                    conn.recycle(std::mem::take(&mut hdrs));
                                     let home = h1::keeps_alive(&resp, framing).then_some(slot);
                                     let body = H1Body::new(conn, framing, home);
                                     let resp = resp.map(|()| Body::Upstream { inner: body });
