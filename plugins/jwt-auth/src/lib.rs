@@ -5,7 +5,12 @@
 //! when the token names one), then checks `exp` and `nbf` (with leeway),
 //! `iss` and `aud` when configured, and can copy chosen claims into request
 //! headers for the upstream. Failures answer 401 with `WWW-Authenticate`.
+//! Tokens that passed are remembered (see [`cache`]), so a client's token
+//! is verified once, not on every request.
 
+mod cache;
+
+use std::cell::{OnceCell, RefCell};
 use std::collections::BTreeMap;
 
 use base64::Engine as _;
@@ -56,6 +61,14 @@ pub struct Config {
     /// Answer 401 without a token (default), or let tokenless requests on.
     #[serde(default = "yes")]
     required: bool,
+    /// How many verified tokens each instance remembers (0: verify every
+    /// request).
+    #[serde(default = "default_cache_size")]
+    cache_size: usize,
+}
+
+fn default_cache_size() -> usize {
+    256
 }
 
 fn default_leeway() -> u64 {
@@ -177,16 +190,7 @@ pub fn verify(
     }
     let claims: serde_json::Map<String, Value> =
         serde_json::from_slice(&b64(p)?).map_err(|_| Refusal::Malformed)?;
-    if let Some(exp) = claims.get("exp").and_then(Value::as_u64)
-        && now > exp + config.leeway_secs
-    {
-        return Err(Refusal::Expired);
-    }
-    if let Some(nbf) = claims.get("nbf").and_then(Value::as_u64)
-        && now + config.leeway_secs < nbf
-    {
-        return Err(Refusal::NotYetValid);
-    }
+    times(&claims).check_time(now, config.leeway_secs)?;
     if let Some(iss) = &config.issuer
         && claims.get("iss").and_then(Value::as_str) != Some(iss)
     {
@@ -206,6 +210,55 @@ pub fn verify(
         }
     }
     Ok(claims)
+}
+
+/// The token's time claims, for [`cache::Verified::check_time`].
+fn times(claims: &serde_json::Map<String, Value>) -> cache::Verified {
+    cache::Verified {
+        exp: claims.get("exp").and_then(Value::as_u64),
+        nbf: claims.get("nbf").and_then(Value::as_u64),
+        edits: portcullis_sdk::no_edits(),
+    }
+}
+
+/// The header edits a verified token's claims make.
+fn claim_edits(config: &Config, claims: &serde_json::Map<String, Value>) -> HeaderEdits {
+    let mut edits = portcullis_sdk::no_edits();
+    for (claim, name) in &config.claims_to_headers {
+        // Never pass through a client-sent copy of a claim header.
+        edits.remove.push(name.to_ascii_lowercase());
+        let value = match claims.get(claim) {
+            Some(Value::String(s)) => s.clone(),
+            Some(v @ (Value::Number(_) | Value::Bool(_))) => v.to_string(),
+            _ => continue,
+        };
+        edits.set.push(header(name, &value));
+    }
+    edits
+}
+
+/// Verifies `token` once; later requests with the same token are served
+/// from this instance's cache, with their time claims checked again.
+fn decide(config: &Config, token: &str, now: u64) -> Result<HeaderEdits, Refusal> {
+    thread_local! {
+        static CACHE: OnceCell<RefCell<cache::TokenCache>> = const { OnceCell::new() };
+    }
+    CACHE.with(|cell| {
+        let mut cache = cell
+            .get_or_init(|| RefCell::new(cache::TokenCache::new(config.cache_size)))
+            .borrow_mut();
+        if let Some(decided) = cache.get(token, now, config.leeway_secs) {
+            return decided;
+        }
+        let claims = verify(config, keys(config), token, now)?;
+        let verified = cache::Verified {
+            edits: claim_edits(config, &claims),
+            ..times(&claims)
+        };
+        let edits = verified.edits.clone();
+        cache.insert(token, verified, now, config.leeway_secs);
+        Ok(edits)
+    })
 }
 
 struct JwtAuth;
@@ -242,26 +295,8 @@ impl Plugin for JwtAuth {
                 portcullis_sdk::forward()
             };
         };
-        let keys = keys(c);
-        match verify(c, keys, token, portcullis_sdk::now_unix_ms() / 1000) {
-            Ok(claims) => {
-                let mut edits = HeaderEdits {
-                    remove: Vec::new(),
-                    set: Vec::new(),
-                    add: Vec::new(),
-                };
-                for (claim, name) in &c.claims_to_headers {
-                    // Never pass through a client-sent copy of a claim header.
-                    edits.remove.push(name.to_ascii_lowercase());
-                    let value = match claims.get(claim) {
-                        Some(Value::String(s)) => s.clone(),
-                        Some(v @ (Value::Number(_) | Value::Bool(_))) => v.to_string(),
-                        _ => continue,
-                    };
-                    edits.set.push(header(name, &value));
-                }
-                portcullis_sdk::forward_with(edits)
-            }
+        match decide(c, token, portcullis_sdk::now_unix_ms() / 1000) {
+            Ok(edits) => portcullis_sdk::forward_with(edits),
             Err(why) => unauthorized(&format!("{why:?}")),
         }
     }
@@ -349,6 +384,36 @@ mod tests {
             verify(&c, &k, &none, 1000),
             Err(Refusal::Algorithm(_))
         ));
+    }
+
+    #[test]
+    fn a_remembered_token_gets_the_same_edits_and_still_expires() {
+        let (c, _) = config(serde_json::json!({
+            "hs256_secret": "s3",
+            "leeway_secs": 0,
+            "claims_to_headers": { "sub": "X-User" },
+        }));
+        let h = serde_json::json!({ "alg": "HS256" });
+        let ok = token(
+            h.clone(),
+            serde_json::json!({ "sub": "alice", "exp": 2000 }),
+            hs("s3"),
+        );
+        for _ in 0..2 {
+            let edits = decide(&c, &ok, 1000).unwrap();
+            assert_eq!(edits.remove, vec!["x-user".to_owned()]);
+            assert_eq!(edits.set[0].name, "x-user");
+            assert_eq!(edits.set[0].value, b"alice");
+        }
+        assert_eq!(decide(&c, &ok, 2001).unwrap_err(), Refusal::Expired);
+        let forged = token(
+            h,
+            serde_json::json!({ "sub": "alice", "exp": 2000 }),
+            hs("guess"),
+        );
+        assert_eq!(decide(&c, &forged, 1000).unwrap_err(), Refusal::Signature);
+        // Not remembered for being refused.
+        assert_eq!(decide(&c, &forged, 1000).unwrap_err(), Refusal::Signature);
     }
 
     #[test]
