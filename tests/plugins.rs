@@ -563,7 +563,8 @@ routes:
     };
     let later = now_secs() + 600;
 
-    let a = call(Some(es256(claims(later, "runtime-api")))).await;
+    let token = es256(claims(later, "runtime-api"));
+    let a = call(Some(token.clone())).await;
     assert_eq!(a.status, 200, "{:?}", String::from_utf8_lossy(&a.body));
     assert_eq!(
         a.json()["headers"]["x-user"],
@@ -571,6 +572,14 @@ routes:
         "the claim replaces a client-sent header"
     );
     assert_eq!(a.json()["headers"]["x-tenant"], "blue");
+    // Again: the plugin remembers the token, and the claims still go on.
+    let again = call(Some(token.clone())).await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.json()["headers"]["x-user"], "alice");
+    // The remembered token with its signature changed is not it.
+    let mut tampered = token.clone();
+    tampered.replace_range(tampered.len() - 4.., "AAAA");
+    assert_eq!(call(Some(tampered)).await.status, 401);
     assert_eq!(
         call(Some(hs256(claims(later, "runtime-api")))).await.status,
         200
@@ -587,7 +596,7 @@ routes:
     assert_eq!(call(Some("not.a.jwt".into())).await.status, 401);
     assert_eq!(
         hits.load(Ordering::SeqCst),
-        2,
+        3,
         "refused requests never reach the upstream"
     );
 }
