@@ -21,9 +21,10 @@ use serde::Deserialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-/// One key of a JSON Web Key Set (RFC 7517); only what verification needs.
-#[derive(Deserialize, Clone)]
-pub struct Jwk {
+/// One key of a JSON Web Key Set (RFC 7517), as written; only what
+/// verification needs.
+#[derive(Deserialize)]
+struct Jwk {
     kty: String,
     kid: Option<String>,
     alg: Option<String>,
@@ -39,6 +40,68 @@ pub struct Jwk {
 #[derive(Deserialize)]
 struct Jwks {
     keys: Vec<Jwk>,
+}
+
+/// A JWKS key decoded once, when the config is read: a key that cannot
+/// be used is reported by `portcullis check` and at load, not found out
+/// request by request, and a token signed with it costs the signature
+/// check only.
+pub struct Key {
+    kid: Option<String>,
+    alg: Option<String>,
+    public: Public,
+}
+
+enum Public {
+    Rsa(rsa::RsaPublicKey),
+    Ec(p256::ecdsa::VerifyingKey),
+}
+
+impl Jwk {
+    fn decode(self) -> Result<Key, String> {
+        let field = |name: &str, value: &Option<String>| {
+            let text = value
+                .as_deref()
+                .ok_or_else(|| format!("`{name}` is missing"))?;
+            B64.decode(text)
+                .map_err(|_| format!("`{name}` is not base64url"))
+        };
+        let public = match self.kty.as_str() {
+            "RSA" => {
+                let n = rsa::BigUint::from_bytes_be(&field("n", &self.n)?);
+                let e = rsa::BigUint::from_bytes_be(&field("e", &self.e)?);
+                Public::Rsa(
+                    rsa::RsaPublicKey::new(n, e)
+                        .map_err(|e| format!("not a usable RSA public key: {e}"))?,
+                )
+            }
+            "EC" if self.crv.as_deref() == Some("P-256") => {
+                let (x, y) = (field("x", &self.x)?, field("y", &self.y)?);
+                if x.len() != 32 || y.len() != 32 {
+                    return Err("`x` and `y` must be 32 bytes each for P-256".into());
+                }
+                let point = p256::EncodedPoint::from_affine_coordinates(
+                    x.as_slice().into(),
+                    y.as_slice().into(),
+                    false,
+                );
+                Public::Ec(
+                    p256::ecdsa::VerifyingKey::from_encoded_point(&point)
+                        .map_err(|_| "`x`, `y` is not a point on P-256".to_owned())?,
+                )
+            }
+            other => {
+                return Err(format!(
+                    "unsupported key (kty `{other}`): use RSA, or EC on P-256"
+                ));
+            }
+        };
+        Ok(Key {
+            kid: self.kid,
+            alg: self.alg,
+            public,
+        })
+    }
 }
 
 /// The route's config.
@@ -80,7 +143,7 @@ fn yes() -> bool {
 }
 
 impl Config {
-    fn parsed_keys(&self) -> Result<Vec<Jwk>, String> {
+    fn parsed_keys(&self) -> Result<Vec<Key>, String> {
         let Some(jwks) = &self.jwks else {
             return Ok(Vec::new());
         };
@@ -89,18 +152,17 @@ impl Config {
             other => serde_json::from_value(other.clone()),
         }
         .map_err(|e| format!("`jwks` is not a JWKS document: {e}"))?;
-        for k in &doc.keys {
-            match k.kty.as_str() {
-                "RSA" if k.n.is_some() && k.e.is_some() => {}
-                "EC" if k.crv.as_deref() == Some("P-256") && k.x.is_some() && k.y.is_some() => {}
-                other => {
-                    return Err(format!(
-                        "unsupported JWK (kty `{other}`): use RSA, or EC on P-256"
-                    ));
-                }
-            }
-        }
-        Ok(doc.keys)
+        doc.keys
+            .into_iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let which = match &k.kid {
+                    Some(kid) => format!("JWKS key {} (kid `{kid}`)", i + 1),
+                    None => format!("JWKS key {}", i + 1),
+                };
+                k.decode().map_err(|e| format!("{which}: {e}"))
+            })
+            .collect()
     }
 }
 
@@ -124,7 +186,7 @@ fn b64(part: &str) -> Result<Vec<u8>, Refusal> {
 /// Verifies `token` against `config` at `now` (seconds); returns the claims.
 pub fn verify(
     config: &Config,
-    keys: &[Jwk],
+    keys: &[Key],
     token: &str,
     now: u64,
 ) -> Result<serde_json::Map<String, Value>, Refusal> {
@@ -139,9 +201,10 @@ pub fn verify(
     let signed = &token.as_bytes()[..h.len() + 1 + p.len()];
     let alg = header["alg"].as_str().unwrap_or("");
     let kid = header["kid"].as_str();
-    let pick = |kty: &str| {
+    let pick = |rsa: bool| {
         keys.iter()
-            .filter(|k| k.kty == kty && k.alg.as_deref().is_none_or(|a| a == alg))
+            .filter(|k| matches!(k.public, Public::Rsa(_)) == rsa)
+            .filter(|k| k.alg.as_deref().is_none_or(|a| a == alg))
             .find(|k| kid.is_none() || k.kid.as_deref() == kid)
             .ok_or(Refusal::NoKey)
     };
@@ -155,31 +218,18 @@ pub fn verify(
                 .map_err(|_| Refusal::Signature)?;
         }
         "RS256" => {
-            let k = pick("RSA")?;
-            let n = rsa::BigUint::from_bytes_be(&b64(k.n.as_deref().unwrap_or(""))?);
-            let e = rsa::BigUint::from_bytes_be(&b64(k.e.as_deref().unwrap_or(""))?);
-            let key = rsa::RsaPublicKey::new(n, e).map_err(|_| Refusal::NoKey)?;
+            let Public::Rsa(key) = &pick(true)?.public else {
+                return Err(Refusal::NoKey);
+            };
             let digest = Sha256::digest(signed);
             key.verify(rsa::Pkcs1v15Sign::new::<Sha256>(), &digest, &signature)
                 .map_err(|_| Refusal::Signature)?;
         }
         "ES256" => {
             use p256::ecdsa::signature::Verifier;
-            let k = pick("EC")?;
-            let (x, y) = (
-                b64(k.x.as_deref().unwrap_or(""))?,
-                b64(k.y.as_deref().unwrap_or(""))?,
-            );
-            if x.len() != 32 || y.len() != 32 {
+            let Public::Ec(key) = &pick(false)?.public else {
                 return Err(Refusal::NoKey);
-            }
-            let point = p256::EncodedPoint::from_affine_coordinates(
-                x.as_slice().into(),
-                y.as_slice().into(),
-                false,
-            );
-            let key = p256::ecdsa::VerifyingKey::from_encoded_point(&point)
-                .map_err(|_| Refusal::NoKey)?;
+            };
             // JWS carries ES256 signatures as raw r||s (64 bytes).
             let sig =
                 p256::ecdsa::Signature::from_slice(&signature).map_err(|_| Refusal::Signature)?;
@@ -302,9 +352,9 @@ impl Plugin for JwtAuth {
     }
 }
 
-/// The config's keys, parsed once per instance.
-fn keys(c: &Config) -> &'static [Jwk] {
-    static KEYS: std::sync::OnceLock<Vec<Jwk>> = std::sync::OnceLock::new();
+/// The config's keys, decoded once per instance.
+fn keys(c: &Config) -> &'static [Key] {
+    static KEYS: std::sync::OnceLock<Vec<Key>> = std::sync::OnceLock::new();
     KEYS.get_or_init(|| c.parsed_keys().unwrap_or_default())
 }
 
@@ -327,7 +377,7 @@ mod tests {
     use super::*;
     use p256::ecdsa::signature::Signer;
 
-    fn config(json: Value) -> (Config, Vec<Jwk>) {
+    fn config(json: Value) -> (Config, Vec<Key>) {
         let c: Config = serde_json::from_value(json).unwrap();
         let keys = c.parsed_keys().unwrap();
         (c, keys)
@@ -414,6 +464,31 @@ mod tests {
         assert_eq!(decide(&c, &forged, 1000).unwrap_err(), Refusal::Signature);
         // Not remembered for being refused.
         assert_eq!(decide(&c, &forged, 1000).unwrap_err(), Refusal::Signature);
+    }
+
+    #[test]
+    fn unusable_jwks_keys_are_refused_naming_the_key() {
+        let refused = |key: Value| {
+            let c: Config =
+                serde_json::from_value(serde_json::json!({ "jwks": { "keys": [key] } })).unwrap();
+            JwtAuth::validate(&c).unwrap_err()
+        };
+        let e = refused(serde_json::json!({ "kty": "RSA", "kid": "r1", "n": "!!", "e": "AQAB" }));
+        assert!(
+            e.contains("kid `r1`") && e.contains("`n` is not base64url"),
+            "{e}"
+        );
+        let e = refused(serde_json::json!({ "kty": "RSA", "n": "AQAB" }));
+        assert!(
+            e.contains("JWKS key 1") && e.contains("`e` is missing"),
+            "{e}"
+        );
+        // 32-byte coordinates, but not a point on the curve.
+        let one = B64.encode([1u8; 32]);
+        let e = refused(serde_json::json!({ "kty": "EC", "crv": "P-256", "x": one, "y": one }));
+        assert!(e.contains("not a point on P-256"), "{e}");
+        let e = refused(serde_json::json!({ "kty": "EC", "crv": "P-384", "x": one, "y": one }));
+        assert!(e.contains("unsupported key"), "{e}");
     }
 
     #[test]
