@@ -8,7 +8,10 @@
 # Routes (same upstream: one nginx worker answering a fixed body):
 #   /plain   no plugin
 #   /key     the SDK example (require-header): a header-only API-key check
-#   /auth    jwt-auth (HS256), instances reused (the default)
+#   /auth    jwt-auth (HS256), instances reused (the default); the token is
+#            verified once and then remembered (cache_size, default 256)
+#   /verify  jwt-auth with cache_size: 0: the signature checked per request,
+#            as with a client that never sends the same token twice
 #   /fresh   jwt-auth, a new instance per request (instances: per-request)
 # Throughput: wrk -c$CONNECTIONS, routes interleaved, median of ROUNDS, with
 # the proxy's own CPU time per request (user+system, from /proc) beside it:
@@ -39,6 +42,7 @@ routes:
   - { name: plain, match: { path: /plain }, upstream: app }
   - { name: key, match: { path: /key }, upstream: app, plugins: [{ use: key, config: { header: authorization } }] }
   - { name: auth, match: { path: /auth }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret } }] }
+  - { name: verify, match: { path: /verify }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret, cache_size: 0 } }] }
   - { name: fresh, match: { path: /fresh }, upstream: app, plugins: [{ use: jwt, instances: per-request, config: { hs256_secret: bench-secret } }] }
 YAML
 RUST_LOG=warn "$BIN" serve --workers "$WORKERS" --policies "$WORK/policies" & PIDS+=($!)
@@ -71,15 +75,15 @@ run_wrk_cpu() { # path -> "rps p50_us p99_us cpu_us_per_request"
   awk -v f="$figures" -v t=$((after - before)) -v us="$TICK_US" -v d="$DURATION" \
     'BEGIN { split(f, a, " "); printf "%s %.2f\n", f, t * us / (a[1] * d) }'
 }
-for p in /plain /key /auth /fresh; do wrk -t1 -c8 -d2s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$p" >/dev/null; done
+for p in /plain /key /auth /verify /fresh; do wrk -t1 -c8 -d2s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$p" >/dev/null; done
 
-for p in plain key auth fresh; do : > "$WORK/$p.c64"; : > "$WORK/$p.c1"; done
+for p in plain key auth verify fresh; do : > "$WORK/$p.c64"; : > "$WORK/$p.c1"; done
 for r in $(seq "$ROUNDS"); do
-  for p in plain key auth fresh; do
+  for p in plain key auth verify fresh; do
     run_wrk_cpu "/$p" >> "$WORK/$p.c64"
     run_wrk "/$p" 1 1 >> "$WORK/$p.c1"
   done
-  echo "round $r: $(for p in plain key auth fresh; do echo -n "$p [$(tail -1 "$WORK/$p.c64") | c1 $(tail -1 "$WORK/$p.c1")] "; done)"
+  echo "round $r: $(for p in plain key auth verify fresh; do echo -n "$p [$(tail -1 "$WORK/$p.c64") | c1 $(tail -1 "$WORK/$p.c1")] "; done)"
 done
 read -r _ BASE_P50 _ <<<"$(median "$WORK/plain.c1" 2)"
 read -r _ _ _ BASE_CPU <<<"$(median "$WORK/plain.c64" 4)"
@@ -89,7 +93,7 @@ paired() { paste -d' ' "$WORK/$1.c64" "$WORK/plain.c64" | awk '{ print $1 / $5 }
 echo
 echo "wrk -t2 -c$CONNECTIONS -d${DURATION}s (throughput) and -t1 -c1 (latency), $WORKERS workers, median of $ROUNDS rounds"
 printf "%-8s %12s %10s %14s %14s %14s %16s\n" route "requests/s" "vs plain" "proxy CPU/req" "added CPU/req" "p50 -c1 (us)" "added p50 (us)"
-for p in plain key auth fresh; do
+for p in plain key auth verify fresh; do
   read -r RPS _ _ <<<"$(median "$WORK/$p.c64" 1)"
   read -r _ _ _ CPU <<<"$(median "$WORK/$p.c64" 4)"
   read -r _ P50 _ <<<"$(median "$WORK/$p.c1" 2)"
