@@ -283,7 +283,12 @@ impl Pipeline {
     /// Handles one request end to end. Never fails: every problem becomes
     /// an HTTP answer.
     pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ResponseBody> {
-        let mut log = AccessLog::start(req.method(), req.uri().path_and_query(), conn.client);
+        let mut log = AccessLog::start(
+            req.method(),
+            req.uri().path_and_query(),
+            conn.client,
+            conn.worker,
+        );
         let (resp, held) = self.route_and_serve(req, conn, &mut log).await;
         if let Some(log) = log.as_mut() {
             log.status = resp.status().as_u16();

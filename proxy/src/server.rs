@@ -22,6 +22,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::balance::{Balance, Counted, Handoff};
 use crate::config::{Config, Listener};
 use crate::drain::Connections;
 use crate::pipeline::{ConnInfo, Pipeline, Shared};
@@ -120,6 +121,10 @@ enum WorkerCommand {
         stop: CancellationToken,
         /// Dropped once the socket is closed.
         open: mpsc::Sender<()>,
+        /// The listener's connections per worker.
+        balance: Arc<Balance>,
+        /// Connections other workers accepted for this one to serve.
+        inbox: mpsc::UnboundedReceiver<Handoff>,
     },
     /// Run a task on the worker's runtime (tunnel connections), tracked
     /// like a connection so shutdown drains it.
@@ -475,13 +480,16 @@ impl Control {
         let settings = Arc::new(ArcSwap::from_pointee(ListenerSettings::new(spec, None)));
         let stop = self.stop_accepting.child_token();
         let (open, closed) = mpsc::channel(1);
-        for (socket, worker) in sockets.into_iter().zip(&self.to_workers) {
+        let (balance, inboxes) = Balance::new(self.workers);
+        for ((socket, worker), inbox) in sockets.into_iter().zip(&self.to_workers).zip(inboxes) {
             // A worker that is gone has stopped serving anyway.
             let _ = worker.send(WorkerCommand::Listen {
                 socket,
                 settings: settings.clone(),
                 stop: stop.clone(),
                 open: open.clone(),
+                balance: balance.clone(),
+                inbox,
             });
         }
         ActiveListener {
@@ -581,13 +589,15 @@ impl Worker {
                     c = commands.recv() => c,
                     _ = self.stop_accepting.cancelled() => None,
                 };
-                let (socket, settings, stop, open) = match command {
+                let (socket, settings, stop, open, balance, inbox) = match command {
                     Some(WorkerCommand::Listen {
                         socket,
                         settings,
                         stop,
                         open,
-                    }) => (socket, settings, stop, open),
+                        balance,
+                        inbox,
+                    }) => (socket, settings, stop, open, balance, inbox),
                     Some(WorkerCommand::Spawn(make)) => {
                         let task = make(WorkerContext {
                             worker: self.index,
@@ -603,7 +613,7 @@ impl Worker {
                     Ok(socket) => {
                         tracker.spawn(accept_loop(
                             settings,
-                            socket,
+                            (socket, balance, inbox),
                             self.index,
                             self.pipeline.clone(),
                             tracker.clone(),
@@ -684,7 +694,7 @@ fn http_builder(listener: &Listener) -> auto::Builder<TokioExecutor> {
 /// the connections it accepted finish their requests.
 async fn accept_loop(
     settings: Arc<ArcSwap<ListenerSettings>>,
-    socket: TcpListener,
+    (socket, balance, mut inbox): (TcpListener, Arc<Balance>, mpsc::UnboundedReceiver<Handoff>),
     worker: usize,
     pipeline: Arc<ArcSwap<Pipeline>>,
     tracker: TaskTracker,
@@ -696,20 +706,39 @@ async fn accept_loop(
     // listener.
     let name = settings.load().spec.name.clone();
     loop {
-        let (stream, client) = tokio::select! {
-            pair = accept(&socket, &name) => pair,
+        let (stream, client, permit, counted): Arrival = tokio::select! {
+            pair = accept(&socket, &name) => {
+                let (stream, client) = pair;
+                // The cap is shared by the workers, so a slot is taken
+                // after accepting: a worker that held one while waiting on
+                // its own socket would starve the others. Each worker holds
+                // at most one accepted connection waiting for a slot; the
+                // rest stay queued in the kernel.
+                let limit = settings.load().limit.clone();
+                let permit = tokio::select! {
+                    p = limit.acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+                    _ = stop.cancelled() => break,
+                };
+                let counted = balance.place(worker);
+                if counted.worker() == worker {
+                    (stream, client, permit, counted)
+                } else {
+                    match hand_over(&balance, worker, (stream, client, permit, counted)) {
+                        Some(back) => back,
+                        None => continue,
+                    }
+                }
+            }
+            Some(h) = inbox.recv() => match TcpStream::from_std(h.stream) {
+                Ok(stream) => (stream, h.client, h.permit, h.counted),
+                Err(e) => {
+                    tracing::warn!(listener = %name, error = %e, "cannot take over a connection from another worker");
+                    continue;
+                }
+            },
             _ = stop.cancelled() => break,
         };
         let current = settings.load_full();
-        // The cap is shared by the workers, so a slot is taken after
-        // accepting: a worker that held one while waiting on its own
-        // socket would starve the others. Each worker holds at most one
-        // accepted connection waiting for a slot; the rest stay queued in
-        // the kernel.
-        let permit = tokio::select! {
-            p = current.limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-            _ = stop.cancelled() => break,
-        };
         let conn = Arc::new(ConnInfo {
             client,
             client_ip: crate::forward::client_ip_header(client.ip()),
@@ -724,14 +753,62 @@ async fn accept_loop(
             &pipeline,
             &tracker,
             &connections,
-            permit,
+            (permit, counted),
         );
     }
     // Closing the socket now refuses new connections at once; the open
-    // ones finish their current request and close.
+    // ones finish their current request and close. Connections handed to
+    // this worker and not yet taken close with the inbox.
     drop(socket);
+    drop(inbox);
     drop(open);
     connections.shutdown().await;
+}
+
+/// A connection that arrived, as the accept loop serves it.
+type Arrival = (
+    TcpStream,
+    SocketAddr,
+    tokio::sync::OwnedSemaphorePermit,
+    Counted,
+);
+
+/// Sends a connection worker `worker` accepted to the worker `counted`
+/// names. If that worker has stopped listening (the listener is closing),
+/// gives it back to be served here.
+fn hand_over(
+    balance: &Arc<Balance>,
+    worker: usize,
+    (stream, client, permit, counted): Arrival,
+) -> Option<Arrival> {
+    let stream = match stream.into_std() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(client = %client, error = %e, "cannot hand a connection to another worker");
+            return None;
+        }
+    };
+    let Handoff {
+        stream,
+        client,
+        permit,
+        counted,
+    } = balance
+        .hand_over(Handoff {
+            stream,
+            client,
+            permit,
+            counted,
+        })
+        .err()?;
+    drop(counted);
+    match TcpStream::from_std(stream) {
+        Ok(stream) => Some((stream, client, permit, balance.count_on(worker))),
+        Err(e) => {
+            tracing::warn!(client = %client, error = %e, "cannot take a connection back");
+            None
+        }
+    }
 }
 
 fn serve_connection(
@@ -741,7 +818,9 @@ fn serve_connection(
     pipeline: &Arc<ArcSwap<Pipeline>>,
     tracker: &TaskTracker,
     connections: &Connections,
-    permit: tokio::sync::OwnedSemaphorePermit,
+    // Held for the connection's life: its slot under the cap, its count
+    // in the balance.
+    held: (tokio::sync::OwnedSemaphorePermit, Counted),
 ) {
     let _ = stream.set_nodelay(true);
     let pipeline = pipeline.clone();
@@ -765,6 +844,6 @@ fn serve_connection(
         if let Err(e) = served.await {
             tracing::debug!(client = %conn.client, error = %e, "connection ended with an error");
         }
-        drop(permit);
+        drop(held);
     });
 }

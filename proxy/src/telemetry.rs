@@ -41,6 +41,9 @@ pub struct AccessLog {
     pub path: Option<PathAndQuery>,
     /// Client address.
     pub client: SocketAddr,
+    /// The worker thread serving the connection (which one is hot, and
+    /// whether connections are spread evenly).
+    pub worker: usize,
     /// Response status.
     pub status: u16,
     /// Route name, when one matched.
@@ -62,11 +65,13 @@ impl AccessLog {
         method: &Method,
         path: Option<&PathAndQuery>,
         client: SocketAddr,
+        worker: usize,
     ) -> Option<AccessLog> {
         tracing::enabled!(target: ACCESS_TARGET, tracing::Level::INFO).then(|| AccessLog {
             method: method.clone(),
             path: path.cloned(),
             client,
+            worker,
             status: 0,
             route: None,
             upstream: None,
@@ -91,6 +96,7 @@ impl Drop for AccessLog {
             duration_ms = self.start.elapsed().as_secs_f64() * 1000.0,
             bytes = self.bytes_sent,
             client = %self.client,
+            worker = self.worker,
             aborted = self.aborted,
         );
     }

@@ -630,7 +630,7 @@ async fn accept_public(
             // One access line per public request, written when its
             // response body ends (as the routing core does); `upstream`
             // is the runtime's host.
-            let mut log = AccessLog::start(req.method(), req.uri().path_and_query(), peer);
+            let mut log = AccessLog::start(req.method(), req.uri().path_and_query(), peer, worker);
             if let Some(log) = log.as_mut() {
                 log.upstream = host_of(&req).map(Into::into);
             }
