@@ -289,7 +289,7 @@ fn claim_edits(config: &Config, claims: &serde_json::Map<String, Value>) -> Head
 
 /// Verifies `token` once; later requests with the same token are served
 /// from this instance's cache, with their time claims checked again.
-fn decide(config: &Config, token: &str, now: u64) -> Result<HeaderEdits, Refusal> {
+fn decide(config: &Config, token: &[u8], now: u64) -> Result<HeaderEdits, Refusal> {
     thread_local! {
         static CACHE: OnceCell<RefCell<cache::TokenCache>> = const { OnceCell::new() };
     }
@@ -300,7 +300,8 @@ fn decide(config: &Config, token: &str, now: u64) -> Result<HeaderEdits, Refusal
         if let Some(decided) = cache.get(token, now, config.leeway_secs) {
             return decided;
         }
-        let claims = verify(config, keys(config), token, now)?;
+        let text = std::str::from_utf8(token).map_err(|_| Refusal::Malformed)?;
+        let claims = verify(config, keys(config), text, now)?;
         let verified = cache::Verified {
             edits: claim_edits(config, &claims),
             ..times(&claims)
@@ -330,15 +331,8 @@ impl Plugin for JwtAuth {
         _route: &RouteInfo,
         _body: Option<&[u8]>,
     ) -> Decision {
-        let authorization = req.header_str("authorization");
-        let token = authorization
-            .as_deref()
-            .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
-            .map(str::trim);
-        let Some(token) = token else {
+        let authorization = req.header("authorization");
+        let Some(token) = authorization.as_deref().and_then(bearer) else {
             return if c.required {
                 unauthorized("missing bearer token")
             } else {
@@ -350,6 +344,17 @@ impl Plugin for JwtAuth {
             Err(why) => unauthorized(&format!("{why:?}")),
         }
     }
+}
+
+/// The token of an `Authorization: Bearer` value. The scheme is
+/// case-insensitive (RFC 9110, 11.1); the token stays bytes until a cache
+/// miss needs it as text.
+fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, token) = value.split_at_checked(7)?;
+    scheme
+        .eq_ignore_ascii_case(b"bearer ")
+        .then(|| token.trim_ascii())
+        .filter(|t| !t.is_empty())
 }
 
 /// The config's keys, decoded once per instance.
@@ -450,20 +455,45 @@ mod tests {
             hs("s3"),
         );
         for _ in 0..2 {
-            let edits = decide(&c, &ok, 1000).unwrap();
+            let edits = decide(&c, ok.as_bytes(), 1000).unwrap();
             assert_eq!(edits.remove, vec!["x-user".to_owned()]);
             assert_eq!(edits.set[0].name, "x-user");
             assert_eq!(edits.set[0].value, b"alice");
         }
-        assert_eq!(decide(&c, &ok, 2001).unwrap_err(), Refusal::Expired);
+        assert_eq!(
+            decide(&c, ok.as_bytes(), 2001).unwrap_err(),
+            Refusal::Expired
+        );
         let forged = token(
             h,
             serde_json::json!({ "sub": "alice", "exp": 2000 }),
             hs("guess"),
         );
-        assert_eq!(decide(&c, &forged, 1000).unwrap_err(), Refusal::Signature);
+        assert_eq!(
+            decide(&c, forged.as_bytes(), 1000).unwrap_err(),
+            Refusal::Signature
+        );
         // Not remembered for being refused.
-        assert_eq!(decide(&c, &forged, 1000).unwrap_err(), Refusal::Signature);
+        assert_eq!(
+            decide(&c, forged.as_bytes(), 1000).unwrap_err(),
+            Refusal::Signature
+        );
+        // Bytes that are not text never reach the JSON parser.
+        assert_eq!(
+            decide(&c, b"\xff.\xfe.\xfd", 1000).unwrap_err(),
+            Refusal::Malformed
+        );
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive_and_needs_a_token() {
+        assert_eq!(bearer(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"BEARER  abc \t"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"Bearer "), None);
+        assert_eq!(bearer(b"Bearer"), None);
+        assert_eq!(bearer(b"Basic YWxhZGRpbjpvcGVuc2VzYW1l"), None);
+        assert_eq!(bearer(b"Bearerabc"), None);
     }
 
     #[test]
