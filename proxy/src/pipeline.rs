@@ -4,10 +4,12 @@
 //! builds a new one and swaps it in, while requests in flight keep theirs.
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Weak};
 
+use arc_swap::ArcSwap;
 use http::header::{self, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Version};
@@ -234,6 +236,35 @@ fn normalize_path(path: &str) -> Option<Cow<'_, str>> {
         }
     }
     Some(Cow::Owned(format!("/{}", out.join("/"))))
+}
+
+/// The pipeline current in `shared`, through a handle of this worker's own.
+///
+/// A request holds the pipeline it started with until its response head
+/// is ready, so a reload never changes a request midway. Cloning the one
+/// `Arc<Pipeline>` for that made every worker write the same reference
+/// count twice per request, a cache line that then moves between their
+/// cores. Each worker instead wraps the current pipeline in an `Arc` of its
+/// own, once per reload, and its requests clone that, as Envoy gives each
+/// worker its own snapshot of the configuration. The worker keeps the
+/// wrapper weakly, so an idle worker never holds an old pipeline after a
+/// reload.
+pub fn current(shared: &ArcSwap<Pipeline>) -> Arc<Arc<Pipeline>> {
+    thread_local! {
+        static LOCAL: RefCell<Weak<Arc<Pipeline>>> = const { RefCell::new(Weak::new()) };
+    }
+    let now = shared.load();
+    LOCAL.with(|local| {
+        let mut local = local.borrow_mut();
+        if let Some(held) = local.upgrade()
+            && Arc::ptr_eq(&*held, &*now)
+        {
+            return held;
+        }
+        let fresh = Arc::new(arc_swap::Guard::into_inner(now));
+        *local = Arc::downgrade(&fresh);
+        fresh
+    })
 }
 
 impl Pipeline {
@@ -558,7 +589,50 @@ fn rewritten_path(
 
 #[cfg(test)]
 mod tests {
-    use super::normalize_path;
+    use super::*;
+
+    fn pipeline() -> Pipeline {
+        let source = crate::config::Source {
+            name: "t.yaml".into(),
+            text: "routes: [{ name: ok, match: { path: /ok }, respond: { status: 200 } }]".into(),
+        };
+        let config = crate::config::load_sources(&[source], &|_| None).unwrap();
+        Pipeline::new(
+            Arc::new(config),
+            plugin::Chains::default(),
+            Arc::default(),
+            1,
+            None,
+        )
+    }
+
+    #[test]
+    fn a_worker_shares_its_handle_while_held_and_follows_a_reload() {
+        let shared = ArcSwap::from_pointee(pipeline());
+        let first = current(&shared);
+        assert!(Arc::ptr_eq(&*first, &shared.load_full()));
+        // While a request holds it, the next request gets the same handle.
+        let again = current(&shared);
+        assert!(Arc::ptr_eq(&first, &again));
+        assert_eq!(Arc::strong_count(&first), 2);
+        // After a reload, the new pipeline; the old one stays with the
+        // requests holding it.
+        let old = Arc::downgrade(&*first);
+        shared.store(Arc::new(pipeline()));
+        let after = current(&shared);
+        assert!(Arc::ptr_eq(&*after, &shared.load_full()));
+        assert!(!Arc::ptr_eq(&after, &first));
+        // Once they end, nothing of the worker's keeps it alive.
+        drop((first, again));
+        assert!(
+            old.upgrade().is_none(),
+            "the old pipeline outlived its requests"
+        );
+        // And with no request holding a handle, none is kept.
+        let gone = Arc::downgrade(&after);
+        drop(after);
+        assert!(gone.upgrade().is_none());
+    }
 
     #[test]
     fn dot_segments_are_resolved() {

@@ -829,7 +829,7 @@ fn serve_connection(
         // Each request takes the pipeline current at its arrival; a reload
         // swaps it under keep-alive connections without touching requests
         // already in flight.
-        let pipeline = pipeline.load_full();
+        let pipeline = crate::pipeline::current(&pipeline);
         let conn = service_conn.clone();
         async move { Ok::<_, Infallible>(pipeline.handle(req, &conn).await) }
     });

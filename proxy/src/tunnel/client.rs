@@ -320,7 +320,7 @@ async fn serve(io: TokioIo<BoxIo>, slot: usize, dialer: &Arc<Dialer>, ctx: &Work
                 }
             }
             let dialer = dialer.clone();
-            let pipeline = pipeline.load_full();
+            let pipeline = crate::pipeline::current(&pipeline);
             async move { Ok::<_, Infallible>(handle(req, &dialer, &pipeline, worker).await) }
         })
     };
