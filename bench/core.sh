@@ -10,10 +10,11 @@
 #   nginx-tuned  upstream keep-alive (keepalive 256, HTTP/1.1): nginx at its best;
 #   nginx-chart  proxy_pass as in the runtime chart's routing service that
 #                Portcullis replaces: a new upstream connection per request.
-# wrk drives each in turn, ROUNDS times; the table shows the median round,
-# with each proxy's own CPU time per request (user and system, from /proc,
-# all its processes): on a small shared machine requests/s swing by ~10%
-# between runs, CPU per request much less.
+# wrk drives each in turn, ROUNDS times; the table shows each column's
+# median over the rounds, with each proxy's own CPU time per request (user
+# and system, from /proc, all its processes): on a small shared machine
+# requests/s swing by ~10% between runs, CPU per request much less. Then
+# Portcullis against nginx-tuned round by round, and the median of those.
 # Needs wrk and nginx (apt-get install wrk nginx-light); installs them if
 # missing.
 set -euo pipefail
@@ -124,9 +125,13 @@ done
 echo
 echo "wrk -t$WRK_THREADS -c$CONNECTIONS -d${DURATION}s, $WORKERS workers each, median of $ROUNDS rounds, $(nproc) cores"
 printf "%-12s %12s %10s %10s %12s %12s %14s\n" proxy "requests/s" "p50 (us)" "p99 (us)" "rps ratio" "p99 ratio" "CPU/req (us)"
-read -r P_RPS P_P50 P_P99 _ <<<"$(median "$WORK/portcullis.txt")"
+# Each column's own median: the round with the median requests/s can
+# have any p99 (one slow round in five decided the p99 ratio before).
+col_median() { median "$1" "$2" | awk -v c="$2" '{print $c}'; }
+P_RPS=$(col_median "$WORK/portcullis.txt" 1)
+P_P99=$(col_median "$WORK/portcullis.txt" 3)
 for n in "${NAMES[@]}"; do
-  read -r RPS P50 P99 _ <<<"$(median "$WORK/$n.txt")"
+  RPS=$(col_median "$WORK/$n.txt" 1); P50=$(col_median "$WORK/$n.txt" 2); P99=$(col_median "$WORK/$n.txt" 3)
   # CPU per request: the median round by user time, as user + system.
   read -r _ _ _ U S <<<"$(median "$WORK/$n.txt" 4)"
   awk -v n="$n" -v r="$RPS" -v a="$P50" -v b="$P99" -v pr="$P_RPS" -v pp="$P_P99" -v u="$U" -v s="$S" \
@@ -134,3 +139,9 @@ for n in "${NAMES[@]}"; do
 done
 echo "(ratios: portcullis / that row; rps higher is better, p99 lower is better;"
 echo " CPU/req: the proxy's own user + system time per request)"
+# The proxies ran one after another in each round, so a round's ratio
+# compares them under the same machine load; their median is the steadier
+# figure when the load moves between rounds.
+paste "$WORK/portcullis.txt" "$WORK/nginx-tuned.txt" | awk '{ print $1 / $6, $3 / $8 }' > "$WORK/ratios.txt"
+awk '{ r = r sprintf(" %.2f", $1); q = q sprintf(" %.2f", $2) } END { print "per round vs nginx-tuned: rps" r "; p99" q }' "$WORK/ratios.txt"
+echo "median of the rounds: rps $(col_median "$WORK/ratios.txt" 1 | xargs printf %.2f)x, p99 $(col_median "$WORK/ratios.txt" 2 | xargs printf %.2f)x"
