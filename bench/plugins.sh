@@ -3,7 +3,7 @@
 # jwt-auth (HS256 bearer token), in one Portcullis process, side by side.
 #
 #   bench/plugins.sh                    # defaults below
-#   DURATION=20 ROUNDS=5 bench/plugins.sh
+#   DURATION=4 ROUNDS=9 CALLS=0 bench/plugins.sh   # more, shorter rounds; no plugin_call
 #
 # Routes (same upstream: one nginx worker answering a fixed body):
 #   /plain   no plugin
@@ -13,18 +13,18 @@
 #   /verify  jwt-auth with cache_size: 0: the signature checked per request,
 #            as with a client that never sends the same token twice
 #   /fresh   jwt-auth, a new instance per request (instances: per-request)
-# Throughput: wrk -c$CONNECTIONS, routes interleaved, median of ROUNDS, with
-# the proxy's own CPU time per request (user+system, from /proc) beside it:
-# on a small shared machine requests/s swings by 10% between runs, CPU per
-# request much less. Added latency per call: p50 with one connection (-c1),
+# Throughput: wrk -c$CONNECTIONS, each route's run between two runs of
+# /plain, median of ROUNDS, with the proxy's own CPU time per request
+# (user+system, from /proc) beside it: on a small shared machine
+# requests/s swings by 10% between runs, CPU per request much less. Added latency per call: p50 with one connection (-c1),
 # minus the plain route's. Last, examples/plugin_call.rs times the plugin
 # call alone (the same instance called back to back on one thread).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DURATION=${DURATION:-10}
+DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-64}
-ROUNDS=${ROUNDS:-5}
+ROUNDS=${ROUNDS:-7}
 WORKERS=${WORKERS:-$(nproc)}
 plugins/build.sh >/dev/null
 # shellcheck source=bench/common.sh
@@ -77,30 +77,43 @@ run_wrk_cpu() { # path -> "rps p50_us p99_us cpu_us_per_request"
 }
 for p in /plain /key /auth /verify /fresh; do wrk -t1 -c8 -d2s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$p" >/dev/null; done
 
-for p in plain key auth verify fresh; do : > "$WORK/$p.c64"; : > "$WORK/$p.c1"; done
+ROUTES=(key auth verify fresh)
+for p in plain "${ROUTES[@]}"; do : > "$WORK/$p.c64"; : > "$WORK/$p.c1"; : > "$WORK/$p.ratio"; done
+# A plugin's cost is a few percent, and this machine's speed drifts by more
+# than that within a minute. So every route's run sits between two runs of
+# /plain, and its requests/s is taken over their mean (an A-B-A design,
+# which cancels a steady drift); the table gives the median of those
+# ratios over the rounds.
 for r in $(seq "$ROUNDS"); do
-  for p in plain key auth verify fresh; do
+  run_wrk_cpu /plain >> "$WORK/plain.c64"
+  before=$(tail -1 "$WORK/plain.c64" | cut -d' ' -f1)
+  for p in "${ROUTES[@]}"; do
     run_wrk_cpu "/$p" >> "$WORK/$p.c64"
-    run_wrk "/$p" 1 1 >> "$WORK/$p.c1"
+    run_wrk_cpu /plain >> "$WORK/plain.c64"
+    after=$(tail -1 "$WORK/plain.c64" | cut -d' ' -f1)
+    tail -1 "$WORK/$p.c64" | awk -v a="$before" -v b="$after" '{ print $1 / ((a + b) / 2) }' >> "$WORK/$p.ratio"
+    before=$after
   done
-  echo "round $r: $(for p in plain key auth verify fresh; do echo -n "$p [$(tail -1 "$WORK/$p.c64") | c1 $(tail -1 "$WORK/$p.c1")] "; done)"
+  for p in plain "${ROUTES[@]}"; do run_wrk "/$p" 1 1 >> "$WORK/$p.c1"; done
+  echo "round $r: plain $(tail -n $((${#ROUTES[@]} + 1)) "$WORK/plain.c64" | cut -d' ' -f1 | tr '\n' ' ')| $(for p in "${ROUTES[@]}"; do echo -n "$p [$(tail -1 "$WORK/$p.c64") x$(tail -1 "$WORK/$p.ratio") | c1 $(tail -1 "$WORK/$p.c1")] "; done)"
 done
 read -r _ BASE_P50 _ <<<"$(median "$WORK/plain.c1" 2)"
-read -r _ _ _ BASE_CPU <<<"$(median "$WORK/plain.c64" 4)"
-# Each round runs the routes back to back, so a route's requests/s over the
-# plain route's of the same round cancels the machine's drift between rounds.
-paired() { paste -d' ' "$WORK/$1.c64" "$WORK/plain.c64" | awk '{ print $1 / $5 }' | sort -g | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
+# /plain ran more often than the rounds: its own median.
+PLAIN_RUNS=$(wc -l < "$WORK/plain.c64")
+read -r _ _ _ BASE_CPU <<<"$(ROUNDS=$PLAIN_RUNS median "$WORK/plain.c64" 4)"
+paired() { [ "$1" = plain ] && { echo 1; return; }; sort -g "$WORK/$1.ratio" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
 echo
 echo "wrk -t2 -c$CONNECTIONS -d${DURATION}s (throughput) and -t1 -c1 (latency), $WORKERS workers, median of $ROUNDS rounds"
 printf "%-8s %12s %10s %14s %14s %14s %16s\n" route "requests/s" "vs plain" "proxy CPU/req" "added CPU/req" "p50 -c1 (us)" "added p50 (us)"
-for p in plain key auth verify fresh; do
-  read -r RPS _ _ <<<"$(median "$WORK/$p.c64" 1)"
-  read -r _ _ _ CPU <<<"$(median "$WORK/$p.c64" 4)"
+for p in plain "${ROUTES[@]}"; do
+  n=$ROUNDS; [ "$p" = plain ] && n=$PLAIN_RUNS
+  read -r RPS _ _ <<<"$(ROUNDS=$n median "$WORK/$p.c64" 1)"
+  read -r _ _ _ CPU <<<"$(ROUNDS=$n median "$WORK/$p.c64" 4)"
   read -r _ P50 _ <<<"$(median "$WORK/$p.c1" 2)"
   awk -v n="$p" -v r="$RPS" -v q="$(paired "$p")" -v c="$CPU" -v bc="$BASE_CPU" -v l="$P50" -v bl="$BASE_P50" \
     'BEGIN { printf "%-8s %12d %9.1f%% %11.2f us %11.2f us %14.1f %16.1f\n", n, r, (q-1)*100, c, c-bc, l, l-bl }'
 done
-echo "(vs plain: median over rounds of the route's requests/s over the plain route's in the same round)"
+echo "(vs plain: median over the rounds of the route's requests/s over the mean of the /plain runs just before and after it)"
 
 if [ "${CALLS:-1}" != 0 ]; then
   echo
