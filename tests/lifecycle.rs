@@ -169,44 +169,21 @@ routes: [{ name: who, match: { path_prefix: /who }, respond: { status: 200, body
         .trim_start_matches("http://")
         .trim_end_matches('/')
         .to_owned();
-    async fn ask(conn: &mut tokio::net::TcpStream, path: &str) {
-        conn.write_all(format!("GET {path} HTTP/1.1\r\nHost: a\r\n\r\n").as_bytes())
-            .await
-            .unwrap();
-        let mut buf = [0u8; 1024];
-        let mut head = Vec::new();
-        while !head.ends_with(b"here") {
-            let n = conn.read(&mut buf).await.unwrap();
-            assert!(n > 0, "connection closed before the answer");
-            head.extend_from_slice(&buf[..n]);
-        }
-        assert!(
-            head.starts_with(b"HTTP/1.1 200"),
-            "{}",
-            String::from_utf8_lossy(&head)
-        );
-    }
     // Opened one after another and all kept open, as a client's pool.
     let mut conns = Vec::new();
     for i in 0..16 {
         let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        ask(&mut conn, &format!("/who?c={i:02}")).await;
+        client::get_on(&mut conn, "a", &format!("/who?c={i:02}"), "here").await;
         proxy.wait_for_log(&format!("c={i:02}\"")).await;
         conns.push(conn);
     }
     // Connections handed to another worker keep serving.
     for (i, conn) in conns.iter_mut().enumerate() {
-        ask(conn, &format!("/who?again={i:02}")).await;
+        client::get_on(conn, "a", &format!("/who?again={i:02}"), "here").await;
     }
-    let logs = proxy.logs.lock().unwrap().clone();
-    let mut per_worker = [0; 4];
-    for line in &logs {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
-        if v["target"] == "access" && v["path"].as_str().is_some_and(|p| p.contains("c=")) {
-            per_worker[v["worker"].as_u64().expect("worker in the access line") as usize] += 1;
-        }
-    }
-    assert_eq!(per_worker, [4, 4, 4, 4], "connections per worker");
+    assert_eq!(
+        proxy.access_per_worker("c=", 4),
+        [4, 4, 4, 4],
+        "connections per worker"
+    );
 }

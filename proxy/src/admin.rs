@@ -52,7 +52,7 @@ pub async fn serve_with(addr: SocketAddr, handler: Handler) -> std::io::Result<S
     tracing::info!(addr = %local, "admin listening");
     tokio::spawn(async move {
         loop {
-            let (stream, _) = crate::server::accept(&listener, "admin").await;
+            let (stream, _) = crate::sockets::accept(&listener, "admin").await;
             let handler = handler.clone();
             tokio::spawn(async move {
                 let service = service_fn(move |req| {

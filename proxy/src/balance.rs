@@ -17,7 +17,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
 
 /// A connection on its way to another worker, with the slot it took
 /// under the listener's connection cap.
@@ -115,6 +117,102 @@ impl Counted {
     /// The worker this connection is counted against.
     pub fn worker(&self) -> usize {
         self.worker
+    }
+}
+
+/// A connection a worker serves: the socket, the client's address, its
+/// slot under the connection cap and its place in the worker's count.
+pub type Arrival = (TcpStream, SocketAddr, OwnedSemaphorePermit, Counted);
+
+/// One worker's socket of a listener, its inbox and the listener's balance.
+pub struct Accepting<'a> {
+    /// This worker's `SO_REUSEPORT` socket.
+    pub socket: &'a TcpListener,
+    /// The listener's name, for logs.
+    pub name: &'a str,
+    /// The balance over the listener's workers.
+    pub balance: &'a Arc<Balance>,
+    /// This worker.
+    pub worker: usize,
+    /// Connections other workers hand to this one.
+    pub inbox: &'a mut mpsc::UnboundedReceiver<Handoff>,
+}
+
+impl Accepting<'_> {
+    /// The next connection this worker serves: one it accepts and keeps,
+    /// or one another worker hands it. A connection accepted here while
+    /// another worker holds fewer goes to that worker. None once `stop` is
+    /// cancelled or the cap's semaphore is closed.
+    ///
+    /// The cap is shared by the workers, so a slot is taken after
+    /// accepting: a worker that held one while waiting on its own socket
+    /// would starve the others. Each worker holds at most one accepted
+    /// connection waiting for a slot; the rest stay queued in the kernel.
+    pub async fn next(
+        &mut self,
+        limit: impl Fn() -> Arc<Semaphore>,
+        stop: &CancellationToken,
+    ) -> Option<Arrival> {
+        loop {
+            tokio::select! {
+                pair = crate::sockets::accept(self.socket, self.name) => {
+                    let (stream, client) = pair;
+                    let permit = tokio::select! {
+                        p = limit().acquire_owned() => p.ok()?,
+                        _ = stop.cancelled() => return None,
+                    };
+                    let counted = self.balance.place(self.worker);
+                    if counted.worker() == self.worker {
+                        return Some((stream, client, permit, counted));
+                    }
+                    if let Some(back) = self.hand_over((stream, client, permit, counted)) {
+                        return Some(back);
+                    }
+                }
+                Some(h) = self.inbox.recv() => match TcpStream::from_std(h.stream) {
+                    Ok(stream) => return Some((stream, h.client, h.permit, h.counted)),
+                    Err(e) => {
+                        tracing::warn!(listener = %self.name, error = %e, "cannot take over a connection from another worker");
+                    }
+                },
+                _ = stop.cancelled() => return None,
+            }
+        }
+    }
+
+    /// Sends a connection this worker accepted to the worker `counted`
+    /// names. If that worker has stopped listening (the listener is
+    /// closing), gives it back to be served here.
+    fn hand_over(&self, (stream, client, permit, counted): Arrival) -> Option<Arrival> {
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(client = %client, error = %e, "cannot hand a connection to another worker");
+                return None;
+            }
+        };
+        let Handoff {
+            stream,
+            client,
+            permit,
+            counted,
+        } = self
+            .balance
+            .hand_over(Handoff {
+                stream,
+                client,
+                permit,
+                counted,
+            })
+            .err()?;
+        drop(counted);
+        match TcpStream::from_std(stream) {
+            Ok(stream) => Some((stream, client, permit, self.balance.count_on(self.worker))),
+            Err(e) => {
+                tracing::warn!(client = %client, error = %e, "cannot take a connection back");
+                None
+            }
+        }
     }
 }
 

@@ -19,5 +19,6 @@ pub mod plugin;
 pub mod reload;
 pub mod router;
 pub mod server;
+pub mod sockets;
 pub mod telemetry;
 pub mod tunnel;

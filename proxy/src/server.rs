@@ -22,10 +22,11 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::balance::{Balance, Counted, Handoff};
+use crate::balance::{Accepting, Balance, Counted, Handoff};
 use crate::config::{Config, Listener};
 use crate::drain::Connections;
 use crate::pipeline::{ConnInfo, Pipeline, Shared};
+use crate::sockets::reuseport_socket;
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -185,33 +186,6 @@ pub struct Server {
 /// may use (cgroup quotas included).
 pub fn default_workers() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-/// The next connection on `listener`. Accept errors (out of file
-/// descriptors and the like) are logged as `what` and retried after a short
-/// pause rather than in a spin; the listener stays up.
-pub(crate) async fn accept(listener: &TcpListener, what: &str) -> (TcpStream, SocketAddr) {
-    loop {
-        match listener.accept().await {
-            Ok(pair) => return pair,
-            Err(e) => {
-                tracing::warn!(listener = what, error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-}
-
-/// A listening socket others can join on the same address (one per worker).
-pub(crate) fn reuseport_socket(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    use socket2::{Domain, Protocol, Socket, Type};
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    socket.set_reuse_address(true)?;
-    socket.set_reuse_port(true)?;
-    socket.set_nonblocking(true)?;
-    socket.bind(&addr.into())?;
-    socket.listen(4096)?;
-    Ok(socket.into())
 }
 
 /// Binds one socket per worker on the listener's address; the first
@@ -705,39 +679,17 @@ async fn accept_loop(
     // Fixed for the loop's life: a listener renamed by a reload is another
     // listener.
     let name = settings.load().spec.name.clone();
-    loop {
-        let (stream, client, permit, counted): Arrival = tokio::select! {
-            pair = accept(&socket, &name) => {
-                let (stream, client) = pair;
-                // The cap is shared by the workers, so a slot is taken
-                // after accepting: a worker that held one while waiting on
-                // its own socket would starve the others. Each worker holds
-                // at most one accepted connection waiting for a slot; the
-                // rest stay queued in the kernel.
-                let limit = settings.load().limit.clone();
-                let permit = tokio::select! {
-                    p = limit.acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-                    _ = stop.cancelled() => break,
-                };
-                let counted = balance.place(worker);
-                if counted.worker() == worker {
-                    (stream, client, permit, counted)
-                } else {
-                    match hand_over(&balance, worker, (stream, client, permit, counted)) {
-                        Some(back) => back,
-                        None => continue,
-                    }
-                }
-            }
-            Some(h) = inbox.recv() => match TcpStream::from_std(h.stream) {
-                Ok(stream) => (stream, h.client, h.permit, h.counted),
-                Err(e) => {
-                    tracing::warn!(listener = %name, error = %e, "cannot take over a connection from another worker");
-                    continue;
-                }
-            },
-            _ = stop.cancelled() => break,
-        };
+    let mut accepting = Accepting {
+        socket: &socket,
+        name: &name,
+        balance: &balance,
+        worker,
+        inbox: &mut inbox,
+    };
+    while let Some((stream, client, permit, counted)) = accepting
+        .next(|| settings.load().limit.clone(), &stop)
+        .await
+    {
         let current = settings.load_full();
         let conn = Arc::new(ConnInfo {
             client,
@@ -763,52 +715,6 @@ async fn accept_loop(
     drop(inbox);
     drop(open);
     connections.shutdown().await;
-}
-
-/// A connection that arrived, as the accept loop serves it.
-type Arrival = (
-    TcpStream,
-    SocketAddr,
-    tokio::sync::OwnedSemaphorePermit,
-    Counted,
-);
-
-/// Sends a connection worker `worker` accepted to the worker `counted`
-/// names. If that worker has stopped listening (the listener is closing),
-/// gives it back to be served here.
-fn hand_over(
-    balance: &Arc<Balance>,
-    worker: usize,
-    (stream, client, permit, counted): Arrival,
-) -> Option<Arrival> {
-    let stream = match stream.into_std() {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(client = %client, error = %e, "cannot hand a connection to another worker");
-            return None;
-        }
-    };
-    let Handoff {
-        stream,
-        client,
-        permit,
-        counted,
-    } = balance
-        .hand_over(Handoff {
-            stream,
-            client,
-            permit,
-            counted,
-        })
-        .err()?;
-    drop(counted);
-    match TcpStream::from_std(stream) {
-        Ok(stream) => Some((stream, client, permit, balance.count_on(worker))),
-        Err(e) => {
-            tracing::warn!(client = %client, error = %e, "cannot take a connection back");
-            None
-        }
-    }
 }
 
 fn serve_connection(

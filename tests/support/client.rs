@@ -135,3 +135,21 @@ where
     assert_eq!(back.into_data(), big);
     conn.close(None).await.unwrap();
 }
+
+/// Sends `GET path` with `Host: host` on an open HTTP/1.1 connection and
+/// reads until `body` arrives; the answer must be a 200.
+pub async fn get_on(conn: &mut tokio::net::TcpStream, host: &str, path: &str, body: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    conn.write_all(format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    let mut answer = Vec::new();
+    while !answer.windows(body.len()).any(|w| w == body.as_bytes()) {
+        let n = conn.read(&mut buf).await.unwrap();
+        assert!(n > 0, "connection closed before the answer");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.contains("HTTP/1.1 200"), "{text}");
+}

@@ -209,6 +209,21 @@ impl ProxyProcess {
             .cloned()
             .unwrap_or_else(|| panic!("no log line with `{needle}` in {logs:#?}"))
     }
+    /// Access lines so far whose path contains `path_part`, counted by
+    /// the worker that served them.
+    pub fn access_per_worker(&self, path_part: &str, workers: usize) -> Vec<usize> {
+        let mut per_worker = vec![0; workers];
+        for line in self.logs.lock().unwrap().iter() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            if v["target"] == "access" && v["path"].as_str().is_some_and(|p| p.contains(path_part))
+            {
+                per_worker[v["worker"].as_u64().expect("worker in the access line") as usize] += 1;
+            }
+        }
+        per_worker
+    }
 
     /// Waits for a log line containing `needle` (20 s at most).
     pub async fn wait_for_log(&mut self, needle: &str) -> String {

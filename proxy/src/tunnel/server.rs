@@ -20,11 +20,13 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::tokens::{Refusal, Tokens, valid_runtime_id};
 use super::{Hello, Refused};
+use crate::balance::{Accepting, Balance, Handoff};
 use crate::body::{Body, ResponseBody};
 use crate::forward::Held;
 use crate::telemetry::AccessLog;
@@ -262,11 +264,11 @@ impl TunnelServer {
         anyhow::ensure!(!domain.is_empty(), "--domain is empty");
         let workers = options.workers.max(1);
         let public_err = || format!("cannot bind the public listener on {}", options.public);
-        let first = crate::server::reuseport_socket(options.public).with_context(public_err)?;
+        let first = crate::sockets::reuseport_socket(options.public).with_context(public_err)?;
         let public_addr = first.local_addr()?;
         let mut public = vec![first];
         for _ in 1..workers {
-            public.push(crate::server::reuseport_socket(public_addr).with_context(public_err)?);
+            public.push(crate::sockets::reuseport_socket(public_addr).with_context(public_err)?);
         }
         let tunnel = TcpListener::bind(options.tunnel)
             .await
@@ -323,11 +325,13 @@ impl TunnelServer {
         let stop = CancellationToken::new();
         let mut to_workers = Vec::with_capacity(self.workers);
         let mut done = Vec::with_capacity(self.workers);
-        for (index, public) in self.public.into_iter().enumerate() {
+        let (balance, inboxes) = Balance::new(self.workers);
+        for ((index, public), inbox) in self.public.into_iter().enumerate().zip(inboxes) {
             let (tx, rx) =
                 tokio::sync::mpsc::unbounded_channel::<(std::net::TcpStream, SocketAddr)>();
             to_workers.push(tx);
             let (shared, tls, stop) = (self.shared.clone(), self.tls.clone(), stop.clone());
+            let public = (public, balance.clone(), inbox);
             let (finished, finished_rx) = tokio::sync::oneshot::channel::<()>();
             std::thread::Builder::new()
                 .name(format!("portcullis-tunnel-{index}"))
@@ -353,10 +357,15 @@ impl TunnelServer {
     }
 }
 
-/// One worker thread: its public socket, and the tunnels handed to it.
+/// One worker thread: its public socket (with the balance over the
+/// workers' sockets and its inbox), and the tunnels handed to it.
 fn worker(
     index: usize,
-    public: std::net::TcpListener,
+    (public, balance, inbox): (
+        std::net::TcpListener,
+        Arc<Balance>,
+        UnboundedReceiver<Handoff>,
+    ),
     mut tunnels: tokio::sync::mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shared: Arc<Shared>,
@@ -378,7 +387,7 @@ fn worker(
         match TcpListener::from_std(public) {
             Ok(public) => {
                 tracker.spawn(accept_public(
-                    public,
+                    (public, balance, inbox),
                     index,
                     shared.clone(),
                     tracker.clone(),
@@ -425,7 +434,7 @@ async fn accept_tunnels(
     let mut next = 0;
     loop {
         let (stream, peer) = tokio::select! {
-            pair = crate::server::accept(&listener, "tunnel") => pair,
+            pair = crate::sockets::accept(&listener, "tunnel") => pair,
             _ = stop.cancelled() => return,
         };
         let _ = stream.set_nodelay(true);
@@ -594,7 +603,7 @@ async fn measure_rtt(tunnel: Arc<Tunnel>, shared: &Shared, runtime: &str) {
 }
 
 async fn accept_public(
-    listener: TcpListener,
+    (listener, balance, mut inbox): (TcpListener, Arc<Balance>, UnboundedReceiver<Handoff>),
     worker: usize,
     shared: Arc<Shared>,
     tracker: TaskTracker,
@@ -612,17 +621,18 @@ async fn accept_public(
         .initial_connection_window_size(super::CONNECTION_WINDOW);
     let builder = Arc::new(builder);
     let connections = crate::drain::Connections::new();
-    loop {
-        let (stream, peer) = tokio::select! {
-            pair = crate::server::accept(&listener, "public") => pair,
-            _ = stop.cancelled() => break,
-        };
-        // As in the routing core: a slot is taken after accepting, so a
-        // worker waiting for one never starves the others.
-        let permit = tokio::select! {
-            p = shared.public_slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-            _ = stop.cancelled() => break,
-        };
+    // Spread over the workers as the routing core's listeners are: the
+    // kernel's hash alone can leave one worker most of a client's pool.
+    let mut accepting = Accepting {
+        socket: &listener,
+        name: "public",
+        balance: &balance,
+        worker,
+        inbox: &mut inbox,
+    };
+    while let Some((stream, peer, permit, counted)) =
+        accepting.next(|| shared.public_slots.clone(), &stop).await
+    {
         let _ = stream.set_nodelay(true);
         let shared = shared.clone();
         let service = service_fn(move |req: Request<Incoming>| {
@@ -650,9 +660,12 @@ async fn accept_public(
         );
         tracker.spawn(async move {
             let _ = served.await;
-            drop(permit);
+            drop((permit, counted));
         });
     }
+    // Connections handed to this worker and not yet taken close with the
+    // inbox.
+    drop(inbox);
     connections.shutdown().await;
 }
 
