@@ -10,11 +10,16 @@
 #   nginx-tuned  upstream keep-alive (keepalive 256, HTTP/1.1): nginx at its best;
 #   nginx-chart  proxy_pass as in the runtime chart's routing service that
 #                Portcullis replaces: a new upstream connection per request.
+# Both nginx set-ups send the upstream the same X-Forwarded-For, -Proto and
+# -Host headers that Portcullis sends, so all three do the same work.
 # wrk drives each in turn, ROUNDS times; the table shows each column's
 # median over the rounds, with each proxy's own CPU time per request (user
 # and system, from /proc, all its processes): on a small shared machine
 # requests/s swing by ~10% between runs, CPU per request much less. Then
 # Portcullis against nginx-tuned round by round, and the median of those.
+# Last, the CPU budget of the whole loop (wrk + upstream + proxy): when they
+# share the cores, requests/s is about cores / loop CPU per request, which
+# tells how far a proxy's own CPU can move the ratio on this machine.
 # Needs wrk and nginx (apt-get install wrk nginx-light); installs them if
 # missing.
 set -euo pipefail
@@ -30,6 +35,7 @@ WRK_THREADS=${WRK_THREADS:-2}
 UP_PORT=$(free_port); NGINX_PORT=$(free_port); CHART_PORT=$(free_port); PC_PORT=$(free_port)
 mkdir -p "$WORK/px" "$WORK/chart"
 start_upstream "$UP_PORT"
+UP_PID=${PIDS[-1]}
 
 # nginx as the reverse proxy under test.
 cat > "$WORK/px/nginx.conf" <<CONF
@@ -48,6 +54,8 @@ http {
       proxy_http_version 1.1;
       proxy_set_header Connection "";
       proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+      proxy_set_header X-Forwarded-Proto \$scheme;
+      proxy_set_header X-Forwarded-Host \$http_host;
     }
   }
 }
@@ -69,6 +77,8 @@ http {
     location / {
       proxy_pass http://127.0.0.1:$UP_PORT;
       proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+      proxy_set_header X-Forwarded-Proto \$scheme;
+      proxy_set_header X-Forwarded-Host \$http_host;
     }
   }
 }
@@ -95,15 +105,25 @@ run_wrk() { wrk -t"$WRK_THREADS" -c"$CONNECTIONS" -d"${DURATION}s" --latency "ht
 # children (nginx's workers).
 cpu_ticks() { for p in "$1" $(pgrep -P "$1"); do awk '{print $14, $15}' "/proc/$p/stat"; done | awk '{u += $1; s += $2} END {print u, s}'; }
 TICK_US=$((1000000 / $(getconf CLK_TCK)))
-# Runs wrk on port $1 against process $2: "rps p50_us p99_us user_us sys_us"
-# (CPU per request).
+# Seconds in bash's `times` format (0m1.250s) to microseconds.
+times_us() { awk '{ split($0, a, "m"); sub("s", "", a[2]); printf "%.0f", (a[1] * 60 + a[2]) * 1e6 }' <<<"$1"; }
+# Runs wrk on port $1 against process $2: "rps p50_us p99_us user_us sys_us
+# loop_us" per request, where loop_us is the CPU the rest of the loop (wrk
+# and the upstream, user + system) spent per request.
 measure() {
-  local u1 s1 u2 s2 figures
+  local u1 s1 u2 s2 uu1 us1 uu2 us2 out figures wrk_us
   read -r u1 s1 <<<"$(cpu_ticks "$2")"
-  figures=$(run_wrk "$1")
+  read -r uu1 us1 <<<"$(cpu_ticks "$UP_PID")"
+  # `times` in the same subshell: the CPU of its children, wrk and awk.
+  out=$(run_wrk "$1"; times)
   read -r u2 s2 <<<"$(cpu_ticks "$2")"
-  awk -v f="$figures" -v u=$((u2 - u1)) -v s=$((s2 - s1)) -v t="$TICK_US" -v d="$DURATION" \
-    'BEGIN { split(f, a, " "); n = a[1] * d; printf "%s %.2f %.2f\n", f, u * t / n, s * t / n }'
+  read -r uu2 us2 <<<"$(cpu_ticks "$UP_PID")"
+  figures=$(head -1 <<<"$out")
+  read -r wu ws <<<"$(sed -n 3p <<<"$out")"
+  wrk_us=$(($(times_us "$wu") + $(times_us "$ws")))
+  awk -v f="$figures" -v u=$((u2 - u1)) -v s=$((s2 - s1)) -v up=$((uu2 - uu1 + us2 - us1)) \
+    -v w="$wrk_us" -v t="$TICK_US" -v d="$DURATION" \
+    'BEGIN { split(f, a, " "); n = a[1] * d; printf "%s %.2f %.2f %.2f\n", f, u * t / n, s * t / n, (up * t + w) / n }'
 }
 
 echo "warming up..."
@@ -119,7 +139,7 @@ for r in $(seq "$ROUNDS"); do
     measure "${PORTS[$i]}" "${PROCS[$i]}" >> "$WORK/${NAMES[$i]}.txt"
     line="$line ${NAMES[$i]} $(tail -1 "$WORK/${NAMES[$i]}.txt") |"
   done
-  echo "$line (rps p50us p99us user-us/req sys-us/req)"
+  echo "$line (rps p50us p99us user-us/req sys-us/req wrk+upstream-us/req)"
 done
 
 echo
@@ -142,6 +162,25 @@ echo " CPU/req: the proxy's own user + system time per request)"
 # The proxies ran one after another in each round, so a round's ratio
 # compares them under the same machine load; their median is the steadier
 # figure when the load moves between rounds.
-paste "$WORK/portcullis.txt" "$WORK/nginx-tuned.txt" | awk '{ print $1 / $6, $3 / $8 }' > "$WORK/ratios.txt"
+paste "$WORK/portcullis.txt" "$WORK/nginx-tuned.txt" | awk '{ print $1 / $7, $3 / $9 }' > "$WORK/ratios.txt"
 awk '{ r = r sprintf(" %.2f", $1); q = q sprintf(" %.2f", $2) } END { print "per round vs nginx-tuned: rps" r "; p99" q }' "$WORK/ratios.txt"
 echo "median of the rounds: rps $(col_median "$WORK/ratios.txt" 1 | xargs printf %.2f)x, p99 $(col_median "$WORK/ratios.txt" 2 | xargs printf %.2f)x"
+
+# The loop's CPU budget. wrk, the upstream and the proxy share the cores, so
+# requests/s ~ cores / (their CPU per request): a proxy's ratio to
+# nginx-tuned is bounded by how much of the loop it owns.
+echo
+echo "CPU per request of the whole loop (median rounds, us): wrk + upstream, proxy, sum; cores / sum"
+for n in "${NAMES[@]}"; do
+  read -r _ _ _ U S L <<<"$(median "$WORK/$n.txt" 4)"
+  awk -v n="$n" -v u="$U" -v s="$S" -v l="$L" -v c="$(nproc)" \
+    'BEGIN { printf "%-12s %6.1f + %5.1f = %5.1f  -> %6.0f req/s at full use\n", n, l, u + s, l + u + s, c * 1e6 / (l + u + s) }'
+done
+read -r _ _ _ NU NS NL <<<"$(median "$WORK/nginx-tuned.txt" 4)"
+read -r _ _ _ PU PS PL <<<"$(median "$WORK/portcullis.txt" 4)"
+awk -v nu="$NU" -v ns="$NS" -v nl="$NL" -v pu="$PU" -v ps="$PS" -v pl="$PL" 'BEGIN {
+  n = nu + ns; p = pu + ps; need = (nl + n) / 1.1 - pl
+  printf "portcullis uses %.2fx the CPU per request of nginx-tuned (user %.2fx, system %.2fx).\n", p / n, pu / nu, ps / ns
+  printf "1.1x nginx-tuned here needs the proxy at %.1f us/req (%.2fx nginx-tuned'"'"'s); with its system time\n", need, need / n
+  printf "as it is (%.1f us), that leaves %.1f us of user time; user time 0 would give %.2fx.\n", ps, need - ps, (nl + n) / (pl + ps)
+}'
