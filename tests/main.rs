@@ -7,6 +7,7 @@ mod check_cli;
 mod default_routes;
 mod errors;
 mod lifecycle;
+mod metrics;
 mod plugins;
 mod reload;
 mod routing;

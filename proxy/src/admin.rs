@@ -5,7 +5,8 @@
 //!
 //! - `GET /status`: JSON — active config fingerprint, generation, loaded
 //!   at, reload counts, last error, listeners.
-//! - `GET /metrics`: Prometheus text format.
+//! - `GET /metrics`: Prometheus text format: configuration, listeners,
+//!   plugins, and requests by route and status with their latency.
 //! - `POST /reload`: reload now; 200 when applied or unchanged, 422 with the
 //!   errors when rejected.
 
@@ -307,5 +308,6 @@ fn metrics(reloader: &Reloader) -> String {
         "Counters plugins keep through host.count, and each plugin's failures (name=\"failures\").",
         &counters,
     );
+    crate::metrics::render(&mut out);
     out
 }

@@ -11,6 +11,7 @@ use http_body::{Body as _, Frame, SizeHint};
 use hyper::body::Incoming;
 
 use crate::forward::{H1Body, Held};
+use crate::metrics;
 use crate::telemetry::AccessLog;
 
 pin_project_lite::pin_project! {
@@ -87,12 +88,16 @@ impl http_body::Body for Body {
 
 pin_project_lite::pin_project! {
     /// A response body on its way to the client. It carries the request's
-    /// access-log record, written when the body is finished or dropped, so
-    /// the logged duration and byte count cover the whole response.
+    /// access-log record and metrics, written when the body is finished or
+    /// dropped, so the logged duration and byte count cover the whole
+    /// response.
     pub struct ResponseBody {
         #[pin]
         inner: Body,
         log: Option<AccessLog>,
+        // Dropped after `log` (fields drop in order): the access-log line
+        // is written first, the counters right after.
+        counted: Option<metrics::Pending>,
         // The upstream connection and in-flight count, released when the
         // body ends so the connection can serve the next request.
         held: Held,
@@ -100,12 +105,23 @@ pin_project_lite::pin_project! {
 }
 
 impl ResponseBody {
-    /// Wraps `inner`, logging with `log` when done.
-    pub fn new(inner: Body, log: Option<AccessLog>, mut held: Held) -> Self {
+    /// Wraps `inner`, logging with `log` and counting with `counted` when
+    /// done.
+    pub fn new(
+        inner: Body,
+        log: Option<AccessLog>,
+        counted: Option<metrics::Pending>,
+        mut held: Held,
+    ) -> Self {
         if inner.is_end_stream() {
             held.finish();
         }
-        ResponseBody { inner, log, held }
+        ResponseBody {
+            inner,
+            log,
+            counted,
+            held,
+        }
     }
 }
 

@@ -8,6 +8,7 @@ use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use http::header::{self, HeaderValue};
@@ -20,7 +21,7 @@ use crate::body::{Body, ResponseBody};
 use crate::config::{Action, Config, Cors, Listener, PathRewrite, Probe, Route};
 use crate::forward::{self, ForwardError, Outgoing, UpstreamPool};
 use crate::telemetry::AccessLog;
-use crate::{chain, plugin};
+use crate::{chain, metrics, plugin};
 
 /// An extra condition for readiness (the tunnel client's: a tunnel that
 /// answers pings).
@@ -100,6 +101,8 @@ pub struct Pipeline {
     /// Upstream pools per worker thread, so connections stay on the thread
     /// that made them: `upstreams[worker][upstream]`.
     upstreams: Vec<Vec<Arc<UpstreamPool>>>,
+    /// Each route's request metrics, by route index.
+    stats: Vec<&'static metrics::RouteStats>,
     shared: Arc<Shared>,
 }
 
@@ -298,10 +301,16 @@ impl Pipeline {
             }
             debug_assert_eq!(upstreams[0].len(), i + 1);
         }
+        let stats = config
+            .routes
+            .iter()
+            .map(|r| metrics::route(&r.name))
+            .collect();
         Pipeline {
             config,
             chains,
             upstreams,
+            stats,
             shared,
         }
     }
@@ -314,18 +323,27 @@ impl Pipeline {
     /// Handles one request end to end. Never fails: every problem becomes
     /// an HTTP answer.
     pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ResponseBody> {
+        let start = Instant::now();
         let mut log = AccessLog::start(
             req.method(),
             req.uri().path_and_query(),
             conn.client,
             conn.worker,
+            start,
         );
-        let (resp, held) = self.route_and_serve(req, conn, &mut log).await;
+        let mut stats = metrics::unrouted();
+        let (resp, held) = self.route_and_serve(req, conn, &mut log, &mut stats).await;
+        let status = resp.status().as_u16();
         if let Some(log) = log.as_mut() {
-            log.status = resp.status().as_u16();
+            log.status = status;
         }
+        let counted = metrics::Pending {
+            stats,
+            status,
+            start,
+        };
         let (parts, body) = resp.into_parts();
-        Response::from_parts(parts, ResponseBody::new(body, log, held))
+        Response::from_parts(parts, ResponseBody::new(body, log, Some(counted), held))
     }
 
     async fn route_and_serve(
@@ -333,6 +351,7 @@ impl Pipeline {
         req: Request<Incoming>,
         conn: &ConnInfo,
         log: &mut Option<AccessLog>,
+        stats: &mut &'static metrics::RouteStats,
     ) -> (Response<Body>, forward::Held) {
         let (mut parts, body) = req.into_parts();
         let origin = parts.headers.get(header::ORIGIN).cloned();
@@ -371,6 +390,7 @@ impl Pipeline {
         if let Some(log) = log.as_mut() {
             log.route = Some(route.name.clone());
         }
+        *stats = self.stats[found.route];
         // The route's plugins run first, whatever the action, except for
         // health probes (a plugin must not make a pod look dead).
         let mut body = Body::from(body);

@@ -59,13 +59,14 @@ pub struct AccessLog {
 }
 
 impl AccessLog {
-    /// A record for a request starting now, or `None` when access logging
-    /// is off.
+    /// A record for a request whose head arrived at `start`, or `None`
+    /// when access logging is off.
     pub fn start(
         method: &Method,
         path: Option<&PathAndQuery>,
         client: SocketAddr,
         worker: usize,
+        start: Instant,
     ) -> Option<AccessLog> {
         tracing::enabled!(target: ACCESS_TARGET, tracing::Level::INFO).then(|| AccessLog {
             method: method.clone(),
@@ -75,8 +76,7 @@ impl AccessLog {
             status: 0,
             route: None,
             upstream: None,
-            // Read the clock only when the line will be written.
-            start: Instant::now(),
+            start,
             bytes_sent: 0,
             aborted: false,
         })

@@ -34,6 +34,7 @@ use state::State;
 pub use state::counters;
 
 use crate::config::{Config, ConfigError, ConfigErrors, FailMode, PluginModule, PluginUse};
+use crate::shard::{SHARDS, this_thread as shard};
 
 /// How often the epoch advances; deadlines are whole ticks.
 const TICK: Duration = Duration::from_millis(1);
@@ -43,22 +44,10 @@ const POOL_SLOTS: u32 = 1000;
 /// Idle instances kept per binding and thread shard. Calls are
 /// synchronous, so a thread uses one instance of a binding at a time.
 const MAX_IDLE: usize = 4;
-/// Shards of a binding's idle instances; each thread takes its own.
-const SHARDS: usize = 16;
-
-/// This thread's shard. A worker then reuses the instance it used last:
-/// its memory and the host's state for it are still in that core's
-/// caches, where an instance handed between workers arrives cold.
-fn shard() -> usize {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed) % SHARDS;
-    }
-    SHARD.with(|s| *s)
-}
-
-/// One thread's idle instances, alone on its cache lines: adjacent
+/// One thread's idle instances ([`crate::shard`]: each thread takes its
+/// own, so a worker reuses the instance it used last, whose memory and
+/// host state are still in that core's caches, where an instance handed
+/// between workers arrives cold), alone on its cache lines: adjacent
 /// shards in one line would bounce it between the workers' cores on
 /// every call (two workers, two shards, one 64-byte line before this).
 #[derive(Default)]

@@ -361,7 +361,12 @@ async fn handle(
             dialer.replaced.store(true, Ordering::Relaxed);
             dialer.give_up.cancel();
         }
-        let mut resp = Response::new(ResponseBody::new(Body::empty(), None, Default::default()));
+        let mut resp = Response::new(ResponseBody::new(
+            Body::empty(),
+            None,
+            None,
+            Default::default(),
+        ));
         *resp.status_mut() = StatusCode::NO_CONTENT;
         return resp;
     }

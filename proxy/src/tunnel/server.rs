@@ -640,7 +640,13 @@ async fn accept_public(
             // One access line per public request, written when its
             // response body ends (as the routing core does); `upstream`
             // is the runtime's host.
-            let mut log = AccessLog::start(req.method(), req.uri().path_and_query(), peer, worker);
+            let mut log = AccessLog::start(
+                req.method(),
+                req.uri().path_and_query(),
+                peer,
+                worker,
+                std::time::Instant::now(),
+            );
             if let Some(log) = log.as_mut() {
                 log.upstream = host_of(&req).map(Into::into);
             }
@@ -650,7 +656,9 @@ async fn accept_public(
                     log.status = resp.status().as_u16();
                     log
                 });
-                Ok::<_, Infallible>(resp.map(|body| ResponseBody::new(body, log, Held::default())))
+                Ok::<_, Infallible>(
+                    resp.map(|body| ResponseBody::new(body, log, None, Held::default())),
+                )
             }
         });
         let served = connections.watch(

@@ -1,0 +1,347 @@
+//! Request metrics: responses by route and status code, and a latency
+//! histogram by route, for the admin listener's `/metrics`.
+//!
+//! Every request writes a few counters, so they are kept per thread shard
+//! ([`crate::shard`]), each on its own cache lines: the workers never write
+//! a line another one writes. `/metrics` sums the shards when read.
+//!
+//! A route's figures live as long as the process and are found by the
+//! route's name, so a reload that keeps a route keeps counting into the
+//! same counters (Prometheus counters must not go back to zero while the
+//! process lives). Requests that matched no route count under `route=""`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::shard::{SHARDS, this_thread};
+
+/// Upper bounds of the latency buckets, in microseconds (Prometheus `le`,
+/// inclusive), from 0.5 ms to 10 s; a last bucket takes the rest.
+const BUCKETS_US: [u64; 14] = [
+    500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000,
+    2_500_000, 5_000_000, 10_000_000,
+];
+
+/// Distinct status codes one shard of a route counts by code. A route
+/// answers with a handful (200, 304, 404, 502...); any beyond these count
+/// under `code="other"` rather than growing the shard.
+const CODES: usize = 12;
+
+/// One thread's counters for one route.
+#[repr(align(128))]
+#[derive(Default)]
+struct Shard {
+    /// The status code each count slot holds; 0 while free.
+    codes: [AtomicU16; CODES],
+    counts: [AtomicU64; CODES],
+    /// Responses whose code found no slot.
+    other: AtomicU64,
+    /// Requests per latency bucket (not cumulative; the last is +Inf).
+    buckets: [AtomicU64; BUCKETS_US.len() + 1],
+    /// Sum of the latencies, in microseconds.
+    sum_us: AtomicU64,
+}
+
+/// The counters of one route (by name), for the life of the process.
+pub struct RouteStats {
+    route: Arc<str>,
+    shards: [Shard; SHARDS],
+}
+
+impl RouteStats {
+    fn new(route: Arc<str>) -> RouteStats {
+        RouteStats {
+            route,
+            shards: Default::default(),
+        }
+    }
+
+    /// Counts one response with `status`, `elapsed` after its request
+    /// arrived.
+    pub fn record(&self, status: u16, elapsed: Duration) {
+        let shard = &self.shards[this_thread()];
+        shard.count(status);
+        let us = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+        let bucket = BUCKETS_US.partition_point(|&le| le < us);
+        shard.buckets[bucket].fetch_add(1, Relaxed);
+        shard.sum_us.fetch_add(us, Relaxed);
+    }
+}
+
+impl Shard {
+    fn count(&self, status: u16) {
+        for (slot, code) in self.codes.iter().enumerate() {
+            let mut held = code.load(Relaxed);
+            if held == 0 {
+                // Claim the free slot; another thread sharing this shard
+                // may have claimed it first, for the same code or another.
+                held = match code.compare_exchange(0, status, Relaxed, Relaxed) {
+                    Ok(_) => status,
+                    Err(now) => now,
+                };
+            }
+            if held == status {
+                self.counts[slot].fetch_add(1, Relaxed);
+                return;
+            }
+        }
+        self.other.fetch_add(1, Relaxed);
+    }
+}
+
+/// Every route's counters ever made, by route name.
+fn registry() -> &'static Mutex<HashMap<Arc<str>, &'static RouteStats>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<Arc<str>, &'static RouteStats>>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// The counters of the route named `route` (made on first use). They are
+/// never freed: a request's record refers to them without a reference
+/// count the workers would share, and a route's figures outlive reloads.
+/// Each distinct route name costs ~8 KiB once.
+pub fn route(route: &Arc<str>) -> &'static RouteStats {
+    let mut all = registry().lock().unwrap_or_else(|p| p.into_inner());
+    all.entry(route.clone())
+        .or_insert_with(|| Box::leak(Box::new(RouteStats::new(route.clone()))))
+}
+
+/// The counters of requests that matched no route.
+pub fn unrouted() -> &'static RouteStats {
+    static UNROUTED: OnceLock<&'static RouteStats> = OnceLock::new();
+    UNROUTED.get_or_init(|| route(&Arc::from("")))
+}
+
+/// A response being sent: counted when dropped, that is when its body has
+/// been sent or the client went away, like the access log.
+pub struct Pending {
+    /// The route's counters.
+    pub stats: &'static RouteStats,
+    /// The response status.
+    pub status: u16,
+    /// When the request head arrived.
+    pub start: Instant,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.stats.record(self.status, self.start.elapsed());
+    }
+}
+
+/// One route's figures, summed over the shards.
+struct Totals {
+    codes: BTreeMap<u16, u64>,
+    other: u64,
+    buckets: [u64; BUCKETS_US.len() + 1],
+    sum_us: u64,
+}
+
+impl RouteStats {
+    fn totals(&self) -> Totals {
+        let mut t = Totals {
+            codes: BTreeMap::new(),
+            other: 0,
+            buckets: [0; BUCKETS_US.len() + 1],
+            sum_us: 0,
+        };
+        for shard in &self.shards {
+            for (code, count) in shard.codes.iter().zip(&shard.counts) {
+                let code = code.load(Relaxed);
+                let count = count.load(Relaxed);
+                if code != 0 && count != 0 {
+                    *t.codes.entry(code).or_default() += count;
+                }
+            }
+            t.other += shard.other.load(Relaxed);
+            for (sum, b) in t.buckets.iter_mut().zip(&shard.buckets) {
+                *sum += b.load(Relaxed);
+            }
+            t.sum_us += shard.sum_us.load(Relaxed);
+        }
+        t
+    }
+}
+
+/// Writes the request metrics in Prometheus text format: every route seen
+/// so far, by name, with the codes it answered.
+pub fn render(out: &mut String) {
+    let mut routes: Vec<&'static RouteStats> = registry()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .copied()
+        .collect();
+    routes.sort_by(|a, b| a.route.cmp(&b.route));
+    let totals: Vec<_> = routes
+        .iter()
+        .map(|r| (label(&r.route), r.totals()))
+        .collect();
+
+    out.push_str(
+        "# HELP portcullis_requests_total Responses by route and status code \
+         (route=\"\": no route matched).\n# TYPE portcullis_requests_total counter\n",
+    );
+    for (route, t) in &totals {
+        for (code, n) in &t.codes {
+            let _ = writeln!(
+                out,
+                "portcullis_requests_total{{route=\"{route}\",code=\"{code}\"}} {n}"
+            );
+        }
+        if t.other != 0 {
+            let _ = writeln!(
+                out,
+                "portcullis_requests_total{{route=\"{route}\",code=\"other\"}} {}",
+                t.other
+            );
+        }
+    }
+
+    let name = "portcullis_request_duration_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} From the request head's arrival to the end of the response \
+         body (or the client leaving), by route.\n# TYPE {name} histogram"
+    );
+    for (route, t) in &totals {
+        let count: u64 = t.buckets.iter().sum();
+        if count == 0 {
+            continue;
+        }
+        let mut cumulative = 0;
+        for (i, n) in t.buckets.iter().enumerate() {
+            cumulative += n;
+            let le = BUCKETS_US
+                .get(i)
+                .map_or_else(|| "+Inf".to_owned(), |us| seconds(*us));
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{route=\"{route}\",le=\"{le}\"}} {cumulative}"
+            );
+        }
+        let _ = writeln!(out, "{name}_sum{{route=\"{route}\"}} {}", seconds(t.sum_us));
+        let _ = writeln!(out, "{name}_count{{route=\"{route}\"}} {count}");
+    }
+}
+
+/// Microseconds as seconds, without float noise (`0.0025`, not `0.0025000000000000001`).
+fn seconds(us: u64) -> String {
+    let s = format!("{}.{:06}", us / 1_000_000, us % 1_000_000);
+    s.trim_end_matches('0').trim_end_matches('.').to_owned()
+}
+
+fn label(value: &str) -> String {
+    crate::admin::label(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Counters of a route name no other test uses (they are global).
+    fn fresh(name: &str) -> &'static RouteStats {
+        let stats = route(&Arc::from(name));
+        assert_eq!(
+            stats.totals().buckets.iter().sum::<u64>(),
+            0,
+            "{name} reused"
+        );
+        stats
+    }
+
+    #[test]
+    fn counts_by_code_and_bucket() {
+        let stats = fresh("unit-codes");
+        stats.record(200, Duration::from_micros(500));
+        stats.record(200, Duration::from_micros(501));
+        stats.record(502, Duration::from_secs(11));
+        let t = stats.totals();
+        assert_eq!(t.codes, BTreeMap::from([(200, 2), (502, 1)]));
+        // 500 us is inside the first bucket (le is inclusive), 501 us in
+        // the second, 11 s beyond the last bound.
+        assert_eq!(t.buckets[0], 1);
+        assert_eq!(t.buckets[1], 1);
+        assert_eq!(t.buckets[BUCKETS_US.len()], 1);
+        assert_eq!(t.sum_us, 500 + 501 + 11_000_000);
+    }
+
+    #[test]
+    fn codes_beyond_the_slots_count_as_other() {
+        let stats = fresh("unit-many-codes");
+        for code in 200..200 + CODES as u16 + 3 {
+            stats.record(code, Duration::ZERO);
+        }
+        stats.record(200, Duration::ZERO);
+        let t = stats.totals();
+        assert_eq!(t.codes.len(), CODES);
+        assert_eq!(t.codes[&200], 2);
+        assert_eq!(t.other, 3);
+    }
+
+    #[test]
+    fn a_route_keeps_its_counters_by_name() {
+        let a = route(&Arc::from("unit-same"));
+        let b = route(&Arc::from("unit-same"));
+        assert!(std::ptr::eq(a, b));
+        assert!(!std::ptr::eq(a, route(&Arc::from("unit-other"))));
+    }
+
+    #[test]
+    fn threads_sum_into_one_figure() {
+        let stats = fresh("unit-threads");
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..1000 {
+                        stats.record(204, Duration::from_millis(3));
+                    }
+                });
+            }
+        });
+        let t = stats.totals();
+        assert_eq!(t.codes[&204], 4000);
+        assert_eq!(t.buckets[3], 4000, "3 ms is in the le=0.005 bucket");
+    }
+
+    #[test]
+    fn renders_prometheus_text() {
+        let stats = fresh("unit-render \"quoted\"");
+        stats.record(404, Duration::from_micros(1_200));
+        drop(Pending {
+            stats,
+            status: 200,
+            start: Instant::now() - Duration::from_millis(30),
+        });
+        let mut out = String::new();
+        render(&mut out);
+        let r = r#"route="unit-render \"quoted\"""#;
+        for line in [
+            format!("portcullis_requests_total{{{r},code=\"200\"}} 1"),
+            format!("portcullis_requests_total{{{r},code=\"404\"}} 1"),
+            format!("portcullis_request_duration_seconds_bucket{{{r},le=\"0.001\"}} 0"),
+            format!("portcullis_request_duration_seconds_bucket{{{r},le=\"0.0025\"}} 1"),
+            format!("portcullis_request_duration_seconds_bucket{{{r},le=\"0.025\"}} 1"),
+            format!("portcullis_request_duration_seconds_bucket{{{r},le=\"0.05\"}} 2"),
+            format!("portcullis_request_duration_seconds_bucket{{{r},le=\"+Inf\"}} 2"),
+            format!("portcullis_request_duration_seconds_count{{{r}}} 2"),
+        ] {
+            assert!(out.lines().any(|l| l == line), "no {line:?} in\n{out}");
+        }
+        assert_eq!(
+            out.matches("# TYPE portcullis_requests_total counter")
+                .count(),
+            1
+        );
+    }
+
+    #[test]
+    fn seconds_are_exact() {
+        assert_eq!(seconds(500), "0.0005");
+        assert_eq!(seconds(2_500_000), "2.5");
+        assert_eq!(seconds(10_000_000), "10");
+        assert_eq!(seconds(0), "0");
+    }
+}

@@ -1,0 +1,127 @@
+//! Request metrics on the admin listener: responses by route and status,
+//! and latency histograms, from the real binary serving real upstreams.
+
+use std::time::Duration;
+
+use hyper::Response;
+
+use crate::support::client;
+use crate::support::closed_port;
+use crate::support::configmap::ConfigMap;
+use crate::support::process::ProxyProcess;
+use crate::support::upstream::{self, full};
+
+fn policy(app: &str, version: &str) -> String {
+    format!(
+        r#"
+listeners: [{{ name: main, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: app, endpoints: ["{app}"] }}
+  - {{ name: down, endpoints: ["http://127.0.0.1:{down}"] }}
+routes:
+  - {{ name: app, match: {{ path_prefix: /app }}, upstream: app }}
+  - {{ name: down, match: {{ path: /down }}, upstream: down }}
+  - {{ name: version, match: {{ path: /version }}, respond: {{ status: 200, body: "{version}" }} }}
+"#,
+        down = closed_port()
+    )
+}
+
+/// Scrapes `/metrics` until every line of `want` is there (the counters
+/// are written when a response body is dropped, which can come just after
+/// the client has read it); fails after 10 s with the last scrape.
+async fn metrics_showing(proxy: &ProxyProcess, want: &[String]) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let answer = client::get(&proxy.admin_url("/metrics")).await;
+        let text = String::from_utf8_lossy(&answer.body).into_owned();
+        if want.iter().all(|w| text.lines().any(|l| l == w)) {
+            return text;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "metrics lack some of {want:#?}:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn requests_are_counted_by_route_and_status_with_their_latency() {
+    let up = upstream::serve(|req| async move {
+        if req.uri().path() == "/app/slow" {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        Response::new(full("ok"))
+    })
+    .await;
+    let proxy = ProxyProcess::start(&policy(&up.url(), "v1"), &[]).await;
+    for _ in 0..3 {
+        assert_eq!(client::get(&proxy.url("/app/fast")).await.status, 200);
+    }
+    assert_eq!(client::get(&proxy.url("/app/slow")).await.status, 200);
+    assert_eq!(client::get(&proxy.url("/down")).await.status, 502);
+    for _ in 0..2 {
+        assert_eq!(client::get(&proxy.url("/nowhere")).await.status, 404);
+    }
+    let text = metrics_showing(
+        &proxy,
+        &[
+            r#"portcullis_requests_total{route="app",code="200"} 4"#.into(),
+            r#"portcullis_requests_total{route="down",code="502"} 1"#.into(),
+            r#"portcullis_requests_total{route="",code="404"} 2"#.into(),
+            r#"portcullis_request_duration_seconds_count{route="app"} 4"#.into(),
+            r#"portcullis_request_duration_seconds_bucket{route="app",le="+Inf"} 4"#.into(),
+            r#"portcullis_request_duration_seconds_count{route="down"} 1"#.into(),
+        ],
+    )
+    .await;
+    // The slow request took at least 30 ms, so at most the three fast ones
+    // can be in the buckets up to 25 ms, and the sum is at least 30 ms.
+    let bucket = |le: &str| -> u64 {
+        let prefix =
+            format!(r#"portcullis_request_duration_seconds_bucket{{route="app",le="{le}"}} "#);
+        let line = text.lines().find(|l| l.starts_with(&prefix));
+        line.and_then(|l| l[prefix.len()..].parse().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
+    };
+    assert!(bucket("0.025") <= 3, "{text}");
+    let sum: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(r#"portcullis_request_duration_seconds_sum{route="app"} "#))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no sum in\n{text}"));
+    assert!(sum >= 0.030, "sum {sum} in\n{text}");
+    assert!(text.contains("# TYPE portcullis_request_duration_seconds histogram"));
+    // A route that served nothing shows no series.
+    assert!(!text.contains(r#"route="version""#), "{text}");
+}
+
+#[tokio::test]
+async fn a_reload_keeps_counting_into_the_same_counters() {
+    let up = upstream::serve(|_req| async { Response::new(full("ok")) }).await;
+    let mut map = ConfigMap::new(&[("routing.yaml", policy(&up.url(), "v1").as_bytes())]);
+    let proxy = ProxyProcess::start_on(map.path(), &[]).await;
+    for _ in 0..2 {
+        assert_eq!(client::get(&proxy.url("/app")).await.status, 200);
+    }
+    metrics_showing(
+        &proxy,
+        &[r#"portcullis_requests_total{route="app",code="200"} 2"#.into()],
+    )
+    .await;
+    map.update(&[("routing.yaml", policy(&up.url(), "v2").as_bytes())]);
+    proxy
+        .wait_status("generation 2", |s| s["config"]["generation"] == 2)
+        .await;
+    assert_eq!(client::get(&proxy.url("/version")).await.body, "v2");
+    assert_eq!(client::get(&proxy.url("/app")).await.status, 200);
+    metrics_showing(
+        &proxy,
+        &[
+            r#"portcullis_requests_total{route="app",code="200"} 3"#.into(),
+            r#"portcullis_requests_total{route="version",code="200"} 1"#.into(),
+        ],
+    )
+    .await;
+}
