@@ -218,6 +218,25 @@ async fn content_length_bodies_keep_the_connection_and_the_request_head_is_as_se
 }
 
 #[tokio::test]
+async fn a_connection_idle_longer_than_the_idle_timeout_is_not_reused() {
+    let up = Scripted::start(|_, _| ok()).await;
+    let yaml = up
+        .yaml()
+        .replace("retries: 0 }", "retries: 0, timeouts: { idle: 200ms } }");
+    assert!(yaml.contains("idle: 200ms"), "{yaml}");
+    let proxy = Proxy::start_yaml(&yaml).await;
+    let c = client::http1();
+    for _ in 0..2 {
+        assert_eq!(get(&c, &proxy, "GET", "/a").await.status, 200);
+    }
+    assert_eq!(up.connections(), 1, "reused within the idle timeout");
+    // Waiting out the idle timeout is the behaviour under test.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(get(&c, &proxy, "GET", "/a").await.status, 200);
+    assert_eq!(up.connections(), 2, "idle too long: a new connection");
+}
+
+#[tokio::test]
 async fn requests_with_and_without_bodies_share_the_pooled_connections() {
     let up = Scripted::start(|_, _| ok()).await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;

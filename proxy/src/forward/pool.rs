@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::uri::Scheme;
 use hyper::client::conn::{http1, http2};
@@ -79,7 +79,17 @@ enum IdleConn {
 
 struct Idle {
     conn: IdleConn,
-    since: Instant,
+    /// When it was parked, by [`coarse_now`].
+    since: Duration,
+}
+
+/// The coarse monotonic clock: a few milliseconds of resolution, plenty
+/// for idle timeouts of seconds, and read from the vDSO without the time
+/// stamp counter (~3 ns against ~25 for `Instant::now`, on every request's
+/// checkout and return of a connection).
+fn coarse_now() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 /// The connections of one endpoint.
@@ -96,7 +106,7 @@ impl Slot {
         {
             idle.push(Idle {
                 conn,
-                since: Instant::now(),
+                since: coarse_now(),
             });
         }
     }
@@ -215,11 +225,11 @@ impl ConnPool {
     /// An idle HTTP/1.1 connection of `slot` that is ready for a request.
     fn idle_h1(&self, slot: &Slot) -> Option<IdleConn> {
         let mut idle = slot.idle.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
+        let now = coarse_now();
         // The oldest are first: drop those idle too long.
         let expired = idle
             .iter()
-            .take_while(|c| now.duration_since(c.since) > self.idle_timeout)
+            .take_while(|c| now.saturating_sub(c.since) > self.idle_timeout)
             .count();
         idle.drain(..expired);
         let mut busy = Vec::new();
