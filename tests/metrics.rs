@@ -125,3 +125,59 @@ async fn a_reload_keeps_counting_into_the_same_counters() {
     )
     .await;
 }
+
+#[tokio::test]
+async fn connections_that_end_in_an_error_count_by_listener_and_reason() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let yaml = r#"
+listeners: [{ name: edge, bind: "127.0.0.1:0", header_read_timeout: 300ms }]
+routes: [{ name: v, match: { path: /v }, respond: { status: 200, body: "v" } }]
+"#;
+    let proxy = ProxyProcess::start(yaml, &[]).await;
+    // Garbage: hyper answers 400 and closes.
+    let mut sock = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    sock.write_all(b"NOT HTTP AT ALL\r\n\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    sock.read_to_end(&mut answer).await.unwrap();
+    assert!(answer.starts_with(b"HTTP/1.1 400"), "{answer:?}");
+    // Half a head, then the client goes away.
+    let mut sock = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    sock.write_all(b"GET /v HTTP/1.1\r\nhost: a\r\n")
+        .await
+        .unwrap();
+    drop(sock);
+    // Half a head, then nothing until the header-read timeout.
+    let mut sock = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    sock.write_all(b"GET /v HTTP/1.1\r\n").await.unwrap();
+    let mut rest = Vec::new();
+    let _ = sock.read_to_end(&mut rest).await;
+    metrics_showing(
+        &proxy,
+        &[
+            r#"portcullis_connection_errors_total{listener="edge",reason="malformed"} 1"#.into(),
+            r#"portcullis_connection_errors_total{listener="edge",reason="incomplete"} 1"#.into(),
+            r#"portcullis_connection_errors_total{listener="edge",reason="header_timeout"} 1"#
+                .into(),
+        ],
+    )
+    .await;
+    // A keep-alive connection idle past the header-read timeout is closed
+    // and counts the same: hyper runs that clock while it waits for the
+    // next request's head, and does not tell idle from slow.
+    let mut sock = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    sock.write_all(b"GET /v HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    let _ = sock.read_to_end(&mut rest).await;
+    assert!(rest.starts_with(b"HTTP/1.1 200"), "{rest:?}");
+    metrics_showing(
+        &proxy,
+        &[
+            r#"portcullis_requests_total{route="v",code="200"} 1"#.into(),
+            r#"portcullis_connection_errors_total{listener="edge",reason="header_timeout"} 2"#
+                .into(),
+        ],
+    )
+    .await;
+}

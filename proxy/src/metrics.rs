@@ -9,6 +9,10 @@
 //! route's name, so a reload that keeps a route keeps counting into the
 //! same counters (Prometheus counters must not go back to zero while the
 //! process lives). Requests that matched no route count under `route=""`.
+//!
+//! Client connections that end in an error before or between requests
+//! (a malformed head, one too large, too slow to arrive, cut short) never
+//! become requests; they count by listener and reason instead.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -112,6 +116,47 @@ pub fn route(route: &Arc<str>) -> &'static RouteStats {
 pub fn unrouted() -> &'static RouteStats {
     static UNROUTED: OnceLock<&'static RouteStats> = OnceLock::new();
     UNROUTED.get_or_init(|| route(&Arc::from("")))
+}
+
+/// Why a client connection ended in an error, as a metric label.
+fn reason(error: &(dyn std::error::Error + 'static)) -> &'static str {
+    let Some(e) = error.downcast_ref::<hyper::Error>() else {
+        return "other";
+    };
+    if e.is_parse_too_large() {
+        "head_too_large"
+    } else if e.is_parse() {
+        "malformed"
+    } else if e.is_timeout() {
+        "header_timeout"
+    } else if e.is_incomplete_message() {
+        "incomplete"
+    } else {
+        "other"
+    }
+}
+
+/// Connection errors by (listener, reason). Off the request path, so a
+/// plain map behind a lock.
+fn connection_errors() -> &'static Mutex<BTreeMap<(String, &'static str), u64>> {
+    static ERRORS: OnceLock<Mutex<BTreeMap<(String, &'static str), u64>>> = OnceLock::new();
+    ERRORS.get_or_init(Default::default)
+}
+
+/// Counts a client connection on `listener` that ended with `error`, and
+/// returns the reason it was counted under.
+pub fn connection_error(listener: &str, error: &(dyn std::error::Error + 'static)) -> &'static str {
+    let reason = reason(error);
+    let mut all = connection_errors()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    match all.get_mut(&(listener.to_owned(), reason)) {
+        Some(n) => *n += 1,
+        None => {
+            all.insert((listener.to_owned(), reason), 1);
+        }
+    }
+    reason
 }
 
 /// A response being sent: counted when dropped, that is when its body has
@@ -224,6 +269,23 @@ pub fn render(out: &mut String) {
         }
         let _ = writeln!(out, "{name}_sum{{route=\"{route}\"}} {}", seconds(t.sum_us));
         let _ = writeln!(out, "{name}_count{{route=\"{route}\"}} {count}");
+    }
+
+    out.push_str(
+        "# HELP portcullis_connection_errors_total Client connections that ended in an error \
+         outside any request, by listener and reason (malformed, head_too_large, \
+         header_timeout, incomplete, other).\n# TYPE portcullis_connection_errors_total counter\n",
+    );
+    for ((listener, reason), n) in connection_errors()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+    {
+        let _ = writeln!(
+            out,
+            "portcullis_connection_errors_total{{listener=\"{}\",reason=\"{reason}\"}} {n}",
+            label(listener)
+        );
     }
 }
 

@@ -748,7 +748,8 @@ fn serve_connection(
     );
     tracker.spawn(async move {
         if let Err(e) = served.await {
-            tracing::debug!(client = %conn.client, error = %e, "connection ended with an error");
+            let reason = crate::metrics::connection_error(&conn.listener.name, &*e);
+            tracing::debug!(client = %conn.client, error = %e, reason, "connection ended with an error");
         }
         drop(held);
     });
