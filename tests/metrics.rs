@@ -4,6 +4,8 @@
 use std::time::Duration;
 
 use hyper::Response;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 use crate::support::client;
 use crate::support::closed_port;
@@ -126,28 +128,29 @@ async fn a_reload_keeps_counting_into_the_same_counters() {
     .await;
 }
 
-#[tokio::test]
-async fn connections_that_end_in_an_error_count_by_listener_and_reason() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let yaml = r#"
-listeners: [{ name: edge, bind: "127.0.0.1:0", header_read_timeout: 300ms }]
+/// A listener with short client timeouts, and a local answer.
+const EDGE: &str = r#"
+listeners: [{ name: edge, bind: "127.0.0.1:0", header_read_timeout: 300ms, keepalive_timeout: 1s }]
 routes: [{ name: v, match: { path: /v }, respond: { status: 200, body: "v" } }]
 "#;
-    let proxy = ProxyProcess::start(yaml, &[]).await;
+
+#[tokio::test]
+async fn connections_that_end_in_an_error_count_by_listener_and_reason() {
+    let proxy = ProxyProcess::start(EDGE, &[]).await;
     // Garbage: hyper answers 400 and closes.
-    let mut sock = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let mut sock = TcpStream::connect(proxy.addr).await.unwrap();
     sock.write_all(b"NOT HTTP AT ALL\r\n\r\n").await.unwrap();
     let mut answer = Vec::new();
     sock.read_to_end(&mut answer).await.unwrap();
     assert!(answer.starts_with(b"HTTP/1.1 400"), "{answer:?}");
     // Half a head, then the client goes away.
-    let mut sock = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let mut sock = TcpStream::connect(proxy.addr).await.unwrap();
     sock.write_all(b"GET /v HTTP/1.1\r\nhost: a\r\n")
         .await
         .unwrap();
     drop(sock);
-    // Half a head, then nothing until the header-read timeout.
-    let mut sock = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    // Half a head, then nothing: closed at the header-read timeout.
+    let mut sock = TcpStream::connect(proxy.addr).await.unwrap();
     sock.write_all(b"GET /v HTTP/1.1\r\n").await.unwrap();
     let mut rest = Vec::new();
     let _ = sock.read_to_end(&mut rest).await;
@@ -161,23 +164,50 @@ routes: [{ name: v, match: { path: /v }, respond: { status: 200, body: "v" } }]
         ],
     )
     .await;
-    // A keep-alive connection idle past the header-read timeout is closed
-    // and counts the same: hyper runs that clock while it waits for the
-    // next request's head, and does not tell idle from slow.
-    let mut sock = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    sock.write_all(b"GET /v HTTP/1.1\r\nhost: a\r\n\r\n")
-        .await
-        .unwrap();
+}
+
+#[tokio::test]
+async fn keep_alive_connections_outlive_the_header_read_timeout() {
+    let proxy = ProxyProcess::start(EDGE, &[]).await;
+    let mut sock = TcpStream::connect(proxy.addr).await.unwrap();
+    let request = b"GET /v HTTP/1.1\r\nhost: a\r\n\r\n";
+    sock.write_all(request).await.unwrap();
+    let first = read_response(&mut sock).await;
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    // Idle for longer than the header-read timeout, which bounds only a
+    // new connection's first head: a balancer in front may reuse the
+    // connection until the keep-alive timeout.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    sock.write_all(request).await.unwrap();
+    let second = read_response(&mut sock).await;
+    assert!(second.starts_with("HTTP/1.1 200"), "{second}");
+    // Then idle past the keep-alive timeout: the proxy closes it.
+    let start = tokio::time::Instant::now();
     let mut rest = Vec::new();
-    let _ = sock.read_to_end(&mut rest).await;
-    assert!(rest.starts_with(b"HTTP/1.1 200"), "{rest:?}");
+    let closed = tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut rest)).await;
+    assert!(
+        closed.is_ok(),
+        "an idle keep-alive connection was never closed"
+    );
+    assert!(
+        start.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        start.elapsed()
+    );
     metrics_showing(
         &proxy,
         &[
-            r#"portcullis_requests_total{route="v",code="200"} 1"#.into(),
-            r#"portcullis_connection_errors_total{listener="edge",reason="header_timeout"} 2"#
+            r#"portcullis_requests_total{route="v",code="200"} 2"#.into(),
+            r#"portcullis_connection_errors_total{listener="edge",reason="keepalive_timeout"} 1"#
                 .into(),
         ],
     )
     .await;
+}
+
+/// Reads one small response (head and a body that arrives with it).
+async fn read_response(sock: &mut TcpStream) -> String {
+    let mut buf = [0u8; 1024];
+    let n = sock.read(&mut buf).await.unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
 }

@@ -13,6 +13,7 @@ pub mod chain;
 pub mod commands;
 pub mod config;
 pub mod drain;
+pub mod first_head;
 pub mod forward;
 pub mod metrics;
 pub mod pipeline;

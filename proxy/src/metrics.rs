@@ -128,7 +128,9 @@ fn reason(error: &(dyn std::error::Error + 'static)) -> &'static str {
     } else if e.is_parse() {
         "malformed"
     } else if e.is_timeout() {
-        "header_timeout"
+        // hyper's head clock, which has the keep-alive timeout: an idle
+        // keep-alive connection, or a later head too slow to arrive.
+        "keepalive_timeout"
     } else if e.is_incomplete_message() {
         "incomplete"
     } else {
@@ -147,6 +149,17 @@ fn connection_errors() -> &'static Mutex<BTreeMap<(String, &'static str), u64>> 
 /// returns the reason it was counted under.
 pub fn connection_error(listener: &str, error: &(dyn std::error::Error + 'static)) -> &'static str {
     let reason = reason(error);
+    count_connection_error(listener, reason);
+    reason
+}
+
+/// Counts a client connection on `listener` closed because its first
+/// request head did not arrive within the header-read timeout.
+pub fn connection_timed_out(listener: &str) {
+    count_connection_error(listener, "header_timeout");
+}
+
+fn count_connection_error(listener: &str, reason: &'static str) {
     let mut all = connection_errors()
         .lock()
         .unwrap_or_else(|p| p.into_inner());
@@ -156,7 +169,6 @@ pub fn connection_error(listener: &str, error: &(dyn std::error::Error + 'static
             all.insert((listener.to_owned(), reason), 1);
         }
     }
-    reason
 }
 
 /// A response being sent: counted when dropped, that is when its body has
@@ -274,7 +286,7 @@ pub fn render(out: &mut String) {
     out.push_str(
         "# HELP portcullis_connection_errors_total Client connections that ended in an error \
          outside any request, by listener and reason (malformed, head_too_large, \
-         header_timeout, incomplete, other).\n# TYPE portcullis_connection_errors_total counter\n",
+         header_timeout, keepalive_timeout, incomplete, other).\n# TYPE portcullis_connection_errors_total counter\n",
     );
     for ((listener, reason), n) in connection_errors()
         .lock()

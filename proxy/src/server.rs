@@ -25,6 +25,7 @@ use tokio_util::task::TaskTracker;
 use crate::balance::{Accepting, Balance, Counted, Handoff};
 use crate::config::{Config, Listener};
 use crate::drain::Connections;
+use crate::first_head::{self, FirstRequest};
 use crate::pipeline::{ConnInfo, Pipeline, Shared};
 use crate::sockets::reuseport_socket;
 
@@ -647,7 +648,10 @@ fn http_builder(listener: &Listener) -> auto::Builder<TokioExecutor> {
         // (see the upstream side in forward/pool.rs).
         .writev(false)
         .timer(TokioTimer::new())
-        .header_read_timeout(listener.header_read_timeout)
+        // hyper's head clock also runs while a keep-alive connection waits
+        // for its next request, so it takes the keep-alive timeout; the
+        // first head's shorter deadline is `first_head`'s.
+        .header_read_timeout(listener.keepalive_timeout)
         // hyper's own limit is a backstop above ours: requests between the
         // two get the proxy's JSON 431 instead of hyper's bare one.
         .max_buf_size((listener.max_request_header_size * 2).max(16 * 1024));
@@ -731,7 +735,10 @@ fn serve_connection(
     let _ = stream.set_nodelay(true);
     let pipeline = pipeline.clone();
     let service_conn = conn.clone();
+    let first = Arc::new(FirstRequest::default());
+    let service_first = first.clone();
     let service = service_fn(move |req| {
+        service_first.arrived();
         // Each request takes the pipeline current at its arrival; a reload
         // swaps it under keep-alive connections without touching requests
         // already in flight.
@@ -747,9 +754,17 @@ fn serve_connection(
             .into_owned(),
     );
     tracker.spawn(async move {
-        if let Err(e) = served.await {
-            let reason = crate::metrics::connection_error(&conn.listener.name, &*e);
-            tracing::debug!(client = %conn.client, error = %e, reason, "connection ended with an error");
+        let limit = conn.listener.header_read_timeout;
+        match first_head::within(served, &first, limit).await {
+            Some(Ok(())) => {}
+            Some(Err(e)) => {
+                let reason = crate::metrics::connection_error(&conn.listener.name, &*e);
+                tracing::debug!(client = %conn.client, error = %e, reason, "connection ended with an error");
+            }
+            None => {
+                crate::metrics::connection_timed_out(&conn.listener.name);
+                tracing::debug!(client = %conn.client, "no request head within the header-read timeout; closed");
+            }
         }
         drop(held);
     });

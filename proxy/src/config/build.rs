@@ -30,6 +30,11 @@ use crate::router::{HostMatch, Router};
 
 const DEFAULT_MAX_CONNECTIONS: usize = 16_384;
 const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// nginx's `keepalive_timeout`: above the idle timeout of the balancers
+/// that usually front the proxy (AWS ALB, ingress-nginx: 60 s), so they
+/// close an idle connection before the proxy does and never reuse one just
+/// as it closes.
+pub const DEFAULT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(75);
 const DEFAULT_MAX_HEADER_SIZE: usize = 32 * 1024;
 const DEFAULT_TIMEOUTS: Timeouts = Timeouts {
     connect: Duration::from_secs(5),
@@ -389,6 +394,7 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         _ => Err(format!("`{s}` is not a positive number of connections")),
     });
     let header_read_timeout = ctx.duration(&l.header_read_timeout, DEFAULT_HEADER_READ_TIMEOUT);
+    let keepalive_timeout = ctx.duration(&l.keepalive_timeout, DEFAULT_KEEPALIVE_TIMEOUT);
     let max_request_header_size =
         ctx.parse_or(&l.max_request_header_size, DEFAULT_MAX_HEADER_SIZE, |s| {
             let n = parse_size(s)?;
@@ -406,6 +412,7 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         bind: bind?,
         max_connections,
         header_read_timeout,
+        keepalive_timeout,
         max_request_header_size,
         trust_forwarded_headers,
         defined_at: ctx.pos(&raw.referenced),

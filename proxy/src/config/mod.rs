@@ -21,7 +21,7 @@ use http::uri::{Authority, Scheme};
 use http::{HeaderName, HeaderValue, Method, StatusCode};
 use rustls_pki_types::CertificateDer;
 
-pub use build::MAX_PLUGIN_MEMORY;
+pub use build::{DEFAULT_KEEPALIVE_TIMEOUT, MAX_PLUGIN_MEMORY};
 pub use load::{Source, default_sources, load_dir, load_dir_with_env, load_sources};
 pub use template::Template;
 pub use units::{parse_duration, parse_size};
@@ -156,8 +156,11 @@ pub struct Listener {
     pub bind: SocketAddr,
     /// Connections served at once; further clients wait in the accept queue.
     pub max_connections: usize,
-    /// Time a client has to send a complete request head.
+    /// Time a new connection has to send its first complete request head.
     pub header_read_timeout: Duration,
+    /// Time a keep-alive connection may wait for its next request, head
+    /// included, after a response.
+    pub keepalive_timeout: Duration,
     /// Largest request head (request line and headers) accepted; larger gets 431.
     pub max_request_header_size: usize,
     /// Keep `X-Forwarded-Proto`/`-Host` from the client (behind an ingress controller).

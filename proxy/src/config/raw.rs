@@ -108,6 +108,7 @@ pub struct RawListener {
     pub bind: Text,
     pub max_connections: Option<Text>,
     pub header_read_timeout: Option<Text>,
+    pub keepalive_timeout: Option<Text>,
     pub max_request_header_size: Option<Text>,
     pub trust_forwarded_headers: Option<Text>,
 }

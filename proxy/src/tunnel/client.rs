@@ -193,6 +193,7 @@ impl Dialer {
                 bind: SocketAddr::from(([0, 0, 0, 0], 0)),
                 max_connections: usize::MAX,
                 header_read_timeout: Duration::from_secs(30),
+                keepalive_timeout: crate::config::DEFAULT_KEEPALIVE_TIMEOUT,
                 max_request_header_size: 64 << 10,
                 // The tunnel server sets X-Forwarded-Proto and -Host.
                 trust_forwarded_headers: true,

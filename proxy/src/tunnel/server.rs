@@ -28,6 +28,7 @@ use super::tokens::{Refusal, Tokens, valid_runtime_id};
 use super::{Hello, Refused};
 use crate::balance::{Accepting, Balance, Handoff};
 use crate::body::{Body, ResponseBody};
+use crate::first_head::{self, FirstRequest};
 use crate::forward::Held;
 use crate::telemetry::AccessLog;
 
@@ -602,6 +603,10 @@ async fn measure_rtt(tunnel: Arc<Tunnel>, shared: &Shared, runtime: &str) {
     }
 }
 
+/// Time a new public connection has to send its first request head
+/// (`first_head`); later heads have the keep-alive timeout.
+const PUBLIC_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 async fn accept_public(
     (listener, balance, mut inbox): (TcpListener, Arc<Balance>, UnboundedReceiver<Handoff>),
     worker: usize,
@@ -613,7 +618,10 @@ async fn accept_public(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(10));
+        // As the routing core's listeners (see `first_head`): hyper's head
+        // clock runs between requests too, so it takes the keep-alive
+        // timeout, and the first head has the short one.
+        .header_read_timeout(crate::config::DEFAULT_KEEPALIVE_TIMEOUT);
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -635,7 +643,10 @@ async fn accept_public(
     {
         let _ = stream.set_nodelay(true);
         let shared = shared.clone();
+        let first = Arc::new(FirstRequest::default());
+        let service_first = first.clone();
         let service = service_fn(move |req: Request<Incoming>| {
+            service_first.arrived();
             let shared = shared.clone();
             // One access line per public request, written when its
             // response body ends (as the routing core does); `upstream`
@@ -667,7 +678,7 @@ async fn accept_public(
                 .into_owned(),
         );
         tracker.spawn(async move {
-            let _ = served.await;
+            let _ = first_head::within(served, &first, PUBLIC_HEADER_READ_TIMEOUT).await;
             drop((permit, counted));
         });
     }
