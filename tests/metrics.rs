@@ -29,25 +29,6 @@ routes:
     )
 }
 
-/// Scrapes `/metrics` until every line of `want` is there (the counters
-/// are written when a response body is dropped, which can come just after
-/// the client has read it); fails after 10 s with the last scrape.
-async fn metrics_showing(proxy: &ProxyProcess, want: &[String]) -> String {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let answer = client::get(&proxy.admin_url("/metrics")).await;
-        let text = String::from_utf8_lossy(&answer.body).into_owned();
-        if want.iter().all(|w| text.lines().any(|l| l == w)) {
-            return text;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "metrics lack some of {want:#?}:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 #[tokio::test]
 async fn requests_are_counted_by_route_and_status_with_their_latency() {
     let up = upstream::serve(|req| async move {
@@ -66,18 +47,16 @@ async fn requests_are_counted_by_route_and_status_with_their_latency() {
     for _ in 0..2 {
         assert_eq!(client::get(&proxy.url("/nowhere")).await.status, 404);
     }
-    let text = metrics_showing(
-        &proxy,
-        &[
+    let text = proxy
+        .metrics_showing(&[
             r#"portcullis_requests_total{route="app",code="200"} 4"#.into(),
             r#"portcullis_requests_total{route="down",code="502"} 1"#.into(),
             r#"portcullis_requests_total{route="",code="404"} 2"#.into(),
             r#"portcullis_request_duration_seconds_count{route="app"} 4"#.into(),
             r#"portcullis_request_duration_seconds_bucket{route="app",le="+Inf"} 4"#.into(),
             r#"portcullis_request_duration_seconds_count{route="down"} 1"#.into(),
-        ],
-    )
-    .await;
+        ])
+        .await;
     // The slow request took at least 30 ms, so at most the three fast ones
     // can be in the buckets up to 25 ms, and the sum is at least 30 ms.
     let bucket = |le: &str| -> u64 {
@@ -107,25 +86,21 @@ async fn a_reload_keeps_counting_into_the_same_counters() {
     for _ in 0..2 {
         assert_eq!(client::get(&proxy.url("/app")).await.status, 200);
     }
-    metrics_showing(
-        &proxy,
-        &[r#"portcullis_requests_total{route="app",code="200"} 2"#.into()],
-    )
-    .await;
+    proxy
+        .metrics_showing(&[r#"portcullis_requests_total{route="app",code="200"} 2"#.into()])
+        .await;
     map.update(&[("routing.yaml", policy(&up.url(), "v2").as_bytes())]);
     proxy
         .wait_status("generation 2", |s| s["config"]["generation"] == 2)
         .await;
     assert_eq!(client::get(&proxy.url("/version")).await.body, "v2");
     assert_eq!(client::get(&proxy.url("/app")).await.status, 200);
-    metrics_showing(
-        &proxy,
-        &[
+    proxy
+        .metrics_showing(&[
             r#"portcullis_requests_total{route="app",code="200"} 3"#.into(),
             r#"portcullis_requests_total{route="version",code="200"} 1"#.into(),
-        ],
-    )
-    .await;
+        ])
+        .await;
 }
 
 /// A listener with short client timeouts, and a local answer.
@@ -154,16 +129,14 @@ async fn connections_that_end_in_an_error_count_by_listener_and_reason() {
     sock.write_all(b"GET /v HTTP/1.1\r\n").await.unwrap();
     let mut rest = Vec::new();
     let _ = sock.read_to_end(&mut rest).await;
-    metrics_showing(
-        &proxy,
-        &[
+    proxy
+        .metrics_showing(&[
             r#"portcullis_connection_errors_total{listener="edge",reason="malformed"} 1"#.into(),
             r#"portcullis_connection_errors_total{listener="edge",reason="incomplete"} 1"#.into(),
             r#"portcullis_connection_errors_total{listener="edge",reason="header_timeout"} 1"#
                 .into(),
-        ],
-    )
-    .await;
+        ])
+        .await;
 }
 
 #[tokio::test]
@@ -194,15 +167,13 @@ async fn keep_alive_connections_outlive_the_header_read_timeout() {
         "{:?}",
         start.elapsed()
     );
-    metrics_showing(
-        &proxy,
-        &[
+    proxy
+        .metrics_showing(&[
             r#"portcullis_requests_total{route="v",code="200"} 2"#.into(),
             r#"portcullis_connection_errors_total{listener="edge",reason="keepalive_timeout"} 1"#
                 .into(),
-        ],
-    )
-    .await;
+        ])
+        .await;
 }
 
 /// Reads one small response (head and a body that arrives with it).

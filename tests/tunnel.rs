@@ -313,6 +313,14 @@ async fn upstream_mode_fronts_one_service() {
     assert_eq!(a.status, 200);
     assert_eq!(a.json()["upstream"], "single");
     assert_eq!(a.json()["target"], "/any/path?q=1");
+    // The server counts it by runtime, the client's routing core by route.
+    server
+        .process
+        .metrics_showing(&[
+            r#"portcullis_tunnel_requests_total{runtime="rt-b",code="200"} 1"#.into(),
+            r#"portcullis_tunnel_request_duration_seconds_count{runtime="rt-b"} 1"#.into(),
+        ])
+        .await;
 }
 
 #[tokio::test]
@@ -490,6 +498,17 @@ async fn unknown_and_disconnected_runtimes_get_prompt_json_errors() {
         start.elapsed() < Duration::from_secs(5),
         "errors must not hang"
     );
+    // A runtime from the tokens file counts under its id; any other host
+    // under runtime="" (a request never makes a new label value).
+    let text = server
+        .process
+        .metrics_showing(&[
+            r#"portcullis_tunnel_requests_total{runtime="rt-a",code="503"} 1"#.into(),
+            r#"portcullis_tunnel_requests_total{runtime="",code="502"} 1"#.into(),
+            r#"portcullis_tunnel_requests_total{runtime="",code="404"} 1"#.into(),
+        ])
+        .await;
+    assert!(!text.contains("rt-zzz"), "{text}");
 }
 
 #[tokio::test]

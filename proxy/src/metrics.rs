@@ -1,5 +1,6 @@
-//! Request metrics: responses by route and status code, and a latency
-//! histogram by route, for the admin listener's `/metrics`.
+//! Request metrics: responses by route (or, on the tunnel server, by
+//! runtime) and status code, and latency histograms, for the admin
+//! listener's `/metrics`.
 //!
 //! Every request writes a few counters, so they are kept per thread shard
 //! ([`crate::shard`]), each on its own cache lines: the workers never write
@@ -49,16 +50,48 @@ struct Shard {
     sum_us: AtomicU64,
 }
 
-/// The counters of one route (by name), for the life of the process.
+/// What requests are counted by: the routing core's routes, or the tunnel
+/// server's runtimes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Family {
+    Route,
+    Runtime,
+}
+
+impl Family {
+    /// The label, the counter's name, the histogram's name, and what the
+    /// empty label value means.
+    fn names(self) -> (&'static str, &'static str, &'static str, &'static str) {
+        match self {
+            Family::Route => (
+                "route",
+                "portcullis_requests_total",
+                "portcullis_request_duration_seconds",
+                "no route matched",
+            ),
+            Family::Runtime => (
+                "runtime",
+                "portcullis_tunnel_requests_total",
+                "portcullis_tunnel_request_duration_seconds",
+                "no known runtime",
+            ),
+        }
+    }
+}
+
+/// The counters of one route or runtime (by name), for the life of the
+/// process.
 pub struct RouteStats {
-    route: Arc<str>,
+    family: Family,
+    name: Arc<str>,
     shards: [Shard; SHARDS],
 }
 
 impl RouteStats {
-    fn new(route: Arc<str>) -> RouteStats {
+    fn new(family: Family, name: Arc<str>) -> RouteStats {
         RouteStats {
-            route,
+            family,
+            name,
             shards: Default::default(),
         }
     }
@@ -96,26 +129,46 @@ impl Shard {
     }
 }
 
-/// Every route's counters ever made, by route name.
-fn registry() -> &'static Mutex<HashMap<Arc<str>, &'static RouteStats>> {
-    static REGISTRY: OnceLock<Mutex<HashMap<Arc<str>, &'static RouteStats>>> = OnceLock::new();
+type Registry = HashMap<(Family, Arc<str>), &'static RouteStats>;
+
+/// Every route's and runtime's counters ever made, by name.
+fn registry() -> &'static Mutex<Registry> {
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
     REGISTRY.get_or_init(Default::default)
 }
 
-/// The counters of the route named `route` (made on first use). They are
-/// never freed: a request's record refers to them without a reference
-/// count the workers would share, and a route's figures outlive reloads.
-/// Each distinct route name costs ~8 KiB once.
-pub fn route(route: &Arc<str>) -> &'static RouteStats {
+/// The counters of `family`'s `name`, made on first use. They are never
+/// freed: a request's record refers to them without a reference count the
+/// workers would share, and a route's figures outlive reloads. Each
+/// distinct name costs ~8 KiB once, so names come only from the
+/// configuration (routes) or the tokens file (runtimes), never from a
+/// request.
+fn stats(family: Family, name: &Arc<str>) -> &'static RouteStats {
     let mut all = registry().lock().unwrap_or_else(|p| p.into_inner());
-    all.entry(route.clone())
-        .or_insert_with(|| Box::leak(Box::new(RouteStats::new(route.clone()))))
+    all.entry((family, name.clone()))
+        .or_insert_with(|| Box::leak(Box::new(RouteStats::new(family, name.clone()))))
+}
+
+/// The counters of the route named `route`.
+pub fn route(route: &Arc<str>) -> &'static RouteStats {
+    stats(Family::Route, route)
 }
 
 /// The counters of requests that matched no route.
 pub fn unrouted() -> &'static RouteStats {
     static UNROUTED: OnceLock<&'static RouteStats> = OnceLock::new();
     UNROUTED.get_or_init(|| route(&Arc::from("")))
+}
+
+/// The counters of a tunnel server's runtime (an id from its tokens file).
+pub fn runtime(id: &str) -> &'static RouteStats {
+    stats(Family::Runtime, &Arc::from(id))
+}
+
+/// The counters of tunnel-server requests for no known runtime.
+pub fn no_runtime() -> &'static RouteStats {
+    static NONE: OnceLock<&'static RouteStats> = OnceLock::new();
+    NONE.get_or_init(|| runtime(""))
 }
 
 /// Why a client connection ended in an error, as a metric label.
@@ -222,67 +275,26 @@ impl RouteStats {
     }
 }
 
-/// Writes the request metrics in Prometheus text format: every route seen
-/// so far, by name, with the codes it answered.
+/// Writes the request metrics in Prometheus text format: every route (and
+/// runtime) seen so far, by name, with the codes it answered.
 pub fn render(out: &mut String) {
-    let mut routes: Vec<&'static RouteStats> = registry()
+    let mut all: Vec<&'static RouteStats> = registry()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .values()
         .copied()
         .collect();
-    routes.sort_by(|a, b| a.route.cmp(&b.route));
-    let totals: Vec<_> = routes
-        .iter()
-        .map(|r| (label(&r.route), r.totals()))
-        .collect();
-
-    out.push_str(
-        "# HELP portcullis_requests_total Responses by route and status code \
-         (route=\"\": no route matched).\n# TYPE portcullis_requests_total counter\n",
-    );
-    for (route, t) in &totals {
-        for (code, n) in &t.codes {
-            let _ = writeln!(
-                out,
-                "portcullis_requests_total{{route=\"{route}\",code=\"{code}\"}} {n}"
-            );
-        }
-        if t.other != 0 {
-            let _ = writeln!(
-                out,
-                "portcullis_requests_total{{route=\"{route}\",code=\"other\"}} {}",
-                t.other
-            );
+    all.sort_by(|a, b| (a.family, &a.name).cmp(&(b.family, &b.name)));
+    for family in [Family::Route, Family::Runtime] {
+        let totals: Vec<_> = all
+            .iter()
+            .filter(|r| r.family == family)
+            .map(|r| (label(&r.name), r.totals()))
+            .collect();
+        if !totals.is_empty() {
+            render_family(out, family, &totals);
         }
     }
-
-    let name = "portcullis_request_duration_seconds";
-    let _ = writeln!(
-        out,
-        "# HELP {name} From the request head's arrival to the end of the response \
-         body (or the client leaving), by route.\n# TYPE {name} histogram"
-    );
-    for (route, t) in &totals {
-        let count: u64 = t.buckets.iter().sum();
-        if count == 0 {
-            continue;
-        }
-        let mut cumulative = 0;
-        for (i, n) in t.buckets.iter().enumerate() {
-            cumulative += n;
-            let le = BUCKETS_US
-                .get(i)
-                .map_or_else(|| "+Inf".to_owned(), |us| seconds(*us));
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{route=\"{route}\",le=\"{le}\"}} {cumulative}"
-            );
-        }
-        let _ = writeln!(out, "{name}_sum{{route=\"{route}\"}} {}", seconds(t.sum_us));
-        let _ = writeln!(out, "{name}_count{{route=\"{route}\"}} {count}");
-    }
-
     out.push_str(
         "# HELP portcullis_connection_errors_total Client connections that ended in an error \
          outside any request, by listener and reason (malformed, head_too_large, \
@@ -298,6 +310,51 @@ pub fn render(out: &mut String) {
             "portcullis_connection_errors_total{{listener=\"{}\",reason=\"{reason}\"}} {n}",
             label(listener)
         );
+    }
+}
+
+fn render_family(out: &mut String, family: Family, totals: &[(String, Totals)]) {
+    let (by, total, duration, empty) = family.names();
+    let _ = writeln!(
+        out,
+        "# HELP {total} Responses by {by} and status code ({by}=\"\": {empty}).\n\
+         # TYPE {total} counter"
+    );
+    for (name, t) in totals {
+        for (code, n) in &t.codes {
+            let _ = writeln!(out, "{total}{{{by}=\"{name}\",code=\"{code}\"}} {n}");
+        }
+        if t.other != 0 {
+            let _ = writeln!(out, "{total}{{{by}=\"{name}\",code=\"other\"}} {}", t.other);
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP {duration} From the request head's arrival to the end of the response \
+         body (or the client leaving), by {by}.\n# TYPE {duration} histogram"
+    );
+    for (name, t) in totals {
+        let count: u64 = t.buckets.iter().sum();
+        if count == 0 {
+            continue;
+        }
+        let mut cumulative = 0;
+        for (i, n) in t.buckets.iter().enumerate() {
+            cumulative += n;
+            let le = BUCKETS_US
+                .get(i)
+                .map_or_else(|| "+Inf".to_owned(), |us| seconds(*us));
+            let _ = writeln!(
+                out,
+                "{duration}_bucket{{{by}=\"{name}\",le=\"{le}\"}} {cumulative}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{duration}_sum{{{by}=\"{name}\"}} {}",
+            seconds(t.sum_us)
+        );
+        let _ = writeln!(out, "{duration}_count{{{by}=\"{name}\"}} {count}");
     }
 }
 

@@ -160,6 +160,26 @@ impl ProxyProcess {
         }
     }
 
+    /// Scrapes `/metrics` until every line of `want` is there (request
+    /// counters are written when a response body is dropped, which can be
+    /// just after the client has read it), failing after 10 s with the
+    /// last scrape; returns that scrape.
+    pub async fn metrics_showing(&self, want: &[String]) -> String {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let answer = super::client::get(&self.admin_url("/metrics")).await;
+            let text = String::from_utf8_lossy(&answer.body).into_owned();
+            if want.iter().all(|w| text.lines().any(|l| l == w)) {
+                return text;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "metrics lack some of {want:#?}:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id().expect("running")

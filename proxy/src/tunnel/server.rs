@@ -30,6 +30,7 @@ use crate::balance::{Accepting, Balance, Handoff};
 use crate::body::{Body, ResponseBody};
 use crate::first_head::{self, FirstRequest};
 use crate::forward::Held;
+use crate::metrics::RouteStats;
 use crate::telemetry::AccessLog;
 
 /// How the tunnel server runs.
@@ -70,6 +71,8 @@ pub struct Tunnel {
     rtt_us: AtomicU64,
     /// Public requests in flight on this tunnel.
     active: AtomicUsize,
+    /// Its runtime's request metrics.
+    stats: &'static RouteStats,
     closed: CancellationToken,
 }
 
@@ -529,6 +532,7 @@ async fn serve_tunnel(
         sender,
         rtt_us: AtomicU64::new(0),
         active: AtomicUsize::new(0),
+        stats: crate::metrics::runtime(&runtime),
         closed: CancellationToken::new(),
     });
     let Added { replaced, stale } = shared.registry.add(&runtime, tunnel.clone());
@@ -651,24 +655,32 @@ async fn accept_public(
             // One access line per public request, written when its
             // response body ends (as the routing core does); `upstream`
             // is the runtime's host.
+            let start = std::time::Instant::now();
             let mut log = AccessLog::start(
                 req.method(),
                 req.uri().path_and_query(),
                 peer,
                 worker,
-                std::time::Instant::now(),
+                start,
             );
             if let Some(log) = log.as_mut() {
                 log.upstream = host_of(&req).map(Into::into);
             }
             async move {
-                let resp = forward(req, peer, worker, &shared).await;
+                let mut stats = crate::metrics::no_runtime();
+                let resp = forward(req, peer, worker, &shared, &mut stats).await;
+                let status = resp.status().as_u16();
                 let log = log.map(|mut log| {
-                    log.status = resp.status().as_u16();
+                    log.status = status;
                     log
                 });
+                let counted = crate::metrics::Pending {
+                    stats,
+                    status,
+                    start,
+                };
                 Ok::<_, Infallible>(
-                    resp.map(|body| ResponseBody::new(body, log, None, Held::default())),
+                    resp.map(|body| ResponseBody::new(body, log, Some(counted), Held::default())),
                 )
             }
         });
@@ -678,7 +690,13 @@ async fn accept_public(
                 .into_owned(),
         );
         tracker.spawn(async move {
-            let _ = first_head::within(served, &first, PUBLIC_HEADER_READ_TIMEOUT).await;
+            match first_head::within(served, &first, PUBLIC_HEADER_READ_TIMEOUT).await {
+                Some(Ok(())) => {}
+                Some(Err(e)) => {
+                    crate::metrics::connection_error("public", &*e);
+                }
+                None => crate::metrics::connection_timed_out("public"),
+            }
             drop((permit, counted));
         });
     }
@@ -713,11 +731,14 @@ fn error(status: StatusCode, message: &str, runtime: Option<&str>) -> Response<B
 }
 
 /// Forwards one public request through its runtime's tunnel.
+/// Sends a public request through its runtime's tunnel; `stats` is set to
+/// the runtime's metrics once the runtime is known.
 async fn forward(
     mut req: Request<Incoming>,
     peer: SocketAddr,
     worker: usize,
     shared: &Shared,
+    stats: &mut &'static RouteStats,
 ) -> Response<Body> {
     let Some(host) = host_of(&req) else {
         return error(StatusCode::BAD_REQUEST, "request has no host", None);
@@ -734,6 +755,7 @@ async fn forward(
     }
     let Some(tunnel) = shared.registry.pick(runtime, worker) else {
         return if shared.tokens.knows(runtime) {
+            *stats = crate::metrics::runtime(runtime);
             error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "runtime is not connected",
@@ -743,6 +765,7 @@ async fn forward(
             error(StatusCode::BAD_GATEWAY, "unknown runtime", Some(runtime))
         };
     };
+    *stats = tunnel.stats;
     // An HTTP/1.1 upgrade (WebSocket) crosses the tunnel as an HTTP/2
     // extended CONNECT (RFC 8441) whose stream then carries the bytes.
     let upgrade = crate::forward::is_upgrade(req.headers())
@@ -918,6 +941,7 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                 "Public requests in flight per runtime.",
                 &per(&|r| r.tunnels.iter().map(|t| t.active as f64).sum()),
             );
+            crate::metrics::render(&mut out);
             crate::admin::prometheus(out)
         }
         _ => crate::admin::json(
