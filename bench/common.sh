@@ -38,6 +38,36 @@ http {
 }
 CONF
   nginx -p "$WORK/up" -c "$WORK/up/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+  UP_PID=$!
+}
+
+# User and system CPU time so far, in clock ticks, of process $1 and its
+# children (nginx's workers): "user system".
+cpu_ticks() { for p in "$1" $(pgrep -P "$1"); do awk '{print $14, $15}' "/proc/$p/stat"; done | awk '{u += $1; s += $2} END {print u, s}'; }
+TICK_US=$((1000000 / $(getconf CLK_TCK)))
+# Seconds in bash's `times` format (0m1.250s) to microseconds.
+times_us() { awk '{ split($0, a, "m"); sub("s", "", a[2]); printf "%.0f", (a[1] * 60 + a[2]) * 1e6 }' <<<"$1"; }
+
+# Runs a command printing wrk's "rps p50_us p99_us" (DURATION seconds)
+# while proxy $1 serves it, and adds CPU per request: the proxy's user and
+# system time, and the rest of the loop's (wrk and the upstream, user +
+# system): "rps p50_us p99_us user_us sys_us loop_us". On shared cores
+# requests/s is about cores / (proxy + loop CPU per request).
+with_cpu() {
+  local pid=$1 u1 s1 u2 s2 uu1 us1 uu2 us2 out figures wu ws wrk_us
+  shift
+  read -r u1 s1 <<<"$(cpu_ticks "$pid")"
+  read -r uu1 us1 <<<"$(cpu_ticks "$UP_PID")"
+  # `times` in the same subshell: the CPU of its children, wrk and awk.
+  out=$("$@"; times)
+  read -r u2 s2 <<<"$(cpu_ticks "$pid")"
+  read -r uu2 us2 <<<"$(cpu_ticks "$UP_PID")"
+  figures=$(head -1 <<<"$out")
+  read -r wu ws <<<"$(sed -n 3p <<<"$out")"
+  wrk_us=$(($(times_us "$wu") + $(times_us "$ws")))
+  awk -v f="$figures" -v u=$((u2 - u1)) -v s=$((s2 - s1)) -v up=$((uu2 - uu1 + us2 - us1)) \
+    -v w="$wrk_us" -v t="$TICK_US" -v d="$DURATION" \
+    'BEGIN { split(f, a, " "); n = a[1] * d; printf "%s %.2f %.2f %.2f\n", f, u * t / n, s * t / n, (up * t + w) / n }'
 }
 
 # Reads wrk --latency output on stdin; prints "rps p50_us p99_us" and

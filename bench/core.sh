@@ -35,7 +35,6 @@ WRK_THREADS=${WRK_THREADS:-2}
 UP_PORT=$(free_port); NGINX_PORT=$(free_port); CHART_PORT=$(free_port); PC_PORT=$(free_port)
 mkdir -p "$WORK/px" "$WORK/chart"
 start_upstream "$UP_PORT"
-UP_PID=${PIDS[-1]}
 
 # nginx as the reverse proxy under test.
 cat > "$WORK/px/nginx.conf" <<CONF
@@ -101,30 +100,9 @@ wait_port "$UP_PORT"; wait_port "$NGINX_PORT"; wait_port "$CHART_PORT"; wait_por
 
 # Prints "rps p50_us p99_us" for one wrk run.
 run_wrk() { wrk -t"$WRK_THREADS" -c"$CONNECTIONS" -d"${DURATION}s" --latency "http://127.0.0.1:$1/bench" | wrk_figures; }
-# User and system CPU time so far, in clock ticks, of process $1 and its
-# children (nginx's workers).
-cpu_ticks() { for p in "$1" $(pgrep -P "$1"); do awk '{print $14, $15}' "/proc/$p/stat"; done | awk '{u += $1; s += $2} END {print u, s}'; }
-TICK_US=$((1000000 / $(getconf CLK_TCK)))
-# Seconds in bash's `times` format (0m1.250s) to microseconds.
-times_us() { awk '{ split($0, a, "m"); sub("s", "", a[2]); printf "%.0f", (a[1] * 60 + a[2]) * 1e6 }' <<<"$1"; }
 # Runs wrk on port $1 against process $2: "rps p50_us p99_us user_us sys_us
-# loop_us" per request, where loop_us is the CPU the rest of the loop (wrk
-# and the upstream, user + system) spent per request.
-measure() {
-  local u1 s1 u2 s2 uu1 us1 uu2 us2 out figures wrk_us
-  read -r u1 s1 <<<"$(cpu_ticks "$2")"
-  read -r uu1 us1 <<<"$(cpu_ticks "$UP_PID")"
-  # `times` in the same subshell: the CPU of its children, wrk and awk.
-  out=$(run_wrk "$1"; times)
-  read -r u2 s2 <<<"$(cpu_ticks "$2")"
-  read -r uu2 us2 <<<"$(cpu_ticks "$UP_PID")"
-  figures=$(head -1 <<<"$out")
-  read -r wu ws <<<"$(sed -n 3p <<<"$out")"
-  wrk_us=$(($(times_us "$wu") + $(times_us "$ws")))
-  awk -v f="$figures" -v u=$((u2 - u1)) -v s=$((s2 - s1)) -v up=$((uu2 - uu1 + us2 - us1)) \
-    -v w="$wrk_us" -v t="$TICK_US" -v d="$DURATION" \
-    'BEGIN { split(f, a, " "); n = a[1] * d; printf "%s %.2f %.2f %.2f\n", f, u * t / n, s * t / n, (up * t + w) / n }'
-}
+# loop_us" (CPU per request; see with_cpu).
+measure() { with_cpu "$2" run_wrk "$1"; }
 
 echo "warming up..."
 for port in "$NGINX_PORT" "$CHART_PORT" "$PC_PORT"; do wrk -t1 -c8 -d2s "http://127.0.0.1:$port/" >/dev/null; done

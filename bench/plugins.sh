@@ -16,9 +16,13 @@
 # Throughput: wrk -c$CONNECTIONS, each route's run between two runs of
 # /plain, median of ROUNDS, with the proxy's own CPU time per request
 # (user+system, from /proc) beside it: on a small shared machine
-# requests/s swings by 10% between runs, CPU per request much less. Added latency per call: p50 with one connection (-c1),
-# minus the plain route's. Last, examples/plugin_call.rs times the plugin
-# call alone (the same instance called back to back on one thread).
+# requests/s swings by 10% between runs, CPU per request much less. The
+# CPU of wrk and the upstream is measured too: with everything on the same
+# cores, a plugin's added CPU over the whole loop's is the drop it causes
+# (the CPU model column), and 5% is a budget in microseconds. Added
+# latency per call: p50 with one connection (-c1), minus the plain
+# route's. Last, examples/plugin_call.rs times the plugin call alone (the
+# same instance called back to back on one thread).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,8 +51,6 @@ routes:
 YAML
 RUST_LOG=warn "$BIN" serve --workers "$WORKERS" --policies "$WORK/policies" & PIDS+=($!)
 PC_PID=$!
-# The proxy's CPU time so far, in clock ticks.
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$PC_PID/stat"; }
 
 # An HS256 token for the bench secret, valid for an hour.
 TOKEN=$(python3 - <<'PY'
@@ -66,15 +68,9 @@ curl -fsS -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT/auth" >/d
 run_wrk() { # path threads connections -> "rps p50_us p99_us"
   wrk -t"$2" -c"$3" -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$1" | wrk_figures
 }
-TICK_US=$((1000000 / $(getconf CLK_TCK)))
-run_wrk_cpu() { # path -> "rps p50_us p99_us cpu_us_per_request"
-  local before after figures
-  before=$(cpu_ticks)
-  figures=$(run_wrk "$1" 2 "$CONNECTIONS")
-  after=$(cpu_ticks)
-  awk -v f="$figures" -v t=$((after - before)) -v us="$TICK_US" -v d="$DURATION" \
-    'BEGIN { split(f, a, " "); printf "%s %.2f\n", f, t * us / (a[1] * d) }'
-}
+# path -> "rps p50_us p99_us proxy_cpu_us loop_cpu_us" per request (the
+# loop: wrk and the upstream).
+run_wrk_cpu() { with_cpu "$PC_PID" run_wrk "$1" 2 "$CONNECTIONS" | awk '{ print $1, $2, $3, $4 + $5, $6 }'; }
 for p in /plain /key /auth /verify /fresh; do wrk -t1 -c8 -d2s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$p" >/dev/null; done
 
 ROUTES=(key auth verify fresh)
@@ -100,20 +96,25 @@ done
 read -r _ BASE_P50 _ <<<"$(median "$WORK/plain.c1" 2)"
 # /plain ran more often than the rounds: its own median.
 PLAIN_RUNS=$(wc -l < "$WORK/plain.c64")
-read -r _ _ _ BASE_CPU <<<"$(ROUNDS=$PLAIN_RUNS median "$WORK/plain.c64" 4)"
+read -r _ _ _ BASE_CPU _ <<<"$(ROUNDS=$PLAIN_RUNS median "$WORK/plain.c64" 4)"
+read -r _ _ _ _ LOOP_CPU <<<"$(ROUNDS=$PLAIN_RUNS median "$WORK/plain.c64" 5)"
 paired() { [ "$1" = plain ] && { echo 1; return; }; sort -g "$WORK/$1.ratio" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
 echo
 echo "wrk -t2 -c$CONNECTIONS -d${DURATION}s (throughput) and -t1 -c1 (latency), $WORKERS workers, median of $ROUNDS rounds"
-printf "%-8s %12s %10s %14s %14s %14s %16s\n" route "requests/s" "vs plain" "proxy CPU/req" "added CPU/req" "p50 -c1 (us)" "added p50 (us)"
+printf "%-8s %12s %10s %10s %14s %14s %14s %16s\n" route "requests/s" "vs plain" "CPU model" "proxy CPU/req" "added CPU/req" "p50 -c1 (us)" "added p50 (us)"
 for p in plain "${ROUTES[@]}"; do
   n=$ROUNDS; [ "$p" = plain ] && n=$PLAIN_RUNS
   read -r RPS _ _ <<<"$(ROUNDS=$n median "$WORK/$p.c64" 1)"
-  read -r _ _ _ CPU <<<"$(ROUNDS=$n median "$WORK/$p.c64" 4)"
+  read -r _ _ _ CPU _ <<<"$(ROUNDS=$n median "$WORK/$p.c64" 4)"
   read -r _ P50 _ <<<"$(median "$WORK/$p.c1" 2)"
-  awk -v n="$p" -v r="$RPS" -v q="$(paired "$p")" -v c="$CPU" -v bc="$BASE_CPU" -v l="$P50" -v bl="$BASE_P50" \
-    'BEGIN { printf "%-8s %12d %9.1f%% %11.2f us %11.2f us %14.1f %16.1f\n", n, r, (q-1)*100, c, c-bc, l, l-bl }'
+  awk -v n="$p" -v r="$RPS" -v q="$(paired "$p")" -v c="$CPU" -v bc="$BASE_CPU" -v l="$P50" -v bl="$BASE_P50" -v lp="$LOOP_CPU" \
+    'BEGIN { printf "%-8s %12d %9.1f%% %9.1f%% %11.2f us %11.2f us %14.1f %16.1f\n", n, r, (q-1)*100, -(c-bc)/(lp+c)*100, c, c-bc, l, l-bl }'
 done
-echo "(vs plain: median over the rounds of the route's requests/s over the mean of the /plain runs just before and after it)"
+echo "(vs plain: median over the rounds of the route's requests/s over the mean of the /plain runs just before and after it;"
+echo " CPU model: the requests/s the added CPU alone costs when wrk, the upstream and the proxy share the cores)"
+awk -v l="$LOOP_CPU" -v p="$BASE_CPU" 'BEGIN {
+  printf "CPU per request on /plain: wrk + upstream %.1f us, proxy %.1f us, loop %.1f us; on these cores\n", l, p, l + p
+  printf "5%% fewer requests/s is %.2f us added per request.\n", (l + p) * 0.05 / 0.95 }'
 
 if [ "${CALLS:-1}" != 0 ]; then
   echo
