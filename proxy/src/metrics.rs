@@ -191,10 +191,12 @@ fn reason(error: &(dyn std::error::Error + 'static)) -> &'static str {
     }
 }
 
-/// Connection errors by (listener, reason). Off the request path, so a
-/// plain map behind a lock.
-fn connection_errors() -> &'static Mutex<BTreeMap<(String, &'static str), u64>> {
-    static ERRORS: OnceLock<Mutex<BTreeMap<(String, &'static str), u64>>> = OnceLock::new();
+/// Connection errors by listener, then reason. Off the request path, so
+/// a plain map behind a lock.
+type ConnectionErrors = BTreeMap<String, BTreeMap<&'static str, u64>>;
+
+fn connection_errors() -> &'static Mutex<ConnectionErrors> {
+    static ERRORS: OnceLock<Mutex<ConnectionErrors>> = OnceLock::new();
     ERRORS.get_or_init(Default::default)
 }
 
@@ -216,12 +218,13 @@ fn count_connection_error(listener: &str, reason: &'static str) {
     let mut all = connection_errors()
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    match all.get_mut(&(listener.to_owned(), reason)) {
-        Some(n) => *n += 1,
-        None => {
-            all.insert((listener.to_owned(), reason), 1);
-        }
-    }
+    // The listener's name is copied once, not per error (a flood of
+    // garbage is when this runs most).
+    let reasons = match all.get_mut(listener) {
+        Some(reasons) => reasons,
+        None => all.entry(listener.to_owned()).or_default(),
+    };
+    *reasons.entry(reason).or_default() += 1;
 }
 
 /// A response being sent: counted when dropped, that is when its body has
@@ -300,16 +303,18 @@ pub fn render(out: &mut String) {
          outside any request, by listener and reason (malformed, head_too_large, \
          header_timeout, keepalive_timeout, incomplete, other).\n# TYPE portcullis_connection_errors_total counter\n",
     );
-    for ((listener, reason), n) in connection_errors()
+    for (listener, reasons) in connection_errors()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .iter()
     {
-        let _ = writeln!(
-            out,
-            "portcullis_connection_errors_total{{listener=\"{}\",reason=\"{reason}\"}} {n}",
-            label(listener)
-        );
+        let listener = label(listener);
+        for (reason, n) in reasons {
+            let _ = writeln!(
+                out,
+                "portcullis_connection_errors_total{{listener=\"{listener}\",reason=\"{reason}\"}} {n}"
+            );
+        }
     }
 }
 
