@@ -1,7 +1,8 @@
 //! The proxy's HTTP/1.1 exchange with upstreams, against a scripted TCP
 //! upstream that answers with exact bytes: framing (length, chunked,
-//! until close), keep-alive and reuse, stale pooled connections, and
-//! upstreams that send something broken.
+//! until close), keep-alive and reuse, stale pooled connections,
+//! upstreams that send something broken, and a client that leaves
+//! mid-request.
 
 use std::sync::{Arc, Mutex};
 
@@ -533,4 +534,56 @@ async fn read_until(sock: &mut TcpStream, want: &[u8]) -> String {
         .await
         .unwrap_or_else(|_| panic!("no {:?} within 10 s", String::from_utf8_lossy(want)));
     String::from_utf8_lossy(&got).into_owned()
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_mid_request_cancels_the_upstream_exchange() {
+    // An upstream that takes the request and never answers, then reports
+    // when the proxy closes its connection.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (got, got_rx) = tokio::sync::oneshot::channel();
+    let (closed, closed_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut chunk = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match sock.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let _ = got.send(());
+        // No answer: wait for the proxy to give up on the connection.
+        while let Ok(n) = sock.read(&mut chunk).await {
+            if n == 0 {
+                break;
+            }
+        }
+        let _ = closed.send(());
+    });
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: up, endpoints: ["http://{addr}"], retries: 0 }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up, timeout: 60s }}]
+"#
+    ))
+    .await;
+    let mut client = TcpStream::connect(proxy.addr).await.unwrap();
+    client
+        .write_all(b"GET /slow HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    got_rx.await.expect("the request reached the upstream");
+    // The client goes away while the upstream works (as a browser tab
+    // closed on a slow page): the proxy drops the exchange and its
+    // upstream connection at once, as nginx and Envoy do, rather than
+    // holding them until the 60 s route timeout.
+    drop(client);
+    tokio::time::timeout(std::time::Duration::from_secs(5), closed_rx)
+        .await
+        .expect("the upstream connection was still open 5 s after the client left")
+        .expect("upstream task");
 }
