@@ -546,31 +546,15 @@ async fn a_client_that_leaves_mid_request_cancels_the_upstream_exchange() {
     let (closed, closed_rx) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         let (mut sock, _) = listener.accept().await.unwrap();
-        let mut head = Vec::new();
-        let mut chunk = [0u8; 1024];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-            match sock.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => head.extend_from_slice(&chunk[..n]),
-            }
+        if !read_head(&mut sock).await {
+            return;
         }
         let _ = got.send(());
         // No answer: wait for the proxy to give up on the connection.
-        while let Ok(n) = sock.read(&mut chunk).await {
-            if n == 0 {
-                break;
-            }
-        }
+        until_closed(&mut sock).await;
         let _ = closed.send(());
     });
-    let proxy = Proxy::start_yaml(&format!(
-        r#"
-listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
-upstreams: [{{ name: up, endpoints: ["http://{addr}"], retries: 0 }}]
-routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up, timeout: 60s }}]
-"#
-    ))
-    .await;
+    let proxy = proxy_to(addr).await;
     let mut client = TcpStream::connect(proxy.addr).await.unwrap();
     client
         .write_all(b"GET /slow HTTP/1.1\r\nhost: a\r\n\r\n")
@@ -586,4 +570,76 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up, timeout: 60s }
         .await
         .expect("the upstream connection was still open 5 s after the client left")
         .expect("upstream task");
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_a_quiet_stream_ends_it_upstream() {
+    // An event stream that sends one event, then nothing, and reports when
+    // the proxy closes the connection.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (closed, closed_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        if !read_head(&mut sock).await {
+            return;
+        }
+        let event = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+            transfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n";
+        if sock.write_all(event).await.is_err() {
+            return;
+        }
+        until_closed(&mut sock).await;
+        let _ = closed.send(());
+    });
+    let proxy = proxy_to(addr).await;
+    let mut client = TcpStream::connect(proxy.addr).await.unwrap();
+    client
+        .write_all(b"GET /events HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let seen = read_until(&mut client, b"data: 1").await;
+    assert!(seen.starts_with("HTTP/1.1 200"), "{seen}");
+    // The client leaves while the stream is quiet: the proxy ends the
+    // upstream stream too, without waiting for an event to fail on.
+    drop(client);
+    tokio::time::timeout(std::time::Duration::from_secs(5), closed_rx)
+        .await
+        .expect("the upstream stream was still open 5 s after the client left")
+        .expect("upstream task");
+}
+
+/// Reads a request head off `sock`; false if the peer closed first.
+async fn read_head(sock: &mut TcpStream) -> bool {
+    let mut head = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match sock.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => head.extend_from_slice(&chunk[..n]),
+        }
+    }
+    true
+}
+
+/// Reads and discards until the peer closes `sock`.
+async fn until_closed(sock: &mut TcpStream) {
+    let mut chunk = [0u8; 1024];
+    while let Ok(n) = sock.read(&mut chunk).await {
+        if n == 0 {
+            break;
+        }
+    }
+}
+
+/// A proxy forwarding everything to `addr`, with a 60 s route timeout.
+async fn proxy_to(addr: std::net::SocketAddr) -> Proxy {
+    Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: up, endpoints: ["http://{addr}"], retries: 0 }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up, timeout: 60s }}]
+"#
+    ))
+    .await
 }

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use http_body::{Body as _, Frame, SizeHint};
 use hyper::body::Incoming;
 
+use crate::client_watch::{ClientSocket, Gone};
 use crate::forward::{H1Body, Held};
 use crate::metrics;
 use crate::telemetry::AccessLog;
@@ -98,6 +99,11 @@ pin_project_lite::pin_project! {
         // Dropped after `log` (fields drop in order): the access-log line
         // is written first, the counters right after.
         counted: Option<metrics::Pending>,
+        // The client's socket, watched once the body has waited on the
+        // upstream for a while (a quiet stream), so a client that left
+        // ends it.
+        watch: Option<ClientSocket>,
+        gone: Option<Pin<Box<Gone>>>,
         // The upstream connection and in-flight count, released when the
         // body ends so the connection can serve the next request.
         held: Held,
@@ -120,8 +126,17 @@ impl ResponseBody {
             inner,
             log,
             counted,
+            watch: None,
+            gone: None,
             held,
         }
+    }
+
+    /// Ends the body early if the client behind `socket` goes away while
+    /// the body waits on the upstream.
+    pub fn watching(mut self, socket: Option<ClientSocket>) -> Self {
+        self.watch = socket;
+        self
     }
 }
 
@@ -135,6 +150,21 @@ impl http_body::Body for ResponseBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let mut this = self.project();
         let polled = this.inner.as_mut().poll_frame(cx);
+        if polled.is_pending()
+            && let Some(socket) = *this.watch
+        {
+            // Only a body that waits gets a clock (and, after a while, a
+            // watch): most end without ever waiting.
+            let gone = this
+                .gone
+                .get_or_insert_with(|| Box::pin(Gone::after_a_while(socket)));
+            if gone.as_mut().poll(cx).is_ready() {
+                if let Some(log) = this.log.as_mut() {
+                    log.aborted = true;
+                }
+                return Poll::Ready(Some(Err("the client went away".into())));
+            }
+        }
         match &polled {
             Poll::Ready(None) => this.held.finish(),
             Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.held.finish(),

@@ -10,6 +10,7 @@ pub mod balance;
 pub mod body;
 pub mod cert_files;
 pub mod chain;
+pub mod client_watch;
 pub mod commands;
 pub mod config;
 pub mod drain;

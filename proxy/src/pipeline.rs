@@ -18,6 +18,7 @@ use hyper::body::Incoming;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{Body, ResponseBody};
+use crate::client_watch::ClientSocket;
 use crate::config::{Action, Config, Cors, Listener, PathRewrite, Probe, Route};
 use crate::forward::{self, ForwardError, Outgoing, UpstreamPool};
 use crate::telemetry::AccessLog;
@@ -91,6 +92,9 @@ pub struct ConnInfo {
     pub tls: bool,
     /// The worker thread serving it, which picks its upstream pools.
     pub worker: usize,
+    /// Its socket, watched for the client leaving while a request waits
+    /// (HTTP/1 only; `None` for requests that come through a tunnel).
+    pub socket: Option<ClientSocket>,
 }
 
 /// One configuration made ready to serve: routes plus upstream pools.
@@ -241,6 +245,13 @@ fn normalize_path(path: &str) -> Option<Cow<'_, str>> {
     Some(Cow::Owned(format!("/{}", out.join("/"))))
 }
 
+/// The client socket to watch for a request of `version` on `conn`: HTTP/1
+/// only, where the connection polls its requests itself (see
+/// `client_watch`).
+fn watchable(conn: &ConnInfo, version: Version) -> Option<ClientSocket> {
+    conn.socket.filter(|_| version < Version::HTTP_2)
+}
+
 /// The pipeline current in `shared`, through a handle of this worker's own.
 ///
 /// A request holds the pipeline it started with until its response head
@@ -324,6 +335,7 @@ impl Pipeline {
     /// an HTTP answer.
     pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ResponseBody> {
         let start = Instant::now();
+        let watch = watchable(conn, req.version());
         let mut log = AccessLog::start(
             req.method(),
             req.uri().path_and_query(),
@@ -343,7 +355,10 @@ impl Pipeline {
             start,
         };
         let (parts, body) = resp.into_parts();
-        Response::from_parts(parts, ResponseBody::new(body, log, Some(counted), held))
+        Response::from_parts(
+            parts,
+            ResponseBody::new(body, log, Some(counted), held).watching(watch),
+        )
     }
 
     async fn route_and_serve(
@@ -511,7 +526,8 @@ impl Pipeline {
                     body,
                 };
                 let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
-                match pool.send(out, &found.params, timeout).await {
+                let watch = watchable(conn, parts.version);
+                match pool.send(out, &found.params, timeout, watch).await {
                     Ok((mut resp, held)) => {
                         if let Some(client_upgrade) = client_upgrade
                             .filter(|_| resp.status() == StatusCode::SWITCHING_PROTOCOLS)

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::balance::{Accepting, Balance, Counted, Handoff};
+use crate::client_watch::ClientSocket;
 use crate::config::{Config, Listener};
 use crate::drain::Connections;
 use crate::first_head::{self, FirstRequest};
@@ -647,6 +648,11 @@ fn http_builder(listener: &Listener) -> auto::Builder<TokioExecutor> {
         // One flattened write per response beats writev for small messages
         // (see the upstream side in forward/pool.rs).
         .writev(false)
+        // Without this, hyper reads the socket right after handing over
+        // each request, to notice a client that leaves mid-request, and
+        // reallocates its read buffer to do so; `client_watch` notices it
+        // instead, only for requests still open after a while.
+        .half_close(true)
         .timer(TokioTimer::new())
         // hyper's head clock also runs while a keep-alive connection waits
         // for its next request, so it takes the keep-alive timeout; the
@@ -701,6 +707,7 @@ async fn accept_loop(
             listener: current.spec.clone(),
             tls: false,
             worker,
+            socket: Some(ClientSocket::of(&stream)),
         });
         serve_connection(
             stream,

@@ -21,6 +21,7 @@ pub use tls::client_config as client_tls_config;
 use pool::{Conn, ConnPool, Dest, Lease};
 
 use crate::body::Body;
+use crate::client_watch::{self, ClientSocket, Cut};
 use crate::config::{Balance, Endpoint, Target, Upstream};
 
 /// Why a request could not be forwarded; each maps to one status code.
@@ -48,6 +49,9 @@ pub enum ForwardError {
     /// The client took longer than the request timeout to send its body.
     #[error("request body not received within {0:?}")]
     RequestBodyTimeout(Duration),
+    /// The client went away while the upstream was working.
+    #[error("client closed the connection")]
+    ClientGone,
 }
 
 impl ForwardError {
@@ -58,6 +62,11 @@ impl ForwardError {
             ForwardError::ConnectTimeout | ForwardError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ForwardError::BadTarget(_) | ForwardError::RequestBody(_) => StatusCode::BAD_REQUEST,
             ForwardError::RequestBodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            // nginx's "client closed request": never sent, but logged and
+            // counted.
+            ForwardError::ClientGone => {
+                StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST)
+            }
         }
     }
 
@@ -71,6 +80,7 @@ impl ForwardError {
             ForwardError::BadTarget(_) => "invalid path parameter",
             ForwardError::RequestBody(_) => "request body could not be read",
             ForwardError::RequestBodyTimeout(_) => "request body timeout",
+            ForwardError::ClientGone => "client closed request",
         }
     }
 }
@@ -224,6 +234,7 @@ impl UpstreamPool {
         out: Outgoing,
         params: &matchit::Params<'_, '_>,
         timeout: Duration,
+        client: Option<ClientSocket>,
     ) -> Result<(Response<Body>, Held), ForwardError> {
         let rendered;
         let (endpoints, template): (&[Endpoint], bool) = match &self.spec.target {
@@ -407,9 +418,10 @@ impl UpstreamPool {
             }
             Err(last.unwrap_or(ForwardError::Unreachable("no endpoint".into())))
         };
-        match tokio::time::timeout(timeout, attempt_all).await {
+        match client_watch::exchange(attempt_all, timeout, client).await {
             Ok(r) => r,
-            Err(_) => Err(ForwardError::Timeout(timeout)),
+            Err(Cut::TimedOut) => Err(ForwardError::Timeout(timeout)),
+            Err(Cut::ClientGone) => Err(ForwardError::ClientGone),
         }
     }
 }

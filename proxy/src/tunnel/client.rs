@@ -386,6 +386,7 @@ async fn handle(
         listener: dialer.listener.clone(),
         tls: false,
         worker,
+        socket: None,
     };
     let Some(protocol) = req.extensions_mut().remove::<hyper::ext::Protocol>() else {
         return pipeline.handle(req, &conn).await;
