@@ -176,6 +176,43 @@ async fn keep_alive_connections_outlive_the_header_read_timeout() {
         .await;
 }
 
+#[tokio::test]
+async fn a_stalled_head_on_a_kept_alive_connection_has_the_header_read_timeout() {
+    // A keep-alive timeout far beyond the test's wait: only the head
+    // deadline can close the connection in time.
+    let proxy = ProxyProcess::start(
+        r#"
+listeners: [{ name: edge, bind: "127.0.0.1:0", header_read_timeout: 300ms, keepalive_timeout: 60s }]
+routes: [{ name: v, match: { path: /v }, respond: { status: 200, body: "v" } }]
+"#,
+        &[],
+    )
+    .await;
+    let mut sock = TcpStream::connect(proxy.addr).await.unwrap();
+    sock.write_all(b"GET /v HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let first = read_response(&mut sock).await;
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    // Idle past the header-read timeout: still open, as above.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Then half a head, and nothing more (a slowloris that first behaved).
+    sock.write_all(b"GET /v HTTP/1.1\r\n").await.unwrap();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut rest)).await;
+    assert!(
+        closed.is_ok(),
+        "a stalled head on a kept-alive connection waited for the keep-alive timeout"
+    );
+    proxy
+        .metrics_showing(&[
+            r#"portcullis_requests_total{route="v",code="200"} 1"#.into(),
+            r#"portcullis_connection_errors_total{listener="edge",reason="header_timeout"} 1"#
+                .into(),
+        ])
+        .await;
+}
+
 /// Reads one small response (head and a body that arrives with it).
 async fn read_response(sock: &mut TcpStream) -> String {
     let mut buf = [0u8; 1024];

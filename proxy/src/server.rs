@@ -14,6 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use hyper::Request;
+use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -26,7 +28,7 @@ use crate::balance::{Accepting, Balance, Counted, Handoff};
 use crate::client_watch::ClientSocket;
 use crate::config::{Config, Listener};
 use crate::drain::Connections;
-use crate::first_head::{self, FirstRequest};
+use crate::head_deadline::{self, Done, HeadClock, Watched};
 use crate::pipeline::{ConnInfo, Pipeline, Shared};
 use crate::sockets::reuseport_socket;
 
@@ -656,7 +658,7 @@ fn http_builder(listener: &Listener) -> auto::Builder<TokioExecutor> {
         .timer(TokioTimer::new())
         // hyper's head clock also runs while a keep-alive connection waits
         // for its next request, so it takes the keep-alive timeout; the
-        // first head's shorter deadline is `first_head`'s.
+        // heads' shorter deadline is `head_deadline`'s.
         .header_read_timeout(listener.keepalive_timeout)
         // hyper's own limit is a backstop above ours: requests between the
         // two get the proxy's JSON 431 instead of hyper's bare one.
@@ -742,19 +744,23 @@ fn serve_connection(
     let _ = stream.set_nodelay(true);
     let pipeline = pipeline.clone();
     let service_conn = conn.clone();
-    let first = Arc::new(FirstRequest::default());
-    let service_first = first.clone();
-    let service = service_fn(move |req| {
-        service_first.arrived();
+    let clock = Arc::new(HeadClock::default());
+    let service_clock = clock.clone();
+    let service = service_fn(move |req: Request<Incoming>| {
+        service_clock.request(req.version());
         // Each request takes the pipeline current at its arrival; a reload
         // swaps it under keep-alive connections without touching requests
         // already in flight.
         let pipeline = crate::pipeline::current(&pipeline);
         let conn = service_conn.clone();
-        async move { Ok::<_, Infallible>(pipeline.handle(req, &conn).await) }
+        let clock = service_clock.clone();
+        async move {
+            let resp = pipeline.handle(req, &conn).await;
+            Ok::<_, Infallible>(resp.map(|body| Done::new(body, clock)))
+        }
     });
     let builder = builder.clone();
-    let io = TokioIo::new(stream);
+    let io = TokioIo::new(Watched::new(stream, clock.clone()));
     let served = connections.watch(
         builder
             .serve_connection_with_upgrades(io, service)
@@ -762,7 +768,7 @@ fn serve_connection(
     );
     tracker.spawn(async move {
         let limit = conn.listener.header_read_timeout;
-        match first_head::within(served, &first, limit).await {
+        match head_deadline::within(served, &clock, limit).await {
             Some(Ok(())) => {}
             Some(Err(e)) => {
                 let reason = crate::metrics::connection_error(&conn.listener.name, &*e);

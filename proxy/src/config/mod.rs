@@ -156,10 +156,11 @@ pub struct Listener {
     pub bind: SocketAddr,
     /// Connections served at once; further clients wait in the accept queue.
     pub max_connections: usize,
-    /// Time a new connection has to send its first complete request head.
+    /// Time a request head may take: a new connection's first from the
+    /// accept, a later one on a keep-alive connection from its first byte.
     pub header_read_timeout: Duration,
-    /// Time a keep-alive connection may wait for its next request, head
-    /// included, after a response.
+    /// Time an idle keep-alive connection may wait for its next request
+    /// after a response (a head it starts has `header_read_timeout`).
     pub keepalive_timeout: Duration,
     /// Largest request head (request line and headers) accepted; larger gets 431.
     pub max_request_header_size: usize,

@@ -28,8 +28,8 @@ use super::tokens::{Refusal, Tokens, valid_runtime_id};
 use super::{Hello, Refused};
 use crate::balance::{Accepting, Balance, Handoff};
 use crate::body::{Body, ResponseBody};
-use crate::first_head::{self, FirstRequest};
 use crate::forward::Held;
+use crate::head_deadline::{self, Done, HeadClock, Watched};
 use crate::metrics::RouteStats;
 use crate::telemetry::AccessLog;
 
@@ -607,8 +607,9 @@ async fn measure_rtt(tunnel: Arc<Tunnel>, shared: &Shared, runtime: &str) {
     }
 }
 
-/// Time a new public connection has to send its first request head
-/// (`first_head`); later heads have the keep-alive timeout.
+/// Time a public connection has to send a request head: its first from
+/// the accept, a later one from its first byte (`head_deadline`). Idle
+/// connections between requests have the keep-alive timeout.
 const PUBLIC_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 async fn accept_public(
@@ -622,9 +623,9 @@ async fn accept_public(
     builder
         .http1()
         .timer(TokioTimer::new())
-        // As the routing core's listeners (see `first_head`): hyper's head
-        // clock runs between requests too, so it takes the keep-alive
-        // timeout, and the first head has the short one.
+        // As the routing core's listeners (see `head_deadline`): hyper's
+        // head clock runs between requests too, so it takes the keep-alive
+        // timeout, and heads have the short one.
         .header_read_timeout(crate::config::DEFAULT_KEEPALIVE_TIMEOUT);
     builder
         .http2()
@@ -647,10 +648,11 @@ async fn accept_public(
     {
         let _ = stream.set_nodelay(true);
         let shared = shared.clone();
-        let first = Arc::new(FirstRequest::default());
-        let service_first = first.clone();
+        let clock = Arc::new(HeadClock::default());
+        let service_clock = clock.clone();
         let service = service_fn(move |req: Request<Incoming>| {
-            service_first.arrived();
+            service_clock.request(req.version());
+            let clock = service_clock.clone();
             let shared = shared.clone();
             // One access line per public request, written when its
             // response body ends (as the routing core does); `upstream`
@@ -679,18 +681,22 @@ async fn accept_public(
                     status,
                     start,
                 };
-                Ok::<_, Infallible>(
-                    resp.map(|body| ResponseBody::new(body, log, Some(counted), Held::default())),
-                )
+                Ok::<_, Infallible>(resp.map(|body| {
+                    let body = ResponseBody::new(body, log, Some(counted), Held::default());
+                    Done::new(body, clock)
+                }))
             }
         });
         let served = connections.watch(
             builder
-                .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                .serve_connection_with_upgrades(
+                    TokioIo::new(Watched::new(stream, clock.clone())),
+                    service,
+                )
                 .into_owned(),
         );
         tracker.spawn(async move {
-            match first_head::within(served, &first, PUBLIC_HEADER_READ_TIMEOUT).await {
+            match head_deadline::within(served, &clock, PUBLIC_HEADER_READ_TIMEOUT).await {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
                     crate::metrics::connection_error("public", &*e);

@@ -1,0 +1,361 @@
+//! The deadline for a request head on a client connection.
+//!
+//! hyper has one clock for request heads: it starts when hyper waits for
+//! a head, which on a keep-alive connection is as soon as the previous
+//! response is sent. A short value there is a slowloris cut-off but also
+//! closes idle keep-alive connections early, and a balancer in front that
+//! keeps its idle connections longer (60 s for AWS ALB and ingress-nginx)
+//! then reuses one just as the proxy closes it: a 502 at the balancer.
+//!
+//! So hyper's clock gets the keep-alive timeout (nginx's 75 s by default),
+//! and this module gives each head the short header-read timeout, as
+//! nginx's `client_header_timeout` does:
+//! - a new connection's first head, from the accept;
+//! - a later head on a kept-alive HTTP/1 connection, from its first byte.
+//!   An idle connection sends no bytes and keeps its keep-alive timeout;
+//!   one that starts a head and stalls is closed like a new one.
+//!
+//! Three parts share a [`HeadClock`]: the connection's socket
+//! ([`Watched`]) notes bytes that arrive between requests, the service
+//! notes each request and wraps its response body ([`Done`]) to note its
+//! end, and [`within`], around the served connection, times the head
+//! awaited. All three run on the connection's own task; the clock's
+//! atomics are relaxed loads and stores, a few nanoseconds a request.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::Version;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Where a connection is between requests, for the head deadline.
+///
+/// Bits 0-1 are the phase, bit 2 turns the deadline off (HTTP/2: its
+/// frames arrive between requests and hyper times the connection itself),
+/// and the bits above count requests, so that a head that starts within
+/// the same poll in which the previous one ended is seen as a new head.
+#[derive(Debug, Default)]
+pub struct HeadClock(AtomicU32);
+
+const PHASE: u32 = 0b11;
+/// No request yet: the first head is awaited from the accept.
+const FIRST: u32 = 0;
+/// A request is being served.
+const BUSY: u32 = 1;
+/// Between requests, no byte of the next head yet.
+const IDLE: u32 = 2;
+/// Bytes of the next head have arrived.
+const HEAD: u32 = 3;
+const OFF: u32 = 0b100;
+const ONE_REQUEST: u32 = 0b1000;
+
+impl HeadClock {
+    fn load(&self) -> u32 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn store(&self, state: u32) {
+        self.0.store(state, Ordering::Relaxed);
+    }
+
+    /// Notes that a request head arrived (the service calls this first).
+    pub fn request(&self, version: Version) {
+        let s = self.load();
+        let off = if version == Version::HTTP_2 {
+            OFF
+        } else {
+            s & OFF
+        };
+        self.store((s & !(PHASE | OFF)).wrapping_add(ONE_REQUEST) | off | BUSY);
+    }
+
+    /// Notes that the response to the current request has been sent.
+    fn response_done(&self) {
+        let s = self.load();
+        if s & PHASE == BUSY {
+            self.store(s & !PHASE | IDLE);
+        }
+    }
+
+    /// Notes bytes read from the client: a head has started when no
+    /// request is being served. (Bytes read while one is are its body.)
+    fn bytes_read(&self) {
+        let s = self.load();
+        if s & PHASE == IDLE {
+            self.store(s | HEAD);
+        }
+    }
+
+    /// The head being awaited, if it is to be timed: its state, which
+    /// changes when another head is awaited.
+    fn awaited(&self) -> Option<u32> {
+        let s = self.load();
+        match s & PHASE {
+            FIRST => Some(s),
+            HEAD if s & OFF == 0 => Some(s),
+            _ => None,
+        }
+    }
+}
+
+/// Drives `served` (a connection) to its end, unless a head it awaits
+/// takes longer than `limit`: the first from now, a later one from its
+/// first byte. Then the connection is dropped, which closes it, and the
+/// answer is `None`.
+pub async fn within<F: Future>(served: F, clock: &HeadClock, limit: Duration) -> Option<F::Output> {
+    let mut served = std::pin::pin!(served);
+    let mut deadline = std::pin::pin!(tokio::time::sleep(limit));
+    let mut timed = clock.awaited();
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(out) = served.as_mut().poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        let awaited = clock.awaited();
+        if awaited != timed {
+            // Only a later head gets here with a value: it started within
+            // the poll just made. Heads that arrive whole never do.
+            if awaited.is_some() {
+                deadline.as_mut().reset(tokio::time::Instant::now() + limit);
+            }
+            timed = awaited;
+        }
+        // An untimed deadline is not polled; if it was registered, it
+        // wakes the connection once, for nothing.
+        if timed.is_some() && deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(None);
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// A client's socket that tells the clock when bytes arrive.
+#[derive(Debug)]
+pub struct Watched<S> {
+    io: S,
+    clock: Arc<HeadClock>,
+}
+
+impl<S> Watched<S> {
+    pub fn new(io: S, clock: Arc<HeadClock>) -> Watched<S> {
+        Watched { io, clock }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let read = Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.clock.bytes_read();
+        }
+        read
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+pin_project! {
+    /// A response body that tells the clock when it is done with: hyper
+    /// drops it once it has taken its last frame, before it reads on.
+    pub struct Done<B> {
+        #[pin]
+        body: B,
+        ended: Ended,
+    }
+}
+
+struct Ended(Arc<HeadClock>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        self.0.response_done();
+    }
+}
+
+impl<B> Done<B> {
+    pub fn new(body: B, clock: Arc<HeadClock>) -> Done<B> {
+        Done {
+            body,
+            ended: Ended(clock),
+        }
+    }
+}
+
+impl<B: Body> Body for Done<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        self.project().body.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::{Instant, sleep};
+
+    const LIMIT: Duration = Duration::from_secs(10);
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_without_a_request_is_dropped_at_the_deadline() {
+        let clock = HeadClock::default();
+        let never = std::future::pending::<()>();
+        let start = Instant::now();
+        assert_eq!(within(never, &clock, LIMIT).await, None);
+        assert_eq!(start.elapsed(), LIMIT);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_kept_alive_connection_lives_past_the_deadline() {
+        let clock = HeadClock::default();
+        let served = async {
+            clock.request(Version::HTTP_11);
+            clock.response_done();
+            sleep(Duration::from_secs(60)).await;
+        };
+        assert_eq!(within(served, &clock, LIMIT).await, Some(()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_later_head_that_stalls_is_dropped_a_limit_after_its_first_byte() {
+        let clock = HeadClock::default();
+        let start = Instant::now();
+        let served = async {
+            clock.request(Version::HTTP_11);
+            sleep(Duration::from_secs(3)).await;
+            clock.response_done();
+            sleep(Duration::from_secs(40)).await;
+            clock.bytes_read();
+            std::future::pending::<()>().await;
+        };
+        assert_eq!(within(served, &clock, LIMIT).await, None);
+        assert_eq!(start.elapsed(), Duration::from_secs(43) + LIMIT);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_later_head_that_completes_in_time_is_not_cut() {
+        let clock = HeadClock::default();
+        let served = async {
+            for _ in 0..3 {
+                clock.request(Version::HTTP_11);
+                clock.response_done();
+                clock.bytes_read();
+                sleep(LIMIT - Duration::from_secs(1)).await;
+            }
+            clock.request(Version::HTTP_11);
+            sleep(Duration::from_secs(60)).await;
+        };
+        assert_eq!(within(served, &clock, LIMIT).await, Some(()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_started_in_the_poll_that_ended_another_gets_its_own_deadline() {
+        let clock = HeadClock::default();
+        let start = Instant::now();
+        let served = async {
+            clock.request(Version::HTTP_11);
+            clock.response_done();
+            clock.bytes_read();
+            sleep(LIMIT - Duration::from_secs(1)).await;
+            // In one poll: that head completes, its response is sent and
+            // the next head starts.
+            clock.request(Version::HTTP_11);
+            clock.response_done();
+            clock.bytes_read();
+            std::future::pending::<()>().await;
+        };
+        assert_eq!(within(served, &clock, LIMIT).await, None);
+        assert_eq!(start.elapsed(), LIMIT - Duration::from_secs(1) + LIMIT);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn http2_connections_are_not_timed_after_their_first_request() {
+        let clock = HeadClock::default();
+        let served = async {
+            clock.request(Version::HTTP_2);
+            clock.response_done();
+            // A ping or a window update between requests.
+            clock.bytes_read();
+            sleep(Duration::from_secs(60)).await;
+        };
+        assert_eq!(within(served, &clock, LIMIT).await, Some(()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_ends_first_gives_its_output() {
+        let clock = HeadClock::default();
+        assert_eq!(within(async { 7 }, &clock, LIMIT).await, Some(7));
+    }
+
+    #[tokio::test]
+    async fn the_socket_and_the_body_move_the_clock() {
+        use http_body_util::{BodyExt, Full};
+        use tokio::io::AsyncWriteExt;
+
+        let clock = Arc::new(HeadClock::default());
+        clock.request(Version::HTTP_11);
+        let body = Done::new(Full::new(bytes::Bytes::from_static(b"ok")), clock.clone());
+        assert_eq!(body.collect().await.unwrap().to_bytes(), "ok");
+        assert_eq!(clock.awaited(), None, "idle, no byte yet");
+        let (mut client, server) = tokio::io::duplex(64);
+        let mut watched = Watched::new(server, clock.clone());
+        client.write_all(b"GET").await.unwrap();
+        let mut buf = [0u8; 8];
+        let n = tokio::io::AsyncReadExt::read(&mut watched, &mut buf)
+            .await
+            .unwrap();
+        assert_eq!(&buf[..n], b"GET");
+        assert!(clock.awaited().is_some(), "a head has started");
+    }
+}
