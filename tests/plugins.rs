@@ -9,6 +9,7 @@ use bytes::Bytes;
 use hyper::Request;
 
 use crate::support::client::{self, body};
+use crate::support::process::ProxyProcess;
 use crate::support::upstream::{self, Upstream};
 use crate::support::{Proxy, plugin_file, policy_dir};
 
@@ -710,7 +711,38 @@ routes:
 #[tokio::test]
 async fn the_sdk_example_plugin_works_as_documented() {
     let api = upstream::echo("api").await;
-    let dir = policy_dir(
+    let proxy = Proxy::start_dir(require_header_policies(&api), &[]).await;
+    assert_api_needs_the_key(&proxy.url("/api/x")).await;
+    // Plugins guard local answers too, not only forwarded requests.
+    assert_eq!(client::get(&proxy.url("/teapot")).await.status, 403);
+    let keyed = Request::get(proxy.url("/teapot"))
+        .header("x-api-key", "k")
+        .body(body(Bytes::new()))
+        .unwrap();
+    assert_eq!(client::send(&client::http1(), keyed).await.status, 418);
+}
+
+#[tokio::test]
+async fn plugins_run_where_the_instance_pool_cannot_be_reserved() {
+    // 16 GiB of address space: plenty for the proxy, far less than the
+    // instance pool reserves up front.
+    const ADDRESS_SPACE: u64 = 16 << 30;
+    let api = upstream::echo("api").await;
+    let dir = require_header_policies(&api);
+    let args = [
+        "serve".to_owned(),
+        "--policies".to_owned(),
+        dir.path().display().to_string(),
+    ];
+    let proxy = ProxyProcess::launch_limited(&args, &[], "listening", Some(ADDRESS_SPACE)).await;
+    assert_api_needs_the_key(&proxy.url("/api/x")).await;
+    let warning = proxy.find_log("allocating plugin instances on demand");
+    assert!(warning.contains("mmap"), "{warning}");
+}
+
+/// The SDK example guarding `/api` (to `api`) and a local answer.
+fn require_header_policies(api: &Upstream) -> tempfile::TempDir {
+    policy_dir(
         &format!(
             r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
@@ -729,19 +761,15 @@ routes:
             api.url()
         ),
         &["example-require-header"],
-    );
-    let proxy = Proxy::start_dir(dir, &[]).await;
-    assert_eq!(client::get(&proxy.url("/api/x")).await.status, 403);
-    let keyed = Request::get(proxy.url("/api/x"))
+    )
+}
+
+/// `url` answers 403 without an `x-api-key` header and 200 with one.
+async fn assert_api_needs_the_key(url: &str) {
+    assert_eq!(client::get(url).await.status, 403);
+    let keyed = Request::get(url)
         .header("x-api-key", "k")
         .body(body(Bytes::new()))
         .unwrap();
     assert_eq!(client::send(&client::http1(), keyed).await.status, 200);
-    // Plugins guard local answers too, not only forwarded requests.
-    assert_eq!(client::get(&proxy.url("/teapot")).await.status, 403);
-    let keyed = Request::get(proxy.url("/teapot"))
-        .header("x-api-key", "k")
-        .body(body(Bytes::new()))
-        .unwrap();
-    assert_eq!(client::send(&client::http1(), keyed).await.status, 418);
 }

@@ -55,12 +55,24 @@ impl ProxyProcess {
     /// port unless `args` name one) and `env`, waiting (20 s at most) for
     /// the log line whose message is `ready`.
     pub async fn launch(args: &[String], env: &[(&str, String)], ready: &str) -> ProxyProcess {
+        Self::launch_limited(args, env, ready, None).await
+    }
+
+    /// [`launch`](Self::launch), with the process's address space limited
+    /// to `address_space` bytes when given (`ulimit -v`).
+    pub async fn launch_limited(
+        args: &[String],
+        env: &[(&str, String)],
+        ready: &str,
+        address_space: Option<u64>,
+    ) -> ProxyProcess {
         let admin_args: &[&str] = if args.iter().any(|a| a == "--admin") {
             &[]
         } else {
             &["--admin", "127.0.0.1:0"]
         };
-        let mut child = Command::new(super::binary())
+        let mut child = Command::new(super::binary());
+        child
             .args(args)
             .args(admin_args)
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
@@ -69,9 +81,25 @@ impl ProxyProcess {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn portcullis");
+            .kill_on_drop(true);
+        if let Some(bytes) = address_space {
+            let limit = libc::rlimit {
+                rlim_cur: bytes,
+                rlim_max: bytes,
+            };
+            // SAFETY: setrlimit is async-signal-safe and `limit` is a
+            // plain value copied into the closure.
+            unsafe {
+                child.pre_exec(move || {
+                    if libc::setrlimit(libc::RLIMIT_AS, &limit) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
+        let mut child = child.spawn().expect("spawn portcullis");
         let stderr = child.stderr.take().expect("stderr");
         let logs = Arc::new(Mutex::new(Vec::new()));
         let (tx, mut rx) = mpsc::unbounded_channel();

@@ -190,7 +190,22 @@ impl PluginHost {
             // stays modest; bounds checks make up for the smaller guard.
             .memory_reservation(crate::config::MAX_PLUGIN_MEMORY as u64)
             .memory_guard_size(64 << 10);
-        let engine = Engine::new(&config)?;
+        let engine = match Engine::new(&config) {
+            Ok(engine) => engine,
+            // The pool reserves its address space up front (POOL_SLOTS
+            // memories of the largest cap: 250 GiB, virtual). Where that
+            // is refused (an address-space rlimit, valgrind), plugins still
+            // run: instances are allocated on demand, which costs more to
+            // create but the same per call, as idle instances are reused.
+            Err(e) => {
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    "cannot reserve the plugin instance pool; allocating plugin instances on demand"
+                );
+                config.allocation_strategy(InstanceAllocationStrategy::OnDemand);
+                Engine::new(&config)?
+            }
+        };
         let mut linker = Linker::new(&engine);
         wasi::add_to_linker(&mut linker)?;
         Policy::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?;
