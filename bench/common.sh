@@ -82,3 +82,38 @@ wrk_figures() {
 
 # The median line of file $1 by column $2 (ROUNDS lines).
 median() { sort -n -k"${2:-1}" "$1" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
+
+# An HS256 token for the secret `bench-secret`, valid for an hour.
+bench_token() {
+  python3 - <<'PY'
+import base64, hmac, hashlib, json, time
+b = lambda d: base64.urlsafe_b64encode(d).rstrip(b"=").decode()
+h = b(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
+c = b(json.dumps({"sub": "bench", "exp": int(time.time()) + 3600}).encode())
+s = b(hmac.new(b"bench-secret", f"{h}.{c}".encode(), hashlib.sha256).digest())
+print(f"{h}.{c}.{s}")
+PY
+}
+
+# Writes the plugin benches' policies into $1: a listener on port $2, the
+# upstream on port $3, and the same route with and without plugins:
+#   /plain   no plugin
+#   /key     the SDK example (require-header): a header-only API-key check
+#   /auth    jwt-auth (HS256), the verified token remembered (the default)
+#   /verify  jwt-auth with cache_size: 0, the signature checked per request
+#   /fresh   jwt-auth, a new instance per request (instances: per-request)
+plugin_policies() {
+  mkdir -p "$1"
+  cp plugins/dist/jwt-auth.wasm plugins/dist/example-require-header.wasm "$1/"
+  cat > "$1/bench.yaml" <<YAML
+listeners: [{ name: http, bind: "127.0.0.1:$2" }]
+upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$3"] }]
+plugins: [{ name: jwt, path: jwt-auth.wasm }, { name: key, path: example-require-header.wasm }]
+routes:
+  - { name: plain, match: { path: /plain }, upstream: app }
+  - { name: key, match: { path: /key }, upstream: app, plugins: [{ use: key, config: { header: authorization } }] }
+  - { name: auth, match: { path: /auth }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret } }] }
+  - { name: verify, match: { path: /verify }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret, cache_size: 0 } }] }
+  - { name: fresh, match: { path: /fresh }, upstream: app, plugins: [{ use: jwt, instances: per-request, config: { hs256_secret: bench-secret } }] }
+YAML
+}

@@ -34,34 +34,12 @@ plugins/build.sh >/dev/null
 # shellcheck source=bench/common.sh
 . bench/common.sh
 UP_PORT=$(free_port); PC_PORT=$(free_port)
-mkdir -p "$WORK/policies"
 start_upstream "$UP_PORT"
-
-cp plugins/dist/jwt-auth.wasm plugins/dist/example-require-header.wasm "$WORK/policies/"
-cat > "$WORK/policies/bench.yaml" <<YAML
-listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT" }]
-upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP_PORT"] }]
-plugins: [{ name: jwt, path: jwt-auth.wasm }, { name: key, path: example-require-header.wasm }]
-routes:
-  - { name: plain, match: { path: /plain }, upstream: app }
-  - { name: key, match: { path: /key }, upstream: app, plugins: [{ use: key, config: { header: authorization } }] }
-  - { name: auth, match: { path: /auth }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret } }] }
-  - { name: verify, match: { path: /verify }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret, cache_size: 0 } }] }
-  - { name: fresh, match: { path: /fresh }, upstream: app, plugins: [{ use: jwt, instances: per-request, config: { hs256_secret: bench-secret } }] }
-YAML
+plugin_policies "$WORK/policies" "$PC_PORT" "$UP_PORT"
 RUST_LOG=warn "$BIN" serve --workers "$WORKERS" --policies "$WORK/policies" & PIDS+=($!)
 PC_PID=$!
 
-# An HS256 token for the bench secret, valid for an hour.
-TOKEN=$(python3 - <<'PY'
-import base64, hmac, hashlib, json, time
-b = lambda d: base64.urlsafe_b64encode(d).rstrip(b"=").decode()
-h = b(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
-c = b(json.dumps({"sub": "bench", "exp": int(time.time()) + 3600}).encode())
-s = b(hmac.new(b"bench-secret", f"{h}.{c}".encode(), hashlib.sha256).digest())
-print(f"{h}.{c}.{s}")
-PY
-)
+TOKEN=$(bench_token)
 for _ in $(seq 100); do curl -fsS -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT/auth" >/dev/null 2>&1 && break; sleep 0.1; done
 curl -fsS -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT/auth" >/dev/null
 
