@@ -440,6 +440,18 @@ fn framing(method: &Method, resp: &mut Response<()>) -> Result<Framing, Exchange
     }
     let mut length = None;
     for value in headers.get_all(header::CONTENT_LENGTH) {
+        // The usual value, digits only: no split, no trim.
+        let digits = value.as_bytes();
+        if !digits.is_empty() && digits.len() <= 19 && digits.iter().all(u8::is_ascii_digit) {
+            let n = digits
+                .iter()
+                .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+            if length.is_some_and(|l| l != n) {
+                return Err(invalid_length(value));
+            }
+            length = Some(n);
+            continue;
+        }
         // "42, 42" (a repeated field folded) is allowed; different numbers are not.
         for part in value.to_str().unwrap_or("x").split(',') {
             let n = part.trim();
@@ -923,6 +935,17 @@ mod tests {
         );
         assert!(f("HTTP/1.1 200 OK\r\ncontent-length: 5, 6\r\n\r\n").is_err());
         assert!(f("HTTP/1.1 200 OK\r\ncontent-length: +5\r\n\r\n").is_err());
+        // Repeated fields must agree; a length past u64 is refused.
+        assert!(f("HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n").is_err());
+        assert_eq!(
+            f("HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n"),
+            Ok(Framing::Length(5))
+        );
+        assert!(f("HTTP/1.1 200 OK\r\ncontent-length: 99999999999999999999\r\n\r\n").is_err());
+        assert_eq!(
+            f("HTTP/1.1 200 OK\r\ncontent-length: 9999999999999999999\r\n\r\n"),
+            Ok(Framing::Length(9_999_999_999_999_999_999))
+        );
         assert_eq!(
             f("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"),
             Ok(Framing::Chunked)
