@@ -8,7 +8,8 @@ For each path the proxy (one worker) runs twice under cachegrind, serving
 WARM and then WARM + REQUESTS requests on one keep-alive connection; the
 difference over REQUESTS is the count per request, with start-up and
 warm-up cancelled out. That is done REPEAT times and the median kept: the
-count still varies by a few percent between runs, as the worker parks
+count still varies between runs (mostly within 1%, the odd /plain run up
+to 6%), as the worker parks
 between requests or finds the next one already there, depending on how
 the client and the proxy happen to interleave. With TOP > 0, the
 functions that add most over the first path are listed for each other
