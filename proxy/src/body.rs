@@ -12,6 +12,7 @@ use hyper::body::Incoming;
 
 use crate::client_watch::{ClientSocket, Gone};
 use crate::forward::{H1Body, Held};
+use crate::head_deadline::Ended;
 use crate::metrics;
 use crate::telemetry::AccessLog;
 
@@ -107,6 +108,8 @@ pin_project_lite::pin_project! {
         // The upstream connection and in-flight count, released when the
         // body ends so the connection can serve the next request.
         held: Held,
+        // Tells the connection's head deadline that the response is done.
+        ended: Option<Ended>,
     }
 }
 
@@ -129,7 +132,14 @@ impl ResponseBody {
             watch: None,
             gone: None,
             held,
+            ended: None,
         }
+    }
+
+    /// Notes the response's end on its connection's head deadline when
+    /// the body is dropped.
+    pub fn set_ended(&mut self, ended: Ended) {
+        self.ended = Some(ended);
     }
 
     /// Ends the body early if the client behind `socket` goes away while

@@ -17,8 +17,8 @@
 //!
 //! Three parts share a [`HeadClock`]: the connection's socket
 //! ([`Watched`]) notes bytes that arrive between requests, the service
-//! notes each request and wraps its response body ([`Done`]) to note its
-//! end, and [`within`], around the served connection, times the head
+//! notes each request and gives its response body an [`Ended`] to note
+//! its end, and [`within`], around the served connection, times the head
 //! awaited. All three run on the connection's own task; the clock's
 //! atomics are relaxed loads and stores, a few nanoseconds a request.
 
@@ -30,8 +30,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::Version;
-use http_body::{Body, Frame, SizeHint};
-use pin_project_lite::pin_project;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Where a connection is between requests, for the head deadline.
@@ -193,50 +191,21 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     }
 }
 
-pin_project! {
-    /// A response body that tells the clock when it is done with: hyper
-    /// drops it once it has taken its last frame, before it reads on.
-    pub struct Done<B> {
-        #[pin]
-        body: B,
-        ended: Ended,
+/// Held by a response body (`ResponseBody::set_ended`): when hyper drops
+/// the body, which it does once it has taken its last frame and before it
+/// reads on, the clock learns that the response is done. A field of the
+/// body rather than a wrapper around it, so no response is moved for it.
+pub struct Ended(Arc<HeadClock>);
+
+impl Ended {
+    pub fn new(clock: Arc<HeadClock>) -> Ended {
+        Ended(clock)
     }
 }
-
-struct Ended(Arc<HeadClock>);
 
 impl Drop for Ended {
     fn drop(&mut self) {
         self.0.response_done();
-    }
-}
-
-impl<B> Done<B> {
-    pub fn new(body: B, clock: Arc<HeadClock>) -> Done<B> {
-        Done {
-            body,
-            ended: Ended(clock),
-        }
-    }
-}
-
-impl<B: Body> Body for Done<B> {
-    type Data = B::Data;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        self.project().body.poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
     }
 }
 
@@ -340,13 +309,14 @@ mod tests {
 
     #[tokio::test]
     async fn the_socket_and_the_body_move_the_clock() {
-        use http_body_util::{BodyExt, Full};
         use tokio::io::AsyncWriteExt;
 
         let clock = Arc::new(HeadClock::default());
         clock.request(Version::HTTP_11);
-        let body = Done::new(Full::new(bytes::Bytes::from_static(b"ok")), clock.clone());
-        assert_eq!(body.collect().await.unwrap().to_bytes(), "ok");
+        let ended = Ended::new(clock.clone());
+        clock.bytes_read();
+        assert_eq!(clock.awaited(), None, "busy: bytes read are the body");
+        drop(ended);
         assert_eq!(clock.awaited(), None, "idle, no byte yet");
         let (mut client, server) = tokio::io::duplex(64);
         let mut watched = Watched::new(server, clock.clone());

@@ -28,7 +28,7 @@ use crate::balance::{Accepting, Balance, Counted, Handoff};
 use crate::client_watch::ClientSocket;
 use crate::config::{Config, Listener};
 use crate::drain::Connections;
-use crate::head_deadline::{self, Done, HeadClock, Watched};
+use crate::head_deadline::{self, Ended, HeadClock, Watched};
 use crate::pipeline::{ConnInfo, Pipeline, Shared};
 use crate::sockets::reuseport_socket;
 
@@ -755,8 +755,9 @@ fn serve_connection(
         let conn = service_conn.clone();
         let clock = service_clock.clone();
         async move {
-            let resp = pipeline.handle(req, &conn).await;
-            Ok::<_, Infallible>(resp.map(|body| Done::new(body, clock)))
+            let mut resp = pipeline.handle(req, &conn).await;
+            resp.body_mut().set_ended(Ended::new(clock));
+            Ok::<_, Infallible>(resp)
         }
     });
     let builder = builder.clone();

@@ -29,7 +29,7 @@ use super::{Hello, Refused};
 use crate::balance::{Accepting, Balance, Handoff};
 use crate::body::{Body, ResponseBody};
 use crate::forward::Held;
-use crate::head_deadline::{self, Done, HeadClock, Watched};
+use crate::head_deadline::{self, Ended, HeadClock, Watched};
 use crate::metrics::RouteStats;
 use crate::telemetry::AccessLog;
 
@@ -682,8 +682,9 @@ async fn accept_public(
                     start,
                 };
                 Ok::<_, Infallible>(resp.map(|body| {
-                    let body = ResponseBody::new(body, log, Some(counted), Held::default());
-                    Done::new(body, clock)
+                    let mut body = ResponseBody::new(body, log, Some(counted), Held::default());
+                    body.set_ended(Ended::new(clock));
+                    body
                 }))
             }
         });
