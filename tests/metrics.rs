@@ -156,12 +156,7 @@ async fn keep_alive_connections_outlive_the_header_read_timeout() {
     assert!(second.starts_with("HTTP/1.1 200"), "{second}");
     // Then idle past the keep-alive timeout: the proxy closes it.
     let start = tokio::time::Instant::now();
-    let mut rest = Vec::new();
-    let closed = tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut rest)).await;
-    assert!(
-        closed.is_ok(),
-        "an idle keep-alive connection was never closed"
-    );
+    assert_closed_soon(&mut sock, "an idle keep-alive connection was never closed").await;
     assert!(
         start.elapsed() >= Duration::from_millis(900),
         "{:?}",
@@ -198,12 +193,11 @@ routes: [{ name: v, match: { path: /v }, respond: { status: 200, body: "v" } }]
     tokio::time::sleep(Duration::from_millis(600)).await;
     // Then half a head, and nothing more (a slowloris that first behaved).
     sock.write_all(b"GET /v HTTP/1.1\r\n").await.unwrap();
-    let mut rest = Vec::new();
-    let closed = tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut rest)).await;
-    assert!(
-        closed.is_ok(),
-        "a stalled head on a kept-alive connection waited for the keep-alive timeout"
-    );
+    assert_closed_soon(
+        &mut sock,
+        "a stalled head on a kept-alive connection waited for the keep-alive timeout",
+    )
+    .await;
     proxy
         .metrics_showing(&[
             r#"portcullis_requests_total{route="v",code="200"} 1"#.into(),
@@ -211,6 +205,13 @@ routes: [{ name: v, match: { path: /v }, respond: { status: 200, body: "v" } }]
                 .into(),
         ])
         .await;
+}
+
+/// Waits (10 s at most) for the proxy to close `sock`, failing with `why`.
+async fn assert_closed_soon(sock: &mut TcpStream, why: &str) {
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "{why}");
 }
 
 /// Reads one small response (head and a body that arrives with it).
