@@ -9,7 +9,7 @@ use bytes::Bytes;
 use hyper::Request;
 
 use crate::support::client::{self, body};
-use crate::support::process::ProxyProcess;
+use crate::support::process::{Confine, ProxyProcess};
 use crate::support::upstream::{self, Upstream};
 use crate::support::{Proxy, plugin_file, policy_dir};
 
@@ -734,10 +734,134 @@ async fn plugins_run_where_the_instance_pool_cannot_be_reserved() {
         "--policies".to_owned(),
         dir.path().display().to_string(),
     ];
-    let proxy = ProxyProcess::launch_limited(&args, &[], "listening", Some(ADDRESS_SPACE)).await;
+    let proxy = ProxyProcess::launch_confined(
+        &args,
+        &[],
+        "listening",
+        Confine {
+            address_space: Some(ADDRESS_SPACE),
+            ..Confine::default()
+        },
+    )
+    .await;
     assert_api_needs_the_key(&proxy.url("/api/x")).await;
     let warning = proxy.find_log("allocating plugin instances on demand");
     assert!(warning.contains("mmap"), "{warning}");
+}
+
+/// Threads spinning on one CPU until dropped: a neighbour that takes the
+/// core from whatever else runs there.
+struct CpuHogs {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl CpuHogs {
+    fn on(cpu: usize, count: usize) -> CpuHogs {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..count)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    crate::support::process::pin_to_cpu(cpu).expect("pin a hog thread");
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        CpuHogs { stop, threads }
+    }
+}
+
+impl Drop for CpuHogs {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The lowest CPU this process may run on.
+fn first_allowed_cpu() -> usize {
+    // SAFETY: a zeroed cpu_set_t is valid; sched_getaffinity fills it and
+    // CPU_ISSET reads it in bounds.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        assert_eq!(
+            libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
+            0
+        );
+        (0..libc::CPU_SETSIZE as usize)
+            .find(|&c| libc::CPU_ISSET(c, &set))
+            .expect("an allowed CPU")
+    }
+}
+
+/// A plugin's deadline is CPU time its call used, not time on the clock:
+/// on a core shared with six spinning threads, a call needing ~2.5 ms of
+/// CPU is descheduled mid-call now and then for longer than its 10 ms
+/// deadline (a wall-clock deadline refused 5-19 in 100 of those with 503),
+/// and must still pass; a plugin that loops is still stopped there.
+#[tokio::test]
+async fn a_plugin_call_descheduled_past_its_deadline_is_not_timed_out() {
+    let up = upstream::echo("up").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: up, endpoints: ["{}"] }}]
+plugins:
+  - {{ name: busy, path: fixture-busy.wasm }}
+  - {{ name: loop, path: fixture-loop-forever.wasm }}
+routes:
+  - name: busy
+    match: {{ path: /busy }}
+    upstream: up
+    plugins: [{{ use: busy, timeout: 10ms, config: {{ iterations: 1000000 }} }}]
+  - {{ name: loop, match: {{ path: /loop }}, upstream: up, plugins: [{{ use: loop, timeout: 5ms }}] }}
+"#,
+            up.url()
+        ),
+        &["fixture-busy", "fixture-loop-forever"],
+    );
+    let cpu = first_allowed_cpu();
+    let args = [
+        "serve".to_owned(),
+        "--policies".to_owned(),
+        dir.path().display().to_string(),
+        "--workers".to_owned(),
+        "1".to_owned(),
+    ];
+    let proxy = ProxyProcess::launch_confined(
+        &args,
+        &[],
+        "listening",
+        Confine {
+            cpu: Some(cpu),
+            ..Confine::default()
+        },
+    )
+    .await;
+    let url = proxy.url("/busy");
+    // The first call instantiates the plugin; the rest reuse the instance.
+    assert_eq!(client::get(&url).await.status, 200);
+
+    let hogs = CpuHogs::on(cpu, 6);
+    let c = client::http1();
+    let mut refused = Vec::new();
+    for i in 0..100 {
+        let a = client::send(&c, Request::get(&url).body(body(Bytes::new())).unwrap()).await;
+        if a.status != 200 {
+            refused.push((i, a.status, String::from_utf8_lossy(&a.body).into_owned()));
+        }
+    }
+    let looped = client::get(&proxy.url("/loop")).await;
+    drop(hogs);
+    assert!(refused.is_empty(), "refused under contention: {refused:?}");
+    assert_eq!(looped.status, 503);
+    assert_eq!(looped.json()["error"], "plugin timed out");
 }
 
 /// The SDK example guarding `/api` (to `api`) and a local answer.

@@ -55,16 +55,16 @@ impl ProxyProcess {
     /// port unless `args` name one) and `env`, waiting (20 s at most) for
     /// the log line whose message is `ready`.
     pub async fn launch(args: &[String], env: &[(&str, String)], ready: &str) -> ProxyProcess {
-        Self::launch_limited(args, env, ready, None).await
+        Self::launch_confined(args, env, ready, Confine::default()).await
     }
 
-    /// [`launch`](Self::launch), with the process's address space limited
-    /// to `address_space` bytes when given (`ulimit -v`).
-    pub async fn launch_limited(
+    /// [`launch`](Self::launch), with the process confined as `confine`
+    /// says.
+    pub async fn launch_confined(
         args: &[String],
         env: &[(&str, String)],
         ready: &str,
-        address_space: Option<u64>,
+        confine: Confine,
     ) -> ProxyProcess {
         let admin_args: &[&str] = if args.iter().any(|a| a == "--admin") {
             &[]
@@ -82,21 +82,11 @@ impl ProxyProcess {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        if let Some(bytes) = address_space {
-            let limit = libc::rlimit {
-                rlim_cur: bytes,
-                rlim_max: bytes,
-            };
-            // SAFETY: setrlimit is async-signal-safe and `limit` is a
-            // plain value copied into the closure.
+        if confine.address_space.is_some() || confine.cpu.is_some() {
+            // SAFETY: setrlimit and sched_setaffinity are async-signal-safe,
+            // and the closure owns plain values.
             unsafe {
-                child.pre_exec(move || {
-                    if libc::setrlimit(libc::RLIMIT_AS, &limit) == 0 {
-                        Ok(())
-                    } else {
-                        Err(std::io::Error::last_os_error())
-                    }
-                });
+                child.pre_exec(move || confine.apply());
             }
         }
         let mut child = child.spawn().expect("spawn portcullis");
@@ -294,4 +284,47 @@ impl ProxyProcess {
             .expect("process exits in time")
             .expect("wait")
     }
+}
+
+/// Limits a child process starts under.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Confine {
+    /// Address space in bytes (`ulimit -v`).
+    pub address_space: Option<u64>,
+    /// The one CPU it may run on (`taskset -c`).
+    pub cpu: Option<usize>,
+}
+
+impl Confine {
+    /// Applies the limits to the calling process (in the child, before exec).
+    fn apply(&self) -> std::io::Result<()> {
+        if let Some(bytes) = self.address_space {
+            let limit = libc::rlimit {
+                rlim_cur: bytes,
+                rlim_max: bytes,
+            };
+            // SAFETY: `limit` is a valid rlimit.
+            if unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        if let Some(cpu) = self.cpu {
+            pin_to_cpu(cpu)?;
+        }
+        Ok(())
+    }
+}
+
+/// Restricts the calling thread (and what it starts later) to `cpu`.
+pub fn pin_to_cpu(cpu: usize) -> std::io::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes in bounds
+    // for cpu < CPU_SETSIZE, and sched_setaffinity reads the set it is given.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }

@@ -136,7 +136,7 @@ pub struct PluginUse {
     pub config_json: String,
     /// Failure policy.
     pub fail: FailMode,
-    /// Deadline per call.
+    /// Deadline per call, in CPU time the call uses.
     pub timeout: Duration,
     /// Memory cap per instance, bytes.
     pub memory: usize,

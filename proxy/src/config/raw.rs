@@ -91,7 +91,7 @@ pub struct RawPluginUse {
     pub config: Option<Spanned<serde_json::Value>>,
     /// `closed` (default) or `open`.
     pub fail: Option<Text>,
-    /// Deadline per call (default 10ms).
+    /// Deadline per call, in CPU time the call uses (default 10ms).
     pub timeout: Option<Text>,
     /// Memory cap per instance (default 16MiB).
     pub memory: Option<Text>,

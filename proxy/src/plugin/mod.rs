@@ -8,12 +8,13 @@
 //! - A [`Binding`] is one plugin attached with one config. It keeps idle
 //!   instances for reuse, per thread; an instance that traps is thrown away.
 //! - Calls are synchronous, on the calling worker's stack. Every call runs
-//!   under an epoch deadline (a ticker thread advances the epoch each
-//!   millisecond) and a memory cap, so a plugin that loops or hoards fails
-//!   its own request, holds its worker no longer than the deadline, and
-//!   touches nothing else.
+//!   under a deadline in CPU time (checked at the ticks of an epoch ticker
+//!   thread, each millisecond: [`cpu_deadline`]) and a memory cap, so a
+//!   plugin that loops or hoards fails its own request, runs on its worker
+//!   no longer than the deadline, and touches nothing else.
 
 mod bindings;
+mod cpu_deadline;
 mod state;
 mod stdio;
 mod wasi;
@@ -286,9 +287,11 @@ impl std::fmt::Debug for Binding {
 }
 
 impl Binding {
-    fn deadline_ticks(&self) -> u64 {
-        // One extra tick: the current one may be nearly over.
-        (self.timeout.as_micros() / TICK.as_micros()) as u64 + 1
+    /// Starts a call's deadline ([`cpu_deadline`]: the call's first tick
+    /// reads its thread's CPU clock, later ones only if it runs on).
+    fn arm(store: &mut Store<State>) {
+        store.set_epoch_deadline(1);
+        store.data_mut().deadline.arm();
     }
 
     fn classify(&self, e: wasmtime::Error, store: &Store<State>) -> PluginError {
@@ -323,15 +326,21 @@ impl Binding {
         };
         let mut store = Store::new(
             &self.engine,
-            State::new(self.plugin.clone(), self.memory, self.route_names.clone()),
+            State::new(
+                self.plugin.clone(),
+                self.memory,
+                self.timeout,
+                self.route_names.clone(),
+            ),
         );
         store.limiter(|s| &mut s.limits);
-        store.set_epoch_deadline(self.deadline_ticks());
+        store.epoch_deadline_callback(|mut s| Ok(s.data_mut().deadline.on_tick()));
+        Self::arm(&mut store);
         let policy = self
             .pre
             .instantiate(&mut store)
             .map_err(|e| setup(format!("{e:#}")))?;
-        store.set_epoch_deadline(self.deadline_ticks());
+        Self::arm(&mut store);
         match policy.call_configure(&mut store, &self.config_json) {
             Ok(Ok(())) => Ok(Instance { store, policy }),
             Ok(Err(message)) => Err(setup(format!("config refused: {message}"))),
@@ -372,7 +381,7 @@ impl Binding {
         body: Option<&[u8]>,
     ) -> Result<Decision, PluginError> {
         let mut inst = self.checkout()?;
-        inst.store.set_epoch_deadline(self.deadline_ticks());
+        Self::arm(&mut inst.store);
         let data = inst.store.data_mut();
         data.request = req.take();
         data.request_headers = std::mem::take(headers);
@@ -399,7 +408,7 @@ impl Binding {
         resp_headers: &mut http::HeaderMap,
     ) -> Result<HeaderEdits, PluginError> {
         let mut inst = self.checkout()?;
-        inst.store.set_epoch_deadline(self.deadline_ticks());
+        Self::arm(&mut inst.store);
         let data = inst.store.data_mut();
         data.request = req.take();
         data.request_headers = std::mem::take(req_headers);
@@ -551,7 +560,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                 Err(PluginError::Setup { message, .. }) => return Err(at(message)),
                 Err(e) => return Err(at(e.to_string())),
             };
-            inst.store.set_epoch_deadline(binding.deadline_ticks());
+            Binding::arm(&mut inst.store);
             match inst
                 .policy
                 .call_validate_config(&mut inst.store, &u.config_json)
@@ -560,7 +569,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                 Ok(Err(m)) => return Err(at(format!("invalid config: {m}"))),
                 Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
             }
-            inst.store.set_epoch_deadline(binding.deadline_ticks());
+            Binding::arm(&mut inst.store);
             binding.hooks = match inst.policy.call_hooks(&mut inst.store) {
                 Ok(h) => h,
                 Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),

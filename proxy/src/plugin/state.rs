@@ -7,6 +7,7 @@ use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use super::bindings::{Level, portcullis::policy::host};
+use super::cpu_deadline::CpuDeadline;
 use super::stdio::PluginOutput;
 use super::{RequestFacts, RequestHead, RouteInfo};
 
@@ -20,6 +21,8 @@ pub struct State {
     table: ResourceTable,
     /// Memory cap for this instance.
     pub limits: MemoryCap,
+    /// The current call's deadline.
+    pub deadline: CpuDeadline,
     /// What the current request's head and route are made from, moved in
     /// for the length of a call (no copy); the records are built only if
     /// the plugin asks.
@@ -33,8 +36,14 @@ pub struct State {
 }
 
 impl State {
-    /// State for an instance of `plugin` capped at `memory` bytes.
-    pub fn new(plugin: Arc<str>, memory: usize, route_names: Arc<[Arc<str>]>) -> State {
+    /// State for an instance of `plugin` capped at `memory` bytes, each
+    /// call at `timeout` of CPU time.
+    pub fn new(
+        plugin: Arc<str>,
+        memory: usize,
+        timeout: std::time::Duration,
+        route_names: Arc<[Arc<str>]>,
+    ) -> State {
         State {
             wasi: WasiCtx::builder()
                 .stdout(PluginOutput::stdout(plugin.clone()))
@@ -46,6 +55,7 @@ impl State {
                 max: memory,
                 hit: false,
             },
+            deadline: CpuDeadline::new(timeout),
             request: None,
             route_names,
             request_headers: http::HeaderMap::new(),
