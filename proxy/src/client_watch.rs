@@ -93,9 +93,11 @@ pub enum Cut {
 /// Runs `exchange` for at most `timeout`, and from [`WATCH_AFTER`] on
 /// watches `client`, dropping the exchange if the client goes away. One
 /// timer serves both (first set to the watch, then moved to the
-/// deadline), so a request pays no more than a plain timeout.
+/// deadline), so a request pays no more than a plain timeout. The
+/// exchange is borrowed pinned, not moved in: moving a future copies all
+/// of it.
 pub async fn exchange<F: Future>(
-    exchange: F,
+    mut exchange: Pin<&mut F>,
     timeout: Duration,
     client: Option<ClientSocket>,
 ) -> Result<F::Output, Cut> {
@@ -106,7 +108,6 @@ pub async fn exchange<F: Future>(
     };
     let mut sleep = std::pin::pin!(tokio::time::sleep(first));
     let deadline = sleep.deadline() - first + timeout;
-    let mut exchange = std::pin::pin!(exchange);
     let mut watch: Option<Watch> = None;
     std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = exchange.as_mut().poll(cx) {

@@ -290,7 +290,9 @@ impl UpstreamPool {
         // connection task, which reads the response while the body is
         // still going out.
         let in_task = version == Version::HTTP_11 && !upgrade && whole;
-        let attempt_all = async {
+        // Pinned where it is made: the exchange is the request's largest
+        // future, and passed by value it was copied twice per request.
+        let attempt_all = std::pin::pin!(async {
             let mut last = None;
             let first = self.pick(endpoints.len());
             for attempt in 0..attempts {
@@ -417,7 +419,7 @@ impl UpstreamPool {
                 }
             }
             Err(last.unwrap_or(ForwardError::Unreachable("no endpoint".into())))
-        };
+        });
         match client_watch::exchange(attempt_all, timeout, client).await {
             Ok(r) => r,
             Err(Cut::TimedOut) => Err(ForwardError::Timeout(timeout)),
