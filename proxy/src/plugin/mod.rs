@@ -382,13 +382,15 @@ impl Binding {
     ) -> Result<Decision, PluginError> {
         let mut inst = self.checkout()?;
         Self::arm(&mut inst.store);
+        // Swapped in and back: between calls the store holds empty values,
+        // and a swap neither makes nor drops one.
         let data = inst.store.data_mut();
-        data.request = req.take();
-        data.request_headers = std::mem::take(headers);
+        std::mem::swap(&mut data.request, req);
+        std::mem::swap(&mut data.request_headers, headers);
         let result = inst.policy.call_on_request(&mut inst.store, body);
         let data = inst.store.data_mut();
-        *headers = std::mem::take(&mut data.request_headers);
-        *req = data.request.take();
+        std::mem::swap(&mut data.request_headers, headers);
+        std::mem::swap(&mut data.request, req);
         match result {
             Ok(d) => {
                 self.checkin(inst);
@@ -410,14 +412,14 @@ impl Binding {
         let mut inst = self.checkout()?;
         Self::arm(&mut inst.store);
         let data = inst.store.data_mut();
-        data.request = req.take();
-        data.request_headers = std::mem::take(req_headers);
-        data.response_headers = std::mem::take(resp_headers);
+        std::mem::swap(&mut data.request, req);
+        std::mem::swap(&mut data.request_headers, req_headers);
+        std::mem::swap(&mut data.response_headers, resp_headers);
         let result = inst.policy.call_on_response(&mut inst.store, resp);
         let data = inst.store.data_mut();
-        *req_headers = std::mem::take(&mut data.request_headers);
-        *resp_headers = std::mem::take(&mut data.response_headers);
-        *req = data.request.take();
+        std::mem::swap(&mut data.request_headers, req_headers);
+        std::mem::swap(&mut data.response_headers, resp_headers);
+        std::mem::swap(&mut data.request, req);
         match result {
             Ok(edits) => {
                 self.checkin(inst);
