@@ -382,15 +382,17 @@ impl Binding {
     ) -> Result<Decision, PluginError> {
         let mut inst = self.checkout()?;
         Self::arm(&mut inst.store);
-        // Swapped in and back: between calls the store holds empty values,
-        // and a swap neither makes nor drops one.
+        // The header map is swapped in and back (between calls the store
+        // holds an empty one; a swap neither makes nor drops one). The
+        // facts are moved: a swap of their ~250 bytes went word by word
+        // in a loop, where a move is one copy and leaves a `None` to drop.
         let data = inst.store.data_mut();
-        std::mem::swap(&mut data.request, req);
+        data.request = req.take();
         std::mem::swap(&mut data.request_headers, headers);
         let result = inst.policy.call_on_request(&mut inst.store, body);
         let data = inst.store.data_mut();
         std::mem::swap(&mut data.request_headers, headers);
-        std::mem::swap(&mut data.request, req);
+        *req = data.request.take();
         match result {
             Ok(d) => {
                 self.checkin(inst);
@@ -412,14 +414,14 @@ impl Binding {
         let mut inst = self.checkout()?;
         Self::arm(&mut inst.store);
         let data = inst.store.data_mut();
-        std::mem::swap(&mut data.request, req);
+        data.request = req.take();
         std::mem::swap(&mut data.request_headers, req_headers);
         std::mem::swap(&mut data.response_headers, resp_headers);
         let result = inst.policy.call_on_response(&mut inst.store, resp);
         let data = inst.store.data_mut();
         std::mem::swap(&mut data.request_headers, req_headers);
         std::mem::swap(&mut data.response_headers, resp_headers);
-        std::mem::swap(&mut data.request, req);
+        *req = data.request.take();
         match result {
             Ok(edits) => {
                 self.checkin(inst);
