@@ -285,6 +285,8 @@ routes:
   # Trap and hog get a roomy deadline so that only their own failure
   # decides the answer even on a loaded machine; the loop keeps 10 ms.
   - {{ name: trap, match: {{ path: /trap }}, upstream: good, plugins: [{{ use: trap, timeout: 2s }}] }}
+  # Reads past the end of its memory: trapped by a guard page, not a check.
+  - {{ name: oob, match: {{ path: /oob }}, upstream: good, plugins: [{{ use: trap, timeout: 2s, config: {{ how: out-of-bounds }} }}] }}
   - {{ name: hog, match: {{ path: /hog }}, upstream: good, plugins: [{{ use: hog, memory: 8MiB, timeout: 2s }}] }}
   - {{ name: open, match: {{ path: /open }}, upstream: good, plugins: [{{ use: loop, fail: open }}] }}
   # Sleeps 5 s: a plugin may not block its worker, so the call traps at once.
@@ -327,6 +329,7 @@ routes:
         for (path, status, error) in [
             ("/loop", 503, "plugin timed out"),
             ("/trap", 500, "plugin failed"),
+            ("/oob", 500, "plugin failed"),
             ("/hog", 500, "plugin ran out of memory"),
             ("/sleep", 500, "plugin failed"),
         ] {
@@ -370,6 +373,7 @@ plugins: [{{ name: crashy, path: fixture-trap.wasm }}, {{ name: sleepy, path: fi
 routes:
   - {{ name: trap, match: {{ path: /trap }}, upstream: good, plugins: [{{ use: crashy, timeout: 2s }}] }}
   - {{ name: sleep, match: {{ path: /sleep }}, upstream: good, plugins: [{{ use: sleepy, timeout: 2s }}] }}
+  - {{ name: oob, match: {{ path: /oob }}, upstream: good, plugins: [{{ use: crashy, config: {{ how: out-of-bounds }} }}] }}
   - {{ name: good, match: {{ path: /good }}, upstream: good }}
 "#,
             good.url()
@@ -386,6 +390,19 @@ routes:
     // The failure itself names what the trap was, not only that one happened.
     let failed = proxy.wait_for_log("plugin failed; request refused").await;
     assert!(failed.contains("unreachable"), "{failed}");
+    // Unconfined, the pool reserves a full 32-bit range per memory and
+    // plugin code has no bounds checks: a read past the end is caught by
+    // the unmapped pages, and named as such.
+    let pooled = !proxy
+        .logs
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|l| l.contains("allocating plugin instances on demand"));
+    assert!(pooled, "the instance pool was not reserved");
+    assert_eq!(client::get(&proxy.url("/oob")).await.status, 500);
+    let oob = proxy.wait_for_log("out of bounds memory access").await;
+    assert!(oob.contains("crashy"), "{oob}");
     // A plugin that tries to wait (here: sleep) is stopped at once, and the
     // log says which call would have blocked.
     assert_eq!(client::get(&proxy.url("/sleep")).await.status, 500);
@@ -729,6 +746,24 @@ async fn plugins_run_where_the_instance_pool_cannot_be_reserved() {
     const ADDRESS_SPACE: u64 = 16 << 30;
     let api = upstream::echo("api").await;
     let dir = require_header_policies(&api);
+    // A read past the end of memory, where the code checks bounds.
+    std::fs::copy(
+        plugin_file("fixture-trap"),
+        dir.path().join("fixture-trap.wasm"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("oob.yaml"),
+        r#"
+plugins: [{ name: trap, path: fixture-trap.wasm }]
+routes:
+  - name: oob
+    match: { path: /oob }
+    upstream: api
+    plugins: [{ use: trap, config: { how: out-of-bounds } }]
+"#,
+    )
+    .unwrap();
     let args = [
         "serve".to_owned(),
         "--policies".to_owned(),
@@ -746,7 +781,13 @@ async fn plugins_run_where_the_instance_pool_cannot_be_reserved() {
     .await;
     assert_api_needs_the_key(&proxy.url("/api/x")).await;
     let warning = proxy.find_log("allocating plugin instances on demand");
-    assert!(warning.contains("mmap"), "{warning}");
+    assert!(
+        warning.contains("mmap") && warning.contains(r#""bounds_checked":true"#),
+        "{warning}"
+    );
+    let oob = client::get(&proxy.url("/oob")).await;
+    assert_eq!(oob.status, 500, "{:?}", String::from_utf8_lossy(&oob.body));
+    assert_api_needs_the_key(&proxy.url("/api/x")).await;
 }
 
 /// Threads spinning on one CPU until dropped: a neighbour that takes the

@@ -42,6 +42,15 @@ const TICK: Duration = Duration::from_millis(1);
 /// Instance slots in the pooling allocator (each plugin instance takes one
 /// while it exists, idle or busy).
 const POOL_SLOTS: u32 = 1000;
+/// Address space reserved for each plugin memory: all that a 32-bit
+/// memory can address, followed by wasmtime's default guard, so no load or
+/// store can reach past the reservation. Cranelift then compiles them with
+/// no bounds check (an access past the memory's end hits unmapped pages
+/// and traps through the signal handler): ~1,000 fewer instructions per
+/// request with jwt-auth's cache hit, whose token digest and compare are
+/// loads in a loop. Virtual only: 4 TiB for the pool.
+const RESERVATION: u64 = 4 << 30;
+const GUARD: u64 = 32 << 20;
 /// Idle instances kept per binding and thread shard. Calls are
 /// synchronous, so a thread uses one instance of a binding at a time.
 const MAX_IDLE: usize = 4;
@@ -150,6 +159,17 @@ pub fn forget_unused(config: &Config) {
     }
 }
 
+/// Whether this process's address space is capped (`ulimit -v`).
+fn address_space_limited() -> bool {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes the struct it is given.
+    let read = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) };
+    read != 0 || limit.rlim_cur != libc::RLIM_INFINITY
+}
+
 /// The process-wide host, made on first use (a proxy without plugins never
 /// reserves the pool's address space or starts the epoch ticker).
 pub fn host() -> Result<&'static PluginHost, String> {
@@ -186,24 +206,31 @@ impl PluginHost {
             .max_wasm_stack(512 << 10)
             .wasm_component_model(true)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
-            // Reserve per memory only what the largest cap allows rather
-            // than wasmtime's 4 GiB default, so the pool's address space
-            // stays modest; bounds checks make up for the smaller guard.
-            .memory_reservation(crate::config::MAX_PLUGIN_MEMORY as u64)
-            .memory_guard_size(64 << 10);
+            .memory_reservation(RESERVATION)
+            .memory_guard_size(GUARD);
         let engine = match Engine::new(&config) {
             Ok(engine) => engine,
             // The pool reserves its address space up front (POOL_SLOTS
-            // memories of the largest cap: 250 GiB, virtual). Where that
-            // is refused (an address-space rlimit, valgrind), plugins still
-            // run: instances are allocated on demand, which costs more to
-            // create but the same per call, as idle instances are reused.
+            // full reservations). Where that is refused (an address-space
+            // rlimit, valgrind), plugins still run: instances are allocated
+            // on demand, which costs more to create but the same per call,
+            // as idle instances are reused.
             Err(e) => {
+                config.allocation_strategy(InstanceAllocationStrategy::OnDemand);
+                // Under an rlimit, 4 GiB per instance would run out after
+                // a few instances: reserve only what the largest cap needs
+                // and let bounds checks stand in for the guard.
+                let limited = address_space_limited();
+                if limited {
+                    config
+                        .memory_reservation(crate::config::MAX_PLUGIN_MEMORY as u64)
+                        .memory_guard_size(64 << 10);
+                }
                 tracing::warn!(
                     error = format!("{e:#}"),
+                    bounds_checked = limited,
                     "cannot reserve the plugin instance pool; allocating plugin instances on demand"
                 );
-                config.allocation_strategy(InstanceAllocationStrategy::OnDemand);
                 Engine::new(&config)?
             }
         };
