@@ -687,6 +687,61 @@ routes:
 }
 
 #[tokio::test]
+async fn each_field_of_a_forward_decision_is_applied() {
+    // The host lifts a `forward` with nothing in it by a shortcut; each
+    // field set alone must still take effect (and nothing set must change
+    // nothing).
+    let main = upstream::echo("main").await;
+    let other = upstream::echo("other").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: main, endpoints: ["{}"] }}
+  - {{ name: other, endpoints: ["{}"] }}
+plugins: [{{ name: fwd, path: fixture-forward.wasm }}, {{ name: rules, path: header-rules.wasm }}]
+routes:
+  - {{ name: same, match: {{ path: /same }}, upstream: main, plugins: [{{ use: fwd }}] }}
+  - {{ name: path, match: {{ path: /path }}, upstream: main, plugins: [{{ use: fwd, config: {{ path: "/elsewhere?x=1" }} }}] }}
+  - {{ name: upstream, match: {{ path: /upstream }}, upstream: main, plugins: [{{ use: fwd, config: {{ upstream: other }} }}] }}
+  - {{ name: remove, match: {{ path: /remove }}, upstream: main, plugins: [{{ use: rules, config: {{ request: {{ remove: [x-drop] }} }} }}] }}
+  - {{ name: set, match: {{ path: /set }}, upstream: main, plugins: [{{ use: rules, config: {{ request: {{ set: {{ x-set: "1" }} }} }} }}] }}
+  - {{ name: add, match: {{ path: /add }}, upstream: main, plugins: [{{ use: rules, config: {{ request: {{ add: {{ x-add: "1" }} }} }} }}] }}
+"#,
+            main.url(),
+            other.url()
+        ),
+        &["fixture-forward", "header-rules"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let c = client::http1();
+    let seen = |path: &'static str| {
+        let req = Request::get(proxy.url(path))
+            .header("x-drop", "d")
+            .body(body(Bytes::new()))
+            .unwrap();
+        let c = c.clone();
+        async move {
+            let a = client::send(&c, req).await;
+            assert_eq!(a.status, 200, "{path}");
+            a.json()
+        }
+    };
+    let same = seen("/same").await;
+    assert_eq!(
+        (same["upstream"].as_str(), same["path"].as_str()),
+        (Some("main"), Some("/same"))
+    );
+    assert_eq!(same["headers"]["x-drop"], "d");
+    assert_eq!(seen("/path").await["path"], "/elsewhere?x=1");
+    assert_eq!(seen("/upstream").await["upstream"], "other");
+    assert!(seen("/remove").await["headers"].get("x-drop").is_none());
+    assert_eq!(seen("/set").await["headers"]["x-set"], "1");
+    assert_eq!(seen("/add").await["headers"]["x-add"], "1");
+}
+
+#[tokio::test]
 async fn ip_allow_trusts_only_the_configured_hops() {
     let app = upstream::echo("app").await;
     let dir = policy_dir(

@@ -15,6 +15,7 @@
 
 mod bindings;
 mod cpu_deadline;
+mod lift;
 mod state;
 mod stdio;
 mod wasi;
@@ -23,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::component::{Component, Func, HasSelf, Linker, TypedFunc};
 use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
 
 pub use bindings::{
@@ -31,6 +32,7 @@ pub use bindings::{
     RouteInfo,
 };
 use bindings::{Policy, PolicyPre};
+use lift::Lifted;
 use state::State;
 pub use state::counters;
 
@@ -283,7 +285,13 @@ impl PluginHost {
 struct Instance {
     store: Store<State>,
     policy: Policy,
+    /// The `on-request` export, type-checked at instantiation as
+    /// [`OnRequest`].
+    on_request: Func,
 }
+
+/// `on-request`, its result lifted through [`lift`]'s shortcut.
+type OnRequest<'a> = TypedFunc<(Option<&'a [u8]>,), (Lifted,)>;
 
 /// A plugin attached with one config: instantiates on demand, keeps idle
 /// instances, and applies the deadline and memory cap to every call.
@@ -363,13 +371,23 @@ impl Binding {
         store.limiter(|s| &mut s.limits);
         store.epoch_deadline_callback(|mut s| Ok(s.data_mut().deadline.on_tick()));
         Self::arm(&mut store);
-        let policy = self
+        let instance = self
             .pre
+            .instance_pre()
             .instantiate(&mut store)
             .map_err(|e| setup(format!("{e:#}")))?;
+        let policy = Policy::new(&mut store, &instance).map_err(|e| setup(format!("{e:#}")))?;
+        let on_request = *instance
+            .get_typed_func::<(Option<&[u8]>,), (Lifted,)>(&mut store, "on-request")
+            .map_err(|e| setup(format!("{e:#}")))?
+            .func();
         Self::arm(&mut store);
         match policy.call_configure(&mut store, &self.config_json) {
-            Ok(Ok(())) => Ok(Instance { store, policy }),
+            Ok(Ok(())) => Ok(Instance {
+                store,
+                policy,
+                on_request,
+            }),
             Ok(Err(message)) => Err(setup(format!("config refused: {message}"))),
             Err(e) => Err(self.classify(e, &store)),
         }
@@ -416,7 +434,12 @@ impl Binding {
         let data = inst.store.data_mut();
         data.request = req.take();
         std::mem::swap(&mut data.request_headers, headers);
-        let result = inst.policy.call_on_request(&mut inst.store, body);
+        // SAFETY: `on_request` was type-checked as `OnRequest` when the
+        // instance was made.
+        let on_request = unsafe { OnRequest::new_unchecked(inst.on_request) };
+        let result = on_request
+            .call(&mut inst.store, (body,))
+            .map(|(Lifted(decision),)| decision);
         let data = inst.store.data_mut();
         std::mem::swap(&mut data.request_headers, headers);
         *req = data.request.take();
