@@ -8,8 +8,7 @@ For each path the proxy (one worker) runs twice under cachegrind, serving
 WARM and then WARM + REQUESTS requests on one keep-alive connection; the
 difference over REQUESTS is the count per request, with start-up and
 warm-up cancelled out. That is done REPEAT times and the median kept: the
-count still varies between runs (mostly within 1%, the odd /plain run up
-to 6%), as the worker parks
+count still varies a little between runs (~0.5%), as the worker parks
 between requests or finds the next one already there, depending on how
 the client and the proxy happen to interleave. With TOP > 0, the
 functions that add most over the first path are listed for each other
@@ -79,7 +78,12 @@ def run(binary, policies, port, token, path, n, scratch):
         ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
          binary, "serve", "--workers", "1", "--policies", policies, "--admin", "off"],
         stdout=subprocess.DEVNULL, stderr=open(out + ".log", "w"),
-        env=dict(os.environ, RUST_LOG="error"),
+        # One compiler thread: the plugins compile at start-up, and how
+        # rayon spreads their functions over threads changes how much of
+        # regalloc2's reused buffers is cleared (memset), by up to ~45
+        # million instructions, ~22,000 per request of a run; serially
+        # the count is the same every run, and cancels out.
+        env=dict(os.environ, RUST_LOG="error", RAYON_NUM_THREADS="1"),
     )
     try:
         deadline = time.monotonic() + 300  # plugins compile slowly under valgrind
