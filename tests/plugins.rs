@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hyper::Request;
+use hyper::header::HeaderValue;
 
-use crate::support::client::{self, body};
+use crate::support::client::{self, Answer, body};
 use crate::support::process::{Confine, ProxyProcess};
 use crate::support::upstream::{self, Upstream};
 use crate::support::{Proxy, plugin_file, policy_dir};
@@ -739,6 +740,65 @@ routes:
     assert!(seen("/remove").await["headers"].get("x-drop").is_none());
     assert_eq!(seen("/set").await["headers"]["x-set"], "1");
     assert_eq!(seen("/add").await["headers"]["x-add"], "1");
+}
+
+#[tokio::test]
+async fn a_plugin_reads_every_byte_of_the_header_it_asks_for() {
+    // The header calls lift short ASCII names onto the stack and write the
+    // value straight into the plugin; long and non-ASCII names take
+    // wasmtime's own lift. The fixture echoes what it got, in hex.
+    let app = upstream::echo("app").await;
+    let long = format!("x-{}", "long".repeat(20));
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: echo, path: fixture-forward.wasm }}]
+routes:
+  - {{ name: token, match: {{ path: /token }}, upstream: app, plugins: [{{ use: echo, config: {{ echo: X-Token }} }}] }}
+  - {{ name: long, match: {{ path: /long }}, upstream: app, plugins: [{{ use: echo, config: {{ echo: "{long}" }} }}] }}
+  - {{ name: empty, match: {{ path: /empty }}, upstream: app, plugins: [{{ use: echo, config: {{ echo: x-empty }} }}] }}
+  - {{ name: missing, match: {{ path: /missing }}, upstream: app, plugins: [{{ use: echo, config: {{ echo: x-missing }} }}] }}
+  - {{ name: unicode, match: {{ path: /unicode }}, upstream: app, plugins: [{{ use: echo, config: {{ echo: "x-tökén" }} }}] }}
+  - {{ name: response, match: {{ path: /response }}, upstream: app, plugins: [{{ use: echo, config: {{ echo_response: Content-Type }} }}] }}
+"#,
+            app.url()
+        ),
+        &["fixture-forward"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let c = client::http1();
+    let send = |path: &'static str| {
+        let req = Request::get(proxy.url(path))
+            .header("x-token", HeaderValue::from_bytes(b"a\xffb c").unwrap())
+            .header("x-token", "second")
+            .header(long.as_str(), "far")
+            .header("x-empty", "")
+            .body(body(Bytes::new()))
+            .unwrap();
+        let c = c.clone();
+        async move {
+            let a = client::send(&c, req).await;
+            assert_eq!(a.status, 200, "{path}");
+            a
+        }
+    };
+    let echoed = |a: Answer| a.json()["headers"]["x-echo"].as_str().map(str::to_owned);
+    // The first value, every byte of it, whatever the name's case.
+    assert_eq!(echoed(send("/token").await).as_deref(), Some("61ff622063"));
+    assert_eq!(echoed(send("/long").await).as_deref(), Some("666172"));
+    assert_eq!(echoed(send("/empty").await).as_deref(), Some(""));
+    assert_eq!(echoed(send("/missing").await).as_deref(), Some("absent"));
+    assert_eq!(echoed(send("/unicode").await).as_deref(), Some("absent"));
+    let response = send("/response").await;
+    assert_eq!(
+        response.headers["x-echo"],
+        "application/json"
+            .bytes()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    );
 }
 
 #[tokio::test]

@@ -15,6 +15,7 @@
 
 mod bindings;
 mod cpu_deadline;
+mod header_call;
 mod lift;
 mod state;
 mod stdio;
@@ -239,6 +240,7 @@ impl PluginHost {
         let mut linker = Linker::new(&engine);
         wasi::add_to_linker(&mut linker)?;
         Policy::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?;
+        header_call::add_to_linker(&mut linker)?;
         let ticker = engine.weak();
         std::thread::Builder::new()
             .name("portcullis-wasm-epoch".into())

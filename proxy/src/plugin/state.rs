@@ -149,6 +149,8 @@ impl host::Host for State {
         }
     }
 
+    // The linker serves these two through `header_call`'s shortcuts; these
+    // are the bindings' plain versions, which the trait requires.
     fn request_header(&mut self, name: String) -> Option<Vec<u8>> {
         first(&self.request_headers, &name)
     }
