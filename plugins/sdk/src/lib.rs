@@ -25,6 +25,18 @@
 //! file is the component a policy names. This example is built and tested
 //! as `plugins/examples/require-header`.
 
+pub mod recycling;
+
+// The plugin's allocator: see `recycling`. Off with
+// `default-features = false` (for a plugin that brings its own).
+#[cfg(all(
+    feature = "recycling-alloc",
+    target_family = "wasm",
+    not(target_feature = "atomics")
+))]
+#[global_allocator]
+static ALLOCATOR: recycling::Recycling = recycling::Recycling::new();
+
 /// The generated bindings. In a module of their own: generated at the crate
 /// root, the exported macro and its re-export collide.
 #[doc(hidden)]
