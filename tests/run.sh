@@ -46,6 +46,7 @@ cargo clippy --locked --all-targets -- -D warnings
 cargo clippy --locked --manifest-path plugins/Cargo.toml --target wasm32-wasip2 -- -D warnings
 echo "== test"
 cargo test --locked --workspace
-# The plugins' own unit tests run natively (their logic, not the bindings).
+# The SDK's and the plugins' own unit tests run natively (their logic and
+# the allocator's, not the bindings).
 cargo test --locked --manifest-path plugins/Cargo.toml --lib \
-  -p webhook-signature -p jwt-auth -p ip-allow -p canary-route
+  -p portcullis-sdk -p webhook-signature -p jwt-auth -p ip-allow -p canary-route
