@@ -72,10 +72,11 @@ def counts(out):
     return by_fn
 
 
-def run(binary, policies, port, token, path, n, scratch):
-    out = os.path.join(scratch, f"cg.{path.strip('/')}.{n}")
+def serve_under_valgrind(tool, binary, policies, port, token, path, n, out):
+    """Runs the proxy (one worker) under valgrind with the `tool` options,
+    its output in `out`, for n requests to path, then stops it."""
     proxy = subprocess.Popen(
-        ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
+        ["valgrind", *tool,
          binary, "serve", "--workers", "1", "--policies", policies, "--admin", "off"],
         stdout=subprocess.DEVNULL, stderr=open(out + ".log", "w"),
         # One compiler thread: the plugins compile at start-up, and how
@@ -100,6 +101,12 @@ def run(binary, policies, port, token, path, n, scratch):
         # Also on failure: a proxy left running would hold the port.
         proxy.send_signal(signal.SIGTERM)
         proxy.wait(timeout=120)
+
+
+def run(binary, policies, port, token, path, n, scratch):
+    out = os.path.join(scratch, f"cg.{path.strip('/')}.{n}")
+    tool = ["--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}"]
+    serve_under_valgrind(tool, binary, policies, port, token, path, n, out)
     return counts(out)
 
 

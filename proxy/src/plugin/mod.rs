@@ -184,6 +184,13 @@ pub fn host() -> Result<&'static PluginHost, String> {
 }
 
 impl PluginHost {
+    /// `wasm` (a component) compiled as this host compiles it, serialized
+    /// with its symbol table: the machine code the proxy runs, with names,
+    /// for mapping a profile of plugin code (bench/guest-profile.sh).
+    pub fn precompile(&self, wasm: &[u8]) -> wasmtime::Result<Vec<u8>> {
+        self.engine.precompile_component(wasm)
+    }
+
     fn new() -> wasmtime::Result<PluginHost> {
         let mut pool = PoolingAllocationConfig::default();
         pool.total_component_instances(POOL_SLOTS)
