@@ -19,7 +19,7 @@ use wasmtime::component::__internal::wasmtime_environ::component::StringEncoding
 use wasmtime::component::__internal::{
     CanonicalAbiInfo, InstanceType, InterfaceType, LiftContext, LowerContext,
 };
-use wasmtime::component::{ComponentType, Lift, Linker, Lower};
+use wasmtime::component::{ComponentType, Lift, Linker, LinkerInstance, Lower};
 
 use super::state::State;
 
@@ -34,24 +34,23 @@ const INLINE: usize = 64;
 pub fn add_to_linker(linker: &mut Linker<State>) -> wasmtime::Result<()> {
     linker.allow_shadowing(true);
     let mut host = linker.instance(HOST)?;
-    host.func_wrap(
-        "request-header",
-        |store: wasmtime::StoreContextMut<'_, State>, (name,): (Name,)| {
-            Ok((Value(
-                store.data().request_headers.get(name.as_str()).cloned(),
-            ),))
-        },
-    )?;
-    host.func_wrap(
-        "response-header",
-        |store: wasmtime::StoreContextMut<'_, State>, (name,): (Name,)| {
-            Ok((Value(
-                store.data().response_headers.get(name.as_str()).cloned(),
-            ),))
-        },
-    )?;
+    define(&mut host, "request-header", |s| &s.request_headers)?;
+    define(&mut host, "response-header", |s| &s.response_headers)?;
     linker.allow_shadowing(false);
     Ok(())
+}
+
+/// Defines `call`: the first value of a header in the map `headers` picks.
+fn define<F>(host: &mut LinkerInstance<'_, State>, call: &str, headers: F) -> wasmtime::Result<()>
+where
+    F: Fn(&State) -> &http::HeaderMap + Send + Sync + 'static,
+{
+    host.func_wrap(
+        call,
+        move |store: wasmtime::StoreContextMut<'_, State>, (name,): (Name,)| {
+            Ok((Value(headers(store.data()).get(name.as_str()).cloned()),))
+        },
+    )
 }
 
 /// A header name a plugin asks for (a `string`).
