@@ -221,6 +221,63 @@ mod tests {
     }
 
     #[test]
+    fn random_allocations_never_overlap_or_lose_bytes() {
+        // Live blocks, each filled with its own byte; after every step all
+        // of them must still hold it (an overlap or a bad copy would not).
+        let a = Recycling::new();
+        let mut live: Vec<(*mut u8, Layout, u8)> = Vec::new();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        let sizes = [
+            0, 1, 7, 15, 16, 17, 31, 33, 100, 255, 512, 1000, 1024, 1025, 4096,
+        ];
+        unsafe {
+            for step in 0..5_000u32 {
+                let fill = step as u8;
+                match next(3) {
+                    0 if !live.is_empty() => {
+                        let (p, l, _) = live.swap_remove(next(live.len()));
+                        a.dealloc(p, l);
+                    }
+                    1 if !live.is_empty() => {
+                        let i = next(live.len());
+                        let (p, l, old) = live[i];
+                        let size = sizes[next(sizes.len())];
+                        let q = a.realloc(p, l, size);
+                        let kept = l.size().min(size);
+                        assert!(
+                            std::slice::from_raw_parts(q, kept)
+                                .iter()
+                                .all(|b| *b == old)
+                        );
+                        q.write_bytes(fill, size);
+                        live[i] = (q, layout(size, l.align()), fill);
+                    }
+                    _ => {
+                        let l = layout(sizes[next(sizes.len())], [1, 4, 8, 16][next(4)]);
+                        let p = a.alloc(l);
+                        assert!(!p.is_null() && (p as usize).is_multiple_of(l.align()));
+                        p.write_bytes(fill, l.size());
+                        live.push((p, l, fill));
+                    }
+                }
+                for (p, l, b) in &live {
+                    let bytes = std::slice::from_raw_parts(*p, l.size());
+                    assert!(bytes.iter().all(|x| x == b), "step {step}");
+                }
+            }
+            for (p, l, _) in live {
+                a.dealloc(p, l);
+            }
+        }
+    }
+
+    #[test]
     fn many_blocks_are_distinct_and_come_back() {
         let a = Recycling::new();
         unsafe {
