@@ -159,3 +159,99 @@ async fn malformed_http_gets_400_and_the_proxy_keeps_serving() {
     assert!(text.starts_with("HTTP/1.1 400"), "got {text:?}");
     assert_eq!(client::get(&proxy.url("/healthz")).await.status, 200);
 }
+
+/// Writes `raw` on a new connection and reads the answer until the proxy
+/// closes it (the requests say `Connection: close`).
+async fn exchange(proxy: &Proxy, raw: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    conn.write_all(raw).await.unwrap();
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut buf))
+        .await
+        .expect("the proxy did not close the connection")
+        .unwrap();
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// The status code and JSON body of a raw HTTP/1.1 answer.
+fn status_and_json(answer: &str) -> (u16, serde_json::Value) {
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {answer:?}"));
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, serde_json::from_str(body).unwrap_or_default())
+}
+
+/// A proxy that sends every path to `upstream`.
+async fn proxy_to(upstream: &upstream::Upstream) -> Proxy {
+    Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: svc, endpoints: ["{}"] }}]
+routes: [{{ name: any, match: {{ path_prefix: / }}, upstream: svc }}]
+"#,
+        upstream.url()
+    ))
+    .await
+}
+
+#[tokio::test]
+async fn an_http11_request_needs_exactly_one_host_header() {
+    let (echo, hits) = upstream::counted_echo("svc").await;
+    let proxy = proxy_to(&echo).await;
+    for (raw, error) in [
+        (
+            &b"GET /a HTTP/1.1\r\nConnection: close\r\n\r\n"[..],
+            "missing host header",
+        ),
+        (
+            b"GET http://a.example/a HTTP/1.1\r\nConnection: close\r\n\r\n",
+            "missing host header",
+        ),
+        (
+            b"GET /a HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\nConnection: close\r\n\r\n",
+            "more than one host header",
+        ),
+        (
+            b"GET /a HTTP/1.1\r\nHost: a\xffb\r\nConnection: close\r\n\r\n",
+            "invalid host header",
+        ),
+    ] {
+        let (status, json) = status_and_json(&exchange(&proxy, raw).await);
+        assert_eq!((status, json["error"].as_str()), (400, Some(error)));
+    }
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // HTTP/1.0 may leave Host out; one Host is the usual case.
+    for raw in [
+        &b"GET /a HTTP/1.0\r\n\r\n"[..],
+        b"GET /a HTTP/1.1\r\nHost: a.example\r\nConnection: close\r\n\r\n",
+    ] {
+        let (status, json) = status_and_json(&exchange(&proxy, raw).await);
+        assert_eq!((status, json["path"].as_str()), (200, Some("/a")));
+    }
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_transfer_coding_other_than_chunked_is_501_and_never_forwarded() {
+    let (echo, hits) = upstream::counted_echo("svc").await;
+    let proxy = proxy_to(&echo).await;
+    // hyper reads this body by its final chunked coding; forwarded, it
+    // would reach the upstream with the gzip coding dropped.
+    let gzipped = b"POST /a HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\
+        Connection: close\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+    let (status, json) = status_and_json(&exchange(&proxy, gzipped).await);
+    assert_eq!(status, 501);
+    assert_eq!(json["error"], "unsupported transfer-encoding");
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // Chunked alone (any case) is streamed through.
+    let chunked = b"POST /a HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: Chunked\r\n\
+        Connection: close\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
+    let (status, json) = status_and_json(&exchange(&proxy, chunked).await);
+    assert_eq!(status, 200);
+    assert_eq!(json["body_len"], 5);
+    assert_eq!(json["body_fnv"], upstream::fnv(b"abcde"));
+}

@@ -2,7 +2,7 @@
 //! plugins/dist, against real upstreams.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -13,45 +13,6 @@ use crate::support::client::{self, Answer, body};
 use crate::support::process::{Confine, ProxyProcess};
 use crate::support::upstream::{self, Upstream};
 use crate::support::{Proxy, plugin_file, policy_dir};
-
-/// An echo upstream that counts the requests reaching it.
-async fn counted_echo() -> (Upstream, Arc<AtomicUsize>) {
-    let hits = Arc::new(AtomicUsize::new(0));
-    let echo = upstream::echo("counted").await;
-    let counter = hits.clone();
-    let target = echo.url();
-    // The front owns the echo server: both stop when the front is dropped.
-    let echo = Arc::new(echo);
-    let front = upstream::serve(move |req: Request<hyper::body::Incoming>| {
-        let _owned = &echo;
-        counter.fetch_add(1, Ordering::SeqCst);
-        let target = target.clone();
-        async move {
-            // Relay to the echo server so the test sees what arrived.
-            let (parts, incoming) = req.into_parts();
-            let uri = format!(
-                "{target}{}",
-                parts.uri.path_and_query().map_or("/", |p| p.as_str())
-            );
-            let mut out = Request::builder().method(parts.method).uri(uri);
-            for (k, v) in &parts.headers {
-                if k != "host" {
-                    out = out.header(k, v);
-                }
-            }
-            let collected = http_body_util::BodyExt::collect(incoming)
-                .await
-                .map(|c| c.to_bytes())
-                .unwrap_or_default();
-            let a = client::send(&client::http1(), out.body(body(collected)).unwrap()).await;
-            let mut resp = hyper::Response::new(upstream::full(a.body));
-            *resp.status_mut() = a.status;
-            resp
-        }
-    })
-    .await;
-    (front, hits)
-}
 
 fn hmac_sha256_hex(secret: &[u8], body: &[u8]) -> String {
     use hmac::{Hmac, Mac};
@@ -75,7 +36,7 @@ fn default_policies_with_plugin() -> tempfile::TempDir {
 
 #[tokio::test]
 async fn github_webhooks_are_verified_and_forwarded_byte_for_byte() {
-    let (events, hits) = counted_echo().await;
+    let (events, hits) = upstream::counted_echo("counted").await;
     let secret = "It's a Secret to Everybody";
     let proxy = Proxy::start_dir(
         default_policies_with_plugin(),
@@ -126,7 +87,7 @@ async fn github_webhooks_are_verified_and_forwarded_byte_for_byte() {
 
 #[tokio::test]
 async fn without_a_webhook_secret_unsigned_webhooks_pass_as_before() {
-    let (events, hits) = counted_echo().await;
+    let (events, hits) = upstream::counted_echo("counted").await;
     let proxy = Proxy::start_dir(
         default_policies_with_plugin(),
         &[
@@ -144,7 +105,7 @@ async fn without_a_webhook_secret_unsigned_webhooks_pass_as_before() {
 
 #[tokio::test]
 async fn gitlab_tokens_and_oversized_bodies() {
-    let (events, hits) = counted_echo().await;
+    let (events, hits) = upstream::counted_echo("counted").await;
     let dir = policy_dir(
         &format!(
             r#"
@@ -188,7 +149,7 @@ routes:
 
 #[tokio::test]
 async fn header_rules_edit_responses_and_answer_cors_preflights() {
-    let (app, hits) = counted_echo().await;
+    let (app, hits) = upstream::counted_echo("counted").await;
     let dir = policy_dir(
         &format!(
             r#"
@@ -530,7 +491,7 @@ async fn jwt_auth_checks_signature_expiry_and_audience() {
     let jwks = serde_json::json!({ "keys": [
         { "kty": "EC", "kid": "k1", "crv": "P-256", "x": b64.encode(point.x().unwrap()), "y": b64.encode(point.y().unwrap()) }
     ]});
-    let (api, hits) = counted_echo().await;
+    let (api, hits) = upstream::counted_echo("counted").await;
     let dir = policy_dir(
         &format!(
             r#"

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod pipeline;
 pub mod plugin;
 pub mod reload;
+pub mod request_head;
 pub mod router;
 pub mod server;
 pub mod shard;

@@ -22,7 +22,7 @@ use crate::client_watch::ClientSocket;
 use crate::config::{Action, Config, Cors, Listener, PathRewrite, Probe, Route};
 use crate::forward::{self, ForwardError, Outgoing, UpstreamPool};
 use crate::telemetry::AccessLog;
-use crate::{chain, metrics, plugin};
+use crate::{chain, metrics, plugin, request_head};
 
 /// An extra condition for readiness (the tunnel client's: a tunnel that
 /// answers pings).
@@ -155,6 +155,11 @@ pub fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<B
     resp
 }
 
+/// The answer to a request whose framing RFC 9112 says to refuse.
+fn refused_response(refused: &request_head::Refused) -> Response<Body> {
+    error_response(refused.status(), refused.message(), None, None)
+}
+
 fn add_cors(headers: &mut http::HeaderMap, cors: &Cors, origin: &HeaderValue) {
     let listed = origin
         .to_str()
@@ -176,78 +181,6 @@ fn add_cors(headers: &mut http::HeaderMap, cors: &Cors, origin: &HeaderValue) {
         );
     }
     headers.append(header::VARY, HeaderValue::from_static("Origin"));
-}
-
-/// Size of a request head as it was on the wire, near enough for a limit.
-fn head_size(req: &http::request::Parts) -> usize {
-    let line =
-        req.method.as_str().len() + req.uri.path_and_query().map_or(1, |p| p.as_str().len()) + 12;
-    req.headers
-        .iter()
-        .fold(line, |n, (k, v)| n + k.as_str().len() + v.len() + 4)
-}
-
-/// The request's host, lower case, without port.
-fn request_host(req: &http::request::Parts) -> Option<Cow<'_, str>> {
-    let raw = match req.uri.authority() {
-        Some(a) => a.host(),
-        None => {
-            let h = req.headers.get(header::HOST)?.to_str().ok()?;
-            // Strip a port, minding IPv6 literals like [::1]:8080.
-            match h.rfind(':') {
-                Some(i) if !h[i..].contains(']') => &h[..i],
-                _ => h,
-            }
-        }
-    };
-    Some(if raw.bytes().any(|b| b.is_ascii_uppercase()) {
-        Cow::Owned(raw.to_ascii_lowercase())
-    } else {
-        Cow::Borrowed(raw)
-    })
-}
-
-/// Removes `.` and `..` segments (RFC 3986 §5.2.4) so `/a/../b` cannot reach
-/// a route the plain path would not, and returns `None` for a path that
-/// climbs above the root.
-fn normalize_path(path: &str) -> Option<Cow<'_, str>> {
-    // A dot-segment needs a `.` or a `%`; most paths have neither, and one
-    // pass over the bytes is cheaper than splitting them into segments.
-    if !path.bytes().any(|b| b == b'.' || b == b'%') {
-        return Some(Cow::Borrowed(path));
-    }
-    let dotted = path.split('/').any(|s| {
-        s == "."
-            || s == ".."
-            || s.eq_ignore_ascii_case("%2e")
-            || s.eq_ignore_ascii_case("%2e%2e")
-            || s.eq_ignore_ascii_case(".%2e")
-            || s.eq_ignore_ascii_case("%2e.")
-    });
-    if !dotted {
-        return Some(Cow::Borrowed(path));
-    }
-    let mut out: Vec<&str> = Vec::new();
-    let segments: Vec<&str> = path.split('/').skip(1).collect();
-    let last = segments.len().saturating_sub(1);
-    for (i, seg) in segments.iter().enumerate() {
-        let lower = seg.to_ascii_lowercase();
-        match lower.as_str() {
-            "." | "%2e" => {
-                if i == last {
-                    out.push("");
-                }
-            }
-            ".." | "%2e%2e" | ".%2e" | "%2e." => {
-                out.pop()?;
-                if i == last {
-                    out.push("");
-                }
-            }
-            _ => out.push(seg),
-        }
-    }
-    Some(Cow::Owned(format!("/{}", out.join("/"))))
 }
 
 /// The client socket to watch for a request of `version` on `conn`: HTTP/1
@@ -375,7 +308,7 @@ impl Pipeline {
     ) -> (Response<Body>, forward::Held) {
         let (mut parts, body) = req.into_parts();
         let origin = parts.headers.get(header::ORIGIN).cloned();
-        if head_size(&parts) > conn.listener.max_request_header_size {
+        if request_head::head_size(&parts) > conn.listener.max_request_header_size {
             return (
                 error_response(
                     StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -386,13 +319,22 @@ impl Pipeline {
                 forward::Held::default(),
             );
         }
-        let Some(path) = normalize_path(parts.uri.path()) else {
+        let host = match request_head::request_host(parts.version, &parts.uri, &parts.headers) {
+            Ok(host) => host,
+            Err(refused) => return (refused_response(&refused), forward::Held::default()),
+        };
+        if request_head::unsupported_coding(&parts.headers, &body) {
+            return (
+                refused_response(&request_head::Refused::Coding),
+                forward::Held::default(),
+            );
+        }
+        let Some(path) = request_head::normalize_path(parts.uri.path()) else {
             return (
                 error_response(StatusCode::BAD_REQUEST, "invalid path", None, None),
                 forward::Held::default(),
             );
         };
-        let host = request_host(&parts);
         let config = &*self.config;
         let Some(found) = config.router.lookup(
             host.as_deref().unwrap_or(""),
@@ -673,19 +615,5 @@ mod tests {
         let gone = Arc::downgrade(&after);
         drop(after);
         assert!(gone.upgrade().is_none());
-    }
-
-    #[test]
-    fn dot_segments_are_resolved() {
-        assert_eq!(normalize_path("/a/b").unwrap(), "/a/b");
-        assert_eq!(normalize_path("/a/b.js").unwrap(), "/a/b.js");
-        assert_eq!(normalize_path("/a/%2e/b").unwrap(), "/a/b");
-        assert_eq!(normalize_path("/a/../b").unwrap(), "/b");
-        assert_eq!(normalize_path("/a/./b/.").unwrap(), "/a/b/");
-        assert_eq!(
-            normalize_path("/webhooks/%2E%2E/app-proxy").unwrap(),
-            "/app-proxy"
-        );
-        assert!(normalize_path("/../etc").is_none());
     }
 }

@@ -86,6 +86,9 @@ impl AccessLog {
 impl Drop for AccessLog {
     fn drop(&mut self) {
         let path = self.path.as_ref().map_or("/", |p| p.as_str());
+        // Whole microseconds over 1000, which prints as at most three
+        // decimals; `as_secs_f64() * 1000.0` printed 0.19051300000000002.
+        let duration_ms = self.start.elapsed().as_micros() as f64 / 1000.0;
         tracing::info!(
             target: ACCESS_TARGET,
             method = %self.method,
@@ -93,7 +96,7 @@ impl Drop for AccessLog {
             status = self.status,
             route = self.route.as_deref().unwrap_or("-"),
             upstream = self.upstream.as_deref().unwrap_or("-"),
-            duration_ms = self.start.elapsed().as_secs_f64() * 1000.0,
+            duration_ms,
             bytes = self.bytes_sent,
             client = %self.client,
             worker = self.worker,

@@ -4,6 +4,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
@@ -115,6 +116,19 @@ where
 /// the body, plus `name` so tests can tell upstreams apart.
 pub async fn echo(name: &'static str) -> Upstream {
     serve(echo_handler(name)).await
+}
+
+/// [`echo`], also counting the requests that reach it.
+pub async fn counted_echo(name: &'static str) -> (Upstream, Arc<AtomicUsize>) {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = hits.clone();
+    let handler = echo_handler(name);
+    let echo = serve(move |req| {
+        counter.fetch_add(1, Ordering::SeqCst);
+        handler(req)
+    })
+    .await;
+    (echo, hits)
 }
 
 /// [`echo`] over TLS.

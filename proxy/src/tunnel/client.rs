@@ -398,6 +398,14 @@ async fn handle(
     let (mut parts, body) = req.into_parts();
     parts.method = http::Method::GET;
     parts.version = http::Version::HTTP_11;
+    // An HTTP/1.1 request names its host in `Host`; the stream named it
+    // in `:authority`.
+    if let Some(authority) = parts.uri.authority()
+        && !parts.headers.contains_key(http::header::HOST)
+        && let Ok(host) = http::HeaderValue::from_str(authority.as_str())
+    {
+        parts.headers.insert(http::header::HOST, host);
+    }
     match http::HeaderValue::from_str(protocol.as_str()) {
         Ok(v) => parts.headers.insert(http::header::UPGRADE, v),
         Err(_) => parts.headers.insert(

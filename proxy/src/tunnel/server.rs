@@ -3,6 +3,7 @@
 //! authenticates them, and forwards each public request for
 //! `<runtime-id>.<domain>` through that runtime's tunnel.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -31,6 +32,7 @@ use crate::body::{Body, ResponseBody};
 use crate::forward::Held;
 use crate::head_deadline::{self, Ended, HeadClock, Watched};
 use crate::metrics::RouteStats;
+use crate::request_head;
 use crate::telemetry::AccessLog;
 
 /// How the tunnel server runs.
@@ -713,19 +715,13 @@ async fn accept_public(
     connections.shutdown().await;
 }
 
-/// The public request's host, lower case, without port.
+/// The public request's host, lower case, without port (`None` for a
+/// request whose host is missing or ambiguous: [`request_head::request_host`]).
 fn host_of(req: &Request<Incoming>) -> Option<String> {
-    let raw = match req.uri().authority() {
-        Some(a) => a.host().to_owned(),
-        None => {
-            let h = req.headers().get(header::HOST)?.to_str().ok()?;
-            match h.rfind(':') {
-                Some(i) if !h[i..].contains(']') => h[..i].to_owned(),
-                _ => h.to_owned(),
-            }
-        }
-    };
-    Some(raw.to_ascii_lowercase())
+    request_head::request_host(req.version(), req.uri(), req.headers())
+        .ok()
+        .flatten()
+        .map(Cow::into_owned)
 }
 
 fn error(status: StatusCode, message: &str, runtime: Option<&str>) -> Response<Body> {
@@ -747,9 +743,15 @@ async fn forward(
     shared: &Shared,
     stats: &mut &'static RouteStats,
 ) -> Response<Body> {
-    let Some(host) = host_of(&req) else {
-        return error(StatusCode::BAD_REQUEST, "request has no host", None);
+    let host = match request_head::request_host(req.version(), req.uri(), req.headers()) {
+        Ok(Some(host)) => host.into_owned(),
+        Ok(None) => return error(StatusCode::BAD_REQUEST, "request has no host", None),
+        Err(refused) => return error(refused.status(), refused.message(), None),
     };
+    if request_head::unsupported_coding(req.headers(), req.body()) {
+        let refused = request_head::Refused::Coding;
+        return error(refused.status(), refused.message(), None);
+    }
     let Some(runtime) = host.strip_suffix(&shared.suffix) else {
         return error(
             StatusCode::NOT_FOUND,

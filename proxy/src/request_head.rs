@@ -1,0 +1,255 @@
+//! Checks on a request head before it is routed: its size, its host,
+//! its body's framing, and its path's dot-segments.
+
+use std::borrow::Cow;
+
+use http::{HeaderMap, StatusCode, Uri, Version, header};
+use hyper::body::{Body as _, Incoming};
+
+/// Size of a request head as it was on the wire, near enough for a limit.
+pub fn head_size(req: &http::request::Parts) -> usize {
+    let line =
+        req.method.as_str().len() + req.uri.path_and_query().map_or(1, |p| p.as_str().len()) + 12;
+    req.headers
+        .iter()
+        .fold(line, |n, (k, v)| n + k.as_str().len() + v.len() + 4)
+}
+
+/// What RFC 9112 says a server must refuse in a request's framing.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// An HTTP/1.1 request without `Host`, with two, or with a value that
+    /// is not text (§3.2: 400).
+    Host(&'static str),
+    /// A `Transfer-Encoding` other than `chunked` alone.
+    Coding,
+}
+
+impl Refused {
+    /// The answer's status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Refused::Host(_) => StatusCode::BAD_REQUEST,
+            Refused::Coding => StatusCode::NOT_IMPLEMENTED,
+        }
+    }
+
+    /// The answer's `error` text.
+    pub fn message(&self) -> &'static str {
+        match self {
+            Refused::Host(why) => why,
+            Refused::Coding => "unsupported transfer-encoding",
+        }
+    }
+}
+
+/// The request's host, lower case, without port: the URI's authority
+/// (HTTP/2, or an absolute-form target), else the `Host` header.
+///
+/// An HTTP/1.x request must carry one `Host` (none is allowed in 1.0):
+/// routing on the first of two, or on none, is how host-based routes and
+/// an upstream's idea of the host come apart. The header is read once
+/// either way, so the check costs no extra lookup.
+pub fn request_host<'a>(
+    version: Version,
+    uri: &'a Uri,
+    headers: &'a HeaderMap,
+) -> Result<Option<Cow<'a, str>>, Refused> {
+    let first = if version < Version::HTTP_2 {
+        let mut hosts = headers.get_all(header::HOST).iter();
+        let first = hosts.next();
+        if hosts.next().is_some() {
+            return Err(Refused::Host("more than one host header"));
+        }
+        if first.is_none() && version == Version::HTTP_11 {
+            return Err(Refused::Host("missing host header"));
+        }
+        first
+    } else if uri.authority().is_none() {
+        // HTTP/2 names the host in `:authority`; `Host` only stands in.
+        headers.get(header::HOST)
+    } else {
+        None
+    };
+    let raw = match (uri.authority(), first) {
+        (Some(a), _) => a.host(),
+        (None, None) => return Ok(None),
+        (None, Some(h)) => {
+            let h = h
+                .to_str()
+                .map_err(|_| Refused::Host("invalid host header"))?;
+            // Strip a port, minding IPv6 literals like [::1]:8080.
+            match h.rfind(':') {
+                Some(i) if !h[i..].contains(']') => &h[..i],
+                _ => h,
+            }
+        }
+    };
+    Ok(Some(if raw.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(raw.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(raw)
+    }))
+}
+
+/// Whether a request body's transfer coding is one the proxy cannot pass
+/// on: hyper reads a body by its final `chunked` coding, and the body
+/// would reach the upstream with the codings before it (`gzip, chunked`)
+/// dropped. nginx answers these 501 as well. Only a body of unknown length
+/// can carry a coding, so a request with none or a `Content-Length` pays
+/// for no header lookup.
+pub fn unsupported_coding(headers: &HeaderMap, body: &Incoming) -> bool {
+    body.size_hint().exact().is_none()
+        && headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .any(|v| !v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"chunked"))
+}
+
+/// Removes `.` and `..` segments (RFC 3986 §5.2.4) so `/a/../b` cannot reach
+/// a route the plain path would not, and returns `None` for a path that
+/// climbs above the root.
+pub fn normalize_path(path: &str) -> Option<Cow<'_, str>> {
+    // A dot-segment needs a `.` or a `%`; most paths have neither, and one
+    // pass over the bytes is cheaper than splitting them into segments.
+    if !path.bytes().any(|b| b == b'.' || b == b'%') {
+        return Some(Cow::Borrowed(path));
+    }
+    let dotted = path.split('/').any(|s| {
+        s == "."
+            || s == ".."
+            || s.eq_ignore_ascii_case("%2e")
+            || s.eq_ignore_ascii_case("%2e%2e")
+            || s.eq_ignore_ascii_case(".%2e")
+            || s.eq_ignore_ascii_case("%2e.")
+    });
+    if !dotted {
+        return Some(Cow::Borrowed(path));
+    }
+    let mut out: Vec<&str> = Vec::new();
+    let segments: Vec<&str> = path.split('/').skip(1).collect();
+    let last = segments.len().saturating_sub(1);
+    for (i, seg) in segments.iter().enumerate() {
+        let lower = seg.to_ascii_lowercase();
+        match lower.as_str() {
+            "." | "%2e" => {
+                if i == last {
+                    out.push("");
+                }
+            }
+            ".." | "%2e%2e" | ".%2e" | "%2e." => {
+                out.pop()?;
+                if i == last {
+                    out.push("");
+                }
+            }
+            _ => out.push(seg),
+        }
+    }
+    Some(Cow::Owned(format!("/{}", out.join("/"))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(raw: &[(&str, &str)], version: Version, uri: &str) -> http::request::Parts {
+        let mut b = http::Request::get(uri).version(version);
+        for (k, v) in raw {
+            b = b.header(*k, *v);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn dot_segments_are_resolved() {
+        assert_eq!(normalize_path("/a/b").unwrap(), "/a/b");
+        assert_eq!(normalize_path("/a/b.js").unwrap(), "/a/b.js");
+        assert_eq!(normalize_path("/a/%2e/b").unwrap(), "/a/b");
+        assert_eq!(normalize_path("/a/../b").unwrap(), "/b");
+        assert_eq!(normalize_path("/a/./b/.").unwrap(), "/a/b/");
+        assert_eq!(
+            normalize_path("/webhooks/%2E%2E/app-proxy").unwrap(),
+            "/app-proxy"
+        );
+        assert!(normalize_path("/../etc").is_none());
+    }
+
+    #[test]
+    fn an_http11_request_needs_exactly_one_host() {
+        let host = |h: &[(&str, &str)], v, uri| {
+            let p = parts(h, v, uri);
+            request_host(p.version, &p.uri, &p.headers).map(|h| h.map(String::from))
+        };
+        assert_eq!(
+            host(&[("host", "A.example:8080")], Version::HTTP_11, "/"),
+            Ok(Some("a.example".into()))
+        );
+        assert_eq!(
+            host(&[("host", "[::1]:8080")], Version::HTTP_11, "/"),
+            Ok(Some("[::1]".into()))
+        );
+        assert_eq!(
+            host(&[], Version::HTTP_11, "/"),
+            Err(Refused::Host("missing host header"))
+        );
+        // Even with the host in an absolute-form target (RFC 9112 §3.2).
+        assert_eq!(
+            host(&[], Version::HTTP_11, "http://a.example/"),
+            Err(Refused::Host("missing host header"))
+        );
+        assert_eq!(
+            host(
+                &[("host", "a.example"), ("host", "b.example")],
+                Version::HTTP_11,
+                "/"
+            ),
+            Err(Refused::Host("more than one host header"))
+        );
+        assert_eq!(
+            host(
+                &[("host", "a.example"), ("host", "a.example")],
+                Version::HTTP_10,
+                "/"
+            ),
+            Err(Refused::Host("more than one host header"))
+        );
+        // HTTP/1.0 may leave it out; the target's authority wins over Host.
+        assert_eq!(host(&[], Version::HTTP_10, "/"), Ok(None));
+        assert_eq!(
+            host(
+                &[("host", "b.example")],
+                Version::HTTP_11,
+                "http://a.example/"
+            ),
+            Ok(Some("a.example".into()))
+        );
+        // HTTP/2 names the host in :authority, or else in Host.
+        assert_eq!(
+            host(
+                &[("host", "b.example")],
+                Version::HTTP_2,
+                "http://a.example/"
+            ),
+            Ok(Some("a.example".into()))
+        );
+        assert_eq!(
+            host(&[("host", "b.example")], Version::HTTP_2, "/"),
+            Ok(Some("b.example".into()))
+        );
+        assert_eq!(host(&[], Version::HTTP_2, "/"), Ok(None));
+    }
+
+    #[test]
+    fn a_host_that_is_not_text_is_refused() {
+        let mut p = parts(&[], Version::HTTP_11, "/");
+        p.headers.insert(
+            header::HOST,
+            http::HeaderValue::from_bytes(b"a\xffb").unwrap(),
+        );
+        assert_eq!(
+            request_host(p.version, &p.uri, &p.headers).err(),
+            Some(Refused::Host("invalid host header"))
+        );
+    }
+}
