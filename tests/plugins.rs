@@ -449,7 +449,7 @@ routes:
     let (ok, _, stderr) = crate::support::check(dir.path());
     assert!(!ok);
     for needle in [
-        "is not a valid plugin component",
+        "junk.wasm: not a component of a format this proxy reads",
         "plugin `sig` on route `empty-secret`",
         "`secret` is empty",
         "plugin `sig` on route `unknown-key`",

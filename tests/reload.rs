@@ -375,7 +375,7 @@ routes:
         ],
         &[
             "routing.yaml:3:",
-            "junk.wasm is not a valid plugin component",
+            "junk.wasm: not a component of a format this proxy reads",
         ],
     )
     .await;

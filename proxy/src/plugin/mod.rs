@@ -15,6 +15,7 @@
 
 mod bindings;
 mod cpu_deadline;
+mod file_kind;
 mod header_call;
 mod lift;
 mod state;
@@ -278,8 +279,9 @@ impl PluginHost {
         }
         let component = Component::new(&self.engine, &module.bytes).map_err(|e| {
             format!(
-                "{} is not a valid plugin component: {e:#}",
-                module.path.display()
+                "plugin {}: {}",
+                module.path.display(),
+                file_kind::explain(&module.bytes, &e)
             )
         })?;
         self.compiled
