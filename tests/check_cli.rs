@@ -30,6 +30,8 @@ upstreams:
   - name: u1
     endpoints: ["http://127.0.0.1:1"]
     timeouts: { connect: 5 }
+  - name: u2
+    endpoints: ["ftp://a"]
 routes:
   - name: r1
     match: { path: /a }
@@ -47,6 +49,9 @@ routes:
     match: { path: /b }
     upstream: u1
     timeout: soon
+  - name: r6
+    match: { path: /c }
+    upstream: u2
 "#,
     )
     .unwrap();
@@ -75,10 +80,11 @@ routes:
     let expect = [
         format!("{a}:3:11: `nope` is not a bind address"),
         format!("{a}:7:26: `5` is not a duration"),
-        format!("{a}:11:15: unknown upstream `missing`"),
-        format!("{a}:16:12: path `/x/{{b}}` conflicts with path `/x/{{a}}` of route `r2`"),
-        format!("{a}:19:12: route `r4` conflicts with route `r2`"),
-        format!("{a}:24:14: `soon` is not a duration"),
+        format!("{a}:9:17: `ftp://a` must start with http:// or https://"),
+        format!("{a}:13:15: unknown upstream `missing`"),
+        format!("{a}:18:12: path `/x/{{b}}` conflicts with path `/x/{{a}}` of route `r2`"),
+        format!("{a}:21:12: route `r4` conflicts with route `r2`"),
+        format!("{a}:26:14: `soon` is not a duration"),
         format!("{b}:3:"),
         format!("{c}:3:5: unknown field `endpoint`"),
         format!("{d}:4:10: environment variable `UNSET_TEST_VAR_XYZ` is not set"),
@@ -89,6 +95,8 @@ routes:
             "missing `{e}` in:\n{stderr}"
         );
     }
+    // An upstream defined with errors is not also "unknown" where it is used.
+    assert!(!stderr.contains("upstream `u2`"), "{stderr}");
 }
 
 #[test]

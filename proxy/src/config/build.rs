@@ -201,7 +201,9 @@ pub(super) fn build(
     };
     let mut listeners = Vec::new();
     let mut upstreams: Vec<Arc<Upstream>> = Vec::new();
-    let mut upstream_index: HashMap<String, usize> = HashMap::new();
+    // By name: the upstream's index, or `None` for one defined with errors
+    // (reported where it is defined; a route using it adds nothing).
+    let mut upstream_index: HashMap<String, Option<usize>> = HashMap::new();
     let mut plugin_defs: Vec<(Arc<str>, &Spanned<RawPlugin>, Pos)> = Vec::new();
     let mut plugin_index: HashMap<String, usize> = HashMap::new();
 
@@ -247,17 +249,21 @@ pub(super) fn build(
             }
         }
         for u in &policy.upstreams {
-            if let Some(up) = upstream(&mut ctx, u) {
-                if let Some(&i) = upstream_index.get(&*up.name) {
-                    let msg = format!(
-                        "upstream `{}` is already defined at {}",
-                        up.name, upstreams[i].defined_at
-                    );
-                    ctx.err(&u.referenced, msg);
-                } else {
-                    upstream_index.insert(up.name.to_string(), upstreams.len());
-                    upstreams.push(Arc::new(up));
+            let Some(up) = upstream(&mut ctx, u) else {
+                if let Ok(name) = expand(&u.value.name.value.0, ctx.env) {
+                    upstream_index.entry(name.trim().to_owned()).or_insert(None);
                 }
+                continue;
+            };
+            if let Some(&Some(i)) = upstream_index.get(&*up.name) {
+                let msg = format!(
+                    "upstream `{}` is already defined at {}",
+                    up.name, upstreams[i].defined_at
+                );
+                ctx.err(&u.referenced, msg);
+            } else {
+                upstream_index.insert(up.name.to_string(), Some(upstreams.len()));
+                upstreams.push(Arc::new(up));
             }
         }
     }
@@ -586,7 +592,7 @@ type RouteParts = (Route, HostMatch, Vec<String>);
 fn route(
     ctx: &mut Ctx,
     raw: &Spanned<RawRoute>,
-    upstream_index: &HashMap<String, usize>,
+    upstream_index: &HashMap<String, Option<usize>>,
     plugin_index: &HashMap<String, usize>,
     upstreams: &mut Vec<Arc<Upstream>>,
 ) -> Option<RouteParts> {
@@ -698,13 +704,14 @@ fn route(
     let action = if let Some(t) = &r.upstream {
         let up = ctx.text(t)?;
         match upstream_index.get(up.trim()) {
-            Some(&i) => {
+            Some(&Some(i)) => {
                 if let Target::Template(tpl) = &upstreams[i].target {
                     let tpl = tpl.clone();
                     check_params(ctx, &tpl, &t.referenced, &format!("upstream `{up}`"));
                 }
                 Action::Forward(i)
             }
+            Some(None) => return None,
             None => {
                 let mut known: Vec<_> = upstream_index.keys().map(String::as_str).collect();
                 known.sort_unstable();
