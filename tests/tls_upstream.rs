@@ -71,3 +71,28 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: named }}]
         format!("localhost:{}", echo.addr.port())
     );
 }
+
+#[tokio::test]
+async fn turning_verification_off_is_warned_once_and_only_where_tls_is_used() {
+    let proxy = crate::support::process::ProxyProcess::start(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+upstreams:
+  - { name: cleartext, endpoints: ["http://127.0.0.1:1"], tls: { insecure_skip_verify: true } }
+  - { name: unverified, endpoints: ["https://127.0.0.1:1"], tls: { insecure_skip_verify: true } }
+routes:
+  - { name: a, match: { path: /a }, upstream: cleartext }
+  - { name: b, match: { path: /b }, upstream: unverified }
+"#,
+        &["--workers", "2"],
+    )
+    .await;
+    // The pipeline (and its warnings) is built before the listeners open.
+    let logs = proxy.logs.lock().unwrap().clone();
+    let warned: Vec<&String> = logs
+        .iter()
+        .filter(|l| l.contains("verification is off"))
+        .collect();
+    assert_eq!(warned.len(), 1, "{logs:#?}");
+    assert!(warned[0].contains("unverified"), "{}", warned[0]);
+}

@@ -241,6 +241,11 @@ impl Pipeline {
                     .position(|old| old.same_settings(spec))?;
                 (p.upstreams.len() == workers).then_some((p, j))
             });
+            // Once per upstream (not per worker's pool), and not again for
+            // one a reload keeps.
+            if kept.is_none() && spec.tls.insecure_skip_verify && spec.may_use_tls() {
+                tracing::warn!(upstream = %spec.name, "TLS certificate verification is off for this upstream");
+            }
             let counts = forward::in_flight_counts(spec);
             for (w, pools) in upstreams.iter_mut().enumerate() {
                 pools.push(match kept {

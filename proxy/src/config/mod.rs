@@ -262,6 +262,15 @@ pub struct Upstream {
 }
 
 impl Upstream {
+    /// Whether requests to this upstream may go over TLS: an `https`
+    /// endpoint, or a URL template (its scheme is known per request).
+    pub fn may_use_tls(&self) -> bool {
+        match &self.target {
+            Target::Endpoints(eps) => eps.iter().any(|e| e.scheme == Scheme::HTTPS),
+            Target::Template(_) => true,
+        }
+    }
+
     /// True when `other` connects the same way, wherever it was written: a
     /// reload then keeps this upstream's pooled connections.
     pub fn same_settings(&self, other: &Upstream) -> bool {

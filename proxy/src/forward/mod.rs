@@ -177,9 +177,6 @@ impl UpstreamPool {
     /// endpoint) are shared by all workers' pools of the upstream, so
     /// least-requests sees the whole process. No connection is opened yet.
     pub fn new(spec: Arc<Upstream>, in_flight: Arc<[AtomicUsize]>) -> UpstreamPool {
-        if spec.tls.insecure_skip_verify {
-            tracing::warn!(upstream = %spec.name, "TLS certificate verification is off for this upstream");
-        }
         UpstreamPool {
             conns: ConnPool::new(&spec, in_flight.len()),
             in_flight,
