@@ -120,3 +120,28 @@ fn a_configmap_mount_is_read_through_its_symlinks() {
     assert!(ok, "{stderr}");
     assert!(stdout.contains("1 routes"), "{stdout}");
 }
+
+#[test]
+fn logs_to_a_file_or_pipe_carry_no_colour_codes() {
+    // Text logs (not JSON), to a pipe as under Kubernetes: an escape code
+    // would wrap every field of every line.
+    let out = Command::new(binary())
+        .args([
+            "serve",
+            "--policies",
+            "/nonexistent-policy-dir",
+            "--admin",
+            "off",
+        ])
+        .env_remove("PORTCULLIS_LOG_FORMAT")
+        .env_remove("NO_COLOR")
+        .output()
+        .expect("run serve");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("ERROR portcullis: invalid policies"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains('\x1b'), "{stderr:?}");
+}

@@ -13,8 +13,13 @@ use tracing_subscriber::EnvFilter;
 pub fn init() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let json = std::env::var("PORTCULLIS_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    // Colours only for a person at a terminal: in a file or `kubectl logs`
+    // the escape codes are noise around every field.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     // A second init (tests that start several servers) is harmless: ignore it.
     let _ = if json {
