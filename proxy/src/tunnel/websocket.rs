@@ -6,6 +6,7 @@
 use http::StatusCode;
 use tokio::net::TcpStream;
 
+use super::handshake_head;
 use super::ws_io::WsIo;
 use super::{BoxIo, Hello, Refused};
 
@@ -114,9 +115,31 @@ pub async fn accept<T>(
     }
 }
 
+/// Looks at the request head first: a plain HTTP request is answered
+/// 426 and refused; an upgrade goes on to the WebSocket handshake, which
+/// reads the same bytes again.
+async fn upgrade<S, T>(
+    mut stream: S,
+    check: impl FnOnce(&Hello) -> Result<T, Refused> + Unpin,
+) -> Result<(BoxIo, Hello, T), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (read, head) = handshake_head::read(&mut stream)
+        .await
+        .map_err(|e| format!("not a tunnel handshake: {e}"))?;
+    if let handshake_head::Head::Plain(request) = head {
+        handshake_head::refuse_plain(&mut stream).await;
+        return Err(format!(
+            "not a tunnel handshake: a plain HTTP request ({request}), answered 426"
+        ));
+    }
+    websocket_handshake(handshake_head::Replay::new(read, stream), check).await
+}
+
 // tungstenite's callback returns its error response by value.
 #[allow(clippy::result_large_err)]
-async fn upgrade<S, T>(
+async fn websocket_handshake<S, T>(
     stream: S,
     check: impl FnOnce(&Hello) -> Result<T, Refused> + Unpin,
 ) -> Result<(BoxIo, Hello, T), String>

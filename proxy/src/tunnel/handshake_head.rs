@@ -1,0 +1,193 @@
+//! The tunnel port's first look at a connection's request head, before
+//! the WebSocket handshake: a plain HTTP request (a browser, a load
+//! balancer's HTTP check, someone with curl) gets `426 Upgrade Required`
+//! saying what the port is for, where the WebSocket library would close
+//! the connection without a word. The bytes read are handed on to the
+//! handshake unchanged ([`Replay`]).
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+
+/// The most a handshake head may take; a client's is a few hundred bytes.
+const MAX_HEAD: usize = 16 * 1024;
+
+/// What the first request head on the tunnel port is.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Head {
+    /// A WebSocket upgrade: go on with the handshake.
+    Upgrade,
+    /// Another HTTP request, answered and refused (`METHOD /path`).
+    Plain(String),
+}
+
+/// Reads the request head off `stream`. Returns the bytes read (the head
+/// and anything after it) and what the head is; an error for bytes that
+/// are not an HTTP request head, or none within [`MAX_HEAD`].
+pub async fn read<S: AsyncRead + Unpin>(stream: &mut S) -> Result<(Vec<u8>, Head), String> {
+    let mut buf = Vec::with_capacity(1024);
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; 64];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(&buf) {
+            Ok(httparse::Status::Complete(_)) => {
+                let upgrade = req.headers.iter().any(|h| {
+                    h.name.eq_ignore_ascii_case("upgrade")
+                        && h.value.trim_ascii().eq_ignore_ascii_case(b"websocket")
+                });
+                let head = if upgrade {
+                    Head::Upgrade
+                } else {
+                    Head::Plain(format!(
+                        "{} {}",
+                        req.method.unwrap_or("?"),
+                        req.path.unwrap_or("?")
+                    ))
+                };
+                return Ok((buf, head));
+            }
+            Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => {}
+            Ok(httparse::Status::Partial) => {
+                return Err(format!("no request head within {MAX_HEAD} bytes"));
+            }
+            Err(e) => return Err(format!("not HTTP: {e}")),
+        }
+        let mut chunk = [0u8; 2048];
+        let n = stream
+            .read(&mut chunk)
+            .await
+            .map_err(|e| format!("reading the request head: {e}"))?;
+        if n == 0 {
+            return Err("the peer closed before a request head".into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Answers a plain HTTP request on the tunnel port and closes.
+pub async fn refuse_plain<S: AsyncWrite + Unpin>(stream: &mut S) {
+    let body = concat!(
+        r#"{"error":"this port takes Portcullis tunnel connections (a WebSocket upgrade to "#,
+        r#"/_portcullis/tunnel); public requests go to the public listener","status":426}"#
+    );
+    let head = format!(
+        "HTTP/1.1 426 Upgrade Required\r\nupgrade: websocket\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let _ = stream.write_all(head.as_bytes()).await;
+    let _ = stream.write_all(body.as_bytes()).await;
+    let _ = stream.shutdown().await;
+}
+
+/// A stream that yields `read` (bytes already taken off `inner`) before
+/// reading on from `inner`; writes go straight to `inner`.
+pub struct Replay<S> {
+    read: Vec<u8>,
+    at: usize,
+    inner: S,
+}
+
+impl<S> Replay<S> {
+    /// `inner`, with `read` put back in front of it.
+    pub fn new(read: Vec<u8>, inner: S) -> Replay<S> {
+        Replay { read, at: 0, inner }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Replay<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if this.at < this.read.len() {
+            let n = buf.remaining().min(this.read.len() - this.at);
+            buf.put_slice(&this.read[this.at..this.at + n]);
+            this.at += n;
+            if this.at == this.read.len() {
+                // Only the handshake reads these; free them for the
+                // tunnel's lifetime.
+                this.read = Vec::new();
+                this.at = 0;
+            }
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Replay<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn head_of(bytes: &[u8]) -> Result<(Vec<u8>, Head), String> {
+        // Two reads' worth, to cross a chunk boundary.
+        let (mut client, mut server) = tokio::io::duplex(64);
+        let bytes = bytes.to_vec();
+        // The writer's end closes when it is done: a head cut short then
+        // reads as the peer closing.
+        let writer = tokio::spawn(async move {
+            let _ = client.write_all(&bytes).await;
+        });
+        let got = read(&mut server).await;
+        drop(server);
+        writer.await.unwrap();
+        got
+    }
+
+    #[tokio::test]
+    async fn an_upgrade_goes_on_with_every_byte_read_replayed() {
+        let raw = b"GET /_portcullis/tunnel HTTP/1.1\r\nHost: t\r\nUpgrade: WebSocket\r\n\
+            Connection: upgrade\r\n\r\nafter";
+        let (read_bytes, head) = head_of(raw).await.unwrap();
+        assert_eq!(head, Head::Upgrade);
+        assert!(raw.starts_with(&read_bytes));
+        // The handshake then reads exactly what the client sent.
+        let mut replay = Replay::new(read_bytes.clone(), &raw[read_bytes.len()..]);
+        let mut again = Vec::new();
+        replay.read_to_end(&mut again).await.unwrap();
+        assert_eq!(again, raw);
+    }
+
+    #[tokio::test]
+    async fn a_plain_request_is_named_and_garbage_is_not_http() {
+        let (_, head) = head_of(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(head, Head::Plain("GET /healthz".into()));
+        let err = head_of(b"\x16\x03\x01garbage\r\n\r\n").await.unwrap_err();
+        assert!(err.starts_with("not HTTP"), "{err}");
+        let err = head_of(b"GET / HTTP/1.1\r\nHost: t\r\n").await.unwrap_err();
+        assert_eq!(err, "the peer closed before a request head");
+    }
+
+    #[tokio::test]
+    async fn replay_yields_the_bytes_read_then_the_stream() {
+        let rest: &[u8] = b" world";
+        let mut replay = Replay::new(b"hello".to_vec(), rest);
+        let mut all = Vec::new();
+        replay.read_to_end(&mut all).await.unwrap();
+        assert_eq!(all, b"hello world");
+    }
+}
