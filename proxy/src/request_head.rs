@@ -46,7 +46,7 @@ impl Refused {
 /// The request's host, lower case, without port: the URI's authority
 /// (HTTP/2, or an absolute-form target), else the `Host` header.
 ///
-/// An HTTP/1.x request must carry one `Host` (none is allowed in 1.0):
+/// An HTTP/1.x request must carry one `Host` (HTTP/1.0 may leave it out):
 /// routing on the first of two, or on none, is how host-based routes and
 /// an upstream's idea of the host come apart. The header is read once
 /// either way, so the check costs no extra lookup.
