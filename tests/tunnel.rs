@@ -561,18 +561,22 @@ async fn bad_credentials_and_garbage_are_refused_and_logged_without_disturbing_o
     let line = server.process.wait_for_log("not a tunnel handshake").await;
     assert!(line.contains("tunnel connection refused"), "{line}");
 
-    // A plain HTTP request (a browser, a load balancer's check) is told
-    // what the port is for, rather than met with a closed connection.
-    let mut raw = tokio::net::TcpStream::connect(server.tunnel).await.unwrap();
-    raw.write_all(b"GET /healthz HTTP/1.1\r\nHost: tunnel\r\n\r\n")
-        .await
-        .unwrap();
-    let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), raw.read_to_end(&mut buf))
-        .await
-        .expect("the server answers and closes")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&buf);
+    // A plain HTTP request (a browser, curl) is told what the port is
+    // for, rather than met with a closed connection; a load balancer's
+    // health check gets 200.
+    let plain = |path: &'static str| async move {
+        let mut raw = tokio::net::TcpStream::connect(server.tunnel).await.unwrap();
+        raw.write_all(format!("GET {path} HTTP/1.1\r\nHost: tunnel\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), raw.read_to_end(&mut buf))
+            .await
+            .expect("the server answers and closes")
+            .unwrap();
+        String::from_utf8_lossy(&buf).into_owned()
+    };
+    let answer = plain("/").await;
     assert!(answer.starts_with("HTTP/1.1 426 "), "{answer}");
     let body: serde_json::Value =
         serde_json::from_str(answer.split_once("\r\n\r\n").unwrap().1).unwrap();
@@ -583,8 +587,11 @@ async fn bad_credentials_and_garbage_are_refused_and_logged_without_disturbing_o
             .contains("tunnel connections"),
         "{body}"
     );
-    let line = server.process.wait_for_log("GET /healthz").await;
+    let line = server.process.wait_for_log("GET /)").await;
     assert!(line.contains("answered 426"), "{line}");
+    let answer = plain("/healthz").await;
+    assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
+    assert!(answer.ends_with("\r\n\r\nok\n"), "{answer}");
 
     // The good tunnel never noticed.
     assert_eq!(server.get("rt-a", "/still").await.status, 200);

@@ -1,8 +1,8 @@
 //! The tunnel port's first look at a connection's request head, before
-//! the WebSocket handshake: a plain HTTP request (a browser, a load
-//! balancer's HTTP check, someone with curl) gets `426 Upgrade Required`
-//! saying what the port is for, where the WebSocket library would close
-//! the connection without a word. The bytes read are handed on to the
+//! the WebSocket handshake: a load balancer's `GET /healthz` gets 200, and
+//! any other plain HTTP request (a browser, someone with curl) `426
+//! Upgrade Required` saying what the port is for, where the WebSocket
+//! library would close the connection without a word. The bytes read are handed on to the
 //! handshake unchanged ([`Replay`]).
 
 use std::pin::Pin;
@@ -18,6 +18,8 @@ const MAX_HEAD: usize = 16 * 1024;
 pub enum Head {
     /// A WebSocket upgrade: go on with the handshake.
     Upgrade,
+    /// `GET /healthz` (or `HEAD`): a load balancer checking the port.
+    HealthCheck,
     /// Another HTTP request, answered and refused (`METHOD /path`).
     Plain(String),
 }
@@ -36,14 +38,13 @@ pub async fn read<S: AsyncRead + Unpin>(stream: &mut S) -> Result<(Vec<u8>, Head
                     h.name.eq_ignore_ascii_case("upgrade")
                         && h.value.trim_ascii().eq_ignore_ascii_case(b"websocket")
                 });
+                let (method, path) = (req.method.unwrap_or("?"), req.path.unwrap_or("?"));
                 let head = if upgrade {
                     Head::Upgrade
+                } else if matches!(method, "GET" | "HEAD") && path == "/healthz" {
+                    Head::HealthCheck
                 } else {
-                    Head::Plain(format!(
-                        "{} {}",
-                        req.method.unwrap_or("?"),
-                        req.path.unwrap_or("?")
-                    ))
+                    Head::Plain(format!("{method} {path}"))
                 };
                 return Ok((buf, head));
             }
@@ -63,6 +64,18 @@ pub async fn read<S: AsyncRead + Unpin>(stream: &mut S) -> Result<(Vec<u8>, Head
         }
         buf.extend_from_slice(&chunk[..n]);
     }
+}
+
+/// Answers a health check on the tunnel port and closes: the server is
+/// up and taking tunnels.
+pub async fn answer_health_check<S: AsyncWrite + Unpin>(stream: &mut S) {
+    let _ = stream
+        .write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncache-control: no-store\r\n\
+              connection: close\r\ncontent-length: 3\r\n\r\nok\n",
+        )
+        .await;
+    let _ = stream.shutdown().await;
 }
 
 /// Answers a plain HTTP request on the tunnel port and closes.
@@ -175,7 +188,9 @@ mod tests {
         let (_, head) = head_of(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
             .await
             .unwrap();
-        assert_eq!(head, Head::Plain("GET /healthz".into()));
+        assert_eq!(head, Head::HealthCheck);
+        let (_, head) = head_of(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n").await.unwrap();
+        assert_eq!(head, Head::Plain("GET /".into()));
         let err = head_of(b"\x16\x03\x01garbage\r\n\r\n").await.unwrap_err();
         assert!(err.starts_with("not HTTP"), "{err}");
         let err = head_of(b"GET / HTTP/1.1\r\nHost: t\r\n").await.unwrap_err();

@@ -496,7 +496,11 @@ async fn serve_tunnel(
     let accepted = super::websocket::accept(stream, tls, check);
     let (io, hello, token) = match tokio::time::timeout(super::HANDSHAKE_TIMEOUT, accepted).await {
         Ok(Ok(done)) => done,
-        Ok(Err(e)) => {
+        Ok(Err(super::websocket::NotATunnel::HealthCheck)) => {
+            tracing::debug!(peer = %peer, "health check on the tunnel port");
+            return;
+        }
+        Ok(Err(super::websocket::NotATunnel::Refused(e))) => {
             tracing::warn!(peer = %peer, error = %e, "tunnel connection refused");
             return;
         }

@@ -95,6 +95,21 @@ where
     Ok(Box::new(WsIo::new(ws)))
 }
 
+/// Why a connection to the tunnel port did not become a tunnel.
+#[derive(Debug)]
+pub enum NotATunnel {
+    /// A load balancer's health check (`GET /healthz`), answered 200.
+    HealthCheck,
+    /// Anything else, refused; the reason to log.
+    Refused(String),
+}
+
+impl From<String> for NotATunnel {
+    fn from(reason: String) -> NotATunnel {
+        NotATunnel::Refused(reason)
+    }
+}
+
 /// Accepts a tunnel handshake on `stream` (TLS first with `tls`): `check`
 /// decides on the client's [`Hello`]; a refusal answers the client with
 /// its status and is returned as the error to log.
@@ -102,7 +117,7 @@ pub async fn accept<T>(
     stream: TcpStream,
     tls: Option<tokio_rustls::TlsAcceptor>,
     check: impl FnOnce(&Hello) -> Result<T, Refused> + Unpin,
-) -> Result<(BoxIo, Hello, T), String> {
+) -> Result<(BoxIo, Hello, T), NotATunnel> {
     match tls {
         Some(acceptor) => {
             let stream = acceptor
@@ -115,26 +130,33 @@ pub async fn accept<T>(
     }
 }
 
-/// Looks at the request head first: a plain HTTP request is answered
-/// 426 and refused; an upgrade goes on to the WebSocket handshake, which
-/// reads the same bytes again.
+/// Looks at the request head first: a health check is answered 200, any
+/// other plain HTTP request 426 and refused; an upgrade goes on to the
+/// WebSocket handshake, which reads the same bytes again.
 async fn upgrade<S, T>(
     mut stream: S,
     check: impl FnOnce(&Hello) -> Result<T, Refused> + Unpin,
-) -> Result<(BoxIo, Hello, T), String>
+) -> Result<(BoxIo, Hello, T), NotATunnel>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
     let (read, head) = handshake_head::read(&mut stream)
         .await
         .map_err(|e| format!("not a tunnel handshake: {e}"))?;
-    if let handshake_head::Head::Plain(request) = head {
-        handshake_head::refuse_plain(&mut stream).await;
-        return Err(format!(
-            "not a tunnel handshake: a plain HTTP request ({request}), answered 426"
-        ));
+    match head {
+        handshake_head::Head::Upgrade => {}
+        handshake_head::Head::HealthCheck => {
+            handshake_head::answer_health_check(&mut stream).await;
+            return Err(NotATunnel::HealthCheck);
+        }
+        handshake_head::Head::Plain(request) => {
+            handshake_head::refuse_plain(&mut stream).await;
+            return Err(NotATunnel::Refused(format!(
+                "not a tunnel handshake: a plain HTTP request ({request}), answered 426"
+            )));
+        }
     }
-    websocket_handshake(handshake_head::Replay::new(read, stream), check).await
+    Ok(websocket_handshake(handshake_head::Replay::new(read, stream), check).await?)
 }
 
 // tungstenite's callback returns its error response by value.
