@@ -97,6 +97,15 @@ routes:
     }
     // An upstream defined with errors is not also "unknown" where it is used.
     assert!(!stderr.contains("upstream `u2`"), "{stderr}");
+    // A name unknown while some files did not parse may be defined in them.
+    let unknown = stderr
+        .lines()
+        .find(|l| l.contains("unknown upstream `missing`"))
+        .unwrap();
+    assert!(
+        unknown.ends_with(&format!("(or in {b}, {c}, which did not parse)")),
+        "{unknown}"
+    );
 }
 
 #[test]

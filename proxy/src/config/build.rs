@@ -52,6 +52,9 @@ struct Ctx<'e> {
     /// Files the policies refer to (plugins, CA files, secrets): a reload
     /// watches them too.
     files: Vec<std::path::PathBuf>,
+    /// Policy files that did not parse: a name unknown here may be defined
+    /// in one of them, which an "unknown upstream" error then says.
+    unparsed: &'e [Arc<str>],
 }
 
 impl Ctx<'_> {
@@ -72,6 +75,16 @@ impl Ctx<'_> {
     }
 
     /// The value with `${ENV}` references expanded.
+    /// For an unknown name: the files it may be defined in, when some did
+    /// not parse (their errors are reported too).
+    fn unparsed_hint(&self) -> String {
+        if self.unparsed.is_empty() {
+            return String::new();
+        }
+        let names: Vec<&str> = self.unparsed.iter().map(|f| &**f).collect();
+        format!(" (or in {}, which did not parse)", names.join(", "))
+    }
+
     fn text(&mut self, t: &Text) -> Option<String> {
         match expand(&t.value.0, self.env) {
             Ok(v) => Some(v),
@@ -192,12 +205,14 @@ struct PendingRoute {
 pub(super) fn build(
     files: &[(Arc<str>, PolicyFile)],
     env: &dyn Fn(&str) -> Option<String>,
+    unparsed: &[Arc<str>],
 ) -> Result<Config, ConfigErrors> {
     let mut ctx = Ctx {
         env,
         file: "".into(),
         errors: Vec::new(),
         files: Vec::new(),
+        unparsed,
     };
     let mut listeners = Vec::new();
     let mut upstreams: Vec<Arc<Upstream>> = Vec::new();
@@ -720,7 +735,11 @@ fn route(
                 } else {
                     format!("defined upstreams: {}", known.join(", "))
                 };
-                ctx.err(&t.referenced, format!("unknown upstream `{up}`; {defined}"));
+                let hint = ctx.unparsed_hint();
+                ctx.err(
+                    &t.referenced,
+                    format!("unknown upstream `{up}`; {defined}{hint}"),
+                );
                 return None;
             }
         }
@@ -932,12 +951,13 @@ fn plugin_use(
     }
     let name = ctx.text(&u.plugin)?;
     let Some(&plugin) = plugin_index.get(name.trim()) else {
+        let hint = ctx.unparsed_hint();
         let mut known: Vec<_> = plugin_index.keys().map(String::as_str).collect();
         known.sort_unstable();
         ctx.err(
             &u.plugin.referenced,
             format!(
-                "unknown plugin `{name}`; defined under `plugins:`: {}",
+                "unknown plugin `{name}`; defined under `plugins:`: {}{hint}",
                 if known.is_empty() {
                     "none".into()
                 } else {

@@ -113,7 +113,8 @@ pub fn load_sources(
             }
         }
     }
-    match build::build(&files, env) {
+    let unparsed: Vec<Arc<str>> = errors.iter().map(|e| e.pos.file.clone()).collect();
+    match build::build(&files, env, &unparsed) {
         Ok(mut config) if errors.is_empty() => {
             config.fingerprint = fingerprint(sources, &config);
             Ok(config)
