@@ -160,20 +160,6 @@ async fn malformed_http_gets_400_and_the_proxy_keeps_serving() {
     assert_eq!(client::get(&proxy.url("/healthz")).await.status, 200);
 }
 
-/// Writes `raw` on a new connection and reads the answer until the proxy
-/// closes it (the requests say `Connection: close`).
-async fn exchange(proxy: &Proxy, raw: &[u8]) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    conn.write_all(raw).await.unwrap();
-    let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut buf))
-        .await
-        .expect("the proxy did not close the connection")
-        .unwrap();
-    String::from_utf8_lossy(&buf).into_owned()
-}
-
 /// The status code and JSON body of a raw HTTP/1.1 answer.
 fn status_and_json(answer: &str) -> (u16, serde_json::Value) {
     let status = answer
@@ -220,7 +206,7 @@ async fn an_http11_request_needs_exactly_one_host_header() {
             "invalid host header",
         ),
     ] {
-        let (status, json) = status_and_json(&exchange(&proxy, raw).await);
+        let (status, json) = status_and_json(&client::raw(proxy.addr, raw).await);
         assert_eq!((status, json["error"].as_str()), (400, Some(error)));
     }
     assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 0);
@@ -229,7 +215,7 @@ async fn an_http11_request_needs_exactly_one_host_header() {
         &b"GET /a HTTP/1.0\r\n\r\n"[..],
         b"GET /a HTTP/1.1\r\nHost: a.example\r\nConnection: close\r\n\r\n",
     ] {
-        let (status, json) = status_and_json(&exchange(&proxy, raw).await);
+        let (status, json) = status_and_json(&client::raw(proxy.addr, raw).await);
         assert_eq!((status, json["path"].as_str()), (200, Some("/a")));
     }
     assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 2);
@@ -243,14 +229,14 @@ async fn a_transfer_coding_other_than_chunked_is_501_and_never_forwarded() {
     // would reach the upstream with the gzip coding dropped.
     let gzipped = b"POST /a HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\
         Connection: close\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
-    let (status, json) = status_and_json(&exchange(&proxy, gzipped).await);
+    let (status, json) = status_and_json(&client::raw(proxy.addr, gzipped).await);
     assert_eq!(status, 501);
     assert_eq!(json["error"], "unsupported transfer-encoding");
     assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 0);
     // Chunked alone (any case) is streamed through.
     let chunked = b"POST /a HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: Chunked\r\n\
         Connection: close\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
-    let (status, json) = status_and_json(&exchange(&proxy, chunked).await);
+    let (status, json) = status_and_json(&client::raw(proxy.addr, chunked).await);
     assert_eq!(status, 200);
     assert_eq!(json["body_len"], 5);
     assert_eq!(json["body_fnv"], upstream::fnv(b"abcde"));

@@ -564,17 +564,9 @@ async fn bad_credentials_and_garbage_are_refused_and_logged_without_disturbing_o
     // A plain HTTP request (a browser, curl) is told what the port is
     // for, rather than met with a closed connection; a load balancer's
     // health check gets 200.
-    let plain = |path: &'static str| async move {
-        let mut raw = tokio::net::TcpStream::connect(server.tunnel).await.unwrap();
-        raw.write_all(format!("GET {path} HTTP/1.1\r\nHost: tunnel\r\n\r\n").as_bytes())
-            .await
-            .unwrap();
-        let mut buf = Vec::new();
-        tokio::time::timeout(Duration::from_secs(10), raw.read_to_end(&mut buf))
-            .await
-            .expect("the server answers and closes")
-            .unwrap();
-        String::from_utf8_lossy(&buf).into_owned()
+    let plain = |path: &'static str| {
+        let request = format!("GET {path} HTTP/1.1\r\nHost: tunnel\r\n\r\n");
+        async move { client::raw(server.tunnel, request.as_bytes()).await }
     };
     let answer = plain("/").await;
     assert!(answer.starts_with("HTTP/1.1 426 "), "{answer}");

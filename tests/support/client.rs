@@ -153,3 +153,17 @@ pub async fn get_on(conn: &mut tokio::net::TcpStream, host: &str, path: &str, bo
     let text = String::from_utf8_lossy(&answer);
     assert!(text.contains("HTTP/1.1 200"), "{text}");
 }
+
+/// Writes `raw` bytes on a new connection to `addr` and reads the answer
+/// until the server closes the connection (10 s at most).
+pub async fn raw(addr: std::net::SocketAddr, raw: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(raw).await.unwrap();
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut buf))
+        .await
+        .expect("the server did not close the connection")
+        .unwrap();
+    String::from_utf8_lossy(&buf).into_owned()
+}
