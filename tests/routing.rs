@@ -62,6 +62,15 @@ routes:
         pick(send(&proxy, "GET", "web.example.com", "/x", &[]).await),
         "b"
     );
+    // A fully qualified name, with its trailing dot, is the same host.
+    assert_eq!(
+        pick(send(&proxy, "GET", "api.example.com.", "/x", &[]).await),
+        "a"
+    );
+    assert_eq!(
+        pick(send(&proxy, "GET", "Web.Example.com.:80", "/x", &[]).await),
+        "b"
+    );
     assert_eq!(
         pick(send(&proxy, "GET", "a.eu.example.com", "/x", &[]).await),
         "c"

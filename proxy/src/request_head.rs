@@ -85,6 +85,9 @@ pub fn request_host<'a>(
             }
         }
     };
+    // A fully qualified name (`app.example.com.`) is the same host; nginx
+    // and Envoy (`strip_trailing_host_dot`) match it without the dot too.
+    let raw = raw.strip_suffix('.').unwrap_or(raw);
     Ok(Some(if raw.bytes().any(|b| b.is_ascii_uppercase()) {
         Cow::Owned(raw.to_ascii_lowercase())
     } else {
@@ -183,6 +186,18 @@ mod tests {
         };
         assert_eq!(
             host(&[("host", "A.example:8080")], Version::HTTP_11, "/"),
+            Ok(Some("a.example".into()))
+        );
+        assert_eq!(
+            host(&[("host", "App.Example.:8080")], Version::HTTP_11, "/"),
+            Ok(Some("app.example".into()))
+        );
+        assert_eq!(
+            host(
+                &[("host", "a.example")],
+                Version::HTTP_11,
+                "http://a.example./"
+            ),
             Ok(Some("a.example".into()))
         );
         assert_eq!(
