@@ -153,4 +153,40 @@ fn logs_to_a_file_or_pipe_carry_no_colour_codes() {
         "{stderr}"
     );
     assert!(!stderr.contains('\x1b'), "{stderr:?}");
+    // Said once, not once as a log line and again plainly.
+    assert_eq!(
+        stderr.matches("/nonexistent-policy-dir").count(),
+        1,
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_fatal_error_shows_even_with_logs_off() {
+    let out = Command::new(binary())
+        .args(["serve", "--policies", "/nonexistent-policy-dir"])
+        .args(["--admin", "off"])
+        .env("RUST_LOG", "off")
+        .output()
+        .expect("run serve");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with("portcullis: invalid policies")
+            && stderr.contains("/nonexistent-policy-dir"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_directory_without_policies_is_named_without_a_line() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "not a policy").unwrap();
+    let (ok, _, stderr) = check(dir.path());
+    assert!(!ok);
+    let expected = format!(
+        "{}: no *.yaml policy files in this directory",
+        dir.path().display()
+    );
+    assert!(stderr.contains(&expected), "{stderr}");
 }

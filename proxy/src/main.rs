@@ -172,8 +172,14 @@ fn run_on<F: std::future::Future<Output = anyhow::Result<()>>>(
     match runtime.block_on(work()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("portcullis: {e:#}");
+            // Logs go to stderr too: saying it twice would print every line
+            // of a policy error twice. Plainly only when the log filter
+            // (`RUST_LOG=off`) would hide it.
+            if tracing::enabled!(tracing::Level::ERROR) {
+                tracing::error!("{e:#}");
+            } else {
+                eprintln!("portcullis: {e:#}");
+            }
             ExitCode::FAILURE
         }
     }

@@ -33,7 +33,7 @@ use crate::router::Router;
 pub struct Pos {
     /// The file as it was named when loaded (directory joined with file name).
     pub file: Arc<str>,
-    /// 1-based line.
+    /// 1-based line; 0 for the file (or directory) as a whole.
     pub line: u64,
     /// 1-based column.
     pub column: u64,
@@ -41,6 +41,10 @@ pub struct Pos {
 
 impl fmt::Display for Pos {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // `dir:0:0:` would send an editor to a line that does not exist.
+        if self.line == 0 {
+            return f.write_str(&self.file);
+        }
         write!(f, "{}:{}:{}", self.file, self.line, self.column)
     }
 }
