@@ -726,7 +726,12 @@ async fn a_cut_tunnel_fails_in_flight_requests_promptly_and_the_client_reconnect
     );
 
     // The client notices, backs off (0.5 s at first) and dials again.
-    client.wait_for_log("tunnel lost").await;
+    let lost = client.wait_for_log("tunnel lost").await;
+    // With why: the connection went without a WebSocket close.
+    assert!(
+        lost.contains(r#""reason":"connection error: WebSocket"#),
+        "{lost}"
+    );
     client.wait_for_log("tunnel connected").await;
     let again = server.get("rt-a", "/fast").await;
     assert_eq!(again.status, 200);
@@ -853,7 +858,12 @@ async fn rotating_a_token_closes_tunnels_using_the_old_one_and_the_client_follow
 
     // Within a ping interval the old tunnel is closed; the client dials
     // again with the token file's new content.
-    client.wait_for_log("tunnel lost").await;
+    let lost = client.wait_for_log("tunnel lost").await;
+    // Said as a clean close, not as a network failure: the fix differs.
+    assert!(
+        lost.contains(r#""reason":"the server closed the tunnel""#),
+        "{lost}"
+    );
     client.wait_for_log("tunnel connected").await;
     assert_eq!(server.get("rt-a", "/").await.status, 200);
     server

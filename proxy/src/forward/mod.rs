@@ -425,7 +425,9 @@ impl UpstreamPool {
     }
 }
 
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+/// An error and its sources on one line: hyper's own message alone
+/// ("connection error") does not say what happened.
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
     while let Some(inner) = src {

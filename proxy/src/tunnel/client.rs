@@ -272,7 +272,7 @@ pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
         match dialed {
             Ok(io) => {
                 tracing::debug!(slot, "tunnel handshake done");
-                serve(io, slot, &dialer, &ctx).await;
+                let why = serve(io, slot, &dialer, &ctx).await;
                 dialer.down(slot);
                 if dialer.was_replaced() {
                     tracing::error!(slot, runtime = %dialer.options.runtime_id, "another client took over this runtime id; stopping");
@@ -282,7 +282,12 @@ pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
                 if ctx.stop.is_cancelled() {
                     return;
                 }
-                tracing::warn!(slot, "tunnel lost; reconnecting");
+                tracing::warn!(
+                    slot,
+                    reason = %why,
+                    up_for_s = started.elapsed().as_secs(),
+                    "tunnel lost; reconnecting"
+                );
             }
             Err(e) => tracing::warn!(slot, error = %e, "tunnel connection failed"),
         }
@@ -305,7 +310,16 @@ pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
 
 /// Serves HTTP/2 from the server over one tunnel until it ends; on drain,
 /// stops taking new streams and lets those in flight finish.
-async fn serve(io: TokioIo<BoxIo>, slot: usize, dialer: &Arc<Dialer>, ctx: &WorkerContext) {
+///
+/// Returns why the tunnel ended, for the reconnect log line: a reset, a
+/// ping left unanswered (a dead peer) and a server that closed it cleanly
+/// (restart, rotated token) call for different fixes.
+async fn serve(
+    io: TokioIo<BoxIo>,
+    slot: usize,
+    dialer: &Arc<Dialer>,
+    ctx: &WorkerContext,
+) -> String {
     // The server pings as soon as it has registered the tunnel: from then
     // on public requests can arrive, so that is when it counts as connected.
     let connected = Arc::new(AtomicBool::new(false));
@@ -338,10 +352,10 @@ async fn serve(io: TokioIo<BoxIo>, slot: usize, dialer: &Arc<Dialer>, ctx: &Work
     let mut conn = std::pin::pin!(conn);
     tokio::select! {
         r = conn.as_mut() => {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "tunnel connection ended with an error");
-            }
-            return;
+            return match r {
+                Ok(()) => "the server closed the tunnel".into(),
+                Err(e) => crate::forward::error_chain(&e),
+            };
         }
         _ = ctx.stop.cancelled() => {}
         _ = dialer.give_up.cancelled() => {}
@@ -349,6 +363,7 @@ async fn serve(io: TokioIo<BoxIo>, slot: usize, dialer: &Arc<Dialer>, ctx: &Work
     // Draining: GOAWAY, then the streams in flight run to their end.
     conn.as_mut().graceful_shutdown();
     let _ = conn.await;
+    "draining".into()
 }
 
 async fn handle(
