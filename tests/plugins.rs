@@ -453,10 +453,12 @@ routes:
         "plugin `sig` on route `empty-secret`",
         "`secret` is empty",
         "plugin `sig` on route `unknown-key`",
-        "unknown field `colour`",
+        "invalid config at `colour`: unknown field `colour`",
     ] {
         assert!(stderr.contains(needle), "missing `{needle}` in:\n{stderr}");
     }
+    // A position in the JSON the proxy made of the YAML would mislead.
+    assert!(!stderr.contains("at line 1 column"), "{stderr}");
 }
 
 fn jwt(

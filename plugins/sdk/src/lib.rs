@@ -142,9 +142,26 @@ pub trait Plugin {
     }
 }
 
-/// Parses a config, naming the problem for `portcullis check`.
+/// Parses a config, naming the problem for `portcullis check`: where in
+/// the config (`cors.allow_origins[0]`) and what, without serde_json's
+/// "at line 1 column 7", which counts in the JSON the proxy made of the
+/// policy's YAML, text the user never wrote.
 pub fn parse_config<T: serde::de::DeserializeOwned>(json: &str) -> Result<T, String> {
-    serde_json::from_str(json).map_err(|e| format!("invalid config: {e}"))
+    let plain = |e: &serde_json::Error| {
+        let text = e.to_string();
+        let at = format!(" at line {} column {}", e.line(), e.column());
+        text.strip_suffix(&at).unwrap_or(&text).to_owned()
+    };
+    let mut de = serde_json::Deserializer::from_str(json);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        match e.path().to_string().as_str() {
+            "." => format!("invalid config: {}", plain(e.inner())),
+            path => format!("invalid config at `{path}`: {}", plain(e.inner())),
+        }
+    })?;
+    de.end()
+        .map_err(|e| format!("invalid config: {}", plain(&e)))?;
+    Ok(value)
 }
 
 /// No header changes.
@@ -318,4 +335,43 @@ macro_rules! plugin {
 
         $crate::bindings::export!(__PortcullisGuest);
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_config;
+
+    #[derive(Debug, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Config {
+        #[allow(dead_code)]
+        cors: Cors,
+    }
+
+    #[derive(Debug, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Cors {
+        #[allow(dead_code)]
+        allow_origins: Vec<String>,
+    }
+
+    #[test]
+    fn config_errors_say_where_in_the_config_and_not_in_the_json() {
+        let err = parse_config::<Config>(r#"{"cors":{"allow_origins":["a",2]}}"#).unwrap_err();
+        assert_eq!(
+            err,
+            "invalid config at `cors.allow_origins[1]`: invalid type: integer `2`, expected a string"
+        );
+        let err = parse_config::<Config>(r#"{"cors":{"allow_origin":[]}}"#).unwrap_err();
+        assert!(
+            err.starts_with("invalid config at `cors.allow_origin`: unknown field `allow_origin`"),
+            "{err}"
+        );
+        let err = parse_config::<Config>(r#""text""#).unwrap_err();
+        assert_eq!(
+            err,
+            "invalid config: invalid type: string \"text\", expected struct Config"
+        );
+        assert!(parse_config::<Config>(r#"{"cors":{"allow_origins":["a"]}}"#).is_ok());
+    }
 }
