@@ -190,3 +190,34 @@ fn a_directory_without_policies_is_named_without_a_line() {
     );
     assert!(stderr.contains(&expected), "{stderr}");
 }
+
+#[test]
+fn a_listener_that_cannot_bind_is_named_with_its_place_and_the_os_error_once() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("a.yaml"),
+        format!(
+            "listeners: [{{ name: web, bind: \"127.0.0.1:{port}\" }}]\n\
+             upstreams: [{{ name: u, endpoints: [\"http://127.0.0.1:1\"] }}]\n\
+             routes: [{{ name: r, match: {{ path: / }}, upstream: u }}]\n"
+        ),
+    )
+    .unwrap();
+    let out = Command::new(binary())
+        .args(["serve", "--admin", "off", "--policies"])
+        .arg(dir.path())
+        .env("RUST_LOG", "off")
+        .output()
+        .expect("run serve");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let place = format!("listener `web` ({}:1:", dir.path().join("a.yaml").display());
+    assert!(stderr.contains(&place), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot bind 127.0.0.1:{port}")),
+        "{stderr}"
+    );
+    assert_eq!(stderr.matches("in use").count(), 1, "{stderr}");
+}

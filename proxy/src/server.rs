@@ -39,7 +39,9 @@ pub enum ServeError {
     #[error("the policies define no listener; add one under `listeners:`")]
     NoListeners,
     /// A listener's address could not be bound.
-    #[error("listener `{name}` ({defined_at}): cannot bind {addr}: {source}")]
+    // `error`, not `source`: as a source, `{:#}` would print the OS error
+    // a second time after the message that already says it.
+    #[error("listener `{name}` ({defined_at}): cannot bind {addr}: {error}")]
     Bind {
         /// Listener name.
         name: String,
@@ -48,7 +50,7 @@ pub enum ServeError {
         /// The address.
         addr: SocketAddr,
         /// The OS error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A plugin could not be compiled, linked or configured.
     #[error("plugins:\n{0}")]
@@ -198,11 +200,11 @@ fn bind_sockets(
     l: &Listener,
     workers: usize,
 ) -> Result<(SocketAddr, Vec<std::net::TcpListener>), ServeError> {
-    let bind_err = |source| ServeError::Bind {
+    let bind_err = |error| ServeError::Bind {
         name: l.name.clone(),
         defined_at: l.defined_at.clone(),
         addr: l.bind,
-        source,
+        error,
     };
     let first = reuseport_socket(l.bind).map_err(bind_err)?;
     let addr = first.local_addr().map_err(bind_err)?;
