@@ -113,6 +113,30 @@ async fn websocket_upgrade_is_refused_on_routes_that_do_not_allow_it() {
     );
 }
 
+#[tokio::test]
+async fn an_upgrade_to_anything_but_websocket_goes_as_a_plain_request() {
+    // curl --http2 asks for h2c this way; the route allows WebSocket only.
+    let echo = upstream::echo("app-proxy").await;
+    let proxy = Proxy::start_default(&[("APP_PROXY_URL", echo.url())]).await;
+    let req = Request::get(proxy.url("/app-proxy/x"))
+        .header("host", "a.example")
+        .header("connection", "Upgrade, HTTP2-Settings")
+        .header("upgrade", "h2c")
+        .header("http2-settings", "AAMAAABkAAQCAAAAAAIAAAAA")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let answer = client::send(&client::http1(), req).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let seen = &answer.json()["headers"];
+    for hop in ["upgrade", "http2-settings"] {
+        assert!(
+            seen.get(hop).is_none(),
+            "{hop} reached the upstream: {seen}"
+        );
+    }
+    assert_ne!(seen["connection"], "upgrade", "{seen}");
+}
+
 const FIFTY_MB: u64 = 50 * 1024 * 1024;
 
 #[tokio::test]

@@ -444,7 +444,7 @@ impl Pipeline {
                 };
                 let upgrade = route.websocket
                     && parts.version == Version::HTTP_11
-                    && forward::is_upgrade(&parts.headers);
+                    && forward::is_websocket_upgrade(&parts.headers);
                 let client_upgrade = if upgrade {
                     parts.extensions.remove::<hyper::upgrade::OnUpgrade>()
                 } else {

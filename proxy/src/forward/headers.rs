@@ -93,15 +93,20 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     }
 }
 
-/// True for an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade`).
-pub fn is_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE)
-        && headers.get_all(header::CONNECTION).iter().any(|v| {
-            v.to_str().is_ok_and(|v| {
-                v.split(',')
-                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
-            })
+/// True for an HTTP/1.1 WebSocket upgrade (`Connection: upgrade` and
+/// `Upgrade: websocket`), the one upgrade a route can allow. Any other
+/// (`h2c`, which RFC 9113 deprecates, or a protocol nobody configured) is
+/// not passed on: the request goes as a plain one without its hop-by-hop
+/// upgrade headers, as Envoy does with h2c, rather than letting the client
+/// switch an upstream connection to a protocol the route never allowed.
+pub fn is_websocket_upgrade(headers: &HeaderMap) -> bool {
+    let has_token = |name: header::HeaderName, token: &str| {
+        headers.get_all(name).iter().any(|v| {
+            v.to_str()
+                .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
         })
+    };
+    has_token(header::UPGRADE, "websocket") && has_token(header::CONNECTION, "upgrade")
 }
 
 /// The `X-Forwarded-For` entry for a client address.
@@ -232,6 +237,25 @@ mod tests {
             left_after(h, true),
             [r#"connection: "upgrade""#, r#"upgrade: "websocket""#]
         );
+    }
+
+    #[test]
+    fn only_a_websocket_upgrade_is_one() {
+        let is = |pairs: &[(&'static str, &'static str)]| is_websocket_upgrade(&headers(pairs));
+        assert!(is(&[
+            ("connection", "keep-alive, Upgrade"),
+            ("upgrade", "WebSocket")
+        ]));
+        assert!(!is(&[
+            ("connection", "Upgrade, HTTP2-Settings"),
+            ("upgrade", "h2c")
+        ]));
+        assert!(!is(&[("connection", "upgrade"), ("upgrade", "tls/1.2")]));
+        assert!(!is(&[("upgrade", "websocket")]));
+        assert!(!is(&[
+            ("connection", "keep-alive"),
+            ("upgrade", "websocket")
+        ]));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 
 pub use h1::H1Body;
-pub use headers::{client_ip_header, is_upgrade, remove_hop_by_hop, set_forwarded};
+pub use headers::{client_ip_header, is_websocket_upgrade, remove_hop_by_hop, set_forwarded};
 pub use tls::client_config as client_tls_config;
 
 use pool::{Conn, ConnPool, Dest, Lease};
@@ -261,7 +261,7 @@ impl UpstreamPool {
             mut headers,
             mut body,
         } = out;
-        let upgrade = headers::is_upgrade(&headers);
+        let upgrade = headers::is_websocket_upgrade(&headers);
         let bodiless = http_body::Body::is_end_stream(&body);
         // A small body of known length is read now: the request is then
         // whole in hand (one write, and sendable again).

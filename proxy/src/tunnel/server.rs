@@ -781,7 +781,7 @@ async fn forward(
     *stats = tunnel.stats;
     // An HTTP/1.1 upgrade (WebSocket) crosses the tunnel as an HTTP/2
     // extended CONNECT (RFC 8441) whose stream then carries the bytes.
-    let upgrade = crate::forward::is_upgrade(req.headers())
+    let upgrade = crate::forward::is_websocket_upgrade(req.headers())
         .then(|| req.headers().get(header::UPGRADE).cloned())
         .flatten();
     let public_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
