@@ -4,10 +4,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use http_body_util::{BodyExt, StreamBody};
 use hyper::{Request, Response};
 use tokio::sync::{Notify, mpsc};
 
 use crate::support::client::{self, Answer, body};
+use crate::support::process::ProxyProcess;
 use crate::support::upstream::{self, full};
 use crate::support::{Proxy, closed_port};
 
@@ -158,31 +160,76 @@ routes:
 }
 
 #[tokio::test]
-async fn idempotent_requests_retry_past_a_dead_endpoint() {
+async fn a_dead_endpoint_is_retried_past_then_left_out_of_the_rotation() {
     let live = upstream::echo("live").await;
     let dead = format!("http://127.0.0.1:{}", closed_port());
-    let proxy = Proxy::start_yaml(&format!(
-        r#"
+    let proxy = ProxyProcess::start(
+        &format!(
+            r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
-upstreams: [{{ name: pair, endpoints: ["{dead}", "{}"], retries: 1 }}]
-routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: pair }}]
+upstreams:
+  - {{ name: pair, endpoints: ["{dead}", "{live}"] }}
+  - {{ name: plain, endpoints: ["{dead}", "{live}"], retries: 0, eject_for: 0s }}
+routes:
+  - {{ name: pair, match: {{ path_prefix: /pair }}, upstream: pair }}
+  - {{ name: plain, match: {{ path_prefix: /plain }}, upstream: plain }}
 "#,
-        live.url()
-    ))
+            live = live.url()
+        ),
+        &["--workers", "2"],
+    )
     .await;
-    for _ in 0..6 {
-        let a = client::get(&proxy.url("/x")).await;
-        assert_eq!(a.status, 200, "GET must be retried on the live endpoint");
+    let http = client::http1();
+    // A connect that fails sends nothing, so every request goes again on
+    // the live endpoint: GETs, POSTs with a body, streamed uploads.
+    for i in 0..6 {
+        let a = client::send(
+            &http,
+            Request::get(proxy.url("/pair")).body(body("")).unwrap(),
+        )
+        .await;
+        assert_eq!(a.status, 200, "GET {i}: {:?}", a.body);
+        let a = client::send(
+            &http,
+            Request::post(proxy.url("/pair"))
+                .body(body("payload"))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(a.status, 200, "POST {i}: {:?}", a.body);
+        assert_eq!(a.json()["body_len"], 7);
+        let streamed = Request::post(proxy.url("/pair"))
+            .body(BodyExt::boxed(StreamBody::new(upstream::chunks(
+                256 * 1024,
+            ))))
+            .unwrap();
+        let a = client::send(&http, streamed).await;
+        assert_eq!(a.status, 200, "streamed POST {i}: {:?}", a.body);
+        assert_eq!(a.json()["body_len"], 256 * 1024);
     }
-    // A POST with a body is never retried, so the ones round robin sends to
-    // the dead endpoint fail. Each worker alternates on its own, so of 20
-    // POSTs spread over two workers, 8 to 12 hit the dead endpoint.
+    // The first failed connect took the dead endpoint out, for every
+    // worker: the requests after it never tried it.
+    let ejected: Vec<_> = proxy
+        .logs
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|l| l.contains("endpoint out of the rotation after a failed connect"))
+        .cloned()
+        .collect();
+    assert_eq!(ejected.len(), 1, "{ejected:#?}");
+    assert!(ejected[0].contains(&dead[7..]), "{}", ejected[0]);
+
+    // Without retries or ejection, round robin keeps sending half the
+    // requests to the dead endpoint.
     let mut failures = 0;
     for _ in 0..20 {
-        let req = Request::post(proxy.url("/x"))
-            .body(body("payload"))
-            .unwrap();
-        if client::send(&client::http1(), req).await.status == 502 {
+        let a = client::send(
+            &http,
+            Request::post(proxy.url("/plain")).body(body("x")).unwrap(),
+        )
+        .await;
+        if a.status == 502 {
             failures += 1;
         }
     }

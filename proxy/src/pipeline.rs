@@ -246,11 +246,11 @@ impl Pipeline {
             if kept.is_none() && spec.tls.insecure_skip_verify && spec.may_use_tls() {
                 tracing::warn!(upstream = %spec.name, "TLS certificate verification is off for this upstream");
             }
-            let counts = forward::in_flight_counts(spec);
+            let shared = forward::shared_endpoints(spec);
             for (w, pools) in upstreams.iter_mut().enumerate() {
                 pools.push(match kept {
                     Some((p, j)) => p.upstreams[w][j].clone(),
-                    None => Arc::new(UpstreamPool::new(spec.clone(), counts.clone())),
+                    None => Arc::new(UpstreamPool::new(spec.clone(), shared.clone())),
                 });
             }
             debug_assert_eq!(upstreams[0].len(), i + 1);

@@ -43,6 +43,8 @@ const DEFAULT_TIMEOUTS: Timeouts = Timeouts {
     idle: Duration::from_secs(90),
 };
 const DEFAULT_RETRIES: u32 = 1;
+/// nginx's `fail_timeout` default.
+const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(10);
 
 /// Error collector and value parser for one file at a time.
 struct Ctx<'e> {
@@ -550,6 +552,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
             .filter(|n| *n <= 10)
             .ok_or_else(|| format!("`{s}` is not a retry count from 0 to 10"))
     });
+    let eject_for = ctx.duration(&u.eject_for, DEFAULT_EJECT_FOR);
     let tls = tls_settings(ctx, &u.tls);
     let http2 = ctx.flag(&u.http2, false);
     let preserve_host = ctx.flag(&u.preserve_host, false);
@@ -559,6 +562,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         balance,
         timeouts,
         retries,
+        eject_for,
         tls,
         http2,
         preserve_host,
@@ -754,6 +758,7 @@ fn route(
             balance: Balance::RoundRobin,
             timeouts: DEFAULT_TIMEOUTS,
             retries: DEFAULT_RETRIES,
+            eject_for: DEFAULT_EJECT_FOR,
             tls: TlsSettings::default(),
             http2: false,
             preserve_host: false,

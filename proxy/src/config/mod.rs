@@ -253,8 +253,12 @@ pub struct Upstream {
     pub balance: Balance,
     /// Timeouts.
     pub timeouts: Timeouts,
-    /// Extra attempts for idempotent, bodiless requests whose connection failed.
+    /// Extra attempts, each on another endpoint, for requests whose
+    /// connection could not be made (nothing was sent, so any method).
     pub retries: u32,
+    /// How long an endpoint whose connect failed stays out of the
+    /// rotation; zero: never taken out.
+    pub eject_for: Duration,
     /// TLS for `https` endpoints.
     pub tls: TlsSettings,
     /// Speak HTTP/2 to the upstream (prior knowledge on cleartext, ALPN on TLS).
@@ -283,6 +287,7 @@ impl Upstream {
             && self.balance == other.balance
             && self.timeouts == other.timeouts
             && self.retries == other.retries
+            && self.eject_for == other.eject_for
             && self.tls == other.tls
             && self.http2 == other.http2
             && self.preserve_host == other.preserve_host

@@ -124,6 +124,7 @@ pub struct RawUpstream {
     pub balance: Option<Text>,
     pub timeouts: Option<RawTimeouts>,
     pub retries: Option<Text>,
+    pub eject_for: Option<Text>,
     pub tls: Option<RawTls>,
     pub http2: Option<Text>,
     pub preserve_host: Option<Text>,

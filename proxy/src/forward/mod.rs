@@ -1,6 +1,8 @@
 //! Sending requests to upstreams: pooled keep-alive connections per upstream,
-//! endpoint balancing, timeouts, and retries of requests that never left.
+//! endpoint balancing, timeouts, retries of requests that never left, and
+//! endpoints that could not be reached kept out of the rotation.
 
+mod ejection;
 mod h1;
 mod headers;
 mod pool;
@@ -14,6 +16,7 @@ use std::time::Duration;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 
+pub use ejection::Ejections;
 pub use h1::H1Body;
 pub use headers::{client_ip_header, is_websocket_upgrade, remove_hop_by_hop, set_forwarded};
 pub use tls::client_config as client_tls_config;
@@ -114,13 +117,25 @@ impl Held {
     }
 }
 
-/// The per-endpoint in-flight counts of an upstream, shared by the workers.
-pub fn in_flight_counts(spec: &Upstream) -> Arc<[AtomicUsize]> {
+/// What the workers' pools of an upstream share about its endpoints.
+#[derive(Clone)]
+pub struct SharedEndpoints {
+    /// Requests in flight per endpoint (least-requests reads them).
+    in_flight: Arc<[AtomicUsize]>,
+    /// Endpoints out of the rotation after a failed connect.
+    ejections: Arc<Ejections>,
+}
+
+/// A fresh [`SharedEndpoints`] for `spec`, made once per upstream.
+pub fn shared_endpoints(spec: &Upstream) -> SharedEndpoints {
     let n = match &spec.target {
         Target::Endpoints(e) => e.len(),
         Target::Template(_) => 1,
     };
-    (0..n).map(|_| AtomicUsize::new(0)).collect()
+    SharedEndpoints {
+        in_flight: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+        ejections: Arc::new(Ejections::new(n, spec.eject_for)),
+    }
 }
 
 /// An upstream's live state: its connections and balancing counters.
@@ -129,6 +144,7 @@ pub struct UpstreamPool {
     pub spec: Arc<Upstream>,
     conns: ConnPool,
     in_flight: Arc<[AtomicUsize]>,
+    ejections: Arc<Ejections>,
     next: AtomicUsize,
 }
 
@@ -173,30 +189,37 @@ async fn read_small_body(body: Body, timeout: Duration) -> Result<bytes::Bytes, 
 const STALE_RETRIES: usize = 3;
 
 impl UpstreamPool {
-    /// Builds one worker's pool for an upstream; `in_flight` counts (per
-    /// endpoint) are shared by all workers' pools of the upstream, so
-    /// least-requests sees the whole process. No connection is opened yet.
-    pub fn new(spec: Arc<Upstream>, in_flight: Arc<[AtomicUsize]>) -> UpstreamPool {
+    /// Builds one worker's pool for an upstream; `shared` (in-flight
+    /// counts and ejections per endpoint) is shared by all workers' pools
+    /// of the upstream, so least-requests sees the whole process and one
+    /// worker's failed connect spares the others. Opens no connection.
+    pub fn new(spec: Arc<Upstream>, shared: SharedEndpoints) -> UpstreamPool {
         UpstreamPool {
-            conns: ConnPool::new(&spec, in_flight.len()),
-            in_flight,
+            conns: ConnPool::new(&spec, shared.in_flight.len()),
+            in_flight: shared.in_flight,
+            ejections: shared.ejections,
             next: AtomicUsize::new(0),
             spec,
         }
     }
 
-    /// Picks the endpoint for a request.
+    /// Picks the endpoint for a request, passing over ejected ones.
     fn pick(&self, n: usize) -> usize {
         if n == 1 {
             return 0;
         }
         let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
         match self.spec.balance {
-            Balance::RoundRobin => start,
-            Balance::LeastRequests => (0..n)
-                .map(|i| (start + i) % n)
-                .min_by_key(|&i| self.in_flight[i].load(Ordering::Relaxed))
-                .unwrap_or(start),
+            Balance::RoundRobin => self.ejections.first_in(start, n),
+            Balance::LeastRequests => {
+                let least = |ejected_too: bool| {
+                    (0..n)
+                        .map(|i| (start + i) % n)
+                        .filter(|&i| ejected_too || !self.ejections.is_out(i))
+                        .min_by_key(|&i| self.in_flight[i].load(Ordering::Relaxed))
+                };
+                least(false).or_else(|| least(true)).unwrap_or(start)
+            }
         }
     }
 
@@ -222,8 +245,10 @@ impl UpstreamPool {
     }
 
     /// Sends `out` to the upstream and waits for the response head, within
-    /// `timeout`. Bodiless idempotent requests whose connection could not be
-    /// made are retried on the next endpoint, up to `retries` times; a
+    /// `timeout`. A request whose connection could not be made is retried
+    /// on the next endpoint in, up to `retries` times: nothing was sent,
+    /// so any method and body may go again (as nginx's and Envoy's connect
+    /// failure retries do); the endpoint is ejected for `eject_for`. A
     /// request that a stale pooled connection gave back unsent is always
     /// sent again on a new connection.
     pub async fn send(
@@ -274,9 +299,10 @@ impl UpstreamPool {
         };
         let whole = bodiless || payload.is_some();
         // As nginx's proxy_next_upstream: a retry goes to another endpoint,
-        // so a single-endpoint upstream never pays for keeping a copy.
-        let retryable =
-            self.spec.retries > 0 && endpoints.len() > 1 && idempotent(&method) && whole;
+        // so a single-endpoint upstream never pays for keeping a copy. Only
+        // a failed connect is retried, before any byte of the request left:
+        // a streamed body is still untouched then.
+        let retryable = self.spec.retries > 0 && endpoints.len() > 1;
         let attempts = if retryable {
             1 + self.spec.retries.min(endpoints.len() as u32 - 1)
         } else {
@@ -291,11 +317,14 @@ impl UpstreamPool {
         // future, and passed by value it was copied twice per request.
         let attempt_all = std::pin::pin!(async {
             let mut last = None;
-            let first = self.pick(endpoints.len());
+            let n = endpoints.len();
+            let mut i = self.pick(n);
             for attempt in 0..attempts {
-                // Retries walk on from the balancer's choice, so each
-                // attempt tries a different endpoint.
-                let i = (first + attempt as usize) % endpoints.len();
+                // Retries walk on from the balancer's choice to the next
+                // endpoint in (the one that failed is out by now).
+                if attempt > 0 {
+                    i = self.ejections.first_in((i + 1) % n, n);
+                }
                 let ep = &endpoints[i];
                 let dest = if template {
                     Dest::Dynamic(ep)
@@ -308,11 +337,6 @@ impl UpstreamPool {
                     std::mem::take(&mut headers)
                 } else {
                     headers.clone()
-                };
-                let mut b = match &payload {
-                    Some(p) => Body::full(p.clone()),
-                    None if last_attempt => std::mem::replace(&mut body, Body::empty()),
-                    None => Body::empty(),
                 };
                 let host = (!self.spec.preserve_host && version == Version::HTTP_11)
                     .then_some(&ep.host_header);
@@ -330,10 +354,21 @@ impl UpstreamPool {
                         Ok(c) => c,
                         Err(e) => {
                             tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, attempt, error = %e, "connect failed");
+                            if n > 1 && self.ejections.eject(i) {
+                                tracing::warn!(upstream = %self.spec.name, endpoint = %ep.authority, error = %e, eject_for = ?self.spec.eject_for, "endpoint out of the rotation after a failed connect");
+                            }
+                            // A request a stale connection gave back keeps
+                            // its body for the next endpoint.
+                            if let Some(r) = req.take() {
+                                body = http::Request::into_body(r);
+                            }
                             last = Some(e);
                             break;
                         }
                     };
+                    if n > 1 && !reused {
+                        self.ejections.readmit(i);
+                    }
                     let mut conn = match conn {
                         Conn::InTask(mut conn, slot) => {
                             let prefix = ep.base_path.as_deref().unwrap_or("");
@@ -379,7 +414,13 @@ impl UpstreamPool {
                     let r = match req.take() {
                         Some(r) => r,
                         None => {
-                            let mut r = Request::new(std::mem::replace(&mut b, Body::empty()));
+                            // Taken only now, once connected: a failed
+                            // connect leaves it for the next endpoint.
+                            let b = match &payload {
+                                Some(p) => Body::full(p.clone()),
+                                None => std::mem::replace(&mut body, Body::empty()),
+                            };
+                            let mut r = Request::new(b);
                             *r.method_mut() = method.clone();
                             *r.uri_mut() = Self::uri(ep, &path, version)?;
                             *r.version_mut() = version;

@@ -1,0 +1,116 @@
+//! Passive health: an endpoint whose connection could not be made sits
+//! out of the rotation for a while (`eject_for`, default 10 s), as nginx
+//! does with its defaults (`max_fails=1 fail_timeout=10s`). Without it,
+//! a dead endpoint of two takes every other request: each pays a refused
+//! connect and a retry, or a whole connect timeout when the address has
+//! gone silent. Shared by all workers' pools of an upstream, so one
+//! worker's failure spares the others the same attempt.
+//!
+//! Only connect failures count: nothing was sent, so the failure says the
+//! endpoint is unreachable, not that one request went wrong.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Until when each endpoint of an upstream is out of the rotation.
+pub struct Ejections {
+    /// Milliseconds on [`now_ms`]'s clock; 0 while the endpoint is in, so
+    /// the common case reads no clock.
+    until_ms: Box<[AtomicU64]>,
+    eject_for_ms: u64,
+}
+
+/// Milliseconds since the first call, plus one: never 0.
+fn now_ms() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+}
+
+impl Ejections {
+    /// `endpoints` all in; `eject_for` zero turns ejection off.
+    pub fn new(endpoints: usize, eject_for: Duration) -> Ejections {
+        Ejections {
+            until_ms: (0..endpoints).map(|_| AtomicU64::new(0)).collect(),
+            eject_for_ms: eject_for.as_millis() as u64,
+        }
+    }
+
+    /// Takes endpoint `i` out after a failed connect. True when it was in
+    /// until now (the caller logs the change once, not per request).
+    pub fn eject(&self, i: usize) -> bool {
+        if self.eject_for_ms == 0 {
+            return false;
+        }
+        let was = self.until_ms[i].swap(now_ms() + self.eject_for_ms, Ordering::Relaxed);
+        was == 0
+    }
+
+    /// Puts endpoint `i` back after a connect succeeded (it was tried
+    /// because every endpoint was out, and it answers again).
+    pub fn readmit(&self, i: usize) {
+        if self.until_ms[i].load(Ordering::Relaxed) != 0 {
+            self.until_ms[i].store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether endpoint `i` is out of the rotation now.
+    pub fn is_out(&self, i: usize) -> bool {
+        let until = self.until_ms[i].load(Ordering::Relaxed);
+        if until == 0 {
+            return false;
+        }
+        if now_ms() < until {
+            return true;
+        }
+        // Its time is up: back in, and later checks skip the clock.
+        let _ = self.until_ms[i].compare_exchange(until, 0, Ordering::Relaxed, Ordering::Relaxed);
+        false
+    }
+
+    /// The first endpoint that is in, walking the rotation from `start`.
+    /// When every endpoint is out, `start`: a connect attempt that may
+    /// succeed beats a certain 502 (Envoy's panic mode does the same).
+    pub fn first_in(&self, start: usize, n: usize) -> usize {
+        (0..n)
+            .map(|k| (start + k) % n)
+            .find(|&i| !self.is_out(i))
+            .unwrap_or(start)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_ejected_endpoint_is_skipped_until_its_time_is_up() {
+        let e = Ejections::new(3, Duration::from_millis(30));
+        assert_eq!(e.first_in(1, 3), 1);
+        assert!(e.eject(1));
+        assert!(!e.eject(1), "already out: not a new ejection");
+        assert!(e.is_out(1));
+        assert_eq!(e.first_in(1, 3), 2);
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(!e.is_out(1));
+        assert_eq!(e.first_in(1, 3), 1);
+    }
+
+    #[test]
+    fn with_every_endpoint_out_the_rotation_goes_on_as_if_none_were() {
+        let e = Ejections::new(2, Duration::from_secs(10));
+        e.eject(0);
+        e.eject(1);
+        assert_eq!(e.first_in(1, 2), 1);
+        e.readmit(1);
+        assert!(!e.is_out(1));
+        assert!(e.is_out(0));
+    }
+
+    #[test]
+    fn zero_turns_ejection_off() {
+        let e = Ejections::new(2, Duration::ZERO);
+        assert!(!e.eject(0));
+        assert!(!e.is_out(0));
+    }
+}
