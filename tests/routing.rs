@@ -219,6 +219,22 @@ routes:
         .collect();
     assert_eq!(ejected.len(), 1, "{ejected:#?}");
     assert!(ejected[0].contains(&dead[7..]), "{}", ejected[0]);
+    // Operators see it on the admin endpoint.
+    let status = proxy.status().await;
+    let out = &status["config"]["ejected_endpoints"];
+    assert_eq!(out.as_array().map(Vec::len), Some(1), "{out}");
+    assert_eq!(out[0]["upstream"], "pair");
+    assert_eq!(out[0]["endpoint"], &dead[7..]);
+    assert!(
+        out[0]["for_ms"].as_u64().is_some_and(|ms| ms <= 10_000),
+        "{out}"
+    );
+    proxy
+        .metrics_showing(&[
+            r#"portcullis_upstream_endpoints_ejected{upstream="pair"} 1"#.into(),
+            r#"portcullis_upstream_endpoints_ejected{upstream="plain"} 0"#.into(),
+        ])
+        .await;
 
     // Without retries or ejection, round robin keeps sending half the
     // requests to the dead endpoint.

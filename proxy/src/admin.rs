@@ -178,6 +178,13 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
             "loaded_at": rfc3339(s.loaded_at),
             "listeners": listeners,
             "upstreams": config.upstreams.iter().map(|u| &*u.name).collect::<Vec<_>>(),
+            "ejected_endpoints": pipeline.ejected_endpoints().iter().flat_map(|(upstream, eps)| {
+                eps.iter().map(move |(endpoint, left)| serde_json::json!({
+                    "upstream": &**upstream,
+                    "endpoint": endpoint,
+                    "for_ms": left.as_millis() as u64,
+                }))
+            }).collect::<Vec<_>>(),
             "routes": config.routes.iter().map(|r| &*r.name).collect::<Vec<_>>(),
             "plugins": config.plugins.iter().map(|p| serde_json::json!({
                 "name": &*p.name,
@@ -289,6 +296,23 @@ fn metrics(reloader: &Reloader) -> String {
         "gauge",
         "Client connections open.",
         &conns,
+    );
+    let ejected: Vec<_> = control
+        .pipeline()
+        .ejected_endpoints()
+        .iter()
+        .map(|(upstream, eps)| {
+            (
+                format!("{{upstream=\"{}\"}}", label(upstream)),
+                eps.len() as f64,
+            )
+        })
+        .collect();
+    metric(
+        "portcullis_upstream_endpoints_ejected",
+        "gauge",
+        "Endpoints out of the rotation after a failed connect, by upstream.",
+        &ejected,
     );
     let mut counters: Vec<_> = crate::plugin::counters()
         .lock()

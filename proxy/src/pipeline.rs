@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use http::header::{self, HeaderValue};
@@ -96,6 +96,9 @@ pub struct ConnInfo {
     /// (HTTP/1 only; `None` for requests that come through a tunnel).
     pub socket: Option<ClientSocket>,
 }
+
+/// An endpoint out of the rotation: its authority and the time it stays out.
+pub type EjectedEndpoint = (String, Duration);
 
 /// One configuration made ready to serve: routes plus upstream pools.
 pub struct Pipeline {
@@ -272,6 +275,18 @@ impl Pipeline {
     /// The config this pipeline serves.
     pub fn config(&self) -> &Arc<Config> {
         &self.config
+    }
+
+    /// Each upstream with the endpoints a failed connect took out of the
+    /// rotation and how long they stay out (shared by the workers, so the
+    /// first worker's pools tell).
+    pub fn ejected_endpoints(&self) -> Vec<(Arc<str>, Vec<EjectedEndpoint>)> {
+        self.upstreams.first().map_or_else(Vec::new, |pools| {
+            pools
+                .iter()
+                .map(|p| (p.spec.name.clone(), p.ejected()))
+                .collect()
+        })
     }
 
     /// Handles one request end to end. Never fails: every problem becomes

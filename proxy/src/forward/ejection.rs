@@ -68,6 +68,13 @@ impl Ejections {
         false
     }
 
+    /// How long endpoint `i` stays out; `None` while it is in.
+    pub fn remaining(&self, i: usize) -> Option<Duration> {
+        let until = self.until_ms[i].load(Ordering::Relaxed);
+        let now = now_ms();
+        (until > now).then(|| Duration::from_millis(until - now))
+    }
+
     /// The first endpoint that is in, walking the rotation from `start`.
     /// When every endpoint is out, `start`: a connect attempt that may
     /// succeed beats a certain 502 (Envoy's panic mode does the same).
@@ -90,6 +97,11 @@ mod tests {
         assert!(e.eject(1));
         assert!(!e.eject(1), "already out: not a new ejection");
         assert!(e.is_out(1));
+        assert!(
+            e.remaining(1)
+                .is_some_and(|d| d <= Duration::from_millis(30))
+        );
+        assert_eq!(e.remaining(0), None);
         assert_eq!(e.first_in(1, 3), 2);
         std::thread::sleep(Duration::from_millis(40));
         assert!(!e.is_out(1));

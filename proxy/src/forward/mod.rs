@@ -203,6 +203,21 @@ impl UpstreamPool {
         }
     }
 
+    /// The endpoints out of the rotation now (authority, time left), for
+    /// the admin endpoint.
+    pub fn ejected(&self) -> Vec<(String, Duration)> {
+        match &self.spec.target {
+            Target::Endpoints(eps) if eps.len() > 1 => eps
+                .iter()
+                .enumerate()
+                .filter_map(|(i, ep)| {
+                    Some((ep.authority.to_string(), self.ejections.remaining(i)?))
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Picks the endpoint for a request, passing over ejected ones.
     fn pick(&self, n: usize) -> usize {
         if n == 1 {
