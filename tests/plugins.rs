@@ -6,8 +6,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use hyper::Request;
 use hyper::header::HeaderValue;
+use hyper::{Request, Response};
 
 use crate::support::client::{self, Answer, body};
 use crate::support::process::{Confine, ProxyProcess};
@@ -226,6 +226,70 @@ routes:
         .body(body(Bytes::new()))
         .unwrap();
     assert_eq!(client::send(&client::http1(), foreign).await.status, 403);
+}
+
+#[tokio::test]
+async fn cors_responses_keep_the_upstreams_vary_and_are_safe_to_cache() {
+    let app = upstream::serve(|_req| async {
+        Response::builder()
+            .header("vary", "Accept-Encoding")
+            .body(upstream::full("ok"))
+            .unwrap()
+    })
+    .await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: headers, path: header-rules.wasm }}]
+routes:
+  - name: listed
+    match: {{ path_prefix: /listed }}
+    upstream: app
+    plugins: [{{ use: headers, config: {{ cors: {{ allow_origins: ["https://ui.example.com"] }} }} }}]
+  - name: any
+    match: {{ path_prefix: /any }}
+    upstream: app
+    plugins: [{{ use: headers, config: {{ cors: {{ allow_origins: ["*"] }} }} }}]
+"#,
+            app.url()
+        ),
+        &["header-rules"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let http = client::http1();
+    let get = |path: &str, origin: Option<&str>| {
+        let mut req = Request::get(proxy.url(path));
+        if let Some(o) = origin {
+            req = req.header("origin", o);
+        }
+        client::send(&http, req.body(body(Bytes::new())).unwrap())
+    };
+    let vary = |a: &Answer| -> Vec<String> {
+        a.headers
+            .get_all("vary")
+            .iter()
+            .flat_map(|v| v.to_str().unwrap().split(','))
+            .map(|t| t.trim().to_ascii_lowercase())
+            .collect()
+    };
+    // The answer depends on Origin: every response says so, the one to a
+    // request without Origin too, and the upstream's Vary stays.
+    for origin in [Some("https://ui.example.com"), None] {
+        let a = get("/listed", origin).await;
+        assert_eq!(a.status, 200);
+        assert_eq!(vary(&a), ["accept-encoding", "origin"], "origin {origin:?}");
+        assert_eq!(
+            a.header("access-control-allow-origin"),
+            origin,
+            "origin {origin:?}"
+        );
+    }
+    // A plain `*` does not vary: it is on every response.
+    let a = get("/any", None).await;
+    assert_eq!(a.header("access-control-allow-origin"), Some("*"));
+    assert_eq!(vary(&a), ["accept-encoding"]);
 }
 
 #[tokio::test]

@@ -73,11 +73,16 @@ impl Cors {
         }
     }
 
+    /// Whether the answer depends on the request's `Origin` (anything but
+    /// a plain `*`). Then every response says `Vary: Origin`, those to
+    /// requests without one too: a cache that kept an answer without the
+    /// CORS headers would otherwise serve it to a browser that needs them.
+    fn varies_by_origin(&self) -> bool {
+        self.allow_credentials || !self.allow_origins.iter().any(|o| o == "*")
+    }
+
     fn common(&self, origin: String) -> Vec<Header> {
-        let mut h = vec![
-            header("access-control-allow-origin", &origin),
-            header("vary", "Origin"),
-        ];
+        let mut h = vec![header("access-control-allow-origin", &origin)];
         if self.allow_credentials {
             h.push(header("access-control-allow-credentials", "true"));
         }
@@ -116,6 +121,9 @@ impl Plugin for HeaderRules {
                 return portcullis_sdk::respond(403, "origin not allowed");
             };
             let mut headers = cors.common(allowed);
+            if cors.varies_by_origin() {
+                headers.push(header("vary", "Origin"));
+            }
             headers.push(header(
                 "access-control-allow-methods",
                 &cors.allow_methods.join(", "),
@@ -148,7 +156,15 @@ impl Plugin for HeaderRules {
         _resp: &ResponseHead,
     ) -> HeaderEdits {
         let mut edits = c.response.to_wit();
-        if let (Some(cors), Some(origin)) = (&c.cors, req.header_str("origin"))
+        let Some(cors) = &c.cors else {
+            return edits;
+        };
+        // Added, not set: the upstream's own `Vary` (Accept-Encoding, say)
+        // must survive, or caches mix up its variants.
+        if cors.varies_by_origin() {
+            edits.add.push(header("vary", "Origin"));
+        }
+        if let Some(origin) = req.header_str("origin")
             && let Some(allowed) = cors.allow_origin(&origin)
         {
             edits.set.extend(cors.common(allowed));
@@ -158,6 +174,10 @@ impl Plugin for HeaderRules {
                     &cors.expose_headers.join(", "),
                 ));
             }
+        } else if !cors.varies_by_origin() {
+            // A plain `*` does not vary, so it goes on every response, a
+            // cached one included, whoever asked first.
+            edits.set.push(header("access-control-allow-origin", "*"));
         }
         edits
     }
