@@ -576,6 +576,15 @@ routes:
           issuer: https://issuer.example
           audiences: [runtime-api]
           claims_to_headers: {{ sub: x-user, tenant: x-tenant }}
+  - name: open
+    match: {{ path_prefix: /open }}
+    upstream: api
+    plugins:
+      - use: jwt
+        config:
+          hs256_secret: "${{JWT_SECRET}}"
+          required: false
+          claims_to_headers: {{ sub: x-user }}
 "#,
             api.url()
         ),
@@ -645,6 +654,16 @@ routes:
         3,
         "refused requests never reach the upstream"
     );
+
+    // Where a token is optional, a request without one passes, but not a
+    // claim header the client wrote itself.
+    let req = Request::get(proxy.url("/open/me"))
+        .header("x-user", "mallory")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let a = client::send(&client::http1(), req).await;
+    assert_eq!(a.status, 200);
+    assert!(a.json()["headers"].get("x-user").is_none(), "{}", a.json());
 }
 
 #[tokio::test]

@@ -271,6 +271,19 @@ fn times(claims: &serde_json::Map<String, Value>) -> cache::Verified {
     }
 }
 
+/// The header edits for a request let through without a token
+/// (`required: false`): the claim headers go, or a client could name
+/// itself in `X-User` and the upstream would take it as verified.
+fn anonymous_edits(config: &Config) -> HeaderEdits {
+    let mut edits = portcullis_sdk::no_edits();
+    edits.remove = config
+        .claims_to_headers
+        .values()
+        .map(|name| name.to_ascii_lowercase())
+        .collect();
+    edits
+}
+
 /// The header edits a verified token's claims make.
 fn claim_edits(config: &Config, claims: &serde_json::Map<String, Value>) -> HeaderEdits {
     let mut edits = portcullis_sdk::no_edits();
@@ -351,7 +364,7 @@ impl Plugin for JwtAuth {
             return if c.required {
                 unauthorized("missing bearer token")
             } else {
-                portcullis_sdk::forward()
+                portcullis_sdk::forward_with(anonymous_edits(c))
             };
         };
         match decide(c, token, portcullis_sdk::now_unix_ms() / 1000) {
