@@ -884,6 +884,14 @@ routes:
     );
     assert_eq!(get("/office", Some("203.0.113.66")).await, 403);
     assert_eq!(get("/office", None).await, 403);
+    // A trusted proxy that adds a line of its own (HAProxy) instead of
+    // appending: the client's line, first, does not decide.
+    let req = Request::get(proxy.url("/office"))
+        .header("x-forwarded-for", "203.0.113.10")
+        .header("x-forwarded-for", "198.51.100.7")
+        .body(body(Bytes::new()))
+        .unwrap();
+    assert_eq!(client::send(&client::http1(), req).await.status, 403);
 }
 
 #[tokio::test]
