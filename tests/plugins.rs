@@ -86,6 +86,32 @@ async fn github_webhooks_are_verified_and_forwarded_byte_for_byte() {
 }
 
 #[tokio::test]
+async fn the_default_webhook_route_takes_a_webhook_as_large_as_github_sends() {
+    // GitHub caps payloads at 25 MB; a push of a big monorepo gets close.
+    let events = upstream::echo("events").await;
+    let secret = "big-secret";
+    let proxy = Proxy::start_dir(
+        default_policies_with_plugin(),
+        &[
+            ("PORTCULLIS_LISTEN", "127.0.0.1:0".into()),
+            ("EVENTSOURCE_URL", events.url()),
+            ("WEBHOOK_SECRET", secret.into()),
+        ],
+    )
+    .await;
+    let payload = Bytes::from(vec![b'x'; 24 << 20]);
+    let signature = format!("sha256={}", hmac_sha256_hex(secret.as_bytes(), &payload));
+    let req = Request::post(proxy.url("/webhooks/argo-events/github/push"))
+        .header("x-hub-signature-256", &signature)
+        .body(body(payload.clone()))
+        .unwrap();
+    let a = client::send(&client::http1(), req).await;
+    assert_eq!(a.status, 200, "{:?}", String::from_utf8_lossy(&a.body));
+    assert_eq!(a.json()["body_len"], payload.len());
+    assert_eq!(a.json()["body_fnv"], upstream::fnv(&payload));
+}
+
+#[tokio::test]
 async fn without_a_webhook_secret_unsigned_webhooks_pass_as_before() {
     let (events, hits) = upstream::counted_echo("counted").await;
     let proxy = Proxy::start_dir(
