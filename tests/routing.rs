@@ -346,3 +346,27 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: e }}]
     let a = client::send(&client::h2c(), req).await;
     assert_eq!(a.json()["target"], "/base/x?y=2");
 }
+
+#[tokio::test]
+async fn cookies_an_http2_client_splits_reach_an_http1_upstream_as_one_header() {
+    let echo = upstream::echo("e").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: e, endpoints: ["{}"] }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: e }}]
+"#,
+        echo.url()
+    ))
+    .await;
+    // Browsers over HTTP/2 send each cookie as a field of its own; over
+    // HTTP/1.1 they must be one line joined by "; " (RFC 9113 8.2.3).
+    let req = Request::get(proxy.url("/x"))
+        .header("cookie", "a=1")
+        .header("cookie", "b=2")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let a = client::send(&client::h2c(), req).await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["headers"]["cookie"], "a=1; b=2");
+}

@@ -468,6 +468,9 @@ impl Pipeline {
                 let proto = if conn.tls { "https" } else { "http" };
                 let mut headers = std::mem::take(&mut parts.headers);
                 forward::remove_hop_by_hop(&mut headers, upgrade);
+                if parts.version == Version::HTTP_2 {
+                    forward::join_cookie_crumbs(&mut headers);
+                }
                 // HTTP/2 clients send the host as :authority, HTTP/1 as Host.
                 let public_host = match parts.uri.authority() {
                     Some(a) => HeaderValue::from_str(a.as_str()).ok(),

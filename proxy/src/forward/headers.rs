@@ -109,6 +109,27 @@ pub fn is_websocket_upgrade(headers: &HeaderMap) -> bool {
     has_token(header::UPGRADE, "websocket") && has_token(header::CONNECTION, "upgrade")
 }
 
+/// Joins an HTTP/2 request's cookie fields into one `Cookie` header.
+/// HTTP/2 clients may send each cookie as a field of its own (browsers
+/// do), and RFC 9113 8.2.3 has them joined with "; " before the request
+/// goes on over HTTP/1.1, where many servers read only one Cookie line.
+pub fn join_cookie_crumbs(headers: &mut HeaderMap) {
+    let mut crumbs = headers.get_all(header::COOKIE).iter();
+    if crumbs.next().is_none() || crumbs.next().is_none() {
+        return;
+    }
+    let mut joined = Vec::new();
+    for crumb in headers.get_all(header::COOKIE) {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(crumb.as_bytes());
+    }
+    if let Ok(value) = HeaderValue::from_bytes(&joined) {
+        headers.insert(header::COOKIE, value);
+    }
+}
+
 /// The `X-Forwarded-For` entry for a client address.
 pub fn client_ip_header(client: IpAddr) -> HeaderValue {
     HeaderValue::try_from(client.to_canonical().to_string())
@@ -166,6 +187,17 @@ mod tests {
         for other in [header::HOST, header::CONTENT_LENGTH, header::COOKIE] {
             assert_eq!(hop_by_hop_index(&other), None, "{other}");
         }
+    }
+
+    #[test]
+    fn cookie_crumbs_become_one_header() {
+        let mut h = headers(&[("cookie", "a=1"), ("accept", "*/*"), ("cookie", "b=2")]);
+        join_cookie_crumbs(&mut h);
+        let all: Vec<_> = h.get_all(header::COOKIE).iter().collect();
+        assert_eq!(all, ["a=1; b=2"]);
+        let mut one = headers(&[("cookie", "a=1; b=2")]);
+        join_cookie_crumbs(&mut one);
+        assert_eq!(one.get(header::COOKIE).unwrap(), "a=1; b=2");
     }
 
     #[test]

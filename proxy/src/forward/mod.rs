@@ -18,7 +18,9 @@ use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 
 pub use ejection::Ejections;
 pub use h1::H1Body;
-pub use headers::{client_ip_header, is_websocket_upgrade, remove_hop_by_hop, set_forwarded};
+pub use headers::{
+    client_ip_header, is_websocket_upgrade, join_cookie_crumbs, remove_hop_by_hop, set_forwarded,
+};
 pub use tls::client_config as client_tls_config;
 
 use pool::{Conn, ConnPool, Dest, Lease};
