@@ -738,6 +738,14 @@ routes:
         .body(body(Bytes::new()))
         .unwrap();
     assert_eq!(which(cookie).await, "canary");
+    // Browsers over HTTP/2 send each cookie as a field of its own.
+    let crumbs = Request::get(proxy.url("/x"))
+        .header("cookie", "a=1")
+        .header("cookie", "canary=1")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let a = client::send(&client::h2c(), crumbs).await;
+    assert_eq!(a.json()["upstream"], "canary");
     let mut to_canary = 0;
     for _ in 0..100 {
         if which(
