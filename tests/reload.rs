@@ -445,6 +445,14 @@ async fn sighup_reloads_when_watching_is_off() {
     let answer = client::send(&client::http1(), req).await;
     assert_eq!(answer.status, 200);
     assert_eq!(answer.json()["result"], "unchanged");
+    // A GET does not reload: 405 says which method does.
+    let answer = client::get(&proxy.admin_url("/reload")).await;
+    assert_eq!(answer.status, 405);
+    assert_eq!(answer.header("allow"), Some("POST"));
+    let req = Request::head(proxy.admin_url("/status"))
+        .body(body(Bytes::new()))
+        .unwrap();
+    assert_eq!(client::send(&client::http1(), req).await.status, 200);
     std::fs::write(&file, "routes: [ oops").unwrap();
     let req = Request::post(proxy.admin_url("/reload"))
         .body(body(Bytes::new()))

@@ -73,7 +73,25 @@ pub async fn serve_with(addr: SocketAddr, handler: Handler) -> std::io::Result<S
 pub type Answer = Response<Full<Bytes>>;
 
 async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
-    match (req.method(), req.uri().path()) {
+    let path = req.uri().path();
+    let allow = match path {
+        "/status" | "/metrics" | "/readyz" => "GET, HEAD",
+        "/reload" => "POST",
+        _ => {
+            return json(
+                StatusCode::NOT_FOUND,
+                serde_json::json!({"error": "not found", "endpoints": ["GET /status", "GET /metrics", "GET /readyz", "POST /reload"]}),
+            );
+        }
+    };
+    // HEAD is GET without the body (hyper leaves the body out), as a
+    // probe or `curl -I` expects.
+    let method = if req.method() == Method::HEAD {
+        &Method::GET
+    } else {
+        req.method()
+    };
+    match (method, path) {
         (&Method::GET, "/status") => json(StatusCode::OK, status_json(reloader)),
         (&Method::GET, "/metrics") => prometheus(metrics(reloader)),
         (&Method::GET, "/readyz") => {
@@ -100,14 +118,16 @@ async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
             }
             json(status, body)
         }
-        (_, "/status" | "/metrics" | "/reload") => json(
-            StatusCode::METHOD_NOT_ALLOWED,
-            serde_json::json!({"error": "use GET /status, GET /metrics or POST /reload"}),
-        ),
-        _ => json(
-            StatusCode::NOT_FOUND,
-            serde_json::json!({"error": "not found", "endpoints": ["GET /status", "GET /metrics", "POST /reload"]}),
-        ),
+        _ => {
+            // RFC 9110 15.5.6: a 405 says which methods the resource takes.
+            let mut resp = json(
+                StatusCode::METHOD_NOT_ALLOWED,
+                serde_json::json!({"error": format!("{path} takes {allow}")}),
+            );
+            resp.headers_mut()
+                .insert(header::ALLOW, header::HeaderValue::from_static(allow));
+            resp
+        }
     }
 }
 
