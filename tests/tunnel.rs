@@ -235,6 +235,13 @@ routes:
     let hello = server.get("rt-a", "/hello").await;
     assert_eq!(hello.status, 200);
     assert_eq!(hello.body, "hello from the cluster");
+    // The server's admin endpoints only read.
+    let req = Request::post(server.process.admin_url("/status"))
+        .body(body(Bytes::new()))
+        .unwrap();
+    let a = client::send(&client::http1(), req).await;
+    assert_eq!(a.status, 405);
+    assert_eq!(a.header("allow"), Some("GET, HEAD"));
 
     // A body streamed up, with the forwarding headers a direct ingress gives.
     let data = vec![7u8; 1 << 20];

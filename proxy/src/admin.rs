@@ -118,17 +118,20 @@ async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
             }
             json(status, body)
         }
-        _ => {
-            // RFC 9110 15.5.6: a 405 says which methods the resource takes.
-            let mut resp = json(
-                StatusCode::METHOD_NOT_ALLOWED,
-                serde_json::json!({"error": format!("{path} takes {allow}")}),
-            );
-            resp.headers_mut()
-                .insert(header::ALLOW, header::HeaderValue::from_static(allow));
-            resp
-        }
+        _ => method_not_allowed(path, allow),
     }
+}
+
+/// 405 for `path`, which takes `allow`. RFC 9110 15.5.6: a 405 says which
+/// methods the resource takes, in `Allow`.
+pub fn method_not_allowed(path: &str, allow: &'static str) -> Answer {
+    let mut resp = json(
+        StatusCode::METHOD_NOT_ALLOWED,
+        serde_json::json!({"error": format!("{path} takes {allow}")}),
+    );
+    resp.headers_mut()
+        .insert(header::ALLOW, header::HeaderValue::from_static(allow));
+    resp
 }
 
 /// A Prometheus text answer.
