@@ -257,6 +257,28 @@ impl RequestHead {
     pub fn headers(&self) -> Vec<Header> {
         portcullis::policy::host::request_headers()
     }
+
+    /// Every field called `name`, joined with `separator`: see
+    /// [`join_fields`]. Use it where a client or a proxy may split the
+    /// header over fields; [`RequestHead::header`] gives only the first.
+    pub fn header_joined(&self, name: &str, separator: &str) -> Option<String> {
+        join_fields(&self.headers(), name, separator)
+    }
+}
+
+/// Every field of `headers` called `name` (any case), in order, joined
+/// with `separator`; `None` when there is none. A header sent over several
+/// fields is one list (RFC 9110 5.3), and the first field alone can be the
+/// wrong one: a proxy may add an `X-Forwarded-For` line of its own rather
+/// than append to the client's (HAProxy does), and HTTP/2 clients send
+/// each cookie as a field of its own (join those with "; ").
+pub fn join_fields(headers: &[Header], name: &str, separator: &str) -> Option<String> {
+    let fields: Vec<&str> = headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case(name))
+        .filter_map(|h| std::str::from_utf8(&h.value).ok())
+        .collect();
+    (!fields.is_empty()).then(|| fields.join(separator))
 }
 
 impl ResponseHead {
@@ -353,6 +375,32 @@ mod tests {
     struct Cors {
         #[allow(dead_code)]
         allow_origins: Vec<String>,
+    }
+
+    #[test]
+    fn a_header_split_over_fields_is_one_list() {
+        use super::{Header, join_fields};
+        let h = |name: &str, value: &str| Header {
+            name: name.into(),
+            value: value.as_bytes().to_vec(),
+        };
+        // The client's X-Forwarded-For line first, then the one a proxy
+        // added; HTTP/2 cookie crumbs.
+        let headers = [
+            h("x-forwarded-for", "10.0.0.1"),
+            h("cookie", "a=1"),
+            h("X-Forwarded-For", "203.0.113.9"),
+            h("cookie", "canary=yes"),
+        ];
+        assert_eq!(
+            join_fields(&headers, "x-forwarded-for", ", ").as_deref(),
+            Some("10.0.0.1, 203.0.113.9")
+        );
+        assert_eq!(
+            join_fields(&headers, "Cookie", "; ").as_deref(),
+            Some("a=1; canary=yes")
+        );
+        assert_eq!(join_fields(&headers, "accept", ", "), None);
     }
 
     #[test]
