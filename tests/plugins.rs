@@ -34,19 +34,24 @@ fn default_policies_with_plugin() -> tempfile::TempDir {
     dir
 }
 
+/// The default policies in-process, webhooks to `events`, with
+/// `WEBHOOK_SECRET` set to `secret` when given.
+async fn default_webhook_proxy(events: &Upstream, secret: Option<&str>) -> Proxy {
+    let mut env = vec![
+        ("PORTCULLIS_LISTEN", "127.0.0.1:0".to_owned()),
+        ("EVENTSOURCE_URL", events.url()),
+    ];
+    if let Some(secret) = secret {
+        env.push(("WEBHOOK_SECRET", secret.to_owned()));
+    }
+    Proxy::start_dir(default_policies_with_plugin(), &env).await
+}
+
 #[tokio::test]
 async fn github_webhooks_are_verified_and_forwarded_byte_for_byte() {
     let (events, hits) = upstream::counted_echo("counted").await;
     let secret = "It's a Secret to Everybody";
-    let proxy = Proxy::start_dir(
-        default_policies_with_plugin(),
-        &[
-            ("PORTCULLIS_LISTEN", "127.0.0.1:0".into()),
-            ("EVENTSOURCE_URL", events.url()),
-            ("WEBHOOK_SECRET", secret.into()),
-        ],
-    )
-    .await;
+    let proxy = default_webhook_proxy(&events, Some(secret)).await;
     let payload = Bytes::from(format!(
         "{{\"ref\":\"refs/heads/main\",\"pad\":\"{}\"}}",
         "x".repeat(100_000)
@@ -90,15 +95,7 @@ async fn the_default_webhook_route_takes_a_webhook_as_large_as_github_sends() {
     // GitHub caps payloads at 25 MB; a push of a big monorepo gets close.
     let events = upstream::echo("events").await;
     let secret = "big-secret";
-    let proxy = Proxy::start_dir(
-        default_policies_with_plugin(),
-        &[
-            ("PORTCULLIS_LISTEN", "127.0.0.1:0".into()),
-            ("EVENTSOURCE_URL", events.url()),
-            ("WEBHOOK_SECRET", secret.into()),
-        ],
-    )
-    .await;
+    let proxy = default_webhook_proxy(&events, Some(secret)).await;
     let payload = Bytes::from(vec![b'x'; 24 << 20]);
     let signature = format!("sha256={}", hmac_sha256_hex(secret.as_bytes(), &payload));
     let req = Request::post(proxy.url("/webhooks/argo-events/github/push"))
@@ -114,14 +111,7 @@ async fn the_default_webhook_route_takes_a_webhook_as_large_as_github_sends() {
 #[tokio::test]
 async fn without_a_webhook_secret_unsigned_webhooks_pass_as_before() {
     let (events, hits) = upstream::counted_echo("counted").await;
-    let proxy = Proxy::start_dir(
-        default_policies_with_plugin(),
-        &[
-            ("PORTCULLIS_LISTEN", "127.0.0.1:0".into()),
-            ("EVENTSOURCE_URL", events.url()),
-        ],
-    )
-    .await;
+    let proxy = default_webhook_proxy(&events, None).await;
     let req = Request::post(proxy.url("/webhooks/ns/github/push"))
         .body(body("{}"))
         .unwrap();
