@@ -13,6 +13,19 @@ use crate::support::process::ProxyProcess;
 use crate::support::upstream::{self, full};
 use crate::support::{Proxy, closed_port};
 
+/// A proxy whose one route sends every request to `up`.
+async fn forwarding_all_to(up: &upstream::Upstream) -> Proxy {
+    Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: e, endpoints: ["{}"] }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: e }}]
+"#,
+        up.url()
+    ))
+    .await
+}
+
 async fn send(
     proxy: &Proxy,
     method: &str,
@@ -299,15 +312,7 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: pair }}]
 #[tokio::test]
 async fn upstream_connections_are_kept_alive_and_reused() {
     let e = upstream::echo("e").await;
-    let proxy = Proxy::start_yaml(&format!(
-        r#"
-listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
-upstreams: [{{ name: e, endpoints: ["{}"] }}]
-routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: e }}]
-"#,
-        e.url()
-    ))
-    .await;
+    let proxy = forwarding_all_to(&e).await;
     // One keep-alive client connection lands on one worker, whose pool
     // should serve every request on one upstream connection.
     let c = client::http1();
@@ -350,15 +355,7 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: e }}]
 #[tokio::test]
 async fn cookies_an_http2_client_splits_reach_an_http1_upstream_as_one_header() {
     let echo = upstream::echo("e").await;
-    let proxy = Proxy::start_yaml(&format!(
-        r#"
-listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
-upstreams: [{{ name: e, endpoints: ["{}"] }}]
-routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: e }}]
-"#,
-        echo.url()
-    ))
-    .await;
+    let proxy = forwarding_all_to(&echo).await;
     // Browsers over HTTP/2 send each cookie as a field of its own; over
     // HTTP/1.1 they must be one line joined by "; " (RFC 9113 8.2.3).
     let req = Request::get(proxy.url("/x"))
