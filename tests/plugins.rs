@@ -1098,6 +1098,69 @@ routes:
     assert_eq!(looped.json()["error"], "plugin timed out");
 }
 
+/// A plugin call given a large body (a big webhook being hashed) runs off
+/// the worker: with one worker, other requests are answered while it runs,
+/// and the call still stops at its deadline.
+#[tokio::test]
+async fn a_plugin_working_on_a_large_body_leaves_its_worker_serving() {
+    let up = upstream::echo("up").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: up, endpoints: ["{}"] }}]
+plugins: [{{ name: busy, path: fixture-busy.wasm }}]
+routes:
+  - name: long
+    match: {{ path: /long }}
+    upstream: up
+    plugins: [{{ use: busy, timeout: 10s, config: {{ iterations: 1000000000000, read_body: 1048576 }} }}]
+  - name: short
+    match: {{ path: /short }}
+    upstream: up
+    plugins: [{{ use: busy, timeout: 50ms, config: {{ iterations: 1000000000000, read_body: 1048576 }} }}]
+  - {{ name: plain, match: {{ path: /plain }}, upstream: up }}
+"#,
+            up.url()
+        ),
+        &["fixture-busy"],
+    );
+    let mut proxy = ProxyProcess::start_on(dir.path(), &["--workers", "1"]).await;
+    let webhook = Request::post(proxy.url("/long"))
+        .body(body(vec![b'x'; 256 << 10]))
+        .unwrap();
+    let long = tokio::spawn(async move { client::send(&client::http1(), webhook).await });
+    proxy.wait_for_log("busy with the body").await;
+
+    let plain = client::get(&proxy.url("/plain")).await;
+    assert_eq!(plain.status, 200);
+    // Had the call held the worker, `/long` would have been answered (at
+    // its deadline) before the worker read `/plain`: its access line would
+    // come first.
+    let logs = proxy.logs.lock().unwrap().clone();
+    let access = |path: &str| {
+        logs.iter().position(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .is_ok_and(|v| v["target"] == "access" && v["path"] == path)
+        })
+    };
+    assert!(access("/plain").is_some(), "no access line for /plain");
+    assert_eq!(access("/long"), None, "/long ended first: {logs:#?}");
+    assert!(!long.is_finished());
+    long.abort();
+
+    // An offloaded call is stopped at its deadline like any other.
+    let short = client::send(
+        &client::http1(),
+        Request::post(proxy.url("/short"))
+            .body(body(vec![b'x'; 256 << 10]))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(short.status, 503);
+    assert_eq!(short.json()["error"], "plugin timed out");
+}
+
 /// The SDK example guarding `/api` (to `api`) and a local answer.
 fn require_header_policies(api: &Upstream) -> tempfile::TempDir {
     policy_dir(

@@ -133,13 +133,14 @@ pub fn on_request<'a>(
         upstream: None,
         path: None,
     };
-    run(chain, 0, progress, headers, None, route, config)
+    run(chain, progress, headers, route, config)
 }
 
 impl<'a> PendingBody<'a> {
     /// Reads the request body (up to the plugin's bound) into memory,
     /// forwards exactly those bytes, and runs the rest of the chain with
-    /// them, starting again at the plugin that asked.
+    /// them, starting again at the plugin that asked. Calls given a large
+    /// body run off the worker ([`plugin::offload`]).
     pub async fn read(
         self,
         body: &mut Body,
@@ -148,157 +149,209 @@ impl<'a> PendingBody<'a> {
         config: &Config,
     ) -> RequestOutcome<'a> {
         let taken = std::mem::replace(body, Body::empty());
-        match read_body(taken, headers, self.max).await {
-            Ok(bytes) => {
-                *body = Body::full(bytes.clone());
-                match run(
-                    self.chain,
-                    self.at,
-                    self.progress,
-                    headers,
-                    Some(&bytes),
-                    route,
-                    config,
-                ) {
-                    Step::Done(outcome) => outcome,
-                    // With the body in hand, no plugin is asked again.
-                    Step::ReadBody(_) => unreachable!("the body was already read"),
-                }
-            }
+        let bytes = match read_body(taken, headers, self.max).await {
+            Ok(bytes) => bytes,
             Err(status) => {
                 let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
                     "request body too large for the route's plugin"
                 } else {
                     "request body could not be read"
                 };
-                let plugin = self
-                    .chain
-                    .iter()
-                    .filter(|b| b.hooks.contains(Hooks::REQUEST))
+                let plugin = request_hooks(self.chain)
                     .nth(self.at)
                     .map(|b| b.plugin.clone());
-                RequestOutcome::Answer(json_error(status, message, route, plugin.as_deref()))
+                return RequestOutcome::Answer(json_error(
+                    status,
+                    message,
+                    route,
+                    plugin.as_deref(),
+                ));
+            }
+        };
+        *body = Body::full(bytes.clone());
+        let mut progress = self.progress;
+        for (i, binding) in request_hooks(self.chain).enumerate().skip(self.at) {
+            // The plugin that asked for the body has had its one ask; a
+            // later one may ask once (the body is in hand: it is called
+            // again with it).
+            let mut asked = i == self.at;
+            loop {
+                let result = match binding
+                    .on_request_with_body(&mut progress.facts, headers, &bytes)
+                    .await
+                {
+                    Ok(result) => result,
+                    Err(plugin::Lost) => {
+                        return RequestOutcome::Answer(json_error(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "proxy shutting down",
+                            route,
+                            Some(&binding.plugin),
+                        ));
+                    }
+                };
+                match after_call(binding, result, &mut progress, headers, route, config) {
+                    Flow::Next => break,
+                    Flow::Answer(resp) => return RequestOutcome::Answer(resp),
+                    Flow::WantsBody(_) if !asked => asked = true,
+                    Flow::WantsBody(_) => {
+                        let e = PluginError::Trap {
+                            plugin: binding.plugin.clone(),
+                            message: "asked for the body twice".into(),
+                        };
+                        match fail(binding, route, &e) {
+                            Some(resp) => return RequestOutcome::Answer(resp),
+                            None => break,
+                        }
+                    }
+                }
             }
         }
+        finish(self.chain, progress, headers)
     }
 }
 
-/// Runs the request hooks from the `start`-th on. With `buffered`, the
-/// body was read for the `start`-th plugin, which is called again with it.
+/// The plugins of `chain` with a request hook, in order.
+fn request_hooks(chain: &[Arc<Binding>]) -> impl Iterator<Item = &Arc<Binding>> {
+    chain.iter().filter(|b| b.hooks.contains(Hooks::REQUEST))
+}
+
+/// Runs the request hooks of a request whose body no plugin has asked for
+/// (yet): stops at the first that asks.
 fn run<'a>(
     chain: &'a [Arc<Binding>],
-    start: usize,
     mut progress: Progress,
     headers: &mut http::HeaderMap,
-    buffered: Option<&Bytes>,
     route: &Route,
     config: &Config,
 ) -> Step<'a> {
-    let hooks = chain
-        .iter()
-        .filter(|b| b.hooks.contains(Hooks::REQUEST))
-        .enumerate()
-        .skip(start);
-    for (i, binding) in hooks {
-        // The plugin that asked for the body has had its one ask.
-        let mut read_once = buffered.is_some() && i == start;
-        loop {
-            match binding.on_request(&mut progress.facts, headers, buffered.map(|b| &b[..])) {
-                Ok(Decision::Forward(f)) => {
-                    // Later plugins read the request as edited.
-                    plugin::apply_edits(headers, &f.headers, &binding.plugin);
-                    if let Some(p) = f.path {
-                        match PathAndQuery::try_from(p.as_str()) {
-                            Ok(pq) if p.starts_with('/') => {
-                                if let Some(f) = progress.facts.as_mut() {
-                                    f.rewritten = Some(pq.clone());
-                                }
-                                progress.path = Some(pq);
-                            }
-                            _ => {
-                                tracing::warn!(plugin = %binding.plugin, route = %route.name, path = %p, "plugin set an invalid path");
-                                return Step::Done(RequestOutcome::Answer(json_error(
-                                    StatusCode::INTERNAL_SERVER_ERROR,
-                                    "plugin set an invalid path",
-                                    route,
-                                    Some(&binding.plugin),
-                                )));
-                            }
-                        }
-                    }
-                    if let Some(name) = f.upstream {
-                        match config.upstream_index(&name) {
-                            Some(u) => progress.upstream = Some(u),
-                            None => {
-                                tracing::warn!(plugin = %binding.plugin, route = %route.name, upstream = %name, "plugin chose an unknown upstream");
-                                return Step::Done(RequestOutcome::Answer(json_error(
-                                    StatusCode::INTERNAL_SERVER_ERROR,
-                                    "plugin chose an unknown upstream",
-                                    route,
-                                    Some(&binding.plugin),
-                                )));
-                            }
-                        }
-                    }
-                    break;
-                }
-                Ok(Decision::Respond(local)) => {
-                    let mut resp = Response::new(Body::full(local.body));
-                    *resp.status_mut() = StatusCode::from_u16(local.status)
-                        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-                    let edits = plugin::HeaderEdits {
-                        remove: Vec::new(),
-                        set: Vec::new(),
-                        add: local.headers,
-                    };
-                    plugin::apply_edits(resp.headers_mut(), &edits, &binding.plugin);
-                    return Step::Done(RequestOutcome::Answer(resp));
-                }
-                Ok(Decision::ReadBody(max)) if !read_once && buffered.is_none() => {
-                    return Step::ReadBody(Box::new(PendingBody {
-                        chain,
-                        at: i,
-                        max,
-                        progress,
-                    }));
-                }
-                // The body was already read (by this plugin or an earlier
-                // one): call again, with it.
-                Ok(Decision::ReadBody(_)) if !read_once => read_once = true,
-                Ok(Decision::ReadBody(_)) => {
-                    let e = PluginError::Trap {
-                        plugin: binding.plugin.clone(),
-                        message: "asked for the body twice".into(),
-                    };
-                    match fail(binding, route, &e) {
-                        Some(resp) => return Step::Done(RequestOutcome::Answer(resp)),
-                        None => break,
-                    }
-                }
-                Err(e) => match fail(binding, route, &e) {
-                    Some(resp) => return Step::Done(RequestOutcome::Answer(resp)),
-                    None => break,
-                },
+    for (at, binding) in request_hooks(chain).enumerate() {
+        let result = binding.on_request(&mut progress.facts, headers, None);
+        match after_call(binding, result, &mut progress, headers, route, config) {
+            Flow::Next => {}
+            Flow::Answer(resp) => return Step::Done(RequestOutcome::Answer(resp)),
+            Flow::WantsBody(max) => {
+                return Step::ReadBody(Box::new(PendingBody {
+                    chain,
+                    at,
+                    max,
+                    progress,
+                }));
             }
         }
     }
+    Step::Done(finish(chain, progress, headers))
+}
+
+/// What a plugin's answer leaves the chain to do.
+enum Flow {
+    /// On to the next plugin.
+    Next,
+    /// Answer the request with this.
+    Answer(Response<Body>),
+    /// The plugin wants the body, up to this many bytes.
+    WantsBody(u32),
+}
+
+/// Applies one plugin's answer (or failure) to the request.
+fn after_call(
+    binding: &Binding,
+    result: Result<Decision, PluginError>,
+    progress: &mut Progress,
+    headers: &mut http::HeaderMap,
+    route: &Route,
+    config: &Config,
+) -> Flow {
+    match result {
+        Ok(Decision::Forward(f)) => {
+            // Later plugins read the request as edited.
+            plugin::apply_edits(headers, &f.headers, &binding.plugin);
+            if let Some(p) = f.path {
+                match PathAndQuery::try_from(p.as_str()) {
+                    Ok(pq) if p.starts_with('/') => {
+                        if let Some(f) = progress.facts.as_mut() {
+                            f.rewritten = Some(pq.clone());
+                        }
+                        progress.path = Some(pq);
+                    }
+                    _ => {
+                        tracing::warn!(plugin = %binding.plugin, route = %route.name, path = %p, "plugin set an invalid path");
+                        return Flow::Answer(misbehaved(
+                            binding,
+                            route,
+                            "plugin set an invalid path",
+                        ));
+                    }
+                }
+            }
+            if let Some(name) = f.upstream {
+                match config.upstream_index(&name) {
+                    Some(u) => progress.upstream = Some(u),
+                    None => {
+                        tracing::warn!(plugin = %binding.plugin, route = %route.name, upstream = %name, "plugin chose an unknown upstream");
+                        return Flow::Answer(misbehaved(
+                            binding,
+                            route,
+                            "plugin chose an unknown upstream",
+                        ));
+                    }
+                }
+            }
+            Flow::Next
+        }
+        Ok(Decision::Respond(local)) => {
+            let mut resp = Response::new(Body::full(local.body));
+            *resp.status_mut() =
+                StatusCode::from_u16(local.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let edits = plugin::HeaderEdits {
+                remove: Vec::new(),
+                set: Vec::new(),
+                add: local.headers,
+            };
+            plugin::apply_edits(resp.headers_mut(), &edits, &binding.plugin);
+            Flow::Answer(resp)
+        }
+        Ok(Decision::ReadBody(max)) => Flow::WantsBody(max),
+        Err(e) => match fail(binding, route, &e) {
+            Some(resp) => Flow::Answer(resp),
+            None => Flow::Next,
+        },
+    }
+}
+
+/// The 500 for a plugin that answered something the proxy cannot carry out.
+fn misbehaved(binding: &Binding, route: &Route, message: &str) -> Response<Body> {
+    json_error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        message,
+        route,
+        Some(&binding.plugin),
+    )
+}
+
+/// What the request hooks leave for the forwarding and the response hooks.
+fn finish<'a>(
+    chain: &'a [Arc<Binding>],
+    progress: Progress,
+    headers: &http::HeaderMap,
+) -> RequestOutcome<'a> {
     // Response hooks read the request too; keep it only when one will.
     let wants_response = chain.iter().any(|b| b.hooks.contains(Hooks::RESPONSE));
     if !wants_response && progress.upstream.is_none() && progress.path.is_none() {
-        return Step::Done(RequestOutcome::Forward(None));
+        return RequestOutcome::Forward(None);
     }
     let (facts, request_headers) = if wants_response {
         (progress.facts, headers.clone())
     } else {
         (None, http::HeaderMap::new())
     };
-    Step::Done(RequestOutcome::Forward(Some(Box::new(PluginContext {
+    RequestOutcome::Forward(Some(Box::new(PluginContext {
         facts,
         request_headers,
         chain,
         upstream: progress.upstream,
         path: progress.path,
-    }))))
+    })))
 }
 
 /// Logs a plugin failure and applies its failure policy: `Some` answer

@@ -7,17 +7,20 @@
 //!   module reuses its compiled code) on a blocking thread.
 //! - A [`Binding`] is one plugin attached with one config. It keeps idle
 //!   instances for reuse, per thread; an instance that traps is thrown away.
-//! - Calls are synchronous, on the calling worker's stack. Every call runs
-//!   under a deadline in CPU time (checked at the ticks of an epoch ticker
-//!   thread, each millisecond: [`cpu_deadline`]) and a memory cap, so a
-//!   plugin that loops or hoards fails its own request, runs on its worker
-//!   no longer than the deadline, and touches nothing else.
+//! - Calls are synchronous, on the calling worker's stack, except those
+//!   given a large request body, which run on the blocking pool
+//!   ([`offload`]). Every call runs under a deadline in CPU time (checked
+//!   at the ticks of an epoch ticker thread, each millisecond:
+//!   [`cpu_deadline`]) and a memory cap, so a plugin that loops or hoards
+//!   fails its own request, runs on its thread no longer than the
+//!   deadline, and touches nothing else.
 
 mod bindings;
 mod cpu_deadline;
 mod file_kind;
 mod header_call;
 mod lift;
+pub mod offload;
 mod state;
 mod stdio;
 mod wasi;
@@ -35,6 +38,7 @@ pub use bindings::{
 };
 use bindings::{Policy, PolicyPre};
 use lift::Lifted;
+pub use offload::Lost;
 use state::State;
 pub use state::counters;
 
