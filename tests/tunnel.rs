@@ -610,6 +610,79 @@ async fn tunnels_run_over_tls_with_a_private_ca() {
     assert_eq!(a.json()["upstream"], "tls");
 }
 
+/// With `--public-cert`/`--public-key` the public side is HTTPS with a
+/// wildcard certificate for the domain: HTTP/1.1 and HTTP/2 (ALPN), the
+/// routing core told `X-Forwarded-Proto: https`; a client speaking plain
+/// HTTP to it, or not trusting it, is refused, counted, and disturbs
+/// nothing.
+#[tokio::test]
+async fn the_public_side_serves_https_with_a_wildcard_certificate() {
+    let echo = upstream::echo("https").await;
+    let dir = tokens_dir();
+    let pki = crate::support::tls::TestPki::for_names(&[&format!("*.{DOMAIN}")]);
+    let (cert, key) = (
+        dir.path().join("public.pem"),
+        dir.path().join("public-key.pem"),
+    );
+    std::fs::write(&cert, &pki.leaf_pem).unwrap();
+    std::fs::write(&key, &pki.leaf_key_pem).unwrap();
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let any = "127.0.0.1:0".parse().unwrap();
+    let server = TunnelServer::start_in_with(
+        dir,
+        any,
+        any,
+        &["--public-cert", &cert, "--public-key", &key],
+    )
+    .await;
+    let url = echo.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let host = format!("rt-a.{DOMAIN}");
+    let https = |alpn: &'static [&'static [u8]]| {
+        crate::support::tls::https_get(server.public, &host, &pki.ca_pem, alpn, "/secure?q=1")
+    };
+
+    const H1: &[&[u8]] = &[b"http/1.1"];
+    const H2: &[&[u8]] = &[b"h2", b"http/1.1"];
+    for (alpn, version) in [(H1, http::Version::HTTP_11), (H2, http::Version::HTTP_2)] {
+        let (got, a) = https(alpn).await.expect("HTTPS exchange");
+        assert_eq!(got, version);
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        let seen = a.json();
+        assert_eq!(seen["upstream"], "https");
+        assert_eq!(seen["path"], "/secure?q=1");
+        assert_eq!(seen["headers"]["x-forwarded-proto"], "https", "{seen}");
+        assert_eq!(seen["headers"]["x-forwarded-host"], host.as_str(), "{seen}");
+    }
+
+    // Plain HTTP on the HTTPS port is told to use https (as nginx does);
+    // a client that does not trust the certificate fails its handshake.
+    // Both are counted, and the next client is served.
+    let plain = client::raw(
+        server.public,
+        format!("GET /app HTTP/1.1\r\nhost: {host}\r\n\r\n").as_bytes(),
+    )
+    .await;
+    assert!(plain.starts_with("HTTP/1.1 400 "), "{plain:?}");
+    assert!(plain.contains("use https://"), "{plain:?}");
+    let other = crate::support::tls::TestPki::new();
+    let refused =
+        crate::support::tls::https_get(server.public, &host, &other.ca_pem, H2, "/").await;
+    assert!(refused.is_err_and(|e| e.starts_with("TLS")));
+    server
+        .process
+        .metrics_showing(&[
+            r#"portcullis_connection_errors_total{listener="public",reason="plain_http"} 1"#
+                .to_owned(),
+            r#"portcullis_connection_errors_total{listener="public",reason="tls_handshake"} 1"#
+                .to_owned(),
+        ])
+        .await;
+    assert_eq!(https(H2).await.expect("HTTPS").1.status, 200);
+}
+
 /// A TCP relay in front of the tunnel endpoint that the test can cut.
 struct Relay {
     addr: SocketAddr,

@@ -20,7 +20,7 @@ use tokio::sync::Notify;
 
 /// One set of connections (one listener's on one worker) and the signal
 /// that closes them.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct Connections {
     shared: Arc<Shared>,
 }

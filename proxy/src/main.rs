@@ -59,9 +59,17 @@ enum Command {
     /// The public side of outbound tunnels: forwards requests for
     /// `<runtime-id>.<domain>` through that runtime's tunnel.
     TunnelServer {
-        /// Public HTTP listener.
+        /// Public listener (HTTPS with --public-cert and --public-key,
+        /// plain HTTP without).
         #[arg(long, env = "PORTCULLIS_PUBLIC")]
         public: std::net::SocketAddr,
+        /// Certificate chain (PEM) for the public listener: one that covers
+        /// `*.<domain>`. Read again when the file changes.
+        #[arg(long, env = "PORTCULLIS_PUBLIC_CERT", requires = "public_key")]
+        public_cert: Option<PathBuf>,
+        /// Private key (PEM) for the public listener.
+        #[arg(long, env = "PORTCULLIS_PUBLIC_KEY", requires = "public_cert")]
+        public_key: Option<PathBuf>,
         /// Tunnel endpoint (WebSocket; TLS with --cert and --key).
         #[arg(long, env = "PORTCULLIS_TUNNEL_LISTEN")]
         tunnel_listen: std::net::SocketAddr,
@@ -72,7 +80,8 @@ enum Command {
         /// re-read when it changes.
         #[arg(long, env = "PORTCULLIS_TOKENS")]
         tokens: PathBuf,
-        /// Certificate chain (PEM) for the tunnel endpoint.
+        /// Certificate chain (PEM) for the tunnel endpoint. Read again
+        /// when the file changes.
         #[arg(long, env = "PORTCULLIS_CERT", requires = "key")]
         cert: Option<PathBuf>,
         /// Private key (PEM) for the tunnel endpoint.
@@ -192,6 +201,8 @@ fn main() -> ExitCode {
         Command::HashToken => portcullis::commands::hash_token(),
         Command::TunnelServer {
             public,
+            public_cert,
+            public_key,
             tunnel_listen,
             domain,
             tokens,
@@ -204,6 +215,7 @@ fn main() -> ExitCode {
             portcullis::telemetry::init();
             let options = portcullis::tunnel::server::ServerOptions {
                 public,
+                public_tls: public_cert.zip(public_key),
                 tunnel: tunnel_listen,
                 domain,
                 tokens,

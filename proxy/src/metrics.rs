@@ -216,7 +216,9 @@ pub fn connection_timed_out(listener: &str) {
     count_connection_error(listener, "header_timeout");
 }
 
-fn count_connection_error(listener: &str, reason: &'static str) {
+/// Counts a client connection on `listener` that ended for `reason`
+/// before any request (`tls_handshake`, `plain_http`, ...).
+pub fn count_connection_error(listener: &str, reason: &'static str) {
     let mut all = connection_errors()
         .lock()
         .unwrap_or_else(|p| p.into_inner());
@@ -303,7 +305,7 @@ pub fn render(out: &mut String) {
     out.push_str(
         "# HELP portcullis_connection_errors_total Client connections that ended in an error \
          outside any request, by listener and reason (malformed, head_too_large, \
-         header_timeout, keepalive_timeout, incomplete, other).\n# TYPE portcullis_connection_errors_total counter\n",
+         header_timeout, keepalive_timeout, incomplete, tls_handshake, plain_http, other).\n# TYPE portcullis_connection_errors_total counter\n",
     );
     for (listener, reasons) in connection_errors()
         .lock()

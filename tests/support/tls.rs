@@ -5,7 +5,7 @@ use std::sync::Arc;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
-/// A CA and one leaf certificate it signed for `localhost` and 127.0.0.1.
+/// A CA and one leaf certificate it signed.
 pub struct TestPki {
     /// The CA certificate, PEM.
     pub ca_pem: String,
@@ -20,15 +20,20 @@ pub struct TestPki {
 }
 
 impl TestPki {
-    /// Makes a fresh CA and leaf.
+    /// Makes a fresh CA and a leaf for `localhost` and 127.0.0.1.
     pub fn new() -> TestPki {
+        Self::for_names(&["localhost", "127.0.0.1"])
+    }
+
+    /// Makes a fresh CA and a leaf for `names` (`*.example` for a wildcard).
+    pub fn for_names(names: &[&str]) -> TestPki {
         let ca_key = KeyPair::generate().expect("ca key");
         let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         let ca = CertifiedIssuer::self_signed(ca_params, ca_key).expect("ca cert");
         let leaf_key = KeyPair::generate().expect("leaf key");
         let leaf_params =
-            CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+            CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
                 .expect("leaf params");
         let leaf = leaf_params.signed_by(&leaf_key, &ca).expect("leaf cert");
         TestPki {
@@ -55,4 +60,74 @@ impl TestPki {
         config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         Arc::new(config)
     }
+}
+
+/// An HTTPS GET of `path` from `addr`, as a client that trusts only
+/// `ca_pem` and asks for `host` (SNI and Host), offering `alpn`: the
+/// protocol the server chose, and the answer (20 s limit).
+pub async fn https_get(
+    addr: std::net::SocketAddr,
+    host: &str,
+    ca_pem: &str,
+    alpn: &[&[u8]],
+    path: &str,
+) -> Result<(http::Version, super::client::Answer), String> {
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).expect("CA PEM"))
+        .expect("CA");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let exchange = async {
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        let name =
+            rustls_pki_types::ServerName::try_from(host.to_owned()).map_err(|e| e.to_string())?;
+        let tls = connector
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("TLS: {e}"))?;
+        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+        let io = hyper_util::rt::TokioIo::new(tls);
+        let req = |uri: String| {
+            let mut req = http::Request::get(uri);
+            if !h2 {
+                req = req.header(http::header::HOST, host);
+            }
+            req.body(super::client::body(bytes::Bytes::new()))
+                .expect("request")
+        };
+        let resp = if h2 {
+            let (mut send, conn) =
+                hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            tokio::spawn(conn);
+            // HTTP/2 carries the host as the :authority of an absolute URI.
+            send.send_request(req(format!("https://{host}{path}")))
+                .await
+                .map_err(|e| e.to_string())?
+        } else {
+            let (mut send, conn) = hyper::client::conn::http1::handshake(io)
+                .await
+                .map_err(|e| e.to_string())?;
+            tokio::spawn(conn);
+            send.send_request(req(path.to_owned()))
+                .await
+                .map_err(|e| e.to_string())?
+        };
+        let version = resp.version();
+        Ok((version, super::client::collect(resp).await))
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(20), exchange)
+        .await
+        .map_err(|_| "no answer within 20s".to_owned())?
 }

@@ -3,7 +3,8 @@
 //! any other plain HTTP request (a browser, someone with curl) `426
 //! Upgrade Required` saying what the port is for, where the WebSocket
 //! library would close the connection without a word. The bytes read are handed on to the
-//! handshake unchanged ([`Replay`]).
+//! handshake unchanged ([`Replay`]). The public listener, when it serves
+//! HTTPS, uses the same reading to answer a plain HTTP request.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -84,8 +85,25 @@ pub async fn refuse_plain<S: AsyncWrite + Unpin>(stream: &mut S) {
         r#"{"error":"this port takes Portcullis tunnel connections (a WebSocket upgrade to "#,
         r#"/_portcullis/tunnel); public requests go to the public listener","status":426}"#
     );
+    refuse(stream, "426 Upgrade Required\r\nupgrade: websocket", body).await;
+}
+
+/// Answers a plain HTTP request on the public HTTPS port and closes, as
+/// nginx does, rather than leaving the client with a closed connection
+/// and a TLS alert it cannot read.
+pub async fn refuse_plain_on_https<S: AsyncWrite + Unpin>(stream: &mut S) {
+    let body = concat!(
+        r#"{"error":"plain HTTP request sent to the HTTPS port: use https://","#,
+        r#""status":400,"runtime":null}"#
+    );
+    refuse(stream, "400 Bad Request", body).await;
+}
+
+/// Writes a response with `status` (the status line's rest, and any
+/// headers) and the JSON `body`, then closes.
+async fn refuse<S: AsyncWrite + Unpin>(stream: &mut S, status: &str, body: &str) {
     let head = format!(
-        "HTTP/1.1 426 Upgrade Required\r\nupgrade: websocket\r\nconnection: close\r\n\
+        "HTTP/1.1 {status}\r\nconnection: close\r\n\
          content-type: application/json\r\ncontent-length: {}\r\n\r\n",
         body.len()
     );

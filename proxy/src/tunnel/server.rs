@@ -38,8 +38,11 @@ use crate::telemetry::AccessLog;
 /// How the tunnel server runs.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
-    /// Public HTTP listener.
+    /// Public listener.
     pub public: SocketAddr,
+    /// Certificate chain and key (PEM) for HTTPS on the public listener
+    /// (a wildcard certificate for `*.domain`); plain HTTP without.
+    pub public_tls: Option<(PathBuf, PathBuf)>,
     /// Tunnel endpoint listener.
     pub tunnel: SocketAddr,
     /// Runtimes are reached as `<runtime-id>.<domain>`.
@@ -231,6 +234,7 @@ pub struct TunnelServer {
     tunnel: TcpListener,
     workers: usize,
     tls: Option<tokio_rustls::TlsAcceptor>,
+    public_tls: Option<tokio_rustls::TlsAcceptor>,
     shared: Arc<Shared>,
 }
 
@@ -244,7 +248,9 @@ struct Shared {
     public_tls: bool,
 }
 
-fn load_tls(cert: &Path, key: &Path) -> anyhow::Result<tokio_rustls::TlsAcceptor> {
+/// A TLS acceptor serving the pair in `cert` and `key` (read again when
+/// they change), offering `alpn`.
+fn load_tls(cert: &Path, key: &Path, alpn: &[&[u8]]) -> anyhow::Result<tokio_rustls::TlsAcceptor> {
     let files = crate::cert_files::CertFiles::load(cert.to_path_buf(), key.to_path_buf())
         .map_err(anyhow::Error::msg)?;
     let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
@@ -253,7 +259,7 @@ fn load_tls(cert: &Path, key: &Path) -> anyhow::Result<tokio_rustls::TlsAcceptor
     .with_safe_default_protocol_versions()?
     .with_no_client_auth()
     .with_cert_resolver(Arc::new(files));
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }
 
@@ -262,8 +268,14 @@ impl TunnelServer {
     pub async fn bind(options: &ServerOptions) -> anyhow::Result<TunnelServer> {
         use anyhow::Context;
         let tokens = Tokens::load(options.tokens.clone()).map_err(anyhow::Error::msg)?;
+        // The tunnel endpoint speaks WebSocket, an HTTP/1.1 upgrade; the
+        // public side both versions.
         let tls = match &options.tls {
-            Some((cert, key)) => Some(load_tls(cert, key)?),
+            Some((cert, key)) => Some(load_tls(cert, key, &[b"http/1.1"])?),
+            None => None,
+        };
+        let public_tls = match &options.public_tls {
+            Some((cert, key)) => Some(load_tls(cert, key, &[b"h2", b"http/1.1"])?),
             None => None,
         };
         let domain = options.domain.trim_matches('.').to_ascii_lowercase();
@@ -285,12 +297,13 @@ impl TunnelServer {
             tunnel,
             workers,
             tls,
+            public_tls: public_tls.clone(),
             shared: Arc::new(Shared {
                 registry: Registry::default(),
                 public_slots: Arc::new(tokio::sync::Semaphore::new(options.max_connections.max(1))),
                 tokens,
                 suffix: format!(".{domain}"),
-                public_tls: false,
+                public_tls: public_tls.is_some(),
             }),
         })
     }
@@ -326,7 +339,7 @@ impl TunnelServer {
     /// has one there, so it crosses no thread.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
         let tunnel_addr = self.tunnel.local_addr()?;
-        tracing::info!(addr = %self.public_addr, workers = self.workers, "public listening");
+        tracing::info!(addr = %self.public_addr, workers = self.workers, tls = self.public_tls.is_some(), "public listening");
         tracing::info!(addr = %tunnel_addr, tls = self.tls.is_some(), "tunnel listening");
         let stop = CancellationToken::new();
         let mut to_workers = Vec::with_capacity(self.workers);
@@ -337,7 +350,7 @@ impl TunnelServer {
                 tokio::sync::mpsc::unbounded_channel::<(std::net::TcpStream, SocketAddr)>();
             to_workers.push(tx);
             let (shared, tls, stop) = (self.shared.clone(), self.tls.clone(), stop.clone());
-            let public = (public, balance.clone(), inbox);
+            let public = (public, self.public_tls.clone(), balance.clone(), inbox);
             let (finished, finished_rx) = tokio::sync::oneshot::channel::<()>();
             std::thread::Builder::new()
                 .name(format!("portcullis-tunnel-{index}"))
@@ -367,8 +380,9 @@ impl TunnelServer {
 /// workers' sockets and its inbox), and the tunnels handed to it.
 fn worker(
     index: usize,
-    (public, balance, inbox): (
+    (public, public_tls, balance, inbox): (
         std::net::TcpListener,
+        Option<tokio_rustls::TlsAcceptor>,
         Arc<Balance>,
         UnboundedReceiver<Handoff>,
     ),
@@ -393,7 +407,7 @@ fn worker(
         match TcpListener::from_std(public) {
             Ok(public) => {
                 tracker.spawn(accept_public(
-                    (public, balance, inbox),
+                    (public, public_tls, balance, inbox),
                     index,
                     shared.clone(),
                     tracker.clone(),
@@ -619,7 +633,12 @@ async fn measure_rtt(tunnel: Arc<Tunnel>, shared: &Shared, runtime: &str) {
 const PUBLIC_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 async fn accept_public(
-    (listener, balance, mut inbox): (TcpListener, Arc<Balance>, UnboundedReceiver<Handoff>),
+    (listener, tls, balance, mut inbox): (
+        TcpListener,
+        Option<tokio_rustls::TlsAcceptor>,
+        Arc<Balance>,
+        UnboundedReceiver<Handoff>,
+    ),
     worker: usize,
     shared: Arc<Shared>,
     tracker: TaskTracker,
@@ -638,8 +657,12 @@ async fn accept_public(
         .timer(TokioTimer::new())
         .initial_stream_window_size(super::STREAM_WINDOW)
         .initial_connection_window_size(super::CONNECTION_WINDOW);
-    let builder = Arc::new(builder);
-    let connections = crate::drain::Connections::new();
+    let public = Public {
+        builder: Arc::new(builder),
+        connections: crate::drain::Connections::new(),
+        worker,
+        shared,
+    };
     // Spread over the workers as the routing core's listeners are: the
     // kernel's hash alone can leave one worker most of a client's pool.
     let mut accepting = Accepting {
@@ -649,11 +672,98 @@ async fn accept_public(
         worker,
         inbox: &mut inbox,
     };
-    while let Some((stream, peer, permit, counted)) =
-        accepting.next(|| shared.public_slots.clone(), &stop).await
+    while let Some((stream, peer, permit, counted)) = accepting
+        .next(|| public.shared.public_slots.clone(), &stop)
+        .await
     {
         let _ = stream.set_nodelay(true);
-        let shared = shared.clone();
+        let Some(tls) = tls.clone() else {
+            let served = public.serve(stream, peer);
+            tracker.spawn(async move {
+                served.await;
+                drop((permit, counted));
+            });
+            continue;
+        };
+        // The handshake runs in the connection's task, not the accept
+        // loop, under the same deadline as a first request head (a client
+        // that opens a connection and says nothing holds a slot no longer).
+        let public = public.clone();
+        let stop = stop.clone();
+        tracker.spawn(async move {
+            let handshake = tokio::time::timeout(PUBLIC_HEADER_READ_TIMEOUT, handshake(tls, stream));
+            let handshake = tokio::select! {
+                h = handshake => h,
+                _ = stop.cancelled() => return,
+            };
+            match handshake {
+                Ok(Ok(stream)) => public.serve(stream, peer).await,
+                Ok(Err(NotTls::PlainHttp(request))) => {
+                    crate::metrics::count_connection_error("public", "plain_http");
+                    tracing::debug!(peer = %peer, request, "plain HTTP on the HTTPS port; answered 400");
+                }
+                Ok(Err(NotTls::Failed(e))) => {
+                    crate::metrics::count_connection_error("public", "tls_handshake");
+                    tracing::debug!(peer = %peer, error = %e, "public TLS handshake failed");
+                }
+                Err(_) => crate::metrics::connection_timed_out("public"),
+            }
+            drop((permit, counted));
+        });
+    }
+    // Connections handed to this worker and not yet taken close with the
+    // inbox.
+    drop(inbox);
+    public.connections.shutdown().await;
+}
+
+/// Why a public connection did not become TLS.
+enum NotTls {
+    /// It spoke plain HTTP (`METHOD /path`), and was answered 400.
+    PlainHttp(String),
+    /// The handshake failed.
+    Failed(std::io::Error),
+}
+
+/// The TLS handshake on a public connection. A client that speaks plain
+/// HTTP instead (its first byte is a letter, where a TLS record starts
+/// with 0x16) gets a 400 saying to use https, as nginx answers.
+async fn handshake(
+    tls: tokio_rustls::TlsAcceptor,
+    mut stream: TcpStream,
+) -> Result<tokio_rustls::server::TlsStream<TcpStream>, NotTls> {
+    let mut first = [0u8; 1];
+    if matches!(stream.peek(&mut first).await, Ok(1) if first[0].is_ascii_alphabetic()) {
+        // The head is read first: closing with it unread would reset
+        // the connection, and the client could lose the answer.
+        let request = match super::handshake_head::read(&mut stream).await {
+            Ok((_, super::handshake_head::Head::Plain(request))) => request,
+            Ok(_) => "an upgrade or health check".to_owned(),
+            Err(e) => e,
+        };
+        super::handshake_head::refuse_plain_on_https(&mut stream).await;
+        return Err(NotTls::PlainHttp(request));
+    }
+    tls.accept(stream).await.map_err(NotTls::Failed)
+}
+
+/// What serving a public connection needs, one per worker.
+#[derive(Clone)]
+struct Public {
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    connections: crate::drain::Connections,
+    worker: usize,
+    shared: Arc<Shared>,
+}
+
+impl Public {
+    /// Serves HTTP on one public connection (TCP, or TLS over it) until it
+    /// closes.
+    fn serve<S>(&self, stream: S, peer: SocketAddr) -> impl Future<Output = ()> + use<S>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    {
+        let (worker, shared) = (self.worker, self.shared.clone());
         let clock = Arc::new(HeadClock::default());
         let service_clock = clock.clone();
         let service = service_fn(move |req: Request<Incoming>| {
@@ -694,15 +804,15 @@ async fn accept_public(
                 }))
             }
         });
-        let served = connections.watch(
-            builder
+        let served = self.connections.watch(
+            self.builder
                 .serve_connection_with_upgrades(
                     TokioIo::new(Watched::new(stream, clock.clone())),
                     service,
                 )
                 .into_owned(),
         );
-        tracker.spawn(async move {
+        async move {
             match head_deadline::within(served, &clock, PUBLIC_HEADER_READ_TIMEOUT).await {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
@@ -710,13 +820,8 @@ async fn accept_public(
                 }
                 None => crate::metrics::connection_timed_out("public"),
             }
-            drop((permit, counted));
-        });
+        }
     }
-    // Connections handed to this worker and not yet taken close with the
-    // inbox.
-    drop(inbox);
-    connections.shutdown().await;
 }
 
 /// The public request's host, lower case, without port (`None` for a
