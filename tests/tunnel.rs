@@ -243,11 +243,14 @@ routes:
     assert_eq!(a.status, 405);
     assert_eq!(a.header("allow"), Some("GET, HEAD"));
 
-    // A body streamed up, with the forwarding headers a direct ingress gives.
+    // A body streamed up, with the forwarding headers a direct ingress
+    // gives: the client's own proto and host claims are replaced.
     let data = vec![7u8; 1 << 20];
     let req = server
         .request("rt-a", "POST", "/api/items?x=1")
         .header("x-forwarded-for", "198.51.100.7")
+        .header("x-forwarded-proto", "https")
+        .header("x-forwarded-host", "spoofed.example")
         .body(body(data.clone()))
         .unwrap();
     let a = client::send(&client::http1(), req).await;
@@ -681,6 +684,36 @@ async fn the_public_side_serves_https_with_a_wildcard_certificate() {
         ])
         .await;
     assert_eq!(https(H2).await.expect("HTTPS").1.status, 200);
+}
+
+/// Behind a TLS-terminating balancer (`--trust-forwarded-headers`), the
+/// balancer's `X-Forwarded-Proto` and `-Host` reach the runtime; a request
+/// without them gets the server's own.
+#[tokio::test]
+async fn a_balancer_in_front_is_trusted_for_the_scheme_when_told() {
+    let echo = upstream::echo("behind").await;
+    let any = "127.0.0.1:0".parse().unwrap();
+    let server =
+        TunnelServer::start_in_with(tokens_dir(), any, any, &["--trust-forwarded-headers"]).await;
+    let url = echo.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let req = server
+        .request("rt-a", "GET", "/")
+        .header("x-forwarded-proto", "https")
+        .header("x-forwarded-host", "app.example.com")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let seen = client::send(&client::http1(), req).await.json();
+    assert_eq!(seen["headers"]["x-forwarded-proto"], "https", "{seen}");
+    assert_eq!(seen["headers"]["x-forwarded-host"], "app.example.com");
+    let seen = server.get("rt-a", "/").await.json();
+    assert_eq!(seen["headers"]["x-forwarded-proto"], "http", "{seen}");
+    assert_eq!(
+        seen["headers"]["x-forwarded-host"],
+        format!("rt-a.{DOMAIN}")
+    );
 }
 
 /// A TCP relay in front of the tunnel endpoint that the test can cut.

@@ -70,6 +70,12 @@ enum Command {
         /// Private key (PEM) for the public listener.
         #[arg(long, env = "PORTCULLIS_PUBLIC_KEY", requires = "public_cert")]
         public_key: Option<PathBuf>,
+        /// Keep the X-Forwarded-Proto and -Host that public requests bring
+        /// (set by a TLS-terminating balancer in front) instead of setting
+        /// them from the connection. Only behind such a balancer: a client
+        /// reaching the listener directly could claim anything.
+        #[arg(long, env = "PORTCULLIS_TRUST_FORWARDED_HEADERS")]
+        trust_forwarded_headers: bool,
         /// Tunnel endpoint (WebSocket; TLS with --cert and --key).
         #[arg(long, env = "PORTCULLIS_TUNNEL_LISTEN")]
         tunnel_listen: std::net::SocketAddr,
@@ -203,6 +209,7 @@ fn main() -> ExitCode {
             public,
             public_cert,
             public_key,
+            trust_forwarded_headers,
             tunnel_listen,
             domain,
             tokens,
@@ -216,6 +223,7 @@ fn main() -> ExitCode {
             let options = portcullis::tunnel::server::ServerOptions {
                 public,
                 public_tls: public_cert.zip(public_key),
+                trust_forwarded_headers,
                 tunnel: tunnel_listen,
                 domain,
                 tokens,

@@ -43,6 +43,10 @@ pub struct ServerOptions {
     /// Certificate chain and key (PEM) for HTTPS on the public listener
     /// (a wildcard certificate for `*.domain`); plain HTTP without.
     pub public_tls: Option<(PathBuf, PathBuf)>,
+    /// Keep the `X-Forwarded-Proto` and `-Host` a public request brings
+    /// (set by a balancer in front that terminates TLS) instead of
+    /// setting them from the connection.
+    pub trust_forwarded_headers: bool,
     /// Tunnel endpoint listener.
     pub tunnel: SocketAddr,
     /// Runtimes are reached as `<runtime-id>.<domain>`.
@@ -246,6 +250,7 @@ struct Shared {
     /// `.domain`, lower case.
     suffix: String,
     public_tls: bool,
+    trust_forwarded_headers: bool,
 }
 
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
@@ -304,6 +309,7 @@ impl TunnelServer {
                 tokens,
                 suffix: format!(".{domain}"),
                 public_tls: public_tls.is_some(),
+                trust_forwarded_headers: options.trust_forwarded_headers,
             }),
         })
     }
@@ -911,14 +917,16 @@ async fn forward(
             .insert(HeaderName::from_static(super::CLIENT_ADDR), v);
     }
     let proto = if shared.public_tls { "https" } else { "http" };
-    parts.headers.insert(
-        HeaderName::from_static("x-forwarded-proto"),
-        HeaderValue::from_static(proto),
-    );
-    if let Ok(v) = HeaderValue::from_str(&host) {
-        parts
-            .headers
-            .insert(HeaderName::from_static("x-forwarded-host"), v);
+    let xfp = HeaderName::from_static("x-forwarded-proto");
+    let xfh = HeaderName::from_static("x-forwarded-host");
+    let trust = shared.trust_forwarded_headers;
+    if !(trust && parts.headers.contains_key(&xfp)) {
+        parts.headers.insert(xfp, HeaderValue::from_static(proto));
+    }
+    if !(trust && parts.headers.contains_key(&xfh))
+        && let Ok(v) = HeaderValue::from_str(&host)
+    {
+        parts.headers.insert(xfh, v);
     }
     let path = parts
         .uri
