@@ -20,23 +20,37 @@ pub fn load(dir: Option<&Path>) -> Result<Config, ConfigErrors> {
 }
 
 /// Loads the policies and compiles and configures their plugins, as
-/// serving would, without binding anything.
+/// serving would, without binding anything. The plugins are checked even
+/// when other parts of the policies have errors (those parts are left
+/// out), so one run lists every error.
 fn load_and_prepare(dir: Option<&Path>) -> Result<Config, ConfigErrors> {
-    let config = load(dir)?;
-    if config.plugins.is_empty() {
-        return Ok(config);
+    let sources = match dir {
+        Some(dir) => config::read_dir(dir)?,
+        None => config::default_sources(),
+    };
+    let env = |n: &str| std::env::var(n).ok();
+    let (config, mut errors) = config::load_partial(&sources, &env);
+    if !config.plugins.is_empty() {
+        let prepared = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| {
+                ConfigErrors(vec![crate::config::ConfigError {
+                    pos: config.plugins[0].defined_at.clone(),
+                    message: format!("cannot start a runtime to check plugins: {e}"),
+                }])
+            })
+            .and_then(|runtime| runtime.block_on(crate::plugin::prepare(&config)));
+        if let Err(ConfigErrors(more)) = prepared {
+            errors.extend(more);
+            config::sort_errors(&mut errors);
+        }
     }
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| {
-            ConfigErrors(vec![crate::config::ConfigError {
-                pos: config.plugins[0].defined_at.clone(),
-                message: format!("cannot start a runtime to check plugins: {e}"),
-            }])
-        })?;
-    runtime.block_on(crate::plugin::prepare(&config))?;
-    Ok(config)
+    if errors.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigErrors(errors))
+    }
 }
 
 /// `portcullis check`: validates (plugins included: compiled, instantiated

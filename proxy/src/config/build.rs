@@ -22,9 +22,9 @@ use super::raw::{
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
 use super::{
-    Action, Balance, Config, ConfigError, ConfigErrors, Cors, Endpoint, FailMode, HeaderEdits,
-    Listener, LocalResponse, PathRewrite, PluginModule, PluginUse, Pos, Probe, Route, Target,
-    Timeouts, TlsSettings, Upstream,
+    Action, Balance, Config, ConfigError, Cors, Endpoint, FailMode, HeaderEdits, Listener,
+    LocalResponse, PathRewrite, PluginModule, PluginUse, Pos, Probe, Route, Target, Timeouts,
+    TlsSettings, Upstream,
 };
 use crate::router::{HostMatch, Router};
 
@@ -203,12 +203,15 @@ struct PendingRoute {
     file: Arc<str>,
 }
 
-/// Builds the config from parsed files.
+/// Builds as much of the config as is valid, and lists every error: what
+/// has errors is left out (a route with a bad match, a plugin whose file
+/// cannot be read and its uses), so `check` can go on to ask the plugins
+/// that do load about their configs.
 pub(super) fn build(
     files: &[(Arc<str>, PolicyFile)],
     env: &dyn Fn(&str) -> Option<String>,
     unparsed: &[Arc<str>],
-) -> Result<Config, ConfigErrors> {
+) -> (Config, Vec<ConfigError>) {
     let mut ctx = Ctx {
         env,
         file: "".into(),
@@ -353,32 +356,32 @@ pub(super) fn build(
             }
         }
     }
-    for u in &mut global_plugins {
-        u.plugin = renumber[u.plugin];
-    }
+    // Uses of a plugin that could not be read go (its error is reported).
+    let renumbered = |uses: &mut Vec<PluginUse>| {
+        uses.retain_mut(|u| {
+            u.plugin = renumber[u.plugin];
+            u.plugin != usize::MAX
+        });
+    };
+    renumbered(&mut global_plugins);
     for r in &mut routes {
         // Nothing else holds the routes yet.
         if let Some(r) = Arc::get_mut(r) {
-            for u in &mut r.plugins {
-                u.plugin = renumber[u.plugin];
-            }
+            renumbered(&mut r.plugins);
         }
     }
 
-    if ctx.errors.is_empty() {
-        Ok(Config {
-            listeners,
-            upstreams,
-            routes,
-            router,
-            plugins,
-            global_plugins,
-            files: ctx.files,
-            fingerprint: [0; 32],
-        })
-    } else {
-        Err(ConfigErrors(ctx.errors))
-    }
+    let config = Config {
+        listeners,
+        upstreams,
+        routes,
+        router,
+        plugins,
+        global_plugins,
+        files: ctx.files,
+        fingerprint: [0; 32],
+    };
+    (config, ctx.errors)
 }
 
 fn name(ctx: &mut Ctx, t: &Text, what: &str) -> Option<String> {

@@ -40,6 +40,11 @@ pub fn load_dir_with_env(
     dir: &Path,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Config, ConfigErrors> {
+    load_sources(&read_dir(dir)?, env)
+}
+
+/// The policy files of `dir` (see [`load_dir`]), read.
+pub fn read_dir(dir: &Path) -> Result<Vec<Source>, ConfigErrors> {
     let dir_error = |message: String| {
         ConfigErrors(vec![ConfigError {
             pos: Pos {
@@ -88,7 +93,7 @@ pub fn load_dir_with_env(
     if !errors.is_empty() {
         return Err(ConfigErrors(errors));
     }
-    load_sources(&sources, env)
+    Ok(sources)
 }
 
 /// Parses and validates a set of sources, looking up `${ENV}` references
@@ -97,6 +102,22 @@ pub fn load_sources(
     sources: &[Source],
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Config, ConfigErrors> {
+    let (mut config, errors) = load_partial(sources, env);
+    if errors.is_empty() {
+        config.fingerprint = fingerprint(sources, &config);
+        Ok(config)
+    } else {
+        Err(ConfigErrors(errors))
+    }
+}
+
+/// [`load_sources`] that also returns what of the config is valid when
+/// some of it is not (for `check`, to go on to the plugins), with every
+/// error in reading order, as a compiler reports them.
+pub fn load_partial(
+    sources: &[Source],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> (Config, Vec<ConfigError>) {
     let mut files = Vec::with_capacity(sources.len());
     let mut errors = Vec::new();
     for source in sources {
@@ -114,25 +135,17 @@ pub fn load_sources(
         }
     }
     let unparsed: Vec<Arc<str>> = errors.iter().map(|e| e.pos.file.clone()).collect();
-    match build::build(&files, env, &unparsed) {
-        Ok(mut config) if errors.is_empty() => {
-            config.fingerprint = fingerprint(sources, &config);
-            Ok(config)
-        }
-        Ok(_) => Err(ConfigErrors(errors)),
-        Err(ConfigErrors(more)) => {
-            errors.extend(more);
-            // Report in reading order, as a compiler would.
-            errors.sort_by(|a, b| {
-                (&*a.pos.file, a.pos.line, a.pos.column).cmp(&(
-                    &*b.pos.file,
-                    b.pos.line,
-                    b.pos.column,
-                ))
-            });
-            Err(ConfigErrors(errors))
-        }
-    }
+    let (config, more) = build::build(&files, env, &unparsed);
+    errors.extend(more);
+    sort_errors(&mut errors);
+    (config, errors)
+}
+
+/// Puts errors in reading order: file, line, column.
+pub fn sort_errors(errors: &mut [ConfigError]) {
+    errors.sort_by(|a, b| {
+        (&*a.pos.file, a.pos.line, a.pos.column).cmp(&(&*b.pos.file, b.pos.line, b.pos.column))
+    });
 }
 
 /// Hashes what the config was built from; see [`Config::fingerprint`].
