@@ -140,7 +140,7 @@ impl<'a> PendingBody<'a> {
     /// Reads the request body (up to the plugin's bound) into memory,
     /// forwards exactly those bytes, and runs the rest of the chain with
     /// them, starting again at the plugin that asked. Calls given a large
-    /// body run off the worker ([`plugin::offload`]).
+    /// body run on a plugin thread ([`plugin::offload`]).
     pub async fn read(
         self,
         body: &mut Body,
@@ -182,9 +182,10 @@ impl<'a> PendingBody<'a> {
                 {
                     Ok(result) => result,
                     Err(plugin::Lost) => {
+                        tracing::error!(plugin = %binding.plugin, route = %route.name, "plugin call lost before it ran");
                         return RequestOutcome::Answer(json_error(
                             StatusCode::SERVICE_UNAVAILABLE,
-                            "proxy shutting down",
+                            "plugin call lost",
                             route,
                             Some(&binding.plugin),
                         ));

@@ -8,7 +8,7 @@
 //! - A [`Binding`] is one plugin attached with one config. It keeps idle
 //!   instances for reuse, per thread; an instance that traps is thrown away.
 //! - Calls are synchronous, on the calling worker's stack, except those
-//!   given a large request body, which run on the blocking pool
+//!   given a large request body, which run on a few plugin threads
 //!   ([`offload`]). Every call runs under a deadline in CPU time (checked
 //!   at the ticks of an epoch ticker thread, each millisecond:
 //!   [`cpu_deadline`]) and a memory cap, so a plugin that loops or hoards
