@@ -52,12 +52,10 @@ fn tokio_stream_from<T: Send + 'static>(
     futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
-#[tokio::test]
-async fn sse_events_arrive_one_by_one_before_the_upstream_finishes() {
-    let release = Arc::new(Notify::new());
-    let argo = sse_upstream(release.clone()).await;
-    let proxy = Proxy::start_default(&[("ARGO_SERVER_URL", argo.url())]).await;
-    let req = Request::get(proxy.url("/workflows/api/v1/workflow-events/argo"))
+/// GETs the event stream at `url` through the proxy, checks that its
+/// first event (from [`sse_upstream`]) arrives, and returns the rest.
+async fn first_event(url: &str) -> hyper::body::Incoming {
+    let req = Request::get(url)
         .header("accept", "text/event-stream")
         .body(body(Bytes::new()))
         .unwrap();
@@ -68,17 +66,26 @@ async fn sse_events_arrive_one_by_one_before_the_upstream_finishes() {
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     let mut body = resp.into_body();
-    // The first event must arrive while the upstream is still holding the
-    // second one back: a buffering proxy would wait for the end and time out.
     let first = tokio::time::timeout(Duration::from_secs(10), body.frame())
         .await
-        .expect("first event before the upstream finished")
+        .expect("first event in time")
         .expect("frame")
         .expect("ok");
     assert_eq!(
         first.data_ref().map(|d| &d[..]),
         Some(&b"event: status\ndata: one\n\n"[..])
     );
+    body
+}
+
+#[tokio::test]
+async fn sse_events_arrive_one_by_one_before_the_upstream_finishes() {
+    let release = Arc::new(Notify::new());
+    let argo = sse_upstream(release.clone()).await;
+    let proxy = Proxy::start_default(&[("ARGO_SERVER_URL", argo.url())]).await;
+    // The first event must arrive while the upstream is still holding the
+    // second one back: a buffering proxy would wait for the end and time out.
+    let body = first_event(&proxy.url("/workflows/api/v1/workflow-events/argo")).await;
     release.notify_one();
     let rest = tokio::time::timeout(Duration::from_secs(10), body.collect())
         .await
@@ -86,6 +93,33 @@ async fn sse_events_arrive_one_by_one_before_the_upstream_finishes() {
         .expect("ok")
         .to_bytes();
     assert_eq!(&rest[..], b"event: status\ndata: two\n\n");
+}
+
+/// An upstream that starts a response and then sends nothing is cut at its
+/// read timeout (nginx's `proxy_read_timeout`), rather than holding the
+/// client and the upstream connection forever.
+#[tokio::test]
+async fn a_response_the_upstream_stops_sending_is_cut_at_the_read_timeout() {
+    // Never released: the stream stays open after its first event.
+    let held = Arc::new(Notify::new());
+    let stuck = sse_upstream(held.clone()).await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: stuck, endpoints: ["{}"], timeouts: {{ read: 300ms }} }}]
+routes: [{{ name: events, match: {{ path: /events }}, upstream: stuck }}]
+"#,
+        stuck.url()
+    ))
+    .await;
+    let body = first_event(&proxy.url("/events")).await;
+    // The chunked body ends without its last chunk: the client sees an
+    // error, not a clean end.
+    let rest = tokio::time::timeout(Duration::from_secs(10), body.collect())
+        .await
+        .expect("the body is cut, not left hanging");
+    assert!(rest.is_err(), "the stalled body ended cleanly");
+    drop(held);
 }
 
 #[tokio::test]

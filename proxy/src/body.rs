@@ -105,6 +105,10 @@ pin_project_lite::pin_project! {
         // ends it.
         watch: Option<ClientSocket>,
         gone: Option<Pin<Box<Gone>>>,
+        // The upstream's read timeout, from when the body last began to
+        // wait (made when it first waits; most bodies never do).
+        stall: Option<Pin<Box<tokio::time::Sleep>>>,
+        waiting: bool,
         // The upstream connection and in-flight count, released when the
         // body ends so the connection can serve the next request.
         held: Held,
@@ -131,6 +135,8 @@ impl ResponseBody {
             counted,
             watch: None,
             gone: None,
+            stall: None,
+            waiting: false,
             held,
             ended: None,
         }
@@ -160,20 +166,49 @@ impl http_body::Body for ResponseBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let mut this = self.project();
         let polled = this.inner.as_mut().poll_frame(cx);
-        if polled.is_pending()
-            && let Some(socket) = *this.watch
-        {
-            // Only a body that waits gets a clock (and, after a while, a
+        if polled.is_pending() {
+            // Only a body that waits gets clocks (and, after a while, a
             // watch): most end without ever waiting.
-            let gone = this
-                .gone
-                .get_or_insert_with(|| Box::pin(Gone::after_a_while(socket)));
-            if gone.as_mut().poll(cx).is_ready() {
-                if let Some(log) = this.log.as_mut() {
-                    log.aborted = true;
+            if let Some(socket) = *this.watch {
+                let gone = this
+                    .gone
+                    .get_or_insert_with(|| Box::pin(Gone::after_a_while(socket)));
+                if gone.as_mut().poll(cx).is_ready() {
+                    if let Some(log) = this.log.as_mut() {
+                        log.aborted = true;
+                    }
+                    return Poll::Ready(Some(Err("the client went away".into())));
                 }
-                return Poll::Ready(Some(Err("the client went away".into())));
             }
+            let limit = this.held.read_timeout();
+            if !limit.is_zero() {
+                // Counted from when the body began to wait, not from the
+                // last frame: a client slow to read holds the body back,
+                // and that is not the upstream's silence.
+                let began = !std::mem::replace(this.waiting, true);
+                let stall = match this.stall {
+                    Some(stall) => {
+                        if began {
+                            stall.as_mut().reset(tokio::time::Instant::now() + limit);
+                        }
+                        stall
+                    }
+                    None => this.stall.insert(Box::pin(tokio::time::sleep(limit))),
+                };
+                if stall.as_mut().poll(cx).is_ready() {
+                    let (route, upstream) = this.log.as_mut().map_or((None, None), |log| {
+                        log.aborted = true;
+                        (log.route.clone(), log.upstream.clone())
+                    });
+                    tracing::warn!(route = route.as_deref(), upstream = upstream.as_deref(), read_timeout = ?limit, "upstream sent nothing within the read timeout; response cut");
+                    return Poll::Ready(Some(Err(format!(
+                        "the upstream sent nothing for {limit:?}"
+                    )
+                    .into())));
+                }
+            }
+        } else {
+            *this.waiting = false;
         }
         match &polled {
             Poll::Ready(None) => this.held.finish(),

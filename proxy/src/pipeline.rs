@@ -526,7 +526,7 @@ impl Pipeline {
                         if !route.response_headers.is_empty() {
                             route.response_headers.apply(r.headers_mut());
                         }
-                        return (r, held);
+                        return (r, held.with_read_timeout(pool.spec.timeouts.read));
                     }
                     Err(e) => {
                         log_forward_error(route, &pool.spec.name, &e);

@@ -38,8 +38,10 @@ pub const DEFAULT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(75);
 const DEFAULT_MAX_HEADER_SIZE: usize = 32 * 1024;
 const DEFAULT_TIMEOUTS: Timeouts = Timeouts {
     connect: Duration::from_secs(5),
-    // nginx's proxy_read_timeout, which the replaced routing service relied on.
+    // nginx's proxy_read_timeout, which the replaced routing service relied
+    // on: for the response head, and between reads of the body.
     request: Duration::from_secs(60),
+    read: Duration::from_secs(60),
     idle: Duration::from_secs(90),
 };
 const DEFAULT_RETRIES: u32 = 1;
@@ -545,6 +547,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         Some(t) => Timeouts {
             connect: ctx.duration(&t.connect, DEFAULT_TIMEOUTS.connect),
             request: ctx.duration(&t.request, DEFAULT_TIMEOUTS.request),
+            read: ctx.duration(&t.read, DEFAULT_TIMEOUTS.read),
             idle: ctx.duration(&t.idle, DEFAULT_TIMEOUTS.idle),
         },
         None => DEFAULT_TIMEOUTS,

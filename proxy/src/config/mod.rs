@@ -193,6 +193,10 @@ pub struct Timeouts {
     pub connect: Duration,
     /// From sending the request to receiving the response head.
     pub request: Duration,
+    /// The longest the upstream may send nothing while its response body
+    /// is waited on (nginx's `proxy_read_timeout` for the body); zero:
+    /// no limit.
+    pub read: Duration,
     /// How long an unused pooled connection is kept.
     pub idle: Duration,
 }

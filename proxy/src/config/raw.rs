@@ -135,6 +135,7 @@ pub struct RawUpstream {
 pub struct RawTimeouts {
     pub connect: Option<Text>,
     pub request: Option<Text>,
+    pub read: Option<Text>,
     pub idle: Option<Text>,
 }
 

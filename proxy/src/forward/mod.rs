@@ -106,9 +106,23 @@ impl Drop for InFlight {
 pub struct Held {
     in_flight: Option<InFlight>,
     lease: Option<Lease>,
+    /// The upstream's read timeout (zero: none).
+    read_timeout: Duration,
 }
 
 impl Held {
+    /// Cuts the response body when the upstream sends nothing for
+    /// `limit` while it is waited on (zero: never).
+    pub fn with_read_timeout(mut self, limit: Duration) -> Held {
+        self.read_timeout = limit;
+        self
+    }
+
+    /// See [`Held::with_read_timeout`].
+    pub fn read_timeout(&self) -> Duration {
+        self.read_timeout
+    }
+
     /// The response body was read to its end: the connection can serve
     /// the next request.
     pub fn finish(&mut self) {
@@ -408,6 +422,7 @@ impl UpstreamPool {
                                     let held = Held {
                                         in_flight: guard,
                                         lease: None,
+                                        read_timeout: Duration::ZERO,
                                     };
                                     return Ok((resp, held));
                                 }
@@ -455,6 +470,7 @@ impl UpstreamPool {
                                 Held {
                                     in_flight: guard,
                                     lease: conn.into_lease(),
+                                    read_timeout: Duration::ZERO,
                                 },
                             ));
                         }
