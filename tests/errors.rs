@@ -106,6 +106,112 @@ routes:
     );
 }
 
+/// A proxy forwarding everything to `echo` (an echo upstream reads the
+/// whole body before it answers) with a request timeout of `timeout`.
+async fn echo_with_timeout(echo: &upstream::Upstream, timeout: &str) -> Proxy {
+    Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: echo, endpoints: ["{}"], timeouts: {{ request: {timeout} }} }}]
+routes: [{{ name: upload, match: {{ path_prefix: / }}, upstream: echo }}]
+"#,
+        echo.url()
+    ))
+    .await
+}
+
+/// A POST whose streamed body (chunked) the test feeds through the sender.
+fn streamed_post(
+    url: String,
+) -> (
+    tokio::sync::mpsc::Sender<Bytes>,
+    tokio::task::JoinHandle<client::Answer>,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(1);
+    let frames = futures_util::stream::poll_fn(move |cx| {
+        rx.poll_recv(cx)
+            .map(|c| c.map(|c| Ok::<_, std::io::Error>(hyper::body::Frame::data(c))))
+    });
+    let req = Request::post(url)
+        .body(http_body_util::BodyExt::boxed(
+            http_body_util::StreamBody::new(frames),
+        ))
+        .unwrap();
+    let sent = tokio::spawn(async move { client::send(&client::http1(), req).await });
+    (tx, sent)
+}
+
+/// The request timeout is for the upstream's answer: an upload that takes
+/// longer than it, while it keeps coming, is not cut (as nginx's
+/// proxy_read_timeout starts once the request is sent).
+#[tokio::test]
+async fn an_upload_longer_than_the_request_timeout_goes_through() {
+    let echo = upstream::echo("up").await;
+    let proxy = echo_with_timeout(&echo, "1s").await;
+    let (chunks, sent) = streamed_post(proxy.url("/upload"));
+    // 15 chunks, 100 ms apart: 1.5 s of upload, never 1 s without a byte.
+    for _ in 0..15 {
+        chunks.send(Bytes::from(vec![b'u'; 4096])).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(chunks);
+    let a = sent.await.unwrap();
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.json()["body_len"], 15 * 4096);
+}
+
+/// A client that stops sending its body gets 408 once it has sent nothing
+/// for the request timeout (nginx's client_body_timeout), not a 504
+/// blaming the upstream.
+#[tokio::test]
+async fn a_client_that_stops_sending_its_body_gets_408() {
+    let echo = upstream::echo("up").await;
+    let proxy = echo_with_timeout(&echo, "300ms").await;
+    let (chunks, sent) = streamed_post(proxy.url("/upload"));
+    chunks.send(Bytes::from(vec![b'u'; 4096])).await.unwrap();
+    let a = sent.await.unwrap();
+    drop(chunks);
+    assert_eq!(a.status, 408, "{:?}", a.body);
+    assert_eq!(a.json()["error"], "request body timeout");
+    assert_eq!(a.json()["route"], "upload");
+}
+
+/// An upstream that stops reading the request body (and never answers)
+/// is the upstream's timeout, 504, even though the body stops moving.
+#[tokio::test]
+async fn an_upstream_that_stops_reading_the_body_gets_a_504() {
+    let never = std::sync::Arc::new(Notify::new());
+    let held = never.clone();
+    let deaf = upstream::serve(move |_req| {
+        let held = held.clone();
+        // Holds the request without reading its body: the body backs up
+        // into the proxy once the socket buffers are full.
+        async move {
+            held.notified().await;
+            hyper::Response::new(full("never"))
+        }
+    })
+    .await;
+    let proxy = echo_with_timeout(&deaf, "300ms").await;
+    let (chunks, sent) = streamed_post(proxy.url("/upload"));
+    // Fed until the proxy stops taking it (at most 256 MiB).
+    let feeding = tokio::spawn(async move {
+        for _ in 0..4096 {
+            if chunks
+                .send(Bytes::from(vec![b'u'; 64 << 10]))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    });
+    let a = sent.await.unwrap();
+    feeding.abort();
+    assert_eq!(a.status, 504, "{:?}", a.body);
+    assert_eq!(a.json()["error"], "upstream timeout");
+}
+
 #[tokio::test]
 async fn oversized_request_head_is_431_with_json() {
     let proxy = Proxy::start_default(&[]).await;

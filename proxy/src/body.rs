@@ -4,7 +4,10 @@
 //! of a per-request allocation.
 
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body as _, Frame, SizeHint};
@@ -22,6 +25,9 @@ pin_project_lite::pin_project! {
     pub enum Body {
         /// Streamed from a peer, frame by frame, with backpressure.
         Stream { #[pin] inner: Incoming },
+        /// A client's request body streamed to an upstream, noting its
+        /// progress for the wait on the upstream's answer.
+        Tracked { #[pin] inner: Incoming, progress: Arc<BodyProgress> },
         /// Read from an upstream HTTP/1.1 connection by the request's task.
         Upstream { inner: H1Body },
         /// Made by the proxy (error bodies, local answers); `None` once sent.
@@ -42,6 +48,75 @@ impl Body {
     pub fn empty() -> Body {
         Body::Full { data: None }
     }
+
+    /// This body with its progress noted in what is returned, when it is
+    /// still to be streamed from the client; `None` (and the body as it
+    /// was) when it is in memory already or empty.
+    pub fn tracked(self) -> (Body, Option<Arc<BodyProgress>>) {
+        match self {
+            Body::Stream { inner } if !inner.is_end_stream() => {
+                let progress = Arc::new(BodyProgress::started());
+                let body = Body::Tracked {
+                    inner,
+                    progress: progress.clone(),
+                };
+                (body, Some(progress))
+            }
+            other => (other, None),
+        }
+    }
+}
+
+/// How a request body streamed to an upstream is getting on: the upstream
+/// is not expected to answer before the body has arrived, so the wait for
+/// its answer counts from the body's last progress (see
+/// [`crate::client_watch::exchange`]).
+#[derive(Debug)]
+pub struct BodyProgress {
+    /// When a frame last came, by [`coarse_now`], in milliseconds.
+    last_ms: AtomicU64,
+    done: AtomicBool,
+    /// Whether the body was last found waiting on the client (rather
+    /// than not asked for: an upstream that stopped reading it).
+    waiting: AtomicBool,
+}
+
+impl BodyProgress {
+    fn started() -> BodyProgress {
+        BodyProgress {
+            last_ms: AtomicU64::new(coarse_ms()),
+            done: AtomicBool::new(false),
+            waiting: AtomicBool::new(false),
+        }
+    }
+
+    fn moved(&self, ended: bool) {
+        self.last_ms.store(coarse_ms(), Ordering::Relaxed);
+        self.waiting.store(false, Ordering::Relaxed);
+        if ended {
+            self.done.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// How long since the body last moved (or ended).
+    pub fn quiet_for(&self) -> Duration {
+        Duration::from_millis(coarse_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed)))
+    }
+
+    /// Whether all of the body has been read.
+    pub fn done(&self) -> bool {
+        self.done.load(Ordering::Relaxed)
+    }
+
+    /// Whether the rest of the body is awaited from the client (not done,
+    /// and last polled in vain).
+    pub fn waiting_on_client(&self) -> bool {
+        !self.done() && self.waiting.load(Ordering::Relaxed)
+    }
+}
+
+fn coarse_ms() -> u64 {
+    crate::forward::coarse_now().as_millis() as u64
 }
 
 /// A body's error: hyper's, or the upstream reader's (boxed: errors are
@@ -64,6 +139,19 @@ impl http_body::Body for Body {
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         match self.project() {
             BodyProj::Stream { inner } => inner.poll_frame(cx).map_err(Into::into),
+            BodyProj::Tracked {
+                mut inner,
+                progress,
+            } => {
+                let polled = inner.as_mut().poll_frame(cx);
+                match &polled {
+                    Poll::Ready(Some(Ok(_))) => progress.moved(inner.is_end_stream()),
+                    Poll::Ready(None) => progress.moved(true),
+                    Poll::Pending => progress.waiting.store(true, Ordering::Relaxed),
+                    Poll::Ready(Some(Err(_))) => {}
+                }
+                polled.map_err(Into::into)
+            }
             BodyProj::Upstream { inner } => Pin::new(inner).poll_frame(cx).map_err(Into::into),
             BodyProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
         }
@@ -71,7 +159,7 @@ impl http_body::Body for Body {
 
     fn is_end_stream(&self) -> bool {
         match self {
-            Body::Stream { inner } => inner.is_end_stream(),
+            Body::Stream { inner } | Body::Tracked { inner, .. } => inner.is_end_stream(),
             Body::Upstream { inner } => inner.is_end_stream(),
             Body::Full { data } => data.is_none(),
         }
@@ -79,7 +167,7 @@ impl http_body::Body for Body {
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            Body::Stream { inner } => inner.size_hint(),
+            Body::Stream { inner } | Body::Tracked { inner, .. } => inner.size_hint(),
             Body::Upstream { inner } => inner.size_hint(),
             Body::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))

@@ -84,8 +84,11 @@ impl Watch {
 /// How an exchange run by [`exchange`] was cut short.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Cut {
-    /// The timeout passed.
+    /// The timeout passed with the request sent.
     TimedOut,
+    /// The client sent none of the rest of its request body for the
+    /// timeout, while it was waited for.
+    BodyStalled,
     /// The client went away.
     ClientGone,
 }
@@ -96,10 +99,17 @@ pub enum Cut {
 /// deadline), so a request pays no more than a plain timeout. The
 /// exchange is borrowed pinned, not moved in: moving a future copies all
 /// of it.
+///
+/// With a request body streaming to the upstream (`body`), the timeout
+/// counts from the body's last progress, as nginx's `proxy_read_timeout`
+/// starts once the request is sent: an upload longer than the timeout is
+/// not the upstream being slow. A body that stops coming for the timeout
+/// is [`Cut::BodyStalled`] (nginx's `client_body_timeout`).
 pub async fn exchange<F: Future>(
     mut exchange: Pin<&mut F>,
     timeout: Duration,
     client: Option<ClientSocket>,
+    body: Option<&crate::body::BodyProgress>,
 ) -> Result<F::Output, Cut> {
     let first = if client.is_some() {
         WATCH_AFTER.min(timeout)
@@ -107,7 +117,7 @@ pub async fn exchange<F: Future>(
         timeout
     };
     let mut sleep = std::pin::pin!(tokio::time::sleep(first));
-    let deadline = sleep.deadline() - first + timeout;
+    let mut deadline = sleep.deadline() - first + timeout;
     let mut watch: Option<Watch> = None;
     std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = exchange.as_mut().poll(cx) {
@@ -126,7 +136,20 @@ pub async fn exchange<F: Future>(
                 return Poll::Pending;
             }
             if sleep.deadline() >= deadline {
-                return Poll::Ready(Err(Cut::TimedOut));
+                // The body moved since the deadline was set: the wait
+                // starts again from then.
+                // A body not asked for is an upstream that stopped
+                // reading it: its timeout, not the client's.
+                let quiet = body.map(|b| (b.quiet_for(), b.waiting_on_client()));
+                match quiet {
+                    Some((quiet, _)) if quiet < timeout => {
+                        deadline = tokio::time::Instant::now() + (timeout - quiet);
+                        sleep.as_mut().reset(deadline);
+                        continue;
+                    }
+                    Some((_, true)) => return Poll::Ready(Err(Cut::BodyStalled)),
+                    _ => return Poll::Ready(Err(Cut::TimedOut)),
+                }
             }
             watch = client.and_then(ClientSocket::watch);
             sleep.as_mut().reset(deadline);

@@ -23,6 +23,7 @@ pub use headers::{
 };
 pub use tls::client_config as client_tls_config;
 
+pub(crate) use pool::coarse_now;
 use pool::{Conn, ConnPool, Dest, Lease};
 
 use crate::body::Body;
@@ -328,6 +329,10 @@ impl UpstreamPool {
             }
             _ => None,
         };
+        // A body that streams on is noted as it goes: the timeout for the
+        // answer runs from its last progress (a long upload is not the
+        // upstream being slow), and a client that stops sending it is cut.
+        let (mut body, progress) = body.tracked();
         let whole = bodiless || payload.is_some();
         // As nginx's proxy_next_upstream: a retry goes to another endpoint,
         // so a single-endpoint upstream never pays for keeping a copy. Only
@@ -491,9 +496,10 @@ impl UpstreamPool {
             }
             Err(last.unwrap_or(ForwardError::Unreachable("no endpoint".into())))
         });
-        match client_watch::exchange(attempt_all, timeout, client).await {
+        match client_watch::exchange(attempt_all, timeout, client, progress.as_deref()).await {
             Ok(r) => r,
             Err(Cut::TimedOut) => Err(ForwardError::Timeout(timeout)),
+            Err(Cut::BodyStalled) => Err(ForwardError::RequestBodyTimeout(timeout)),
             Err(Cut::ClientGone) => Err(ForwardError::ClientGone),
         }
     }

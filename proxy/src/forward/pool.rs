@@ -89,7 +89,7 @@ struct Idle {
 /// checkout and return of a connection). Through the C library, whose
 /// vDSO lookup tools such as valgrind support (rustix's own lookup faults
 /// under valgrind).
-fn coarse_now() -> Duration {
+pub(crate) fn coarse_now() -> Duration {
     let mut t = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
