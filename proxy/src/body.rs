@@ -26,8 +26,10 @@ pin_project_lite::pin_project! {
         /// Streamed from a peer, frame by frame, with backpressure.
         Stream { #[pin] inner: Incoming },
         /// A client's request body streamed to an upstream, noting its
-        /// progress for the wait on the upstream's answer.
-        Tracked { #[pin] inner: Incoming, progress: Arc<BodyProgress> },
+        /// progress for the wait on the upstream's answer (boxed: only
+        /// streamed uploads take it, and inline it would make every body
+        /// larger).
+        Tracked { inner: Box<Tracked> },
         /// Read from an upstream HTTP/1.1 connection by the request's task.
         Upstream { inner: H1Body },
         /// Made by the proxy (error bodies, local answers); `None` once sent.
@@ -57,14 +59,22 @@ impl Body {
             Body::Stream { inner } if !inner.is_end_stream() => {
                 let progress = Arc::new(BodyProgress::started());
                 let body = Body::Tracked {
-                    inner,
-                    progress: progress.clone(),
+                    inner: Box::new(Tracked {
+                        inner,
+                        progress: progress.clone(),
+                    }),
                 };
                 (body, Some(progress))
             }
             other => (other, None),
         }
     }
+}
+
+/// A streamed request body and its progress.
+pub struct Tracked {
+    inner: Incoming,
+    progress: Arc<BodyProgress>,
 }
 
 /// How a request body streamed to an upstream is getting on: the upstream
@@ -139,11 +149,9 @@ impl http_body::Body for Body {
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         match self.project() {
             BodyProj::Stream { inner } => inner.poll_frame(cx).map_err(Into::into),
-            BodyProj::Tracked {
-                mut inner,
-                progress,
-            } => {
-                let polled = inner.as_mut().poll_frame(cx);
+            BodyProj::Tracked { inner } => {
+                let Tracked { inner, progress } = &mut **inner;
+                let polled = Pin::new(&mut *inner).poll_frame(cx);
                 match &polled {
                     Poll::Ready(Some(Ok(_))) => progress.moved(inner.is_end_stream()),
                     Poll::Ready(None) => progress.moved(true),
@@ -159,7 +167,8 @@ impl http_body::Body for Body {
 
     fn is_end_stream(&self) -> bool {
         match self {
-            Body::Stream { inner } | Body::Tracked { inner, .. } => inner.is_end_stream(),
+            Body::Stream { inner } => inner.is_end_stream(),
+            Body::Tracked { inner } => inner.inner.is_end_stream(),
             Body::Upstream { inner } => inner.is_end_stream(),
             Body::Full { data } => data.is_none(),
         }
@@ -167,7 +176,8 @@ impl http_body::Body for Body {
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            Body::Stream { inner } | Body::Tracked { inner, .. } => inner.size_hint(),
+            Body::Stream { inner } => inner.size_hint(),
+            Body::Tracked { inner } => inner.inner.size_hint(),
             Body::Upstream { inner } => inner.size_hint(),
             Body::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
@@ -192,16 +202,26 @@ pin_project_lite::pin_project! {
         // upstream for a while (a quiet stream), so a client that left
         // ends it.
         watch: Option<ClientSocket>,
-        gone: Option<Pin<Box<Gone>>>,
-        // The upstream's read timeout, from when the body last began to
-        // wait (made when it first waits; most bodies never do).
-        stall: Option<Pin<Box<tokio::time::Sleep>>>,
-        waiting: bool,
+        // Made when the body first waits: most never do.
+        waits: Option<Pin<Box<Waits>>>,
         // The upstream connection and in-flight count, released when the
         // body ends so the connection can serve the next request.
         held: Held,
         // Tells the connection's head deadline that the response is done.
         ended: Option<Ended>,
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// What a response body keeps once it has waited on the upstream.
+    struct Waits {
+        // The client's socket, watched from a while on.
+        gone: Option<Gone>,
+        // The upstream's read timeout, from when the body last began to
+        // wait.
+        #[pin]
+        stall: tokio::time::Sleep,
+        waiting: bool,
     }
 }
 
@@ -222,9 +242,7 @@ impl ResponseBody {
             log,
             counted,
             watch: None,
-            gone: None,
-            stall: None,
-            waiting: false,
+            waits: None,
             held,
             ended: None,
         }
@@ -255,48 +273,50 @@ impl http_body::Body for ResponseBody {
         let mut this = self.project();
         let polled = this.inner.as_mut().poll_frame(cx);
         if polled.is_pending() {
-            // Only a body that waits gets clocks (and, after a while, a
-            // watch): most end without ever waiting.
-            if let Some(socket) = *this.watch {
-                let gone = this
-                    .gone
-                    .get_or_insert_with(|| Box::pin(Gone::after_a_while(socket)));
-                if gone.as_mut().poll(cx).is_ready() {
+            let limit = this.held.read_timeout();
+            let watch = *this.watch;
+            if watch.is_some() || !limit.is_zero() {
+                // Only a body that waits gets clocks (and, after a while, a
+                // watch of its client): most end without ever waiting.
+                let waits = this.waits.get_or_insert_with(|| {
+                    Box::pin(Waits {
+                        gone: watch.map(Gone::after_a_while),
+                        stall: tokio::time::sleep(limit),
+                        waiting: false,
+                    })
+                });
+                let w = waits.as_mut().project();
+                if let Some(gone) = w.gone.as_mut()
+                    && Pin::new(gone).poll(cx).is_ready()
+                {
                     if let Some(log) = this.log.as_mut() {
                         log.aborted = true;
                     }
                     return Poll::Ready(Some(Err("the client went away".into())));
                 }
-            }
-            let limit = this.held.read_timeout();
-            if !limit.is_zero() {
-                // Counted from when the body began to wait, not from the
-                // last frame: a client slow to read holds the body back,
-                // and that is not the upstream's silence.
-                let began = !std::mem::replace(this.waiting, true);
-                let stall = match this.stall {
-                    Some(stall) => {
-                        if began {
-                            stall.as_mut().reset(tokio::time::Instant::now() + limit);
-                        }
-                        stall
+                if !limit.is_zero() {
+                    // Counted from when the body began to wait, not from
+                    // the last frame: a client slow to read holds the body
+                    // back, and that is not the upstream's silence.
+                    let mut stall = w.stall;
+                    if !std::mem::replace(w.waiting, true) {
+                        stall.as_mut().reset(tokio::time::Instant::now() + limit);
                     }
-                    None => this.stall.insert(Box::pin(tokio::time::sleep(limit))),
-                };
-                if stall.as_mut().poll(cx).is_ready() {
-                    let (route, upstream) = this.log.as_mut().map_or((None, None), |log| {
-                        log.aborted = true;
-                        (log.route.clone(), log.upstream.clone())
-                    });
-                    tracing::warn!(route = route.as_deref(), upstream = upstream.as_deref(), read_timeout = ?limit, "upstream sent nothing within the read timeout; response cut");
-                    return Poll::Ready(Some(Err(format!(
-                        "the upstream sent nothing for {limit:?}"
-                    )
-                    .into())));
+                    if stall.poll(cx).is_ready() {
+                        let (route, upstream) = this.log.as_mut().map_or((None, None), |log| {
+                            log.aborted = true;
+                            (log.route.clone(), log.upstream.clone())
+                        });
+                        tracing::warn!(route = route.as_deref(), upstream = upstream.as_deref(), read_timeout = ?limit, "upstream sent nothing within the read timeout; response cut");
+                        return Poll::Ready(Some(Err(format!(
+                            "the upstream sent nothing for {limit:?}"
+                        )
+                        .into())));
+                    }
                 }
             }
-        } else {
-            *this.waiting = false;
+        } else if let Some(waits) = this.waits.as_mut() {
+            *waits.as_mut().project().waiting = false;
         }
         match &polled {
             Poll::Ready(None) => this.held.finish(),
