@@ -51,23 +51,24 @@ impl Body {
         Body::Full { data: None }
     }
 
-    /// This body with its progress noted in what is returned, when it is
-    /// still to be streamed from the client; `None` (and the body as it
-    /// was) when it is in memory already or empty.
-    pub fn tracked(self) -> (Body, Option<Arc<BodyProgress>>) {
-        match self {
-            Body::Stream { inner } if !inner.is_end_stream() => {
-                let progress = Arc::new(BodyProgress::started());
-                let body = Body::Tracked {
-                    inner: Box::new(Tracked {
-                        inner,
-                        progress: progress.clone(),
-                    }),
-                };
-                (body, Some(progress))
-            }
-            other => (other, None),
+    /// Notes this body's progress in what is returned, when it is still to
+    /// be streamed from the client; `None` (and the body left as it is,
+    /// not moved: most requests have none) when it is in memory or empty.
+    pub fn track(&mut self) -> Option<Arc<BodyProgress>> {
+        if !matches!(self, Body::Stream { inner } if !inner.is_end_stream()) {
+            return None;
         }
+        let Body::Stream { inner } = std::mem::replace(self, Body::empty()) else {
+            unreachable!("matched above")
+        };
+        let progress = Arc::new(BodyProgress::started());
+        *self = Body::Tracked {
+            inner: Box::new(Tracked {
+                inner,
+                progress: progress.clone(),
+            }),
+        };
+        Some(progress)
     }
 }
 

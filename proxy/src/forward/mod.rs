@@ -334,7 +334,7 @@ impl UpstreamPool {
         // A body that streams on is noted as it goes: the timeout for the
         // answer runs from its last progress (a long upload is not the
         // upstream being slow), and a client that stops sending it is cut.
-        let (mut body, progress) = body.tracked();
+        let progress = body.track();
         let whole = bodiless || payload.is_some();
         // As nginx's proxy_next_upstream: a retry goes to another endpoint,
         // so a single-endpoint upstream never pays for keeping a copy. Only
