@@ -638,6 +638,9 @@ async fn the_public_side_serves_https_with_a_wildcard_certificate() {
         &["--public-cert", &cert, "--public-key", &key],
     )
     .await;
+    let status = server.process.status().await;
+    assert_eq!(status["public"]["tls"], true, "{status}");
+    assert_eq!(status["domain"], DOMAIN);
     let url = echo.url();
     let _client = server
         .client("rt-a", TOKENS[0].1, &["--upstream", &url])

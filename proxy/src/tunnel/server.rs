@@ -1019,6 +1019,11 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
             StatusCode::OK,
             serde_json::json!({
                 "version": env!("CARGO_PKG_VERSION"),
+                "domain": shared.suffix.trim_start_matches('.'),
+                "public": {
+                    "tls": shared.public_tls,
+                    "trust_forwarded_headers": shared.trust_forwarded_headers,
+                },
                 "runtimes": runtimes.iter().map(|r| serde_json::json!({
                     "id": r.id,
                     "connections": r.tunnels.len(),
