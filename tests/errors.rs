@@ -120,27 +120,6 @@ routes: [{{ name: upload, match: {{ path_prefix: / }}, upstream: echo }}]
     .await
 }
 
-/// A POST whose streamed body (chunked) the test feeds through the sender.
-fn streamed_post(
-    url: String,
-) -> (
-    tokio::sync::mpsc::Sender<Bytes>,
-    tokio::task::JoinHandle<client::Answer>,
-) {
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(1);
-    let frames = futures_util::stream::poll_fn(move |cx| {
-        rx.poll_recv(cx)
-            .map(|c| c.map(|c| Ok::<_, std::io::Error>(hyper::body::Frame::data(c))))
-    });
-    let req = Request::post(url)
-        .body(http_body_util::BodyExt::boxed(
-            http_body_util::StreamBody::new(frames),
-        ))
-        .unwrap();
-    let sent = tokio::spawn(async move { client::send(&client::http1(), req).await });
-    (tx, sent)
-}
-
 /// The request timeout is for the upstream's answer: an upload that takes
 /// longer than it, while it keeps coming, is not cut (as nginx's
 /// proxy_read_timeout starts once the request is sent).
@@ -148,7 +127,7 @@ fn streamed_post(
 async fn an_upload_longer_than_the_request_timeout_goes_through() {
     let echo = upstream::echo("up").await;
     let proxy = echo_with_timeout(&echo, "1s").await;
-    let (chunks, sent) = streamed_post(proxy.url("/upload"));
+    let (chunks, sent) = client::streamed_post(proxy.url("/upload"));
     // 15 chunks, 100 ms apart: 1.5 s of upload, never 1 s without a byte.
     for _ in 0..15 {
         chunks.send(Bytes::from(vec![b'u'; 4096])).await.unwrap();
@@ -167,7 +146,7 @@ async fn an_upload_longer_than_the_request_timeout_goes_through() {
 async fn a_client_that_stops_sending_its_body_gets_408() {
     let echo = upstream::echo("up").await;
     let proxy = echo_with_timeout(&echo, "300ms").await;
-    let (chunks, sent) = streamed_post(proxy.url("/upload"));
+    let (chunks, sent) = client::streamed_post(proxy.url("/upload"));
     chunks.send(Bytes::from(vec![b'u'; 4096])).await.unwrap();
     let a = sent.await.unwrap();
     drop(chunks);
@@ -193,7 +172,7 @@ async fn an_upstream_that_stops_reading_the_body_gets_a_504() {
     })
     .await;
     let proxy = echo_with_timeout(&deaf, "300ms").await;
-    let (chunks, sent) = streamed_post(proxy.url("/upload"));
+    let (chunks, sent) = client::streamed_post(proxy.url("/upload"));
     // Fed until the proxy stops taking it (at most 256 MiB).
     let feeding = tokio::spawn(async move {
         for _ in 0..4096 {

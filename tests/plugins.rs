@@ -1157,6 +1157,42 @@ routes:
     assert_eq!(short.json()["error"], "plugin timed out");
 }
 
+/// A client that stops sending a body a plugin is reading (a webhook
+/// trickled in) gets 408 once it has sent nothing for the route's request
+/// timeout, instead of holding its connection for ever.
+#[tokio::test]
+async fn a_body_a_plugin_reads_that_stops_coming_gets_408() {
+    let (up, hits) = upstream::counted_echo("up").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: up, endpoints: ["{}"], timeouts: {{ request: 300ms }} }}]
+plugins: [{{ name: busy, path: fixture-busy.wasm }}]
+routes:
+  - name: hook
+    match: {{ path: /hook }}
+    upstream: up
+    plugins: [{{ use: busy, config: {{ iterations: 1, read_body: 1048576 }} }}]
+"#,
+            up.url()
+        ),
+        &["fixture-busy"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let (chunks, sent) = client::streamed_post(proxy.url("/hook"));
+    chunks
+        .send(Bytes::from_static(b"{\"partial\":"))
+        .await
+        .unwrap();
+    let a = sent.await.unwrap();
+    drop(chunks);
+    assert_eq!(a.status, 408, "{:?}", a.body);
+    assert_eq!(a.json()["error"], "request body timeout");
+    assert_eq!(a.json()["plugin"], "busy");
+    assert_eq!(hits.load(Ordering::SeqCst), 0);
+}
+
 /// The SDK example guarding `/api` (to `api`) and a local answer.
 fn require_header_policies(api: &Upstream) -> tempfile::TempDir {
     policy_dir(

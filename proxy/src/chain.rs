@@ -6,7 +6,10 @@
 //! and forwarded exactly as the plugin saw it. Response hooks run in
 //! reverse order on the upstream's response head.
 
+use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header;
@@ -83,21 +86,51 @@ fn json_error(
     crate::pipeline::json_error(status, message, Some(route), plugin)
 }
 
-/// Reads the request body into memory, up to `max` bytes.
-async fn read_body(body: Body, headers: &http::HeaderMap, max: u32) -> Result<Bytes, StatusCode> {
+/// Reads the request body into memory, up to `max` bytes. A client that
+/// sends none of it for `timeout` is answered 408 (nginx's
+/// client_body_timeout): a webhook trickled in byte by byte must not hold
+/// its connection for ever.
+async fn read_body(
+    mut body: Body,
+    headers: &http::HeaderMap,
+    max: u32,
+    timeout: Duration,
+) -> Result<Bytes, StatusCode> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|n| n > u64::from(max)) {
         return Err(StatusCode::PAYLOAD_TOO_LARGE);
     }
-    match http_body_util::Limited::new(body, max as usize)
-        .collect()
-        .await
-    {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(StatusCode::PAYLOAD_TOO_LARGE),
-        Err(_) => Err(StatusCode::BAD_REQUEST),
+    let progress = body.track();
+    let mut collect = std::pin::pin!(http_body_util::Limited::new(body, max as usize).collect());
+    let mut sleep = std::pin::pin!(tokio::time::sleep(timeout));
+    let collected = std::future::poll_fn(|cx| {
+        loop {
+            if let Poll::Ready(collected) = collect.as_mut().poll(cx) {
+                return Poll::Ready(Some(collected));
+            }
+            if sleep.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            // The body moved since the timer was set: wait on from then.
+            match progress.as_deref().map(|p| p.quiet_for()) {
+                Some(quiet) if quiet < timeout => {
+                    let rest = timeout - quiet;
+                    sleep.as_mut().reset(tokio::time::Instant::now() + rest);
+                }
+                _ => return Poll::Ready(None),
+            }
+        }
+    })
+    .await;
+    match collected {
+        Some(Ok(collected)) => Ok(collected.to_bytes()),
+        Some(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(StatusCode::PAYLOAD_TOO_LARGE)
+        }
+        Some(Err(_)) => Err(StatusCode::BAD_REQUEST),
+        None => Err(StatusCode::REQUEST_TIMEOUT),
     }
 }
 
@@ -149,13 +182,16 @@ impl<'a> PendingBody<'a> {
         config: &Config,
     ) -> RequestOutcome<'a> {
         let taken = std::mem::replace(body, Body::empty());
-        let bytes = match read_body(taken, headers, self.max).await {
+        let timeout = config.request_timeout(route);
+        let bytes = match read_body(taken, headers, self.max, timeout).await {
             Ok(bytes) => bytes,
             Err(status) => {
-                let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-                    "request body too large for the route's plugin"
-                } else {
-                    "request body could not be read"
+                let message = match status {
+                    StatusCode::PAYLOAD_TOO_LARGE => {
+                        "request body too large for the route's plugin"
+                    }
+                    StatusCode::REQUEST_TIMEOUT => "request body timeout",
+                    _ => "request body could not be read",
                 };
                 let plugin = request_hooks(self.chain)
                     .nth(self.at)

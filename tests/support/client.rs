@@ -167,3 +167,24 @@ pub async fn raw(addr: std::net::SocketAddr, raw: &[u8]) -> String {
         .unwrap();
     String::from_utf8_lossy(&buf).into_owned()
 }
+
+/// A POST whose streamed body (chunked) the test feeds through the sender.
+pub fn streamed_post(
+    url: String,
+) -> (
+    tokio::sync::mpsc::Sender<Bytes>,
+    tokio::task::JoinHandle<Answer>,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(1);
+    let frames = futures_util::stream::poll_fn(move |cx| {
+        rx.poll_recv(cx)
+            .map(|c| c.map(|c| Ok::<_, std::io::Error>(hyper::body::Frame::data(c))))
+    });
+    let req = Request::post(url)
+        .body(http_body_util::BodyExt::boxed(
+            http_body_util::StreamBody::new(frames),
+        ))
+        .unwrap();
+    let sent = tokio::spawn(async move { send(&http1(), req).await });
+    (tx, sent)
+}

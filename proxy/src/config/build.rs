@@ -36,11 +36,12 @@ const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// as it closes.
 pub const DEFAULT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(75);
 const DEFAULT_MAX_HEADER_SIZE: usize = 32 * 1024;
+/// nginx's proxy_read_timeout, which the replaced routing service relied
+/// on: for the response head, and between reads of the body.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 const DEFAULT_TIMEOUTS: Timeouts = Timeouts {
     connect: Duration::from_secs(5),
-    // nginx's proxy_read_timeout, which the replaced routing service relied
-    // on: for the response head, and between reads of the body.
-    request: Duration::from_secs(60),
+    request: DEFAULT_REQUEST_TIMEOUT,
     read: Duration::from_secs(60),
     idle: Duration::from_secs(90),
 };

@@ -108,6 +108,15 @@ impl Config {
     pub fn upstream_index(&self, name: &str) -> Option<usize> {
         self.upstreams.iter().position(|u| &*u.name == name)
     }
+
+    /// The request timeout of `route`: its own, or its upstream's, or the
+    /// default for a route that answers itself.
+    pub fn request_timeout(&self, route: &Route) -> std::time::Duration {
+        route.timeout.unwrap_or(match route.action {
+            Action::Forward(i) => self.upstreams[i].timeouts.request,
+            _ => build::DEFAULT_REQUEST_TIMEOUT,
+        })
+    }
 }
 
 /// A plugin's WebAssembly component, read from disk.
