@@ -109,9 +109,13 @@ impl BodyProgress {
         }
     }
 
-    /// How long since the body last moved (or ended).
-    pub fn quiet_for(&self) -> Duration {
-        Duration::from_millis(coarse_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed)))
+    /// When a wait of `timeout` counted from the body's last progress
+    /// ends: `None` if it has already passed. Both waits on a body (for
+    /// the upstream's answer, for a plugin's read) start again from there.
+    pub fn wait_ends(&self, timeout: Duration) -> Option<tokio::time::Instant> {
+        let quiet = coarse_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed));
+        let rest = timeout.checked_sub(Duration::from_millis(quiet))?;
+        (!rest.is_zero()).then(|| tokio::time::Instant::now() + rest)
     }
 
     /// Whether all of the body has been read.

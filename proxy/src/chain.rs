@@ -114,12 +114,9 @@ async fn read_body(
                 return Poll::Pending;
             }
             // The body moved since the timer was set: wait on from then.
-            match progress.as_deref().map(|p| p.quiet_for()) {
-                Some(quiet) if quiet < timeout => {
-                    let rest = timeout - quiet;
-                    sleep.as_mut().reset(tokio::time::Instant::now() + rest);
-                }
-                _ => return Poll::Ready(None),
+            match progress.as_deref().and_then(|p| p.wait_ends(timeout)) {
+                Some(later) => sleep.as_mut().reset(later),
+                None => return Poll::Ready(None),
             }
         }
     })

@@ -137,18 +137,22 @@ pub async fn exchange<F: Future>(
             }
             if sleep.deadline() >= deadline {
                 // The body moved since the deadline was set: the wait
-                // starts again from then.
-                // A body not asked for is an upstream that stopped
-                // reading it: its timeout, not the client's.
-                let quiet = body.map(|b| (b.quiet_for(), b.waiting_on_client()));
-                match quiet {
-                    Some((quiet, _)) if quiet < timeout => {
-                        deadline = tokio::time::Instant::now() + (timeout - quiet);
-                        sleep.as_mut().reset(deadline);
-                        continue;
-                    }
-                    Some((_, true)) => return Poll::Ready(Err(Cut::BodyStalled)),
-                    _ => return Poll::Ready(Err(Cut::TimedOut)),
+                // starts again from then. A body not asked for is an
+                // upstream that stopped reading it: its timeout, not the
+                // client's.
+                match body {
+                    Some(b) => match b.wait_ends(timeout) {
+                        Some(later) => {
+                            deadline = later;
+                            sleep.as_mut().reset(deadline);
+                            continue;
+                        }
+                        None if b.waiting_on_client() => {
+                            return Poll::Ready(Err(Cut::BodyStalled));
+                        }
+                        None => return Poll::Ready(Err(Cut::TimedOut)),
+                    },
+                    None => return Poll::Ready(Err(Cut::TimedOut)),
                 }
             }
             watch = client.and_then(ClientSocket::watch);
