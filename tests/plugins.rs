@@ -914,6 +914,109 @@ routes:
     assert_eq!(client::send(&client::http1(), req).await.status, 403);
 }
 
+/// Behind a TCP balancer (an AWS NLB) a listener with `proxy_protocol`
+/// takes the client's address from the PROXY header the balancer sends:
+/// `ip-allow` judges that address, the upstream sees it in
+/// `X-Forwarded-For`. The balancer's own health checks (version 2 LOCAL)
+/// keep the connection's address; a connection without a header is
+/// closed and counted, and the listener goes on serving.
+#[tokio::test]
+async fn a_proxy_protocol_listener_sees_the_client_behind_the_balancer() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: nlb, bind: "127.0.0.1:0", proxy_protocol: true, header_read_timeout: 500ms }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: ips, path: ip-allow.wasm }}]
+routes:
+  - {{ name: office, match: {{ path: /office }}, upstream: app, plugins: [{{ use: ips, config: {{ allow: [203.0.113.0/24] }} }}] }}
+  - {{ name: open, match: {{ path: /open }}, upstream: app }}
+"#,
+            app.url()
+        ),
+        &["ip-allow"],
+    );
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let request = |header: &[u8], path: &str| {
+        let mut raw = header.to_vec();
+        raw.extend_from_slice(
+            format!("GET {path} HTTP/1.1\r\nhost: app\r\nconnection: close\r\n\r\n").as_bytes(),
+        );
+        let addr = proxy.addr;
+        async move { client::raw(addr, &raw).await }
+    };
+    let v1 = |source: &str| format!("PROXY TCP4 {source} 10.0.0.1 40000 8080\r\n").into_bytes();
+    let office = request(&v1("203.0.113.10"), "/office").await;
+    assert!(office.starts_with("HTTP/1.1 200 "), "{office}");
+    assert!(
+        office.contains(r#""x-forwarded-for":"203.0.113.10""#),
+        "{office}"
+    );
+    let outside = request(&v1("198.51.100.7"), "/office").await;
+    assert!(outside.starts_with("HTTP/1.1 403 "), "{outside}");
+
+    // Version 2, IPv6 source, with a TLV as AWS adds one.
+    let mut v2 = b"\r\n\r\n\0\r\nQUIT\n\x21\x21\x00\x2b".to_vec();
+    v2.extend_from_slice(&[0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7]);
+    v2.extend_from_slice(&[0; 16]);
+    v2.extend_from_slice(&[
+        0x9c, 0x40, 0x1f, 0x90, 0xea, 0x00, 0x04, b'v', b'p', b'c', b'e',
+    ]);
+    let open = request(&v2, "/open").await;
+    assert!(
+        open.contains(r#""x-forwarded-for":"2001:db8::7""#),
+        "{open}"
+    );
+    // A health check from the balancer itself: the connection's address.
+    let local = b"\r\n\r\n\0\r\nQUIT\n\x20\x00\x00\x00";
+    let check = request(local, "/open").await;
+    assert!(
+        check.contains(r#""x-forwarded-for":"127.0.0.1""#),
+        "{check}"
+    );
+    assert!(request(local, "/office").await.starts_with("HTTP/1.1 403 "));
+
+    // A client that reaches the listener without the balancer is closed
+    // unanswered (reset, as its request is left unread).
+    let mut direct = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut direct, b"GET /open HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let closed = tokio::io::AsyncReadExt::read_to_end(&mut direct, &mut answer);
+    let _reset_or_end = tokio::time::timeout(Duration::from_secs(10), closed)
+        .await
+        .expect("the connection without a header was not closed");
+    assert!(answer.is_empty(), "{:?}", String::from_utf8_lossy(&answer));
+    proxy
+        .metrics_showing(&[
+            r#"portcullis_connection_errors_total{listener="nlb",reason="proxy_protocol"} 1"#
+                .to_owned(),
+        ])
+        .await;
+    // One that starts a header and stalls is closed at the header-read
+    // timeout, and counted as a slow head.
+    let mut stalled = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stalled, b"PROXY TCP4 203.0")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let closed = tokio::io::AsyncReadExt::read_to_end(&mut stalled, &mut answer);
+    tokio::time::timeout(Duration::from_secs(10), closed)
+        .await
+        .expect("a stalled header was not cut")
+        .expect("closed cleanly");
+    proxy
+        .metrics_showing(&[
+            r#"portcullis_connection_errors_total{listener="nlb",reason="header_timeout"} 1"#
+                .to_owned(),
+        ])
+        .await;
+    let again = request(&v1("203.0.113.11"), "/office").await;
+    assert!(again.starts_with("HTTP/1.1 200 "), "{again}");
+}
+
 #[tokio::test]
 async fn the_sdk_example_plugin_works_as_documented() {
     let api = upstream::echo("api").await;

@@ -719,6 +719,67 @@ async fn a_balancer_in_front_is_trusted_for_the_scheme_when_told() {
     );
 }
 
+/// Behind a TCP balancer that passes TLS through (an AWS NLB), the
+/// server reads the PROXY header the balancer puts before the handshake
+/// (`--proxy-protocol`), and the runtime sees the client's address in
+/// `X-Forwarded-For`; the balancer's health checks (version 2 LOCAL) keep
+/// the connection's. A connection without a header is closed and counted,
+/// and the next is served.
+#[tokio::test]
+async fn a_tcp_balancer_in_front_gives_the_client_address() {
+    let echo = upstream::echo("behind").await;
+    let dir = tokens_dir();
+    let pki = crate::support::tls::TestPki::for_names(&[&format!("*.{DOMAIN}")]);
+    let (cert, key) = (dir.path().join("public.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, &pki.leaf_pem).unwrap();
+    std::fs::write(&key, &pki.leaf_key_pem).unwrap();
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let any = "127.0.0.1:0".parse().unwrap();
+    let args = [
+        "--proxy-protocol",
+        "--public-cert",
+        &cert,
+        "--public-key",
+        &key,
+    ];
+    let server = TunnelServer::start_in_with(dir, any, any, &args).await;
+    assert_eq!(
+        server.process.status().await["public"]["proxy_protocol"],
+        true
+    );
+    let url = echo.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let host = format!("rt-a.{DOMAIN}");
+    const H2: &[&[u8]] = &[b"h2", b"http/1.1"];
+    let https = |before: &'static [u8]| {
+        crate::support::tls::https_get_after(server.public, before, &host, &pki.ca_pem, H2, "/")
+    };
+
+    let (_, a) = https(b"PROXY TCP4 203.0.113.7 10.0.0.1 51234 443\r\n")
+        .await
+        .expect("HTTPS after a PROXY header");
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.json()["headers"]["x-forwarded-for"], "203.0.113.7");
+    let health_check = b"\r\n\r\n\0\r\nQUIT\n\x20\x00\x00\x00";
+    let (_, a) = https(health_check).await.expect("HTTPS after LOCAL");
+    assert_eq!(a.json()["headers"]["x-forwarded-for"], "127.0.0.1");
+
+    assert!(https(b"").await.is_err(), "served without a PROXY header");
+    server
+        .process
+        .metrics_showing(&[
+            r#"portcullis_connection_errors_total{listener="public",reason="proxy_protocol"} 1"#
+                .to_owned(),
+        ])
+        .await;
+    let (_, a) = https(b"PROXY TCP6 2001:db8::9 2001:db8::1 4000 443\r\n")
+        .await
+        .expect("HTTPS after a PROXY header");
+    assert_eq!(a.json()["headers"]["x-forwarded-for"], "2001:db8::9");
+}
+
 /// A TCP relay in front of the tunnel endpoint that the test can cut.
 struct Relay {
     addr: SocketAddr,

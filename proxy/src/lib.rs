@@ -19,6 +19,7 @@ pub mod head_deadline;
 pub mod metrics;
 pub mod pipeline;
 pub mod plugin;
+pub mod proxy_protocol;
 pub mod reload;
 pub mod request_head;
 pub mod router;

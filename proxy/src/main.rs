@@ -76,6 +76,12 @@ enum Command {
         /// reaching the listener directly could claim anything.
         #[arg(long, env = "PORTCULLIS_TRUST_FORWARDED_HEADERS")]
         trust_forwarded_headers: bool,
+        /// Every public connection starts with a PROXY protocol header
+        /// (version 1 or 2, as an AWS NLB or HAProxy sends it) giving the
+        /// client's address; connections without one are closed. Only
+        /// behind such a balancer: a direct client could claim any address.
+        #[arg(long, env = "PORTCULLIS_PROXY_PROTOCOL")]
+        proxy_protocol: bool,
         /// Tunnel endpoint (WebSocket; TLS with --cert and --key).
         #[arg(long, env = "PORTCULLIS_TUNNEL_LISTEN")]
         tunnel_listen: std::net::SocketAddr,
@@ -210,6 +216,7 @@ fn main() -> ExitCode {
             public_cert,
             public_key,
             trust_forwarded_headers,
+            proxy_protocol,
             tunnel_listen,
             domain,
             tokens,
@@ -224,6 +231,7 @@ fn main() -> ExitCode {
                 public,
                 public_tls: public_cert.zip(public_key),
                 trust_forwarded_headers,
+                proxy_protocol,
                 tunnel: tunnel_listen,
                 domain,
                 tokens,

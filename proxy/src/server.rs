@@ -705,23 +705,57 @@ async fn accept_loop(
         .await
     {
         let current = settings.load_full();
-        let conn = Arc::new(ConnInfo {
-            client,
-            client_ip: crate::forward::client_ip_header(client.ip()),
-            listener: current.spec.clone(),
-            tls: false,
-            worker,
-            socket: Some(ClientSocket::of(&stream)),
-        });
-        serve_connection(
-            stream,
-            conn,
-            &current.builder,
-            &pipeline,
-            &tracker,
-            &connections,
-            (permit, counted),
+        if !current.spec.proxy_protocol {
+            serve_connection(
+                stream,
+                client,
+                &current,
+                worker,
+                (&pipeline, &tracker, &connections),
+                (permit, counted),
+            );
+            continue;
+        }
+        // The header is read in the connection's own task under the
+        // header-read timeout, so a balancer (or anyone) slow to send it
+        // holds up no other connection.
+        let (pipeline, tracker_, connections, stop) = (
+            pipeline.clone(),
+            tracker.clone(),
+            connections.clone(),
+            stop.clone(),
         );
+        tracker.spawn(async move {
+            let mut stream = stream;
+            let limit = current.spec.header_read_timeout;
+            let header = tokio::time::timeout(limit, crate::proxy_protocol::read(&mut stream));
+            let header = tokio::select! {
+                header = header => header,
+                _ = stop.cancelled() => return,
+            };
+            let name = &current.spec.name;
+            let source = match header {
+                Ok(Ok(source)) => source,
+                Ok(Err(e)) => {
+                    crate::metrics::count_connection_error(name, "proxy_protocol");
+                    tracing::debug!(peer = %client, error = %e, "connection closed");
+                    return;
+                }
+                Err(_) => {
+                    crate::metrics::connection_timed_out(name);
+                    tracing::debug!(peer = %client, "no PROXY protocol header within the header-read timeout; closed");
+                    return;
+                }
+            };
+            serve_connection(
+                stream,
+                source.unwrap_or(client),
+                &current,
+                worker,
+                (&pipeline, &tracker_, &connections),
+                (permit, counted),
+            );
+        });
     }
     // Closing the socket now refuses new connections at once; the open
     // ones finish their current request and close. Connections handed to
@@ -732,17 +766,27 @@ async fn accept_loop(
     connections.shutdown().await;
 }
 
+/// Serves HTTP on an accepted connection from `client` (the peer, or the
+/// address its PROXY header gave) in a task of its own.
 fn serve_connection(
     stream: TcpStream,
-    conn: Arc<ConnInfo>,
-    builder: &Arc<auto::Builder<TokioExecutor>>,
-    pipeline: &Arc<ArcSwap<Pipeline>>,
-    tracker: &TaskTracker,
-    connections: &Connections,
+    client: SocketAddr,
+    settings: &ListenerSettings,
+    worker: usize,
+    (pipeline, tracker, connections): (&Arc<ArcSwap<Pipeline>>, &TaskTracker, &Connections),
     // Held for the connection's life: its slot under the cap, its count
     // in the balance.
     held: (tokio::sync::OwnedSemaphorePermit, Counted),
 ) {
+    let conn = Arc::new(ConnInfo {
+        client,
+        client_ip: crate::forward::client_ip_header(client.ip()),
+        listener: settings.spec.clone(),
+        tls: false,
+        worker,
+        socket: Some(ClientSocket::of(&stream)),
+    });
+    let builder = &settings.builder;
     let _ = stream.set_nodelay(true);
     let pipeline = pipeline.clone();
     let service_conn = conn.clone();

@@ -72,6 +72,19 @@ pub async fn https_get(
     alpn: &[&[u8]],
     path: &str,
 ) -> Result<(http::Version, super::client::Answer), String> {
+    https_get_after(addr, b"", host, ca_pem, alpn, path).await
+}
+
+/// [`https_get`] sending `before` on the connection ahead of the TLS
+/// handshake, as a balancer sends a PROXY protocol header.
+pub async fn https_get_after(
+    addr: std::net::SocketAddr,
+    before: &[u8],
+    host: &str,
+    ca_pem: &str,
+    alpn: &[&[u8]],
+    path: &str,
+) -> Result<(http::Version, super::client::Answer), String> {
     use rustls_pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
     roots
@@ -86,7 +99,10 @@ pub async fn https_get(
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
     let exchange = async {
-        let tcp = tokio::net::TcpStream::connect(addr)
+        let mut tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::io::AsyncWriteExt::write_all(&mut tcp, before)
             .await
             .map_err(|e| e.to_string())?;
         let name =

@@ -436,6 +436,7 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
             }
         });
     let trust_forwarded_headers = ctx.flag(&l.trust_forwarded_headers, false);
+    let proxy_protocol = ctx.flag(&l.proxy_protocol, false);
     Some(Listener {
         name: name?,
         bind: bind?,
@@ -444,6 +445,7 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         keepalive_timeout,
         max_request_header_size,
         trust_forwarded_headers,
+        proxy_protocol,
         defined_at: ctx.pos(&raw.referenced),
     })
 }

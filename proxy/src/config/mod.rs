@@ -182,6 +182,9 @@ pub struct Listener {
     pub max_request_header_size: usize,
     /// Keep `X-Forwarded-Proto`/`-Host` from the client (behind an ingress controller).
     pub trust_forwarded_headers: bool,
+    /// Connections start with a PROXY protocol header (version 1 or 2)
+    /// giving the client's address (behind a TCP balancer).
+    pub proxy_protocol: bool,
     /// Where the listener was defined.
     pub defined_at: Pos,
 }

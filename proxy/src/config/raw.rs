@@ -111,6 +111,7 @@ pub struct RawListener {
     pub keepalive_timeout: Option<Text>,
     pub max_request_header_size: Option<Text>,
     pub trust_forwarded_headers: Option<Text>,
+    pub proxy_protocol: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

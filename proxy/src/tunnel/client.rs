@@ -197,6 +197,7 @@ impl Dialer {
                 max_request_header_size: 64 << 10,
                 // The tunnel server sets X-Forwarded-Proto and -Host.
                 trust_forwarded_headers: true,
+                proxy_protocol: false,
                 defined_at: crate::config::Pos {
                     file: "--server".into(),
                     line: 0,

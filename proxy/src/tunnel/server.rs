@@ -47,6 +47,9 @@ pub struct ServerOptions {
     /// (set by a balancer in front that terminates TLS) instead of
     /// setting them from the connection.
     pub trust_forwarded_headers: bool,
+    /// Public connections start with a PROXY protocol header giving the
+    /// client's address (behind a TCP balancer).
+    pub proxy_protocol: bool,
     /// Tunnel endpoint listener.
     pub tunnel: SocketAddr,
     /// Runtimes are reached as `<runtime-id>.<domain>`.
@@ -251,6 +254,7 @@ struct Shared {
     suffix: String,
     public_tls: bool,
     trust_forwarded_headers: bool,
+    proxy_protocol: bool,
 }
 
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
@@ -310,6 +314,7 @@ impl TunnelServer {
                 suffix: format!(".{domain}"),
                 public_tls: public_tls.is_some(),
                 trust_forwarded_headers: options.trust_forwarded_headers,
+                proxy_protocol: options.proxy_protocol,
             }),
         })
     }
@@ -683,34 +688,45 @@ async fn accept_public(
         .await
     {
         let _ = stream.set_nodelay(true);
-        let Some(tls) = tls.clone() else {
+        if tls.is_none() && !public.shared.proxy_protocol {
             let served = public.serve(stream, peer);
             tracker.spawn(async move {
                 served.await;
                 drop((permit, counted));
             });
             continue;
-        };
-        // The handshake runs in the connection's task, not the accept
-        // loop, under the same deadline as a first request head (a client
-        // that opens a connection and says nothing holds a slot no longer).
-        let public = public.clone();
-        let stop = stop.clone();
+        }
+        // The PROXY header and the handshake are read in the connection's
+        // task, not the accept loop, under the same deadline as a first
+        // request head (a client that opens a connection and says nothing
+        // holds a slot no longer).
+        let (public, tls, stop) = (public.clone(), tls.clone(), stop.clone());
         tracker.spawn(async move {
-            let handshake = tokio::time::timeout(PUBLIC_HEADER_READ_TIMEOUT, handshake(tls, stream));
-            let handshake = tokio::select! {
-                h = handshake => h,
+            let deadline = tokio::time::Instant::now() + PUBLIC_HEADER_READ_TIMEOUT;
+            let opened = tokio::time::timeout_at(deadline, open(stream, peer, tls, &public.shared));
+            let opened = tokio::select! {
+                opened = opened => opened,
                 _ = stop.cancelled() => return,
             };
-            match handshake {
-                Ok(Ok(stream)) => public.serve(stream, peer).await,
-                Ok(Err(NotTls::PlainHttp(request))) => {
-                    crate::metrics::count_connection_error("public", "plain_http");
-                    tracing::debug!(peer = %peer, request, "plain HTTP on the HTTPS port; answered 400");
-                }
-                Ok(Err(NotTls::Failed(e))) => {
-                    crate::metrics::count_connection_error("public", "tls_handshake");
-                    tracing::debug!(peer = %peer, error = %e, "public TLS handshake failed");
+            match opened {
+                Ok(Ok((Opened::Tcp(stream), client))) => public.serve(stream, client).await,
+                Ok(Ok((Opened::Tls(stream), client))) => public.serve(*stream, client).await,
+                Ok(Err(refused)) => {
+                    let reason = match refused {
+                        NotOpened::ProxyHeader(e) => {
+                            tracing::debug!(peer = %peer, error = %e, "public connection closed");
+                            "proxy_protocol"
+                        }
+                        NotOpened::PlainHttp(request) => {
+                            tracing::debug!(peer = %peer, request, "plain HTTP on the HTTPS port; answered 400");
+                            "plain_http"
+                        }
+                        NotOpened::Handshake(e) => {
+                            tracing::debug!(peer = %peer, error = %e, "public TLS handshake failed");
+                            "tls_handshake"
+                        }
+                    };
+                    crate::metrics::count_connection_error("public", reason);
                 }
                 Err(_) => crate::metrics::connection_timed_out("public"),
             }
@@ -723,12 +739,44 @@ async fn accept_public(
     public.connections.shutdown().await;
 }
 
-/// Why a public connection did not become TLS.
-enum NotTls {
-    /// It spoke plain HTTP (`METHOD /path`), and was answered 400.
+/// A public connection ready for HTTP.
+enum Opened {
+    Tcp(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+/// Why a public connection was closed before HTTP.
+enum NotOpened {
+    /// Its PROXY protocol header was missing or bad.
+    ProxyHeader(crate::proxy_protocol::Error),
+    /// It spoke plain HTTP (`METHOD /path`) on the HTTPS port, and was
+    /// answered 400.
     PlainHttp(String),
-    /// The handshake failed.
-    Failed(std::io::Error),
+    /// The TLS handshake failed.
+    Handshake(std::io::Error),
+}
+
+/// Reads a public connection's PROXY header (when the server expects one)
+/// and does its TLS handshake (when the server has a certificate). Returns
+/// the connection and the client's address: the header's, or the peer's.
+async fn open(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shared: &Shared,
+) -> Result<(Opened, SocketAddr), NotOpened> {
+    let mut client = peer;
+    if shared.proxy_protocol {
+        let header = crate::proxy_protocol::read(&mut stream).await;
+        if let Some(source) = header.map_err(NotOpened::ProxyHeader)? {
+            client = source;
+        }
+    }
+    let Some(tls) = tls else {
+        return Ok((Opened::Tcp(stream), client));
+    };
+    let stream = handshake(tls, stream).await?;
+    Ok((Opened::Tls(Box::new(stream)), client))
 }
 
 /// The TLS handshake on a public connection. A client that speaks plain
@@ -737,7 +785,7 @@ enum NotTls {
 async fn handshake(
     tls: tokio_rustls::TlsAcceptor,
     mut stream: TcpStream,
-) -> Result<tokio_rustls::server::TlsStream<TcpStream>, NotTls> {
+) -> Result<tokio_rustls::server::TlsStream<TcpStream>, NotOpened> {
     let mut first = [0u8; 1];
     if matches!(stream.peek(&mut first).await, Ok(1) if first[0].is_ascii_alphabetic()) {
         // The head is read first: closing with it unread would reset
@@ -748,9 +796,9 @@ async fn handshake(
             Err(e) => e,
         };
         super::handshake_head::refuse_plain_on_https(&mut stream).await;
-        return Err(NotTls::PlainHttp(request));
+        return Err(NotOpened::PlainHttp(request));
     }
-    tls.accept(stream).await.map_err(NotTls::Failed)
+    tls.accept(stream).await.map_err(NotOpened::Handshake)
 }
 
 /// What serving a public connection needs, one per worker.
@@ -1023,6 +1071,7 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                 "public": {
                     "tls": shared.public_tls,
                     "trust_forwarded_headers": shared.trust_forwarded_headers,
+                    "proxy_protocol": shared.proxy_protocol,
                 },
                 "runtimes": runtimes.iter().map(|r| serde_json::json!({
                     "id": r.id,
