@@ -48,13 +48,14 @@ impl std::fmt::Display for Error {
 
 /// What parsing the bytes seen so far gave.
 #[derive(Debug, PartialEq, Eq)]
-enum Parsed {
+pub enum Parsed {
     /// A whole header of this many bytes, with the client's address
     /// (`None` for a header that gives none: a balancer's own health check,
     /// `LOCAL`, or `UNKNOWN`, where the connection's address stands).
     Header(usize, Option<SocketAddr>),
     /// Every byte so far belongs to a header that goes on.
     Partial,
+    /// Not a PROXY header; says why.
     Invalid(&'static str),
 }
 
@@ -96,7 +97,10 @@ pub async fn read(stream: &mut TcpStream) -> Result<Option<SocketAddr>, Error> {
     }
 }
 
-fn parse(bytes: &[u8]) -> Parsed {
+/// Parses the start of a connection. [`read`] relies on every proper
+/// prefix of a header parsing as [`Parsed::Partial`] (the fuzz target
+/// `proxy_protocol` checks it).
+pub fn parse(bytes: &[u8]) -> Parsed {
     let prefix = |whole: &[u8]| whole.starts_with(&bytes[..bytes.len().min(whole.len())]);
     if prefix(V2_SIGNATURE) {
         parse_v2(bytes)

@@ -31,29 +31,8 @@ pub enum Head {
 pub async fn read<S: AsyncRead + Unpin>(stream: &mut S) -> Result<(Vec<u8>, Head), String> {
     let mut buf = Vec::with_capacity(1024);
     loop {
-        let mut headers = [httparse::EMPTY_HEADER; 64];
-        let mut req = httparse::Request::new(&mut headers);
-        match req.parse(&buf) {
-            Ok(httparse::Status::Complete(_)) => {
-                let upgrade = req.headers.iter().any(|h| {
-                    h.name.eq_ignore_ascii_case("upgrade")
-                        && h.value.trim_ascii().eq_ignore_ascii_case(b"websocket")
-                });
-                let (method, path) = (req.method.unwrap_or("?"), req.path.unwrap_or("?"));
-                let head = if upgrade {
-                    Head::Upgrade
-                } else if matches!(method, "GET" | "HEAD") && path == "/healthz" {
-                    Head::HealthCheck
-                } else {
-                    Head::Plain(format!("{method} {path}"))
-                };
-                return Ok((buf, head));
-            }
-            Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => {}
-            Ok(httparse::Status::Partial) => {
-                return Err(format!("no request head within {MAX_HEAD} bytes"));
-            }
-            Err(e) => return Err(format!("not HTTP: {e}")),
+        if let Some(head) = classify(&buf)? {
+            return Ok((buf, head));
         }
         let mut chunk = [0u8; 2048];
         let n = stream
@@ -64,6 +43,32 @@ pub async fn read<S: AsyncRead + Unpin>(stream: &mut S) -> Result<(Vec<u8>, Head
             return Err("the peer closed before a request head".into());
         }
         buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// What the bytes read so far are: `None` while the head is incomplete
+/// (and under [`MAX_HEAD`]).
+pub fn classify(buf: &[u8]) -> Result<Option<Head>, String> {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(buf) {
+        Ok(httparse::Status::Complete(_)) => {
+            let upgrade = req.headers.iter().any(|h| {
+                h.name.eq_ignore_ascii_case("upgrade")
+                    && h.value.trim_ascii().eq_ignore_ascii_case(b"websocket")
+            });
+            let (method, path) = (req.method.unwrap_or("?"), req.path.unwrap_or("?"));
+            Ok(Some(if upgrade {
+                Head::Upgrade
+            } else if matches!(method, "GET" | "HEAD") && path == "/healthz" {
+                Head::HealthCheck
+            } else {
+                Head::Plain(format!("{method} {path}"))
+            }))
+        }
+        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => Ok(None),
+        Ok(httparse::Status::Partial) => Err(format!("no request head within {MAX_HEAD} bytes")),
+        Err(e) => Err(format!("not HTTP: {e}")),
     }
 }
 

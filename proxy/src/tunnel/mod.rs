@@ -17,7 +17,7 @@
 //! over its runtime id.
 
 pub mod client;
-mod handshake_head;
+pub mod handshake_head;
 pub mod server;
 pub mod tokens;
 pub mod websocket;
