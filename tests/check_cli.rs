@@ -18,6 +18,41 @@ fn the_shipped_policies_are_valid() {
     assert!(out.status.success());
 }
 
+/// The container `args` in the README's Kubernetes manifests are flags the
+/// binary takes, with values it accepts: clap parses every argument
+/// before acting on the `--help` put after them, so a renamed flag or a
+/// bad value fails here (a required flag left out would not).
+#[test]
+fn the_kubernetes_examples_use_flags_that_exist() {
+    let readme = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"),
+    )
+    .expect("README.md");
+    let start = readme
+        .find("\n## Running in Kubernetes")
+        .expect("the section");
+    let section = &readme[start + 1..];
+    let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+    let mut commands = Vec::new();
+    for (at, _) in section.match_indices("args: [") {
+        let list = &section[at + "args: ".len()..];
+        let list = &list[..=list.find(']').expect("a closed list")];
+        let args: Vec<String> = serde_json::from_str(list).expect("args as a JSON-style list");
+        let out = Command::new(binary())
+            .args(&args)
+            .arg("--help")
+            .output()
+            .expect("run portcullis");
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        commands.push(args[0].clone());
+    }
+    assert_eq!(commands, ["serve", "tunnel-client", "tunnel-server"]);
+}
+
 #[test]
 fn every_error_is_reported_with_file_line_and_column() {
     let dir = tempfile::tempdir().unwrap();
