@@ -780,6 +780,141 @@ async fn a_tcp_balancer_in_front_gives_the_client_address() {
     assert_eq!(a.json()["headers"]["x-forwarded-for"], "2001:db8::9");
 }
 
+/// With `--http3` the public side also serves HTTP/3 on the public port's
+/// UDP twin, with the same certificate, and HTTPS responses advertise it
+/// (`Alt-Svc`). A request over HTTP/3 reaches the runtime as one over
+/// TCP does: path and query kept, an upload streamed through intact, the
+/// routing core told `https`. A request in flight at shutdown finishes.
+#[tokio::test]
+async fn the_public_side_serves_http3_and_advertises_it() {
+    let echo = upstream::echo("h3").await;
+    let dir = tokens_dir();
+    let pki = crate::support::tls::TestPki::for_names(&[&format!("*.{DOMAIN}")]);
+    let (cert, key) = (dir.path().join("public.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, &pki.leaf_pem).unwrap();
+    std::fs::write(&key, &pki.leaf_key_pem).unwrap();
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let any = "127.0.0.1:0".parse().unwrap();
+    let args = ["--http3", "--public-cert", &cert, "--public-key", &key];
+    let server = TunnelServer::start_in_with(dir, any, any, &args).await;
+    assert_eq!(server.process.status().await["public"]["http3"], true);
+    let url = echo.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let host = format!("rt-a.{DOMAIN}");
+
+    const H2: &[&[u8]] = &[b"h2", b"http/1.1"];
+    let (_, a) = crate::support::tls::https_get(server.public, &host, &pki.ca_pem, H2, "/over-tcp")
+        .await
+        .expect("HTTPS");
+    let advertised = format!("h3=\":{}\"; ma=86400", server.public.port());
+    assert_eq!(a.header("alt-svc"), Some(advertised.as_str()));
+
+    let h3 = |method: &'static str, path: &'static str, body: Vec<u8>| {
+        let (host, ca) = (host.clone(), pki.ca_pem.clone());
+        let addr = server.public;
+        async move {
+            crate::support::tls::h3_request(addr, &host, &ca, method, path, body.into())
+                .await
+                .expect("HTTP/3 exchange")
+        }
+    };
+    let a = h3("GET", "/over-quic?q=1", Vec::new()).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert!(
+        a.header("alt-svc").is_none(),
+        "HTTP/3 answers need no Alt-Svc"
+    );
+    let seen = a.json();
+    assert_eq!(seen["upstream"], "h3");
+    assert_eq!(seen["target"], "/over-quic?q=1");
+    assert_eq!(seen["headers"]["x-forwarded-proto"], "https", "{seen}");
+    assert_eq!(seen["headers"]["x-forwarded-host"], host.as_str());
+
+    let data: Vec<u8> = (0..(3 << 20) / 4)
+        .flat_map(|i: u32| i.to_le_bytes())
+        .collect();
+    let a = h3("POST", "/upload", data.clone()).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let seen = a.json();
+    assert_eq!(seen["method"], "POST");
+    assert_eq!(seen["body_len"], data.len());
+    assert_eq!(seen["body_fnv"], upstream::fnv(&data));
+
+    // A request in flight when the server is told to stop still gets its
+    // answer (the connection is sent a GOAWAY, not closed).
+    let (up, mut arrived, release) = holding_upstream().await;
+    let url = up.url();
+    let _slow_client = server
+        .client("rt-b", TOKENS[1].1, &["--upstream", &url])
+        .await;
+    let slow = {
+        let (host, ca, addr) = (format!("rt-b.{DOMAIN}"), pki.ca_pem.clone(), server.public);
+        tokio::spawn(async move {
+            crate::support::tls::h3_request(addr, &host, &ca, "GET", "/slow", Bytes::new()).await
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+        .await
+        .expect("the HTTP/3 request reached the upstream");
+    let mut server = server;
+    server.process.signal("TERM");
+    server.process.wait_for_log("shutting down").await;
+    release.notify_one();
+    let answer = slow
+        .await
+        .unwrap()
+        .expect("HTTP/3 exchange across shutdown");
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.body, "done /slow");
+    assert!(
+        server
+            .process
+            .wait_exit(Duration::from_secs(20))
+            .await
+            .success()
+    );
+}
+
+/// Errors from the runtime's side come back over HTTP/3 as they are.
+#[tokio::test]
+async fn http3_answers_errors_as_the_other_versions_do() {
+    let dir = tokens_dir();
+    let pki = crate::support::tls::TestPki::for_names(&[&format!("*.{DOMAIN}")]);
+    let (cert, key) = (dir.path().join("public.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, &pki.leaf_pem).unwrap();
+    std::fs::write(&key, &pki.leaf_key_pem).unwrap();
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let any = "127.0.0.1:0".parse().unwrap();
+    let args = ["--http3", "--public-cert", &cert, "--public-key", &key];
+    let server = TunnelServer::start_in_with(dir, any, any, &args).await;
+    let unknown = crate::support::tls::h3_request(
+        server.public,
+        &format!("nobody.{DOMAIN}"),
+        &pki.ca_pem,
+        "GET",
+        "/",
+        Bytes::new(),
+    )
+    .await
+    .expect("HTTP/3 exchange");
+    assert_eq!(unknown.status, 502);
+    assert_eq!(unknown.json()["error"], "unknown runtime");
+    let offline = crate::support::tls::h3_request(
+        server.public,
+        &format!("rt-a.{DOMAIN}"),
+        &pki.ca_pem,
+        "GET",
+        "/",
+        Bytes::new(),
+    )
+    .await
+    .expect("HTTP/3 exchange");
+    assert_eq!(offline.status, 503);
+    assert_eq!(offline.json()["runtime"], "rt-a");
+}
+
 /// A TCP relay in front of the tunnel endpoint that the test can cut.
 struct Relay {
     addr: SocketAddr,

@@ -34,6 +34,9 @@ pin_project_lite::pin_project! {
         Upstream { inner: H1Body },
         /// Made by the proxy (error bodies, local answers); `None` once sent.
         Full { data: Option<Bytes> },
+        /// Any other body: an HTTP/3 request's, read from its QUIC stream
+        /// (boxed: only that path takes it).
+        Boxed { inner: Pin<Box<dyn http_body::Body<Data = Bytes, Error = BodyError> + Send>> },
     }
 }
 
@@ -43,6 +46,15 @@ impl Body {
         let data: Bytes = data.into();
         Body::Full {
             data: (!data.is_empty()).then_some(data),
+        }
+    }
+
+    /// A body of another type, boxed.
+    pub fn boxed(
+        inner: impl http_body::Body<Data = Bytes, Error = BodyError> + Send + 'static,
+    ) -> Body {
+        Body::Boxed {
+            inner: Box::pin(inner),
         }
     }
 
@@ -167,6 +179,7 @@ impl http_body::Body for Body {
             }
             BodyProj::Upstream { inner } => Pin::new(inner).poll_frame(cx).map_err(Into::into),
             BodyProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            BodyProj::Boxed { inner } => inner.as_mut().poll_frame(cx),
         }
     }
 
@@ -176,6 +189,7 @@ impl http_body::Body for Body {
             Body::Tracked { inner } => inner.inner.is_end_stream(),
             Body::Upstream { inner } => inner.is_end_stream(),
             Body::Full { data } => data.is_none(),
+            Body::Boxed { inner } => inner.is_end_stream(),
         }
     }
 
@@ -187,6 +201,7 @@ impl http_body::Body for Body {
             Body::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
+            Body::Boxed { inner } => inner.size_hint(),
         }
     }
 }

@@ -82,6 +82,14 @@ enum Command {
         /// behind such a balancer: a direct client could claim any address.
         #[arg(long, env = "PORTCULLIS_PROXY_PROTOCOL")]
         proxy_protocol: bool,
+        /// Serve HTTP/3 too, on the public port's UDP twin, and advertise
+        /// it to HTTPS clients with Alt-Svc (needs --public-cert).
+        #[arg(long, env = "PORTCULLIS_HTTP3", requires = "public_cert")]
+        http3: bool,
+        /// The UDP port Alt-Svc advertises for HTTP/3, when a balancer in
+        /// front publishes it under another number than --public's.
+        #[arg(long, env = "PORTCULLIS_HTTP3_ADVERTISED_PORT", requires = "http3")]
+        http3_advertised_port: Option<u16>,
         /// Tunnel endpoint (WebSocket; TLS with --cert and --key).
         #[arg(long, env = "PORTCULLIS_TUNNEL_LISTEN")]
         tunnel_listen: std::net::SocketAddr,
@@ -217,6 +225,8 @@ fn main() -> ExitCode {
             public_key,
             trust_forwarded_headers,
             proxy_protocol,
+            http3,
+            http3_advertised_port,
             tunnel_listen,
             domain,
             tokens,
@@ -232,6 +242,8 @@ fn main() -> ExitCode {
                 public_tls: public_cert.zip(public_key),
                 trust_forwarded_headers,
                 proxy_protocol,
+                http3,
+                http3_advertised_port,
                 tunnel: tunnel_listen,
                 domain,
                 tokens,

@@ -4,7 +4,6 @@
 use std::borrow::Cow;
 
 use http::{HeaderMap, StatusCode, Uri, Version, header};
-use hyper::body::{Body as _, Incoming};
 
 /// Size of a request head as it was on the wire, near enough for a limit.
 pub fn head_size(req: &http::request::Parts) -> usize {
@@ -101,7 +100,7 @@ pub fn request_host<'a>(
 /// dropped. nginx answers these 501 as well. Only a body of unknown length
 /// can carry a coding, so a request with none or a `Content-Length` pays
 /// for no header lookup.
-pub fn unsupported_coding(headers: &HeaderMap, body: &Incoming) -> bool {
+pub fn unsupported_coding(headers: &HeaderMap, body: &impl http_body::Body) -> bool {
     body.size_hint().exact().is_none()
         && headers
             .get_all(header::TRANSFER_ENCODING)

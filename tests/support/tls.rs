@@ -62,6 +62,16 @@ impl TestPki {
     }
 }
 
+/// A root store of the one CA in `ca_pem`.
+fn roots(ca_pem: &str) -> rustls::RootCertStore {
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).expect("CA PEM"))
+        .expect("CA");
+    roots
+}
+
 /// An HTTPS GET of `path` from `addr`, as a client that trusts only
 /// `ca_pem` and asks for `host` (SNI and Host), offering `alpn`: the
 /// protocol the server chose, and the answer (20 s limit).
@@ -85,11 +95,7 @@ pub async fn https_get_after(
     alpn: &[&[u8]],
     path: &str,
 ) -> Result<(http::Version, super::client::Answer), String> {
-    use rustls_pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).expect("CA PEM"))
-        .expect("CA");
+    let roots = roots(ca_pem);
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -146,4 +152,79 @@ pub async fn https_get_after(
     tokio::time::timeout(std::time::Duration::from_secs(20), exchange)
         .await
         .map_err(|_| "no answer within 20s".to_owned())?
+}
+
+/// One HTTP/3 request to `addr`, as a client that trusts only `ca_pem` and
+/// asks for `host` (SNI and `:authority`), sending `body` (20 s limit).
+pub async fn h3_request(
+    addr: std::net::SocketAddr,
+    host: &str,
+    ca_pem: &str,
+    method: &str,
+    path: &str,
+    body: bytes::Bytes,
+) -> Result<super::client::Answer, String> {
+    use bytes::Buf;
+    let roots = roots(ca_pem);
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("TLS 1.3")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![b"h3".to_vec()];
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| e.to_string())?;
+    let mut endpoint =
+        quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).map_err(|e| e.to_string())?;
+    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
+    let exchange = async {
+        let conn = endpoint
+            .connect(addr, host)
+            .map_err(|e| e.to_string())?
+            .await
+            .map_err(|e| format!("QUIC: {e}"))?;
+        let (mut driver, mut sender) = h3::client::new(h3_quinn::Connection::new(conn))
+            .await
+            .map_err(|e| e.to_string())?;
+        let driving =
+            tokio::spawn(
+                async move { futures_util::future::poll_fn(|cx| driver.poll_close(cx)).await },
+            );
+        let req = http::Request::builder()
+            .method(method)
+            .uri(format!("https://{host}{path}"))
+            .body(())
+            .expect("request");
+        let mut stream = sender.send_request(req).await.map_err(|e| e.to_string())?;
+        // In pieces, as a client streaming an upload would send them.
+        for piece in body.chunks(64 * 1024) {
+            stream
+                .send_data(bytes::Bytes::copy_from_slice(piece))
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        stream.finish().await.map_err(|e| e.to_string())?;
+        let resp = stream.recv_response().await.map_err(|e| e.to_string())?;
+        let mut data = Vec::new();
+        while let Some(mut chunk) = stream.recv_data().await.map_err(|e| e.to_string())? {
+            while chunk.has_remaining() {
+                let part = chunk.chunk();
+                data.extend_from_slice(part);
+                let n = part.len();
+                chunk.advance(n);
+            }
+        }
+        drop(sender);
+        driving.abort();
+        Ok(super::client::Answer {
+            status: resp.status(),
+            headers: resp.headers().clone(),
+            body: data.into(),
+        })
+    };
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(20), exchange)
+        .await
+        .map_err(|_| "HTTP/3 exchange timed out".to_owned())?;
+    endpoint.close(0u32.into(), b"done");
+    answer
 }

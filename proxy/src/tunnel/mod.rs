@@ -18,6 +18,7 @@
 
 pub mod client;
 pub mod handshake_head;
+mod public_h3;
 pub mod server;
 pub mod tokens;
 pub mod websocket;

@@ -50,6 +50,12 @@ pub struct ServerOptions {
     /// Public connections start with a PROXY protocol header giving the
     /// client's address (behind a TCP balancer).
     pub proxy_protocol: bool,
+    /// HTTP/3 on the public port's UDP twin (needs `public_tls`),
+    /// advertised by `Alt-Svc` on HTTPS responses.
+    pub http3: bool,
+    /// The port `Alt-Svc` names for HTTP/3 (a balancer in front may
+    /// publish it under another number); the public port by default.
+    pub http3_advertised_port: Option<u16>,
     /// Tunnel endpoint listener.
     pub tunnel: SocketAddr,
     /// Runtimes are reached as `<runtime-id>.<domain>`.
@@ -242,6 +248,8 @@ pub struct TunnelServer {
     workers: usize,
     tls: Option<tokio_rustls::TlsAcceptor>,
     public_tls: Option<tokio_rustls::TlsAcceptor>,
+    /// The UDP socket and QUIC settings for HTTP/3 (`--http3`).
+    h3: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
     shared: Arc<Shared>,
 }
 
@@ -255,6 +263,8 @@ struct Shared {
     public_tls: bool,
     trust_forwarded_headers: bool,
     proxy_protocol: bool,
+    /// `Alt-Svc` for HTTPS responses when HTTP/3 is served.
+    alt_svc: Option<HeaderValue>,
 }
 
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
@@ -300,6 +310,21 @@ impl TunnelServer {
         let tunnel = TcpListener::bind(options.tunnel)
             .await
             .with_context(|| format!("cannot bind the tunnel listener on {}", options.tunnel))?;
+        let h3 = match (&options.public_tls, options.http3) {
+            (Some((cert, key)), true) => {
+                let socket = std::net::UdpSocket::bind(public_addr)
+                    .with_context(|| format!("cannot bind UDP {public_addr} for HTTP/3"))?;
+                Some((socket, super::public_h3::server_config(cert, key)?))
+            }
+            (None, true) => anyhow::bail!("--http3 needs --public-cert and --public-key"),
+            (_, false) => None,
+        };
+        let alt_svc = h3.as_ref().map(|_| {
+            let port = options.http3_advertised_port.unwrap_or(public_addr.port());
+            // A day, as Caddy and Cloudflare advertise it.
+            HeaderValue::try_from(format!("h3=\":{port}\"; ma=86400"))
+                .expect("a port number makes a valid header value")
+        });
         Ok(TunnelServer {
             public,
             public_addr,
@@ -307,6 +332,7 @@ impl TunnelServer {
             workers,
             tls,
             public_tls: public_tls.clone(),
+            h3,
             shared: Arc::new(Shared {
                 registry: Registry::default(),
                 public_slots: Arc::new(tokio::sync::Semaphore::new(options.max_connections.max(1))),
@@ -315,6 +341,7 @@ impl TunnelServer {
                 public_tls: public_tls.is_some(),
                 trust_forwarded_headers: options.trust_forwarded_headers,
                 proxy_protocol: options.proxy_protocol,
+                alt_svc,
             }),
         })
     }
@@ -352,6 +379,10 @@ impl TunnelServer {
         let tunnel_addr = self.tunnel.local_addr()?;
         tracing::info!(addr = %self.public_addr, workers = self.workers, tls = self.public_tls.is_some(), "public listening");
         tracing::info!(addr = %tunnel_addr, tls = self.tls.is_some(), "tunnel listening");
+        if self.h3.is_some() {
+            tracing::info!(addr = %self.public_addr, "public HTTP/3 listening");
+        }
+        let mut h3 = self.h3;
         let stop = CancellationToken::new();
         let mut to_workers = Vec::with_capacity(self.workers);
         let mut done = Vec::with_capacity(self.workers);
@@ -362,11 +393,14 @@ impl TunnelServer {
             to_workers.push(tx);
             let (shared, tls, stop) = (self.shared.clone(), self.tls.clone(), stop.clone());
             let public = (public, self.public_tls.clone(), balance.clone(), inbox);
+            // One QUIC endpoint, on the first worker: its requests go
+            // through that worker's tunnels when it has the runtime's.
+            let h3 = h3.take();
             let (finished, finished_rx) = tokio::sync::oneshot::channel::<()>();
             std::thread::Builder::new()
                 .name(format!("portcullis-tunnel-{index}"))
                 .spawn(move || {
-                    worker(index, public, rx, tls, shared, stop);
+                    worker(index, public, h3, rx, tls, shared, stop);
                     let _ = finished.send(());
                 })?;
             done.push(finished_rx);
@@ -397,6 +431,7 @@ fn worker(
         Arc<Balance>,
         UnboundedReceiver<Handoff>,
     ),
+    h3: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
     mut tunnels: tokio::sync::mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shared: Arc<Shared>,
@@ -415,12 +450,21 @@ fn worker(
     runtime.block_on(async move {
         tokio::spawn(crate::server::timer_anchor());
         let tracker = TaskTracker::new();
+        let serving = Public::new(index, shared.clone());
+        if let Some((socket, config)) = h3 {
+            tracker.spawn(super::public_h3::serve(
+                socket,
+                config,
+                serving.clone(),
+                tracker.clone(),
+                stop.clone(),
+            ));
+        }
         match TcpListener::from_std(public) {
             Ok(public) => {
                 tracker.spawn(accept_public(
                     (public, public_tls, balance, inbox),
-                    index,
-                    shared.clone(),
+                    serving,
                     tracker.clone(),
                     stop.clone(),
                 ));
@@ -650,30 +694,11 @@ async fn accept_public(
         Arc<Balance>,
         UnboundedReceiver<Handoff>,
     ),
-    worker: usize,
-    shared: Arc<Shared>,
+    public: Public,
     tracker: TaskTracker,
     stop: CancellationToken,
 ) {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        // As the routing core's listeners (see `head_deadline`): hyper's
-        // head clock runs between requests too, so it takes the keep-alive
-        // timeout, and heads have the short one.
-        .header_read_timeout(crate::config::DEFAULT_KEEPALIVE_TIMEOUT);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .initial_stream_window_size(super::STREAM_WINDOW)
-        .initial_connection_window_size(super::CONNECTION_WINDOW);
-    let public = Public {
-        builder: Arc::new(builder),
-        connections: crate::drain::Connections::new(),
-        worker,
-        shared,
-    };
+    let worker = public.worker;
     // Spread over the workers as the routing core's listeners are: the
     // kernel's hash alone can leave one worker most of a client's pool.
     let mut accepting = Accepting {
@@ -803,7 +828,7 @@ async fn handshake(
 
 /// What serving a public connection needs, one per worker.
 #[derive(Clone)]
-struct Public {
+pub(super) struct Public {
     builder: Arc<auto::Builder<TokioExecutor>>,
     connections: crate::drain::Connections,
     worker: usize,
@@ -811,51 +836,92 @@ struct Public {
 }
 
 impl Public {
+    fn new(worker: usize, shared: Arc<Shared>) -> Public {
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            // As the routing core's listeners (see `head_deadline`): hyper's
+            // head clock runs between requests too, so it takes the keep-alive
+            // timeout, and heads have the short one.
+            .header_read_timeout(crate::config::DEFAULT_KEEPALIVE_TIMEOUT);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .initial_stream_window_size(super::STREAM_WINDOW)
+            .initial_connection_window_size(super::CONNECTION_WINDOW);
+        Public {
+            builder: Arc::new(builder),
+            connections: crate::drain::Connections::new(),
+            worker,
+            shared,
+        }
+    }
+
+    /// The public connection cap's slots.
+    pub(super) fn slots(&self) -> Arc<tokio::sync::Semaphore> {
+        self.shared.public_slots.clone()
+    }
+
+    /// One public request, on any HTTP version: sent through its runtime's
+    /// tunnel, with an access line (its `upstream` the runtime's host) and
+    /// the runtime's metrics written when the response body ends, as the
+    /// routing core does.
+    pub(super) async fn respond<B>(
+        &self,
+        req: Request<B>,
+        peer: SocketAddr,
+    ) -> Response<ResponseBody>
+    where
+        B: http_body::Body + Into<Body>,
+    {
+        let start = std::time::Instant::now();
+        let mut log = AccessLog::start(
+            req.method(),
+            req.uri().path_and_query(),
+            peer,
+            self.worker,
+            start,
+        );
+        if let Some(log) = log.as_mut() {
+            log.upstream = host_of(&req).map(Into::into);
+        }
+        let over_tcp = req.version() < Version::HTTP_3;
+        let mut stats = crate::metrics::no_runtime();
+        let mut resp = forward(req, peer, self.worker, &self.shared, &mut stats).await;
+        if over_tcp && let Some(alt_svc) = &self.shared.alt_svc {
+            resp.headers_mut().insert(header::ALT_SVC, alt_svc.clone());
+        }
+        let status = resp.status().as_u16();
+        let log = log.map(|mut log| {
+            log.status = status;
+            log
+        });
+        let counted = crate::metrics::Pending {
+            stats,
+            status,
+            start,
+        };
+        resp.map(|body| ResponseBody::new(body, log, Some(counted), Held::default()))
+    }
+
     /// Serves HTTP on one public connection (TCP, or TLS over it) until it
     /// closes.
     fn serve<S>(&self, stream: S, peer: SocketAddr) -> impl Future<Output = ()> + use<S>
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     {
-        let (worker, shared) = (self.worker, self.shared.clone());
+        let public = self.clone();
         let clock = Arc::new(HeadClock::default());
         let service_clock = clock.clone();
         let service = service_fn(move |req: Request<Incoming>| {
             service_clock.request(req.version());
             let clock = service_clock.clone();
-            let shared = shared.clone();
-            // One access line per public request, written when its
-            // response body ends (as the routing core does); `upstream`
-            // is the runtime's host.
-            let start = std::time::Instant::now();
-            let mut log = AccessLog::start(
-                req.method(),
-                req.uri().path_and_query(),
-                peer,
-                worker,
-                start,
-            );
-            if let Some(log) = log.as_mut() {
-                log.upstream = host_of(&req).map(Into::into);
-            }
+            let public = public.clone();
             async move {
-                let mut stats = crate::metrics::no_runtime();
-                let resp = forward(req, peer, worker, &shared, &mut stats).await;
-                let status = resp.status().as_u16();
-                let log = log.map(|mut log| {
-                    log.status = status;
-                    log
-                });
-                let counted = crate::metrics::Pending {
-                    stats,
-                    status,
-                    start,
-                };
-                Ok::<_, Infallible>(resp.map(|body| {
-                    let mut body = ResponseBody::new(body, log, Some(counted), Held::default());
-                    body.set_ended(Ended::new(clock));
-                    body
-                }))
+                let mut resp = public.respond(req, peer).await;
+                resp.body_mut().set_ended(Ended::new(clock));
+                Ok::<_, Infallible>(resp)
             }
         });
         let served = self.connections.watch(
@@ -880,7 +946,7 @@ impl Public {
 
 /// The public request's host, lower case, without port (`None` for a
 /// request whose host is missing or ambiguous: [`request_head::request_host`]).
-fn host_of(req: &Request<Incoming>) -> Option<String> {
+fn host_of<B>(req: &Request<B>) -> Option<String> {
     request_head::request_host(req.version(), req.uri(), req.headers())
         .ok()
         .flatten()
@@ -899,13 +965,16 @@ fn error(status: StatusCode, message: &str, runtime: Option<&str>) -> Response<B
 /// Forwards one public request through its runtime's tunnel.
 /// Sends a public request through its runtime's tunnel; `stats` is set to
 /// the runtime's metrics once the runtime is known.
-async fn forward(
-    mut req: Request<Incoming>,
+async fn forward<B>(
+    mut req: Request<B>,
     peer: SocketAddr,
     worker: usize,
     shared: &Shared,
     stats: &mut &'static RouteStats,
-) -> Response<Body> {
+) -> Response<Body>
+where
+    B: http_body::Body + Into<Body>,
+{
     let host = match request_head::request_host(req.version(), req.uri(), req.headers()) {
         Ok(Some(host)) => host.into_owned(),
         Ok(None) => return error(StatusCode::BAD_REQUEST, "request has no host", None),
@@ -995,7 +1064,7 @@ async fn forward(
     let body = if upgrade.is_some() {
         Body::empty()
     } else {
-        Body::from(body)
+        body.into()
     };
     let req = Request::from_parts(parts, body);
     let mut sender = tunnel.sender.clone();
@@ -1072,6 +1141,7 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                     "tls": shared.public_tls,
                     "trust_forwarded_headers": shared.trust_forwarded_headers,
                     "proxy_protocol": shared.proxy_protocol,
+                    "http3": shared.alt_svc.is_some(),
                 },
                 "runtimes": runtimes.iter().map(|r| serde_json::json!({
                     "id": r.id,

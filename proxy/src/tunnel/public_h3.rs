@@ -1,0 +1,255 @@
+//! HTTP/3 on the tunnel server's public side (`--http3`): QUIC on the
+//! public port's UDP twin, with the HTTPS certificate, advertised to
+//! HTTPS clients by `Alt-Svc`. Each request goes through the same
+//! [`super::server`] forwarding as HTTP/1.1 and HTTP/2 (an HTTP/2 stream
+//! in the runtime's tunnel); only the framing to the client differs.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::body::{Body, BodyError};
+
+/// The QUIC handshake's share of a connection's first request deadline.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest request head accepted (QPACK-decoded field section), as the
+/// HTTP/1.1 and HTTP/2 sides' limits.
+const MAX_FIELD_SECTION: u64 = 64 * 1024;
+
+type RecvStream = h3::server::RequestStream<h3_quinn::RecvStream, Bytes>;
+type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;
+
+/// The QUIC settings for the public side: TLS 1.3 only (QUIC has no
+/// other), ALPN `h3`, the certificate files re-read on change as the
+/// HTTPS side's are; idle connections close after the keep-alive timeout.
+pub fn server_config(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> anyhow::Result<quinn::ServerConfig> {
+    let files = crate::cert_files::CertFiles::load(cert.to_path_buf(), key.to_path_buf())
+        .map_err(anyhow::Error::msg)?;
+    let mut tls = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])?
+    .with_no_client_auth()
+    .with_cert_resolver(Arc::new(files));
+    tls.alpn_protocols = vec![b"h3".to_vec()];
+    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)?;
+    let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    let mut transport = quinn::TransportConfig::default();
+    transport.max_idle_timeout(Some(crate::config::DEFAULT_KEEPALIVE_TIMEOUT.try_into()?));
+    config.transport_config(Arc::new(transport));
+    Ok(config)
+}
+
+/// Serves HTTP/3 on `socket` until `stop`, then tells each connection to
+/// go away (GOAWAY) and lets its requests finish.
+pub(super) async fn serve(
+    socket: std::net::UdpSocket,
+    config: quinn::ServerConfig,
+    public: super::server::Public,
+    tracker: TaskTracker,
+    stop: CancellationToken,
+) {
+    let endpoint = match quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        Some(config),
+        socket,
+        Arc::new(quinn::TokioRuntime),
+    ) {
+        Ok(endpoint) => endpoint,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot serve HTTP/3 on the public UDP socket");
+            return;
+        }
+    };
+    loop {
+        let incoming = tokio::select! {
+            incoming = endpoint.accept() => incoming,
+            _ = stop.cancelled() => break,
+        };
+        let Some(incoming) = incoming else { break };
+        // One slot under the public connection cap, as a TCP connection.
+        let Ok(permit) = public.slots().try_acquire_owned() else {
+            incoming.refuse();
+            continue;
+        };
+        let (public, tracker_, stop) = (public.clone(), tracker.clone(), stop.clone());
+        tracker.spawn(async move {
+            connection(incoming, public, tracker_, stop).await;
+            drop(permit);
+        });
+    }
+}
+
+/// One QUIC connection: its handshake, then its requests, each in a task
+/// of its own.
+async fn connection(
+    incoming: quinn::Incoming,
+    public: super::server::Public,
+    tracker: TaskTracker,
+    stop: CancellationToken,
+) {
+    let peer = incoming.remote_address();
+    let conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, incoming).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => {
+            crate::metrics::count_connection_error("public", "quic_handshake");
+            tracing::debug!(peer = %peer, error = %e, "public QUIC handshake failed");
+            return;
+        }
+        Err(_) => {
+            crate::metrics::connection_timed_out("public");
+            return;
+        }
+    };
+    let h3 = h3::server::builder()
+        .max_field_section_size(MAX_FIELD_SECTION)
+        .build(h3_quinn::Connection::new(conn))
+        .await;
+    let mut h3: h3::server::Connection<h3_quinn::Connection, Bytes> = match h3 {
+        Ok(h3) => h3,
+        Err(e) => {
+            tracing::debug!(peer = %peer, error = %e, "HTTP/3 connection setup failed");
+            return;
+        }
+    };
+    // This connection's requests: dropping `h3` closes the connection, so
+    // at shutdown it is kept until they are done.
+    let requests = TaskTracker::new();
+    loop {
+        let next = tokio::select! {
+            next = h3.accept() => next,
+            _ = stop.cancelled() => {
+                // The client is told not to start more requests here (it
+                // retries them on a new connection); those accepted finish.
+                let _ = h3.shutdown(0).await;
+                requests.close();
+                requests.wait().await;
+                return;
+            }
+        };
+        match next {
+            Ok(Some(resolver)) => {
+                tracker.spawn(requests.track_future(request(resolver, peer, public.clone())));
+            }
+            Ok(None) => return,
+            Err(e) => {
+                if !e.is_h3_no_error() {
+                    tracing::debug!(peer = %peer, error = %e, "HTTP/3 connection ended");
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// One HTTP/3 request, answered through the runtime's tunnel.
+async fn request(resolver: Resolver, peer: SocketAddr, public: super::server::Public) {
+    let (req, stream) = match resolver.resolve_request().await {
+        Ok(pair) => pair,
+        Err(e) => {
+            tracing::debug!(peer = %peer, error = %e, "bad HTTP/3 request head");
+            return;
+        }
+    };
+    let (mut send, recv) = stream.split();
+    let req = req.map(|()| Body::boxed(RequestBody::new(recv)));
+    let resp = public.respond(req, peer).await;
+    let (parts, body) = resp.into_parts();
+    if send
+        .send_response(http::Response::from_parts(parts, ()))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    // The body's access line and metrics are written when it is dropped,
+    // at the end of this function, however the stream ends.
+    let mut body = std::pin::pin!(body);
+    while let Some(frame) = body.as_mut().frame().await {
+        let sent = match frame.map(Frame::into_data) {
+            Ok(Ok(data)) => send.send_data(data).await,
+            Ok(Err(frame)) => match frame.into_trailers() {
+                Ok(trailers) => send.send_trailers(trailers).await,
+                Err(_) => Ok(()),
+            },
+            Err(e) => {
+                tracing::debug!(peer = %peer, error = %e, "response body failed; HTTP/3 stream reset");
+                send.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
+                return;
+            }
+        };
+        if sent.is_err() {
+            return;
+        }
+    }
+    let _ = send.finish().await;
+}
+
+/// An HTTP/3 request body, read from its QUIC stream as the upstream
+/// side reads it (backpressure by QUIC's flow control).
+struct RequestBody {
+    recv: RecvStream,
+    data_done: bool,
+    done: bool,
+}
+
+impl RequestBody {
+    fn new(recv: RecvStream) -> RequestBody {
+        RequestBody {
+            recv,
+            data_done: false,
+            done: false,
+        }
+    }
+}
+
+impl http_body::Body for RequestBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if !this.data_done {
+            match ready!(this.recv.poll_recv_data(cx)) {
+                Ok(Some(mut data)) => {
+                    return Poll::Ready(Some(Ok(Frame::data(
+                        data.copy_to_bytes(data.remaining()),
+                    ))));
+                }
+                Ok(None) => this.data_done = true,
+                Err(e) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(e.into())));
+                }
+            }
+        }
+        let trailers = ready!(this.recv.poll_recv_trailers(cx));
+        this.done = true;
+        Poll::Ready(match trailers {
+            Ok(Some(trailers)) => Some(Ok(Frame::trailers(trailers))),
+            Ok(None) => None,
+            Err(e) => Some(Err(e.into())),
+        })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+}
