@@ -86,6 +86,22 @@ impl TunnelServer {
         Self::start_in_with(dir, public, tunnel, &[]).await
     }
 
+    /// A server whose public side serves HTTPS with a `*.DOMAIN`
+    /// certificate from a fresh CA (returned, for clients to trust), with
+    /// `extra` arguments.
+    async fn start_https(extra: &[&str]) -> (TunnelServer, crate::support::tls::TestPki) {
+        let dir = tokens_dir();
+        let pki = crate::support::tls::TestPki::for_names(&[&format!("*.{DOMAIN}")]);
+        let (cert, key) = (dir.path().join("public.pem"), dir.path().join("key.pem"));
+        std::fs::write(&cert, &pki.leaf_pem).unwrap();
+        std::fs::write(&key, &pki.leaf_key_pem).unwrap();
+        let (cert, key) = (cert.display().to_string(), key.display().to_string());
+        let mut args = vec!["--public-cert", &cert, "--public-key", &key];
+        args.extend_from_slice(extra);
+        let any = "127.0.0.1:0".parse().unwrap();
+        (Self::start_in_with(dir, any, any, &args).await, pki)
+    }
+
     /// [`TunnelServer::start_in`] with `extra` arguments.
     async fn start_in_with(
         dir: tempfile::TempDir,
@@ -621,23 +637,7 @@ async fn tunnels_run_over_tls_with_a_private_ca() {
 #[tokio::test]
 async fn the_public_side_serves_https_with_a_wildcard_certificate() {
     let echo = upstream::echo("https").await;
-    let dir = tokens_dir();
-    let pki = crate::support::tls::TestPki::for_names(&[&format!("*.{DOMAIN}")]);
-    let (cert, key) = (
-        dir.path().join("public.pem"),
-        dir.path().join("public-key.pem"),
-    );
-    std::fs::write(&cert, &pki.leaf_pem).unwrap();
-    std::fs::write(&key, &pki.leaf_key_pem).unwrap();
-    let (cert, key) = (cert.display().to_string(), key.display().to_string());
-    let any = "127.0.0.1:0".parse().unwrap();
-    let server = TunnelServer::start_in_with(
-        dir,
-        any,
-        any,
-        &["--public-cert", &cert, "--public-key", &key],
-    )
-    .await;
+    let (server, pki) = TunnelServer::start_https(&[]).await;
     let status = server.process.status().await;
     assert_eq!(status["public"]["tls"], true, "{status}");
     assert_eq!(status["domain"], DOMAIN);
@@ -728,21 +728,7 @@ async fn a_balancer_in_front_is_trusted_for_the_scheme_when_told() {
 #[tokio::test]
 async fn a_tcp_balancer_in_front_gives_the_client_address() {
     let echo = upstream::echo("behind").await;
-    let dir = tokens_dir();
-    let pki = crate::support::tls::TestPki::for_names(&[&format!("*.{DOMAIN}")]);
-    let (cert, key) = (dir.path().join("public.pem"), dir.path().join("key.pem"));
-    std::fs::write(&cert, &pki.leaf_pem).unwrap();
-    std::fs::write(&key, &pki.leaf_key_pem).unwrap();
-    let (cert, key) = (cert.display().to_string(), key.display().to_string());
-    let any = "127.0.0.1:0".parse().unwrap();
-    let args = [
-        "--proxy-protocol",
-        "--public-cert",
-        &cert,
-        "--public-key",
-        &key,
-    ];
-    let server = TunnelServer::start_in_with(dir, any, any, &args).await;
+    let (server, pki) = TunnelServer::start_https(&["--proxy-protocol"]).await;
     assert_eq!(
         server.process.status().await["public"]["proxy_protocol"],
         true
@@ -788,15 +774,7 @@ async fn a_tcp_balancer_in_front_gives_the_client_address() {
 #[tokio::test]
 async fn the_public_side_serves_http3_and_advertises_it() {
     let echo = upstream::echo("h3").await;
-    let dir = tokens_dir();
-    let pki = crate::support::tls::TestPki::for_names(&[&format!("*.{DOMAIN}")]);
-    let (cert, key) = (dir.path().join("public.pem"), dir.path().join("key.pem"));
-    std::fs::write(&cert, &pki.leaf_pem).unwrap();
-    std::fs::write(&key, &pki.leaf_key_pem).unwrap();
-    let (cert, key) = (cert.display().to_string(), key.display().to_string());
-    let any = "127.0.0.1:0".parse().unwrap();
-    let args = ["--http3", "--public-cert", &cert, "--public-key", &key];
-    let server = TunnelServer::start_in_with(dir, any, any, &args).await;
+    let (server, pki) = TunnelServer::start_https(&["--http3"]).await;
     assert_eq!(server.process.status().await["public"]["http3"], true);
     let url = echo.url();
     let _client = server
@@ -880,15 +858,7 @@ async fn the_public_side_serves_http3_and_advertises_it() {
 /// Errors from the runtime's side come back over HTTP/3 as they are.
 #[tokio::test]
 async fn http3_answers_errors_as_the_other_versions_do() {
-    let dir = tokens_dir();
-    let pki = crate::support::tls::TestPki::for_names(&[&format!("*.{DOMAIN}")]);
-    let (cert, key) = (dir.path().join("public.pem"), dir.path().join("key.pem"));
-    std::fs::write(&cert, &pki.leaf_pem).unwrap();
-    std::fs::write(&key, &pki.leaf_key_pem).unwrap();
-    let (cert, key) = (cert.display().to_string(), key.display().to_string());
-    let any = "127.0.0.1:0".parse().unwrap();
-    let args = ["--http3", "--public-cert", &cert, "--public-key", &key];
-    let server = TunnelServer::start_in_with(dir, any, any, &args).await;
+    let (server, pki) = TunnelServer::start_https(&["--http3"]).await;
     let unknown = crate::support::tls::h3_request(
         server.public,
         &format!("nobody.{DOMAIN}"),
@@ -913,6 +883,94 @@ async fn http3_answers_errors_as_the_other_versions_do() {
     .expect("HTTP/3 exchange");
     assert_eq!(offline.status, 503);
     assert_eq!(offline.json()["runtime"], "rt-a");
+}
+
+/// Behind a TCP balancer that hides the clients' addresses, the tunnel
+/// endpoint reads them from PROXY headers (`--tunnel-proxy-protocol`): the
+/// failed-token rate limit then counts per client, so a client retrying a
+/// stale token locks out itself and not every runtime behind the same
+/// balancer; `/status` shows the clients' own addresses.
+#[tokio::test]
+async fn the_tunnel_endpoint_behind_a_balancer_limits_each_client_on_its_own() {
+    use tokio::io::AsyncWriteExt;
+    let echo = upstream::echo("behind-nlb").await;
+    let any = "127.0.0.1:0".parse().unwrap();
+    let server =
+        TunnelServer::start_in_with(tokens_dir(), any, any, &["--tunnel-proxy-protocol"]).await;
+    assert_eq!(
+        server.process.status().await["tunnel_endpoint"]["proxy_protocol"],
+        true
+    );
+    let attempt = |source: &str, token: &str| {
+        let raw = format!(
+            "PROXY TCP4 {source} 10.0.0.1 40000 443\r\n\
+             GET /_portcullis/tunnel HTTP/1.1\r\nhost: tunnel\r\nupgrade: websocket\r\n\
+             connection: upgrade\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+             sec-websocket-version: 13\r\nauthorization: Bearer {token}\r\n\
+             x-portcullis-runtime: rt-a\r\nx-portcullis-instance: stale\r\n\
+             x-portcullis-slot: 0\r\n\r\n"
+        );
+        let addr = server.tunnel;
+        async move { client::raw(addr, raw.as_bytes()).await }
+    };
+    // A client with a stale token, retrying from one address.
+    for _ in 0..10 {
+        let answer = attempt("198.51.100.66", "stale-token").await;
+        assert!(answer.starts_with("HTTP/1.1 401 "), "{answer}");
+    }
+    let answer = attempt("198.51.100.66", TOKENS[0].1).await;
+    assert!(answer.starts_with("HTTP/1.1 429 "), "{answer}");
+
+    // Another client through the same balancer still gets in: a relay
+    // standing in for the balancer puts its address in a PROXY header.
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_url = format!("ws://{}", relay.local_addr().unwrap());
+    let tunnel = server.tunnel;
+    let relaying = tokio::spawn(async move {
+        loop {
+            let Ok((mut inbound, _)) = relay.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut out = tokio::net::TcpStream::connect(tunnel).await.unwrap();
+                out.write_all(b"PROXY TCP4 203.0.113.7 10.0.0.1 40001 443\r\n")
+                    .await
+                    .unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+            });
+        }
+    });
+    let url = echo.url();
+    let _client = server
+        .client_via(
+            &relay_url,
+            "rt-a",
+            TOKENS[0].1,
+            &["--upstream", &url, "--connections", "1"],
+        )
+        .await;
+    assert_eq!(server.get("rt-a", "/").await.status, 200);
+    let status = server.process.status().await;
+    let remote = &status["runtimes"][0]["tunnels"][0]["remote"];
+    assert!(
+        remote
+            .as_str()
+            .is_some_and(|r| r.starts_with("203.0.113.7:")),
+        "{status}"
+    );
+
+    // Without a header, a connection is refused and counted.
+    let bare =
+        client::raw_until_closed(server.tunnel, b"GET /healthz HTTP/1.1\r\nhost: t\r\n\r\n").await;
+    assert_eq!(bare, "");
+    server
+        .process
+        .metrics_showing(&[
+            r#"portcullis_connection_errors_total{listener="tunnel",reason="proxy_protocol"} 1"#
+                .to_owned(),
+        ])
+        .await;
+    relaying.abort();
 }
 
 /// A TCP relay in front of the tunnel endpoint that the test can cut.

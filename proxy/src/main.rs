@@ -90,6 +90,12 @@ enum Command {
         /// front publishes it under another number than --public's.
         #[arg(long, env = "PORTCULLIS_HTTP3_ADVERTISED_PORT", requires = "http3")]
         http3_advertised_port: Option<u16>,
+        /// Every tunnel connection starts with a PROXY protocol header
+        /// (version 1 or 2) giving the client's address: behind a TCP
+        /// balancer, so the failed-token rate limit counts per client and
+        /// not per balancer.
+        #[arg(long, env = "PORTCULLIS_TUNNEL_PROXY_PROTOCOL")]
+        tunnel_proxy_protocol: bool,
         /// Tunnel endpoint (WebSocket; TLS with --cert and --key).
         #[arg(long, env = "PORTCULLIS_TUNNEL_LISTEN")]
         tunnel_listen: std::net::SocketAddr,
@@ -227,6 +233,7 @@ fn main() -> ExitCode {
             proxy_protocol,
             http3,
             http3_advertised_port,
+            tunnel_proxy_protocol,
             tunnel_listen,
             domain,
             tokens,
@@ -244,6 +251,7 @@ fn main() -> ExitCode {
                 proxy_protocol,
                 http3,
                 http3_advertised_port,
+                tunnel_proxy_protocol,
                 tunnel: tunnel_listen,
                 domain,
                 tokens,

@@ -168,6 +168,21 @@ pub async fn raw(addr: std::net::SocketAddr, raw: &[u8]) -> String {
     String::from_utf8_lossy(&buf).into_owned()
 }
 
+/// Sends `raw` and reads what comes back until the server closes (10 s
+/// limit), a reset included: for connections the server refuses with
+/// their request unread, where the kernel resets rather than closes.
+pub async fn raw_until_closed(addr: std::net::SocketAddr, raw: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(raw).await.unwrap();
+    let mut buf = Vec::new();
+    let closed = conn.read_to_end(&mut buf);
+    let _reset_or_end = tokio::time::timeout(Duration::from_secs(10), closed)
+        .await
+        .expect("the server did not close the connection");
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
 /// A POST whose streamed body (chunked) the test feeds through the sender.
 pub fn streamed_post(
     url: String,

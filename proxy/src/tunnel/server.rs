@@ -56,6 +56,10 @@ pub struct ServerOptions {
     /// The port `Alt-Svc` names for HTTP/3 (a balancer in front may
     /// publish it under another number); the public port by default.
     pub http3_advertised_port: Option<u16>,
+    /// Tunnel connections start with a PROXY protocol header (behind a TCP
+    /// balancer that would otherwise hide the clients' addresses, which the
+    /// failed-token rate limit is kept by).
+    pub tunnel_proxy_protocol: bool,
     /// Tunnel endpoint listener.
     pub tunnel: SocketAddr,
     /// Runtimes are reached as `<runtime-id>.<domain>`.
@@ -263,6 +267,7 @@ struct Shared {
     public_tls: bool,
     trust_forwarded_headers: bool,
     proxy_protocol: bool,
+    tunnel_proxy_protocol: bool,
     /// `Alt-Svc` for HTTPS responses when HTTP/3 is served.
     alt_svc: Option<HeaderValue>,
 }
@@ -341,6 +346,7 @@ impl TunnelServer {
                 public_tls: public_tls.is_some(),
                 trust_forwarded_headers: options.trust_forwarded_headers,
                 proxy_protocol: options.proxy_protocol,
+                tunnel_proxy_protocol: options.tunnel_proxy_protocol,
                 alt_svc,
             }),
         })
@@ -526,13 +532,30 @@ async fn accept_tunnels(
 /// One tunnel connection: handshake, authentication, then HTTP/2 over the
 /// WebSocket until it ends.
 async fn serve_tunnel(
-    stream: TcpStream,
-    peer: SocketAddr,
+    mut stream: TcpStream,
+    mut peer: SocketAddr,
     worker: usize,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shared: Arc<Shared>,
     stop: CancellationToken,
 ) {
+    // The PROXY header and the handshake share one deadline.
+    let deadline = tokio::time::Instant::now() + super::HANDSHAKE_TIMEOUT;
+    if shared.tunnel_proxy_protocol {
+        let header = crate::proxy_protocol::read(&mut stream);
+        match tokio::time::timeout_at(deadline, header).await {
+            Ok(Ok(source)) => peer = source.unwrap_or(peer),
+            Ok(Err(e)) => {
+                crate::metrics::count_connection_error("tunnel", "proxy_protocol");
+                tracing::warn!(peer = %peer, error = %e, "tunnel connection refused");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(peer = %peer, "tunnel connection refused: no PROXY protocol header within 10s");
+                return;
+            }
+        }
+    }
     let check = |hello: &Hello| {
         let refused = |status, message, reason| Refused {
             status,
@@ -563,7 +586,7 @@ async fn serve_tunnel(
             })
     };
     let accepted = super::websocket::accept(stream, tls, check);
-    let (io, hello, token) = match tokio::time::timeout(super::HANDSHAKE_TIMEOUT, accepted).await {
+    let (io, hello, token) = match tokio::time::timeout_at(deadline, accepted).await {
         Ok(Ok(done)) => done,
         Ok(Err(super::websocket::NotATunnel::HealthCheck)) => {
             tracing::debug!(peer = %peer, "health check on the tunnel port");
@@ -1142,6 +1165,9 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                     "trust_forwarded_headers": shared.trust_forwarded_headers,
                     "proxy_protocol": shared.proxy_protocol,
                     "http3": shared.alt_svc.is_some(),
+                },
+                "tunnel_endpoint": {
+                    "proxy_protocol": shared.tunnel_proxy_protocol,
                 },
                 "runtimes": runtimes.iter().map(|r| serde_json::json!({
                     "id": r.id,
