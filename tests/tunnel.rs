@@ -855,10 +855,16 @@ async fn the_public_side_serves_http3_and_advertises_it() {
     );
 }
 
-/// Errors from the runtime's side come back over HTTP/3 as they are.
+/// Errors from the runtime's side come back over HTTP/3 as they are, and
+/// a connection that sends no request is closed after 10 s, as a TCP one
+/// that sends no head.
 #[tokio::test]
 async fn http3_answers_errors_as_the_other_versions_do() {
     let (server, pki) = TunnelServer::start_https(&["--http3"]).await;
+    let idle = {
+        let (addr, host, ca) = (server.public, format!("rt-a.{DOMAIN}"), pki.ca_pem.clone());
+        tokio::spawn(async move { crate::support::tls::h3_idle(addr, &host, &ca).await })
+    };
     let unknown = crate::support::tls::h3_request(
         server.public,
         &format!("nobody.{DOMAIN}"),
@@ -883,6 +889,17 @@ async fn http3_answers_errors_as_the_other_versions_do() {
     .expect("HTTP/3 exchange");
     assert_eq!(offline.status, 503);
     assert_eq!(offline.json()["runtime"], "rt-a");
+    let kept = idle.await.unwrap().expect("an idle HTTP/3 connection");
+    // The first-request deadline, well before either side's idle timeout
+    // (the client's 30 s, the server's 75 s) would close it.
+    assert!(kept < Duration::from_secs(20), "kept {kept:?}");
+    server
+        .process
+        .metrics_showing(&[
+            r#"portcullis_connection_errors_total{listener="public",reason="header_timeout"} 1"#
+                .to_owned(),
+        ])
+        .await;
 }
 
 /// Behind a TCP balancer that hides the clients' addresses, the tunnel

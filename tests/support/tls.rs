@@ -154,6 +154,60 @@ pub async fn https_get_after(
         .map_err(|_| "no answer within 20s".to_owned())?
 }
 
+/// An HTTP/3 connection to `addr` as a client that trusts only `ca_pem`
+/// and asks for `host`: its endpoint (close it when done), the
+/// connection's driver and its request sender.
+async fn h3_connect(
+    addr: std::net::SocketAddr,
+    host: &str,
+    ca_pem: &str,
+) -> Result<
+    (
+        quinn::Endpoint,
+        h3::client::Connection<h3_quinn::Connection, bytes::Bytes>,
+        h3::client::SendRequest<h3_quinn::OpenStreams, bytes::Bytes>,
+    ),
+    String,
+> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("TLS 1.3")
+        .with_root_certificates(roots(ca_pem))
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![b"h3".to_vec()];
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| e.to_string())?;
+    let mut endpoint =
+        quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).map_err(|e| e.to_string())?;
+    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
+    let conn = endpoint
+        .connect(addr, host)
+        .map_err(|e| e.to_string())?
+        .await
+        .map_err(|e| format!("QUIC: {e}"))?;
+    let (driver, sender) = h3::client::new(h3_quinn::Connection::new(conn))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((endpoint, driver, sender))
+}
+
+/// Opens an HTTP/3 connection and sends nothing: how long the server
+/// keeps it (60 s limit).
+pub async fn h3_idle(
+    addr: std::net::SocketAddr,
+    host: &str,
+    ca_pem: &str,
+) -> Result<std::time::Duration, String> {
+    let (endpoint, mut driver, _sender) = h3_connect(addr, host, ca_pem).await?;
+    let start = std::time::Instant::now();
+    let closed = futures_util::future::poll_fn(|cx| driver.poll_close(cx));
+    tokio::time::timeout(std::time::Duration::from_secs(60), closed)
+        .await
+        .map_err(|_| "the server kept an idle HTTP/3 connection for 60 s".to_owned())?;
+    endpoint.close(0u32.into(), b"done");
+    Ok(start.elapsed())
+}
+
 /// One HTTP/3 request to `addr`, as a client that trusts only `ca_pem` and
 /// asks for `host` (SNI and `:authority`), sending `body` (20 s limit).
 pub async fn h3_request(
@@ -165,27 +219,8 @@ pub async fn h3_request(
     body: bytes::Bytes,
 ) -> Result<super::client::Answer, String> {
     use bytes::Buf;
-    let roots = roots(ca_pem);
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .expect("TLS 1.3")
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    tls.alpn_protocols = vec![b"h3".to_vec()];
-    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| e.to_string())?;
-    let mut endpoint =
-        quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).map_err(|e| e.to_string())?;
-    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
     let exchange = async {
-        let conn = endpoint
-            .connect(addr, host)
-            .map_err(|e| e.to_string())?
-            .await
-            .map_err(|e| format!("QUIC: {e}"))?;
-        let (mut driver, mut sender) = h3::client::new(h3_quinn::Connection::new(conn))
-            .await
-            .map_err(|e| e.to_string())?;
+        let (endpoint, mut driver, mut sender) = h3_connect(addr, host, ca_pem).await?;
         let driving =
             tokio::spawn(
                 async move { futures_util::future::poll_fn(|cx| driver.poll_close(cx)).await },
@@ -216,15 +251,14 @@ pub async fn h3_request(
         }
         drop(sender);
         driving.abort();
+        endpoint.close(0u32.into(), b"done");
         Ok(super::client::Answer {
             status: resp.status(),
             headers: resp.headers().clone(),
             body: data.into(),
         })
     };
-    let answer = tokio::time::timeout(std::time::Duration::from_secs(20), exchange)
+    tokio::time::timeout(std::time::Duration::from_secs(20), exchange)
         .await
-        .map_err(|_| "HTTP/3 exchange timed out".to_owned())?;
-    endpoint.close(0u32.into(), b"done");
-    answer
+        .map_err(|_| "HTTP/3 exchange timed out".to_owned())?
 }

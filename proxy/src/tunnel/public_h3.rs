@@ -18,8 +18,10 @@ use tokio_util::task::TaskTracker;
 
 use crate::body::{Body, BodyError};
 
-/// The QUIC handshake's share of a connection's first request deadline.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time a new connection has for its handshake and then again for its
+/// first request, as a TCP connection has for its first head: one that
+/// says nothing holds a slot under the cap no longer.
+const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest request head accepted (QPACK-decoded field section), as the
 /// HTTP/1.1 and HTTP/2 sides' limits.
 const MAX_FIELD_SECTION: u64 = 64 * 1024;
@@ -100,7 +102,7 @@ async fn connection(
     stop: CancellationToken,
 ) {
     let peer = incoming.remote_address();
-    let conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, incoming).await {
+    let conn = match tokio::time::timeout(FIRST_REQUEST_TIMEOUT, incoming).await {
         Ok(Ok(conn)) => conn,
         Ok(Err(e)) => {
             crate::metrics::count_connection_error("public", "quic_handshake");
@@ -126,9 +128,15 @@ async fn connection(
     // This connection's requests: dropping `h3` closes the connection, so
     // at shutdown it is kept until they are done.
     let requests = TaskTracker::new();
+    let mut first = Some(tokio::time::Instant::now() + FIRST_REQUEST_TIMEOUT);
     loop {
         let next = tokio::select! {
             next = h3.accept() => next,
+            _ = tokio::time::sleep_until(first.unwrap_or_else(tokio::time::Instant::now)), if first.is_some() => {
+                crate::metrics::connection_timed_out("public");
+                tracing::debug!(peer = %peer, "no HTTP/3 request within 10s; closed");
+                return;
+            }
             _ = stop.cancelled() => {
                 // The client is told not to start more requests here (it
                 // retries them on a new connection); those accepted finish.
@@ -140,6 +148,7 @@ async fn connection(
         };
         match next {
             Ok(Some(resolver)) => {
+                first = None;
                 tracker.spawn(requests.track_future(request(resolver, peer, public.clone())));
             }
             Ok(None) => return,
