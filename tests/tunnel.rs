@@ -990,6 +990,40 @@ async fn the_tunnel_endpoint_behind_a_balancer_limits_each_client_on_its_own() {
     relaying.abort();
 }
 
+/// Request heads as large as the routing core takes (32 KiB by default;
+/// large cookies are common) cross the tunnel whole, over each public
+/// HTTP version.
+#[tokio::test]
+async fn large_request_heads_cross_the_tunnel() {
+    let echo = upstream::echo("large-heads").await;
+    let (server, pki) = TunnelServer::start_https(&[]).await;
+    let url = echo.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let cookie = "c".repeat(12 * 1024);
+    for version in [http::Version::HTTP_11, http::Version::HTTP_2] {
+        let alpn: &[&[u8]] = if version == http::Version::HTTP_2 {
+            &[b"h2"]
+        } else {
+            &[b"http/1.1"]
+        };
+        let answer = crate::support::tls::https_get_with(
+            server.public,
+            &format!("rt-a.{DOMAIN}"),
+            &pki.ca_pem,
+            alpn,
+            "/",
+            &[("cookie", &cookie), ("x-other", &cookie)],
+        )
+        .await
+        .expect("HTTPS exchange");
+        assert_eq!(answer.0, version);
+        assert_eq!(answer.1.status, 200, "{version:?}: {:?}", answer.1.body);
+        assert_eq!(answer.1.json()["headers"]["x-other"], cookie.as_str());
+    }
+}
+
 /// A TCP relay in front of the tunnel endpoint that the test can cut.
 struct Relay {
     addr: SocketAddr,

@@ -85,6 +85,18 @@ pub async fn https_get(
     https_get_after(addr, b"", host, ca_pem, alpn, path).await
 }
 
+/// [`https_get`] with these request headers.
+pub async fn https_get_with(
+    addr: std::net::SocketAddr,
+    host: &str,
+    ca_pem: &str,
+    alpn: &[&[u8]],
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Result<(http::Version, super::client::Answer), String> {
+    https_exchange(addr, b"", host, ca_pem, alpn, path, headers).await
+}
+
 /// [`https_get`] sending `before` on the connection ahead of the TLS
 /// handshake, as a balancer sends a PROXY protocol header.
 pub async fn https_get_after(
@@ -94,6 +106,18 @@ pub async fn https_get_after(
     ca_pem: &str,
     alpn: &[&[u8]],
     path: &str,
+) -> Result<(http::Version, super::client::Answer), String> {
+    https_exchange(addr, before, host, ca_pem, alpn, path, &[]).await
+}
+
+async fn https_exchange(
+    addr: std::net::SocketAddr,
+    before: &[u8],
+    host: &str,
+    ca_pem: &str,
+    alpn: &[&[u8]],
+    path: &str,
+    headers: &[(&str, &str)],
 ) -> Result<(http::Version, super::client::Answer), String> {
     let roots = roots(ca_pem);
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -123,6 +147,9 @@ pub async fn https_get_after(
             let mut req = http::Request::get(uri);
             if !h2 {
                 req = req.header(http::header::HOST, host);
+            }
+            for (name, value) in headers {
+                req = req.header(*name, *value);
             }
             req.body(super::client::body(bytes::Bytes::new()))
                 .expect("request")

@@ -345,6 +345,7 @@ async fn serve(
         .initial_stream_window_size(super::STREAM_WINDOW)
         .initial_connection_window_size(super::CONNECTION_WINDOW)
         .max_concurrent_streams(4096)
+        .max_header_list_size(super::MAX_TUNNELED_HEAD)
         // WebSocket upgrades arrive as extended CONNECT (RFC 8441).
         .enable_connect_protocol()
         .keep_alive_interval(super::KEEPALIVE_INTERVAL)

@@ -83,6 +83,18 @@ pub const REPLACED: &str = "replaced";
 pub const STREAM_WINDOW: u32 = 4 << 20;
 /// HTTP/2 window per tunnel connection, shared by its streams.
 pub const CONNECTION_WINDOW: u32 = 16 << 20;
+
+/// Largest request head the public side takes (HTTP/2's header list,
+/// HTTP/3's field section): twice the routing core's default limit, so
+/// that limit, and its JSON 431, decides. The h2 and hyper default of
+/// 16 KiB refused heads with large cookies that HTTP/1.1 let through.
+pub const MAX_PUBLIC_HEAD: u32 = 64 << 10;
+
+/// Largest request head the client takes from the tunnel: the most a
+/// routing-core listener may be set to (`max_request_header_size` is at
+/// most 1 MiB); the routing core applies its own limit. Only the
+/// authenticated server sends on the tunnel.
+pub const MAX_TUNNELED_HEAD: u32 = 1 << 20;
 /// How often each side pings the other.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// How long a ping may go unanswered before the tunnel counts as dead.

@@ -22,9 +22,6 @@ use crate::body::{Body, BodyError};
 /// first request, as a TCP connection has for its first head: one that
 /// says nothing holds a slot under the cap no longer.
 const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-/// Largest request head accepted (QPACK-decoded field section), as the
-/// HTTP/1.1 and HTTP/2 sides' limits.
-const MAX_FIELD_SECTION: u64 = 64 * 1024;
 
 type RecvStream = h3::server::RequestStream<h3_quinn::RecvStream, Bytes>;
 type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;
@@ -115,7 +112,7 @@ async fn connection(
         }
     };
     let h3 = h3::server::builder()
-        .max_field_section_size(MAX_FIELD_SECTION)
+        .max_field_section_size(u64::from(super::MAX_PUBLIC_HEAD))
         .build(h3_quinn::Connection::new(conn))
         .await;
     let mut h3: h3::server::Connection<h3_quinn::Connection, Bytes> = match h3 {

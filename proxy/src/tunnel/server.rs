@@ -871,6 +871,7 @@ impl Public {
         builder
             .http2()
             .timer(TokioTimer::new())
+            .max_header_list_size(super::MAX_PUBLIC_HEAD)
             .initial_stream_window_size(super::STREAM_WINDOW)
             .initial_connection_window_size(super::CONNECTION_WINDOW);
         Public {
