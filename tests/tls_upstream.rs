@@ -96,3 +96,37 @@ routes:
     assert_eq!(warned.len(), 1, "{logs:#?}");
     assert!(warned[0].contains("unverified"), "{}", warned[0]);
 }
+
+/// An HTTP/2 upstream's response head is taken up to the size an HTTP/1.1
+/// upstream's is (64 KiB), not h2's 16 KiB default: a large `Set-Cookie`
+/// reaches the client instead of turning into a 502.
+#[tokio::test]
+async fn large_response_heads_come_back_from_http2_upstreams() {
+    let cookie = format!("session={}", "s".repeat(24 * 1024));
+    let up = {
+        let cookie = cookie.clone();
+        upstream::serve(move |req: hyper::Request<hyper::body::Incoming>| {
+            let cookie = cookie.clone();
+            async move {
+                hyper::Response::builder()
+                    .header("set-cookie", cookie)
+                    .body(upstream::full(format!("{:?}", req.version())))
+                    .unwrap()
+            }
+        })
+        .await
+    };
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: h2c, endpoints: ["http://127.0.0.1:{}"], http2: true }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: h2c }}]
+"#,
+        up.addr.port()
+    ))
+    .await;
+    let a = client::get(&proxy.url("/")).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.body, "HTTP/2.0");
+    assert_eq!(a.header("set-cookie"), Some(cookie.as_str()));
+}

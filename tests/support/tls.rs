@@ -156,7 +156,10 @@ async fn https_exchange(
         };
         let resp = if h2 {
             let (mut send, conn) =
-                hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+                hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    // Large response heads, as browsers take them (hyper: 16 KiB).
+                    .max_header_list_size(256 << 10)
+                    .handshake(io)
                     .await
                     .map_err(|e| e.to_string())?;
             tokio::spawn(conn);

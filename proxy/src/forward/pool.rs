@@ -363,6 +363,10 @@ where
         // Fat windows keep a long, fast path full (the default is 64 KiB).
         .initial_stream_window_size(4 << 20)
         .initial_connection_window_size(8 << 20)
+        // Response heads as large as an HTTP/1.1 upstream's may be (h2's
+        // default of 16 KiB turned a large Set-Cookie into a 502); h2
+        // counts 32 bytes more per field.
+        .max_header_list_size((super::h1::MAX_HEAD * 2) as u32)
         .keep_alive_interval(Duration::from_secs(20))
         .handshake(TokioIo::new(io))
         .await

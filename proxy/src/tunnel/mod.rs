@@ -90,10 +90,11 @@ pub const CONNECTION_WINDOW: u32 = 16 << 20;
 /// 16 KiB refused heads with large cookies that HTTP/1.1 let through.
 pub const MAX_PUBLIC_HEAD: u32 = 64 << 10;
 
-/// Largest request head the client takes from the tunnel: the most a
-/// routing-core listener may be set to (`max_request_header_size` is at
-/// most 1 MiB); the routing core applies its own limit. Only the
-/// authenticated server sends on the tunnel.
+/// Largest head either end takes from the tunnel: for requests, the most
+/// a routing-core listener may be set to (`max_request_header_size` is at
+/// most 1 MiB; the routing core applies its own limit); for responses,
+/// above what the routing core takes from its upstreams. Both ends are
+/// authenticated to each other.
 pub const MAX_TUNNELED_HEAD: u32 = 1 << 20;
 /// How often each side pings the other.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);

@@ -607,6 +607,9 @@ async fn serve_tunnel(
         .initial_stream_window_size(super::STREAM_WINDOW)
         .initial_connection_window_size(super::CONNECTION_WINDOW)
         .max_concurrent_reset_streams(1024)
+        // The runtime's response heads, as large as its routing core takes
+        // from its upstreams.
+        .max_header_list_size(super::MAX_TUNNELED_HEAD)
         .keep_alive_interval(super::KEEPALIVE_INTERVAL)
         .keep_alive_timeout(super::KEEPALIVE_TIMEOUT)
         .keep_alive_while_idle(true)
