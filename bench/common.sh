@@ -15,6 +15,20 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
 trap cleanup EXIT
 
+# A private CA (ca.pem, ca.key) and a leaf it signed (leaf.pem, leaf.key)
+# for the DNS names given, in $WORK.
+make_pki() {
+  local san
+  san=$(printf 'DNS:%s,' "$@"); san=${san%,}
+  (
+    cd "$WORK"
+    openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=bench-ca 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -keyout leaf.key -out leaf.csr -subj "/CN=$1" 2>/dev/null
+    printf 'subjectAltName=%s\n' "$san" > leaf.ext
+    openssl x509 -req -in leaf.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out leaf.pem -days 2 -extfile leaf.ext 2>/dev/null
+  )
+}
+
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # The upstream on $1: one nginx worker answering a small fixed body (and

@@ -21,12 +21,7 @@ cargo build --release --locked -p portcullis --example h3_load
 LOAD="$CARGO_TARGET_DIR/release/examples/h3_load"
 export RUST_LOG=warn
 
-cd "$WORK"
-openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=bench-ca 2>/dev/null
-openssl req -newkey rsa:2048 -nodes -keyout leaf.key -out leaf.csr -subj /CN=bench.test 2>/dev/null
-printf 'subjectAltName=DNS:*.bench.test,DNS:localhost\n' > leaf.ext
-openssl x509 -req -in leaf.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out leaf.pem -days 2 -extfile leaf.ext 2>/dev/null
-cd - >/dev/null
+make_pki localhost '*.bench.test'
 
 UP=$(free_port); TUN=$(free_port); PUB=$(free_port)
 start_upstream "$UP"

@@ -27,11 +27,8 @@ command -v rathole >/dev/null || cargo install rathole
 export RUST_LOG=warn
 
 # A private CA and a leaf for localhost; rathole's server wants PKCS#12.
+make_pki localhost
 cd "$WORK"
-openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=bench-ca 2>/dev/null
-openssl req -newkey rsa:2048 -nodes -keyout leaf.key -out leaf.csr -subj /CN=localhost 2>/dev/null
-printf 'subjectAltName=DNS:localhost\n' > leaf.ext
-openssl x509 -req -in leaf.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out leaf.pem -days 2 -extfile leaf.ext 2>/dev/null
 openssl pkcs12 -export -out identity.pfx -inkey leaf.key -in leaf.pem -certfile ca.pem -passout pass:bench
 head -c "$((BIG_MB << 20))" /dev/zero > big.bin
 # nginx's workers drop root: let them read the file.

@@ -865,28 +865,19 @@ async fn http3_answers_errors_as_the_other_versions_do() {
         let (addr, host, ca) = (server.public, format!("rt-a.{DOMAIN}"), pki.ca_pem.clone());
         tokio::spawn(async move { crate::support::tls::h3_idle(addr, &host, &ca).await })
     };
-    let unknown = crate::support::tls::h3_request(
-        server.public,
-        &format!("nobody.{DOMAIN}"),
-        &pki.ca_pem,
-        "GET",
-        "/",
-        Bytes::new(),
-    )
-    .await
-    .expect("HTTP/3 exchange");
+    let get = |runtime: &str| {
+        let host = format!("{runtime}.{DOMAIN}");
+        let (addr, ca) = (server.public, pki.ca_pem.clone());
+        async move {
+            crate::support::tls::h3_request(addr, &host, &ca, "GET", "/", Bytes::new())
+                .await
+                .expect("HTTP/3 exchange")
+        }
+    };
+    let unknown = get("nobody").await;
     assert_eq!(unknown.status, 502);
     assert_eq!(unknown.json()["error"], "unknown runtime");
-    let offline = crate::support::tls::h3_request(
-        server.public,
-        &format!("rt-a.{DOMAIN}"),
-        &pki.ca_pem,
-        "GET",
-        "/",
-        Bytes::new(),
-    )
-    .await
-    .expect("HTTP/3 exchange");
+    let offline = get("rt-a").await;
     assert_eq!(offline.status, 503);
     assert_eq!(offline.json()["runtime"], "rt-a");
     let kept = idle.await.unwrap().expect("an idle HTTP/3 connection");
