@@ -46,8 +46,17 @@ echo "== lint"
 cargo clippy --locked --all-targets -- -D warnings
 cargo clippy --locked --manifest-path plugins/Cargo.toml --target wasm32-wasip2 -- -D warnings
 # The fuzz targets are run with nightly by hand (README, Fuzzing); linting
-# them here on stable keeps them building as the library changes.
-cargo clippy --locked --manifest-path proxy/fuzz/Cargo.toml --all-targets -- -D warnings
+# them here on stable keeps them building as the library changes. Their
+# libFuzzer is C++, built even to lint: a C++ compiler, installed if
+# missing (as root, with apt-get).
+if ! command -v c++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq g++ >/dev/null
+fi
+if command -v c++ >/dev/null 2>&1; then
+  cargo clippy --locked --manifest-path proxy/fuzz/Cargo.toml --all-targets -- -D warnings
+else
+  echo "warning: no C++ compiler; the fuzz targets are not linted" >&2
+fi
 echo "== test"
 cargo test --locked --workspace
 # The SDK's and the plugins' own unit tests run natively (their logic and
