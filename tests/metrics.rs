@@ -131,10 +131,9 @@ async fn connections_that_end_in_an_error_count_by_listener_and_reason() {
     let _ = sock.read_to_end(&mut rest).await;
     proxy
         .metrics_showing(&[
-            r#"portcullis_connection_errors_total{listener="edge",reason="malformed"} 1"#.into(),
-            r#"portcullis_connection_errors_total{listener="edge",reason="incomplete"} 1"#.into(),
-            r#"portcullis_connection_errors_total{listener="edge",reason="header_timeout"} 1"#
-                .into(),
+            crate::support::process::connection_errors("edge", "malformed", 1),
+            crate::support::process::connection_errors("edge", "incomplete", 1),
+            crate::support::process::connection_errors("edge", "header_timeout", 1),
         ])
         .await;
 }
@@ -165,8 +164,7 @@ async fn keep_alive_connections_outlive_the_header_read_timeout() {
     proxy
         .metrics_showing(&[
             r#"portcullis_requests_total{route="v",code="200"} 2"#.into(),
-            r#"portcullis_connection_errors_total{listener="edge",reason="keepalive_timeout"} 1"#
-                .into(),
+            crate::support::process::connection_errors("edge", "keepalive_timeout", 1),
         ])
         .await;
 }
@@ -201,8 +199,7 @@ routes: [{ name: v, match: { path: /v }, respond: { status: 200, body: "v" } }]
     proxy
         .metrics_showing(&[
             r#"portcullis_requests_total{route="v",code="200"} 1"#.into(),
-            r#"portcullis_connection_errors_total{listener="edge",reason="header_timeout"} 1"#
-                .into(),
+            crate::support::process::connection_errors("edge", "header_timeout", 1),
         ])
         .await;
 }

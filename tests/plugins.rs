@@ -983,10 +983,11 @@ routes:
         client::raw_until_closed(proxy.addr, b"GET /open HTTP/1.1\r\nhost: a\r\n\r\n").await;
     assert_eq!(answer, "");
     proxy
-        .metrics_showing(&[
-            r#"portcullis_connection_errors_total{listener="nlb",reason="proxy_protocol"} 1"#
-                .to_owned(),
-        ])
+        .metrics_showing(&[crate::support::process::connection_errors(
+            "nlb",
+            "proxy_protocol",
+            1,
+        )])
         .await;
     // One that starts a header and stalls is closed at the header-read
     // timeout, and counted as a slow head.
@@ -1001,10 +1002,11 @@ routes:
         .expect("a stalled header was not cut")
         .expect("closed cleanly");
     proxy
-        .metrics_showing(&[
-            r#"portcullis_connection_errors_total{listener="nlb",reason="header_timeout"} 1"#
-                .to_owned(),
-        ])
+        .metrics_showing(&[crate::support::process::connection_errors(
+            "nlb",
+            "header_timeout",
+            1,
+        )])
         .await;
     let again = request(&v1("203.0.113.11"), "/office").await;
     assert!(again.starts_with("HTTP/1.1 200 "), "{again}");

@@ -680,10 +680,8 @@ async fn the_public_side_serves_https_with_a_wildcard_certificate() {
     server
         .process
         .metrics_showing(&[
-            r#"portcullis_connection_errors_total{listener="public",reason="plain_http"} 1"#
-                .to_owned(),
-            r#"portcullis_connection_errors_total{listener="public",reason="tls_handshake"} 1"#
-                .to_owned(),
+            crate::support::process::connection_errors("public", "plain_http", 1),
+            crate::support::process::connection_errors("public", "tls_handshake", 1),
         ])
         .await;
     assert_eq!(https(H2).await.expect("HTTPS").1.status, 200);
@@ -755,10 +753,11 @@ async fn a_tcp_balancer_in_front_gives_the_client_address() {
     assert!(https(b"").await.is_err(), "served without a PROXY header");
     server
         .process
-        .metrics_showing(&[
-            r#"portcullis_connection_errors_total{listener="public",reason="proxy_protocol"} 1"#
-                .to_owned(),
-        ])
+        .metrics_showing(&[crate::support::process::connection_errors(
+            "public",
+            "proxy_protocol",
+            1,
+        )])
         .await;
     let (_, a) = https(b"PROXY TCP6 2001:db8::9 2001:db8::1 4000 443\r\n")
         .await
@@ -886,10 +885,11 @@ async fn http3_answers_errors_as_the_other_versions_do() {
     assert!(kept < Duration::from_secs(20), "kept {kept:?}");
     server
         .process
-        .metrics_showing(&[
-            r#"portcullis_connection_errors_total{listener="public",reason="header_timeout"} 1"#
-                .to_owned(),
-        ])
+        .metrics_showing(&[crate::support::process::connection_errors(
+            "public",
+            "header_timeout",
+            1,
+        )])
         .await;
 }
 
@@ -973,10 +973,11 @@ async fn the_tunnel_endpoint_behind_a_balancer_limits_each_client_on_its_own() {
     assert_eq!(bare, "");
     server
         .process
-        .metrics_showing(&[
-            r#"portcullis_connection_errors_total{listener="tunnel",reason="proxy_protocol"} 1"#
-                .to_owned(),
-        ])
+        .metrics_showing(&[crate::support::process::connection_errors(
+            "tunnel",
+            "proxy_protocol",
+            1,
+        )])
         .await;
     relaying.abort();
 }

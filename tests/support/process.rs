@@ -10,6 +10,12 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 
+/// The `/metrics` line counting `n` connections on `listener` that ended
+/// for `reason` before any request.
+pub fn connection_errors(listener: &str, reason: &str, n: u64) -> String {
+    format!(r#"portcullis_connection_errors_total{{listener="{listener}",reason="{reason}"}} {n}"#)
+}
+
 /// A running `portcullis serve`.
 pub struct ProxyProcess {
     /// The child; killed when dropped.
