@@ -17,6 +17,8 @@ use crate::support::client::{self, Answer, body};
 use crate::support::process::ProxyProcess;
 use crate::support::upstream::{self, RespBody, full};
 
+mod quic;
+
 const DOMAIN: &str = "tunnel.test";
 
 /// A running tunnel server with its tokens file.
@@ -63,19 +65,30 @@ impl TunnelServer {
     /// With `tls`, the tunnel endpoint is `wss://` with a certificate from
     /// a private CA the clients are given with `--ca`.
     async fn start_with(tls: bool) -> TunnelServer {
-        let dir = tokens_dir();
         if tls {
-            let pki = crate::support::tls::TestPki::new();
-            std::fs::write(dir.path().join("cert.pem"), &pki.leaf_pem).unwrap();
-            std::fs::write(dir.path().join("key.pem"), &pki.leaf_key_pem).unwrap();
-            std::fs::write(dir.path().join("ca.pem"), &pki.ca_pem).unwrap();
+            return Self::start_with_tls(&[]).await;
         }
-        Self::start_in(
-            dir,
-            "127.0.0.1:0".parse().unwrap(),
-            "127.0.0.1:0".parse().unwrap(),
-        )
-        .await
+        let any = "127.0.0.1:0".parse().unwrap();
+        Self::start_in(tokens_dir(), any, any).await
+    }
+
+    /// A server whose tunnel endpoint takes QUIC tunnels (and `wss://`),
+    /// with a certificate from a private CA the clients are given.
+    async fn start_quic() -> TunnelServer {
+        let server = Self::start_with_tls(&["--tunnel-quic"]).await;
+        assert!(server.url.starts_with("wss://"));
+        server
+    }
+
+    /// [`TunnelServer::start_with`] TLS on, with `extra` arguments.
+    async fn start_with_tls(extra: &[&str]) -> TunnelServer {
+        let dir = tokens_dir();
+        let pki = crate::support::tls::TestPki::new();
+        std::fs::write(dir.path().join("cert.pem"), &pki.leaf_pem).unwrap();
+        std::fs::write(dir.path().join("key.pem"), &pki.leaf_key_pem).unwrap();
+        std::fs::write(dir.path().join("ca.pem"), &pki.ca_pem).unwrap();
+        let any = "127.0.0.1:0".parse().unwrap();
+        Self::start_in_with(dir, any, any, extra).await
     }
 
     async fn start_in(
@@ -211,6 +224,91 @@ impl TunnelServer {
         client::send(&client::http1(), req).await
     }
 
+    /// Posts 1 MiB to `/api/items` behind `runtime` (an echo upstream)
+    /// with forwarding headers of the client's own, and checks what the
+    /// upstream saw: the body whole, the client's `X-Forwarded-For` added
+    /// to, its proto and host claims replaced as a direct ingress would,
+    /// and nothing of the tunnel hop's. Returns the upstream's view.
+    async fn streamed_post_with_forwarding_headers(&self, runtime: &str) -> serde_json::Value {
+        let data = vec![7u8; 1 << 20];
+        let req = self
+            .request(runtime, "POST", "/api/items?x=1")
+            .header("x-forwarded-for", "198.51.100.7")
+            .header("x-forwarded-proto", "https")
+            .header("x-forwarded-host", "spoofed.example")
+            .body(body(data.clone()))
+            .unwrap();
+        let a = client::send(&client::http1(), req).await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        let e = a.json();
+        assert_eq!(e["method"], "POST");
+        assert_eq!(e["target"], "/api/items?x=1");
+        assert_eq!(e["body_len"], 1 << 20);
+        assert_eq!(e["body_fnv"], upstream::fnv(&data));
+        assert_eq!(e["headers"]["x-forwarded-for"], "198.51.100.7, 127.0.0.1");
+        assert_eq!(e["headers"]["x-forwarded-proto"], "http");
+        assert_eq!(
+            e["headers"]["x-forwarded-host"],
+            format!("{runtime}.{DOMAIN}")
+        );
+        assert!(e["headers"].get("x-portcullis-client").is_none(), "{e:#}");
+        e
+    }
+
+    /// Sends `GET /slow` for `runtime` and waits until it has reached the
+    /// [`holding_upstream`] (told by `arrived`); the answer comes from the
+    /// task returned.
+    async fn slow_in_flight(
+        &self,
+        runtime: &str,
+        arrived: &mut mpsc::UnboundedReceiver<()>,
+    ) -> tokio::task::JoinHandle<Answer> {
+        let req = self
+            .request(runtime, "GET", "/slow")
+            .body(body(Bytes::new()))
+            .unwrap();
+        let in_flight = tokio::spawn(async move { client::send(&client::http1(), req).await });
+        tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+            .await
+            .expect("request reached the upstream");
+        in_flight
+    }
+
+    /// Checks that the events of a [`held_events`] upstream behind
+    /// `runtime` arrive one by one: the first while the upstream still
+    /// holds the second, which `release` lets go.
+    async fn events_arrive_one_by_one(&self, runtime: &str, release: &Notify) {
+        let req = self
+            .request(runtime, "GET", "/events")
+            .body(body(Bytes::new()))
+            .unwrap();
+        let resp = client::http1().request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut events = resp.into_body();
+        let first = tokio::time::timeout(Duration::from_secs(10), events.frame())
+            .await
+            .expect("first event before the upstream finished")
+            .unwrap()
+            .unwrap();
+        assert_eq!(first.into_data().unwrap(), "data: one\n\n");
+        release.notify_one();
+        let rest = events.collect().await.unwrap().to_bytes();
+        assert_eq!(rest, "data: two\n\n");
+    }
+
+    /// A WebSocket echo exchange with the echo server behind `runtime`.
+    async fn websocket_echo(&self, runtime: &str) {
+        let mut request =
+            tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(
+                format!("ws://{}/socket", self.public),
+            )
+            .unwrap();
+        request
+            .headers_mut()
+            .insert("host", format!("{runtime}.{DOMAIN}").parse().unwrap());
+        crate::support::client::websocket_echo(request).await;
+    }
+
     /// Waits until the server lists `runtime` with `connections` tunnels.
     async fn wait_connections(&self, runtime: &str, connections: usize) {
         self.process
@@ -259,27 +357,7 @@ routes:
     assert_eq!(a.status, 405);
     assert_eq!(a.header("allow"), Some("GET, HEAD"));
 
-    // A body streamed up, with the forwarding headers a direct ingress
-    // gives: the client's own proto and host claims are replaced.
-    let data = vec![7u8; 1 << 20];
-    let req = server
-        .request("rt-a", "POST", "/api/items?x=1")
-        .header("x-forwarded-for", "198.51.100.7")
-        .header("x-forwarded-proto", "https")
-        .header("x-forwarded-host", "spoofed.example")
-        .body(body(data.clone()))
-        .unwrap();
-    let a = client::send(&client::http1(), req).await;
-    assert_eq!(a.status, 200, "{:?}", a.body);
-    let e = a.json();
-    assert_eq!(e["method"], "POST");
-    assert_eq!(e["target"], "/api/items?x=1");
-    assert_eq!(e["body_len"], 1 << 20);
-    assert_eq!(e["body_fnv"], upstream::fnv(&data));
-    assert_eq!(e["headers"]["x-forwarded-for"], "198.51.100.7, 127.0.0.1");
-    assert_eq!(e["headers"]["x-forwarded-proto"], "http");
-    assert_eq!(e["headers"]["x-forwarded-host"], format!("rt-a.{DOMAIN}"));
-    assert!(e["headers"].get("x-portcullis-client").is_none(), "{e:#}");
+    server.streamed_post_with_forwarding_headers("rt-a").await;
 
     // The routing core's own answers come back as they are.
     assert_eq!(server.get("rt-a", "/nowhere").await.status, 404);
@@ -349,8 +427,9 @@ async fn upstream_mode_fronts_one_service() {
         .await;
 }
 
-#[tokio::test]
-async fn server_sent_events_stream_through_the_tunnel() {
+/// An event-stream upstream that sends one event, then a second once the
+/// returned `Notify` is told.
+async fn held_events() -> (upstream::Upstream, Arc<Notify>) {
     let release = Arc::new(Notify::new());
     let held = release.clone();
     let sse = upstream::serve(move |_req| {
@@ -370,28 +449,18 @@ async fn server_sent_events_stream_through_the_tunnel() {
         }
     })
     .await;
+    (sse, release)
+}
+
+#[tokio::test]
+async fn server_sent_events_stream_through_the_tunnel() {
+    let (sse, release) = held_events().await;
     let server = TunnelServer::start().await;
     let url = sse.url();
     let _client = server
         .client("rt-a", TOKENS[0].1, &["--upstream", &url])
         .await;
-    let req = server
-        .request("rt-a", "GET", "/events")
-        .body(body(Bytes::new()))
-        .unwrap();
-    let resp = client::http1().request(req).await.unwrap();
-    assert_eq!(resp.status(), 200);
-    let mut events = resp.into_body();
-    // The first event arrives while the upstream still holds the second.
-    let first = tokio::time::timeout(Duration::from_secs(10), events.frame())
-        .await
-        .expect("first event before the upstream finished")
-        .unwrap()
-        .unwrap();
-    assert_eq!(first.into_data().unwrap(), "data: one\n\n");
-    release.notify_one();
-    let rest = events.collect().await.unwrap().to_bytes();
-    assert_eq!(rest, "data: two\n\n");
+    server.events_arrive_one_by_one("rt-a", &release).await;
 }
 
 #[tokio::test]
@@ -465,19 +534,16 @@ routes:
     }
 }
 
-#[tokio::test]
-async fn two_hundred_requests_run_at_once_over_the_tunnel() {
-    const N: usize = 200;
-    // The upstream answers nobody until all 200 are waiting: only true
-    // concurrency gets through.
+/// An upstream that answers nobody (`through`) until `n` requests are
+/// waiting: only true concurrency gets through.
+async fn gate_upstream(n: usize) -> upstream::Upstream {
     let arrived = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let all_in = Arc::new(Notify::new());
-    let (a2, n2) = (arrived.clone(), all_in.clone());
-    let gate = upstream::serve(move |_req| {
-        let (arrived, all_in) = (a2.clone(), n2.clone());
+    upstream::serve(move |_req| {
+        let (arrived, all_in) = (arrived.clone(), all_in.clone());
         async move {
             let notified = all_in.notified();
-            if arrived.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == N {
+            if arrived.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == n {
                 all_in.notify_waiters();
             } else {
                 notified.await;
@@ -485,7 +551,13 @@ async fn two_hundred_requests_run_at_once_over_the_tunnel() {
             Response::new(full("through"))
         }
     })
-    .await;
+    .await
+}
+
+#[tokio::test]
+async fn two_hundred_requests_run_at_once_over_the_tunnel() {
+    const N: usize = 200;
+    let gate = gate_upstream(N).await;
     let server = TunnelServer::start().await;
     let url = gate.url();
     let _client = server
@@ -1150,14 +1222,7 @@ async fn a_cut_tunnel_fails_in_flight_requests_promptly_and_the_client_reconnect
     let relay = Relay::start(server.tunnel).await;
     let url = up.url();
     let mut client = server.relayed_client(&relay, &url).await;
-    let req = server
-        .request("rt-a", "GET", "/slow")
-        .body(body(Bytes::new()))
-        .unwrap();
-    let in_flight = tokio::spawn(async move { client::send(&client::http1(), req).await });
-    tokio::time::timeout(Duration::from_secs(10), arrived.recv())
-        .await
-        .expect("request reached the upstream");
+    let in_flight = server.slow_in_flight("rt-a", &mut arrived).await;
 
     let cut_at = Instant::now();
     relay.cut();
@@ -1180,26 +1245,39 @@ async fn a_cut_tunnel_fails_in_flight_requests_promptly_and_the_client_reconnect
 
 #[tokio::test]
 async fn a_restarted_server_gets_its_clients_back() {
+    client_comes_back_after_a_restart(false).await;
+}
+
+/// A one-tunnel client (over QUIC with `quic`) of a server that stops
+/// (killed; over QUIC stopped cleanly, which tells the client at once
+/// where silence would take the idle timeout) and starts again on the
+/// same ports: the client notices, dials again and serves.
+async fn client_comes_back_after_a_restart(quic: bool) {
     let echo = upstream::echo("back").await;
-    let server = TunnelServer::start().await;
+    let (server_args, transport): (&[&str], &[&str]) = if quic {
+        (&["--tunnel-quic"], &["--transport", "quic"])
+    } else {
+        (&[], &[])
+    };
+    let server = if quic {
+        TunnelServer::start_quic().await
+    } else {
+        TunnelServer::start().await
+    };
     let url = echo.url();
-    let mut client = server
-        .client(
-            "rt-a",
-            TOKENS[0].1,
-            &["--upstream", &url, "--connections", "1"],
-        )
-        .await;
+    let mut args = vec!["--upstream", &url, "--connections", "1"];
+    args.extend_from_slice(transport);
+    let mut client = server.client("rt-a", TOKENS[0].1, &args).await;
     assert_eq!(server.get("rt-a", "/").await.status, 200);
     let (public, tunnel) = (server.public, server.tunnel);
     let TunnelServer {
         mut process, dir, ..
     } = server;
-    process.signal("KILL");
+    process.signal(if quic { "TERM" } else { "KILL" });
     process.wait_exit(Duration::from_secs(10)).await;
     client.wait_for_log("tunnel lost").await;
 
-    let server = TunnelServer::start_in(dir, public, tunnel).await;
+    let server = TunnelServer::start_in_with(dir, public, tunnel, server_args).await;
     client.wait_for_log("tunnel connected").await;
     let a = server.get("rt-a", "/back").await;
     assert_eq!(a.status, 200);
@@ -1242,14 +1320,7 @@ async fn sigterm_drains_the_client_then_it_exits() {
     let mut client = server
         .client("rt-a", TOKENS[0].1, &["--upstream", &url])
         .await;
-    let req = server
-        .request("rt-a", "GET", "/slow")
-        .body(body(Bytes::new()))
-        .unwrap();
-    let in_flight = tokio::spawn(async move { client::send(&client::http1(), req).await });
-    tokio::time::timeout(Duration::from_secs(10), arrived.recv())
-        .await
-        .expect("request reached the upstream");
+    let in_flight = server.slow_in_flight("rt-a", &mut arrived).await;
     client.signal("TERM");
     client.wait_for_log("closed listeners").await;
     release.notify_one();
@@ -1347,16 +1418,7 @@ async fn websocket_echo_through_the_tunnel() {
     let _client = server
         .client("rt-a", TOKENS[0].1, &["--upstream", &url])
         .await;
-    let mut request =
-        tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(format!(
-            "ws://{}/socket",
-            server.public
-        ))
-        .unwrap();
-    request
-        .headers_mut()
-        .insert("host", format!("rt-a.{DOMAIN}").parse().unwrap());
-    crate::support::client::websocket_echo(request).await;
+    server.websocket_echo("rt-a").await;
 }
 
 #[tokio::test]

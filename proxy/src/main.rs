@@ -113,6 +113,11 @@ enum Command {
         /// Private key (PEM) for the tunnel endpoint.
         #[arg(long, env = "PORTCULLIS_KEY", requires = "cert")]
         key: Option<PathBuf>,
+        /// Take QUIC tunnels (`tunnel-client --transport quic`) too, on
+        /// the tunnel port's UDP twin, with the same certificate (needs
+        /// --cert).
+        #[arg(long, env = "PORTCULLIS_TUNNEL_QUIC", requires = "cert")]
+        tunnel_quic: bool,
         /// Admin listener (connected runtimes, metrics); `off` turns it off.
         #[arg(long, env = "PORTCULLIS_ADMIN", default_value = "127.0.0.1:9901", value_parser = parse_admin)]
         admin: Admin,
@@ -146,6 +151,12 @@ enum Command {
         /// Tunnel connections kept open.
         #[arg(long, env = "PORTCULLIS_CONNECTIONS", default_value_t = 2)]
         connections: usize,
+        /// How tunnels reach the server: `websocket` (HTTP/2 over a
+        /// WebSocket over TCP) or `quic` (UDP to the same host and port, a
+        /// QUIC stream per request; needs a wss:// server run with
+        /// --tunnel-quic).
+        #[arg(long, env = "PORTCULLIS_TRANSPORT", default_value = "websocket", value_parser = parse_transport)]
+        transport: portcullis::tunnel::client::Transport,
         /// Extra CA certificate (PEM) trusted for the server.
         #[arg(long, env = "PORTCULLIS_CA")]
         ca: Option<PathBuf>,
@@ -171,6 +182,15 @@ enum Command {
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
     portcullis::config::parse_duration(s)
+}
+
+fn parse_transport(s: &str) -> Result<portcullis::tunnel::client::Transport, String> {
+    use portcullis::tunnel::client::Transport;
+    match s {
+        "websocket" => Ok(Transport::WebSocket),
+        "quic" => Ok(Transport::Quic),
+        _ => Err(format!("`{s}` is not a transport: websocket or quic")),
+    }
 }
 
 /// The admin listener's address, or none.
@@ -239,6 +259,7 @@ fn main() -> ExitCode {
             tokens,
             cert,
             key,
+            tunnel_quic,
             admin,
             workers,
             max_connections,
@@ -256,6 +277,7 @@ fn main() -> ExitCode {
                 domain,
                 tokens,
                 tls: cert.zip(key),
+                tunnel_quic,
                 admin: admin.0,
                 workers: workers.unwrap_or_else(portcullis::server::default_workers),
                 max_connections,
@@ -271,6 +293,7 @@ fn main() -> ExitCode {
             policies,
             upstream,
             connections,
+            transport,
             ca,
             workers,
             grace_period,
@@ -304,6 +327,7 @@ fn main() -> ExitCode {
                         None => Target::Policies(policies),
                     },
                     connections,
+                    transport,
                     ca,
                 },
                 workers: workers.unwrap_or_else(portcullis::server::default_workers),

@@ -70,6 +70,15 @@ impl Token {
     }
 }
 
+/// How tunnels reach the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// HTTP/2 over a WebSocket over TCP (and TLS for `wss://`).
+    WebSocket,
+    /// QUIC to the same host and port over UDP, a stream per request.
+    Quic,
+}
+
 /// How the tunnel client runs.
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
@@ -83,6 +92,8 @@ pub struct ClientOptions {
     pub target: Target,
     /// Tunnel connections kept open.
     pub connections: usize,
+    /// WebSocket or QUIC.
+    pub transport: Transport,
     /// Extra CA certificate (PEM) to trust for the server.
     pub ca: Option<PathBuf>,
 }
@@ -135,6 +146,8 @@ pub struct Dialer {
     options: ClientOptions,
     instance: String,
     tls: Option<tokio_rustls::TlsConnector>,
+    /// QUIC settings, for `--transport quic`.
+    quic: Option<quinn::ClientConfig>,
     /// The listener settings tunnel requests are served under.
     listener: Arc<Listener>,
     /// Set when the server says another client took over this runtime.
@@ -153,7 +166,7 @@ impl Dialer {
     /// Prepares TLS for `wss://` servers.
     pub fn new(options: ClientOptions) -> anyhow::Result<Dialer> {
         use anyhow::Context;
-        let tls = match options.server.scheme_str() {
+        let tls_config = match options.server.scheme_str() {
             Some("wss") => {
                 let mut settings = crate::config::TlsSettings::default();
                 if let Some(ca) = &options.ca {
@@ -163,13 +176,29 @@ impl Dialer {
                         .and_then(|it| it.collect::<Result<Vec<_>, _>>())
                         .with_context(|| format!("reading --ca {}", ca.display()))?;
                 }
-                let mut config = crate::forward::client_tls_config(&settings);
-                config.alpn_protocols = vec![b"http/1.1".to_vec()];
-                Some(tokio_rustls::TlsConnector::from(Arc::new(config)))
+                Some(crate::forward::client_tls_config(&settings))
             }
             Some("ws") => None,
             _ => anyhow::bail!(
                 "--server {} must be a wss:// (or ws:// for testing) URL",
+                options.server
+            ),
+        };
+        let (tls, quic) = match (options.transport, tls_config) {
+            (Transport::WebSocket, Some(mut config)) => {
+                config.alpn_protocols = vec![b"http/1.1".to_vec()];
+                (
+                    Some(tokio_rustls::TlsConnector::from(Arc::new(config))),
+                    None,
+                )
+            }
+            (Transport::WebSocket, None) => (None, None),
+            (Transport::Quic, Some(config)) => (
+                None,
+                Some(super::quic::client_config(config).map_err(anyhow::Error::msg)?),
+            ),
+            (Transport::Quic, None) => anyhow::bail!(
+                "--transport quic needs a wss:// server: QUIC is always encrypted (--server {})",
                 options.server
             ),
         };
@@ -188,6 +217,7 @@ impl Dialer {
             // Start time first: the server keeps the newest client.
             instance: format!("{started}-{random:016x}"),
             tls,
+            quic,
             listener: Arc::new(Listener {
                 name: "tunnel".into(),
                 bind: SocketAddr::from(([0, 0, 0, 0], 0)),
@@ -243,17 +273,29 @@ impl Dialer {
         self.replaced.load(Ordering::Relaxed)
     }
 
-    /// Dials, authenticates and returns the tunnel's byte stream.
-    async fn dial(&self, slot: usize) -> Result<TokioIo<BoxIo>, String> {
+    /// Dials and authenticates a tunnel.
+    async fn dial(&self, slot: usize) -> Result<Dialed, String> {
         let hello = Hello {
             runtime: self.options.runtime_id.clone(),
             instance: self.instance.clone(),
             slot: slot as u32,
             token: self.options.token.read()?,
         };
+        if let Some(config) = &self.quic {
+            let tunnel = super::quic::dial(&self.options.server, config.clone(), &hello).await?;
+            return Ok(Dialed::Quic(tunnel));
+        }
         let io = super::websocket::dial(&self.options.server, self.tls.as_ref(), &hello).await?;
-        Ok(TokioIo::new(io))
+        Ok(Dialed::WebSocket(TokioIo::new(io)))
     }
+}
+
+/// A dialled tunnel.
+enum Dialed {
+    /// A byte stream for HTTP/2.
+    WebSocket(TokioIo<BoxIo>),
+    /// A QUIC connection, a stream per request.
+    Quic(super::quic::ClientTunnel),
 }
 
 /// One tunnel connection slot: dials, serves until the tunnel ends, and
@@ -266,14 +308,21 @@ pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
         }
         let started = Instant::now();
         let dialed = tokio::select! {
-            r = tokio::time::timeout(super::HANDSHAKE_TIMEOUT, dialer.dial(slot)) => r.unwrap_or_else(|_| Err("no handshake within 10s".into())),
+            r = tokio::time::timeout(super::HANDSHAKE_TIMEOUT, dialer.dial(slot)) => r.unwrap_or_else(|_| Err(match dialer.options.transport {
+                Transport::WebSocket => "no handshake within 10s".into(),
+                // UDP is often dropped where TCP passes, without a word.
+                Transport::Quic => "no QUIC handshake within 10s: is UDP to the server's port open, and does the server run with --tunnel-quic?".into(),
+            })),
             _ = ctx.stop.cancelled() => return,
             _ = dialer.give_up.cancelled() => return,
         };
         match dialed {
-            Ok(io) => {
+            Ok(dialed) => {
                 tracing::debug!(slot, "tunnel handshake done");
-                let why = serve(io, slot, &dialer, &ctx).await;
+                let why = match dialed {
+                    Dialed::WebSocket(io) => serve(io, slot, &dialer, &ctx).await,
+                    Dialed::Quic(tunnel) => serve_quic(tunnel, slot, &dialer, &ctx).await,
+                };
                 dialer.down(slot);
                 if dialer.was_replaced() {
                     tracing::error!(slot, runtime = %dialer.options.runtime_id, "another client took over this runtime id; stopping");
@@ -321,25 +370,7 @@ async fn serve(
     dialer: &Arc<Dialer>,
     ctx: &WorkerContext,
 ) -> String {
-    // The server pings as soon as it has registered the tunnel: from then
-    // on public requests can arrive, so that is when it counts as connected.
-    let connected = Arc::new(AtomicBool::new(false));
-    let service = {
-        let dialer = dialer.clone();
-        let pipeline = ctx.pipeline.clone();
-        let worker = ctx.worker;
-        service_fn(move |req: Request<Incoming>| {
-            if req.headers().contains_key(super::CONTROL) {
-                dialer.pinged(slot);
-                if !connected.swap(true, Ordering::Relaxed) {
-                    tracing::info!(slot, server = %dialer.options.server, runtime = %dialer.options.runtime_id, "tunnel connected");
-                }
-            }
-            let dialer = dialer.clone();
-            let pipeline = crate::pipeline::current(&pipeline);
-            async move { Ok::<_, Infallible>(handle(req, &dialer, &pipeline, worker).await) }
-        })
-    };
+    let service = service(slot, dialer, ctx, false);
     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .initial_stream_window_size(super::STREAM_WINDOW)
@@ -366,6 +397,90 @@ async fn serve(
     conn.as_mut().graceful_shutdown();
     let _ = conn.await;
     "draining".into()
+}
+
+/// Serves the requests of a QUIC tunnel, each on its own stream, until it
+/// ends; on drain, tells the server (which then sends no new requests
+/// here), lets those in flight finish and closes.
+async fn serve_quic(
+    mut tunnel: super::quic::ClientTunnel,
+    slot: usize,
+    dialer: &Arc<Dialer>,
+    ctx: &WorkerContext,
+) -> String {
+    let service = service(slot, dialer, ctx, true);
+    let streams = tokio_util::task::TaskTracker::new();
+    let serve_next = |io| {
+        let service = service.clone();
+        streams.spawn(async move {
+            if let Err(e) = super::quic::serve_stream(io, service).await {
+                tracing::debug!(slot, error = %e, "tunnel stream ended with an error");
+            }
+        });
+    };
+    loop {
+        tokio::select! {
+            io = tunnel.accept() => match io {
+                Ok(io) => serve_next(io),
+                Err(why) => return why,
+            },
+            _ = ctx.stop.cancelled() => break,
+            _ = dialer.give_up.cancelled() => break,
+        }
+    }
+    tunnel.drain();
+    streams.close();
+    // Requests the server sent before it heard are still served.
+    loop {
+        tokio::select! {
+            io = tunnel.accept() => match io {
+                Ok(io) => serve_next(io),
+                Err(_) => break,
+            },
+            _ = streams.wait() => break,
+        }
+    }
+    tunnel.close("draining").await;
+    "draining".into()
+}
+
+/// The service a tunnel's requests are served with. The server pings as
+/// soon as it has registered the tunnel: from then on public requests can
+/// arrive, so that is when it counts as connected. `http1` when it serves
+/// HTTP/1.1 (a QUIC stream), which declares trailers before sending them.
+fn service(
+    slot: usize,
+    dialer: &Arc<Dialer>,
+    ctx: &WorkerContext,
+    http1: bool,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = Response<ResponseBody>,
+    Error = Infallible,
+    Future = impl Future<Output = Result<Response<ResponseBody>, Infallible>> + Send + 'static,
+> + Clone
++ 'static {
+    let connected = Arc::new(AtomicBool::new(false));
+    let dialer = dialer.clone();
+    let pipeline = ctx.pipeline.clone();
+    let worker = ctx.worker;
+    service_fn(move |req: Request<Incoming>| {
+        if req.headers().contains_key(super::CONTROL) {
+            dialer.pinged(slot);
+            if !connected.swap(true, Ordering::Relaxed) {
+                tracing::info!(slot, server = %dialer.options.server, runtime = %dialer.options.runtime_id, transport = ?dialer.options.transport, "tunnel connected");
+            }
+        }
+        let dialer = dialer.clone();
+        let pipeline = crate::pipeline::current(&pipeline);
+        async move {
+            let mut resp = handle(req, &dialer, &pipeline, worker).await;
+            if http1 {
+                super::quic::declare_trailers(&mut resp);
+            }
+            Ok::<_, Infallible>(resp)
+        }
+    })
 }
 
 async fn handle(

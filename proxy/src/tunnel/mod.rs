@@ -11,6 +11,10 @@
 //! HTTP/2 pings, so a dead peer is noticed within [`KEEPALIVE_TIMEOUT`]
 //! after the last [`KEEPALIVE_INTERVAL`].
 //!
+//! Or the transport is QUIC ([`quic`]): a QUIC stream per public request,
+//! each carrying one HTTP/1.1 exchange, so a lost packet stalls one
+//! request rather than all of the tunnel's.
+//!
 //! The server talks to the client with a few requests of its own, marked
 //! by the [`CONTROL`] header (stripped from public requests): `ping`
 //! measures the round trip, `replaced` tells a client another one took
@@ -19,6 +23,7 @@
 pub mod client;
 pub mod handshake_head;
 mod public_h3;
+pub mod quic;
 pub mod server;
 pub mod tokens;
 pub mod websocket;
@@ -46,6 +51,22 @@ pub struct Hello {
     pub slot: u32,
     /// Its token.
     pub token: String,
+}
+
+impl Hello {
+    /// The hello in a handshake's header fields, looked up by `field`
+    /// (lower-case name → value, empty when absent).
+    pub fn from_fields(field: impl Fn(&str) -> String) -> Hello {
+        Hello {
+            runtime: field(RUNTIME_HEADER),
+            instance: field(INSTANCE_HEADER),
+            slot: field(SLOT_HEADER).parse().unwrap_or(0),
+            token: field(http::header::AUTHORIZATION.as_str())
+                .strip_prefix("Bearer ")
+                .unwrap_or("")
+                .to_owned(),
+        }
+    }
 }
 
 /// Why the server turned a tunnel away.

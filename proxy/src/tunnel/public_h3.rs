@@ -33,21 +33,9 @@ pub fn server_config(
     cert: &std::path::Path,
     key: &std::path::Path,
 ) -> anyhow::Result<quinn::ServerConfig> {
-    let files = crate::cert_files::CertFiles::load(cert.to_path_buf(), key.to_path_buf())
-        .map_err(anyhow::Error::msg)?;
-    let mut tls = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_protocol_versions(&[&rustls::version::TLS13])?
-    .with_no_client_auth()
-    .with_cert_resolver(Arc::new(files));
-    tls.alpn_protocols = vec![b"h3".to_vec()];
-    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)?;
-    let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     let mut transport = quinn::TransportConfig::default();
     transport.max_idle_timeout(Some(crate::config::DEFAULT_KEEPALIVE_TIMEOUT.try_into()?));
-    config.transport_config(Arc::new(transport));
-    Ok(config)
+    super::quic::server_config(cert, key, b"h3", transport)
 }
 
 /// Serves HTTP/3 on `socket` until `stop`, then tells each connection to

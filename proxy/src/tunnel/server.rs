@@ -68,6 +68,8 @@ pub struct ServerOptions {
     pub tokens: PathBuf,
     /// Certificate chain and key (PEM) for `wss://`; plain `ws://` without.
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// Take QUIC tunnels too, on the tunnel port's UDP twin (needs `tls`).
+    pub tunnel_quic: bool,
     /// Admin listener; `None` turns it off.
     pub admin: Option<SocketAddr>,
     /// Worker threads, each with its own event loop.
@@ -88,7 +90,7 @@ pub struct Tunnel {
     token: [u8; 32],
     remote: SocketAddr,
     since: SystemTime,
-    sender: SendRequest<Body>,
+    sender: Sender,
     /// Last measured round trip, microseconds (0 until measured).
     rtt_us: AtomicU64,
     /// Public requests in flight on this tunnel.
@@ -96,6 +98,44 @@ pub struct Tunnel {
     /// Its runtime's request metrics.
     stats: &'static RouteStats,
     closed: CancellationToken,
+}
+
+/// How requests reach a tunnel's client.
+#[derive(Clone)]
+enum Sender {
+    /// An HTTP/2 connection over a WebSocket.
+    H2(SendRequest<Body>),
+    /// A QUIC connection, a stream per request.
+    Quic(super::quic::ServerTunnel),
+}
+
+impl Sender {
+    fn is_closed(&self) -> bool {
+        match self {
+            Sender::H2(s) => s.is_closed(),
+            Sender::Quic(q) => q.is_closed(),
+        }
+    }
+
+    /// Sends a request shaped for HTTP/2 (absolute target, an extended
+    /// CONNECT for an upgrade); the QUIC transport reshapes it.
+    async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, String> {
+        match self {
+            Sender::H2(s) => s
+                .clone()
+                .send_request(req)
+                .await
+                .map_err(|e| crate::forward::error_chain(&e)),
+            Sender::Quic(q) => q.send(req).await,
+        }
+    }
+
+    fn transport(&self) -> &'static str {
+        match self {
+            Sender::H2(_) => "websocket",
+            Sender::Quic(_) => "quic",
+        }
+    }
 }
 
 /// The runtimes connected now.
@@ -208,6 +248,7 @@ impl Registry {
                     .tunnels
                     .iter()
                     .map(|t| TunnelStatus {
+                        transport: t.sender.transport(),
                         remote: t.remote,
                         since: t.since,
                         rtt: Duration::from_micros(t.rtt_us.load(Ordering::Relaxed)),
@@ -233,6 +274,8 @@ pub struct RuntimeStatus {
 /// One tunnel connection.
 #[derive(Debug, Clone)]
 pub struct TunnelStatus {
+    /// `websocket` or `quic`.
+    pub transport: &'static str,
     /// The client's address.
     pub remote: SocketAddr,
     /// Connected since.
@@ -254,6 +297,8 @@ pub struct TunnelServer {
     public_tls: Option<tokio_rustls::TlsAcceptor>,
     /// The UDP socket and QUIC settings for HTTP/3 (`--http3`).
     h3: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
+    /// The UDP socket and QUIC settings for QUIC tunnels (`--tunnel-quic`).
+    tunnel_quic: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
     shared: Arc<Shared>,
 }
 
@@ -268,6 +313,8 @@ struct Shared {
     trust_forwarded_headers: bool,
     proxy_protocol: bool,
     tunnel_proxy_protocol: bool,
+    /// QUIC tunnels are taken.
+    tunnel_quic: bool,
     /// `Alt-Svc` for HTTPS responses when HTTP/3 is served.
     alt_svc: Option<HeaderValue>,
 }
@@ -285,6 +332,28 @@ fn load_tls(cert: &Path, key: &Path, alpn: &[&[u8]]) -> anyhow::Result<tokio_rus
     .with_cert_resolver(Arc::new(files));
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+/// When `on`, the UDP socket on `addr` (the TCP listener's twin) and the
+/// QUIC settings `config` makes from the certificate pair in `tls`, for
+/// `what`; without a pair, `needs` says which flags are missing.
+fn quic_socket(
+    (on, tls): (bool, &Option<(PathBuf, PathBuf)>),
+    addr: SocketAddr,
+    what: &str,
+    needs: &str,
+    config: fn(&Path, &Path) -> anyhow::Result<quinn::ServerConfig>,
+) -> anyhow::Result<Option<(std::net::UdpSocket, quinn::ServerConfig)>> {
+    use anyhow::Context;
+    match (on, tls) {
+        (false, _) => Ok(None),
+        (true, None) => anyhow::bail!("{needs}"),
+        (true, Some((cert, key))) => {
+            let socket = std::net::UdpSocket::bind(addr)
+                .with_context(|| format!("cannot bind UDP {addr} for {what}"))?;
+            Ok(Some((socket, config(cert, key)?)))
+        }
+    }
 }
 
 impl TunnelServer {
@@ -315,15 +384,21 @@ impl TunnelServer {
         let tunnel = TcpListener::bind(options.tunnel)
             .await
             .with_context(|| format!("cannot bind the tunnel listener on {}", options.tunnel))?;
-        let h3 = match (&options.public_tls, options.http3) {
-            (Some((cert, key)), true) => {
-                let socket = std::net::UdpSocket::bind(public_addr)
-                    .with_context(|| format!("cannot bind UDP {public_addr} for HTTP/3"))?;
-                Some((socket, super::public_h3::server_config(cert, key)?))
-            }
-            (None, true) => anyhow::bail!("--http3 needs --public-cert and --public-key"),
-            (_, false) => None,
-        };
+        let h3 = quic_socket(
+            (options.http3, &options.public_tls),
+            public_addr,
+            "HTTP/3",
+            "--http3 needs --public-cert and --public-key",
+            super::public_h3::server_config,
+        )?;
+        let tunnel_addr = tunnel.local_addr()?;
+        let tunnel_quic = quic_socket(
+            (options.tunnel_quic, &options.tls),
+            tunnel_addr,
+            "QUIC tunnels",
+            "--tunnel-quic needs --cert and --key",
+            super::quic::tunnel_server_config,
+        )?;
         let alt_svc = h3.as_ref().map(|_| {
             let port = options.http3_advertised_port.unwrap_or(public_addr.port());
             // A day, as Caddy and Cloudflare advertise it.
@@ -338,6 +413,7 @@ impl TunnelServer {
             tls,
             public_tls: public_tls.clone(),
             h3,
+            tunnel_quic,
             shared: Arc::new(Shared {
                 registry: Registry::default(),
                 public_slots: Arc::new(tokio::sync::Semaphore::new(options.max_connections.max(1))),
@@ -347,6 +423,7 @@ impl TunnelServer {
                 trust_forwarded_headers: options.trust_forwarded_headers,
                 proxy_protocol: options.proxy_protocol,
                 tunnel_proxy_protocol: options.tunnel_proxy_protocol,
+                tunnel_quic: options.tunnel_quic,
                 alt_svc,
             }),
         })
@@ -388,47 +465,80 @@ impl TunnelServer {
         if self.h3.is_some() {
             tracing::info!(addr = %self.public_addr, "public HTTP/3 listening");
         }
+        let quic = match self.tunnel_quic {
+            Some((socket, config)) => Some(quinn::Endpoint::new(
+                quinn::EndpointConfig::default(),
+                Some(config),
+                socket,
+                Arc::new(quinn::TokioRuntime),
+            )?),
+            None => None,
+        };
+        if quic.is_some() {
+            tracing::info!(addr = %tunnel_addr, "tunnel QUIC listening");
+        }
         let mut h3 = self.h3;
-        let stop = CancellationToken::new();
+        let stops = Stops::default();
+        let stop = stops.public.clone();
         let mut to_workers = Vec::with_capacity(self.workers);
         let mut done = Vec::with_capacity(self.workers);
+        let mut public_done = Vec::with_capacity(self.workers);
         let (balance, inboxes) = Balance::new(self.workers);
         for ((index, public), inbox) in self.public.into_iter().enumerate().zip(inboxes) {
-            let (tx, rx) =
-                tokio::sync::mpsc::unbounded_channel::<(std::net::TcpStream, SocketAddr)>();
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Arrival>();
             to_workers.push(tx);
-            let (shared, tls, stop) = (self.shared.clone(), self.tls.clone(), stop.clone());
+            let (shared, tls, stops) = (self.shared.clone(), self.tls.clone(), stops.clone());
             let public = (public, self.public_tls.clone(), balance.clone(), inbox);
             // One QUIC endpoint, on the first worker: its requests go
             // through that worker's tunnels when it has the runtime's.
             let h3 = h3.take();
             let (finished, finished_rx) = tokio::sync::oneshot::channel::<()>();
+            let (drained, drained_rx) = tokio::sync::oneshot::channel::<()>();
             std::thread::Builder::new()
                 .name(format!("portcullis-tunnel-{index}"))
                 .spawn(move || {
-                    worker(index, public, h3, rx, tls, shared, stop);
+                    worker(index, public, h3, rx, tls, shared, (stops, drained));
                     let _ = finished.send(());
                 })?;
             done.push(finished_rx);
+            public_done.push(drained_rx);
         }
-        let accepting = accept_tunnels(self.tunnel, to_workers, stop.clone());
+        let accepting = accept_tunnels(self.tunnel, quic.clone(), to_workers, stop.clone());
         tokio::select! {
             _ = shutdown => {}
             _ = accepting => {}
         }
         tracing::info!("shutting down");
-        stop.cancel();
+        // The public side first: its requests in flight finish through
+        // the tunnels (any worker's), which close only after.
+        stops.public.cancel();
         let _ = tokio::time::timeout(
             Duration::from_secs(10),
-            futures_util::future::join_all(done),
+            futures_util::future::join_all(public_done),
         )
         .await;
+        stops.tunnels.cancel();
+        if let Some(quic) = &quic {
+            quic.close(0u32.into(), b"shutting down");
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(5), futures_util::future::join_all(done))
+            .await;
         Ok(())
     }
 }
 
+/// What stops a tunnel server, in order.
+#[derive(Clone, Default)]
+struct Stops {
+    /// The public side: no new connections, those open finish.
+    public: CancellationToken,
+    /// The tunnels, once the public side is done with them.
+    tunnels: CancellationToken,
+}
+
 /// One worker thread: its public socket (with the balance over the
-/// workers' sockets and its inbox), and the tunnels handed to it.
+/// workers' sockets and its inbox), and the tunnels handed to it. Says
+/// `drained` once its public side is done after a stop.
 fn worker(
     index: usize,
     (public, public_tls, balance, inbox): (
@@ -438,11 +548,12 @@ fn worker(
         UnboundedReceiver<Handoff>,
     ),
     h3: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
-    mut tunnels: tokio::sync::mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
+    mut tunnels: UnboundedReceiver<Arrival>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shared: Arc<Shared>,
-    stop: CancellationToken,
+    (stops, drained): (Stops, tokio::sync::oneshot::Sender<()>),
 ) {
+    let stop = stops.public;
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -456,6 +567,7 @@ fn worker(
     runtime.block_on(async move {
         tokio::spawn(crate::server::timer_anchor());
         let tracker = TaskTracker::new();
+        let tunnel_tasks = TaskTracker::new();
         let serving = Public::new(index, shared.clone());
         if let Some((socket, config)) = h3 {
             tracker.spawn(super::public_h3::serve(
@@ -480,19 +592,33 @@ fn worker(
             }
         }
         loop {
-            let (stream, peer) = tokio::select! {
+            let arrival = tokio::select! {
                 t = tunnels.recv() => match t { Some(t) => t, None => break },
                 _ = stop.cancelled() => break,
             };
+            let (stream, peer) = match arrival {
+                Arrival::Tcp(stream, peer) => (stream, peer),
+                Arrival::Quic(incoming) => {
+                    // Accepted here, so the connection is driven by this
+                    // worker's thread.
+                    tunnel_tasks.spawn(serve_quic_tunnel(
+                        *incoming,
+                        index,
+                        shared.clone(),
+                        stops.tunnels.clone(),
+                    ));
+                    continue;
+                }
+            };
             match TcpStream::from_std(stream) {
                 Ok(stream) => {
-                    tracker.spawn(serve_tunnel(
+                    tunnel_tasks.spawn(serve_tunnel(
                         stream,
                         peer,
                         index,
                         tls.clone(),
                         shared.clone(),
-                        stop.clone(),
+                        stops.tunnels.clone(),
                     ));
                 }
                 Err(e) => {
@@ -502,61 +628,57 @@ fn worker(
         }
         tracker.close();
         tracker.wait().await;
+        let _ = drained.send(());
+        tunnel_tasks.close();
+        tunnel_tasks.wait().await;
     });
 }
 
-/// Accepts tunnel connections and hands them to the workers in turn, so
-/// each worker drives its share of the tunnels.
+/// A tunnel connection handed to a worker.
+enum Arrival {
+    /// A TCP connection (WebSocket).
+    Tcp(std::net::TcpStream, SocketAddr),
+    /// A QUIC connection, not yet accepted (boxed: it is large, and rare
+    /// next to the channel's other messages).
+    Quic(Box<quinn::Incoming>),
+}
+
+/// Accepts tunnel connections (TCP, and QUIC when on) and hands them to
+/// the workers in turn, so each worker drives its share of the tunnels.
 async fn accept_tunnels(
     listener: TcpListener,
-    workers: Vec<tokio::sync::mpsc::UnboundedSender<(std::net::TcpStream, SocketAddr)>>,
+    quic: Option<quinn::Endpoint>,
+    workers: Vec<tokio::sync::mpsc::UnboundedSender<Arrival>>,
     stop: CancellationToken,
 ) {
     let mut next = 0;
     loop {
-        let (stream, peer) = tokio::select! {
-            pair = crate::sockets::accept(&listener, "tunnel") => pair,
+        let arrival = tokio::select! {
+            (stream, peer) = crate::sockets::accept(&listener, "tunnel") => {
+                let _ = stream.set_nodelay(true);
+                let Ok(stream) = stream.into_std() else {
+                    continue;
+                };
+                Arrival::Tcp(stream, peer)
+            }
+            Some(incoming) = async { quic.as_ref()?.accept().await } => Arrival::Quic(Box::new(incoming)),
             _ = stop.cancelled() => return,
         };
-        let _ = stream.set_nodelay(true);
-        let Ok(stream) = stream.into_std() else {
-            continue;
-        };
         next = (next + 1) % workers.len();
-        if workers[next].send((stream, peer)).is_err() {
+        if workers[next].send(arrival).is_err() {
             return;
         }
     }
 }
 
-/// One tunnel connection: handshake, authentication, then HTTP/2 over the
-/// WebSocket until it ends.
-async fn serve_tunnel(
-    mut stream: TcpStream,
-    mut peer: SocketAddr,
-    worker: usize,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    shared: Arc<Shared>,
-    stop: CancellationToken,
-) {
-    // The PROXY header and the handshake share one deadline.
-    let deadline = tokio::time::Instant::now() + super::HANDSHAKE_TIMEOUT;
-    if shared.tunnel_proxy_protocol {
-        let header = crate::proxy_protocol::read(&mut stream);
-        match tokio::time::timeout_at(deadline, header).await {
-            Ok(Ok(source)) => peer = source.unwrap_or(peer),
-            Ok(Err(e)) => {
-                crate::metrics::count_connection_error("tunnel", "proxy_protocol");
-                tracing::warn!(peer = %peer, error = %e, "tunnel connection refused");
-                return;
-            }
-            Err(_) => {
-                tracing::warn!(peer = %peer, "tunnel connection refused: no PROXY protocol header within 10s");
-                return;
-            }
-        }
-    }
-    let check = |hello: &Hello| {
+/// Decides on a client's [`Hello`] from `peer`: a valid runtime id and
+/// its token, within the failed-attempt rate limit; the token's hash when
+/// accepted.
+fn check_hello(
+    shared: &Shared,
+    peer: SocketAddr,
+) -> impl FnOnce(&Hello) -> Result<[u8; 32], Refused> + Unpin + '_ {
+    move |hello: &Hello| {
         let refused = |status, message, reason| Refused {
             status,
             message,
@@ -584,8 +706,37 @@ async fn serve_tunnel(
                     format!("too many failed attempts (runtime `{}`)", hello.runtime),
                 ),
             })
-    };
-    let accepted = super::websocket::accept(stream, tls, check);
+    }
+}
+
+/// One WebSocket tunnel connection: handshake, authentication, then
+/// HTTP/2 over the WebSocket until it ends.
+async fn serve_tunnel(
+    mut stream: TcpStream,
+    mut peer: SocketAddr,
+    worker: usize,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+) {
+    // The PROXY header and the handshake share one deadline.
+    let deadline = tokio::time::Instant::now() + super::HANDSHAKE_TIMEOUT;
+    if shared.tunnel_proxy_protocol {
+        let header = crate::proxy_protocol::read(&mut stream);
+        match tokio::time::timeout_at(deadline, header).await {
+            Ok(Ok(source)) => peer = source.unwrap_or(peer),
+            Ok(Err(e)) => {
+                crate::metrics::count_connection_error("tunnel", "proxy_protocol");
+                tracing::warn!(peer = %peer, error = %e, "tunnel connection refused");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(peer = %peer, "tunnel connection refused: no PROXY protocol header within 10s");
+                return;
+            }
+        }
+    }
+    let accepted = super::websocket::accept(stream, tls, check_hello(&shared, peer));
     let (io, hello, token) = match tokio::time::timeout_at(deadline, accepted).await {
         Ok(Ok(done)) => done,
         Ok(Err(super::websocket::NotATunnel::HealthCheck)) => {
@@ -601,7 +752,6 @@ async fn serve_tunnel(
             return;
         }
     };
-    let (runtime, instance, slot) = (hello.runtime, hello.instance, hello.slot);
     let handshake = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .initial_stream_window_size(super::STREAM_WINDOW)
@@ -618,10 +768,93 @@ async fn serve_tunnel(
     let (sender, conn) = match handshake {
         Ok(pair) => pair,
         Err(e) => {
-            tracing::warn!(peer = %peer, runtime, error = %e, "tunnel HTTP/2 handshake failed");
+            tracing::warn!(peer = %peer, runtime = hello.runtime, error = %e, "tunnel HTTP/2 handshake failed");
             return;
         }
     };
+    let ended = async move {
+        match conn.await {
+            Ok(()) => End::Closed,
+            Err(e) => End::Lost(e.to_string()),
+        }
+    };
+    run_tunnel(
+        Sender::H2(sender),
+        hello,
+        token,
+        peer,
+        worker,
+        &shared,
+        stop,
+        ended,
+    )
+    .await;
+}
+
+/// One QUIC tunnel connection: handshake and authentication on its
+/// control stream, then a stream per request until it ends.
+async fn serve_quic_tunnel(
+    incoming: quinn::Incoming,
+    worker: usize,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+) {
+    let peer = incoming.remote_address();
+    let accepted = super::quic::accept(incoming, check_hello(&shared, peer));
+    let (tunnel, control, hello, token) = match tokio::time::timeout(
+        super::HANDSHAKE_TIMEOUT,
+        accepted,
+    )
+    .await
+    {
+        Ok(Ok(done)) => done,
+        Ok(Err(e)) => {
+            tracing::warn!(peer = %peer, error = %e, "QUIC tunnel connection refused");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(peer = %peer, "QUIC tunnel connection refused: no handshake within 10s");
+            return;
+        }
+    };
+    let sender = Sender::Quic(tunnel.clone());
+    let ended = async move {
+        tokio::select! {
+            why = tunnel.closed() => End::Lost(why),
+            _ = control.draining() => End::Draining,
+        }
+    };
+    run_tunnel(sender, hello, token, peer, worker, &shared, stop, ended).await;
+}
+
+/// How a tunnel's connection ended, or that its client is draining.
+enum End {
+    /// Closed cleanly by the client.
+    Closed,
+    /// Broken: why.
+    Lost(String),
+    /// The client takes no new requests; those in flight go on until it
+    /// closes the connection.
+    Draining,
+}
+
+/// A tunnel from its authentication to its end: registered for its
+/// runtime (replacing what it replaces), pinged, and removed when `ended`
+/// completes, its client stops answering pings, the server closes it or
+/// the server stops.
+#[allow(clippy::too_many_arguments)]
+async fn run_tunnel(
+    sender: Sender,
+    hello: Hello,
+    token: [u8; 32],
+    peer: SocketAddr,
+    worker: usize,
+    shared: &Shared,
+    stop: CancellationToken,
+    ended: impl Future<Output = End>,
+) {
+    let (runtime, instance, slot) = (hello.runtime, hello.instance, hello.slot);
+    let transport = sender.transport();
     let tunnel = Arc::new(Tunnel {
         id: shared.registry.next_id.fetch_add(1, Ordering::Relaxed),
         instance,
@@ -638,7 +871,7 @@ async fn serve_tunnel(
     });
     let Added { replaced, stale } = shared.registry.add(&runtime, tunnel.clone());
     if !replaced.iter().any(|t| t.id == tunnel.id) {
-        tracing::info!(runtime, peer = %peer, slot, "tunnel connected");
+        tracing::info!(runtime, peer = %peer, slot, transport, "tunnel connected");
     }
     for old in stale {
         tracing::info!(runtime, old = %old.remote, new = %peer, slot, "client dialled this slot again; closing its previous tunnel");
@@ -653,17 +886,32 @@ async fn serve_tunnel(
     }
     // Ends when the client stops answering or its token is no longer
     // valid; the select below then drops the connection.
-    let pings = measure_rtt(tunnel.clone(), &shared, &runtime);
+    let pings = measure_rtt(tunnel.clone(), shared, &runtime);
+    let mut draining = false;
     tokio::select! {
-        r = conn => match r {
-            Ok(()) => tracing::info!(runtime, peer = %peer, "tunnel closed"),
-            Err(e) => tracing::warn!(runtime, peer = %peer, error = %e, "tunnel lost"),
+        end = ended => match end {
+            End::Closed => tracing::info!(runtime, peer = %peer, "tunnel closed"),
+            End::Lost(e) => tracing::warn!(runtime, peer = %peer, error = %e, "tunnel lost"),
+            End::Draining => draining = true,
         },
         _ = pings => {}
         _ = tunnel.closed.cancelled() => tracing::info!(runtime, peer = %peer, "tunnel closed by the server"),
         _ = stop.cancelled() => {}
     }
     shared.registry.remove(&runtime, tunnel.id);
+    if let Sender::Quic(quic) = &tunnel.sender {
+        if draining {
+            tracing::info!(runtime, peer = %peer, "tunnel client draining; sending it no new requests");
+            tokio::select! {
+                why = quic.closed() => tracing::info!(runtime, peer = %peer, reason = why, "tunnel closed"),
+                _ = tunnel.closed.cancelled() => {}
+                _ = stop.cancelled() => {}
+            }
+        }
+        // A QUIC connection lives while any handle does (requests in
+        // flight hold some); the others are cut off like HTTP/2's.
+        quic.close("closed by the server");
+    }
 }
 
 /// Sends a control request to the client behind `tunnel`.
@@ -673,11 +921,9 @@ async fn control(tunnel: &Tunnel, what: &'static str) -> Result<(), String> {
         .header(super::CONTROL, what)
         .body(Body::empty())
         .map_err(|e| e.to_string())?;
-    let mut sender = tunnel.sender.clone();
-    let resp = tokio::time::timeout(super::KEEPALIVE_TIMEOUT, sender.send_request(req))
+    let resp = tokio::time::timeout(super::KEEPALIVE_TIMEOUT, tunnel.sender.send(req))
         .await
-        .map_err(|_| "no answer".to_owned())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| "no answer".to_owned())??;
     if resp.status().is_success() {
         Ok(())
     } else {
@@ -1094,9 +1340,8 @@ where
         body.into()
     };
     let req = Request::from_parts(parts, body);
-    let mut sender = tunnel.sender.clone();
     tunnel.active.fetch_add(1, Ordering::Relaxed);
-    let result = sender.send_request(req).await;
+    let result = tunnel.sender.send(req).await;
     tunnel.active.fetch_sub(1, Ordering::Relaxed);
     match result {
         Ok(mut resp) => {
@@ -1172,12 +1417,14 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                 },
                 "tunnel_endpoint": {
                     "proxy_protocol": shared.tunnel_proxy_protocol,
+                    "quic": shared.tunnel_quic,
                 },
                 "runtimes": runtimes.iter().map(|r| serde_json::json!({
                     "id": r.id,
                     "connections": r.tunnels.len(),
                     "connected_since": r.tunnels.iter().map(|t| t.since).min().map(crate::admin::rfc3339),
                     "tunnels": r.tunnels.iter().map(|t| serde_json::json!({
+                        "transport": t.transport,
                         "remote": t.remote.to_string(),
                         "since": crate::admin::rfc3339(t.since),
                         "rtt_ms": t.rtt.as_secs_f64() * 1e3,

@@ -1,7 +1,8 @@
 //! The WebSocket transport (RFC 6455, over TLS for `wss://`): how a client
 //! dials and presents itself, and how the server accepts and checks it.
 //! What comes out on both sides is a plain byte stream ([`BoxIo`]) for
-//! HTTP/2; a QUIC transport would provide the same two calls.
+//! HTTP/2. The QUIC transport ([`super::quic`]) has a stream per request
+//! instead.
 
 use http::StatusCode;
 use tokio::net::TcpStream;
@@ -187,15 +188,7 @@ where
                 .unwrap_or("")
                 .to_owned()
         };
-        let hello = Hello {
-            runtime: header(super::RUNTIME_HEADER),
-            instance: header(super::INSTANCE_HEADER),
-            slot: header(super::SLOT_HEADER).parse().unwrap_or(0),
-            token: header(http::header::AUTHORIZATION.as_str())
-                .strip_prefix("Bearer ")
-                .unwrap_or("")
-                .to_owned(),
-        };
+        let hello = Hello::from_fields(header);
         match check(&hello) {
             Ok(accepted) => {
                 outcome = Some(Ok((hello, accepted)));
