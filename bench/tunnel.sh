@@ -11,8 +11,10 @@
 #   idle memory the tunnel server's RSS growth per idle tunnel (IDLE tunnels:
 #               rathole services, Portcullis --connections).
 # rathole is a TCP-level tunnel (one data channel per public connection);
-# Portcullis is HTTP-aware (routing core on the client, HTTP/2 streams over
-# a WebSocket). Installs wrk, nginx and rathole if missing.
+# Portcullis is HTTP-aware (routing core on the client), measured over both
+# its transports: HTTP/2 streams over a WebSocket (the default), and QUIC
+# (--transport quic: a QUIC stream per request). Installs wrk, nginx and
+# rathole if missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -68,13 +70,17 @@ sleep 0.5
 rathole --client "$WORK/rh-client.toml" & PIDS+=($!)
 
 # Portcullis: tunnel server with TLS, client fronting the same upstream.
-echo "bench: $(printf bench-token | "$BIN" hash-token)" > "$WORK/tokens.yaml"
+# The runtime `bench` dials over WebSocket, `benchq` over QUIC.
+hash=$(printf bench-token | "$BIN" hash-token)
+printf 'bench: %s\nbenchq: %s\n' "$hash" "$hash" > "$WORK/tokens.yaml"
 "$BIN" tunnel-server --public "127.0.0.1:$PC_PUB" --tunnel-listen "127.0.0.1:$PC_TUN" \
   --domain bench.test --tokens "$WORK/tokens.yaml" --cert "$WORK/leaf.pem" --key "$WORK/leaf.key" \
-  --admin off & PIDS+=($!)
+  --tunnel-quic --admin off & PIDS+=($!)
 sleep 0.5
 PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PC_TUN" --ca "$WORK/ca.pem" \
   --runtime-id bench --upstream "http://127.0.0.1:$UP" --admin off & PIDS+=($!)
+PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PC_TUN" --ca "$WORK/ca.pem" \
+  --runtime-id benchq --transport quic --upstream "http://127.0.0.1:$UP" --admin off & PIDS+=($!)
 
 # MiB/s of one download; fails the run unless all of it arrived.
 download() {
@@ -84,20 +90,24 @@ download() {
 wait_ok() { for _ in $(seq 100); do curl -sf -o /dev/null "$@" && return 0; sleep 0.1; done; echo "not answering: $*" >&2; exit 1; }
 wait_ok "http://127.0.0.1:$RH_PUB/"
 wait_ok -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/"
+wait_ok -H "Host: benchq.bench.test" "http://127.0.0.1:$PC_PUB/"
 
-: > "$WORK/rps.rh"; : > "$WORK/rps.pc"; : > "$WORK/mbps.rh"; : > "$WORK/mbps.pc"
+: > "$WORK/rps.rh"; : > "$WORK/rps.pc"; : > "$WORK/rps.pq"
+: > "$WORK/mbps.rh"; : > "$WORK/mbps.pc"; : > "$WORK/mbps.pq"
 for round in $(seq "$ROUNDS"); do
   wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" --latency "http://127.0.0.1:$RH_PUB/" | wrk_figures >> "$WORK/rps.rh"
   wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" --latency -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/" | wrk_figures >> "$WORK/rps.pc"
+  wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" --latency -H "Host: benchq.bench.test" "http://127.0.0.1:$PC_PUB/" | wrk_figures >> "$WORK/rps.pq"
   download "http://127.0.0.1:$RH_PUB/big" >> "$WORK/mbps.rh"
   download -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/big" >> "$WORK/mbps.pc"
+  download -H "Host: benchq.bench.test" "http://127.0.0.1:$PC_PUB/big" >> "$WORK/mbps.pq"
   echo "round $round done" >&2
 done
 
 # Idle tunnels: a fresh server of each kind, RSS before and after IDLE
 # tunnels connect.
 rss() { awk '/VmRSS/ { print $2 }' "/proc/$1/status"; }
-RH2_CTL=$(free_port); PC2_TUN=$(free_port); PC2_PUB=$(free_port)
+RH2_CTL=$(free_port); PC2_TUN=$(free_port); PC2_PUB=$(free_port); PQ_TUN=$(free_port); PQ_PUB=$(free_port)
 {
   printf '[server]\nbind_addr = "127.0.0.1:%s"\n[server.transport]\ntype = "tls"\n[server.transport.tls]\npkcs12 = "%s"\npkcs12_password = "bench"\n' "$RH2_CTL" "$WORK/identity.pfx"
   for i in $(seq "$IDLE"); do printf '[server.services.s%s]\ntoken = "t"\nbind_addr = "127.0.0.1:%s"\n' "$i" "$(free_port)"; done
@@ -119,13 +129,25 @@ PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PC2
   --runtime-id bench --upstream "http://127.0.0.1:$UP" --connections "$IDLE" --admin off & PIDS+=($!)
 sleep 5; PC_AFTER=$(rss $PC2)
 
+"$BIN" tunnel-server --public "127.0.0.1:$PQ_PUB" --tunnel-listen "127.0.0.1:$PQ_TUN" \
+  --domain bench.test --tokens "$WORK/tokens.yaml" --cert "$WORK/leaf.pem" --key "$WORK/leaf.key" \
+  --tunnel-quic --admin off & PQ=$!; PIDS+=($PQ)
+sleep 1; PQ_BEFORE=$(rss $PQ)
+PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PQ_TUN" --ca "$WORK/ca.pem" \
+  --runtime-id benchq --transport quic --upstream "http://127.0.0.1:$UP" --connections "$IDLE" --admin off & PIDS+=($!)
+sleep 5; PQ_AFTER=$(rss $PQ)
+
 read -r rh_rps rh_p50 rh_p99 < <(median "$WORK/rps.rh" 1)
 read -r pc_rps pc_p50 pc_p99 < <(median "$WORK/rps.pc" 1)
+read -r pq_rps pq_p50 pq_p99 < <(median "$WORK/rps.pq" 1)
 rh_mb=$(sort -n "$WORK/mbps.rh" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)')
 pc_mb=$(sort -n "$WORK/mbps.pc" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)')
+pq_mb=$(sort -n "$WORK/mbps.pq" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)')
 echo
 echo "TLS tunnels, wrk -t2 -c$CONNECTIONS -d${DURATION}s, one-stream download of $BIG_MB MiB, median of $ROUNDS rounds, $(nproc) cores"
-printf '%-12s %12s %10s %10s %14s %18s\n' tunnel "requests/s" "p50 (us)" "p99 (us)" "stream MiB/s" "idle KiB/tunnel"
-printf '%-12s %12s %10s %10s %14s %18s\n' rathole "$rh_rps" "$rh_p50" "$rh_p99" "$rh_mb" "$(( (RH_AFTER - RH_BEFORE) / IDLE ))"
-printf '%-12s %12s %10s %10s %14s %18s\n' portcullis "$pc_rps" "$pc_p50" "$pc_p99" "$pc_mb" "$(( (PC_AFTER - PC_BEFORE) / IDLE ))"
+printf '%-16s %12s %10s %10s %14s %18s\n' tunnel "requests/s" "p50 (us)" "p99 (us)" "stream MiB/s" "idle KiB/tunnel"
+printf '%-16s %12s %10s %10s %14s %18s\n' rathole "$rh_rps" "$rh_p50" "$rh_p99" "$rh_mb" "$(( (RH_AFTER - RH_BEFORE) / IDLE ))"
+printf '%-16s %12s %10s %10s %14s %18s\n' portcullis "$pc_rps" "$pc_p50" "$pc_p99" "$pc_mb" "$(( (PC_AFTER - PC_BEFORE) / IDLE ))"
+printf '%-16s %12s %10s %10s %14s %18s\n' portcullis-quic "$pq_rps" "$pq_p50" "$pq_p99" "$pq_mb" "$(( (PQ_AFTER - PQ_BEFORE) / IDLE ))"
 awk -v a="$pc_rps" -v b="$rh_rps" -v c="$pc_mb" -v d="$rh_mb" 'BEGIN { printf "portcullis / rathole: requests/s %.2fx, stream throughput %.2fx\n", a / b, c / d }'
+awk -v a="$pq_rps" -v b="$pc_rps" -v c="$pq_mb" -v d="$pc_mb" 'BEGIN { printf "quic / websocket transport: requests/s %.2fx, stream throughput %.2fx\n", a / b, c / d }'

@@ -382,3 +382,32 @@ async fn a_stopping_server_finishes_requests_in_flight_through_either_transport(
     let status = server.process.wait_exit(Duration::from_secs(20)).await;
     assert!(status.success(), "exit status {status:?}");
 }
+
+/// A client stopping with nothing in flight closes at once after telling
+/// the server it drains; the server sees a clean close, whichever of the
+/// two it reads first, not a lost tunnel.
+#[tokio::test]
+async fn an_idle_quic_client_that_stops_closes_cleanly() {
+    let echo = upstream::echo("idle").await;
+    let mut server = TunnelServer::start_quic().await;
+    let url = echo.url();
+    let mut client = server
+        .client(
+            "rt-a",
+            TOKENS[0].1,
+            &quic_upstream(&url, &["--connections", "1"]),
+        )
+        .await;
+    server.wait_connections("rt-a", 1).await;
+    client.signal("TERM");
+    assert!(client.wait_exit(Duration::from_secs(20)).await.success());
+    let end = loop {
+        let line = server.process.wait_for_log("\"message\":\"tunnel ").await;
+        if line.contains("\"message\":\"tunnel closed")
+            || line.contains("\"message\":\"tunnel lost")
+        {
+            break line;
+        }
+    };
+    assert!(end.contains("\"message\":\"tunnel closed\""), "{end}");
+}

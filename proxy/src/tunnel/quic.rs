@@ -199,9 +199,15 @@ impl ServerTunnel {
         self.conn.close(0u32.into(), why.as_bytes());
     }
 
-    /// Completes when the connection ends, with why.
-    pub async fn closed(&self) -> String {
-        self.conn.closed().await.to_string()
+    /// Completes when the connection ends: `Ok` when the client closed it
+    /// cleanly (code 0: it drained or stopped), else why it broke.
+    pub async fn closed(&self) -> Result<(), String> {
+        match self.conn.closed().await {
+            quinn::ConnectionError::ApplicationClosed(close) if close.error_code == 0u32.into() => {
+                Ok(())
+            }
+            e => Err(e.to_string()),
+        }
     }
 
     /// The client's address.

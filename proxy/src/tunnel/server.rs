@@ -820,7 +820,10 @@ async fn serve_quic_tunnel(
     let sender = Sender::Quic(tunnel.clone());
     let ended = async move {
         tokio::select! {
-            why = tunnel.closed() => End::Lost(why),
+            closed = tunnel.closed() => match closed {
+                Ok(()) => End::Closed,
+                Err(why) => End::Lost(why),
+            },
             _ = control.draining() => End::Draining,
         }
     };
@@ -903,7 +906,10 @@ async fn run_tunnel(
         if draining {
             tracing::info!(runtime, peer = %peer, "tunnel client draining; sending it no new requests");
             tokio::select! {
-                why = quic.closed() => tracing::info!(runtime, peer = %peer, reason = why, "tunnel closed"),
+                closed = quic.closed() => match closed {
+                    Ok(()) => tracing::info!(runtime, peer = %peer, "tunnel closed"),
+                    Err(e) => tracing::warn!(runtime, peer = %peer, error = %e, "tunnel lost"),
+                },
                 _ = tunnel.closed.cancelled() => {}
                 _ = stop.cancelled() => {}
             }
