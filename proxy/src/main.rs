@@ -152,9 +152,10 @@ enum Command {
         #[arg(long, env = "PORTCULLIS_CONNECTIONS", default_value_t = 2)]
         connections: usize,
         /// How tunnels reach the server: `websocket` (HTTP/2 over a
-        /// WebSocket over TCP) or `quic` (UDP to the same host and port, a
+        /// WebSocket over TCP), `quic` (UDP to the same host and port, a
         /// QUIC stream per request; needs a wss:// server run with
-        /// --tunnel-quic).
+        /// --tunnel-quic), or `auto` (QUIC, falling back to WebSocket for
+        /// good once a QUIC handshake fails).
         #[arg(long, env = "PORTCULLIS_TRANSPORT", default_value = "websocket", value_parser = parse_transport)]
         transport: portcullis::tunnel::client::Transport,
         /// Extra CA certificate (PEM) trusted for the server.
@@ -189,7 +190,8 @@ fn parse_transport(s: &str) -> Result<portcullis::tunnel::client::Transport, Str
     match s {
         "websocket" => Ok(Transport::WebSocket),
         "quic" => Ok(Transport::Quic),
-        _ => Err(format!("`{s}` is not a transport: websocket or quic")),
+        "auto" => Ok(Transport::Auto),
+        _ => Err(format!("`{s}` is not a transport: websocket, quic or auto")),
     }
 }
 

@@ -411,3 +411,35 @@ async fn an_idle_quic_client_that_stops_closes_cleanly() {
     };
     assert!(end.contains("\"message\":\"tunnel closed\""), "{end}");
 }
+
+/// `--transport auto` takes QUIC where the server offers it, and falls
+/// back to WebSocket (for good, saying why) where it does not.
+#[tokio::test]
+async fn auto_takes_quic_where_it_can_and_websocket_where_it_cannot() {
+    let echo = upstream::echo("auto").await;
+    let url = echo.url();
+    let auto = [
+        "--transport",
+        "auto",
+        "--upstream",
+        &url,
+        "--connections",
+        "1",
+    ];
+
+    let with_quic = TunnelServer::start_quic().await;
+    let _client = with_quic.client("rt-a", TOKENS[0].1, &auto).await;
+    with_quic.wait_connections("rt-a", 1).await;
+    assert_eq!(transports(&with_quic, "rt-a").await, ["quic"]);
+    assert_eq!(with_quic.get("rt-a", "/q").await.status, 200);
+
+    let without = TunnelServer::start_with(true).await;
+    let client = without.client("rt-a", TOKENS[0].1, &auto).await;
+    let line = client.find_log("QUIC failed; using WebSocket from now on");
+    assert!(line.contains("\"reason\""), "{line}");
+    without.wait_connections("rt-a", 1).await;
+    assert_eq!(transports(&without, "rt-a").await, ["websocket"]);
+    let a = without.get("rt-a", "/ws").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["upstream"], "auto");
+}

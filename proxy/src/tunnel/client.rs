@@ -77,7 +77,14 @@ pub enum Transport {
     WebSocket,
     /// QUIC to the same host and port over UDP, a stream per request.
     Quic,
+    /// QUIC, falling back to WebSocket for good when a QUIC handshake
+    /// fails (UDP blocked on the way, a server without QUIC).
+    Auto,
 }
+
+/// How long `--transport auto` gives a QUIC handshake before it falls
+/// back: half the handshake time, so the WebSocket dial has the rest.
+const QUIC_FALLBACK_AFTER: Duration = Duration::from_secs(5);
 
 /// How the tunnel client runs.
 #[derive(Debug, Clone)]
@@ -146,8 +153,10 @@ pub struct Dialer {
     options: ClientOptions,
     instance: String,
     tls: Option<tokio_rustls::TlsConnector>,
-    /// QUIC settings, for `--transport quic`.
+    /// QUIC settings, for `--transport quic` and `auto`.
     quic: Option<quinn::ClientConfig>,
+    /// Set once `--transport auto` fell back to WebSocket.
+    fell_back: AtomicBool,
     /// The listener settings tunnel requests are served under.
     listener: Arc<Listener>,
     /// Set when the server says another client took over this runtime.
@@ -197,8 +206,22 @@ impl Dialer {
                 None,
                 Some(super::quic::client_config(config).map_err(anyhow::Error::msg)?),
             ),
-            (Transport::Quic, None) => anyhow::bail!(
-                "--transport quic needs a wss:// server: QUIC is always encrypted (--server {})",
+            (Transport::Auto, Some(mut config)) => {
+                let quic =
+                    super::quic::client_config(config.clone()).map_err(anyhow::Error::msg)?;
+                config.alpn_protocols = vec![b"http/1.1".to_vec()];
+                (
+                    Some(tokio_rustls::TlsConnector::from(Arc::new(config))),
+                    Some(quic),
+                )
+            }
+            (Transport::Quic | Transport::Auto, None) => anyhow::bail!(
+                "--transport {} needs a wss:// server: QUIC is always encrypted (--server {})",
+                if options.transport == Transport::Quic {
+                    "quic"
+                } else {
+                    "auto"
+                },
                 options.server
             ),
         };
@@ -218,6 +241,7 @@ impl Dialer {
             instance: format!("{started}-{random:016x}"),
             tls,
             quic,
+            fell_back: AtomicBool::new(false),
             listener: Arc::new(Listener {
                 name: "tunnel".into(),
                 bind: SocketAddr::from(([0, 0, 0, 0], 0)),
@@ -281,9 +305,23 @@ impl Dialer {
             slot: slot as u32,
             token: self.options.token.read()?,
         };
-        if let Some(config) = &self.quic {
-            let tunnel = super::quic::dial(&self.options.server, config.clone(), &hello).await?;
-            return Ok(Dialed::Quic(tunnel));
+        if let Some(config) = &self.quic
+            && !self.fell_back.load(Ordering::Relaxed)
+        {
+            let quic = super::quic::dial(&self.options.server, config.clone(), &hello);
+            if self.options.transport == Transport::Quic {
+                return Ok(Dialed::Quic(quic.await?));
+            }
+            let why = match tokio::time::timeout(QUIC_FALLBACK_AFTER, quic).await {
+                Ok(Ok(tunnel)) => return Ok(Dialed::Quic(tunnel)),
+                // The server answered over QUIC: WebSocket would get the
+                // same answer.
+                Ok(Err(e)) if e.starts_with(super::quic::REFUSED) => return Err(e),
+                Ok(Err(e)) => e,
+                Err(_) => format!("no QUIC handshake within {QUIC_FALLBACK_AFTER:?}"),
+            };
+            tracing::warn!(slot, reason = %why, "QUIC failed; using WebSocket from now on");
+            self.fell_back.store(true, Ordering::Relaxed);
         }
         let io = super::websocket::dial(&self.options.server, self.tls.as_ref(), &hello).await?;
         Ok(Dialed::WebSocket(TokioIo::new(io)))
@@ -312,6 +350,7 @@ pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
                 Transport::WebSocket => "no handshake within 10s".into(),
                 // UDP is often dropped where TCP passes, without a word.
                 Transport::Quic => "no QUIC handshake within 10s: is UDP to the server's port open, and does the server run with --tunnel-quic?".into(),
+                Transport::Auto => "no handshake within 10s".into(),
             })),
             _ = ctx.stop.cancelled() => return,
             _ = dialer.give_up.cancelled() => return,
@@ -468,7 +507,7 @@ fn service(
         if req.headers().contains_key(super::CONTROL) {
             dialer.pinged(slot);
             if !connected.swap(true, Ordering::Relaxed) {
-                tracing::info!(slot, server = %dialer.options.server, runtime = %dialer.options.runtime_id, transport = ?dialer.options.transport, "tunnel connected");
+                tracing::info!(slot, server = %dialer.options.server, runtime = %dialer.options.runtime_id, transport = if http1 { "quic" } else { "websocket" }, "tunnel connected");
             }
         }
         let dialer = dialer.clone();

@@ -31,6 +31,9 @@ use crate::body::Body;
 /// (an HTTP/3 browser) is refused in the TLS handshake.
 pub const ALPN: &[u8] = b"portcullis-tunnel/1";
 
+/// How a dial error the server answered (bad token, rate limit) starts.
+pub const REFUSED: &str = "the server refused the tunnel";
+
 /// Most bytes a control-stream head may take (a few hundred are sent).
 const MAX_HELLO: usize = 16 << 10;
 
@@ -413,7 +416,7 @@ pub async fn dial(
             body.extend_from_slice(&rest);
         }
         return Err(format!(
-            "the server refused the tunnel: {} {} {}",
+            "{REFUSED}: {} {} {}",
             status,
             StatusCode::from_u16(status)
                 .ok()
