@@ -309,6 +309,15 @@ impl TunnelServer {
         crate::support::client::websocket_echo(request).await;
     }
 
+    /// Waits until `client` (`rt-a`, in front of a [`holding_upstream`])
+    /// has a tunnel again, and checks a request goes through it.
+    async fn serves_again(&self, client: &mut ProxyProcess) {
+        client.wait_for_log("tunnel connected").await;
+        let again = self.get("rt-a", "/fast").await;
+        assert_eq!(again.status, 200);
+        assert_eq!(again.body, "done /fast");
+    }
+
     /// Waits until the server lists `runtime` with `connections` tunnels.
     async fn wait_connections(&self, runtime: &str, connections: usize) {
         self.process
@@ -1237,10 +1246,7 @@ async fn a_cut_tunnel_fails_in_flight_requests_promptly_and_the_client_reconnect
     // The client notices, backs off (0.5 s at first) and dials again.
     let lost = client.wait_for_log("tunnel lost").await;
     assert_lost_with_reason(&lost);
-    client.wait_for_log("tunnel connected").await;
-    let again = server.get("rt-a", "/fast").await;
-    assert_eq!(again.status, 200);
-    assert_eq!(again.body, "done /fast");
+    server.serves_again(&mut client).await;
 }
 
 #[tokio::test]

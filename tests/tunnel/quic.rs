@@ -349,10 +349,7 @@ async fn a_silent_quic_client_fails_in_flight_requests_and_comes_back() {
 
     client.signal("CONT");
     client.wait_for_log("tunnel lost").await;
-    client.wait_for_log("tunnel connected").await;
-    let again = server.get("rt-a", "/fast").await;
-    assert_eq!(again.status, 200);
-    assert_eq!(again.body, "done /fast");
+    server.serves_again(&mut client).await;
 }
 
 /// A server told to stop takes no new public connections but finishes the
