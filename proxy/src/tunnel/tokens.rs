@@ -50,7 +50,7 @@ pub fn valid_runtime_id(id: &str) -> bool {
 pub enum Refusal {
     /// No such runtime, or the token is not its token.
     BadCredentials,
-    /// Too many failures from this address lately.
+    /// Too many failures from this address for this runtime lately.
     RateLimited,
 }
 
@@ -65,7 +65,9 @@ struct State {
     /// to skip re-parsing an unchanged file.
     seen: Option<(SystemTime, u64)>,
     hashes: HashMap<String, [u8; 32]>,
-    failures: HashMap<IpAddr, (u32, Instant)>,
+    /// Recent failures (count, since) by source address and runtime id
+    /// (empty for ids the file does not have).
+    failures: HashMap<(IpAddr, String), (u32, Instant)>,
 }
 
 /// Failed attempts allowed per source address per window.
@@ -130,19 +132,25 @@ impl Tokens {
     }
 
     /// Checks that `token` is `id`'s token, rate-limiting failures per
-    /// source address.
-    /// On success, returns the hash matched.
+    /// source address and runtime: many runtimes may share one address
+    /// (a NAT, a carrier-grade NAT, a balancer that hides addresses), and
+    /// one of them retrying a stale token must lock out only itself.
+    /// Runtime ids are public (they are host names); ids the file does
+    /// not have share one limit per address, so inventing ids buys no
+    /// more attempts. On success, returns the hash matched.
     pub fn verify(&self, source: IpAddr, id: &str, token: &str) -> Result<[u8; 32], Refusal> {
         let mut state = self.lock();
         let now = Instant::now();
-        if let Some((count, since)) = state.failures.get(&source)
+        if let Err(e) = self.refresh(&mut state) {
+            tracing::error!("tokens file: {e}; keeping the previous one");
+        }
+        let known = state.hashes.contains_key(id);
+        let key = (source, if known { id.to_owned() } else { String::new() });
+        if let Some((count, since)) = state.failures.get(&key)
             && now.duration_since(*since) < FAILURE_WINDOW
             && *count >= MAX_FAILURES
         {
             return Err(Refusal::RateLimited);
-        }
-        if let Err(e) = self.refresh(&mut state) {
-            tracing::error!("tokens file: {e}; keeping the previous one");
         }
         let presented: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
         // An unknown id is compared against a dummy, so timing does not
@@ -150,7 +158,7 @@ impl Tokens {
         let expected = state.hashes.get(id).copied();
         let matches = constant_time_eq(&presented, &expected.unwrap_or([0; 32]));
         if let (true, Some(hash)) = (matches, expected) {
-            state.failures.remove(&source);
+            state.failures.remove(&key);
             return Ok(hash);
         }
         if state.failures.len() > 100_000 {
@@ -158,7 +166,7 @@ impl Tokens {
                 .failures
                 .retain(|_, (_, since)| now.duration_since(*since) < FAILURE_WINDOW);
         }
-        let entry = state.failures.entry(source).or_insert((0, now));
+        let entry = state.failures.entry(key).or_insert((0, now));
         if now.duration_since(entry.1) >= FAILURE_WINDOW {
             *entry = (0, now);
         }
@@ -226,6 +234,42 @@ mod tests {
         );
         let other: IpAddr = "192.0.2.2".parse().unwrap();
         assert!(tokens.verify(other, "rt-a", "secret-a").is_ok());
+    }
+
+    #[test]
+    fn a_failing_runtime_does_not_lock_out_others_at_its_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokens.yaml");
+        let file = format!(
+            "rt-a: {}\nrt-b: {}\n",
+            hash_token("secret-a"),
+            hash_token("secret-b")
+        );
+        std::fs::write(&path, file).unwrap();
+        let tokens = Tokens::load(path).unwrap();
+        let nat: IpAddr = "198.51.100.1".parse().unwrap();
+        for _ in 0..MAX_FAILURES {
+            assert_eq!(
+                tokens.verify(nat, "rt-a", "stale"),
+                Err(Refusal::BadCredentials)
+            );
+        }
+        assert_eq!(
+            tokens.verify(nat, "rt-a", "secret-a"),
+            Err(Refusal::RateLimited)
+        );
+        // Another runtime behind the same address is not held back.
+        assert!(tokens.verify(nat, "rt-b", "secret-b").is_ok());
+        // Ids the file does not have share one limit per address: a new
+        // made-up id per attempt gets no more tries.
+        for i in 0..MAX_FAILURES {
+            let _ = tokens.verify(nat, &format!("made-up-{i}"), "x");
+        }
+        assert_eq!(
+            tokens.verify(nat, "made-up-new", "x"),
+            Err(Refusal::RateLimited)
+        );
+        assert!(tokens.verify(nat, "rt-b", "secret-b").is_ok());
     }
 
     #[test]
