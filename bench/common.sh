@@ -29,7 +29,16 @@ make_pki() {
   )
 }
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+free_port() { free_ports 1; }
+# $1 distinct free ports, one per line. All are held until all are chosen:
+# separate calls of free_port may be handed the same port twice (for 200
+# ports, about one repeat per run), which a server then fails to bind.
+free_ports() {
+  python3 -c 'import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks: s.bind(("127.0.0.1", 0))
+print("\n".join(str(s.getsockname()[1]) for s in socks))' "$1"
+}
 
 # The upstream on $1: one nginx worker answering a small fixed body (and
 # serving $WORK/big.bin at /big when it exists).

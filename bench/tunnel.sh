@@ -110,7 +110,8 @@ rss() { awk '/VmRSS/ { print $2 }' "/proc/$1/status"; }
 RH2_CTL=$(free_port); PC2_TUN=$(free_port); PC2_PUB=$(free_port); PQ_TUN=$(free_port); PQ_PUB=$(free_port)
 {
   printf '[server]\nbind_addr = "127.0.0.1:%s"\n[server.transport]\ntype = "tls"\n[server.transport.tls]\npkcs12 = "%s"\npkcs12_password = "bench"\n' "$RH2_CTL" "$WORK/identity.pfx"
-  for i in $(seq "$IDLE"); do printf '[server.services.s%s]\ntoken = "t"\nbind_addr = "127.0.0.1:%s"\n' "$i" "$(free_port)"; done
+  i=0
+  for port in $(free_ports "$IDLE"); do i=$((i + 1)); printf '[server.services.s%s]\ntoken = "t"\nbind_addr = "127.0.0.1:%s"\n' "$i" "$port"; done
 } > "$WORK/rh-idle-server.toml"
 {
   printf '[client]\nremote_addr = "localhost:%s"\n[client.transport]\ntype = "tls"\n[client.transport.tls]\ntrusted_root = "%s"\nhostname = "localhost"\n' "$RH2_CTL" "$WORK/ca.pem"
