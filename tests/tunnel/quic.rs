@@ -380,6 +380,43 @@ async fn a_stopping_server_finishes_requests_in_flight_through_either_transport(
     assert!(status.success(), "exit status {status:?}");
 }
 
+/// A stopping server closes each QUIC tunnel with a close its client
+/// hears at once (not after the idle timeout), whichever worker drives
+/// the tunnel: the endpoint's socket is registered on the first worker,
+/// which keeps driving it until the other workers are done.
+#[tokio::test]
+async fn a_stopping_server_closes_the_quic_tunnels_of_every_worker() {
+    let echo = upstream::echo("close").await;
+    let mut server = TunnelServer::start_with_tls(&["--tunnel-quic", "--workers", "2"]).await;
+    let url = echo.url();
+    let mut client = server
+        .client(
+            "rt-a",
+            TOKENS[0].1,
+            &quic_upstream(&url, &["--connections", "2"]),
+        )
+        .await;
+    server.wait_connections("rt-a", 2).await;
+    let status = server.process.status().await;
+    let mut workers: Vec<u64> = status["runtimes"][0]["tunnels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["worker"].as_u64().unwrap())
+        .collect();
+    workers.sort_unstable();
+    assert_eq!(workers, [0, 1], "{status}");
+    assert_eq!(server.get("rt-a", "/").await.status, 200);
+
+    server.process.signal("TERM");
+    for _ in 0..2 {
+        let lost = client.wait_for_log("tunnel lost").await;
+        assert!(lost.contains("the server closed the tunnel"), "{lost}");
+    }
+    let exit = server.process.wait_exit(Duration::from_secs(20)).await;
+    assert!(exit.success(), "exit status {exit:?}");
+}
+
 /// A client stopping with nothing in flight closes at once after telling
 /// the server it drains; the server sees a clean close, whichever of the
 /// two it reads first, not a lost tunnel.

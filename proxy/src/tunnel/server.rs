@@ -249,6 +249,7 @@ impl Registry {
                     .iter()
                     .map(|t| TunnelStatus {
                         transport: t.sender.transport(),
+                        worker: t.worker,
                         remote: t.remote,
                         since: t.since,
                         rtt: Duration::from_micros(t.rtt_us.load(Ordering::Relaxed)),
@@ -276,6 +277,8 @@ pub struct RuntimeStatus {
 pub struct TunnelStatus {
     /// `websocket` or `quic`.
     pub transport: &'static str,
+    /// The worker thread that drives it.
+    pub worker: usize,
     /// The client's address.
     pub remote: SocketAddr,
     /// Connected since.
@@ -465,19 +468,13 @@ impl TunnelServer {
         if self.h3.is_some() {
             tracing::info!(addr = %self.public_addr, "public HTTP/3 listening");
         }
-        let quic = match self.tunnel_quic {
-            Some((socket, config)) => Some(quinn::Endpoint::new(
-                quinn::EndpointConfig::default(),
-                Some(config),
-                socket,
-                Arc::new(quinn::TokioRuntime),
-            )?),
-            None => None,
-        };
-        if quic.is_some() {
-            tracing::info!(addr = %tunnel_addr, "tunnel QUIC listening");
-        }
-        let mut h3 = self.h3;
+        let (runtime, first_runtime) = tokio::sync::oneshot::channel();
+        let release_first = CancellationToken::new();
+        let mut first = Some(FirstWorker {
+            h3: self.h3,
+            runtime,
+            release: release_first.clone(),
+        });
         let stops = Stops::default();
         let stop = stops.public.clone();
         let mut to_workers = Vec::with_capacity(self.workers);
@@ -489,19 +486,41 @@ impl TunnelServer {
             to_workers.push(tx);
             let (shared, tls, stops) = (self.shared.clone(), self.tls.clone(), stops.clone());
             let public = (public, self.public_tls.clone(), balance.clone(), inbox);
-            // One QUIC endpoint, on the first worker: its requests go
-            // through that worker's tunnels when it has the runtime's.
-            let h3 = h3.take();
+            let first = first.take();
             let (finished, finished_rx) = tokio::sync::oneshot::channel::<()>();
             let (drained, drained_rx) = tokio::sync::oneshot::channel::<()>();
             std::thread::Builder::new()
                 .name(format!("portcullis-tunnel-{index}"))
                 .spawn(move || {
-                    worker(index, public, h3, rx, tls, shared, (stops, drained));
+                    worker(index, public, first, rx, tls, shared, (stops, drained));
                     let _ = finished.send(());
                 })?;
             done.push(finished_rx);
             public_done.push(drained_rx);
+        }
+        let quic = match self.tunnel_quic {
+            Some((socket, config)) => {
+                // The endpoint's socket and driver go on the first worker,
+                // not on this control thread: the driver receives every
+                // packet of every QUIC tunnel, and hands each to its
+                // connection's task; from here, each batch of packets woke
+                // this thread and then a worker, and now the first
+                // worker's tunnels get theirs with no thread crossed.
+                let runtime = first_runtime
+                    .await
+                    .unwrap_or_else(|_| tokio::runtime::Handle::current());
+                let _on_first = runtime.enter();
+                Some(quinn::Endpoint::new(
+                    quinn::EndpointConfig::default(),
+                    Some(config),
+                    socket,
+                    Arc::new(quinn::TokioRuntime),
+                )?)
+            }
+            None => None,
+        };
+        if quic.is_some() {
+            tracing::info!(addr = %tunnel_addr, "tunnel QUIC listening");
         }
         let accepting = accept_tunnels(self.tunnel, quic.clone(), to_workers, stop.clone());
         tokio::select! {
@@ -521,10 +540,33 @@ impl TunnelServer {
         if let Some(quic) = &quic {
             quic.close(0u32.into(), b"shutting down");
         }
-        let _ = tokio::time::timeout(Duration::from_secs(5), futures_util::future::join_all(done))
-            .await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), async {
+            // The first worker drives the QUIC endpoint's socket, which
+            // the other workers' tunnels send their closes through.
+            let mut done = done.into_iter();
+            let first = done.next();
+            futures_util::future::join_all(done).await;
+            release_first.cancel();
+            if let Some(first) = first {
+                let _ = first.await;
+            }
+        })
+        .await;
         Ok(())
     }
+}
+
+/// What only the first worker gets.
+struct FirstWorker {
+    /// The public HTTP/3 endpoint (`--http3`): its requests go through
+    /// that worker's tunnels when it has the runtime's.
+    h3: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
+    /// Where the worker sends its runtime, which the tunnel QUIC endpoint
+    /// is registered with.
+    runtime: tokio::sync::oneshot::Sender<tokio::runtime::Handle>,
+    /// Cancelled once the other workers are done: until then, this
+    /// worker keeps driving the endpoint's socket.
+    release: CancellationToken,
 }
 
 /// What stops a tunnel server, in order.
@@ -547,7 +589,7 @@ fn worker(
         Arc<Balance>,
         UnboundedReceiver<Handoff>,
     ),
-    h3: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
+    first: Option<FirstWorker>,
     mut tunnels: UnboundedReceiver<Arrival>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shared: Arc<Shared>,
@@ -563,6 +605,13 @@ fn worker(
             tracing::error!(worker = index, error = %e, "cannot start worker runtime");
             return;
         }
+    };
+    let (h3, release) = match first {
+        Some(first) => {
+            let _ = first.runtime.send(runtime.handle().clone());
+            (first.h3, Some(first.release))
+        }
+        None => (None, None),
     };
     runtime.block_on(async move {
         tokio::spawn(crate::server::timer_anchor());
@@ -631,6 +680,9 @@ fn worker(
         let _ = drained.send(());
         tunnel_tasks.close();
         tunnel_tasks.wait().await;
+        if let Some(release) = release {
+            release.cancelled().await;
+        }
     });
 }
 
@@ -874,7 +926,7 @@ async fn run_tunnel(
     });
     let Added { replaced, stale } = shared.registry.add(&runtime, tunnel.clone());
     if !replaced.iter().any(|t| t.id == tunnel.id) {
-        tracing::info!(runtime, peer = %peer, slot, transport, "tunnel connected");
+        tracing::info!(runtime, peer = %peer, slot, transport, worker, "tunnel connected");
     }
     for old in stale {
         tracing::info!(runtime, old = %old.remote, new = %peer, slot, "client dialled this slot again; closing its previous tunnel");
@@ -1431,6 +1483,7 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                     "connected_since": r.tunnels.iter().map(|t| t.since).min().map(crate::admin::rfc3339),
                     "tunnels": r.tunnels.iter().map(|t| serde_json::json!({
                         "transport": t.transport,
+                        "worker": t.worker,
                         "remote": t.remote.to_string(),
                         "since": crate::admin::rfc3339(t.since),
                         "rtt_ms": t.rtt.as_secs_f64() * 1e3,
