@@ -253,6 +253,12 @@ impl ProxyProcess {
             .cloned()
             .unwrap_or_else(|| panic!("no log line with `{needle}` in {logs:#?}"))
     }
+    /// How many log lines so far contain `needle`.
+    pub fn count_logs(&self, needle: &str) -> usize {
+        let logs = self.logs.lock().expect("log lock");
+        logs.iter().filter(|l| l.contains(needle)).count()
+    }
+
     /// Access lines so far whose path contains `path_part`, counted by
     /// the worker that served them.
     pub fn access_per_worker(&self, path_part: &str, workers: usize) -> Vec<usize> {

@@ -213,7 +213,8 @@ impl ServerTunnel {
         }
     }
 
-    /// The client's address.
+    /// The client's address now: QUIC follows a client whose address
+    /// changed (a NAT that rebound its port) without a new dial.
     pub fn remote(&self) -> SocketAddr {
         self.conn.remote_address()
     }

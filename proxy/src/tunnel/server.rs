@@ -130,6 +130,15 @@ impl Sender {
         }
     }
 
+    /// The client's address: the one it connected from (or its PROXY
+    /// header gave), or where a QUIC connection has moved since.
+    fn remote(&self, connected_from: SocketAddr) -> SocketAddr {
+        match self {
+            Sender::H2(_) => connected_from,
+            Sender::Quic(q) => q.remote(),
+        }
+    }
+
     fn transport(&self) -> &'static str {
         match self {
             Sender::H2(_) => "websocket",
@@ -250,7 +259,7 @@ impl Registry {
                     .map(|t| TunnelStatus {
                         transport: t.sender.transport(),
                         worker: t.worker,
-                        remote: t.remote,
+                        remote: t.sender.remote(t.remote),
                         since: t.since,
                         rtt: Duration::from_micros(t.rtt_us.load(Ordering::Relaxed)),
                         active: t.active.load(Ordering::Relaxed),
