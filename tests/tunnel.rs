@@ -1290,6 +1290,42 @@ async fn client_comes_back_after_a_restart(quic: bool) {
     assert_eq!(a.json()["upstream"], "back");
 }
 
+/// A client given several servers (replicas of one tunnel service,
+/// `--server a,b`) keeps tunnels to each, so a public request reaching
+/// any of them is served; when one goes away the others serve on, the
+/// client stays ready and says which server it lost.
+#[tokio::test]
+async fn a_client_keeps_tunnels_to_every_server_it_is_given() {
+    let echo = upstream::echo("replicas").await;
+    let mut a = TunnelServer::start().await;
+    let b = TunnelServer::start().await;
+    let url = echo.url();
+    let mut client = a
+        .client_via(
+            &format!("{},{}", a.url, b.url),
+            "rt-a",
+            TOKENS[0].1,
+            &["--upstream", &url, "--connections", "2"],
+        )
+        .await;
+    a.wait_connections("rt-a", 2).await;
+    b.wait_connections("rt-a", 2).await;
+    for server in [&a, &b] {
+        let answer = server.get("rt-a", "/through").await;
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        assert_eq!(answer.json()["upstream"], "replicas");
+    }
+
+    a.process.signal("KILL");
+    a.process.wait_exit(Duration::from_secs(10)).await;
+    let lost = client.wait_for_log("tunnel lost").await;
+    assert!(lost.contains(&a.url), "{lost}");
+    let answer = b.get("rt-a", "/still").await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert_eq!(client::get(&client.admin_url("/readyz")).await.status, 200);
+    assert_eq!(b.process.status().await["runtimes"][0]["connections"], 2);
+}
+
 #[tokio::test]
 async fn a_second_client_takes_over_its_runtime_and_the_first_stops() {
     let first_up = upstream::serve(|_req| async { Response::new(full("first")) }).await;

@@ -161,7 +161,7 @@ pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
         Err(sources) => Reloader::with_sources(sources, control.clone()),
     });
     let watching = control_plane(reloader, options.admin, options.watch).await?;
-    for slot in 0..options.client.connections.max(1) {
+    for slot in 0..dialer.slots() {
         let dialer = dialer.clone();
         control.spawn_on_worker(slot, move |ctx| Box::pin(run_slot(slot, dialer, ctx)));
     }

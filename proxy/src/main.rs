@@ -132,8 +132,17 @@ enum Command {
     /// serves what comes through with the routing core.
     TunnelClient {
         /// Tunnel server URL: `wss://host[:port]` (`ws://` for testing).
-        #[arg(long, env = "PORTCULLIS_SERVER")]
-        server: http::Uri,
+        /// Repeat it (or give a comma-separated list) to keep tunnels to
+        /// several servers, `--connections` to each: replicas of one
+        /// tunnel service, so that any of them can carry the public
+        /// requests and one can go down.
+        #[arg(
+            long,
+            env = "PORTCULLIS_SERVER",
+            required = true,
+            value_delimiter = ','
+        )]
+        server: Vec<http::Uri>,
         /// This runtime's id (a DNS label).
         #[arg(long, env = "PORTCULLIS_RUNTIME_ID")]
         runtime_id: String,
@@ -148,7 +157,7 @@ enum Command {
         /// Send everything to this one upstream URL instead.
         #[arg(long, env = "PORTCULLIS_UPSTREAM")]
         upstream: Option<String>,
-        /// Tunnel connections kept open.
+        /// Tunnel connections kept open to each server.
         #[arg(long, env = "PORTCULLIS_CONNECTIONS", default_value_t = 2)]
         connections: usize,
         /// How tunnels reach the server: `websocket` (HTTP/2 over a
@@ -321,7 +330,7 @@ fn main() -> ExitCode {
             portcullis::telemetry::init();
             let options = portcullis::commands::TunnelClientOptions {
                 client: ClientOptions {
-                    server,
+                    servers: server,
                     runtime_id,
                     token,
                     target: match upstream {

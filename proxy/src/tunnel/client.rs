@@ -1,5 +1,6 @@
 //! `portcullis tunnel-client`: the cluster side. Keeps N outbound tunnel
-//! connections to the server and serves the requests that come through
+//! connections to the server (to each, when given several replicas) and
+//! serves the requests that come through
 //! them with the in-process routing core (its policies and plugins, hot
 //! reloaded) — no second network hop — or with one upstream URL.
 //!
@@ -89,15 +90,16 @@ const QUIC_FALLBACK_AFTER: Duration = Duration::from_secs(5);
 /// How the tunnel client runs.
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
-    /// `wss://host[:port]` (or `ws://` for local testing).
-    pub server: http::Uri,
+    /// `wss://host[:port]` (or `ws://` for local testing): one, or
+    /// several servers (replicas) that each get `connections` tunnels.
+    pub servers: Vec<http::Uri>,
     /// This runtime's id.
     pub runtime_id: String,
     /// Its token.
     pub token: Token,
     /// Where requests go.
     pub target: Target,
-    /// Tunnel connections kept open.
+    /// Tunnel connections kept open to each server.
     pub connections: usize,
     /// WebSocket or QUIC.
     pub transport: Transport,
@@ -155,13 +157,14 @@ pub struct Dialer {
     tls: Option<tokio_rustls::TlsConnector>,
     /// QUIC settings, for `--transport quic` and `auto`.
     quic: Option<quinn::ClientConfig>,
-    /// Set once `--transport auto` fell back to WebSocket.
-    fell_back: AtomicBool,
+    /// Per server: set once `--transport auto` fell back to WebSocket.
+    fell_back: Vec<AtomicBool>,
     /// The listener settings tunnel requests are served under.
     listener: Arc<Listener>,
     /// Set when the server says another client took over this runtime.
     replaced: AtomicBool,
-    /// Per slot: when the server last pinged through it (ms since
+    /// Per slot (`connections` per server, the first server's first):
+    /// when the server last pinged through it (ms since
     /// `epoch`, 0 while down). A tunnel counts as up while pings arrive,
     /// not merely while its socket is open: a half-dead connection must
     /// not look ready.
@@ -175,25 +178,43 @@ impl Dialer {
     /// Prepares TLS for `wss://` servers.
     pub fn new(options: ClientOptions) -> anyhow::Result<Dialer> {
         use anyhow::Context;
-        let tls_config = match options.server.scheme_str() {
-            Some("wss") => {
-                let mut settings = crate::config::TlsSettings::default();
-                if let Some(ca) = &options.ca {
-                    use rustls_pki_types::CertificateDer;
-                    use rustls_pki_types::pem::PemObject;
-                    settings.ca_certs = CertificateDer::pem_file_iter(ca)
-                        .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-                        .with_context(|| format!("reading --ca {}", ca.display()))?;
-                }
-                Some(crate::forward::client_tls_config(&settings))
+        anyhow::ensure!(!options.servers.is_empty(), "give --server");
+        for server in &options.servers {
+            anyhow::ensure!(
+                matches!(server.scheme_str(), Some("wss" | "ws")),
+                "--server {server} must be a wss:// (or ws:// for testing) URL"
+            );
+            anyhow::ensure!(server.host().is_some(), "--server {server} has no host");
+            if options.transport != Transport::WebSocket && server.scheme_str() != Some("wss") {
+                anyhow::bail!(
+                    "--transport {} needs a wss:// server: QUIC is always encrypted (--server {server})",
+                    if options.transport == Transport::Quic {
+                        "quic"
+                    } else {
+                        "auto"
+                    },
+                );
             }
-            Some("ws") => None,
-            _ => anyhow::bail!(
-                "--server {} must be a wss:// (or ws:// for testing) URL",
-                options.server
-            ),
+        }
+        let tls_config = if options
+            .servers
+            .iter()
+            .any(|s| s.scheme_str() == Some("wss"))
+        {
+            let mut settings = crate::config::TlsSettings::default();
+            if let Some(ca) = &options.ca {
+                use rustls_pki_types::CertificateDer;
+                use rustls_pki_types::pem::PemObject;
+                settings.ca_certs = CertificateDer::pem_file_iter(ca)
+                    .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+                    .with_context(|| format!("reading --ca {}", ca.display()))?;
+            }
+            Some(crate::forward::client_tls_config(&settings))
+        } else {
+            None
         };
         let (tls, quic) = match (options.transport, tls_config) {
+            (_, None) => (None, None),
             (Transport::WebSocket, Some(mut config)) => {
                 config.alpn_protocols = vec![b"http/1.1".to_vec()];
                 (
@@ -201,7 +222,6 @@ impl Dialer {
                     None,
                 )
             }
-            (Transport::WebSocket, None) => (None, None),
             (Transport::Quic, Some(config)) => (
                 None,
                 Some(super::quic::client_config(config).map_err(anyhow::Error::msg)?),
@@ -215,21 +235,7 @@ impl Dialer {
                     Some(quic),
                 )
             }
-            (Transport::Quic | Transport::Auto, None) => anyhow::bail!(
-                "--transport {} needs a wss:// server: QUIC is always encrypted (--server {})",
-                if options.transport == Transport::Quic {
-                    "quic"
-                } else {
-                    "auto"
-                },
-                options.server
-            ),
         };
-        anyhow::ensure!(
-            options.server.host().is_some(),
-            "--server {} has no host",
-            options.server
-        );
         let random = std::collections::hash_map::RandomState::new()
             .build_hasher()
             .finish();
@@ -241,7 +247,11 @@ impl Dialer {
             instance: format!("{started}-{random:016x}"),
             tls,
             quic,
-            fell_back: AtomicBool::new(false),
+            fell_back: options
+                .servers
+                .iter()
+                .map(|_| AtomicBool::new(false))
+                .collect(),
             listener: Arc::new(Listener {
                 name: "tunnel".into(),
                 bind: SocketAddr::from(([0, 0, 0, 0], 0)),
@@ -258,7 +268,7 @@ impl Dialer {
                     column: 0,
                 },
             }),
-            last_ping: (0..options.connections.max(1))
+            last_ping: (0..options.servers.len() * options.connections.max(1))
                 .map(|_| std::sync::atomic::AtomicU64::new(0))
                 .collect(),
             epoch: Instant::now(),
@@ -266,6 +276,17 @@ impl Dialer {
             replaced: AtomicBool::new(false),
             give_up: CancellationToken::new(),
         })
+    }
+
+    /// How many tunnel slots there are: `connections` per server.
+    pub fn slots(&self) -> usize {
+        self.last_ping.len()
+    }
+
+    /// The server a slot dials, and its index among the servers.
+    fn server(&self, slot: usize) -> (usize, &http::Uri) {
+        let index = (slot / self.options.connections.max(1)).min(self.options.servers.len() - 1);
+        (index, &self.options.servers[index])
     }
 
     /// Tunnels the server pinged through within two ping intervals.
@@ -305,10 +326,11 @@ impl Dialer {
             slot: slot as u32,
             token: self.options.token.read()?,
         };
+        let (index, server) = self.server(slot);
         if let Some(config) = &self.quic
-            && !self.fell_back.load(Ordering::Relaxed)
+            && !self.fell_back[index].load(Ordering::Relaxed)
         {
-            let quic = super::quic::dial(&self.options.server, config.clone(), &hello);
+            let quic = super::quic::dial(server, config.clone(), &hello);
             if self.options.transport == Transport::Quic {
                 return Ok(Dialed::Quic(quic.await?));
             }
@@ -320,10 +342,14 @@ impl Dialer {
                 Ok(Err(e)) => e,
                 Err(_) => format!("no QUIC handshake within {QUIC_FALLBACK_AFTER:?}"),
             };
-            tracing::warn!(slot, reason = %why, "QUIC failed; using WebSocket from now on");
-            self.fell_back.store(true, Ordering::Relaxed);
+            tracing::warn!(slot, %server, reason = %why, "QUIC failed; using WebSocket from now on");
+            self.fell_back[index].store(true, Ordering::Relaxed);
         }
-        let io = super::websocket::dial(&self.options.server, self.tls.as_ref(), &hello).await?;
+        let tls = self
+            .tls
+            .as_ref()
+            .filter(|_| server.scheme_str() == Some("wss"));
+        let io = super::websocket::dial(server, tls, &hello).await?;
         Ok(Dialed::WebSocket(TokioIo::new(io)))
     }
 }
@@ -373,12 +399,15 @@ pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
                 }
                 tracing::warn!(
                     slot,
+                    server = %dialer.server(slot).1,
                     reason = %why,
                     up_for_s = started.elapsed().as_secs(),
                     "tunnel lost; reconnecting"
                 );
             }
-            Err(e) => tracing::warn!(slot, error = %e, "tunnel connection failed"),
+            Err(e) => {
+                tracing::warn!(slot, server = %dialer.server(slot).1, error = %e, "tunnel connection failed")
+            }
         }
         if started.elapsed() >= STABLE {
             backoff.reset();
@@ -507,7 +536,7 @@ fn service(
         if req.headers().contains_key(super::CONTROL) {
             dialer.pinged(slot);
             if !connected.swap(true, Ordering::Relaxed) {
-                tracing::info!(slot, server = %dialer.options.server, runtime = %dialer.options.runtime_id, transport = if http1 { "quic" } else { "websocket" }, "tunnel connected");
+                tracing::info!(slot, server = %dialer.server(slot).1, runtime = %dialer.options.runtime_id, transport = if http1 { "quic" } else { "websocket" }, "tunnel connected");
             }
         }
         let dialer = dialer.clone();
