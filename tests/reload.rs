@@ -332,6 +332,8 @@ async fn rejected_update(bad: &[(&str, &[u8])], expect_in_error: &[&str]) {
     let status = proxy.status().await;
     assert_eq!(status["files_match_active"], true, "{status:#}");
     assert_eq!(status["config"]["generation"], 2, "{status:#}");
+    // Only a tunnel client lists tunnels.
+    assert!(status.get("tunnels").is_none(), "{status:#}");
 }
 
 #[tokio::test]

@@ -1293,7 +1293,8 @@ async fn client_comes_back_after_a_restart(quic: bool) {
 /// A client given several servers (replicas of one tunnel service,
 /// `--server a,b`) keeps tunnels to each, so a public request reaching
 /// any of them is served; when one goes away the others serve on, the
-/// client stays ready and says which server it lost.
+/// client stays ready, says which server it lost, and its admin endpoint
+/// shows which tunnels are up.
 #[tokio::test]
 async fn a_client_keeps_tunnels_to_every_server_it_is_given() {
     let echo = upstream::echo("replicas").await;
@@ -1315,6 +1316,31 @@ async fn a_client_keeps_tunnels_to_every_server_it_is_given() {
         assert_eq!(answer.status, 200, "{:?}", answer.body);
         assert_eq!(answer.json()["upstream"], "replicas");
     }
+    // http::Uri writes the empty path as `/`.
+    let up = |server: &str, n: usize| {
+        format!("portcullis_tunnel_client_tunnels_up{{server=\"{server}/\"}} {n}")
+    };
+    client
+        .metrics_showing(&[up(&a.url, 2), up(&b.url, 2)])
+        .await;
+    let status = client.status().await;
+    let tunnels = status["tunnels"].as_array().expect("tunnels in the status");
+    let servers: Vec<_> = tunnels
+        .iter()
+        .map(|t| t["server"].as_str().unwrap())
+        .collect();
+    let (a_server, b_server) = (format!("{}/", a.url), format!("{}/", b.url));
+    assert_eq!(
+        servers,
+        [&a_server, &a_server, &b_server, &b_server],
+        "{status}"
+    );
+    for (slot, t) in tunnels.iter().enumerate() {
+        assert_eq!(t["slot"], slot, "{status}");
+        assert_eq!(t["up"], true, "{status}");
+        assert_eq!(t["transport"], "websocket", "{status}");
+        assert!(t["since"].is_string(), "{status}");
+    }
 
     a.process.signal("KILL");
     a.process.wait_exit(Duration::from_secs(10)).await;
@@ -1324,6 +1350,13 @@ async fn a_client_keeps_tunnels_to_every_server_it_is_given() {
     assert_eq!(answer.status, 200, "{:?}", answer.body);
     assert_eq!(client::get(&client.admin_url("/readyz")).await.status, 200);
     assert_eq!(b.process.status().await["runtimes"][0]["connections"], 2);
+    client
+        .metrics_showing(&[up(&a.url, 0), up(&b.url, 2)])
+        .await;
+    let status = client.status().await;
+    let a_slot = &status["tunnels"][0];
+    assert_eq!(a_slot["up"], false, "{status}");
+    assert!(a_slot["transport"].is_null(), "{status}");
 }
 
 #[tokio::test]

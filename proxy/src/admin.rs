@@ -190,7 +190,7 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
             })
         })
         .collect();
-    serde_json::json!({
+    let mut status = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "policies": reloader.dir().map_or_else(|| "built-in".to_owned(), |d| d.display().to_string()),
         "ready": control.shared().is_ready(),
@@ -228,7 +228,25 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
             "trigger": f.trigger.as_str(),
             "message": f.message,
         })),
-    })
+    });
+    // A tunnel client's own tunnels, by slot.
+    if let Some(tunnels) = control.shared().tunnels() {
+        status["tunnels"] = tunnels
+            .iter()
+            .map(|t| {
+                serde_json::json!({
+                    "server": t.server,
+                    "slot": t.slot,
+                    "up": t.up,
+                    "transport": t.transport,
+                    "since": t.since.map(rfc3339),
+                    "last_ping_ms_ago": t.last_ping.map(|d| d.as_millis() as u64),
+                })
+            })
+            .collect::<Vec<_>>()
+            .into();
+    }
+    status
 }
 
 /// Escapes a Prometheus label value.
@@ -355,6 +373,37 @@ fn metrics(reloader: &Reloader) -> String {
         "Counters plugins keep through host.count, and each plugin's failures (name=\"failures\").",
         &counters,
     );
+    if let Some(tunnels) = control.shared().tunnels() {
+        // Per server, in the order given: the tunnels kept, and those up.
+        let mut per_server: Vec<(String, usize, usize)> = Vec::new();
+        for t in &tunnels {
+            match per_server.iter_mut().find(|(s, ..)| *s == t.server) {
+                Some(entry) => {
+                    entry.1 += 1;
+                    entry.2 += usize::from(t.up);
+                }
+                None => per_server.push((t.server.clone(), 1, usize::from(t.up))),
+            }
+        }
+        let samples = |pick: fn(&(String, usize, usize)) -> usize| -> Vec<(String, f64)> {
+            per_server
+                .iter()
+                .map(|e| (format!("{{server=\"{}\"}}", label(&e.0)), pick(e) as f64))
+                .collect()
+        };
+        metric(
+            "portcullis_tunnel_client_tunnels",
+            "gauge",
+            "Tunnels the client keeps to each server (--connections).",
+            &samples(|e| e.1),
+        );
+        metric(
+            "portcullis_tunnel_client_tunnels_up",
+            "gauge",
+            "Tunnels to each server that the server pings through.",
+            &samples(|e| e.2),
+        );
+    }
     crate::metrics::render(&mut out);
     out
 }

@@ -156,6 +156,10 @@ pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
     server
         .shared()
         .set_gate(Box::new(move || gate.tunnels_up() > 0));
+    let report = dialer.clone();
+    server
+        .shared()
+        .set_tunnel_report(Box::new(move || report.report()));
     let reloader = Arc::new(match reloader_source {
         Ok(dir) => Reloader::new(dir, control.clone()),
         Err(sources) => Reloader::with_sources(sources, control.clone()),

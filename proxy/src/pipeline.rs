@@ -28,11 +28,32 @@ use crate::{chain, metrics, plugin, request_head};
 /// answers pings).
 pub type ReadyGate = Box<dyn Fn() -> bool + Send + Sync>;
 
+/// One tunnel slot of a tunnel client, for its admin endpoint.
+#[derive(Debug, Clone)]
+pub struct TunnelSlot {
+    /// The server it dials.
+    pub server: String,
+    /// Its number (the server's `slot`).
+    pub slot: usize,
+    /// `websocket` or `quic` while it has a tunnel.
+    pub transport: Option<&'static str>,
+    /// True while the server pings through it.
+    pub up: bool,
+    /// When its tunnel was made, while it has one.
+    pub since: Option<std::time::SystemTime>,
+    /// How long ago the server last pinged through it.
+    pub last_ping: Option<std::time::Duration>,
+}
+
+/// The tunnel client's tunnels, for its admin endpoint.
+pub type TunnelReport = Box<dyn Fn() -> Vec<TunnelSlot> + Send + Sync>;
+
 /// Process-wide serving state that outlives any one pipeline.
 #[derive(Default)]
 pub struct Shared {
     phase: AtomicU8,
     gate: std::sync::OnceLock<ReadyGate>,
+    tunnels: std::sync::OnceLock<TunnelReport>,
     /// Tasks that must finish before a drained shutdown completes
     /// (connections and spliced upgrades).
     pub tracker: TaskTracker,
@@ -71,6 +92,16 @@ impl Shared {
     /// Makes readiness also depend on `gate` (set once).
     pub fn set_gate(&self, gate: ReadyGate) {
         let _ = self.gate.set(gate);
+    }
+
+    /// Lists a tunnel client's tunnels in the admin endpoint (set once).
+    pub fn set_tunnel_report(&self, report: TunnelReport) {
+        let _ = self.tunnels.set(report);
+    }
+
+    /// A tunnel client's tunnels; `None` in a plain routing core.
+    pub fn tunnels(&self) -> Option<Vec<TunnelSlot>> {
+        self.tunnels.get().map(|report| report())
     }
 
     /// True once shutdown started.

@@ -13,7 +13,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use http::{Request, Response, StatusCode};
@@ -82,6 +82,11 @@ pub enum Transport {
     /// fails (UDP blocked on the way, a server without QUIC).
     Auto,
 }
+
+/// A tunnel counts as up while the server pinged through it within this:
+/// two ping intervals and some slack.
+const PING_WINDOW: Duration =
+    Duration::from_millis(2 * super::KEEPALIVE_INTERVAL.as_millis() as u64 + 5_000);
 
 /// How long `--transport auto` gives a QUIC handshake before it falls
 /// back: half the handshake time, so the WebSocket dial has the rest.
@@ -163,12 +168,8 @@ pub struct Dialer {
     listener: Arc<Listener>,
     /// Set when the server says another client took over this runtime.
     replaced: AtomicBool,
-    /// Per slot (`connections` per server, the first server's first):
-    /// when the server last pinged through it (ms since
-    /// `epoch`, 0 while down). A tunnel counts as up while pings arrive,
-    /// not merely while its socket is open: a half-dead connection must
-    /// not look ready.
-    last_ping: Vec<std::sync::atomic::AtomicU64>,
+    /// Per slot (`connections` per server, the first server's first).
+    slots: Vec<SlotState>,
     epoch: Instant,
     /// Cancelled to stop the whole client (after a takeover).
     pub give_up: CancellationToken,
@@ -268,8 +269,8 @@ impl Dialer {
                     column: 0,
                 },
             }),
-            last_ping: (0..options.servers.len() * options.connections.max(1))
-                .map(|_| std::sync::atomic::AtomicU64::new(0))
+            slots: (0..options.servers.len() * options.connections.max(1))
+                .map(|_| SlotState::default())
                 .collect(),
             epoch: Instant::now(),
             options,
@@ -280,7 +281,7 @@ impl Dialer {
 
     /// How many tunnel slots there are: `connections` per server.
     pub fn slots(&self) -> usize {
-        self.last_ping.len()
+        self.slots.len()
     }
 
     /// The server a slot dials, and its index among the servers.
@@ -291,25 +292,69 @@ impl Dialer {
 
     /// Tunnels the server pinged through within two ping intervals.
     pub fn tunnels_up(&self) -> usize {
-        let now = self.epoch.elapsed().as_millis() as u64;
-        let window = 2 * super::KEEPALIVE_INTERVAL.as_millis() as u64 + 5_000;
-        self.last_ping
+        self.slots
             .iter()
-            .map(|t| t.load(Ordering::Relaxed))
-            .filter(|&t| t != 0 && now.saturating_sub(t) < window)
+            .filter(|s| self.ping_age(s).is_some_and(|age| age < PING_WINDOW))
             .count()
+    }
+
+    /// How long ago the server last pinged through `slot`, if ever since
+    /// its tunnel was made.
+    fn ping_age(&self, slot: &SlotState) -> Option<Duration> {
+        let last = slot.last_ping.load(Ordering::Relaxed);
+        let now = self.epoch.elapsed().as_millis() as u64;
+        (last != 0).then(|| Duration::from_millis(now.saturating_sub(last)))
+    }
+
+    /// Every slot's tunnel, for the admin endpoint.
+    pub fn report(&self) -> Vec<crate::pipeline::TunnelSlot> {
+        self.slots
+            .iter()
+            .enumerate()
+            .map(|(slot, state)| {
+                let since = state.since.load(Ordering::Relaxed);
+                let age = self.ping_age(state);
+                crate::pipeline::TunnelSlot {
+                    server: self.server(slot).1.to_string(),
+                    slot,
+                    transport: match state.transport.load(Ordering::Relaxed) {
+                        1 => Some("websocket"),
+                        2 => Some("quic"),
+                        _ => None,
+                    },
+                    up: age.is_some_and(|age| age < PING_WINDOW),
+                    since: (since != 0)
+                        .then(|| std::time::UNIX_EPOCH + Duration::from_millis(since)),
+                    last_ping: age,
+                }
+            })
+            .collect()
     }
 
     fn pinged(&self, slot: usize) {
         let now = (self.epoch.elapsed().as_millis() as u64).max(1);
-        if let Some(t) = self.last_ping.get(slot) {
-            t.store(now, Ordering::Relaxed);
+        if let Some(s) = self.slots.get(slot) {
+            s.last_ping.store(now, Ordering::Relaxed);
+        }
+    }
+
+    /// `slot`'s tunnel was made, over `quic` or WebSocket.
+    fn connected(&self, slot: usize, quic: bool) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_millis() as u64);
+        if let Some(s) = self.slots.get(slot) {
+            s.since.store(now, Ordering::Relaxed);
+            s.transport
+                .store(if quic { 2 } else { 1 }, Ordering::Relaxed);
         }
     }
 
     fn down(&self, slot: usize) {
-        if let Some(t) = self.last_ping.get(slot) {
-            t.store(0, Ordering::Relaxed);
+        if let Some(s) = self.slots.get(slot) {
+            s.last_ping.store(0, Ordering::Relaxed);
+            s.since.store(0, Ordering::Relaxed);
+            s.transport.store(0, Ordering::Relaxed);
         }
     }
 
@@ -354,6 +399,21 @@ impl Dialer {
     }
 }
 
+/// What the client knows of one tunnel slot, for readiness and its
+/// admin endpoint.
+#[derive(Default)]
+struct SlotState {
+    /// When the server last pinged through it (ms since the dialer's
+    /// `epoch`, 0 while down). A tunnel counts as up while pings arrive,
+    /// not merely while its socket is open: a half-dead connection must
+    /// not look ready.
+    last_ping: AtomicU64,
+    /// When its tunnel was made (ms since the Unix epoch, 0 while down).
+    since: AtomicU64,
+    /// Its transport: 0 while down, 1 WebSocket, 2 QUIC.
+    transport: AtomicU8,
+}
+
 /// A dialled tunnel.
 enum Dialed {
     /// A byte stream for HTTP/2.
@@ -384,6 +444,7 @@ pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
         match dialed {
             Ok(dialed) => {
                 tracing::debug!(slot, "tunnel handshake done");
+                dialer.connected(slot, matches!(dialed, Dialed::Quic(_)));
                 let why = match dialed {
                     Dialed::WebSocket(io) => serve(io, slot, &dialer, &ctx).await,
                     Dialed::Quic(tunnel) => serve_quic(tunnel, slot, &dialer, &ctx).await,
