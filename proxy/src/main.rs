@@ -163,10 +163,15 @@ enum Command {
         /// How tunnels reach the server: `websocket` (HTTP/2 over a
         /// WebSocket over TCP), `quic` (UDP to the same host and port, a
         /// QUIC stream per request; needs a wss:// server run with
-        /// --tunnel-quic), or `auto` (QUIC, falling back to WebSocket for
-        /// good once a QUIC handshake fails).
+        /// --tunnel-quic), or `auto` (QUIC, falling back to WebSocket
+        /// once a QUIC handshake fails, until --quic-retry-after).
         #[arg(long, env = "PORTCULLIS_TRANSPORT", default_value = "websocket", value_parser = parse_transport)]
         transport: portcullis::tunnel::client::Transport,
+        /// With `--transport auto`: how long after falling back to
+        /// WebSocket a new dial (a tunnel lost, a restarted server) tries
+        /// QUIC again.
+        #[arg(long, env = "PORTCULLIS_QUIC_RETRY_AFTER", default_value = "10m", value_parser = parse_duration)]
+        quic_retry_after: Duration,
         /// Extra CA certificate (PEM) trusted for the server.
         #[arg(long, env = "PORTCULLIS_CA")]
         ca: Option<PathBuf>,
@@ -305,6 +310,7 @@ fn main() -> ExitCode {
             upstream,
             connections,
             transport,
+            quic_retry_after,
             ca,
             workers,
             grace_period,
@@ -339,6 +345,7 @@ fn main() -> ExitCode {
                     },
                     connections,
                     transport,
+                    quic_retry_after,
                     ca,
                 },
                 workers: workers.unwrap_or_else(portcullis::server::default_workers),

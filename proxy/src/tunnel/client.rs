@@ -78,8 +78,9 @@ pub enum Transport {
     WebSocket,
     /// QUIC to the same host and port over UDP, a stream per request.
     Quic,
-    /// QUIC, falling back to WebSocket for good when a QUIC handshake
-    /// fails (UDP blocked on the way, a server without QUIC).
+    /// QUIC, falling back to WebSocket when a QUIC handshake fails (UDP
+    /// blocked on the way, a server without QUIC), and trying QUIC again
+    /// at a dial after [`ClientOptions::quic_retry_after`].
     Auto,
 }
 
@@ -108,6 +109,12 @@ pub struct ClientOptions {
     pub connections: usize,
     /// WebSocket or QUIC.
     pub transport: Transport,
+    /// After `auto` fell back to WebSocket, how long before a dial tries
+    /// QUIC again: a UDP path that was blocked for a while (a firewall
+    /// change, a server that came up without QUIC during a rollout)
+    /// does not pin WebSocket until the client restarts, and one that
+    /// stays blocked costs one slow dial per period.
+    pub quic_retry_after: Duration,
     /// Extra CA certificate (PEM) to trust for the server.
     pub ca: Option<PathBuf>,
 }
@@ -162,8 +169,9 @@ pub struct Dialer {
     tls: Option<tokio_rustls::TlsConnector>,
     /// QUIC settings, for `--transport quic` and `auto`.
     quic: Option<quinn::ClientConfig>,
-    /// Per server: set once `--transport auto` fell back to WebSocket.
-    fell_back: Vec<AtomicBool>,
+    /// Per server: when `--transport auto` last fell back to WebSocket
+    /// (ms since `epoch`, 0 never).
+    fell_back: Vec<AtomicU64>,
     /// The listener settings tunnel requests are served under.
     listener: Arc<Listener>,
     /// Set when the server says another client took over this runtime.
@@ -248,11 +256,7 @@ impl Dialer {
             instance: format!("{started}-{random:016x}"),
             tls,
             quic,
-            fell_back: options
-                .servers
-                .iter()
-                .map(|_| AtomicBool::new(false))
-                .collect(),
+            fell_back: options.servers.iter().map(|_| AtomicU64::new(0)).collect(),
             listener: Arc::new(Listener {
                 name: "tunnel".into(),
                 bind: SocketAddr::from(([0, 0, 0, 0], 0)),
@@ -372,8 +376,10 @@ impl Dialer {
             token: self.options.token.read()?,
         };
         let (index, server) = self.server(slot);
+        let now = self.epoch.elapsed();
+        let fell_back = self.fell_back[index].load(Ordering::Relaxed);
         if let Some(config) = &self.quic
-            && !self.fell_back[index].load(Ordering::Relaxed)
+            && quic_due(fell_back, now, self.options.quic_retry_after)
         {
             let quic = super::quic::dial(server, config.clone(), &hello);
             if self.options.transport == Transport::Quic {
@@ -387,8 +393,9 @@ impl Dialer {
                 Ok(Err(e)) => e,
                 Err(_) => format!("no QUIC handshake within {QUIC_FALLBACK_AFTER:?}"),
             };
-            tracing::warn!(slot, %server, reason = %why, "QUIC failed; using WebSocket from now on");
-            self.fell_back[index].store(true, Ordering::Relaxed);
+            tracing::warn!(slot, %server, reason = %why, retry_after = ?self.options.quic_retry_after, "QUIC failed; using WebSocket, and QUIC again at a dial after retry_after");
+            let failed_at = (self.epoch.elapsed().as_millis() as u64).max(1);
+            self.fell_back[index].store(failed_at, Ordering::Relaxed);
         }
         let tls = self
             .tls
@@ -412,6 +419,12 @@ struct SlotState {
     since: AtomicU64,
     /// Its transport: 0 while down, 1 WebSocket, 2 QUIC.
     transport: AtomicU8,
+}
+
+/// Whether a dial at `now` tries QUIC, for a server where `auto` last
+/// fell back to WebSocket at `fell_back` ms (0: never).
+fn quic_due(fell_back: u64, now: Duration, retry_after: Duration) -> bool {
+    fell_back == 0 || now.saturating_sub(Duration::from_millis(fell_back)) >= retry_after
 }
 
 /// A dialled tunnel.
@@ -692,6 +705,20 @@ async fn handle(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quic_is_tried_again_once_the_retry_period_has_passed() {
+        let (s, ms) = (Duration::from_secs, Duration::from_millis);
+        let ten_min = s(600);
+        // Never fell back: always QUIC.
+        assert!(quic_due(0, s(0), ten_min));
+        // Fell back at 5 s: WebSocket until 605 s, then QUIC again.
+        assert!(!quic_due(5_000, s(5), ten_min));
+        assert!(!quic_due(5_000, ms(604_999), ten_min));
+        assert!(quic_due(5_000, s(605), ten_min));
+        // 0 s: every dial tries QUIC first.
+        assert!(quic_due(5_000, s(5), s(0)));
+    }
 
     #[test]
     fn backoff_is_jittered_grows_to_the_cap_and_resets() {
