@@ -1657,19 +1657,26 @@ async fn public_connections_beyond_the_cap_wait_for_a_free_slot() {
     assert_eq!(answer.status, 200);
 }
 
+/// An `rt-a` client whose policies answer `/who...` themselves, with
+/// `here`; the policy directory lives as long as the client.
+async fn answering_here(server: &TunnelServer) -> (tempfile::TempDir, ProxyProcess) {
+    let dir = policies(
+        r#"routes: [{ name: who, match: { path_prefix: /who }, respond: { status: 200, body: here } }]"#,
+    );
+    let path = dir.path().display().to_string();
+    let client = server
+        .client("rt-a", TOKENS[0].1, &["--policies", &path])
+        .await;
+    (dir, client)
+}
+
 #[tokio::test]
 async fn public_connections_are_spread_evenly_over_the_workers() {
     // As in the routing core: 16 connections spread by the kernel's hash
     // alone land 4/4/4/4 on four workers only 1.5% of the time.
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
     let mut server = TunnelServer::start_in_with(tokens_dir(), any, any, &["--workers", "4"]).await;
-    let dir = policies(
-        r#"routes: [{ name: who, match: { path_prefix: /who }, respond: { status: 200, body: here } }]"#,
-    );
-    let path = dir.path().display().to_string();
-    let _client = server
-        .client("rt-a", TOKENS[0].1, &["--policies", &path])
-        .await;
+    let _client = answering_here(&server).await;
     let host = format!("rt-a.{DOMAIN}");
     // Opened one after another and all kept open, as an ingress pool.
     let mut conns = Vec::new();
@@ -1687,5 +1694,35 @@ async fn public_connections_are_spread_evenly_over_the_workers() {
         server.process.access_per_worker("c=", 4),
         [4, 4, 4, 4],
         "public connections per worker"
+    );
+}
+
+/// Public HTTP/3 connections are served by every worker in turn, not all
+/// by the one that drives the QUIC endpoint.
+#[tokio::test]
+async fn public_http3_connections_are_spread_over_the_workers() {
+    let (mut server, pki) = TunnelServer::start_https(&["--http3", "--workers", "2"]).await;
+    let _client = answering_here(&server).await;
+    let host = format!("rt-a.{DOMAIN}");
+    for i in 0..4 {
+        let path = format!("/who?h3c={i}");
+        let answer = crate::support::tls::h3_request(
+            server.public,
+            &host,
+            &pki.ca_pem,
+            "GET",
+            &path,
+            Bytes::new(),
+        )
+        .await
+        .expect("HTTP/3 exchange");
+        assert_eq!(answer.status, 200);
+        assert_eq!(answer.body, "here");
+        server.process.wait_for_log(&format!("h3c={i}\"")).await;
+    }
+    assert_eq!(
+        server.process.access_per_worker("h3c=", 2),
+        [2, 2],
+        "HTTP/3 connections per worker"
     );
 }

@@ -38,13 +38,19 @@ pub fn server_config(
     super::quic::server_config(cert, key, b"h3", transport)
 }
 
-/// Serves HTTP/3 on `socket` until `stop`, then tells each connection to
-/// go away (GOAWAY) and lets its requests finish.
-pub(super) async fn serve(
+/// A connection the public endpoint accepted, with its slot under the
+/// public connection cap, on its way to the worker that serves it.
+pub(super) type Handed = (quinn::Incoming, tokio::sync::OwnedSemaphorePermit);
+
+/// Accepts HTTP/3 connections on `socket` until `stop` and hands them to
+/// `workers` in turn, as the TCP side spreads its connections: served
+/// all on the thread that drives the endpoint (the first worker), every
+/// public HTTP/3 request would share one core.
+pub(super) async fn accept(
     socket: std::net::UdpSocket,
     config: quinn::ServerConfig,
-    public: super::server::Public,
-    tracker: TaskTracker,
+    slots: Arc<tokio::sync::Semaphore>,
+    workers: Vec<tokio::sync::mpsc::UnboundedSender<Handed>>,
     stop: CancellationToken,
 ) {
     let endpoint = match quinn::Endpoint::new(
@@ -59,6 +65,7 @@ pub(super) async fn serve(
             return;
         }
     };
+    let mut next = 0;
     loop {
         let incoming = tokio::select! {
             incoming = endpoint.accept() => incoming,
@@ -66,9 +73,31 @@ pub(super) async fn serve(
         };
         let Some(incoming) = incoming else { break };
         // One slot under the public connection cap, as a TCP connection.
-        let Ok(permit) = public.slots().try_acquire_owned() else {
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
             incoming.refuse();
             continue;
+        };
+        // A worker that has stopped drops it: the client retries.
+        let _ = workers[next % workers.len()].send((incoming, permit));
+        next += 1;
+    }
+}
+
+/// Serves the HTTP/3 connections handed to this worker until `stop`, then
+/// tells each to go away (GOAWAY) and lets its requests finish.
+pub(super) async fn serve(
+    mut handed: tokio::sync::mpsc::UnboundedReceiver<Handed>,
+    public: super::server::Public,
+    tracker: TaskTracker,
+    stop: CancellationToken,
+) {
+    loop {
+        let (incoming, permit) = tokio::select! {
+            next = handed.recv() => match next {
+                Some(next) => next,
+                None => break,
+            },
+            _ = stop.cancelled() => break,
         };
         let (public, tracker_, stop) = (public.clone(), tracker.clone(), stop.clone());
         tracker.spawn(async move {

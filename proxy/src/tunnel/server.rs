@@ -477,10 +477,23 @@ impl TunnelServer {
         if self.h3.is_some() {
             tracing::info!(addr = %self.public_addr, "public HTTP/3 listening");
         }
+        // Public HTTP/3 connections, handed from the endpoint to each
+        // worker in turn.
+        let (to_h3_workers, mut h3_inboxes): (Vec<_>, Vec<_>) = match &self.h3 {
+            Some(_) => (0..self.workers)
+                .map(|_| {
+                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                    (tx, Some(rx))
+                })
+                .unzip(),
+            None => (Vec::new(), Vec::new()),
+        };
         let (runtime, first_runtime) = tokio::sync::oneshot::channel();
         let release_first = CancellationToken::new();
         let mut first = Some(FirstWorker {
-            h3: self.h3,
+            h3: self
+                .h3
+                .map(|(socket, config)| (socket, config, to_h3_workers)),
             runtime,
             release: release_first.clone(),
         });
@@ -494,7 +507,14 @@ impl TunnelServer {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Arrival>();
             to_workers.push(tx);
             let (shared, tls, stops) = (self.shared.clone(), self.tls.clone(), stops.clone());
-            let public = (public, self.public_tls.clone(), balance.clone(), inbox);
+            let h3_inbox = h3_inboxes.get_mut(index).and_then(Option::take);
+            let public = PublicSide {
+                listener: public,
+                tls: self.public_tls.clone(),
+                balance: balance.clone(),
+                inbox,
+                h3: h3_inbox,
+            };
             let first = first.take();
             let (finished, finished_rx) = tokio::sync::oneshot::channel::<()>();
             let (drained, drained_rx) = tokio::sync::oneshot::channel::<()>();
@@ -565,11 +585,26 @@ impl TunnelServer {
     }
 }
 
+/// A worker's public side: its socket and TLS, the balance over the
+/// workers' sockets with its inbox of connections handed over, and the
+/// HTTP/3 connections handed to it.
+struct PublicSide {
+    listener: std::net::TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    balance: Arc<Balance>,
+    inbox: UnboundedReceiver<Handoff>,
+    h3: Option<UnboundedReceiver<super::public_h3::Handed>>,
+}
+
 /// What only the first worker gets.
 struct FirstWorker {
-    /// The public HTTP/3 endpoint (`--http3`): its requests go through
-    /// that worker's tunnels when it has the runtime's.
-    h3: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
+    /// The public HTTP/3 endpoint (`--http3`), with where to hand each
+    /// connection it accepts: every worker, in turn.
+    h3: Option<(
+        std::net::UdpSocket,
+        quinn::ServerConfig,
+        Vec<tokio::sync::mpsc::UnboundedSender<super::public_h3::Handed>>,
+    )>,
     /// Where the worker sends its runtime, which the tunnel QUIC endpoint
     /// is registered with.
     runtime: tokio::sync::oneshot::Sender<tokio::runtime::Handle>,
@@ -588,16 +623,18 @@ struct Stops {
 }
 
 /// One worker thread: its public socket (with the balance over the
-/// workers' sockets and its inbox), and the tunnels handed to it. Says
-/// `drained` once its public side is done after a stop.
+/// workers' sockets and its inbox, and the HTTP/3 connections handed to
+/// it), and the tunnels handed to it. Says `drained` once its public side
+/// is done after a stop.
 fn worker(
     index: usize,
-    (public, public_tls, balance, inbox): (
-        std::net::TcpListener,
-        Option<tokio_rustls::TlsAcceptor>,
-        Arc<Balance>,
-        UnboundedReceiver<Handoff>,
-    ),
+    PublicSide {
+        listener: public,
+        tls: public_tls,
+        balance,
+        inbox,
+        h3: h3_inbox,
+    }: PublicSide,
     first: Option<FirstWorker>,
     mut tunnels: UnboundedReceiver<Arrival>,
     tls: Option<tokio_rustls::TlsAcceptor>,
@@ -627,10 +664,18 @@ fn worker(
         let tracker = TaskTracker::new();
         let tunnel_tasks = TaskTracker::new();
         let serving = Public::new(index, shared.clone());
-        if let Some((socket, config)) = h3 {
-            tracker.spawn(super::public_h3::serve(
+        if let Some((socket, config, workers)) = h3 {
+            tracker.spawn(super::public_h3::accept(
                 socket,
                 config,
+                serving.slots(),
+                workers,
+                stop.clone(),
+            ));
+        }
+        if let Some(h3_inbox) = h3_inbox {
+            tracker.spawn(super::public_h3::serve(
+                h3_inbox,
                 serving.clone(),
                 tracker.clone(),
                 stop.clone(),
