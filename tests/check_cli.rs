@@ -50,7 +50,10 @@ fn the_kubernetes_examples_use_flags_that_exist() {
         );
         commands.push(args[0].clone());
     }
-    assert_eq!(commands, ["serve", "tunnel-client", "tunnel-server"]);
+    assert_eq!(
+        commands,
+        ["serve", "tunnel-client", "tunnel-server", "tunnel-client"]
+    );
 }
 
 #[test]
