@@ -13,6 +13,19 @@ fn quic_upstream<'a>(upstream: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     args
 }
 
+/// An `rt-a` client with `connections` QUIC tunnels to `server`, in front
+/// of `upstream`; returned once its first tunnel is connected.
+async fn quic_client(server: &TunnelServer, upstream: &str, connections: usize) -> ProxyProcess {
+    let connections = connections.to_string();
+    server
+        .client(
+            "rt-a",
+            TOKENS[0].1,
+            &quic_upstream(upstream, &["--connections", &connections]),
+        )
+        .await
+}
+
 /// The transports the server lists for `runtime`'s tunnels.
 async fn transports(server: &TunnelServer, runtime: &str) -> Vec<String> {
     let status = server.process.status().await;
@@ -43,13 +56,7 @@ async fn slow_request_on_a_quic_tunnel() -> (
     let (up, mut arrived, release) = holding_upstream().await;
     let server = TunnelServer::start_quic().await;
     let url = up.url();
-    let client = server
-        .client(
-            "rt-a",
-            TOKENS[0].1,
-            &quic_upstream(&url, &["--connections", "1"]),
-        )
-        .await;
+    let client = quic_client(&server, &url, 1).await;
     let in_flight = server.slow_in_flight("rt-a", &mut arrived).await;
     (server, client, in_flight, up, release)
 }
@@ -105,13 +112,7 @@ async fn two_hundred_requests_run_at_once_over_one_quic_connection() {
     let gate = gate_upstream(N).await;
     let server = TunnelServer::start_quic().await;
     let url = gate.url();
-    let _client = server
-        .client(
-            "rt-a",
-            TOKENS[0].1,
-            &quic_upstream(&url, &["--connections", "1"]),
-        )
-        .await;
+    let _client = quic_client(&server, &url, 1).await;
     let c = client::http1();
     let requests = (0..N).map(|i| {
         let req = server
@@ -389,13 +390,7 @@ async fn a_stopping_server_closes_the_quic_tunnels_of_every_worker() {
     let echo = upstream::echo("close").await;
     let mut server = TunnelServer::start_with_tls(&["--tunnel-quic", "--workers", "2"]).await;
     let url = echo.url();
-    let mut client = server
-        .client(
-            "rt-a",
-            TOKENS[0].1,
-            &quic_upstream(&url, &["--connections", "2"]),
-        )
-        .await;
+    let mut client = quic_client(&server, &url, 2).await;
     server.wait_connections("rt-a", 2).await;
     let status = server.process.status().await;
     let mut workers: Vec<u64> = status["runtimes"][0]["tunnels"]
@@ -524,13 +519,7 @@ async fn an_idle_quic_client_that_stops_closes_cleanly() {
     let echo = upstream::echo("idle").await;
     let mut server = TunnelServer::start_quic().await;
     let url = echo.url();
-    let mut client = server
-        .client(
-            "rt-a",
-            TOKENS[0].1,
-            &quic_upstream(&url, &["--connections", "1"]),
-        )
-        .await;
+    let mut client = quic_client(&server, &url, 1).await;
     server.wait_connections("rt-a", 1).await;
     client.signal("TERM");
     assert!(client.wait_exit(Duration::from_secs(20)).await.success());
