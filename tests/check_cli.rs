@@ -52,7 +52,13 @@ fn the_kubernetes_examples_use_flags_that_exist() {
     }
     assert_eq!(
         commands,
-        ["serve", "tunnel-client", "tunnel-server", "tunnel-client"]
+        [
+            "serve",
+            "tunnel-client",
+            "tunnel-server",
+            "tunnel-client",
+            "tunnel-server"
+        ]
     );
 }
 

@@ -127,6 +127,23 @@ enum Command {
         /// Public connections served at once; more wait in the accept queue.
         #[arg(long, env = "PORTCULLIS_MAX_CONNECTIONS", default_value_t = 16384)]
         max_connections: usize,
+        /// Other replicas of this tunnel server, as `host:port` of their
+        /// --peer-listen (repeat it or give a comma-separated list; a name
+        /// resolving to several addresses, such as a headless Service,
+        /// is a peer per address, re-resolved every second). A public
+        /// request for a runtime with no tunnel here goes to a peer that
+        /// has one, instead of a 503.
+        #[arg(long, env = "PORTCULLIS_PEERS", value_delimiter = ',')]
+        peers: Vec<String>,
+        /// Where peers forward requests to this server and ask which
+        /// runtimes it holds (cleartext HTTP/2, authenticated by the peer
+        /// token: keep it on the cluster network).
+        #[arg(long, env = "PORTCULLIS_PEER_LISTEN")]
+        peer_listen: Option<std::net::SocketAddr>,
+        /// File holding the token all peers share (a mounted Secret, at
+        /// least 16 characters); otherwise PORTCULLIS_PEER_TOKEN.
+        #[arg(long, env = "PORTCULLIS_PEER_TOKEN_FILE")]
+        peer_token_file: Option<PathBuf>,
     },
     /// The cluster side of a tunnel: dials out to the tunnel server and
     /// serves what comes through with the routing core.
@@ -279,7 +296,38 @@ fn main() -> ExitCode {
             admin,
             workers,
             max_connections,
+            peers,
+            peer_listen,
+            peer_token_file,
         } => {
+            let peers = if peers.is_empty() && peer_listen.is_none() {
+                None
+            } else {
+                let token = match (peer_token_file, std::env::var("PORTCULLIS_PEER_TOKEN")) {
+                    (Some(file), _) => match std::fs::read_to_string(&file) {
+                        Ok(token) => token,
+                        Err(e) => {
+                            eprintln!(
+                                "portcullis tunnel-server: cannot read the peer token file {}: {e}",
+                                file.display()
+                            );
+                            return ExitCode::from(2);
+                        }
+                    },
+                    (None, Ok(token)) => token,
+                    (None, Err(_)) => {
+                        eprintln!(
+                            "portcullis tunnel-server: --peers and --peer-listen need the peers' token: give --peer-token-file FILE or set PORTCULLIS_PEER_TOKEN"
+                        );
+                        return ExitCode::from(2);
+                    }
+                };
+                Some(portcullis::tunnel::peers::PeerOptions {
+                    listen: peer_listen,
+                    peers,
+                    token,
+                })
+            };
             portcullis::telemetry::init();
             let options = portcullis::tunnel::server::ServerOptions {
                 public,
@@ -297,6 +345,7 @@ fn main() -> ExitCode {
                 admin: admin.0,
                 workers: workers.unwrap_or_else(portcullis::server::default_workers),
                 max_connections,
+                peers,
             };
             // The control plane (signals, tunnel accepts, admin); workers
             // run their own event loops.

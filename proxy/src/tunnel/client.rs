@@ -245,15 +245,8 @@ impl Dialer {
                 )
             }
         };
-        let random = std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish();
-        let started = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis());
         Ok(Dialer {
-            // Start time first: the server keeps the newest client.
-            instance: format!("{started}-{random:016x}"),
+            instance: instance_id(),
             tls,
             quic,
             fell_back: options.servers.iter().map(|_| AtomicU64::new(0)).collect(),
@@ -700,6 +693,18 @@ async fn handle(
         resp.headers_mut().remove(http::header::UPGRADE);
     }
     resp
+}
+
+/// A process's instance id: its start time in Unix milliseconds first
+/// (the tunnel server keeps the newest client), then 64 random bits.
+pub(super) fn instance_id() -> String {
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    format!("{started}-{random:016x}")
 }
 
 #[cfg(test)]

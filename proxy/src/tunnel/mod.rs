@@ -22,6 +22,7 @@
 
 pub mod client;
 pub mod handshake_head;
+pub mod peers;
 mod public_h3;
 pub mod quic;
 pub mod server;

@@ -77,6 +77,9 @@ pub struct ServerOptions {
     /// Public connections served at once (all workers together); more
     /// wait in the kernel's accept queue.
     pub max_connections: usize,
+    /// Other replicas to forward to, and where they forward to this one
+    /// (`--peers`, `--peer-listen`).
+    pub peers: Option<super::peers::PeerOptions>,
 }
 
 /// One tunnel connection from a client.
@@ -152,6 +155,9 @@ impl Sender {
 pub struct Registry {
     runtimes: Mutex<HashMap<String, Runtime>>,
     next_id: AtomicU64,
+    /// Changes whenever a tunnel comes or goes, so peers polling for the
+    /// runtimes get the list only when it may have changed.
+    generation: AtomicU64,
 }
 
 #[derive(Default)]
@@ -219,6 +225,7 @@ impl Registry {
     /// server may not have noticed yet.
     fn add(&self, runtime: &str, tunnel: Arc<Tunnel>) -> Added {
         let mut runtimes = self.lock();
+        self.generation.fetch_add(1, Ordering::Relaxed);
         let entry = runtimes.entry(runtime.to_owned()).or_default();
         let mut added = Added::default();
         if entry.instance == tunnel.instance || entry.tunnels.is_empty() {
@@ -238,12 +245,24 @@ impl Registry {
 
     fn remove(&self, runtime: &str, id: u64) {
         let mut runtimes = self.lock();
+        self.generation.fetch_add(1, Ordering::Relaxed);
         if let Some(entry) = runtimes.get_mut(runtime) {
             entry.tunnels.retain(|t| t.id != id);
             if entry.tunnels.is_empty() {
                 runtimes.remove(runtime);
             }
         }
+    }
+
+    /// The registry's generation, and how to list its runtimes (for a
+    /// peer's poll).
+    fn presence(&self) -> (u64, impl FnOnce() -> Vec<String> + '_) {
+        let generation = self.generation.load(Ordering::Relaxed);
+        (generation, move || {
+            let mut ids: Vec<String> = self.lock().keys().cloned().collect();
+            ids.sort();
+            ids
+        })
     }
 
     /// Connected runtimes for the admin endpoint, by id.
@@ -311,6 +330,8 @@ pub struct TunnelServer {
     h3: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
     /// The UDP socket and QUIC settings for QUIC tunnels (`--tunnel-quic`).
     tunnel_quic: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
+    /// Where peers forward requests to this server (`--peer-listen`).
+    peer_listener: Option<std::net::TcpListener>,
     shared: Arc<Shared>,
 }
 
@@ -329,6 +350,8 @@ struct Shared {
     tunnel_quic: bool,
     /// `Alt-Svc` for HTTPS responses when HTTP/3 is served.
     alt_svc: Option<HeaderValue>,
+    /// The other replicas (`--peers`).
+    peers: Option<Arc<super::peers::Peers>>,
 }
 
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
@@ -411,6 +434,24 @@ impl TunnelServer {
             "--tunnel-quic needs --cert and --key",
             super::quic::tunnel_server_config,
         )?;
+        let peers = match &options.peers {
+            Some(peers) => Some(Arc::new(super::peers::Peers::new(
+                peers,
+                super::client::instance_id(),
+            )?)),
+            None => None,
+        };
+        // A std socket: it is registered with the first worker's event
+        // loop, which serves it (see `run`).
+        let peer_listener = match options.peers.as_ref().and_then(|p| p.listen) {
+            Some(addr) => {
+                let listener = std::net::TcpListener::bind(addr)
+                    .with_context(|| format!("cannot bind the peer listener on {addr}"))?;
+                listener.set_nonblocking(true)?;
+                Some(listener)
+            }
+            None => None,
+        };
         let alt_svc = h3.as_ref().map(|_| {
             let port = options.http3_advertised_port.unwrap_or(public_addr.port());
             // A day, as Caddy and Cloudflare advertise it.
@@ -426,6 +467,7 @@ impl TunnelServer {
             public_tls: public_tls.clone(),
             h3,
             tunnel_quic,
+            peer_listener,
             shared: Arc::new(Shared {
                 registry: Registry::default(),
                 public_slots: Arc::new(tokio::sync::Semaphore::new(options.max_connections.max(1))),
@@ -437,6 +479,7 @@ impl TunnelServer {
                 tunnel_proxy_protocol: options.tunnel_proxy_protocol,
                 tunnel_quic: options.tunnel_quic,
                 alt_svc,
+                peers,
             }),
         })
     }
@@ -449,6 +492,11 @@ impl TunnelServer {
     /// The tunnel endpoint's address.
     pub fn tunnel_addr(&self) -> std::io::Result<SocketAddr> {
         self.tunnel.local_addr()
+    }
+
+    /// The peer listener's address (`--peer-listen`).
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.peer_listener.as_ref()?.local_addr().ok()
     }
 
     /// Serves the admin endpoint on `addr`: `/status` lists the connected
@@ -473,6 +521,9 @@ impl TunnelServer {
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
         let tunnel_addr = self.tunnel.local_addr()?;
         tracing::info!(addr = %self.public_addr, workers = self.workers, tls = self.public_tls.is_some(), "public listening");
+        if let Some(listener) = &self.peer_listener {
+            tracing::info!(addr = %listener.local_addr()?, "peer listening");
+        }
         tracing::info!(addr = %tunnel_addr, tls = self.tls.is_some(), "tunnel listening");
         if self.h3.is_some() {
             tracing::info!(addr = %self.public_addr, "public HTTP/3 listening");
@@ -527,6 +578,29 @@ impl TunnelServer {
             done.push(finished_rx);
             public_done.push(drained_rx);
         }
+        let first_runtime = if self.tunnel_quic.is_some() || self.peer_listener.is_some() {
+            first_runtime
+                .await
+                .unwrap_or_else(|_| tokio::runtime::Handle::current())
+        } else {
+            tokio::runtime::Handle::current()
+        };
+        // Requests from peers are served by the first worker, as its public
+        // requests are: through its tunnels when it drives any of the
+        // runtime's, with no thread crossed.
+        let peer_tasks = TaskTracker::new();
+        if let Some(listener) = self.peer_listener {
+            let shared = self.shared.clone();
+            let answer = move |req, from| answer_peer(req, from, shared.clone());
+            let _on_first = first_runtime.enter();
+            let listener = TcpListener::from_std(listener)?;
+            let listening =
+                super::peers::listen(listener, answer, peer_tasks.clone(), stop.clone());
+            peer_tasks.spawn(listening);
+        }
+        if let Some(peers) = &self.shared.peers {
+            tokio::spawn(peers.clone().poll(stop.clone()));
+        }
         let quic = match self.tunnel_quic {
             Some((socket, config)) => {
                 // The endpoint's socket and driver go on the first worker,
@@ -535,10 +609,7 @@ impl TunnelServer {
                 // connection's task; from here, each batch of packets woke
                 // this thread and then a worker, and now the first
                 // worker's tunnels get theirs with no thread crossed.
-                let runtime = first_runtime
-                    .await
-                    .unwrap_or_else(|_| tokio::runtime::Handle::current());
-                let _on_first = runtime.enter();
+                let _on_first = first_runtime.enter();
                 Some(quinn::Endpoint::new(
                     quinn::EndpointConfig::default(),
                     Some(config),
@@ -560,9 +631,13 @@ impl TunnelServer {
         // The public side first: its requests in flight finish through
         // the tunnels (any worker's), which close only after.
         stops.public.cancel();
+        peer_tasks.close();
         let _ = tokio::time::timeout(
             Duration::from_secs(10),
-            futures_util::future::join_all(public_done),
+            futures_util::future::join(
+                futures_util::future::join_all(public_done),
+                peer_tasks.wait(),
+            ),
         )
         .await;
         stops.tunnels.cancel();
@@ -1260,34 +1335,7 @@ impl Public {
     where
         B: http_body::Body + Into<Body>,
     {
-        let start = std::time::Instant::now();
-        let mut log = AccessLog::start(
-            req.method(),
-            req.uri().path_and_query(),
-            peer,
-            self.worker,
-            start,
-        );
-        if let Some(log) = log.as_mut() {
-            log.upstream = host_of(&req).map(Into::into);
-        }
-        let over_tcp = req.version() < Version::HTTP_3;
-        let mut stats = crate::metrics::no_runtime();
-        let mut resp = forward(req, peer, self.worker, &self.shared, &mut stats).await;
-        if over_tcp && let Some(alt_svc) = &self.shared.alt_svc {
-            resp.headers_mut().insert(header::ALT_SVC, alt_svc.clone());
-        }
-        let status = resp.status().as_u16();
-        let log = log.map(|mut log| {
-            log.status = status;
-            log
-        });
-        let counted = crate::metrics::Pending {
-            stats,
-            status,
-            start,
-        };
-        resp.map(|body| ResponseBody::new(body, log, Some(counted), Held::default()))
+        respond(req, peer, self.worker, &self.shared, Origin::Public).await
     }
 
     /// Serves HTTP on one public connection (TCP, or TLS over it) until it
@@ -1329,6 +1377,123 @@ impl Public {
     }
 }
 
+/// Where a request to forward came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// A public client: served through this server's tunnels, or passed
+    /// on to a peer holding one.
+    Public,
+    /// Another replica that holds no tunnel of the runtime: served
+    /// through this server's tunnels only, and not counted in the
+    /// runtime's metrics here (the public side that took it counts it).
+    Peer(SocketAddr),
+}
+
+/// A request on any HTTP version, from the public or from a peer: sent
+/// through its runtime's tunnel (or a peer), with an access line (its
+/// `upstream` the runtime's host; its `route` the peer, when one took
+/// part) and the runtime's metrics written when the response body ends,
+/// as the routing core does.
+async fn respond<B>(
+    req: Request<B>,
+    client: SocketAddr,
+    worker: usize,
+    shared: &Shared,
+    origin: Origin,
+) -> Response<ResponseBody>
+where
+    B: http_body::Body + Into<Body>,
+{
+    let start = std::time::Instant::now();
+    let mut log = AccessLog::start(
+        req.method(),
+        req.uri().path_and_query(),
+        client,
+        worker,
+        start,
+    );
+    if let Some(log) = log.as_mut() {
+        log.upstream = host_of(&req).map(Into::into);
+        if let Origin::Peer(from) = origin {
+            log.route = Some(format!("from peer {from}").into());
+        }
+    }
+    let over_tcp = req.version() < Version::HTTP_3;
+    let mut stats = crate::metrics::no_runtime();
+    let mut via = None;
+    let mut resp = forward(req, client, worker, shared, origin, (&mut stats, &mut via)).await;
+    if origin == Origin::Public
+        && over_tcp
+        && let Some(alt_svc) = &shared.alt_svc
+    {
+        resp.headers_mut().insert(header::ALT_SVC, alt_svc.clone());
+    }
+    let status = resp.status().as_u16();
+    let log = log.map(|mut log| {
+        log.status = status;
+        if let Some(peer) = via {
+            log.route = Some(format!("peer {peer}").into());
+        }
+        log
+    });
+    let counted = (origin == Origin::Public).then_some(crate::metrics::Pending {
+        stats,
+        status,
+        start,
+    });
+    resp.map(|body| ResponseBody::new(body, log, counted, Held::default()))
+}
+
+/// Answers on the peer listener: a poll for this server's runtimes, or a
+/// request a peer forwards, carrying the client's address.
+async fn answer_peer(
+    req: Request<Incoming>,
+    from: SocketAddr,
+    shared: Arc<Shared>,
+) -> Response<ResponseBody> {
+    let plain =
+        |resp: Response<Body>| resp.map(|b| ResponseBody::new(b, None, None, Held::default()));
+    let Some(peers) = &shared.peers else {
+        return plain(super::peers::refused());
+    };
+    if !peers.authentic(req.headers()) {
+        tracing::warn!(from = %from, method = %req.method(), path = req.uri().path(), "peer request refused: wrong or missing peer token");
+        return plain(super::peers::refused());
+    }
+    let for_runtime = req
+        .uri()
+        .host()
+        .is_some_and(|h| h.to_ascii_lowercase().ends_with(&shared.suffix));
+    if !for_runtime {
+        return plain(
+            if req.uri().path() == "/runtimes" && req.method() == http::Method::GET {
+                super::peers::presence(
+                    req.uri().query(),
+                    &peers.instance,
+                    shared.registry.presence(),
+                )
+            } else {
+                error(StatusCode::NOT_FOUND, "not a peer endpoint", None)
+            },
+        );
+    }
+    let client = req
+        .headers()
+        .get(super::CLIENT_ADDR)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(from);
+    // Served by the first worker (see `run`).
+    respond(req, client, 0, &shared, Origin::Peer(from)).await
+}
+
+/// Where a request goes: one of this server's tunnels, or a peer that
+/// holds one.
+enum Target {
+    Tunnel(Arc<Tunnel>),
+    Peer(Arc<super::peers::Link>),
+}
+
 /// The public request's host, lower case, without port (`None` for a
 /// request whose host is missing or ambiguous: [`request_head::request_host`]).
 fn host_of<B>(req: &Request<B>) -> Option<String> {
@@ -1347,15 +1512,17 @@ fn error(status: StatusCode, message: &str, runtime: Option<&str>) -> Response<B
     crate::pipeline::json_response(status, &body)
 }
 
-/// Forwards one public request through its runtime's tunnel.
-/// Sends a public request through its runtime's tunnel; `stats` is set to
-/// the runtime's metrics once the runtime is known.
+/// Sends a request through its runtime's tunnel, or to a peer that holds
+/// one when this server holds none and the request is public; `stats` is
+/// set to the runtime's metrics once the runtime is known, `via` to the
+/// peer it went to.
 async fn forward<B>(
     mut req: Request<B>,
     peer: SocketAddr,
     worker: usize,
     shared: &Shared,
-    stats: &mut &'static RouteStats,
+    origin: Origin,
+    (stats, via): (&mut &'static RouteStats, &mut Option<SocketAddr>),
 ) -> Response<Body>
 where
     B: http_body::Body + Into<Body>,
@@ -1379,24 +1546,45 @@ where
     if !valid_runtime_id(runtime) {
         return error(StatusCode::NOT_FOUND, "not a runtime host", None);
     }
-    let Some(tunnel) = shared.registry.pick(runtime, worker) else {
-        return if shared.tokens.knows(runtime) {
+    let tunnel = shared.registry.pick(runtime, worker);
+    let holder = match (&tunnel, origin, &shared.peers) {
+        (None, Origin::Public, Some(peers)) => peers.holder(runtime),
+        _ => None,
+    };
+    let target = match (tunnel, holder) {
+        (Some(tunnel), _) => {
+            *stats = tunnel.stats;
+            Target::Tunnel(tunnel)
+        }
+        (None, Some(link)) => {
             *stats = crate::metrics::runtime(runtime);
-            error(
+            *via = Some(link.addr);
+            Target::Peer(link)
+        }
+        (None, None) if shared.tokens.knows(runtime) => {
+            *stats = crate::metrics::runtime(runtime);
+            return error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "runtime is not connected",
                 Some(runtime),
-            )
-        } else {
-            error(StatusCode::BAD_GATEWAY, "unknown runtime", Some(runtime))
-        };
+            );
+        }
+        (None, None) => {
+            return error(StatusCode::BAD_GATEWAY, "unknown runtime", Some(runtime));
+        }
     };
-    *stats = tunnel.stats;
     // An HTTP/1.1 upgrade (WebSocket) crosses the tunnel as an HTTP/2
-    // extended CONNECT (RFC 8441) whose stream then carries the bytes.
-    let upgrade = crate::forward::is_websocket_upgrade(req.headers())
-        .then(|| req.headers().get(header::UPGRADE).cloned())
-        .flatten();
+    // extended CONNECT (RFC 8441) whose stream then carries the bytes; a
+    // peer passes one on in that shape already.
+    let upgrade = match origin {
+        Origin::Public => crate::forward::is_websocket_upgrade(req.headers())
+            .then(|| req.headers().get(header::UPGRADE).cloned())
+            .flatten(),
+        Origin::Peer(_) => (req.method() == http::Method::CONNECT)
+            .then(|| req.extensions().get::<hyper::ext::Protocol>())
+            .flatten()
+            .and_then(|p| HeaderValue::from_str(p.as_str()).ok()),
+    };
     let public_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
     crate::forward::remove_hop_by_hop(&mut parts.headers, false);
@@ -1413,6 +1601,9 @@ where
     parts
         .headers
         .remove(HeaderName::from_static(super::CLIENT_ADDR));
+    parts
+        .headers
+        .remove(HeaderName::from_static(super::peers::PEER_TOKEN));
     if let Ok(v) = HeaderValue::from_str(&peer.to_string()) {
         parts
             .headers
@@ -1421,7 +1612,8 @@ where
     let proto = if shared.public_tls { "https" } else { "http" };
     let xfp = HeaderName::from_static("x-forwarded-proto");
     let xfh = HeaderName::from_static("x-forwarded-host");
-    let trust = shared.trust_forwarded_headers;
+    // A peer set them from its public side.
+    let trust = shared.trust_forwarded_headers || matches!(origin, Origin::Peer(_));
     if !(trust && parts.headers.contains_key(&xfp)) {
         parts.headers.insert(xfp, HeaderValue::from_static(proto));
     }
@@ -1451,10 +1643,21 @@ where
     } else {
         body.into()
     };
-    let req = Request::from_parts(parts, body);
-    tunnel.active.fetch_add(1, Ordering::Relaxed);
-    let result = tunnel.sender.send(req).await;
-    tunnel.active.fetch_sub(1, Ordering::Relaxed);
+    let mut req = Request::from_parts(parts, body);
+    let result = match &target {
+        Target::Tunnel(tunnel) => {
+            tunnel.active.fetch_add(1, Ordering::Relaxed);
+            let result = tunnel.sender.send(req).await;
+            tunnel.active.fetch_sub(1, Ordering::Relaxed);
+            result
+        }
+        Target::Peer(link) => {
+            if let Some(peers) = &shared.peers {
+                peers.stamp(req.headers_mut());
+            }
+            link.send(req).await
+        }
+    };
     match result {
         Ok(mut resp) => {
             let upgraded = match (public_upgrade, &upgrade) {
@@ -1467,6 +1670,10 @@ where
             };
             let (mut parts, body) = resp.into_parts();
             crate::forward::remove_hop_by_hop(&mut parts.headers, false);
+            if upgraded.is_some() && matches!(origin, Origin::Peer(_)) {
+                // The peer's stream is an extended CONNECT: 200 opens it.
+                return Response::from_parts(parts, Body::empty());
+            }
             if let Some(protocol) = upgraded {
                 parts.status = StatusCode::SWITCHING_PROTOCOLS;
                 parts.headers.insert(header::UPGRADE, protocol);
@@ -1477,14 +1684,24 @@ where
             }
             Response::from_parts(parts, Body::from(body))
         }
-        Err(e) => {
-            tracing::warn!(runtime, error = %e, "request through the tunnel failed");
-            error(
-                StatusCode::BAD_GATEWAY,
-                "the tunnel to this runtime failed",
-                Some(runtime),
-            )
-        }
+        Err(e) => match target {
+            Target::Tunnel(_) => {
+                tracing::warn!(runtime, error = %e, "request through the tunnel failed");
+                error(
+                    StatusCode::BAD_GATEWAY,
+                    "the tunnel to this runtime failed",
+                    Some(runtime),
+                )
+            }
+            Target::Peer(link) => {
+                tracing::warn!(runtime, peer = %link.addr, error = %e, "request through a peer failed");
+                error(
+                    StatusCode::BAD_GATEWAY,
+                    "the peer server holding this runtime's tunnel failed",
+                    Some(runtime),
+                )
+            }
+        },
     }
 }
 
@@ -1531,6 +1748,8 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                     "proxy_protocol": shared.tunnel_proxy_protocol,
                     "quic": shared.tunnel_quic,
                 },
+                "instance": shared.peers.as_ref().map(|p| p.instance.clone()),
+                "peers": shared.peers.as_ref().map(|p| p.snapshot()),
                 "runtimes": runtimes.iter().map(|r| serde_json::json!({
                     "id": r.id,
                     "connections": r.tunnels.len(),
@@ -1588,6 +1807,21 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                 "Public requests in flight per runtime.",
                 &per(&|r| r.tunnels.iter().map(|t| t.active as f64).sum()),
             );
+            if let Some(peers) = &shared.peers {
+                let peers = peers.snapshot();
+                let count =
+                    |up: bool| peers.iter().filter(|p| !p.itself && p.up == up).count() as f64;
+                metric(
+                    &mut out,
+                    "portcullis_tunnel_peers",
+                    "gauge",
+                    "Peer servers, by whether their last poll answered.",
+                    &[
+                        ("{state=\"up\"}".to_owned(), count(true)),
+                        ("{state=\"down\"}".to_owned(), count(false)),
+                    ],
+                );
+            }
             crate::metrics::render(&mut out);
             crate::admin::prometheus(out)
         }

@@ -28,7 +28,7 @@ pub fn hash_token(token: &str) -> String {
 }
 
 /// Compares in time independent of where the inputs differ.
-fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+pub(super) fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
     let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
     // Keep the compiler from turning the fold into an early exit.
     std::hint::black_box(diff) == 0

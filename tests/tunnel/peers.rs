@@ -1,0 +1,184 @@
+//! Tunnel-server replicas forwarding to each other (`--peers`,
+//! `--peer-listen`): a public request that reaches a replica holding no
+//! tunnel of its runtime is served through a peer that holds one.
+
+use super::*;
+
+/// The token the test's replicas share, in a file.
+fn peer_token_file() -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("peer-token");
+    std::fs::write(&file, "peer-token-0123456789\n").unwrap();
+    let path = file.display().to_string();
+    (dir, path)
+}
+
+/// A plain tunnel server with `extra` arguments.
+async fn replica(extra: &[&str]) -> TunnelServer {
+    let any = "127.0.0.1:0".parse().unwrap();
+    TunnelServer::start_in_with(tokens_dir(), any, any, extra).await
+}
+
+/// `/runtimes` on a peer listener, with `token` (none when `None`).
+async fn ask_peer(peer: SocketAddr, token: Option<&str>) -> Answer {
+    let mut req = Request::get(format!("http://{peer}/runtimes"));
+    if let Some(token) = token {
+        req = req.header("x-portcullis-peer-token", token);
+    }
+    client::send(&client::h2c(), req.body(body(Bytes::new())).unwrap()).await
+}
+
+/// Replica A has no tunnels; B holds rt-a's (an echo upstream) and rt-b's
+/// (a WebSocket echo). Requests to A for either runtime reach them
+/// through B: the client's address and forwarding headers as if B's own
+/// public side had taken them, a streamed body whole, a WebSocket both
+/// ways, the access line naming the peer. The peer port takes nothing
+/// without the shared token. When B goes away, A answers 503 again.
+#[tokio::test]
+async fn a_replica_without_the_runtimes_tunnel_serves_it_through_a_peer() {
+    let echo = upstream::echo("behind-b").await;
+    let ws = upstream::websocket_echo().await;
+    let (_token_dir, token) = peer_token_file();
+    let mut b = replica(&["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token]).await;
+    let b_peer = b.process.addrs["peer listening"];
+    let mut a = replica(&["--peers", &b_peer.to_string(), "--peer-token-file", &token]).await;
+    let url = echo.url();
+    let _rt_a = b.client("rt-a", TOKENS[0].1, &["--upstream", &url]).await;
+    let url = ws.url();
+    let _rt_b = b.client("rt-b", TOKENS[1].1, &["--upstream", &url]).await;
+
+    // Before A has heard of B's runtimes (or with no peers at all) this
+    // is a 503; the status shows when it has.
+    let status = a
+        .process
+        .wait_status("peer B holding two runtimes", |s| {
+            s["peers"][0]["runtimes"] == 2 && s["peers"][0]["up"] == true
+        })
+        .await;
+    assert_eq!(
+        status["peers"][0]["address"],
+        b_peer.to_string(),
+        "{status:#}"
+    );
+    assert_eq!(status["peers"][0]["self"], false, "{status:#}");
+
+    let answer = a.get("rt-a", "/via-a?x=1").await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let seen = answer.json();
+    assert_eq!(seen["upstream"], "behind-b");
+    assert_eq!(seen["target"], "/via-a?x=1");
+    assert!(
+        seen["headers"].get("x-portcullis-peer-token").is_none(),
+        "the peer token must not reach the runtime: {seen:#}"
+    );
+    let seen = a.streamed_post_with_forwarding_headers("rt-a").await;
+    assert!(
+        seen["headers"].get("x-portcullis-peer-token").is_none(),
+        "{seen:#}"
+    );
+    a.websocket_echo("rt-b").await;
+    let line = a.process.wait_for_log(&format!("peer {b_peer}")).await;
+    assert!(line.contains("/via-a"), "{line}");
+    let line = b.process.wait_for_log("from peer 127.0.0.1:").await;
+    assert!(line.contains("/via-a"), "{line}");
+
+    // Only peers with the token are answered.
+    assert_eq!(ask_peer(b_peer, None).await.status, 401);
+    assert_eq!(
+        ask_peer(b_peer, Some("peer-token-0123456788")).await.status,
+        401
+    );
+    let listed = ask_peer(b_peer, Some("peer-token-0123456789")).await;
+    assert_eq!(listed.status, 200, "{:?}", listed.body);
+    assert_eq!(
+        listed.json()["runtimes"],
+        serde_json::json!(["rt-a", "rt-b"])
+    );
+    let forged = Request::get(format!("http://{b_peer}/"))
+        .header("host", format!("rt-a.{DOMAIN}"))
+        .body(body(Bytes::new()))
+        .unwrap();
+    assert_eq!(client::send(&client::h2c(), forged).await.status, 401);
+    b.process.wait_for_log("wrong or missing peer token").await;
+
+    b.process.signal("KILL");
+    b.process.wait_exit(Duration::from_secs(10)).await;
+    a.process.wait_for_log("peer unreachable").await;
+    let answer = a.get("rt-a", "/after").await;
+    assert_eq!(answer.status, 503, "{:?}", answer.body);
+    assert_eq!(answer.json()["error"], "runtime is not connected");
+}
+
+/// A replica listed among its own peers (a headless Service's name
+/// resolves to every pod, itself included) knows itself by its instance
+/// id and does not forward to itself.
+#[tokio::test]
+async fn a_replica_among_its_own_peers_leaves_itself_out() {
+    let (_token_dir, token) = peer_token_file();
+    // The peer port is known only once bound, so the replica names
+    // itself through a port taken for it first.
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let listen = format!("127.0.0.1:{port}");
+    let a = replica(&[
+        "--peer-listen",
+        &listen,
+        "--peers",
+        &listen,
+        "--peer-token-file",
+        &token,
+    ])
+    .await;
+    let status = a
+        .process
+        .wait_status("itself among its peers", |s| s["peers"][0]["up"] == true)
+        .await;
+    assert_eq!(status["peers"][0]["self"], true, "{status:#}");
+    assert_eq!(
+        status["peers"][0]["instance"], status["instance"],
+        "{status:#}"
+    );
+    a.process
+        .metrics_showing(&["portcullis_tunnel_peers{state=\"up\"} 0".to_owned()])
+        .await;
+}
+
+/// A short or missing peer token stops the server at start, naming it.
+#[tokio::test]
+async fn a_missing_or_short_peer_token_is_refused_at_start() {
+    let dir = tokens_dir();
+    let tokens = dir.path().join("tokens.yaml").display().to_string();
+    let short = dir.path().join("short");
+    std::fs::write(&short, "tiny\n").unwrap();
+    let short = short.display().to_string();
+    let base = [
+        "tunnel-server",
+        "--public",
+        "127.0.0.1:0",
+        "--tunnel-listen",
+        "127.0.0.1:0",
+        "--domain",
+        DOMAIN,
+        "--tokens",
+        &tokens,
+        "--admin",
+        "off",
+        "--peers",
+        "127.0.0.1:1",
+    ];
+    for (extra, message) in [
+        (&[][..], "need the peers' token"),
+        (&["--peer-token-file", &short][..], "at least 16 characters"),
+    ] {
+        let out = std::process::Command::new(crate::support::binary())
+            .args(base.iter().chain(extra))
+            .env_remove("PORTCULLIS_PEER_TOKEN")
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(message), "{stderr}");
+    }
+}
