@@ -10,6 +10,7 @@ mod lifecycle;
 mod metrics;
 mod plugins;
 mod reload;
+mod request_id;
 mod routing;
 mod streaming;
 mod tls_upstream;

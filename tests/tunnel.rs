@@ -1360,6 +1360,29 @@ async fn a_client_keeps_tunnels_to_every_server_it_is_given() {
     assert!(a_slot["transport"].is_null(), "{status}");
 }
 
+/// The tunnel server gives each public request its id at the edge; the
+/// client's routing core keeps it, so both access lines, the upstream and
+/// the answer name the same request.
+#[tokio::test]
+async fn a_public_request_keeps_one_id_from_the_edge_to_the_upstream() {
+    let echo = upstream::echo("traced").await;
+    let mut server = TunnelServer::start().await;
+    let url = echo.url();
+    let mut client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let answer = server.get("rt-a", "/traced").await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let id = answer.header("x-request-id").expect("an id").to_owned();
+    assert_eq!(id.len(), 32, "{id}");
+    assert_eq!(answer.json()["headers"]["x-request-id"], id.as_str());
+    let logged = format!("\"request_id\":\"{id}\"");
+    let line = server.process.wait_for_log(&logged).await;
+    assert!(line.contains("/traced"), "{line}");
+    let line = client.wait_for_log(&logged).await;
+    assert!(line.contains("/traced"), "{line}");
+}
+
 #[tokio::test]
 async fn a_second_client_takes_over_its_runtime_and_the_first_stops() {
     let first_up = upstream::serve(|_req| async { Response::new(full("first")) }).await;

@@ -22,6 +22,7 @@ pub mod plugin;
 pub mod proxy_protocol;
 pub mod reload;
 pub mod request_head;
+pub mod request_id;
 pub mod router;
 pub mod server;
 pub mod shard;

@@ -322,7 +322,11 @@ impl Pipeline {
 
     /// Handles one request end to end. Never fails: every problem becomes
     /// an HTTP answer.
-    pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ResponseBody> {
+    pub async fn handle(
+        &self,
+        mut req: Request<Incoming>,
+        conn: &ConnInfo,
+    ) -> Response<ResponseBody> {
         let start = Instant::now();
         let watch = watchable(conn, req.version());
         let mut log = AccessLog::start(
@@ -332,8 +336,17 @@ impl Pipeline {
             conn.worker,
             start,
         );
+        let request_id = conn
+            .listener
+            .request_id
+            .then(|| crate::request_id::ensure(req.headers_mut()));
+        if let Some(log) = log.as_mut() {
+            log.request_id = request_id.clone();
+        }
         let mut stats = metrics::unrouted();
-        let (resp, held) = self.route_and_serve(req, conn, &mut log, &mut stats).await;
+        let (resp, held) = self
+            .route_and_serve(req, conn, (&mut log, request_id.as_ref()), &mut stats)
+            .await;
         let status = resp.status().as_u16();
         if let Some(log) = log.as_mut() {
             log.status = status;
@@ -343,7 +356,10 @@ impl Pipeline {
             status,
             start,
         };
-        let (parts, body) = resp.into_parts();
+        let (mut parts, body) = resp.into_parts();
+        if let Some(id) = request_id {
+            crate::request_id::answer_with(&mut parts.headers, id);
+        }
         Response::from_parts(
             parts,
             ResponseBody::new(body, log, Some(counted), held).watching(watch),
@@ -354,7 +370,7 @@ impl Pipeline {
         &self,
         req: Request<Incoming>,
         conn: &ConnInfo,
-        log: &mut Option<AccessLog>,
+        (log, request_id): (&mut Option<AccessLog>, Option<&HeaderValue>),
         stats: &mut &'static metrics::RouteStats,
     ) -> (Response<Body>, forward::Held) {
         let (mut parts, body) = req.into_parts();
@@ -560,7 +576,7 @@ impl Pipeline {
                         return (r, held.with_read_timeout(pool.spec.timeouts.read));
                     }
                     Err(e) => {
-                        log_forward_error(route, &pool.spec.name, &e);
+                        log_forward_error(route, &pool.spec.name, &e, request_id);
                         return (
                             error_response(
                                 e.status(),
@@ -581,15 +597,23 @@ impl Pipeline {
     }
 }
 
-fn log_forward_error(route: &Route, upstream: &str, e: &ForwardError) {
+fn log_forward_error(
+    route: &Route,
+    upstream: &str,
+    e: &ForwardError,
+    request_id: Option<&HeaderValue>,
+) {
+    let request_id = crate::request_id::text(request_id);
     match e {
         ForwardError::BadTarget(_) => {
-            tracing::info!(route = %route.name, upstream, error = %e, "bad request target")
+            tracing::info!(route = %route.name, upstream, request_id, error = %e, "bad request target")
         }
         ForwardError::RequestBody(_) | ForwardError::RequestBodyTimeout(_) => {
-            tracing::info!(route = %route.name, upstream, error = %e, "request body not received")
+            tracing::info!(route = %route.name, upstream, request_id, error = %e, "request body not received")
         }
-        _ => tracing::warn!(route = %route.name, upstream, error = %e, "upstream request failed"),
+        _ => {
+            tracing::warn!(route = %route.name, upstream, request_id, error = %e, "upstream request failed")
+        }
     }
 }
 

@@ -61,6 +61,8 @@ pub struct AccessLog {
     pub bytes_sent: u64,
     /// The response body ended in an error (upstream reset mid-body).
     pub aborted: bool,
+    /// The request's `X-Request-Id`.
+    pub request_id: Option<http::HeaderValue>,
 }
 
 impl AccessLog {
@@ -84,6 +86,7 @@ impl AccessLog {
             start,
             bytes_sent: 0,
             aborted: false,
+            request_id: None,
         })
     }
 }
@@ -106,6 +109,7 @@ impl Drop for AccessLog {
             client = %self.client,
             worker = self.worker,
             aborted = self.aborted,
+            request_id = crate::request_id::text(self.request_id.as_ref()),
         );
     }
 }

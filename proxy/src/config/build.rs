@@ -437,6 +437,7 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         });
     let trust_forwarded_headers = ctx.flag(&l.trust_forwarded_headers, false);
     let proxy_protocol = ctx.flag(&l.proxy_protocol, false);
+    let request_id = ctx.flag(&l.request_id, true);
     Some(Listener {
         name: name?,
         bind: bind?,
@@ -446,6 +447,7 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         max_request_header_size,
         trust_forwarded_headers,
         proxy_protocol,
+        request_id,
         defined_at: ctx.pos(&raw.referenced),
     })
 }

@@ -112,6 +112,7 @@ pub struct RawListener {
     pub max_request_header_size: Option<Text>,
     pub trust_forwarded_headers: Option<Text>,
     pub proxy_protocol: Option<Text>,
+    pub request_id: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

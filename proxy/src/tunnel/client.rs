@@ -260,6 +260,8 @@ impl Dialer {
                 // The tunnel server sets X-Forwarded-Proto and -Host.
                 trust_forwarded_headers: true,
                 proxy_protocol: false,
+                // The tunnel server gave each request its id.
+                request_id: true,
                 defined_at: crate::config::Pos {
                     file: "--server".into(),
                     line: 0,

@@ -1395,7 +1395,7 @@ enum Origin {
 /// part) and the runtime's metrics written when the response body ends,
 /// as the routing core does.
 async fn respond<B>(
-    req: Request<B>,
+    mut req: Request<B>,
     client: SocketAddr,
     worker: usize,
     shared: &Shared,
@@ -1412,8 +1412,12 @@ where
         worker,
         start,
     );
+    // Every public request gets its id here, at the edge (a peer's
+    // carries the one its public side gave it).
+    let request_id = crate::request_id::ensure(req.headers_mut());
     if let Some(log) = log.as_mut() {
         log.upstream = host_of(&req).map(Into::into);
+        log.request_id = Some(request_id.clone());
         if let Origin::Peer(from) = origin {
             log.route = Some(format!("from peer {from}").into());
         }
@@ -1428,6 +1432,7 @@ where
     {
         resp.headers_mut().insert(header::ALT_SVC, alt_svc.clone());
     }
+    crate::request_id::answer_with(resp.headers_mut(), request_id);
     let status = resp.status().as_u16();
     let log = log.map(|mut log| {
         log.status = status;
@@ -1643,6 +1648,7 @@ where
     } else {
         body.into()
     };
+    let request_id = parts.headers.get(crate::request_id::HEADER).cloned();
     let mut req = Request::from_parts(parts, body);
     let result = match &target {
         Target::Tunnel(tunnel) => {
@@ -1686,7 +1692,8 @@ where
         }
         Err(e) => match target {
             Target::Tunnel(_) => {
-                tracing::warn!(runtime, error = %e, "request through the tunnel failed");
+                let request_id = crate::request_id::text(request_id.as_ref());
+                tracing::warn!(runtime, request_id, error = %e, "request through the tunnel failed");
                 error(
                     StatusCode::BAD_GATEWAY,
                     "the tunnel to this runtime failed",
@@ -1694,7 +1701,8 @@ where
                 )
             }
             Target::Peer(link) => {
-                tracing::warn!(runtime, peer = %link.addr, error = %e, "request through a peer failed");
+                let request_id = crate::request_id::text(request_id.as_ref());
+                tracing::warn!(runtime, peer = %link.addr, request_id, error = %e, "request through a peer failed");
                 error(
                     StatusCode::BAD_GATEWAY,
                     "the peer server holding this runtime's tunnel failed",
