@@ -49,7 +49,7 @@ fn is_new_id(id: &str) -> bool {
 #[tokio::test]
 async fn each_request_carries_one_id_upstream_into_the_logs_and_back() {
     let echo = upstream::echo("ids").await;
-    let mut proxy = proxy_to(&echo, "").await;
+    let mut proxy = proxy_to(&echo, ", request_id: make").await;
 
     let answer = get(&proxy, "/made", None).await;
     assert_eq!(answer.status, 200);
@@ -85,15 +85,46 @@ async fn each_request_carries_one_id_upstream_into_the_logs_and_back() {
     assert!(line.contains("\"request_id\":\"failing-1\""), "{line}");
 }
 
+/// By default a listener logs the id a request brings (an ingress
+/// controller's, the tunnel server's) and makes none; `off` ignores ids.
 #[tokio::test]
-async fn a_listener_can_leave_request_ids_alone() {
-    let echo = upstream::echo("no-ids").await;
-    let proxy = proxy_to(&echo, ", request_id: false").await;
-    let answer = get(&proxy, "/", None).await;
+async fn by_default_ids_are_kept_and_logged_but_not_made() {
+    let echo = upstream::echo("keep").await;
+    let mut proxy = proxy_to(&echo, "").await;
+    let answer = get(&proxy, "/none", None).await;
     assert_eq!(answer.status, 200);
     assert_eq!(answer.header("x-request-id"), None);
     assert!(answer.json()["headers"].get("x-request-id").is_none());
-    // One the client sends still passes, untouched.
-    let answer = get(&proxy, "/", Some(&"y".repeat(200))).await;
+    let answer = get(&proxy, "/given", Some("ingress-42")).await;
+    assert_eq!(answer.json()["headers"]["x-request-id"], "ingress-42");
+    assert_eq!(
+        answer.header("x-request-id"),
+        None,
+        "not echoed: not made here"
+    );
+    let line = proxy.wait_for_log("\"request_id\":\"ingress-42\"").await;
+    assert!(line.contains("/given"), "{line}");
+
+    let mut off = proxy_to(&echo, ", request_id: off").await;
+    let answer = get(&off, "/ignored", Some(&"y".repeat(200))).await;
     assert_eq!(answer.json()["headers"]["x-request-id"], "y".repeat(200));
+    assert_eq!(answer.header("x-request-id"), None);
+    let line = off.wait_for_log("/ignored").await;
+    assert!(line.contains("\"request_id\":\"-\""), "{line}");
+}
+
+#[test]
+fn an_unknown_request_id_mode_is_reported_with_its_place() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("a.yaml"),
+        "listeners: [{ name: http, bind: \"127.0.0.1:0\", request_id: always }]\n",
+    )
+    .unwrap();
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains("a.yaml:1:") && stderr.contains("`always` is not a request id mode"),
+        "{stderr}"
+    );
 }

@@ -21,6 +21,7 @@ use crate::body::{Body, ResponseBody};
 use crate::client_watch::ClientSocket;
 use crate::config::{Action, Config, Cors, Listener, PathRewrite, Probe, Route};
 use crate::forward::{self, ForwardError, Outgoing, UpstreamPool};
+use crate::request_id::RequestIds;
 use crate::telemetry::AccessLog;
 use crate::{chain, metrics, plugin, request_head};
 
@@ -336,10 +337,11 @@ impl Pipeline {
             conn.worker,
             start,
         );
-        let request_id = conn
-            .listener
-            .request_id
-            .then(|| crate::request_id::ensure(req.headers_mut()));
+        let (request_id, made) = match conn.listener.request_id {
+            RequestIds::Keep => (req.headers().get(crate::request_id::HEADER).cloned(), false),
+            RequestIds::Make => (Some(crate::request_id::ensure(req.headers_mut())), true),
+            RequestIds::Off => (None, false),
+        };
         if let Some(log) = log.as_mut() {
             log.request_id = request_id.clone();
         }
@@ -357,7 +359,7 @@ impl Pipeline {
             start,
         };
         let (mut parts, body) = resp.into_parts();
-        if let Some(id) = request_id {
+        if made && let Some(id) = request_id {
             crate::request_id::answer_with(&mut parts.headers, id);
         }
         Response::from_parts(

@@ -26,6 +26,7 @@ use super::{
     LocalResponse, PathRewrite, PluginModule, PluginUse, Pos, Probe, Route, Target, Timeouts,
     TlsSettings, Upstream,
 };
+use crate::request_id::RequestIds;
 use crate::router::{HostMatch, Router};
 
 const DEFAULT_MAX_CONNECTIONS: usize = 16_384;
@@ -437,7 +438,15 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         });
     let trust_forwarded_headers = ctx.flag(&l.trust_forwarded_headers, false);
     let proxy_protocol = ctx.flag(&l.proxy_protocol, false);
-    let request_id = ctx.flag(&l.request_id, true);
+    let request_id = ctx.parse_or(&l.request_id, RequestIds::Keep, |s| match s {
+        "keep" => Ok(RequestIds::Keep),
+        // YAML reads a bare `off` as false (and `on` as true).
+        "make" | "true" => Ok(RequestIds::Make),
+        "off" | "false" => Ok(RequestIds::Off),
+        _ => Err(format!(
+            "`{s}` is not a request id mode; use keep, make or off"
+        )),
+    });
     Some(Listener {
         name: name?,
         bind: bind?,

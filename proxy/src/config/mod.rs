@@ -185,8 +185,8 @@ pub struct Listener {
     /// Connections start with a PROXY protocol header (version 1 or 2)
     /// giving the client's address (behind a TCP balancer).
     pub proxy_protocol: bool,
-    /// Keep or make each request's `X-Request-Id` (see `request_id`).
-    pub request_id: bool,
+    /// What the listener does with each request's `X-Request-Id`.
+    pub request_id: crate::request_id::RequestIds,
     /// Where the listener was defined.
     pub defined_at: Pos,
 }

@@ -261,7 +261,7 @@ impl Dialer {
                 trust_forwarded_headers: true,
                 proxy_protocol: false,
                 // The tunnel server gave each request its id.
-                request_id: true,
+                request_id: crate::request_id::RequestIds::Keep,
                 defined_at: crate::config::Pos {
                     file: "--server".into(),
                     line: 0,
