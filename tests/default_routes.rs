@@ -136,3 +136,42 @@ async fn paths_with_dot_segments_are_routed_after_normalising() {
     assert_eq!(a.json()["upstream"], "app-proxy");
     assert_eq!(a.json()["path"], "/app-proxy/api");
 }
+
+/// app-proxy's and argo-server's JSON is gzipped for clients that take
+/// it, as the replaced nginx did (`gzip on`); webhook answers are not.
+#[tokio::test]
+async fn ui_and_workflow_answers_are_gzipped_for_clients_that_take_it() {
+    use std::io::Write;
+    let s = default_stack().await;
+    // The echo's JSON repeats the headers: this one makes it long enough.
+    let pad = "p".repeat(4000);
+    for (path, upstream, compressed) in [
+        ("/app-proxy/api/graphql", "app-proxy", true),
+        ("/workflows/api/v1/workflows/argo", "argo-server", true),
+        ("/webhooks/argo-events/github/push", "eventsource", false),
+    ] {
+        let req = Request::get(s.proxy.url(path))
+            .header("accept-encoding", "gzip, deflate, br")
+            .header("x-pad", &pad)
+            .body(body(Bytes::new()))
+            .unwrap();
+        let a = client::send(&client::http1(), req).await;
+        assert_eq!(a.status, 200, "{path}");
+        let json = if compressed {
+            assert_eq!(a.header("content-encoding"), Some("gzip"), "{path}");
+            assert!(
+                a.body.len() < pad.len() / 4,
+                "{path}: {} bytes",
+                a.body.len()
+            );
+            let mut out = flate2::write::GzDecoder::new(Vec::new());
+            out.write_all(&a.body).unwrap();
+            serde_json::from_slice::<serde_json::Value>(&out.finish().unwrap()).unwrap()
+        } else {
+            assert_eq!(a.header("content-encoding"), None, "{path}");
+            a.json()
+        };
+        assert_eq!(json["upstream"], upstream, "{path}");
+        assert_eq!(json["headers"]["x-pad"], pad.as_str(), "{path}");
+    }
+}

@@ -4,6 +4,7 @@
 mod support;
 
 mod check_cli;
+mod compression;
 mod default_routes;
 mod errors;
 mod lifecycle;

@@ -12,6 +12,7 @@ pub mod cert_files;
 pub mod chain;
 pub mod client_watch;
 pub mod commands;
+pub mod compress;
 pub mod config;
 pub mod drain;
 pub mod forward;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use http::header::{self, HeaderValue};
 use http::uri::PathAndQuery;
-use http::{Request, Response, StatusCode, Version};
+use http::{Method, Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
 use tokio_util::task::TaskTracker;
 
@@ -421,6 +421,10 @@ impl Pipeline {
         if let Some(log) = log.as_mut() {
             log.route = Some(route.name.clone());
         }
+        // Read before the headers go upstream; only routes that compress
+        // look.
+        let gzip = route.compress.is_some() && crate::compress::accepts_gzip(&parts.headers);
+        let head = parts.method == Method::HEAD;
         *stats = self.stats[found.route];
         // The route's plugins run first, whatever the action, except for
         // health probes (a plugin must not make a pod look dead).
@@ -575,6 +579,9 @@ impl Pipeline {
                         if !route.response_headers.is_empty() {
                             route.response_headers.apply(r.headers_mut());
                         }
+                        if let Some(settings) = &route.compress {
+                            r = crate::compress::apply(settings, gzip, head, r);
+                        }
                         return (r, held.with_read_timeout(pool.spec.timeouts.read));
                     }
                     Err(e) => {
@@ -594,6 +601,9 @@ impl Pipeline {
         };
         if !route.response_headers.is_empty() {
             route.response_headers.apply(resp.headers_mut());
+        }
+        if let Some(settings) = &route.compress {
+            resp = crate::compress::apply(settings, gzip, head, resp);
         }
         (resp, forward::Held::default())
     }

@@ -16,8 +16,8 @@ use serde_saphyr::{Location, Spanned};
 
 use super::envsubst::expand;
 use super::raw::{
-    PolicyFile, RawCors, RawHeaderEdits, RawListener, RawPlugin, RawPluginUse, RawRoute,
-    RawUpstream, Text, TextMap,
+    PolicyFile, RawCompress, RawCors, RawHeaderEdits, RawListener, RawPlugin, RawPluginUse,
+    RawRoute, RawUpstream, Text, TextMap,
 };
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
@@ -26,6 +26,7 @@ use super::{
     LocalResponse, PathRewrite, PluginModule, PluginUse, Pos, Probe, Route, Target, Timeouts,
     TlsSettings, Upstream,
 };
+use crate::compress::Compression;
 use crate::request_id::RequestIds;
 use crate::router::{HostMatch, Router};
 
@@ -856,6 +857,7 @@ fn route(
     let response_headers = ctx.header_edits(&r.response_headers);
     let websocket = ctx.flag(&r.websocket, false);
     let error_cors = r.error_cors.as_ref().map(|c| cors(ctx, c));
+    let compress = r.compress.as_ref().and_then(|c| compression(ctx, c));
     let plugins = r
         .plugins
         .iter()
@@ -873,12 +875,59 @@ fn route(
             timeout,
             websocket,
             error_cors,
+            compress,
             plugins,
             defined_at: ctx.pos(&raw.referenced),
         },
         host,
         patterns,
     ))
+}
+
+fn compression(ctx: &mut Ctx, raw: &Spanned<RawCompress>) -> Option<Compression> {
+    use crate::compress::{DEFAULT_LEVEL, DEFAULT_MIN_SIZE, DEFAULT_TYPES};
+    let settings = match &raw.value {
+        RawCompress::Flag(flag) => {
+            let flag = Spanned::new(flag.clone(), raw.referenced, raw.defined);
+            return ctx.flag(&Some(flag), false).then(|| Compression {
+                types: DEFAULT_TYPES.iter().map(|t| t.to_string()).collect(),
+                min_size: DEFAULT_MIN_SIZE,
+                level: DEFAULT_LEVEL,
+            });
+        }
+        RawCompress::Settings(settings) => settings,
+    };
+    let types = match &settings.types {
+        None => DEFAULT_TYPES.iter().map(|t| t.to_string()).collect(),
+        Some(list) => list
+            .iter()
+            .filter_map(|t| {
+                ctx.parse(t, |s| {
+                    let s = s.trim().to_ascii_lowercase();
+                    match s.split_once('/') {
+                        Some((kind, sub)) if !kind.is_empty() && !sub.is_empty() && kind != "*" => {
+                            Ok(s)
+                        }
+                        _ => Err(format!(
+                            "`{s}` is not a media type; write it like application/json or text/*"
+                        )),
+                    }
+                })
+            })
+            .collect(),
+    };
+    let min_size = ctx.parse_or(&settings.min_size, DEFAULT_MIN_SIZE, parse_size);
+    let level = ctx.parse_or(&settings.level, DEFAULT_LEVEL, |s| match s.parse::<u32>() {
+        Ok(n @ 1..=9) => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a gzip level; use 1 (fastest) to 9 (smallest)"
+        )),
+    });
+    Some(Compression {
+        types,
+        min_size,
+        level,
+    })
 }
 
 fn cors(ctx: &mut Ctx, raw: &Spanned<RawCors>) -> Cors {

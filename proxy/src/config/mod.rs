@@ -423,6 +423,8 @@ pub struct Route {
     pub websocket: bool,
     /// CORS headers on the proxy's own error answers.
     pub error_cors: Option<Cors>,
+    /// Responses compressed for clients that take gzip.
+    pub compress: Option<crate::compress::Compression>,
     /// Plugins run on this route, in order (after the global ones).
     pub plugins: Vec<PluginUse>,
     /// Where the route was defined.

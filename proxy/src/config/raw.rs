@@ -166,8 +166,48 @@ pub struct RawRoute {
     pub timeout: Option<Text>,
     pub websocket: Option<Text>,
     pub error_cors: Option<Spanned<RawCors>>,
+    pub compress: Option<Spanned<RawCompress>>,
     #[serde(default)]
     pub plugins: Vec<Spanned<RawPluginUse>>,
+}
+
+/// A route's `compress`: `true`/`false` (or a `${VAR}` giving one), or
+/// the settings, which turn it on.
+#[derive(Debug)]
+pub enum RawCompress {
+    Flag(Scalar),
+    Settings(RawCompressSettings),
+}
+
+impl<'de> Deserialize<'de> for RawCompress {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct CompressVisitor;
+        impl<'de> Visitor<'de> for CompressVisitor {
+            type Value = RawCompress;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("true, false, or a map of types, min_size and level")
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<RawCompress, E> {
+                Ok(RawCompress::Flag(Scalar(v.to_string())))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<RawCompress, E> {
+                Ok(RawCompress::Flag(Scalar(v.to_owned())))
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<RawCompress, A::Error> {
+                RawCompressSettings::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(RawCompress::Settings)
+            }
+        }
+        d.deserialize_any(CompressVisitor)
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCompressSettings {
+    pub types: Option<Vec<Text>>,
+    pub min_size: Option<Text>,
+    pub level: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]
