@@ -41,7 +41,7 @@ print("\n".join(str(s.getsockname()[1]) for s in socks))' "$1"
 }
 
 # The upstream on $1: one nginx worker answering a small fixed body (and
-# serving $WORK/big.bin at /big when it exists).
+# serving $WORK/big.bin at /big and $WORK/list.json when they exist).
 start_upstream() {
   mkdir -p "$WORK/up"
   cat > "$WORK/up/nginx.conf" <<CONF
@@ -57,6 +57,8 @@ http {
     location / { return 200 "hello from upstream\n"; }
     # A large file for throughput runs (bench/tunnel.sh writes it).
     location = /big { alias $WORK/big.bin; }
+    # A JSON document (bench/compress.sh writes it).
+    location = /list.json { default_type application/json; alias $WORK/list.json; }
   }
 }
 CONF
