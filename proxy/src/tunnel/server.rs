@@ -438,6 +438,7 @@ impl TunnelServer {
             Some(peers) => Some(Arc::new(super::peers::Peers::new(
                 peers,
                 super::client::instance_id(),
+                workers,
             )?)),
             None => None,
         };
@@ -1553,7 +1554,7 @@ where
     }
     let tunnel = shared.registry.pick(runtime, worker);
     let holder = match (&tunnel, origin, &shared.peers) {
-        (None, Origin::Public, Some(peers)) => peers.holder(runtime),
+        (None, Origin::Public, Some(peers)) => peers.holder(runtime, worker),
         _ => None,
     };
     let target = match (tunnel, holder) {
