@@ -182,3 +182,31 @@ async fn a_missing_or_short_peer_token_is_refused_at_start() {
         assert!(stderr.contains(message), "{stderr}");
     }
 }
+
+/// A rolling restart: the replica holding the tunnel is stopped while a
+/// request a peer forwarded to it is in flight. It stops taking new
+/// ones, finishes that one (through its tunnel, which closes only
+/// after), and exits cleanly; the forwarding replica's client gets the
+/// answer.
+#[tokio::test]
+async fn a_stopping_peer_finishes_the_requests_forwarded_to_it() {
+    let (up, mut arrived, release) = holding_upstream().await;
+    let (_token_dir, token) = peer_token_file();
+    let mut b = replica(&["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token]).await;
+    let b_peer = b.process.addrs["peer listening"];
+    let a = replica(&["--peers", &b_peer.to_string(), "--peer-token-file", &token]).await;
+    let url = up.url();
+    let _client = b.client("rt-a", TOKENS[0].1, &["--upstream", &url]).await;
+    a.process
+        .wait_status("peer B holding rt-a", |s| s["peers"][0]["runtimes"] == 1)
+        .await;
+    let in_flight = a.slow_in_flight("rt-a", &mut arrived).await;
+    b.process.signal("TERM");
+    b.process.wait_for_log("shutting down").await;
+    release.notify_one();
+    let answer = in_flight.await.unwrap();
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert_eq!(answer.body, "done /slow");
+    let status = b.process.wait_exit(Duration::from_secs(20)).await;
+    assert!(status.success(), "{status:?}");
+}
