@@ -31,9 +31,49 @@ fn json_of(n: usize) -> String {
 }
 
 fn gunzip(data: &[u8]) -> Vec<u8> {
-    let mut out = flate2::write::GzDecoder::new(Vec::new());
-    out.write_all(data).expect("a gzip stream");
-    out.finish().expect("a whole gzip stream")
+    let mut out = Decoder::new("gzip");
+    out.push(data);
+    out.finish()
+}
+
+/// A streaming decoder for `coding` (`gzip` or `br`).
+enum Decoder {
+    Gzip(Box<flate2::write::GzDecoder<Vec<u8>>>),
+    Brotli(Box<brotli::DecompressorWriter<Vec<u8>>>),
+}
+
+impl Decoder {
+    fn new(coding: &str) -> Decoder {
+        match coding {
+            "gzip" => Decoder::Gzip(Box::new(flate2::write::GzDecoder::new(Vec::new()))),
+            "br" => Decoder::Brotli(Box::new(brotli::DecompressorWriter::new(Vec::new(), 4096))),
+            other => panic!("no decoder for {other}"),
+        }
+    }
+
+    /// Decodes `data`; returns all the output so far.
+    fn push(&mut self, data: &[u8]) -> &[u8] {
+        match self {
+            Decoder::Gzip(d) => {
+                d.write_all(data).expect("a gzip stream");
+                d.flush().unwrap();
+                d.get_ref()
+            }
+            Decoder::Brotli(d) => {
+                d.write_all(data).expect("a brotli stream");
+                d.flush().unwrap();
+                d.get_ref()
+            }
+        }
+    }
+
+    /// The whole output, checking the stream ended properly.
+    fn finish(self) -> Vec<u8> {
+        match self {
+            Decoder::Gzip(d) => d.finish().expect("a whole gzip stream"),
+            Decoder::Brotli(d) => d.into_inner().expect("a whole brotli stream"),
+        }
+    }
 }
 
 /// An upstream answering by path: `/json` 20 KB of JSON with a strong
@@ -95,22 +135,36 @@ async fn get(proxy: &Proxy, method: &str, path: &str, accept: Option<&str>) -> A
 }
 
 #[tokio::test]
-async fn json_is_gzipped_for_clients_that_take_it_and_left_alone_otherwise() {
+async fn json_is_compressed_for_clients_that_take_it_and_left_alone_otherwise() {
     let up = typed_upstream().await;
     let proxy = compressing_proxy(&up, "true").await;
     let plain = json_of(20_000);
 
-    let a = get(&proxy, "GET", "/json", Some("br, gzip;q=0.8")).await;
-    assert_eq!(a.status, 200);
-    assert_eq!(a.header("content-encoding"), Some("gzip"));
-    assert_eq!(a.header("content-length"), None);
-    assert_eq!(a.header("vary"), Some("accept-encoding"));
-    assert_eq!(a.header("etag"), Some("W/\"v1\""));
-    assert!(a.body.len() < plain.len() / 4, "{} bytes", a.body.len());
-    assert_eq!(gunzip(&a.body), plain.as_bytes());
+    // What browsers send gets brotli; a client weighing gzip higher, or
+    // naming only gzip, gets gzip.
+    for (accept, coding) in [
+        ("gzip, deflate, br, zstd", "br"),
+        ("br;q=0.5, gzip", "gzip"),
+        ("gzip", "gzip"),
+    ] {
+        let a = get(&proxy, "GET", "/json", Some(accept)).await;
+        assert_eq!(a.status, 200);
+        assert_eq!(a.header("content-encoding"), Some(coding), "{accept}");
+        assert_eq!(a.header("content-length"), None);
+        assert_eq!(a.header("vary"), Some("accept-encoding"));
+        assert_eq!(a.header("etag"), Some("W/\"v1\""));
+        assert!(
+            a.body.len() < plain.len() / 4,
+            "{accept}: {} bytes",
+            a.body.len()
+        );
+        let mut decoder = Decoder::new(coding);
+        decoder.push(&a.body);
+        assert_eq!(decoder.finish(), plain.as_bytes(), "{accept}");
+    }
 
     // Not asked for, or refused: the upstream's bytes, still with Vary.
-    for accept in [None, Some("gzip;q=0"), Some("br")] {
+    for accept in [None, Some("gzip;q=0"), Some("deflate")] {
         let a = get(&proxy, "GET", "/json", accept).await;
         assert_eq!(a.header("content-encoding"), None, "{accept:?}");
         assert_eq!(a.body, plain.as_bytes(), "{accept:?}");
@@ -144,8 +198,12 @@ async fn json_is_gzipped_for_clients_that_take_it_and_left_alone_otherwise() {
 #[tokio::test]
 async fn settings_pick_types_and_size_and_routes_without_compress_are_untouched() {
     let up = typed_upstream().await;
-    let proxy = compressing_proxy(&up, r#"{ types: ["image/*"], min_size: 50, level: 9 }"#).await;
-    let a = get(&proxy, "GET", "/png", Some("gzip")).await;
+    let proxy = compressing_proxy(
+        &up,
+        r#"{ types: ["image/*"], min_size: 50, level: 9, brotli: false }"#,
+    )
+    .await;
+    let a = get(&proxy, "GET", "/png", Some("br, gzip")).await;
     assert_eq!(a.header("content-encoding"), Some("gzip"));
     assert_eq!(gunzip(&a.body), json_of(20_000).as_bytes());
     let a = get(&proxy, "GET", "/json", Some("gzip")).await;
@@ -159,9 +217,14 @@ async fn settings_pick_types_and_size_and_routes_without_compress_are_untouched(
 
 /// Each frame the upstream sends is flushed compressed at once: the
 /// first line of a stream is readable by the client while the upstream
-/// still holds the second.
+/// still holds the second, with either coding.
 #[tokio::test]
 async fn a_compressed_stream_is_not_held_back() {
+    stream_not_held_back("gzip").await;
+    stream_not_held_back("br").await;
+}
+
+async fn stream_not_held_back(coding: &str) {
     let release = Arc::new(Notify::new());
     let hold = release.clone();
     let up = upstream::serve(move |_req| {
@@ -189,32 +252,31 @@ async fn a_compressed_stream_is_not_held_back() {
     .await;
     let proxy = compressing_proxy(&up, "true").await;
     let req = Request::get(proxy.url("/stream"))
-        .header("accept-encoding", "gzip")
+        .header("accept-encoding", coding)
         .body(body(Bytes::new()))
         .unwrap();
     let resp = client::http1().request(req).await.unwrap();
-    assert_eq!(resp.headers()["content-encoding"], "gzip");
+    assert_eq!(resp.headers()["content-encoding"], coding);
     let mut stream = resp.into_body();
-    let mut decoder = flate2::write::GzDecoder::new(Vec::new());
+    let mut decoder = Decoder::new(coding);
     let first = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
             let frame = stream.frame().await.expect("a frame").expect("no error");
             if let Ok(data) = frame.into_data() {
-                decoder.write_all(&data).unwrap();
-                decoder.flush().unwrap();
-                if decoder.get_ref().ends_with(b"\n") {
-                    return decoder.get_ref().clone();
+                let out = decoder.push(&data);
+                if out.ends_with(b"\n") {
+                    return out.to_vec();
                 }
             }
         }
     })
     .await
-    .expect("the first line before the upstream sent the second");
-    assert_eq!(first, line_text("first").as_bytes());
+    .unwrap_or_else(|_| panic!("{coding}: the first line before the upstream sent the second"));
+    assert_eq!(first, line_text("first").as_bytes(), "{coding}");
     release.notify_one();
     let rest = stream.collect().await.unwrap().to_bytes();
-    decoder.write_all(&rest).unwrap();
-    let whole = decoder.finish().unwrap();
+    decoder.push(&rest);
+    let whole = decoder.finish();
     assert_eq!(
         whole,
         [line_text("first"), line_text("second")]
@@ -245,6 +307,7 @@ routes:
   - { name: a, match: { path: /a }, upstream: e, compress: maybe }
   - { name: b, match: { path: /b }, upstream: e, compress: { level: 12 } }
   - { name: c, match: { path: /c }, upstream: e, compress: { types: [json] } }
+  - { name: e, match: { path: /e }, upstream: e, compress: { brotli: 12 } }
 "#,
     )
     .unwrap();
@@ -261,6 +324,7 @@ routes:
         ("a.yaml:4:", "`maybe` is not a boolean"),
         ("a.yaml:5:", "`12` is not a gzip level"),
         ("a.yaml:6:", "`json` is not a media type"),
+        ("a.yaml:7:", "`12` is not a brotli quality"),
         ("b.yaml:2:", "unknown field `speed`"),
     ] {
         assert!(

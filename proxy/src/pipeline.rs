@@ -423,7 +423,10 @@ impl Pipeline {
         }
         // Read before the headers go upstream; only routes that compress
         // look.
-        let gzip = route.compress.is_some() && crate::compress::accepts_gzip(&parts.headers);
+        let coding = route
+            .compress
+            .as_ref()
+            .and_then(|c| crate::compress::negotiate(&parts.headers, c));
         let head = parts.method == Method::HEAD;
         *stats = self.stats[found.route];
         // The route's plugins run first, whatever the action, except for
@@ -580,7 +583,7 @@ impl Pipeline {
                             route.response_headers.apply(r.headers_mut());
                         }
                         if let Some(settings) = &route.compress {
-                            r = crate::compress::apply(settings, gzip, head, r);
+                            r = crate::compress::apply(settings, coding, head, r);
                         }
                         return (r, held.with_read_timeout(pool.spec.timeouts.read));
                     }
@@ -603,7 +606,7 @@ impl Pipeline {
             route.response_headers.apply(resp.headers_mut());
         }
         if let Some(settings) = &route.compress {
-            resp = crate::compress::apply(settings, gzip, head, resp);
+            resp = crate::compress::apply(settings, coding, head, resp);
         }
         (resp, forward::Held::default())
     }

@@ -885,7 +885,7 @@ fn route(
 }
 
 fn compression(ctx: &mut Ctx, raw: &Spanned<RawCompress>) -> Option<Compression> {
-    use crate::compress::{DEFAULT_LEVEL, DEFAULT_MIN_SIZE, DEFAULT_TYPES};
+    use crate::compress::{DEFAULT_BROTLI, DEFAULT_LEVEL, DEFAULT_MIN_SIZE, DEFAULT_TYPES};
     let settings = match &raw.value {
         RawCompress::Flag(flag) => {
             let flag = Spanned::new(flag.clone(), raw.referenced, raw.defined);
@@ -893,6 +893,7 @@ fn compression(ctx: &mut Ctx, raw: &Spanned<RawCompress>) -> Option<Compression>
                 types: DEFAULT_TYPES.iter().map(|t| t.to_string()).collect(),
                 min_size: DEFAULT_MIN_SIZE,
                 level: DEFAULT_LEVEL,
+                brotli: Some(DEFAULT_BROTLI),
             });
         }
         RawCompress::Settings(settings) => settings,
@@ -923,10 +924,22 @@ fn compression(ctx: &mut Ctx, raw: &Spanned<RawCompress>) -> Option<Compression>
             "`{s}` is not a gzip level; use 1 (fastest) to 9 (smallest)"
         )),
     });
+    let brotli = ctx.parse_or(&settings.brotli, Some(DEFAULT_BROTLI), |s| match s {
+        // YAML reads a bare `off` as false.
+        "false" | "off" => Ok(None),
+        "true" => Ok(Some(DEFAULT_BROTLI)),
+        _ => match s.parse::<u32>() {
+            Ok(n @ 0..=11) => Ok(Some(n)),
+            _ => Err(format!(
+                "`{s}` is not a brotli quality; use 0 (fastest) to 11 (smallest), or false"
+            )),
+        },
+    });
     Some(Compression {
         types,
         min_size,
         level,
+        brotli,
     })
 }
 

@@ -176,7 +176,8 @@ pub struct RawRoute {
 #[derive(Debug)]
 pub enum RawCompress {
     Flag(Scalar),
-    Settings(RawCompressSettings),
+    /// Boxed: a map of five fields next to one scalar.
+    Settings(Box<RawCompressSettings>),
 }
 
 impl<'de> Deserialize<'de> for RawCompress {
@@ -185,7 +186,7 @@ impl<'de> Deserialize<'de> for RawCompress {
         impl<'de> Visitor<'de> for CompressVisitor {
             type Value = RawCompress;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("true, false, or a map of types, min_size and level")
+                f.write_str("true, false, or a map of types, min_size, level and brotli")
             }
             fn visit_bool<E: de::Error>(self, v: bool) -> Result<RawCompress, E> {
                 Ok(RawCompress::Flag(Scalar(v.to_string())))
@@ -195,7 +196,7 @@ impl<'de> Deserialize<'de> for RawCompress {
             }
             fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<RawCompress, A::Error> {
                 RawCompressSettings::deserialize(de::value::MapAccessDeserializer::new(map))
-                    .map(RawCompress::Settings)
+                    .map(|settings| RawCompress::Settings(Box::new(settings)))
             }
         }
         d.deserialize_any(CompressVisitor)
@@ -208,6 +209,7 @@ pub struct RawCompressSettings {
     pub types: Option<Vec<Text>>,
     pub min_size: Option<Text>,
     pub level: Option<Text>,
+    pub brotli: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]
