@@ -330,8 +330,9 @@ pub struct TunnelServer {
     h3: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
     /// The UDP socket and QUIC settings for QUIC tunnels (`--tunnel-quic`).
     tunnel_quic: Option<(std::net::UdpSocket, quinn::ServerConfig)>,
-    /// Where peers forward requests to this server (`--peer-listen`).
-    peer_listener: Option<std::net::TcpListener>,
+    /// Where peers forward requests to this server (`--peer-listen`):
+    /// one socket per worker (SO_REUSEPORT), empty when off.
+    peer_listeners: Vec<std::net::TcpListener>,
     shared: Arc<Shared>,
 }
 
@@ -442,17 +443,21 @@ impl TunnelServer {
             )?)),
             None => None,
         };
-        // A std socket: it is registered with the first worker's event
-        // loop, which serves it (see `run`).
-        let peer_listener = match options.peers.as_ref().and_then(|p| p.listen) {
-            Some(addr) => {
-                let listener = std::net::TcpListener::bind(addr)
-                    .with_context(|| format!("cannot bind the peer listener on {addr}"))?;
-                listener.set_nonblocking(true)?;
-                Some(listener)
+        // A socket per worker, as for the public side: with peers'
+        // clients dialling a single balanced address, most requests may
+        // reach a runtime through a peer, and one worker would carry them
+        // all.
+        let mut peer_listeners = Vec::new();
+        if let Some(addr) = options.peers.as_ref().and_then(|p| p.listen) {
+            let peer_err = || format!("cannot bind the peer listener on {addr}");
+            let first = crate::sockets::reuseport_socket(addr).with_context(peer_err)?;
+            let bound = first.local_addr()?;
+            peer_listeners.push(first);
+            for _ in 1..workers {
+                peer_listeners
+                    .push(crate::sockets::reuseport_socket(bound).with_context(peer_err)?);
             }
-            None => None,
-        };
+        }
         let alt_svc = h3.as_ref().map(|_| {
             let port = options.http3_advertised_port.unwrap_or(public_addr.port());
             // A day, as Caddy and Cloudflare advertise it.
@@ -468,7 +473,7 @@ impl TunnelServer {
             public_tls: public_tls.clone(),
             h3,
             tunnel_quic,
-            peer_listener,
+            peer_listeners,
             shared: Arc::new(Shared {
                 registry: Registry::default(),
                 public_slots: Arc::new(tokio::sync::Semaphore::new(options.max_connections.max(1))),
@@ -497,7 +502,7 @@ impl TunnelServer {
 
     /// The peer listener's address (`--peer-listen`).
     pub fn peer_addr(&self) -> Option<SocketAddr> {
-        self.peer_listener.as_ref()?.local_addr().ok()
+        self.peer_listeners.first()?.local_addr().ok()
     }
 
     /// Serves the admin endpoint on `addr`: `/status` lists the connected
@@ -522,7 +527,7 @@ impl TunnelServer {
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
         let tunnel_addr = self.tunnel.local_addr()?;
         tracing::info!(addr = %self.public_addr, workers = self.workers, tls = self.public_tls.is_some(), "public listening");
-        if let Some(listener) = &self.peer_listener {
+        if let Some(listener) = self.peer_listeners.first() {
             tracing::info!(addr = %listener.local_addr()?, "peer listening");
         }
         tracing::info!(addr = %tunnel_addr, tls = self.tls.is_some(), "tunnel listening");
@@ -555,6 +560,7 @@ impl TunnelServer {
         let mut done = Vec::with_capacity(self.workers);
         let mut public_done = Vec::with_capacity(self.workers);
         let (balance, inboxes) = Balance::new(self.workers);
+        let mut peer_listeners = self.peer_listeners.into_iter();
         for ((index, public), inbox) in self.public.into_iter().enumerate().zip(inboxes) {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Arrival>();
             to_workers.push(tx);
@@ -566,6 +572,7 @@ impl TunnelServer {
                 balance: balance.clone(),
                 inbox,
                 h3: h3_inbox,
+                peer: peer_listeners.next(),
             };
             let first = first.take();
             let (finished, finished_rx) = tokio::sync::oneshot::channel::<()>();
@@ -579,26 +586,6 @@ impl TunnelServer {
             done.push(finished_rx);
             public_done.push(drained_rx);
         }
-        let first_runtime = if self.tunnel_quic.is_some() || self.peer_listener.is_some() {
-            first_runtime
-                .await
-                .unwrap_or_else(|_| tokio::runtime::Handle::current())
-        } else {
-            tokio::runtime::Handle::current()
-        };
-        // Requests from peers are served by the first worker, as its public
-        // requests are: through its tunnels when it drives any of the
-        // runtime's, with no thread crossed.
-        let peer_tasks = TaskTracker::new();
-        if let Some(listener) = self.peer_listener {
-            let shared = self.shared.clone();
-            let answer = move |req, from| answer_peer(req, from, shared.clone());
-            let _on_first = first_runtime.enter();
-            let listener = TcpListener::from_std(listener)?;
-            let listening =
-                super::peers::listen(listener, answer, peer_tasks.clone(), stop.clone());
-            peer_tasks.spawn(listening);
-        }
         if let Some(peers) = &self.shared.peers {
             tokio::spawn(peers.clone().poll(stop.clone()));
         }
@@ -610,7 +597,10 @@ impl TunnelServer {
                 // connection's task; from here, each batch of packets woke
                 // this thread and then a worker, and now the first
                 // worker's tunnels get theirs with no thread crossed.
-                let _on_first = first_runtime.enter();
+                let runtime = first_runtime
+                    .await
+                    .unwrap_or_else(|_| tokio::runtime::Handle::current());
+                let _on_first = runtime.enter();
                 Some(quinn::Endpoint::new(
                     quinn::EndpointConfig::default(),
                     Some(config),
@@ -632,13 +622,9 @@ impl TunnelServer {
         // The public side first: its requests in flight finish through
         // the tunnels (any worker's), which close only after.
         stops.public.cancel();
-        peer_tasks.close();
         let _ = tokio::time::timeout(
             Duration::from_secs(10),
-            futures_util::future::join(
-                futures_util::future::join_all(public_done),
-                peer_tasks.wait(),
-            ),
+            futures_util::future::join_all(public_done),
         )
         .await;
         stops.tunnels.cancel();
@@ -662,14 +648,15 @@ impl TunnelServer {
 }
 
 /// A worker's public side: its socket and TLS, the balance over the
-/// workers' sockets with its inbox of connections handed over, and the
-/// HTTP/3 connections handed to it.
+/// workers' sockets with its inbox of connections handed over, the
+/// HTTP/3 connections handed to it, and its peer listener socket.
 struct PublicSide {
     listener: std::net::TcpListener,
     tls: Option<tokio_rustls::TlsAcceptor>,
     balance: Arc<Balance>,
     inbox: UnboundedReceiver<Handoff>,
     h3: Option<UnboundedReceiver<super::public_h3::Handed>>,
+    peer: Option<std::net::TcpListener>,
 }
 
 /// What only the first worker gets.
@@ -710,6 +697,7 @@ fn worker(
         balance,
         inbox,
         h3: h3_inbox,
+        peer,
     }: PublicSide,
     first: Option<FirstWorker>,
     mut tunnels: UnboundedReceiver<Arrival>,
@@ -756,6 +744,26 @@ fn worker(
                 tracker.clone(),
                 stop.clone(),
             ));
+        }
+        // Requests peers forward: served here as this worker's public
+        // ones are, through its tunnels when it drives any of the
+        // runtime's; drained with the public side.
+        if let Some(listener) = peer {
+            match TcpListener::from_std(listener) {
+                Ok(listener) => {
+                    let shared = shared.clone();
+                    let answer = move |req, from| answer_peer(req, from, shared.clone(), index);
+                    tracker.spawn(super::peers::listen(
+                        listener,
+                        answer,
+                        tracker.clone(),
+                        stop.clone(),
+                    ));
+                }
+                Err(e) => {
+                    tracing::error!(worker = index, error = %e, "cannot register the peer listener")
+                }
+            }
         }
         match TcpListener::from_std(public) {
             Ok(public) => {
@@ -1456,6 +1464,7 @@ async fn answer_peer(
     req: Request<Incoming>,
     from: SocketAddr,
     shared: Arc<Shared>,
+    worker: usize,
 ) -> Response<ResponseBody> {
     let plain =
         |resp: Response<Body>| resp.map(|b| ResponseBody::new(b, None, None, Held::default()));
@@ -1489,8 +1498,7 @@ async fn answer_peer(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok())
         .unwrap_or(from);
-    // Served by the first worker (see `run`).
-    respond(req, client, 0, &shared, Origin::Peer(from)).await
+    respond(req, client, worker, &shared, Origin::Peer(from)).await
 }
 
 /// Where a request goes: one of this server's tunnels, or a peer that
