@@ -81,6 +81,13 @@ async fn a_replica_without_the_runtimes_tunnel_serves_it_through_a_peer() {
     assert!(line.contains("/via-a"), "{line}");
     let line = b.process.wait_for_log("from peer 127.0.0.1:").await;
     assert!(line.contains("/via-a"), "{line}");
+    // A GET, a POST and a WebSocket went through the peer.
+    a.process
+        .metrics_showing(&[format!(
+            "portcullis_tunnel_peer_forwarded_total{{peer=\"{b_peer}\"}} 3"
+        )])
+        .await;
+    assert_eq!(a.process.status().await["peers"][0]["forwarded"], 3);
 
     // Only peers with the token are answered.
     assert_eq!(ask_peer(b_peer, None).await.status, 401);

@@ -134,6 +134,9 @@ pub struct PeerStatus {
     pub runtimes: usize,
     pub since: Option<String>,
     pub error: Option<String>,
+    /// Public requests this server has passed to it: many mean clients
+    /// that do not dial this server (or cannot reach it).
+    pub forwarded: u64,
 }
 
 fn digest(token: &[u8]) -> [u8; 32] {
@@ -215,6 +218,7 @@ impl Peers {
                 runtimes: p.seen.as_ref().map_or(0, |s| s.runtimes.len()),
                 since: p.seen.as_ref().map(|s| crate::admin::rfc3339(s.since)),
                 error: p.error.clone(),
+                forwarded: p.links.iter().map(|l| l.sent.load(Ordering::Relaxed)).sum(),
             })
             .collect();
         out.sort_by(|a, b| a.address.cmp(&b.address));
@@ -435,6 +439,8 @@ pub(super) fn presence(
 pub(super) struct Link {
     pub addr: SocketAddr,
     sender: Mutex<Option<SendRequest<Body>>>,
+    /// Requests forwarded on it (polls not counted).
+    sent: std::sync::atomic::AtomicU64,
 }
 
 impl Link {
@@ -442,6 +448,7 @@ impl Link {
         Link {
             addr,
             sender: Mutex::new(None),
+            sent: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -480,8 +487,14 @@ impl Link {
         Ok(send)
     }
 
+    /// Forwards one public request (shaped for HTTP/2) to the peer.
+    pub async fn forward(&self, req: Request<Body>) -> Result<Response<Incoming>, String> {
+        self.sent.fetch_add(1, Ordering::Relaxed);
+        self.send(req).await
+    }
+
     /// Sends one request (shaped for HTTP/2) to the peer.
-    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, String> {
+    async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, String> {
         let mut sender = self.sender().await?;
         sender
             .ready()

@@ -1670,7 +1670,7 @@ where
             if let Some(peers) = &shared.peers {
                 peers.stamp(req.headers_mut());
             }
-            link.send(req).await
+            link.forward(req).await
         }
     };
     match result {
@@ -1837,6 +1837,22 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                         ("{state=\"up\"}".to_owned(), count(true)),
                         ("{state=\"down\"}".to_owned(), count(false)),
                     ],
+                );
+                metric(
+                    &mut out,
+                    "portcullis_tunnel_peer_forwarded_total",
+                    "counter",
+                    "Public requests passed to a peer holding the runtime's tunnel.",
+                    &peers
+                        .iter()
+                        .filter(|p| !p.itself)
+                        .map(|p| {
+                            (
+                                format!("{{peer=\"{}\"}}", label(&p.address)),
+                                p.forwarded as f64,
+                            )
+                        })
+                        .collect::<Vec<_>>(),
                 );
             }
             crate::metrics::render(&mut out);
