@@ -11,8 +11,8 @@
 //! Each server polls its peers every second for the runtimes they hold
 //! (`GET /runtimes` on the peer listener, answered in full only when its
 //! registry changed), so a miss is forwarded with no round trip spent
-//! asking. A forwarded request is one HTTP/2 stream on a connection kept
-//! to that peer (cleartext, inside the cluster; a WebSocket crosses as an
+//! asking. A forwarded request is one HTTP/2 stream on a connection its
+//! worker keeps to that peer (cleartext, inside the cluster; a WebSocket crosses as an
 //! extended CONNECT, as it does through a tunnel), carrying the shared
 //! peer token and the client's address. The receiving peer serves it only
 //! through its own tunnels, never forwarding again, so no request loops.
@@ -23,7 +23,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -440,7 +440,7 @@ pub(super) struct Link {
     pub addr: SocketAddr,
     sender: Mutex<Option<SendRequest<Body>>>,
     /// Requests forwarded on it (polls not counted).
-    sent: std::sync::atomic::AtomicU64,
+    sent: AtomicU64,
 }
 
 impl Link {
@@ -448,7 +448,7 @@ impl Link {
         Link {
             addr,
             sender: Mutex::new(None),
-            sent: std::sync::atomic::AtomicU64::new(0),
+            sent: AtomicU64::new(0),
         }
     }
 
@@ -566,7 +566,7 @@ pub(super) async fn listen<F, Fut>(
     }
 }
 
-/// Bytes of a refusal on the peer listener.
+/// The answer to a request on the peer listener without the group token.
 pub(super) fn refused() -> Response<Body> {
     crate::pipeline::json_response(
         StatusCode::UNAUTHORIZED,
