@@ -89,8 +89,16 @@ async fn a_replica_without_the_runtimes_tunnel_serves_it_through_a_peer() {
         .await;
     assert_eq!(a.process.status().await["peers"][0]["forwarded"], 3);
 
-    // Only peers with the token are answered.
+    // Only peers with the token are answered; someone trying the port
+    // by hand over HTTP/1.1 is told what it is.
     assert_eq!(ask_peer(b_peer, None).await.status, 401);
+    let by_hand = client::get(&format!("http://{b_peer}/runtimes")).await;
+    assert_eq!(by_hand.status, 401);
+    let error = by_hand.json()["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(error.contains("peer token"), "{error}");
     assert_eq!(
         ask_peer(b_peer, Some("peer-token-0123456788")).await.status,
         401

@@ -507,7 +507,8 @@ impl Link {
     }
 }
 
-/// Serves the peer listener until `stop`: HTTP/2 without TLS, with
+/// Serves the peer listener until `stop`: HTTP/2 without TLS (or
+/// HTTP/1.1, see below), with
 /// extended CONNECT for forwarded WebSockets. Every connection is tracked
 /// by `tracker`, and on a stop finishes its streams after a GOAWAY.
 pub(super) async fn listen<F, Fut>(
@@ -519,8 +520,16 @@ pub(super) async fn listen<F, Fut>(
     F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
     Fut: std::future::Future<Output = Response<crate::body::ResponseBody>> + Send + 'static,
 {
-    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    // Peers speak HTTP/2; HTTP/1.1 is served too, only so that someone
+    // trying the port by hand (curl) gets the 401 that says what it is,
+    // not a closed connection.
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(super::HANDSHAKE_TIMEOUT);
+    builder
+        .http2()
         .timer(TokioTimer::new())
         .enable_connect_protocol()
         .initial_stream_window_size(super::STREAM_WINDOW)
@@ -548,7 +557,9 @@ pub(super) async fn listen<F, Fut>(
             let answer = answer.clone();
             async move { Ok::<_, std::convert::Infallible>(answer(req, from).await) }
         });
-        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        let connection = builder
+            .serve_connection(TokioIo::new(stream), service)
+            .into_owned();
         let stop = stop.clone();
         tracker.spawn(async move {
             let mut connection = std::pin::pin!(connection);
