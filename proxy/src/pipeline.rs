@@ -427,7 +427,7 @@ impl Pipeline {
             .compress
             .as_ref()
             .and_then(|c| crate::compress::negotiate(&parts.headers, c));
-        let head = parts.method == Method::HEAD;
+        let head = route.compress.is_some() && parts.method == Method::HEAD;
         *stats = self.stats[found.route];
         // The route's plugins run first, whatever the action, except for
         // health probes (a plugin must not make a pod look dead).
