@@ -116,12 +116,69 @@ async fn a_replica_without_the_runtimes_tunnel_serves_it_through_a_peer() {
     assert_eq!(client::send(&client::h2c(), forged).await.status, 401);
     b.process.wait_for_log("wrong or missing peer token").await;
 
+    // Gone: at once, before A's next poll has noticed, B cannot take a
+    // connection, so A leaves it out and answers as for a runtime with
+    // no tunnel anywhere.
     b.process.signal("KILL");
     b.process.wait_exit(Duration::from_secs(10)).await;
-    a.process.wait_for_log("peer unreachable").await;
     let answer = a.get("rt-a", "/after").await;
     assert_eq!(answer.status, 503, "{:?}", answer.body);
     assert_eq!(answer.json()["error"], "runtime is not connected");
+    a.process.wait_for_log("peer unreachable").await;
+}
+
+/// Two peers hold the runtime and one dies: requests go on through the
+/// other from the first, since a peer that takes no connection has been
+/// sent nothing and the next can be tried.
+#[tokio::test]
+async fn when_one_of_two_holding_peers_dies_the_other_serves_at_once() {
+    let echo = upstream::echo("two-holders").await;
+    let (_token_dir, token) = peer_token_file();
+    let listen = ["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token];
+    let mut b = replica(&listen).await;
+    let c = replica(&listen).await;
+    let (b_peer, c_peer) = (
+        b.process.addrs["peer listening"],
+        c.process.addrs["peer listening"],
+    );
+    let peers = format!("{b_peer},{c_peer}");
+    let a = replica(&["--peers", &peers, "--peer-token-file", &token]).await;
+    let url = echo.url();
+    let _client = b
+        .client_via(
+            &format!("{},{}", b.url, c.url),
+            "rt-a",
+            TOKENS[0].1,
+            &["--upstream", &url, "--connections", "1"],
+        )
+        .await;
+    b.wait_connections("rt-a", 1).await;
+    c.wait_connections("rt-a", 1).await;
+    a.process
+        .wait_status("both peers holding rt-a", |s| {
+            s["peers"]
+                .as_array()
+                .is_some_and(|p| p.len() == 2 && p.iter().all(|p| p["runtimes"] == 1))
+        })
+        .await;
+
+    b.process.signal("KILL");
+    b.process.wait_exit(Duration::from_secs(10)).await;
+    for i in 0..6 {
+        let answer = a.get("rt-a", &format!("/n{i}")).await;
+        assert_eq!(answer.status, 200, "request {i}: {:?}", answer.body);
+        assert_eq!(answer.json()["upstream"], "two-holders");
+    }
+    let status = a.process.status().await;
+    let listed = |addr: SocketAddr| {
+        status["peers"]
+            .as_array()
+            .and_then(|p| p.iter().find(|p| p["address"] == addr.to_string()))
+            .cloned()
+            .unwrap_or_default()
+    };
+    assert_eq!(listed(b_peer)["up"], false, "{status:#}");
+    assert_eq!(listed(c_peer)["up"], true, "{status:#}");
 }
 
 /// A replica listed among its own peers (a headless Service's name

@@ -178,11 +178,11 @@ impl Peers {
         super::tokens::constant_time_eq(&digest(presented), &self.token_digest)
     }
 
-    /// `worker`'s connection to a peer holding a tunnel of `runtime`,
-    /// taking turns when several do.
-    pub fn holder(&self, runtime: &str, worker: usize) -> Option<Arc<Link>> {
+    /// `worker`'s connections to the peers holding a tunnel of
+    /// `runtime`, in the order to try them: taking turns at the first.
+    pub fn holders(&self, runtime: &str, worker: usize) -> Vec<Arc<Link>> {
         let table = self.lock();
-        let holders: Vec<&Arc<Link>> = table
+        let mut holders: Vec<Arc<Link>> = table
             .peers
             .values()
             .filter(|p| {
@@ -190,13 +190,26 @@ impl Peers {
                     .as_ref()
                     .is_some_and(|s| !s.itself(self) && s.runtimes.contains(runtime))
             })
-            .map(|p| &p.links[worker % self.workers])
+            .map(|p| p.links[worker % self.workers].clone())
             .collect();
-        if holders.is_empty() {
-            return None;
+        if !holders.is_empty() {
+            let turn = self.next.fetch_add(1, Ordering::Relaxed) % holders.len();
+            holders.rotate_left(turn);
         }
-        let turn = self.next.fetch_add(1, Ordering::Relaxed) % holders.len();
-        Some(holders[turn].clone())
+        holders
+    }
+
+    /// Takes a peer that could not be reached out of the forwarding until
+    /// its next poll answers: a peer that died takes no more requests in
+    /// the second before the poll would notice.
+    pub fn lost(&self, addr: SocketAddr, error: &str) {
+        let mut table = self.lock();
+        if let Some(peer) = table.peers.get_mut(&addr)
+            && peer.seen.take().is_some()
+        {
+            tracing::warn!(peer = %addr, error, "peer unreachable; its runtimes are not forwarded to it");
+            peer.error = Some(error.to_owned());
+        }
     }
 
     /// Stamps a request for a peer with the group's token.
@@ -487,19 +500,34 @@ impl Link {
         Ok(send)
     }
 
-    /// Forwards one public request (shaped for HTTP/2) to the peer.
-    pub async fn forward(&self, req: Request<Body>) -> Result<Response<Incoming>, String> {
-        self.sent.fetch_add(1, Ordering::Relaxed);
-        self.send(req).await
-    }
-
-    /// Sends one request (shaped for HTTP/2) to the peer.
-    async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, String> {
+    /// A connection to the peer ready for a request: made now if there
+    /// is none. An error means nothing was sent.
+    pub async fn ready(&self) -> Result<SendRequest<Body>, String> {
         let mut sender = self.sender().await?;
         sender
             .ready()
             .await
             .map_err(|e| crate::forward::error_chain(&e))?;
+        Ok(sender)
+    }
+
+    /// Forwards one public request (shaped for HTTP/2) on `sender`, this
+    /// link's ready connection.
+    pub async fn forward(
+        &self,
+        mut sender: SendRequest<Body>,
+        req: Request<Body>,
+    ) -> Result<Response<Incoming>, String> {
+        self.sent.fetch_add(1, Ordering::Relaxed);
+        sender
+            .send_request(req)
+            .await
+            .map_err(|e| crate::forward::error_chain(&e))
+    }
+
+    /// Sends one request (shaped for HTTP/2) to the peer.
+    async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, String> {
+        let mut sender = self.ready().await?;
         sender
             .send_request(req)
             .await
@@ -649,13 +677,22 @@ mod tests {
             }
         }
         let picked: HashSet<u16> = (0..4)
-            .map(|i| peers.holder("rt-a", i).unwrap().addr.port())
+            .map(|i| peers.holders("rt-a", i)[0].addr.port())
             .collect();
         assert_eq!(picked, [2, 3].into_iter().collect());
-        assert!(peers.holder("rt-b", 0).is_none());
+        assert_eq!(peers.holders("rt-a", 0).len(), 2, "both, to try in turn");
+        assert!(peers.holders("rt-b", 0).is_empty());
+        // One that cannot be reached is left out until a poll answers.
+        peers.lost("127.0.0.1:2".parse().unwrap(), "connect: refused");
+        let left: Vec<u16> = peers
+            .holders("rt-a", 0)
+            .iter()
+            .map(|l| l.addr.port())
+            .collect();
+        assert_eq!(left, [3]);
         // Each worker forwards on a connection of its own.
         for worker in 0..2 {
-            let link = peers.holder("rt-a", worker).unwrap();
+            let link = peers.holders("rt-a", worker)[0].clone();
             let table = peers.lock();
             let peer = &table.peers[&link.addr];
             assert!(Arc::ptr_eq(&link, &peer.links[worker]), "worker {worker}");

@@ -1501,11 +1501,20 @@ async fn answer_peer(
     respond(req, client, worker, &shared, Origin::Peer(from)).await
 }
 
-/// Where a request goes: one of this server's tunnels, or a peer that
-/// holds one.
+/// Where a request goes: one of this server's tunnels, or the peers that
+/// hold one, in the order to try them.
 enum Target {
     Tunnel(Arc<Tunnel>),
-    Peer(Arc<super::peers::Link>),
+    Peers(Vec<Arc<super::peers::Link>>),
+}
+
+/// A known runtime with no tunnel here, nor a peer to reach one through.
+fn not_connected(runtime: &str) -> Response<Body> {
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "runtime is not connected",
+        Some(runtime),
+    )
 }
 
 /// The public request's host, lower case, without port (`None` for a
@@ -1561,29 +1570,24 @@ where
         return error(StatusCode::NOT_FOUND, "not a runtime host", None);
     }
     let tunnel = shared.registry.pick(runtime, worker);
-    let holder = match (&tunnel, origin, &shared.peers) {
-        (None, Origin::Public, Some(peers)) => peers.holder(runtime, worker),
-        _ => None,
+    let holders = match (&tunnel, origin, &shared.peers) {
+        (None, Origin::Public, Some(peers)) => peers.holders(runtime, worker),
+        _ => Vec::new(),
     };
-    let target = match (tunnel, holder) {
-        (Some(tunnel), _) => {
+    let target = match tunnel {
+        Some(tunnel) => {
             *stats = tunnel.stats;
             Target::Tunnel(tunnel)
         }
-        (None, Some(link)) => {
+        None if !holders.is_empty() => {
             *stats = crate::metrics::runtime(runtime);
-            *via = Some(link.addr);
-            Target::Peer(link)
+            Target::Peers(holders)
         }
-        (None, None) if shared.tokens.knows(runtime) => {
+        None if shared.tokens.knows(runtime) => {
             *stats = crate::metrics::runtime(runtime);
-            return error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "runtime is not connected",
-                Some(runtime),
-            );
+            return not_connected(runtime);
         }
-        (None, None) => {
+        None => {
             return error(StatusCode::BAD_GATEWAY, "unknown runtime", Some(runtime));
         }
     };
@@ -1666,11 +1670,29 @@ where
             tunnel.active.fetch_sub(1, Ordering::Relaxed);
             result
         }
-        Target::Peer(link) => {
-            if let Some(peers) = &shared.peers {
-                peers.stamp(req.headers_mut());
+        Target::Peers(holders) => {
+            let Some(peers) = &shared.peers else {
+                return not_connected(runtime);
+            };
+            peers.stamp(req.headers_mut());
+            // The first holder that takes a connection gets the request;
+            // one that does not (it died since the last poll) has been
+            // sent nothing, so the next can be tried, whatever the body.
+            let mut sent = None;
+            for link in holders {
+                match link.ready().await {
+                    Ok(sender) => {
+                        *via = Some(link.addr);
+                        sent = Some(link.forward(sender, req).await);
+                        break;
+                    }
+                    Err(e) => peers.lost(link.addr, &e),
+                }
             }
-            link.forward(req).await
+            match sent {
+                Some(result) => result,
+                None => return not_connected(runtime),
+            }
         }
     };
     match result {
@@ -1709,9 +1731,10 @@ where
                     Some(runtime),
                 )
             }
-            Target::Peer(link) => {
+            Target::Peers(_) => {
                 let request_id = crate::request_id::text(request_id.as_ref());
-                tracing::warn!(runtime, peer = %link.addr, request_id, error = %e, "request through a peer failed");
+                let peer = via.map(|p| p.to_string()).unwrap_or_default();
+                tracing::warn!(runtime, peer, request_id, error = %e, "request through a peer failed");
                 error(
                     StatusCode::BAD_GATEWAY,
                     "the peer server holding this runtime's tunnel failed",
