@@ -125,6 +125,24 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Time allowed for TCP + TLS + WebSocket handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The HTTP/2 client the tunnel server speaks, to a tunnel client over
+/// its tunnel and to a peer server: the tunnel's windows, heads and pings.
+pub fn h2_client() -> hyper::client::conn::http2::Builder<hyper_util::rt::TokioExecutor> {
+    let mut builder =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_concurrent_reset_streams(1024)
+        // The runtime's response heads, as large as its routing core takes
+        // from its upstreams.
+        .max_header_list_size(MAX_TUNNELED_HEAD)
+        .keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT);
+    builder
+}
+
 /// WebSocket settings for the tunnel: messages are HTTP/2 frames, so the
 /// limits only need to fit the largest write HTTP/2 makes.
 pub fn ws_config() -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig {

@@ -480,13 +480,7 @@ impl Link {
             .map_err(|_| "connect timed out".to_owned())?
             .map_err(|e| format!("connect: {e}"))?;
         let _ = tcp.set_nodelay(true);
-        let (send, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .initial_stream_window_size(super::STREAM_WINDOW)
-            .initial_connection_window_size(super::CONNECTION_WINDOW)
-            .max_header_list_size(super::MAX_TUNNELED_HEAD)
-            .keep_alive_interval(super::KEEPALIVE_INTERVAL)
-            .keep_alive_timeout(super::KEEPALIVE_TIMEOUT)
+        let (send, connection) = super::h2_client()
             .handshake(TokioIo::new(tcp))
             .await
             .map_err(|e| format!("HTTP/2 handshake: {}", crate::forward::error_chain(&e)))?;

@@ -942,16 +942,7 @@ async fn serve_tunnel(
             return;
         }
     };
-    let handshake = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-        .timer(TokioTimer::new())
-        .initial_stream_window_size(super::STREAM_WINDOW)
-        .initial_connection_window_size(super::CONNECTION_WINDOW)
-        .max_concurrent_reset_streams(1024)
-        // The runtime's response heads, as large as its routing core takes
-        // from its upstreams.
-        .max_header_list_size(super::MAX_TUNNELED_HEAD)
-        .keep_alive_interval(super::KEEPALIVE_INTERVAL)
-        .keep_alive_timeout(super::KEEPALIVE_TIMEOUT)
+    let handshake = super::h2_client()
         .keep_alive_while_idle(true)
         .handshake::<_, Body>(TokioIo::new(io))
         .await;
