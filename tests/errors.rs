@@ -228,20 +228,111 @@ routes:
     assert_eq!(bad.json()["error"], "invalid path parameter");
 }
 
+/// Heads hyper cannot parse get the proxy's JSON answer, not hyper's
+/// empty one, and an access line naming hyper's reason; the proxy keeps
+/// serving, and ordinary answers around them are untouched.
 #[tokio::test]
-async fn malformed_http_gets_400_and_the_proxy_keeps_serving() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+async fn malformed_heads_get_a_json_400_and_an_access_line() {
+    let mut proxy = crate::support::process::ProxyProcess::start(
+        r#"
+listeners: [{ name: edge, bind: "127.0.0.1:0" }]
+routes: [{ name: v, match: { path: /v }, respond: { status: 400, body: "" } }]
+"#,
+        &[],
+    )
+    .await;
+    let cases: [(&[u8], &str, &str); 4] = [
+        (
+            b"GARBAGE \x00\x01 NOT-HTTP\r\n\r\n",
+            "malformed request head",
+            "invalid URI",
+        ),
+        (
+            b"GET /v HTTP/1.1\r\nhost: a\r\nno colon here\r\n\r\n",
+            "malformed request head",
+            "invalid HTTP header parsed",
+        ),
+        (
+            b"GET /v HTTP/1.1\r\nhost: a\r\ncontent-length: abc\r\n\r\n",
+            "malformed request head",
+            "invalid content-length parsed",
+        ),
+        (
+            b"GET /v HTTP/9\r\nhost: a\r\n\r\n",
+            "malformed request head",
+            "invalid HTTP version parsed",
+        ),
+    ];
+    for (bytes, error, reason) in cases {
+        let answer = client::raw(proxy.addr, bytes).await;
+        let (status, json) = status_and_json(&answer);
+        assert_eq!(status, 400, "{answer:?}");
+        assert_eq!(json["error"], error, "{answer:?}");
+        assert!(
+            answer.contains("\r\ncontent-type: application/json\r\n"),
+            "{answer:?}"
+        );
+        let line = proxy.wait_for_log(&format!("\"error\":\"{reason}\"")).await;
+        let line: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(line["target"], "access", "{line}");
+        assert_eq!(line["status"], 400, "{line}");
+        assert_eq!(line["listener"], "edge", "{line}");
+    }
+
+    // After a kept-alive request, and pipelined behind one: the route's own
+    // empty 400 stays as it is, and the garbage after it gets the JSON.
+    for parts in [
+        &[
+            &b"GET /v HTTP/1.1\r\nhost: a\r\n\r\n"[..],
+            b"BAD\x7f\r\n\r\n",
+        ][..],
+        &[&b"GET /v HTTP/1.1\r\nhost: a\r\n\r\nBAD\x7f\r\n\r\n"[..]][..],
+    ] {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let mut buf = Vec::new();
+        for part in parts {
+            conn.write_all(part).await.unwrap();
+            if parts.len() > 1 && buf.is_empty() {
+                // The first answer is read before the garbage is sent.
+                let mut chunk = [0u8; 1024];
+                let n = conn.read(&mut chunk).await.unwrap();
+                buf.extend_from_slice(&chunk[..n]);
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut buf))
+            .await
+            .expect("closed");
+        let text = String::from_utf8_lossy(&buf);
+        let (first, second) = text.split_at(text.find("\r\n\r\n").unwrap() + 4);
+        assert!(
+            first.starts_with("HTTP/1.1 400 Bad Request\r\n"),
+            "{text:?}"
+        );
+        assert!(first.contains("content-length: 0\r\n"), "{text:?}");
+        assert!(!first.contains("application/json"), "{text:?}");
+        let (status, json) = status_and_json(second);
+        assert_eq!(
+            (status, &json["error"]),
+            (400, &"malformed request head".into()),
+            "{text:?}"
+        );
+    }
+    assert_eq!(client::get(&proxy.url("/v")).await.status, 400);
+}
+
+/// A head past hyper's own buffer (twice the listener's limit) is refused
+/// by hyper before the proxy sees it: it gets the proxy's JSON 431 too.
+#[tokio::test]
+async fn a_head_past_hypers_buffer_gets_a_json_431() {
     let proxy = Proxy::start_default(&[]).await;
-    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    conn.write_all(b"GARBAGE \x00\x01 NOT-HTTP\r\n\r\n")
-        .await
-        .unwrap();
-    let mut buf = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut buf))
-        .await
-        .expect("closed");
-    let text = String::from_utf8_lossy(&buf);
-    assert!(text.starts_with("HTTP/1.1 400"), "got {text:?}");
+    let mut bytes = b"GET /healthz HTTP/1.1\r\nhost: a\r\nx-big: ".to_vec();
+    bytes.extend(std::iter::repeat_n(b'x', 256 * 1024));
+    bytes.extend_from_slice(b"\r\n\r\n");
+    let answer = client::raw(proxy.addr, &bytes).await;
+    let (status, json) = status_and_json(&answer);
+    assert_eq!(status, 431, "{answer:?}");
+    assert_eq!(json["error"], "request head too large");
     assert_eq!(client::get(&proxy.url("/healthz")).await.status, 200);
 }
 

@@ -130,6 +130,62 @@ async fn websocket_echo_through_app_proxy() {
     crate::support::client::websocket_echo(url).await;
 }
 
+/// After a 101 the connection carries the upstream's bytes as they are,
+/// even bytes that look like hyper's own answer to a bad head (which the
+/// proxy replaces with its JSON one between requests).
+#[tokio::test]
+async fn upgraded_bytes_pass_untouched_even_when_they_look_like_an_http_answer() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const LOOKALIKE: &[u8] = b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\ncontent-length: 0\r\ndate: Mon, 23 Nov 2026 21:15:38 GMT\r\n\r\n";
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let upstream = tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let mut byte = [0u8; 1];
+            conn.read_exact(&mut byte).await.unwrap();
+            head.push(byte[0]);
+        }
+        conn.write_all(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\nsec-websocket-accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n")
+            .await
+            .unwrap();
+        // Waits for the client's first bytes, so its side has seen the 101
+        // flushed before the lookalike goes out.
+        let mut first = [0u8; 4];
+        conn.read_exact(&mut first).await.unwrap();
+        conn.write_all(LOOKALIKE).await.unwrap();
+        conn.shutdown().await.unwrap();
+    });
+    let proxy = Proxy::start_default(&[("APP_PROXY_URL", format!("http://{addr}"))]).await;
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    conn.write_all(b"GET /app-proxy/ws HTTP/1.1\r\nhost: a\r\nconnection: upgrade\r\nupgrade: websocket\r\nsec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        conn.read_exact(&mut byte).await.unwrap();
+        head.push(byte[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 101"),
+        "{:?}",
+        String::from_utf8_lossy(&head)
+    );
+    conn.write_all(b"ping").await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut rest))
+        .await
+        .expect("the upstream's close reaches the client")
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&rest),
+        String::from_utf8_lossy(LOOKALIKE)
+    );
+    upstream.await.unwrap();
+}
+
 #[tokio::test]
 async fn websocket_upgrade_is_refused_on_routes_that_do_not_allow_it() {
     let ws = upstream::websocket_echo().await;

@@ -693,6 +693,24 @@ async fn bad_credentials_and_garbage_are_refused_and_logged_without_disturbing_o
     assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
     assert!(answer.ends_with("\r\n\r\nok\n"), "{answer}");
 
+    // A head the public port cannot parse gets the proxy's JSON answer
+    // and an access line.
+    let answer = client::raw(
+        server.public,
+        b"GET / HTTP/1.1\r\nhost: rt-a.example\r\nno colon\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+    assert!(
+        answer.ends_with(r#"{"error":"malformed request head","route":null,"status":400}"#),
+        "{answer}"
+    );
+    let line = server.process.wait_for_log("request head refused").await;
+    assert!(
+        line.contains(r#""error":"invalid HTTP header parsed""#),
+        "{line}"
+    );
+
     // The good tunnel never noticed.
     assert_eq!(server.get("rt-a", "/still").await.status, 200);
 }

@@ -25,7 +25,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -36,10 +36,14 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 ///
 /// Bits 0-1 are the phase, bit 2 turns the deadline off (HTTP/2: its
 /// frames arrive between requests and hyper times the connection itself),
-/// and the bits above count requests, so that a head that starts within
-/// the same poll in which the previous one ended is seen as a new head.
+/// bits 3-4 tell [`Watched`] whose bytes it writes, and the bits above
+/// count requests, so that a head that starts within the same poll in
+/// which the previous one ended is seen as a new head.
+///
+/// It also keeps the status of the answer [`Watched`] gave in place of
+/// hyper's to a head hyper could not parse, for the access line.
 #[derive(Debug, Default)]
-pub struct HeadClock(AtomicU32);
+pub struct HeadClock(AtomicU32, AtomicU16);
 
 const PHASE: u32 = 0b11;
 /// No request yet: the first head is awaited from the accept.
@@ -51,7 +55,14 @@ const IDLE: u32 = 2;
 /// Bytes of the next head have arrived.
 const HEAD: u32 = 3;
 const OFF: u32 = 0b100;
-const ONE_REQUEST: u32 = 0b1000;
+/// The last response's bytes may still be in hyper's write buffer: set
+/// when its body ends, cleared when hyper next flushes the socket (it
+/// writes out its whole buffer first).
+const UNFLUSHED: u32 = 0b1000;
+/// The connection was upgraded (101): what is written is another
+/// protocol's, never hyper's.
+const UPGRADED: u32 = 0b1_0000;
+const ONE_REQUEST: u32 = 0b10_0000;
 
 impl HeadClock {
     fn load(&self) -> u32 {
@@ -77,8 +88,37 @@ impl HeadClock {
     fn response_done(&self) {
         let s = self.load();
         if s & PHASE == BUSY {
-            self.store(s & !PHASE | IDLE);
+            self.store(s & !PHASE | IDLE | UNFLUSHED);
         }
+    }
+
+    /// Notes that the current request's answer switches protocols.
+    pub fn upgraded(&self) {
+        self.store(self.load() | UPGRADED);
+    }
+
+    /// Notes that hyper flushed the socket: every byte of the responses
+    /// before has been written.
+    fn flushed(&self) {
+        let s = self.load();
+        if s & UNFLUSHED != 0 {
+            self.store(s & !UNFLUSHED);
+        }
+    }
+
+    /// Whether what hyper writes now is its own: no request is being
+    /// served and the last response is out, on an HTTP/1 connection not
+    /// upgraded. (HTTP/2's first frames fall in here too, but none can
+    /// start as an HTTP/1 status line does.)
+    fn hyper_writes(&self) -> bool {
+        let s = self.load();
+        s & PHASE != BUSY && s & (OFF | UNFLUSHED | UPGRADED) == 0
+    }
+
+    /// The status of the answer given in place of hyper's to a head it
+    /// could not parse; 0 when none was.
+    pub fn refused(&self) -> u16 {
+        self.1.load(Ordering::Relaxed)
     }
 
     /// Notes bytes read from the client: a head has started when no
@@ -93,7 +133,8 @@ impl HeadClock {
     /// The head being awaited, if it is to be timed: its state, which
     /// changes when another head is awaited.
     fn awaited(&self) -> Option<u32> {
-        let s = self.load();
+        // A flush or an upgrade is no new head.
+        let s = self.load() & !(UNFLUSHED | UPGRADED);
         match s & PHASE {
             FIRST => Some(s),
             HEAD if s & OFF == 0 => Some(s),
@@ -133,16 +174,64 @@ pub async fn within<F: Future>(served: F, clock: &HeadClock, limit: Duration) ->
     .await
 }
 
-/// A client's socket that tells the clock when bytes arrive.
+/// A client's socket that tells the clock when bytes arrive, and sends
+/// the proxy's JSON answer in place of hyper's bare one to a head hyper
+/// could not parse ([`crate::unparsed_head`]).
 #[derive(Debug)]
 pub struct Watched<S> {
     io: S,
     clock: Arc<HeadClock>,
+    /// The proxy's answer in place of hyper's, and how much of it is out.
+    answer: Option<(Vec<u8>, usize)>,
 }
 
 impl<S> Watched<S> {
     pub fn new(io: S, clock: Arc<HeadClock>) -> Watched<S> {
-        Watched { io, clock }
+        Watched {
+            io,
+            clock,
+            answer: None,
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> Watched<S> {
+    /// Takes `buf` in place of sending it when it is hyper's own answer
+    /// to a head it could not parse, and starts sending the proxy's.
+    fn replace_hypers_answer(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Option<Poll<std::io::Result<usize>>> {
+        // Every response starts so; only then is the clock read, and only
+        // between requests can this be hyper's own answer.
+        if !buf.starts_with(b"HTTP/1.1 ") || self.answer.is_some() || !self.clock.hyper_writes() {
+            return None;
+        }
+        let (status, answer) = crate::unparsed_head::answer(buf)?;
+        self.clock.1.store(status, Ordering::Relaxed);
+        self.answer = Some((answer, 0));
+        // hyper's head counts as written; the flush that follows sends
+        // whatever of the answer this does not.
+        if let Poll::Ready(Err(e)) = self.poll_answer(cx) {
+            return Some(Poll::Ready(Err(e)));
+        }
+        Some(Poll::Ready(Ok(buf.len())))
+    }
+
+    /// Writes what is left of the answer given in hyper's place.
+    fn poll_answer(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        while let Some((answer, sent)) = &mut self.answer {
+            if *sent == answer.len() {
+                break;
+            }
+            let n = std::task::ready!(Pin::new(&mut self.io).poll_write(cx, &answer[*sent..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
+            }
+            *sent += n;
+        }
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -163,19 +252,34 @@ impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
 
 impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let this = self.get_mut();
+        if let Some(replaced) = this.replace_hypers_answer(cx, buf) {
+            return replaced;
+        }
+        std::task::ready!(this.poll_answer(cx))?;
+        Pin::new(&mut this.io).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        // hyper's answer is a head alone: one slice (hyper queues a body
+        // in slices of its own).
+        let mut full = bufs.iter().filter(|b| !b.is_empty());
+        if let (Some(head), None) = (full.next(), full.next())
+            && let Some(replaced) = this.replace_hypers_answer(cx, head)
+        {
+            return replaced;
+        }
+        std::task::ready!(this.poll_answer(cx))?;
+        Pin::new(&mut this.io).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -183,10 +287,13 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        std::task::ready!(self.poll_answer(cx))?;
+        self.clock.flushed();
         Pin::new(&mut self.io).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        std::task::ready!(self.poll_answer(cx))?;
         Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
@@ -327,5 +434,37 @@ mod tests {
             .unwrap();
         assert_eq!(&buf[..n], b"GET");
         assert!(clock.awaited().is_some(), "a head has started");
+    }
+
+    #[tokio::test]
+    async fn only_what_hyper_writes_between_requests_is_replaced() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        const BARE: &[u8] = b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\ncontent-length: 0\r\ndate: Mon, 23 Nov 2026 21:15:38 GMT\r\n\r\n";
+        let clock = Arc::new(HeadClock::default());
+        let (mut client, server) = tokio::io::duplex(4096);
+        let mut watched = Watched::new(server, clock.clone());
+        // A service's own bare 400, written while it is served and in the
+        // write that follows its end, goes out as it is.
+        clock.request(Version::HTTP_11);
+        watched.write_all(BARE).await.unwrap();
+        drop(Ended::new(clock.clone()));
+        watched.write_all(BARE).await.unwrap();
+        assert_eq!(clock.refused(), 0);
+        // Once flushed, a bare 400 can only be hyper's: replaced.
+        watched.flush().await.unwrap();
+        watched.write_all(BARE).await.unwrap();
+        watched.shutdown().await.unwrap();
+        assert_eq!(clock.refused(), 400);
+        let mut out = Vec::new();
+        client.read_to_end(&mut out).await.unwrap();
+        let out = String::from_utf8(out).unwrap();
+        let bare = std::str::from_utf8(BARE).unwrap();
+        let (kept, replaced) = out.split_at(2 * BARE.len());
+        assert_eq!(kept, bare.repeat(2));
+        assert!(
+            replaced.ends_with(r#"{"error":"malformed request head","route":null,"status":400}"#),
+            "{replaced}"
+        );
     }
 }

@@ -30,3 +30,4 @@ pub mod shard;
 pub mod sockets;
 pub mod telemetry;
 pub mod tunnel;
+pub mod unparsed_head;

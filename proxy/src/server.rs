@@ -802,6 +802,9 @@ fn serve_connection(
         let clock = service_clock.clone();
         async move {
             let mut resp = pipeline.handle(req, &conn).await;
+            if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+                clock.upgraded();
+            }
             resp.body_mut().set_ended(Ended::new(clock));
             Ok::<_, Infallible>(resp)
         }
@@ -819,7 +822,12 @@ fn serve_connection(
             Some(Ok(())) => {}
             Some(Err(e)) => {
                 let reason = crate::metrics::connection_error(&conn.listener.name, &*e);
-                tracing::debug!(client = %conn.client, error = %e, reason, "connection ended with an error");
+                if let Some(e) = crate::unparsed_head::refused(&*e) {
+                    let status = clock.refused();
+                    crate::unparsed_head::log(&conn.listener.name, conn.client, worker, status, e);
+                } else {
+                    tracing::debug!(client = %conn.client, error = %e, reason, "connection ended with an error");
+                }
             }
             None => {
                 crate::metrics::connection_timed_out(&conn.listener.name);

@@ -1345,6 +1345,7 @@ impl Public {
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     {
         let public = self.clone();
+        let worker = self.worker;
         let clock = Arc::new(HeadClock::default());
         let service_clock = clock.clone();
         let service = service_fn(move |req: Request<Incoming>| {
@@ -1353,6 +1354,9 @@ impl Public {
             let public = public.clone();
             async move {
                 let mut resp = public.respond(req, peer).await;
+                if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+                    clock.upgraded();
+                }
                 resp.body_mut().set_ended(Ended::new(clock));
                 Ok::<_, Infallible>(resp)
             }
@@ -1370,6 +1374,9 @@ impl Public {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
                     crate::metrics::connection_error("public", &*e);
+                    if let Some(e) = crate::unparsed_head::refused(&*e) {
+                        crate::unparsed_head::log("public", peer, worker, clock.refused(), e);
+                    }
                 }
                 None => crate::metrics::connection_timed_out("public"),
             }
