@@ -14,6 +14,7 @@ mod reload;
 mod request_id;
 mod routing;
 mod streaming;
+mod tls_listener;
 mod tls_upstream;
 mod tunnel;
 mod upstream_h1;

@@ -59,6 +59,7 @@ fn main() -> anyhow::Result<()> {
                     rewritten: None,
                     client,
                     tls: false,
+                    sni: None,
                     route: index,
                     params: Vec::new(),
                 });

@@ -154,6 +154,7 @@ pub fn on_request<'a>(
             rewritten: None,
             client: conn.client.ip(),
             tls: conn.tls,
+            sni: conn.sni.clone(),
             route: route_index,
             params: params
                 .iter()

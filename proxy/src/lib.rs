@@ -29,5 +29,6 @@ pub mod server;
 pub mod shard;
 pub mod sockets;
 pub mod telemetry;
+pub mod tls_listen;
 pub mod tunnel;
 pub mod unparsed_head;

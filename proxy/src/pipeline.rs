@@ -122,6 +122,8 @@ pub struct ConnInfo {
     pub listener: Arc<Listener>,
     /// Whether the client connection is TLS.
     pub tls: bool,
+    /// The server name the client asked for in its TLS handshake (SNI).
+    pub sni: Option<Arc<str>>,
     /// The worker thread serving it, which picks its upstream pools.
     pub worker: usize,
     /// Its socket, watched for the client leaving while a request waits

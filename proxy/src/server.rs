@@ -705,9 +705,11 @@ async fn accept_loop(
         .await
     {
         let current = settings.load_full();
-        if !current.spec.proxy_protocol {
+        let _ = stream.set_nodelay(true);
+        if !current.spec.proxy_protocol && current.spec.tls.is_none() {
+            let socket = ClientSocket::of(&stream);
             serve_connection(
-                stream,
+                (stream, socket, None),
                 client,
                 &current,
                 worker,
@@ -716,9 +718,10 @@ async fn accept_loop(
             );
             continue;
         }
-        // The header is read in the connection's own task under the
-        // header-read timeout, so a balancer (or anyone) slow to send it
-        // holds up no other connection.
+        // The PROXY header and the handshake take place in the
+        // connection's own task, under the header-read timeout, so a
+        // balancer or a client slow to send them holds up no other
+        // connection.
         let (pipeline, tracker_, connections, stop) = (
             pipeline.clone(),
             tracker.clone(),
@@ -726,35 +729,39 @@ async fn accept_loop(
             stop.clone(),
         );
         tracker.spawn(async move {
-            let mut stream = stream;
             let limit = current.spec.header_read_timeout;
-            let header = tokio::time::timeout(limit, crate::proxy_protocol::read(&mut stream));
-            let header = tokio::select! {
-                header = header => header,
+            let opened = tokio::time::timeout(limit, open_connection(stream, client, &current.spec));
+            let opened = tokio::select! {
+                opened = opened => opened,
                 _ = stop.cancelled() => return,
             };
             let name = &current.spec.name;
-            let source = match header {
-                Ok(Ok(source)) => source,
-                Ok(Err(e)) => {
+            let served = (&pipeline, &tracker_, &connections);
+            match opened {
+                Ok(Ok((Opened::Tcp(stream), client))) => {
+                    let socket = ClientSocket::of(&stream);
+                    let conn = (stream, socket, None);
+                    serve_connection(conn, client, &current, worker, served, (permit, counted));
+                }
+                Ok(Ok((Opened::Tls(stream), client))) => {
+                    let socket = ClientSocket::of(stream.get_ref().0);
+                    let sni = crate::tls_listen::server_name(&stream);
+                    let conn = (*stream, socket, Some(sni));
+                    serve_connection(conn, client, &current, worker, served, (permit, counted));
+                }
+                Ok(Err(NotOpened::ProxyHeader(e))) => {
                     crate::metrics::count_connection_error(name, "proxy_protocol");
                     tracing::debug!(peer = %client, error = %e, "connection closed");
-                    return;
+                }
+                Ok(Err(NotOpened::Tls(refused))) => {
+                    crate::metrics::count_connection_error(name, refused.reason());
+                    tracing::debug!(peer = %client, listener = %name, "connection closed: {refused}");
                 }
                 Err(_) => {
                     crate::metrics::connection_timed_out(name);
-                    tracing::debug!(peer = %client, "no PROXY protocol header within the header-read timeout; closed");
-                    return;
+                    tracing::debug!(peer = %client, "no PROXY protocol header or TLS handshake within the header-read timeout; closed");
                 }
-            };
-            serve_connection(
-                stream,
-                source.unwrap_or(client),
-                &current,
-                worker,
-                (&pipeline, &tracker_, &connections),
-                (permit, counted),
-            );
+            }
         });
     }
     // Closing the socket now refuses new connections at once; the open
@@ -766,10 +773,55 @@ async fn accept_loop(
     connections.shutdown().await;
 }
 
+/// An accepted connection ready for HTTP.
+enum Opened {
+    Tcp(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+/// Why a connection was closed before HTTP.
+enum NotOpened {
+    /// Its PROXY protocol header was missing or bad.
+    ProxyHeader(crate::proxy_protocol::Error),
+    /// Plain HTTP on the HTTPS port, or a failed handshake.
+    Tls(crate::tls_listen::Refused),
+}
+
+/// The answer to plain HTTP on an HTTPS listener.
+const PLAIN_ON_HTTPS: &str = concat!(
+    r#"{"error":"plain HTTP request sent to the HTTPS port: use https://","#,
+    r#""route":null,"status":400}"#
+);
+
+/// Reads a connection's PROXY header (when the listener expects one) and
+/// does its TLS handshake (when the listener has a certificate). Returns
+/// the connection and the client's address: the header's, or the peer's.
+async fn open_connection(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    listener: &Listener,
+) -> Result<(Opened, SocketAddr), NotOpened> {
+    let mut client = peer;
+    if listener.proxy_protocol {
+        let header = crate::proxy_protocol::read(&mut stream).await;
+        if let Some(source) = header.map_err(NotOpened::ProxyHeader)? {
+            client = source;
+        }
+    }
+    let Some(tls) = &listener.tls else {
+        return Ok((Opened::Tcp(stream), client));
+    };
+    let stream = crate::tls_listen::handshake(&tls.acceptor, stream, PLAIN_ON_HTTPS)
+        .await
+        .map_err(NotOpened::Tls)?;
+    Ok((Opened::Tls(Box::new(stream)), client))
+}
+
 /// Serves HTTP on an accepted connection from `client` (the peer, or the
-/// address its PROXY header gave) in a task of its own.
-fn serve_connection(
-    stream: TcpStream,
+/// address its PROXY header gave) in a task of its own: the stream, its
+/// socket, and for TLS the server name the client asked for.
+fn serve_connection<S>(
+    (stream, socket, tls): (S, ClientSocket, Option<Option<Arc<str>>>),
     client: SocketAddr,
     settings: &ListenerSettings,
     worker: usize,
@@ -777,17 +829,19 @@ fn serve_connection(
     // Held for the connection's life: its slot under the cap, its count
     // in the balance.
     held: (tokio::sync::OwnedSemaphorePermit, Counted),
-) {
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
     let conn = Arc::new(ConnInfo {
         client,
         client_ip: crate::forward::client_ip_header(client.ip()),
         listener: settings.spec.clone(),
-        tls: false,
+        tls: tls.is_some(),
+        sni: tls.flatten(),
         worker,
-        socket: Some(ClientSocket::of(&stream)),
+        socket: Some(socket),
     });
     let builder = &settings.builder;
-    let _ = stream.set_nodelay(true);
     let pipeline = pipeline.clone();
     let service_conn = conn.clone();
     let clock = Arc::new(HeadClock::default());

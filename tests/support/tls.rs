@@ -17,6 +17,8 @@ pub struct TestPki {
     pub leaf_pem: String,
     /// Leaf key, PEM.
     pub leaf_key_pem: String,
+    /// The CA, to sign renewed leaves.
+    ca: Arc<CertifiedIssuer<'static, KeyPair>>,
 }
 
 impl TestPki {
@@ -31,17 +33,27 @@ impl TestPki {
         let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         let ca = CertifiedIssuer::self_signed(ca_params, ca_key).expect("ca cert");
+        Self::leaf(Arc::new(ca), names)
+    }
+
+    /// A new leaf for `names` from the same CA, as a renewal gives.
+    pub fn renewed(&self, names: &[&str]) -> TestPki {
+        Self::leaf(self.ca.clone(), names)
+    }
+
+    fn leaf(ca: Arc<CertifiedIssuer<'static, KeyPair>>, names: &[&str]) -> TestPki {
         let leaf_key = KeyPair::generate().expect("leaf key");
         let leaf_params =
             CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
                 .expect("leaf params");
-        let leaf = leaf_params.signed_by(&leaf_key, &ca).expect("leaf cert");
+        let leaf = leaf_params.signed_by(&leaf_key, &*ca).expect("leaf cert");
         TestPki {
             ca_pem: ca.pem(),
             leaf_chain: vec![leaf.der().clone()],
             leaf_key: leaf_key.serialize_der(),
             leaf_pem: leaf.pem(),
             leaf_key_pem: leaf_key.serialize_pem(),
+            ca,
         }
     }
 
@@ -94,7 +106,78 @@ pub async fn https_get_with(
     path: &str,
     headers: &[(&str, &str)],
 ) -> Result<(http::Version, super::client::Answer), String> {
-    https_exchange(addr, b"", host, ca_pem, alpn, path, headers).await
+    https_exchange(
+        addr,
+        b"",
+        host,
+        connector(ca_pem, alpn, None),
+        path,
+        headers,
+    )
+    .await
+}
+
+/// [`https_get`] presenting `identity`'s leaf as a client certificate.
+pub async fn https_get_as(
+    addr: std::net::SocketAddr,
+    host: &str,
+    ca_pem: &str,
+    identity: &TestPki,
+    path: &str,
+) -> Result<(http::Version, super::client::Answer), String> {
+    let connector = connector(ca_pem, &[b"http/1.1"], Some(identity));
+    https_exchange(addr, b"", host, connector, path, &[]).await
+}
+
+/// The certificate `addr` presents to a client asking for `host` (DER),
+/// trusting only `ca_pem` (20 s limit).
+pub async fn server_certificate(
+    addr: std::net::SocketAddr,
+    host: &str,
+    ca_pem: &str,
+) -> Result<Vec<u8>, String> {
+    let connector = connector(ca_pem, &[], None);
+    let handshake = async {
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        let name =
+            rustls_pki_types::ServerName::try_from(host.to_owned()).map_err(|e| e.to_string())?;
+        let tls = connector
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("TLS: {e}"))?;
+        let certs = tls.get_ref().1.peer_certificates().unwrap_or_default();
+        Ok(certs.first().map(|c| c.to_vec()).unwrap_or_default())
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(20), handshake)
+        .await
+        .map_err(|_| "no handshake within 20s".to_owned())?
+}
+
+/// A client TLS connector trusting only `ca_pem`, offering `alpn`, and
+/// presenting `identity`'s leaf when given.
+fn connector(
+    ca_pem: &str,
+    alpn: &[&[u8]],
+    identity: Option<&TestPki>,
+) -> tokio_rustls::TlsConnector {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots(ca_pem));
+    let mut config = match identity {
+        None => builder.with_no_client_auth(),
+        Some(id) => builder
+            .with_client_auth_cert(
+                id.leaf_chain.clone(),
+                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(id.leaf_key.clone())),
+            )
+            .expect("client certificate"),
+    };
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
 }
 
 /// [`https_get`] sending `before` on the connection ahead of the TLS
@@ -107,27 +190,17 @@ pub async fn https_get_after(
     alpn: &[&[u8]],
     path: &str,
 ) -> Result<(http::Version, super::client::Answer), String> {
-    https_exchange(addr, before, host, ca_pem, alpn, path, &[]).await
+    https_exchange(addr, before, host, connector(ca_pem, alpn, None), path, &[]).await
 }
 
 async fn https_exchange(
     addr: std::net::SocketAddr,
     before: &[u8],
     host: &str,
-    ca_pem: &str,
-    alpn: &[&[u8]],
+    connector: tokio_rustls::TlsConnector,
     path: &str,
     headers: &[(&str, &str)],
 ) -> Result<(http::Version, super::client::Answer), String> {
-    let roots = roots(ca_pem);
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .expect("versions")
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
     let exchange = async {
         let mut tcp = tokio::net::TcpStream::connect(addr)
             .await

@@ -16,15 +16,15 @@ use serde_saphyr::{Location, Spanned};
 
 use super::envsubst::expand;
 use super::raw::{
-    PolicyFile, RawCompress, RawCors, RawHeaderEdits, RawListener, RawPlugin, RawPluginUse,
-    RawRoute, RawUpstream, Text, TextMap,
+    PolicyFile, RawCompress, RawCors, RawHeaderEdits, RawListener, RawListenerTls, RawPlugin,
+    RawPluginUse, RawRoute, RawUpstream, Text, TextMap,
 };
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
 use super::{
     Action, Balance, Config, ConfigError, Cors, Endpoint, FailMode, HeaderEdits, Listener,
-    LocalResponse, PathRewrite, PluginModule, PluginUse, Pos, Probe, Route, Target, Timeouts,
-    TlsSettings, Upstream,
+    ListenerTls, LocalResponse, PathRewrite, PluginModule, PluginUse, Pos, Probe, Route, Target,
+    Timeouts, TlsSettings, Upstream,
 };
 use crate::compress::Compression;
 use crate::request_id::RequestIds;
@@ -448,6 +448,7 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
             "`{s}` is not a request id mode; use keep, make or off"
         )),
     });
+    let tls = l.tls.as_ref().and_then(|t| listener_tls(ctx, t));
     Some(Listener {
         name: name?,
         bind: bind?,
@@ -458,8 +459,55 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         trust_forwarded_headers,
         proxy_protocol,
         request_id,
+        tls,
         defined_at: ctx.pos(&raw.referenced),
     })
+}
+
+/// A listener's `tls`: the certificate and key are read (and checked to
+/// belong together) now, so `check` reports a bad pair at its line.
+fn listener_tls(ctx: &mut Ctx, raw: &Spanned<RawListenerTls>) -> Option<ListenerTls> {
+    let t = &raw.value;
+    let cert = ctx.path(&t.cert);
+    let key = ctx.path(&t.key);
+    let client_roots = match &t.client_ca {
+        None => None,
+        Some(ca) => {
+            let path = ctx.path(ca)?;
+            match CertificateDer::pem_file_iter(&path)
+                .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+            {
+                Ok(certs) if !certs.is_empty() => Some(certs),
+                Ok(_) => {
+                    ctx.err(
+                        &ca.referenced,
+                        format!("{} holds no PEM certificate", path.display()),
+                    );
+                    return None;
+                }
+                Err(e) => {
+                    ctx.err(
+                        &ca.referenced,
+                        format!("cannot read client CA file {}: {e}", path.display()),
+                    );
+                    return None;
+                }
+            }
+        }
+    };
+    let (cert, key) = (cert?, key?);
+    let mutual = client_roots.is_some();
+    match crate::tls_listen::acceptor(&cert, &key, client_roots, crate::tls_listen::HTTP_ALPN) {
+        Ok(acceptor) => Some(ListenerTls {
+            acceptor,
+            cert,
+            mutual,
+        }),
+        Err(e) => {
+            ctx.err(&t.cert.referenced, e);
+            None
+        }
+    }
 }
 
 /// Parses a fixed endpoint URL: `http(s)://host[:port][/base]`.

@@ -14,6 +14,7 @@ mod units;
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -187,8 +188,31 @@ pub struct Listener {
     pub proxy_protocol: bool,
     /// What the listener does with each request's `X-Request-Id`.
     pub request_id: crate::request_id::RequestIds,
+    /// HTTPS: the handshake's settings; `None` for cleartext.
+    pub tls: Option<ListenerTls>,
     /// Where the listener was defined.
     pub defined_at: Pos,
+}
+
+/// A listener's TLS: its certificate (read again when the files change)
+/// and whether clients must present one.
+#[derive(Clone)]
+pub struct ListenerTls {
+    /// The handshake, ready to run.
+    pub acceptor: tokio_rustls::TlsAcceptor,
+    /// The certificate file, for logs.
+    pub cert: PathBuf,
+    /// Clients must present a certificate from `client_ca`.
+    pub mutual: bool,
+}
+
+impl std::fmt::Debug for ListenerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ListenerTls")
+            .field("cert", &self.cert)
+            .field("mutual", &self.mutual)
+            .finish_non_exhaustive()
+    }
 }
 
 /// How requests are spread over an upstream's endpoints.

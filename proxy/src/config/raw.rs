@@ -113,6 +113,15 @@ pub struct RawListener {
     pub trust_forwarded_headers: Option<Text>,
     pub proxy_protocol: Option<Text>,
     pub request_id: Option<Text>,
+    pub tls: Option<Spanned<RawListenerTls>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawListenerTls {
+    pub cert: Text,
+    pub key: Text,
+    pub client_ca: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -698,6 +698,8 @@ pub struct RequestFacts {
     pub client: std::net::IpAddr,
     /// Whether the client connection is TLS.
     pub tls: bool,
+    /// The server name the client asked for in its TLS handshake.
+    pub sni: Option<std::sync::Arc<str>>,
     /// The route's index in the config.
     pub route: usize,
     /// The route's path parameters (empty for routes without any).
@@ -734,7 +736,7 @@ impl RequestFacts {
             query: query.map(str::to_owned),
             client_addr: self.client.to_canonical().to_string(),
             tls: self.tls,
-            sni: None,
+            sni: self.sni.as_deref().map(str::to_owned),
         }
     }
 
@@ -803,6 +805,7 @@ mod tests {
             rewritten: None,
             client: "::ffff:10.1.2.3".parse().unwrap(),
             tls: true,
+            sni: Some("public.example".into()),
             route: 1,
             params: vec![("name".into(), "hooks".into())],
         }
@@ -817,6 +820,7 @@ mod tests {
         assert_eq!(head.method, "PATCH");
         assert_eq!(head.scheme, "https");
         assert!(head.tls);
+        assert_eq!(head.sni.as_deref(), Some("public.example"));
         // Origin form: the host comes from the Host header.
         assert_eq!(head.authority, "public.example");
         assert_eq!(

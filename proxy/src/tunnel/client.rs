@@ -262,6 +262,7 @@ impl Dialer {
                 proxy_protocol: false,
                 // The tunnel server gave each request its id.
                 request_id: crate::request_id::RequestIds::Keep,
+                tls: None,
                 defined_at: crate::config::Pos {
                     file: "--server".into(),
                     line: 0,
@@ -654,6 +655,7 @@ async fn handle(
         client_ip: crate::forward::client_ip_header(client.ip()),
         listener: dialer.listener.clone(),
         tls: false,
+        sni: None,
         worker,
         socket: None,
     };

@@ -93,14 +93,10 @@ pub async fn refuse_plain<S: AsyncWrite + Unpin>(stream: &mut S) {
     refuse(stream, "426 Upgrade Required\r\nupgrade: websocket", body).await;
 }
 
-/// Answers a plain HTTP request on the public HTTPS port and closes, as
-/// nginx does, rather than leaving the client with a closed connection
-/// and a TLS alert it cannot read.
-pub async fn refuse_plain_on_https<S: AsyncWrite + Unpin>(stream: &mut S) {
-    let body = concat!(
-        r#"{"error":"plain HTTP request sent to the HTTPS port: use https://","#,
-        r#""status":400,"runtime":null}"#
-    );
+/// Answers a plain HTTP request on an HTTPS port with 400 and the JSON
+/// `body`, and closes, as nginx does, rather than leaving the client with
+/// a closed connection and a TLS alert it cannot read.
+pub async fn refuse_plain_on_https<S: AsyncWrite + Unpin>(stream: &mut S, body: &str) {
     refuse(stream, "400 Bad Request", body).await;
 }
 

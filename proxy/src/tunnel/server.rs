@@ -358,17 +358,14 @@ struct Shared {
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
 /// they change), offering `alpn`.
 fn load_tls(cert: &Path, key: &Path, alpn: &[&[u8]]) -> anyhow::Result<tokio_rustls::TlsAcceptor> {
-    let files = crate::cert_files::CertFiles::load(cert.to_path_buf(), key.to_path_buf())
-        .map_err(anyhow::Error::msg)?;
-    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_no_client_auth()
-    .with_cert_resolver(Arc::new(files));
-    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+    crate::tls_listen::acceptor(cert, key, None, alpn).map_err(anyhow::Error::msg)
 }
+
+/// The answer to plain HTTP on the public HTTPS port.
+const PLAIN_ON_HTTPS: &str = concat!(
+    r#"{"error":"plain HTTP request sent to the HTTPS port: use https://","#,
+    r#""status":400,"runtime":null}"#
+);
 
 /// When `on`, the UDP socket on `addr` (the TCP listener's twin) and the
 /// QUIC settings `config` makes from the certificate pair in `tls`, for
@@ -1195,22 +1192,13 @@ async fn accept_public(
             match opened {
                 Ok(Ok((Opened::Tcp(stream), client))) => public.serve(stream, client).await,
                 Ok(Ok((Opened::Tls(stream), client))) => public.serve(*stream, client).await,
-                Ok(Err(refused)) => {
-                    let reason = match refused {
-                        NotOpened::ProxyHeader(e) => {
-                            tracing::debug!(peer = %peer, error = %e, "public connection closed");
-                            "proxy_protocol"
-                        }
-                        NotOpened::PlainHttp(request) => {
-                            tracing::debug!(peer = %peer, request, "plain HTTP on the HTTPS port; answered 400");
-                            "plain_http"
-                        }
-                        NotOpened::Handshake(e) => {
-                            tracing::debug!(peer = %peer, error = %e, "public TLS handshake failed");
-                            "tls_handshake"
-                        }
-                    };
-                    crate::metrics::count_connection_error("public", reason);
+                Ok(Err(NotOpened::ProxyHeader(e))) => {
+                    tracing::debug!(peer = %peer, error = %e, "public connection closed");
+                    crate::metrics::count_connection_error("public", "proxy_protocol");
+                }
+                Ok(Err(NotOpened::Tls(refused))) => {
+                    tracing::debug!(peer = %peer, "public connection closed: {refused}");
+                    crate::metrics::count_connection_error("public", refused.reason());
                 }
                 Err(_) => crate::metrics::connection_timed_out("public"),
             }
@@ -1233,11 +1221,8 @@ enum Opened {
 enum NotOpened {
     /// Its PROXY protocol header was missing or bad.
     ProxyHeader(crate::proxy_protocol::Error),
-    /// It spoke plain HTTP (`METHOD /path`) on the HTTPS port, and was
-    /// answered 400.
-    PlainHttp(String),
-    /// The TLS handshake failed.
-    Handshake(std::io::Error),
+    /// Plain HTTP on the HTTPS port, or a failed handshake.
+    Tls(crate::tls_listen::Refused),
 }
 
 /// Reads a public connection's PROXY header (when the server expects one)
@@ -1259,30 +1244,10 @@ async fn open(
     let Some(tls) = tls else {
         return Ok((Opened::Tcp(stream), client));
     };
-    let stream = handshake(tls, stream).await?;
+    let stream = crate::tls_listen::handshake(&tls, stream, PLAIN_ON_HTTPS)
+        .await
+        .map_err(NotOpened::Tls)?;
     Ok((Opened::Tls(Box::new(stream)), client))
-}
-
-/// The TLS handshake on a public connection. A client that speaks plain
-/// HTTP instead (its first byte is a letter, where a TLS record starts
-/// with 0x16) gets a 400 saying to use https, as nginx answers.
-async fn handshake(
-    tls: tokio_rustls::TlsAcceptor,
-    mut stream: TcpStream,
-) -> Result<tokio_rustls::server::TlsStream<TcpStream>, NotOpened> {
-    let mut first = [0u8; 1];
-    if matches!(stream.peek(&mut first).await, Ok(1) if first[0].is_ascii_alphabetic()) {
-        // The head is read first: closing with it unread would reset
-        // the connection, and the client could lose the answer.
-        let request = match super::handshake_head::read(&mut stream).await {
-            Ok((_, super::handshake_head::Head::Plain(request))) => request,
-            Ok(_) => "an upgrade or health check".to_owned(),
-            Err(e) => e,
-        };
-        super::handshake_head::refuse_plain_on_https(&mut stream).await;
-        return Err(NotOpened::PlainHttp(request));
-    }
-    tls.accept(stream).await.map_err(NotOpened::Handshake)
 }
 
 /// What serving a public connection needs, one per worker.

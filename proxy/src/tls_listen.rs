@@ -1,0 +1,115 @@
+//! TLS on a listening port, for the routing core's listeners and the
+//! tunnel server's public one: the acceptor (a certificate read from
+//! files, and again when they change; optionally a client-certificate
+//! check), and the handshake, which answers plain HTTP with a 400 saying
+//! to use https, as nginx does, rather than a TLS alert the client cannot
+//! read.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rustls_pki_types::CertificateDer;
+use tokio::net::TcpStream;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+
+/// What a listener offers in ALPN: HTTP/2 first, as browsers and curl
+/// prefer, then HTTP/1.1.
+pub const HTTP_ALPN: &[&[u8]] = &[b"h2", b"http/1.1"];
+
+/// A TLS acceptor serving the pair in `cert` and `key` (read again when
+/// they change), offering `alpn`. With `client_roots`, clients must
+/// present a certificate that chains to one of them (mutual TLS). An error
+/// names the file and the problem.
+pub fn acceptor(
+    cert: &Path,
+    key: &Path,
+    client_roots: Option<Vec<CertificateDer<'static>>>,
+    alpn: &[&[u8]],
+) -> Result<TlsAcceptor, String> {
+    let files = crate::cert_files::CertFiles::load(cert.to_path_buf(), key.to_path_buf())?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?;
+    let builder = match client_roots {
+        None => builder.with_no_client_auth(),
+        Some(roots) => {
+            let mut store = rustls::RootCertStore::empty();
+            for root in roots {
+                store
+                    .add(root)
+                    .map_err(|e| format!("client CA certificate: {e}"))?;
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(store),
+                provider,
+            )
+            .build()
+            .map_err(|e| format!("client CA: {e}"))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder.with_cert_resolver(Arc::new(files));
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Why a connection was closed before HTTP.
+#[derive(Debug)]
+pub enum Refused {
+    /// It spoke plain HTTP (`METHOD /path`) on the HTTPS port, and was
+    /// answered 400.
+    PlainHttp(String),
+    /// The TLS handshake failed.
+    Handshake(std::io::Error),
+}
+
+impl Refused {
+    /// The reason it is counted under in `portcullis_connection_errors_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Refused::PlainHttp(_) => "plain_http",
+            Refused::Handshake(_) => "tls_handshake",
+        }
+    }
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::PlainHttp(request) => {
+                write!(f, "plain HTTP ({request}) on the HTTPS port; answered 400")
+            }
+            Refused::Handshake(e) => write!(f, "TLS handshake failed: {e}"),
+        }
+    }
+}
+
+/// The TLS handshake on an accepted connection. A client that speaks
+/// plain HTTP instead (its first byte is a letter, where a TLS record
+/// starts with 0x16) gets a 400 with the JSON `body`.
+pub async fn handshake(
+    tls: &TlsAcceptor,
+    mut stream: TcpStream,
+    body: &str,
+) -> Result<TlsStream<TcpStream>, Refused> {
+    let mut first = [0u8; 1];
+    if matches!(stream.peek(&mut first).await, Ok(1) if first[0].is_ascii_alphabetic()) {
+        // The head is read first: closing with it unread would reset
+        // the connection, and the client could lose the answer.
+        let request = match crate::tunnel::handshake_head::read(&mut stream).await {
+            Ok((_, crate::tunnel::handshake_head::Head::Plain(request))) => request,
+            Ok(_) => "an upgrade or health check".to_owned(),
+            Err(e) => e,
+        };
+        crate::tunnel::handshake_head::refuse_plain_on_https(&mut stream, body).await;
+        return Err(Refused::PlainHttp(request));
+    }
+    tls.accept(stream).await.map_err(Refused::Handshake)
+}
+
+/// The server name a client asked for in its handshake.
+pub fn server_name(stream: &TlsStream<TcpStream>) -> Option<Arc<str>> {
+    stream.get_ref().1.server_name().map(Arc::from)
+}

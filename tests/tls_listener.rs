@@ -1,0 +1,174 @@
+//! HTTPS listeners: HTTP/1.1 and HTTP/2 by ALPN, the upstream told the
+//! request came over https, plain HTTP told to use https, certificates
+//! renewed without a restart, and client certificates (mutual TLS).
+
+use crate::support::client;
+use crate::support::process::ProxyProcess;
+use crate::support::tls::{self, TestPki};
+use crate::support::upstream;
+
+/// A policy directory with `pki`'s leaf as tls.crt/tls.key (and its CA as
+/// ca.crt) and an HTTPS listener sending everything to `upstream`, with
+/// `extra` added to the listener's `tls`.
+fn policies(pki: &TestPki, upstream: &upstream::Upstream, extra: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write_pair(dir.path(), pki);
+    std::fs::write(dir.path().join("ca.crt"), &pki.ca_pem).unwrap();
+    let policy = format!(
+        r#"
+listeners:
+  - name: https
+    bind: "127.0.0.1:0"
+    tls: {{ cert: tls.crt, key: tls.key{extra} }}
+upstreams: [{{ name: svc, endpoints: ["{}"] }}]
+routes: [{{ name: any, match: {{ path_prefix: / }}, upstream: svc }}]
+"#,
+        upstream.url()
+    );
+    std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
+    dir
+}
+
+/// Writes `pki`'s leaf as tls.crt and tls.key in `dir`, as a renewed
+/// Secret lands: each file replaced whole.
+fn write_pair(dir: &std::path::Path, pki: &TestPki) {
+    for (name, pem) in [("tls.crt", &pki.leaf_pem), ("tls.key", &pki.leaf_key_pem)] {
+        let tmp = dir.join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, pem).unwrap();
+        std::fs::rename(&tmp, dir.join(name)).unwrap();
+    }
+}
+
+async fn start(dir: &tempfile::TempDir) -> ProxyProcess {
+    ProxyProcess::start_on(dir.path(), &[]).await
+}
+
+#[tokio::test]
+async fn an_https_listener_serves_http1_and_http2_and_tells_the_upstream() {
+    let pki = TestPki::new();
+    let echo = upstream::echo("svc").await;
+    let dir = policies(&pki, &echo, "");
+    let proxy = start(&dir).await;
+
+    for (alpn, version) in [
+        (&[&b"h2"[..], b"http/1.1"][..], http::Version::HTTP_2),
+        (&[&b"http/1.1"[..]][..], http::Version::HTTP_11),
+        // No ALPN at all: HTTP/1.1, as a client of before ALPN expects.
+        (&[][..], http::Version::HTTP_11),
+    ] {
+        let (got, answer) = tls::https_get(proxy.addr, "localhost", &pki.ca_pem, alpn, "/who")
+            .await
+            .unwrap();
+        assert_eq!(got, version, "ALPN {alpn:?}");
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        let seen = answer.json();
+        assert_eq!(seen["headers"]["x-forwarded-proto"], "https", "{seen}");
+        assert_eq!(seen["headers"]["x-forwarded-host"], "localhost", "{seen}");
+    }
+}
+
+#[tokio::test]
+async fn plain_http_on_the_https_port_is_told_to_use_https_and_counted() {
+    let pki = TestPki::new();
+    let echo = upstream::echo("svc").await;
+    let dir = policies(&pki, &echo, "");
+    let proxy = start(&dir).await;
+
+    let answer = client::raw(proxy.addr, b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+    let body: serde_json::Value =
+        serde_json::from_str(answer.split_once("\r\n\r\n").unwrap().1).unwrap();
+    assert!(
+        body["error"].as_str().unwrap().contains("use https://"),
+        "{body}"
+    );
+    // A client that does not trust the certificate fails its handshake.
+    let other = TestPki::new();
+    let refused = tls::https_get(proxy.addr, "localhost", &other.ca_pem, &[], "/x").await;
+    assert!(refused.is_err(), "{refused:?}");
+    // Garbage that is neither.
+    let _ = client::raw_until_closed(proxy.addr, b"\x16\x03\x01\x00\x05hello").await;
+    proxy
+        .metrics_showing(&[
+            crate::support::process::connection_errors("https", "plain_http", 1),
+            crate::support::process::connection_errors("https", "tls_handshake", 2),
+        ])
+        .await;
+    // None of it disturbed the listener.
+    let (_, ok) = tls::https_get(proxy.addr, "localhost", &pki.ca_pem, &[], "/x")
+        .await
+        .unwrap();
+    assert_eq!(ok.status, 200);
+}
+
+#[tokio::test]
+async fn a_renewed_certificate_is_served_without_a_restart() {
+    let pki = TestPki::new();
+    let echo = upstream::echo("svc").await;
+    let dir = policies(&pki, &echo, "");
+    let mut proxy = start(&dir).await;
+    let first = tls::server_certificate(proxy.addr, "localhost", &pki.ca_pem)
+        .await
+        .unwrap();
+    assert_eq!(first, pki.leaf_chain[0].to_vec());
+
+    // Renewed by the same CA, as cert-manager does.
+    let renewed = pki.renewed(&["localhost"]);
+    write_pair(dir.path(), &renewed);
+    // The next handshake finds the files changed and serves the new pair.
+    let served = tls::server_certificate(proxy.addr, "localhost", &pki.ca_pem)
+        .await
+        .unwrap();
+    assert_eq!(served, renewed.leaf_chain[0].to_vec());
+    assert_ne!(served, first);
+    proxy.wait_for_log("TLS certificate reloaded").await;
+    let (_, ok) = tls::https_get(proxy.addr, "localhost", &pki.ca_pem, &[], "/x")
+        .await
+        .unwrap();
+    assert_eq!(ok.status, 200);
+}
+
+#[tokio::test]
+async fn with_a_client_ca_only_clients_with_its_certificates_get_in() {
+    let pki = TestPki::new();
+    let clients = TestPki::for_names(&["client.example"]);
+    let echo = upstream::echo("svc").await;
+    let dir = policies(&pki, &echo, ", client_ca: clients.crt");
+    std::fs::write(dir.path().join("clients.crt"), &clients.ca_pem).unwrap();
+    let proxy = start(&dir).await;
+
+    let (_, ok) = tls::https_get_as(proxy.addr, "localhost", &pki.ca_pem, &clients, "/in")
+        .await
+        .unwrap();
+    assert_eq!(ok.status, 200, "{:?}", ok.body);
+    // No certificate, or one from another CA: refused in the handshake.
+    let none = tls::https_get(proxy.addr, "localhost", &pki.ca_pem, &[], "/in").await;
+    assert!(none.is_err(), "{none:?}");
+    let stranger = TestPki::for_names(&["client.example"]);
+    let other = tls::https_get_as(proxy.addr, "localhost", &pki.ca_pem, &stranger, "/in").await;
+    assert!(other.is_err(), "{other:?}");
+}
+
+#[tokio::test]
+async fn check_names_a_missing_or_mismatched_certificate_at_its_line() {
+    let pki = TestPki::new();
+    let other = TestPki::new();
+    let echo = upstream::echo("svc").await;
+    let dir = policies(&pki, &echo, "");
+    let (ok, out, err) = crate::support::check(dir.path());
+    assert!(ok, "{out}{err}");
+
+    // A key that is not the certificate's.
+    std::fs::write(dir.path().join("tls.key"), &other.leaf_key_pem).unwrap();
+    let (ok, _, err) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(err.contains("policy.yaml:5:"), "{err}");
+    assert!(err.contains("do not belong together"), "{err}");
+
+    // A missing file.
+    std::fs::remove_file(dir.path().join("tls.crt")).unwrap();
+    let (ok, _, err) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(err.contains("policy.yaml:5:"), "{err}");
+    assert!(err.contains("tls.crt"), "{err}");
+}
