@@ -165,10 +165,82 @@ async fn check_names_a_missing_or_mismatched_certificate_at_its_line() {
     assert!(err.contains("policy.yaml:5:"), "{err}");
     assert!(err.contains("do not belong together"), "{err}");
 
+    // Both forms at once, or half of one.
+    let policy = std::fs::read_to_string(dir.path().join("policy.yaml")).unwrap();
+    let both = policy.replace(
+        "key: tls.key }",
+        "key: tls.key, certificates: [{ cert: tls.crt, key: tls.key }] }",
+    );
+    std::fs::write(dir.path().join("policy.yaml"), &both).unwrap();
+    let (ok, _, err) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(err.contains("not both"), "{err}");
+    let half = policy.replace(", key: tls.key }", " }");
+    std::fs::write(dir.path().join("policy.yaml"), &half).unwrap();
+    let (ok, _, err) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(err.contains("needs both `cert` and `key`"), "{err}");
+    std::fs::write(dir.path().join("policy.yaml"), &policy).unwrap();
+
     // A missing file.
     std::fs::remove_file(dir.path().join("tls.crt")).unwrap();
     let (ok, _, err) = crate::support::check(dir.path());
     assert!(!ok);
     assert!(err.contains("policy.yaml:5:"), "{err}");
     assert!(err.contains("tls.crt"), "{err}");
+}
+
+#[tokio::test]
+async fn several_certificates_are_chosen_by_the_name_the_client_asks_for() {
+    let default = TestPki::new();
+    let wildcard = TestPki::for_names(&["*.b.example"]);
+    let echo = upstream::echo("svc").await;
+    let dir = tempfile::tempdir().unwrap();
+    write_pair(dir.path(), &default);
+    std::fs::write(dir.path().join("b.crt"), &wildcard.leaf_pem).unwrap();
+    std::fs::write(dir.path().join("b.key"), &wildcard.leaf_key_pem).unwrap();
+    let policy = format!(
+        r#"
+listeners:
+  - name: https
+    bind: "127.0.0.1:0"
+    tls:
+      certificates:
+        - {{ cert: tls.crt, key: tls.key }}
+        - {{ cert: b.crt, key: b.key }}
+upstreams: [{{ name: svc, endpoints: ["{}"] }}]
+routes: [{{ name: any, match: {{ path_prefix: / }}, upstream: svc }}]
+"#,
+        echo.url()
+    );
+    std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+
+    let served = |host: &'static str, ca: &str| {
+        let ca = ca.to_owned();
+        let addr = proxy.addr;
+        async move { tls::server_certificate(addr, host, &ca).await }
+    };
+    assert_eq!(
+        served("x.b.example", &wildcard.ca_pem).await.unwrap(),
+        wildcard.leaf_chain[0].to_vec()
+    );
+    assert_eq!(
+        served("localhost", &default.ca_pem).await.unwrap(),
+        default.leaf_chain[0].to_vec()
+    );
+    // An IP address sends no server name: the first certificate.
+    assert_eq!(
+        served("127.0.0.1", &default.ca_pem).await.unwrap(),
+        default.leaf_chain[0].to_vec()
+    );
+    // A name none covers gets the first too, which the client rejects
+    // for its names.
+    let err = served("other.example", &default.ca_pem).await.unwrap_err();
+    assert!(err.contains("localhost"), "{err}");
+    // And requests go through on the chosen one.
+    let (_, ok) = tls::https_get(proxy.addr, "x.b.example", &wildcard.ca_pem, &[], "/w")
+        .await
+        .unwrap();
+    assert_eq!(ok.status, 200);
 }

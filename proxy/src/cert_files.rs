@@ -65,6 +65,13 @@ impl CertFiles {
 
 impl ResolvesServerCert for CertFiles {
     fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.current())
+    }
+}
+
+impl CertFiles {
+    /// The pair, read again first when the files changed.
+    pub fn current(&self) -> Arc<CertifiedKey> {
         let now = [stamp(&self.cert), stamp(&self.key)];
         let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
         if current.0 != now {
@@ -81,6 +88,42 @@ impl ResolvesServerCert for CertFiles {
                 ),
             }
         }
-        Some(current.1.clone())
+        current.1.clone()
+    }
+
+    /// Whether the certificate is valid for the DNS name `name` (wildcards
+    /// as clients match them).
+    pub fn covers(certified: &CertifiedKey, name: &str) -> bool {
+        let Ok(name) = rustls_pki_types::ServerName::try_from(name) else {
+            return false;
+        };
+        certified.cert.first().is_some_and(|leaf| {
+            webpki::EndEntityCert::try_from(leaf)
+                .and_then(|cert| cert.verify_is_valid_for_subject_name(&name))
+                .is_ok()
+        })
+    }
+}
+
+/// Several certificates on one port, chosen by the name the client asks
+/// for (SNI): the first that covers it, else the first listed, as nginx
+/// falls back to its default server's.
+#[derive(Debug)]
+pub struct ByServerName(pub Vec<CertFiles>);
+
+impl ResolvesServerCert for ByServerName {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        let first = self.0.first()?.current();
+        let Some(name) = hello.server_name() else {
+            return Some(first);
+        };
+        if CertFiles::covers(&first, name) {
+            return Some(first);
+        }
+        let covering = self.0[1..]
+            .iter()
+            .map(CertFiles::current)
+            .find(|c| CertFiles::covers(c, name));
+        Some(covering.unwrap_or(first))
     }
 }

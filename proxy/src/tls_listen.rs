@@ -5,7 +5,7 @@
 //! to use https, as nginx does, rather than a TLS alert the client cannot
 //! read.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls_pki_types::CertificateDer;
@@ -28,6 +28,32 @@ pub fn acceptor(
     alpn: &[&[u8]],
 ) -> Result<TlsAcceptor, String> {
     let files = crate::cert_files::CertFiles::load(cert.to_path_buf(), key.to_path_buf())?;
+    build(Arc::new(files), client_roots, alpn)
+}
+
+/// [`acceptor`] with several pairs, chosen by the name the client asks
+/// for (SNI); the first is the default.
+pub fn acceptor_by_name(
+    pairs: &[(PathBuf, PathBuf)],
+    client_roots: Option<Vec<CertificateDer<'static>>>,
+    alpn: &[&[u8]],
+) -> Result<TlsAcceptor, String> {
+    let files = pairs
+        .iter()
+        .map(|(cert, key)| crate::cert_files::CertFiles::load(cert.clone(), key.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
+    build(
+        Arc::new(crate::cert_files::ByServerName(files)),
+        client_roots,
+        alpn,
+    )
+}
+
+fn build(
+    certificates: Arc<dyn rustls::server::ResolvesServerCert>,
+    client_roots: Option<Vec<CertificateDer<'static>>>,
+    alpn: &[&[u8]],
+) -> Result<TlsAcceptor, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
@@ -50,7 +76,7 @@ pub fn acceptor(
             builder.with_client_cert_verifier(verifier)
         }
     };
-    let mut config = builder.with_cert_resolver(Arc::new(files));
+    let mut config = builder.with_cert_resolver(certificates);
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(TlsAcceptor::from(Arc::new(config)))
 }

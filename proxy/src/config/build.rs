@@ -468,8 +468,34 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
 /// belong together) now, so `check` reports a bad pair at its line.
 fn listener_tls(ctx: &mut Ctx, raw: &Spanned<RawListenerTls>) -> Option<ListenerTls> {
     let t = &raw.value;
-    let cert = ctx.path(&t.cert);
-    let key = ctx.path(&t.key);
+    // `cert` and `key` for one certificate; `certificates` for several,
+    // chosen by SNI.
+    let pairs: Vec<(&Text, &Text)> = match (&t.cert, &t.key, &t.certificates) {
+        (Some(cert), Some(key), None) => vec![(cert, key)],
+        (None, None, Some(list)) if !list.value.is_empty() => list
+            .value
+            .iter()
+            .map(|p| (&p.value.cert, &p.value.key))
+            .collect(),
+        (None, None, Some(list)) => {
+            ctx.err(&list.referenced, "`certificates` lists no certificate");
+            return None;
+        }
+        (_, _, None) => {
+            ctx.err(
+                &raw.referenced,
+                "`tls` needs both `cert` and `key` (or a `certificates` list)",
+            );
+            return None;
+        }
+        (_, _, Some(list)) => {
+            ctx.err(
+                &list.referenced,
+                "give either `cert` and `key`, or `certificates`, not both",
+            );
+            return None;
+        }
+    };
     let client_roots = match &t.client_ca {
         None => None,
         Some(ca) => {
@@ -495,16 +521,29 @@ fn listener_tls(ctx: &mut Ctx, raw: &Spanned<RawListenerTls>) -> Option<Listener
             }
         }
     };
-    let (cert, key) = (cert?, key?);
+    // Each pair is read here, so a bad one is reported at its own line.
+    let mut paths = Vec::with_capacity(pairs.len());
+    for (cert_text, key_text) in pairs {
+        let (Some(cert), Some(key)) = (ctx.path(cert_text), ctx.path(key_text)) else {
+            continue;
+        };
+        match crate::cert_files::CertFiles::load(cert.clone(), key.clone()) {
+            Ok(_) => paths.push((cert, key)),
+            Err(e) => ctx.err(&cert_text.referenced, e),
+        }
+    }
     let mutual = client_roots.is_some();
-    match crate::tls_listen::acceptor(&cert, &key, client_roots, crate::tls_listen::HTTP_ALPN) {
-        Ok(acceptor) => Some(ListenerTls {
+    let acceptor =
+        crate::tls_listen::acceptor_by_name(&paths, client_roots, crate::tls_listen::HTTP_ALPN);
+    match acceptor {
+        Ok(acceptor) if !paths.is_empty() => Some(ListenerTls {
             acceptor,
-            cert,
+            cert: paths[0].0.clone(),
             mutual,
         }),
+        Ok(_) => None,
         Err(e) => {
-            ctx.err(&t.cert.referenced, e);
+            ctx.err(&raw.referenced, e);
             None
         }
     }

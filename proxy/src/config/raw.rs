@@ -119,9 +119,17 @@ pub struct RawListener {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawListenerTls {
+    pub cert: Option<Text>,
+    pub key: Option<Text>,
+    pub certificates: Option<Spanned<Vec<Spanned<RawCertPair>>>>,
+    pub client_ca: Option<Text>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCertPair {
     pub cert: Text,
     pub key: Text,
-    pub client_ca: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]
