@@ -165,8 +165,16 @@ async fn check_names_a_missing_or_mismatched_certificate_at_its_line() {
     assert!(err.contains("policy.yaml:5:"), "{err}");
     assert!(err.contains("do not belong together"), "{err}");
 
-    // Both forms at once, or half of one.
     let policy = std::fs::read_to_string(dir.path().join("policy.yaml")).unwrap();
+    // An HTTPS listener that would redirect to itself.
+    let looping = policy.replace("key: tls.key }", "key: tls.key }\n    redirect_https: true");
+    std::fs::write(dir.path().join("policy.yaml"), &looping).unwrap();
+    let (ok, _, err) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(err.contains("policy.yaml:6:"), "{err}");
+    assert!(err.contains("does not redirect to https"), "{err}");
+
+    // Both forms at once, or half of one.
     let both = policy.replace(
         "key: tls.key }",
         "key: tls.key, certificates: [{ cert: tls.crt, key: tls.key }] }",
@@ -243,4 +251,61 @@ routes: [{{ name: any, match: {{ path_prefix: / }}, upstream: svc }}]
         .await
         .unwrap();
     assert_eq!(ok.status, 200);
+}
+
+#[tokio::test]
+async fn a_cleartext_listener_can_send_every_request_to_https() {
+    let pki = TestPki::new();
+    let echo = upstream::echo("svc").await;
+    let dir = tempfile::tempdir().unwrap();
+    write_pair(dir.path(), &pki);
+    let https_port = crate::support::closed_port();
+    let policy = format!(
+        r#"
+listeners:
+  - {{ name: http, bind: "127.0.0.1:0", redirect_https: {https_port} }}
+  - {{ name: https, bind: "127.0.0.1:{https_port}", tls: {{ cert: tls.crt, key: tls.key }} }}
+upstreams: [{{ name: svc, endpoints: ["{}"] }}]
+routes:
+  - {{ name: health, match: {{ path: /healthz }}, health: live }}
+  - {{ name: any, match: {{ path_prefix: /app }}, upstream: svc }}
+"#,
+        echo.url()
+    );
+    std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
+    let proxy = crate::support::Proxy::start_dir(dir, &[]).await;
+
+    // Routed or not, any method: 308 to the same host, path and query.
+    for (method, path) in [
+        ("GET", "/app/x?y=1&z"),
+        ("POST", "/app"),
+        ("GET", "/nowhere"),
+    ] {
+        let req = http::Request::builder()
+            .method(method)
+            .uri(proxy.url(path))
+            .header("host", "portal.example:8080")
+            .body(client::body(bytes::Bytes::new()))
+            .unwrap();
+        let answer = client::send(&client::http1(), req).await;
+        assert_eq!(answer.status, 308, "{method} {path}");
+        assert_eq!(
+            answer.header("location"),
+            Some(format!("https://portal.example:{https_port}{path}").as_str())
+        );
+    }
+    // A balancer's health check is still answered.
+    assert_eq!(client::get(&proxy.url("/healthz")).await.status, 200);
+    // And the target serves.
+    let (_, ok) = tls::https_get(
+        std::net::SocketAddr::from(([127, 0, 0, 1], https_port)),
+        "localhost",
+        &pki.ca_pem,
+        &[],
+        "/app/x?y=1",
+    )
+    .await
+    .unwrap();
+    assert_eq!(ok.status, 200);
+    assert_eq!(ok.json()["headers"]["x-forwarded-proto"], "https");
 }

@@ -192,6 +192,40 @@ pub fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<B
     resp
 }
 
+/// The answer on a listener with `redirect_https`: 308 (the method and
+/// body are kept, where 301 lets clients turn a POST into a GET) to the
+/// same host, path and query over https on `port`.
+fn https_redirect(host: Option<&str>, port: u16, uri: &http::Uri) -> Response<Body> {
+    let Some(host) = host else {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "a redirect to https needs the request's host",
+            None,
+            None,
+        );
+    };
+    let bracketed = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    };
+    let port = if port == 443 {
+        String::new()
+    } else {
+        format!(":{port}")
+    };
+    let target = uri.path_and_query().map_or("/", |pq| pq.as_str());
+    let location = format!("https://{bracketed}{port}{target}");
+    let mut resp = json_response(
+        StatusCode::PERMANENT_REDIRECT,
+        &serde_json::json!({ "location": location, "status": 308 }),
+    );
+    if let Ok(value) = HeaderValue::from_str(&location) {
+        resp.headers_mut().insert(header::LOCATION, value);
+    }
+    resp
+}
+
 /// The answer to a request whose framing RFC 9112 says to refuse.
 fn refused_response(refused: &request_head::Refused) -> Response<Body> {
     error_response(refused.status(), refused.message(), None, None)
@@ -407,13 +441,27 @@ impl Pipeline {
             );
         };
         let config = &*self.config;
-        let Some(found) = config.router.lookup(
+        let found = config.router.lookup(
             host.as_deref().unwrap_or(""),
             &path,
             &parts.method,
             &parts.headers,
             &config.routes,
-        ) else {
+        );
+        if let Some(port) = conn.listener.redirect_https {
+            // Health probes stay answered here: a balancer's check wants
+            // its 200, not a redirect.
+            let probe = found
+                .as_ref()
+                .is_some_and(|f| matches!(config.routes[f.route].action, Action::Health(_)));
+            if !probe {
+                return (
+                    https_redirect(host.as_deref(), port, &parts.uri),
+                    forward::Held::default(),
+                );
+            }
+        }
+        let Some(found) = found else {
             return (
                 error_response(StatusCode::NOT_FOUND, "no route", None, None),
                 forward::Held::default(),

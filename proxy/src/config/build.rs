@@ -449,6 +449,26 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         )),
     });
     let tls = l.tls.as_ref().and_then(|t| listener_tls(ctx, t));
+    // `true` for the standard port, or the HTTPS listener's port.
+    let redirect_https = l.redirect_https.as_ref().and_then(|t| {
+        ctx.parse(t, |s| match s {
+            "false" => Ok(None),
+            "true" => Ok(Some(443)),
+            _ => match s.parse::<u16>() {
+                Ok(port) if port > 0 => Ok(Some(port)),
+                _ => Err(format!("`{s}` is neither true, false nor a port")),
+            },
+        })
+        .flatten()
+    });
+    if let (Some(_), Some(t)) = (&l.tls, &l.redirect_https)
+        && redirect_https.is_some()
+    {
+        ctx.err(
+            &t.referenced,
+            "an HTTPS listener does not redirect to https",
+        );
+    }
     Some(Listener {
         name: name?,
         bind: bind?,
@@ -460,6 +480,7 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         proxy_protocol,
         request_id,
         tls,
+        redirect_https,
         defined_at: ctx.pos(&raw.referenced),
     })
 }

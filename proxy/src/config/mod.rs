@@ -190,6 +190,9 @@ pub struct Listener {
     pub request_id: crate::request_id::RequestIds,
     /// HTTPS: the handshake's settings; `None` for cleartext.
     pub tls: Option<ListenerTls>,
+    /// Answer every request (but health probes) with a redirect to the
+    /// same URL over https, on this port.
+    pub redirect_https: Option<u16>,
     /// Where the listener was defined.
     pub defined_at: Pos,
 }

@@ -114,6 +114,7 @@ pub struct RawListener {
     pub proxy_protocol: Option<Text>,
     pub request_id: Option<Text>,
     pub tls: Option<Spanned<RawListenerTls>>,
+    pub redirect_https: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

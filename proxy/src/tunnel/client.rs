@@ -263,6 +263,7 @@ impl Dialer {
                 // The tunnel server gave each request its id.
                 request_id: crate::request_id::RequestIds::Keep,
                 tls: None,
+                redirect_https: None,
                 defined_at: crate::config::Pos {
                     file: "--server".into(),
                     line: 0,
