@@ -56,14 +56,22 @@ async fn an_https_listener_serves_http1_and_http2_and_tells_the_upstream() {
         // No ALPN at all: HTTP/1.1, as a client of before ALPN expects.
         (&[][..], http::Version::HTTP_11),
     ] {
-        let (got, answer) = tls::https_get(proxy.addr, "localhost", &pki.ca_pem, alpn, "/who")
-            .await
-            .unwrap();
+        // A certificate header the client makes up never reaches the
+        // upstream: this listener takes no client certificates.
+        let forged = [("x-forwarded-client-cert", "Hash=0000;Subject=\"CN=admin\"")];
+        let (got, answer) =
+            tls::https_get_with(proxy.addr, "localhost", &pki.ca_pem, alpn, "/who", &forged)
+                .await
+                .unwrap();
         assert_eq!(got, version, "ALPN {alpn:?}");
         assert_eq!(answer.status, 200, "{:?}", answer.body);
         let seen = answer.json();
         assert_eq!(seen["headers"]["x-forwarded-proto"], "https", "{seen}");
         assert_eq!(seen["headers"]["x-forwarded-host"], "localhost", "{seen}");
+        assert_eq!(
+            seen["headers"]["x-forwarded-client-cert"],
+            serde_json::Value::Null
+        );
     }
 }
 
@@ -141,6 +149,27 @@ async fn with_a_client_ca_only_clients_with_its_certificates_get_in() {
         .await
         .unwrap();
     assert_eq!(ok.status, 200, "{:?}", ok.body);
+    // The upstream learns which certificate: Envoy's X-Forwarded-Client-Cert.
+    let xfcc = ok.json()["headers"]["x-forwarded-client-cert"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let hash = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(&clients.leaf_chain[0]))
+    };
+    assert!(xfcc.starts_with(&format!("Hash={hash};Cert=\"")), "{xfcc}");
+    let pem: String = xfcc
+        .split("Cert=\"")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches('"')
+        .replace("%0A", "\n")
+        .replace("%2B", "+")
+        .replace("%2F", "/")
+        .replace("%3D", "=")
+        .replace("%20", " ");
+    assert_eq!(pem.trim(), clients.leaf_pem.trim());
     // No certificate, or one from another CA: refused in the handshake.
     let none = tls::https_get(proxy.addr, "localhost", &pki.ca_pem, &[], "/in").await;
     assert!(none.is_err(), "{none:?}");

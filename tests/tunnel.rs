@@ -237,6 +237,7 @@ impl TunnelServer {
             .header("x-forwarded-for", "198.51.100.7")
             .header("x-forwarded-proto", "https")
             .header("x-forwarded-host", "spoofed.example")
+            .header("x-forwarded-client-cert", "Hash=0000;Subject=\"CN=admin\"")
             .body(body(data.clone()))
             .unwrap();
         let a = client::send(&client::http1(), req).await;
@@ -253,6 +254,12 @@ impl TunnelServer {
             format!("{runtime}.{DOMAIN}")
         );
         assert!(e["headers"].get("x-portcullis-client").is_none(), "{e:#}");
+        // The public side takes no client certificates; a claimed one is
+        // dropped before the tunnel.
+        assert!(
+            e["headers"].get("x-forwarded-client-cert").is_none(),
+            "{e:#}"
+        );
         e
     }
 

@@ -124,6 +124,9 @@ pub struct ConnInfo {
     pub tls: bool,
     /// The server name the client asked for in its TLS handshake (SNI).
     pub sni: Option<Arc<str>>,
+    /// The client's verified certificate (mutual TLS), as the
+    /// `X-Forwarded-Client-Cert` value the upstream gets.
+    pub client_cert: Option<HeaderValue>,
     /// The worker thread serving it, which picks its upstream pools.
     pub worker: usize,
     /// Its socket, watched for the client leaving while a request waits
@@ -584,7 +587,7 @@ impl Pipeline {
                 };
                 forward::set_forwarded(
                     &mut headers,
-                    &conn.client_ip,
+                    (&conn.client_ip, conn.client_cert.as_ref()),
                     proto,
                     public_host,
                     conn.listener.trust_forwarded_headers,

@@ -745,8 +745,8 @@ async fn accept_loop(
                 }
                 Ok(Ok((Opened::Tls(stream), client))) => {
                     let socket = ClientSocket::of(stream.get_ref().0);
-                    let sni = crate::tls_listen::server_name(&stream);
-                    let conn = (*stream, socket, Some(sni));
+                    let facts = crate::tls_listen::ClientFacts::of(&stream);
+                    let conn = (*stream, socket, Some(facts));
                     serve_connection(conn, client, &current, worker, served, (permit, counted));
                 }
                 Ok(Err(NotOpened::ProxyHeader(e))) => {
@@ -819,9 +819,9 @@ async fn open_connection(
 
 /// Serves HTTP on an accepted connection from `client` (the peer, or the
 /// address its PROXY header gave) in a task of its own: the stream, its
-/// socket, and for TLS the server name the client asked for.
+/// socket, and for TLS what its handshake told.
 fn serve_connection<S>(
-    (stream, socket, tls): (S, ClientSocket, Option<Option<Arc<str>>>),
+    (stream, socket, tls): (S, ClientSocket, Option<crate::tls_listen::ClientFacts>),
     client: SocketAddr,
     settings: &ListenerSettings,
     worker: usize,
@@ -837,7 +837,8 @@ fn serve_connection<S>(
         client_ip: crate::forward::client_ip_header(client.ip()),
         listener: settings.spec.clone(),
         tls: tls.is_some(),
-        sni: tls.flatten(),
+        sni: tls.as_ref().and_then(|t| t.sni.clone()),
+        client_cert: tls.and_then(|t| t.client_cert),
         worker,
         socket: Some(socket),
     });

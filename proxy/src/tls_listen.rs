@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use http::HeaderValue;
 use rustls_pki_types::CertificateDer;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
@@ -135,7 +136,58 @@ pub async fn handshake(
     tls.accept(stream).await.map_err(Refused::Handshake)
 }
 
-/// The server name a client asked for in its handshake.
-pub fn server_name(stream: &TlsStream<TcpStream>) -> Option<Arc<str>> {
-    stream.get_ref().1.server_name().map(Arc::from)
+/// What a TLS connection's handshake tells about the client.
+#[derive(Debug, Clone, Default)]
+pub struct ClientFacts {
+    /// The server name it asked for (SNI).
+    pub sni: Option<Arc<str>>,
+    /// Its certificate (mutual TLS) as an `X-Forwarded-Client-Cert`
+    /// value, made once per connection.
+    pub client_cert: Option<HeaderValue>,
+}
+
+impl ClientFacts {
+    /// The facts of a completed handshake.
+    pub fn of(stream: &TlsStream<TcpStream>) -> ClientFacts {
+        let session = stream.get_ref().1;
+        ClientFacts {
+            sni: session.server_name().map(Arc::from),
+            client_cert: session
+                .peer_certificates()
+                .and_then(|chain| chain.first())
+                .and_then(|leaf| client_cert_header(leaf)),
+        }
+    }
+}
+
+/// The `X-Forwarded-Client-Cert` value for a verified client certificate,
+/// in Envoy's format: `Hash` (SHA-256 of the DER, hex) and `Cert` (the
+/// PEM, URL-encoded, as nginx's `$ssl_client_escaped_cert`), from which
+/// an upstream reads the subject and names it trusts.
+pub fn client_cert_header(leaf: &CertificateDer<'_>) -> Option<HeaderValue> {
+    use base64::Engine;
+    use sha2::Digest;
+    let hash = hex::encode(sha2::Sha256::digest(leaf.as_ref()));
+    let body = base64::engine::general_purpose::STANDARD.encode(leaf.as_ref());
+    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
+    for line in body.as_bytes().chunks(64) {
+        pem.push_str(std::str::from_utf8(line).unwrap_or_default());
+        pem.push('\n');
+    }
+    pem.push_str("-----END CERTIFICATE-----\n");
+    let value = format!("Hash={hash};Cert=\"{}\"", url_encode(&pem));
+    HeaderValue::from_str(&value).ok()
+}
+
+/// Percent-encodes all but RFC 3986's unreserved characters.
+fn url_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() * 3 / 2);
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }

@@ -136,12 +136,16 @@ pub fn client_ip_header(client: IpAddr) -> HeaderValue {
         .unwrap_or(HeaderValue::from_static("unknown"))
 }
 
-/// Sets `X-Forwarded-For` (appending the client), `X-Forwarded-Proto` and
-/// `X-Forwarded-Host`. With `trust`, proto and host the client already set
-/// are kept: the proxy then sits behind an ingress that knows the public side.
+/// Sets `X-Forwarded-For` (appending the client), `X-Forwarded-Proto`,
+/// `X-Forwarded-Host`, and `X-Forwarded-Client-Cert` (the client's
+/// certificate on a mutual-TLS listener, else none). With `trust`, proto,
+/// host and client certificate the client already set are kept: the proxy
+/// then sits behind an ingress that knows the public side. Without it, a
+/// client's own `X-Forwarded-Client-Cert` is dropped, as Envoy does: an
+/// upstream that trusts the header must not get one a client made up.
 pub fn set_forwarded(
     headers: &mut HeaderMap,
-    client: &HeaderValue,
+    (client, client_cert): (&HeaderValue, Option<&HeaderValue>),
     proto: &'static str,
     host: Option<HeaderValue>,
     trust: bool,
@@ -173,7 +177,19 @@ pub fn set_forwarded(
             }
         }
     }
+    match client_cert {
+        Some(cert) => {
+            headers.insert(CLIENT_CERT, cert.clone());
+        }
+        None if !trust => {
+            headers.remove(CLIENT_CERT);
+        }
+        None => {}
+    }
 }
+
+/// Envoy's header for the client certificate of a mutual-TLS connection.
+pub const CLIENT_CERT: HeaderName = HeaderName::from_static("x-forwarded-client-cert");
 
 #[cfg(test)]
 mod tests {
@@ -305,9 +321,10 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("x-forwarded-for", HeaderValue::from_static("203.0.113.9"));
         h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+        h.insert(CLIENT_CERT, HeaderValue::from_static("Hash=ingress"));
         set_forwarded(
             &mut h,
-            &client_ip_header("10.0.0.1".parse().unwrap()),
+            (&client_ip_header("10.0.0.1".parse().unwrap()), None),
             "http",
             Some(HeaderValue::from_static("a.example")),
             true,
@@ -315,14 +332,23 @@ mod tests {
         assert_eq!(h.get("x-forwarded-for").unwrap(), "203.0.113.9, 10.0.0.1");
         assert_eq!(h.get("x-forwarded-proto").unwrap(), "https");
         assert_eq!(h.get("x-forwarded-host").unwrap(), "a.example");
+        assert_eq!(h.get(CLIENT_CERT).unwrap(), "Hash=ingress");
         set_forwarded(
             &mut h,
-            &client_ip_header("10.0.0.2".parse().unwrap()),
+            (&client_ip_header("10.0.0.2".parse().unwrap()), None),
             "http",
             Some(HeaderValue::from_static("b.example")),
             false,
         );
         assert_eq!(h.get("x-forwarded-proto").unwrap(), "http");
         assert_eq!(h.get("x-forwarded-host").unwrap(), "b.example");
+        // Untrusted: a client's own certificate header is dropped, and
+        // the connection's replaces it.
+        assert_eq!(h.get(CLIENT_CERT), None);
+        h.insert(CLIENT_CERT, HeaderValue::from_static("Hash=forged"));
+        let verified = HeaderValue::from_static("Hash=abc");
+        let ip = client_ip_header("10.0.0.3".parse().unwrap());
+        set_forwarded(&mut h, (&ip, Some(&verified)), "https", None, true);
+        assert_eq!(h.get(CLIENT_CERT).unwrap(), "Hash=abc");
     }
 }

@@ -657,6 +657,7 @@ async fn handle(
         listener: dialer.listener.clone(),
         tls: false,
         sni: None,
+        client_cert: None,
         worker,
         socket: None,
     };

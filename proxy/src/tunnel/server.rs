@@ -1603,6 +1603,11 @@ where
     {
         parts.headers.insert(xfh, v);
     }
+    // The public side takes no client certificates: one a client names
+    // is made up.
+    if !trust {
+        parts.headers.remove(crate::forward::CLIENT_CERT);
+    }
     let path = parts
         .uri
         .path_and_query()
