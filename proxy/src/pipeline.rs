@@ -576,7 +576,7 @@ impl Pipeline {
                 };
                 let proto = if conn.tls { "https" } else { "http" };
                 let mut headers = std::mem::take(&mut parts.headers);
-                forward::remove_hop_by_hop(&mut headers, upgrade);
+                let claimed = forward::remove_hop_by_hop(&mut headers, upgrade);
                 if parts.version == Version::HTTP_2 {
                     forward::join_cookie_crumbs(&mut headers);
                 }
@@ -587,7 +587,7 @@ impl Pipeline {
                 };
                 forward::set_forwarded(
                     &mut headers,
-                    (&conn.client_ip, conn.client_cert.as_ref()),
+                    (&conn.client_ip, conn.client_cert.as_ref(), claimed),
                     proto,
                     public_host,
                     conn.listener.trust_forwarded_headers,
@@ -624,7 +624,7 @@ impl Pipeline {
                             return (r, forward::Held::default());
                         }
                         let (mut parts, body) = resp.into_parts();
-                        forward::remove_hop_by_hop(&mut parts.headers, false);
+                        let _ = forward::remove_hop_by_hop(&mut parts.headers, false);
                         if let Some(ctx) = plugins.as_mut()
                             && let Some(answer) = chain::on_response(ctx, route, &mut parts)
                         {

@@ -38,22 +38,27 @@ fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
 
 /// Removes hop-by-hop headers, including any the `Connection` header names.
 /// With `keep_upgrade`, `Connection: upgrade` and `Upgrade` survive, for a
-/// WebSocket handshake that must reach the other side.
-pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+/// WebSocket handshake that must reach the other side. Returns whether an
+/// `X-Forwarded-Client-Cert` is among the names, which the same pass sees
+/// for free ([`set_forwarded`] then needs no lookup to drop it).
+pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) -> bool {
     // One pass over the few names present finds which listed ones to
     // remove: a hash lookup per listed name cost more, and almost every
     // upstream response carries `Connection: keep-alive` and nothing else
     // from the list.
     let mut present = [false; HOP_BY_HOP.len()];
     let mut any = false;
+    let mut client_cert = false;
     for name in headers.keys() {
         if let Some(i) = hop_by_hop_index(name) {
             present[i] = true;
             any = true;
+        } else if name.as_str() == CLIENT_CERT.as_str() {
+            client_cert = true;
         }
     }
     if !any {
-        return;
+        return client_cert;
     }
     // Names the `Connection` header lists besides the listed ones (those go
     // below) and `close`, so the usual values cost no parsed name.
@@ -91,6 +96,7 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     if keep_upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
+    client_cert
 }
 
 /// True for an HTTP/1.1 WebSocket upgrade (`Connection: upgrade` and
@@ -141,11 +147,12 @@ pub fn client_ip_header(client: IpAddr) -> HeaderValue {
 /// certificate on a mutual-TLS listener, else none). With `trust`, proto,
 /// host and client certificate the client already set are kept: the proxy
 /// then sits behind an ingress that knows the public side. Without it, a
-/// client's own `X-Forwarded-Client-Cert` is dropped, as Envoy does: an
-/// upstream that trusts the header must not get one a client made up.
+/// client's own `X-Forwarded-Client-Cert` (`claimed`: the request has
+/// one) is dropped, as Envoy does: an upstream that trusts the header
+/// must not get one a client made up.
 pub fn set_forwarded(
     headers: &mut HeaderMap,
-    (client, client_cert): (&HeaderValue, Option<&HeaderValue>),
+    (client, client_cert, claimed): (&HeaderValue, Option<&HeaderValue>, bool),
     proto: &'static str,
     host: Option<HeaderValue>,
     trust: bool,
@@ -181,7 +188,7 @@ pub fn set_forwarded(
         Some(cert) => {
             headers.insert(CLIENT_CERT, cert.clone());
         }
-        None if !trust => {
+        None if claimed && !trust => {
             headers.remove(CLIENT_CERT);
         }
         None => {}
@@ -324,7 +331,7 @@ mod tests {
         h.insert(CLIENT_CERT, HeaderValue::from_static("Hash=ingress"));
         set_forwarded(
             &mut h,
-            (&client_ip_header("10.0.0.1".parse().unwrap()), None),
+            (&client_ip_header("10.0.0.1".parse().unwrap()), None, true),
             "http",
             Some(HeaderValue::from_static("a.example")),
             true,
@@ -335,7 +342,7 @@ mod tests {
         assert_eq!(h.get(CLIENT_CERT).unwrap(), "Hash=ingress");
         set_forwarded(
             &mut h,
-            (&client_ip_header("10.0.0.2".parse().unwrap()), None),
+            (&client_ip_header("10.0.0.2".parse().unwrap()), None, true),
             "http",
             Some(HeaderValue::from_static("b.example")),
             false,
@@ -345,10 +352,14 @@ mod tests {
         // Untrusted: a client's own certificate header is dropped, and
         // the connection's replaces it.
         assert_eq!(h.get(CLIENT_CERT), None);
+        let mut seen = HeaderMap::new();
+        seen.insert(CLIENT_CERT, HeaderValue::from_static("Hash=forged"));
+        assert!(remove_hop_by_hop(&mut seen, false), "the pass notes it");
+        assert!(!remove_hop_by_hop(&mut HeaderMap::new(), false));
         h.insert(CLIENT_CERT, HeaderValue::from_static("Hash=forged"));
         let verified = HeaderValue::from_static("Hash=abc");
         let ip = client_ip_header("10.0.0.3".parse().unwrap());
-        set_forwarded(&mut h, (&ip, Some(&verified)), "https", None, true);
+        set_forwarded(&mut h, (&ip, Some(&verified), true), "https", None, true);
         assert_eq!(h.get(CLIENT_CERT).unwrap(), "Hash=abc");
     }
 }

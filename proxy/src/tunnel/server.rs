@@ -1568,7 +1568,7 @@ where
     };
     let public_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
-    crate::forward::remove_hop_by_hop(&mut parts.headers, false);
+    let claimed = crate::forward::remove_hop_by_hop(&mut parts.headers, false);
     if let Some(protocol) = &upgrade {
         parts.method = http::Method::CONNECT;
         parts.extensions.insert(hyper::ext::Protocol::from(
@@ -1605,7 +1605,7 @@ where
     }
     // The public side takes no client certificates: one a client names
     // is made up.
-    if !trust {
+    if claimed && !trust {
         parts.headers.remove(crate::forward::CLIENT_CERT);
     }
     let path = parts
@@ -1674,7 +1674,7 @@ where
                 _ => None,
             };
             let (mut parts, body) = resp.into_parts();
-            crate::forward::remove_hop_by_hop(&mut parts.headers, false);
+            let _ = crate::forward::remove_hop_by_hop(&mut parts.headers, false);
             if upgraded.is_some() && matches!(origin, Origin::Peer(_)) {
                 // The peer's stream is an extended CONNECT: 200 opens it.
                 return Response::from_parts(parts, Body::empty());
