@@ -92,11 +92,6 @@ impl HeadClock {
         }
     }
 
-    /// Notes that the current request's answer switches protocols.
-    pub fn upgraded(&self) {
-        self.store(self.load() | UPGRADED);
-    }
-
     /// Notes that hyper flushed the socket: every byte of the responses
     /// before has been written.
     fn flushed(&self) {
@@ -106,12 +101,19 @@ impl HeadClock {
         }
     }
 
-    /// Whether what hyper writes now is its own: no request is being
-    /// served and the last response is out, on an HTTP/1 connection not
-    /// upgraded. (HTTP/2's first frames fall in here too, but none can
-    /// start as an HTTP/1 status line does.)
-    fn hyper_writes(&self) -> bool {
+    /// Notes a status line written: a 101 switches the connection to
+    /// another protocol. Returns whether the line is hyper's own: written
+    /// while no request is being served and the last response is out, on
+    /// an HTTP/1 connection not upgraded. (HTTP/2's first frames are
+    /// written between requests too, but none starts as a status line.)
+    #[inline]
+    fn status_line(&self, line: &[u8]) -> bool {
         let s = self.load();
+        // A 101 may go out after its (empty) body ended, so in any phase.
+        if line[9..].starts_with(b"101 ") {
+            self.store(s | UPGRADED);
+            return false;
+        }
         s & PHASE != BUSY && s & (OFF | UNFLUSHED | UPGRADED) == 0
     }
 
@@ -198,6 +200,7 @@ impl<S> Watched<S> {
 impl<S: AsyncWrite + Unpin> Watched<S> {
     /// Takes `buf` in place of sending it when it is hyper's own answer
     /// to a head it could not parse, and starts sending the proxy's.
+    #[inline]
     fn replace_hypers_answer(
         &mut self,
         cx: &mut Context<'_>,
@@ -205,9 +208,19 @@ impl<S: AsyncWrite + Unpin> Watched<S> {
     ) -> Option<Poll<std::io::Result<usize>>> {
         // Every response starts so; only then is the clock read, and only
         // between requests can this be hyper's own answer.
-        if !buf.starts_with(b"HTTP/1.1 ") || self.answer.is_some() || !self.clock.hyper_writes() {
+        if !buf.starts_with(b"HTTP/1.1 ") || self.answer.is_some() || !self.clock.status_line(buf) {
             return None;
         }
+        self.replace(cx, buf)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn replace(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Option<Poll<std::io::Result<usize>>> {
         let (status, answer) = crate::unparsed_head::answer(buf)?;
         self.clock.1.store(status, Ordering::Relaxed);
         self.answer = Some((answer, 0));

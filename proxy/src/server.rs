@@ -857,9 +857,6 @@ fn serve_connection<S>(
         let clock = service_clock.clone();
         async move {
             let mut resp = pipeline.handle(req, &conn).await;
-            if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
-                clock.upgraded();
-            }
             resp.body_mut().set_ended(Ended::new(clock));
             Ok::<_, Infallible>(resp)
         }

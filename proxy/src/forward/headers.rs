@@ -18,12 +18,20 @@ static HOP_BY_HOP: [HeaderName; 8] = [
     HeaderName::from_static("proxy-connection"),
 ];
 
-/// The position of `name` in [`HOP_BY_HOP`]. A match on the name's text
-/// (its length first) rather than eight `HeaderName` comparisons: this
-/// runs for every header of every request and response, and the
-/// comparisons were 5% of a forwarded request's instructions.
-fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
-    Some(match name.as_str() {
+/// A header name the forwarding pass looks for.
+enum Listed {
+    /// A hop-by-hop header: its position in [`HOP_BY_HOP`].
+    HopByHop(usize),
+    /// `X-Forwarded-Client-Cert`.
+    ClientCert,
+}
+
+/// What `name` is to the forwarding pass. A match on the name's text (its
+/// length first) rather than `HeaderName` comparisons: this runs for every
+/// header of every request and response, and the comparisons were 5% of a
+/// forwarded request's instructions.
+fn listed(name: &str) -> Option<Listed> {
+    Some(Listed::HopByHop(match name {
         "connection" => 0,
         "te" => 1,
         "trailer" => 2,
@@ -32,8 +40,9 @@ fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
         "proxy-authorization" => 5,
         "keep-alive" => 6,
         "proxy-connection" => 7,
+        "x-forwarded-client-cert" => return Some(Listed::ClientCert),
         _ => return None,
-    })
+    }))
 }
 
 /// Removes hop-by-hop headers, including any the `Connection` header names.
@@ -50,11 +59,13 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) -> bool {
     let mut any = false;
     let mut client_cert = false;
     for name in headers.keys() {
-        if let Some(i) = hop_by_hop_index(name) {
-            present[i] = true;
-            any = true;
-        } else if name.as_str() == CLIENT_CERT.as_str() {
-            client_cert = true;
+        match listed(name.as_str()) {
+            Some(Listed::HopByHop(i)) => {
+                present[i] = true;
+                any = true;
+            }
+            Some(Listed::ClientCert) => client_cert = true,
+            None => {}
         }
     }
     if !any {
@@ -201,6 +212,13 @@ pub const CLIENT_CERT: HeaderName = HeaderName::from_static("x-forwarded-client-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
+        match listed(name.as_str()) {
+            Some(Listed::HopByHop(i)) => Some(i),
+            _ => None,
+        }
+    }
 
     #[test]
     fn the_index_matches_the_list() {

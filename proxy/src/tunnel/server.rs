@@ -1319,9 +1319,6 @@ impl Public {
             let public = public.clone();
             async move {
                 let mut resp = public.respond(req, peer).await;
-                if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
-                    clock.upgraded();
-                }
                 resp.body_mut().set_ended(Ended::new(clock));
                 Ok::<_, Infallible>(resp)
             }
