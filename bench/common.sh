@@ -7,7 +7,10 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/tmp/portcullis-target}"
 if ! command -v wrk >/dev/null || ! command -v nginx >/dev/null; then
   apt-get update -qq && apt-get install -y -qq wrk nginx-light >/dev/null
 fi
-cargo build --release --locked -p portcullis
+# BENCH_NO_BUILD: the caller brings its binaries (instructions-diff.sh).
+if [ -z "${BENCH_NO_BUILD:-}" ]; then
+  cargo build --release --locked -p portcullis
+fi
 BIN="$CARGO_TARGET_DIR/release/portcullis"
 
 WORK=$(mktemp -d)
