@@ -19,7 +19,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -31,6 +31,7 @@ use crate::drain::Connections;
 use crate::head_deadline::{self, Ended, HeadClock, Watched};
 use crate::pipeline::{ConnInfo, Pipeline, Shared};
 use crate::sockets::reuseport_socket;
+use crate::tls_listen::{NotOpened, Opened};
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -730,7 +731,9 @@ async fn accept_loop(
         );
         tracker.spawn(async move {
             let limit = current.spec.header_read_timeout;
-            let opened = tokio::time::timeout(limit, open_connection(stream, client, &current.spec));
+            let tls = current.spec.tls.as_ref().map(|t| (&t.acceptor, PLAIN_ON_HTTPS));
+            let opened = crate::tls_listen::open(stream, client, current.spec.proxy_protocol, tls);
+            let opened = tokio::time::timeout(limit, opened);
             let opened = tokio::select! {
                 opened = opened => opened,
                 _ = stop.cancelled() => return,
@@ -773,49 +776,11 @@ async fn accept_loop(
     connections.shutdown().await;
 }
 
-/// An accepted connection ready for HTTP.
-enum Opened {
-    Tcp(TcpStream),
-    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
-}
-
-/// Why a connection was closed before HTTP.
-enum NotOpened {
-    /// Its PROXY protocol header was missing or bad.
-    ProxyHeader(crate::proxy_protocol::Error),
-    /// Plain HTTP on the HTTPS port, or a failed handshake.
-    Tls(crate::tls_listen::Refused),
-}
-
 /// The answer to plain HTTP on an HTTPS listener.
 const PLAIN_ON_HTTPS: &str = concat!(
     r#"{"error":"plain HTTP request sent to the HTTPS port: use https://","#,
     r#""route":null,"status":400}"#
 );
-
-/// Reads a connection's PROXY header (when the listener expects one) and
-/// does its TLS handshake (when the listener has a certificate). Returns
-/// the connection and the client's address: the header's, or the peer's.
-async fn open_connection(
-    mut stream: TcpStream,
-    peer: SocketAddr,
-    listener: &Listener,
-) -> Result<(Opened, SocketAddr), NotOpened> {
-    let mut client = peer;
-    if listener.proxy_protocol {
-        let header = crate::proxy_protocol::read(&mut stream).await;
-        if let Some(source) = header.map_err(NotOpened::ProxyHeader)? {
-            client = source;
-        }
-    }
-    let Some(tls) = &listener.tls else {
-        return Ok((Opened::Tcp(stream), client));
-    };
-    let stream = crate::tls_listen::handshake(&tls.acceptor, stream, PLAIN_ON_HTTPS)
-        .await
-        .map_err(NotOpened::Tls)?;
-    Ok((Opened::Tls(Box::new(stream)), client))
-}
 
 /// Serves HTTP on an accepted connection from `client` (the peer, or the
 /// address its PROXY header gave) in a task of its own: the stream, its

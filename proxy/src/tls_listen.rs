@@ -3,8 +3,10 @@
 //! files, and again when they change; optionally a client-certificate
 //! check), and the handshake, which answers plain HTTP with a 400 saying
 //! to use https, as nginx does, rather than a TLS alert the client cannot
-//! read.
+//! read; with [`open`], the whole step from accept to HTTP, a PROXY
+//! protocol header first where one is expected.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -190,4 +192,44 @@ fn url_encode(s: &str) -> String {
         }
     }
     out
+}
+
+/// An accepted connection ready for HTTP.
+pub enum Opened {
+    Tcp(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+/// Why a connection was closed before HTTP.
+pub enum NotOpened {
+    /// Its PROXY protocol header was missing or bad.
+    ProxyHeader(crate::proxy_protocol::Error),
+    /// Plain HTTP on the HTTPS port, or a failed handshake.
+    Tls(Refused),
+}
+
+/// Reads a connection's PROXY header (with `proxy_protocol`) and does its
+/// TLS handshake (with `tls`; plain HTTP gets the JSON `plain_body`).
+/// Returns the connection and the client's address: the header's, or the
+/// peer's.
+pub async fn open(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    proxy_protocol: bool,
+    tls: Option<(&TlsAcceptor, &str)>,
+) -> Result<(Opened, SocketAddr), NotOpened> {
+    let mut client = peer;
+    if proxy_protocol {
+        let header = crate::proxy_protocol::read(&mut stream).await;
+        if let Some(source) = header.map_err(NotOpened::ProxyHeader)? {
+            client = source;
+        }
+    }
+    let Some((tls, plain_body)) = tls else {
+        return Ok((Opened::Tcp(stream), client));
+    };
+    let stream = handshake(tls, stream, plain_body)
+        .await
+        .map_err(NotOpened::Tls)?;
+    Ok((Opened::Tls(Box::new(stream)), client))
 }

@@ -34,6 +34,7 @@ use crate::head_deadline::{self, Ended, HeadClock, Watched};
 use crate::metrics::RouteStats;
 use crate::request_head;
 use crate::telemetry::AccessLog;
+use crate::tls_listen::{NotOpened, Opened, open};
 
 /// How the tunnel server runs.
 #[derive(Debug, Clone)]
@@ -1184,7 +1185,9 @@ async fn accept_public(
         let (public, tls, stop) = (public.clone(), tls.clone(), stop.clone());
         tracker.spawn(async move {
             let deadline = tokio::time::Instant::now() + PUBLIC_HEADER_READ_TIMEOUT;
-            let opened = tokio::time::timeout_at(deadline, open(stream, peer, tls, &public.shared));
+            let tls = tls.as_ref().map(|t| (t, PLAIN_ON_HTTPS));
+            let opened = open(stream, peer, public.shared.proxy_protocol, tls);
+            let opened = tokio::time::timeout_at(deadline, opened);
             let opened = tokio::select! {
                 opened = opened => opened,
                 _ = stop.cancelled() => return,
@@ -1209,45 +1212,6 @@ async fn accept_public(
     // inbox.
     drop(inbox);
     public.connections.shutdown().await;
-}
-
-/// A public connection ready for HTTP.
-enum Opened {
-    Tcp(TcpStream),
-    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
-}
-
-/// Why a public connection was closed before HTTP.
-enum NotOpened {
-    /// Its PROXY protocol header was missing or bad.
-    ProxyHeader(crate::proxy_protocol::Error),
-    /// Plain HTTP on the HTTPS port, or a failed handshake.
-    Tls(crate::tls_listen::Refused),
-}
-
-/// Reads a public connection's PROXY header (when the server expects one)
-/// and does its TLS handshake (when the server has a certificate). Returns
-/// the connection and the client's address: the header's, or the peer's.
-async fn open(
-    mut stream: TcpStream,
-    peer: SocketAddr,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    shared: &Shared,
-) -> Result<(Opened, SocketAddr), NotOpened> {
-    let mut client = peer;
-    if shared.proxy_protocol {
-        let header = crate::proxy_protocol::read(&mut stream).await;
-        if let Some(source) = header.map_err(NotOpened::ProxyHeader)? {
-            client = source;
-        }
-    }
-    let Some(tls) = tls else {
-        return Ok((Opened::Tcp(stream), client));
-    };
-    let stream = crate::tls_listen::handshake(&tls, stream, PLAIN_ON_HTTPS)
-        .await
-        .map_err(NotOpened::Tls)?;
-    Ok((Opened::Tls(Box::new(stream)), client))
 }
 
 /// What serving a public connection needs, one per worker.
