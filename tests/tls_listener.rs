@@ -173,6 +173,14 @@ async fn with_a_client_ca_only_clients_with_its_certificates_get_in() {
     // No certificate, or one from another CA: refused in the handshake.
     let none = tls::https_get(proxy.addr, "localhost", &pki.ca_pem, &[], "/in").await;
     assert!(none.is_err(), "{none:?}");
+    // /status says what the listener asks for.
+    let status = proxy.status().await;
+    let tls = &status["config"]["listeners"][0]["tls"];
+    assert_eq!(tls["client_certificates"], true, "{status:#}");
+    assert!(
+        tls["cert"].as_str().unwrap().ends_with("tls.crt"),
+        "{status:#}"
+    );
     let stranger = TestPki::for_names(&["client.example"]);
     let other = tls::https_get_as(proxy.addr, "localhost", &pki.ca_pem, &stranger, "/in").await;
     assert!(other.is_err(), "{other:?}");

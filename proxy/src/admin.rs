@@ -187,6 +187,10 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
                 "addr": l.addr.to_string(),
                 "connections": l.connections,
                 "max_connections": l.max_connections,
+                "tls": l.tls.as_ref().map(|(cert, mutual)| serde_json::json!({
+                    "cert": cert.display().to_string(),
+                    "client_certificates": mutual,
+                })),
             })
         })
         .collect();

@@ -181,6 +181,9 @@ pub struct ListenerStatus {
     pub connections: usize,
     /// The cap.
     pub max_connections: usize,
+    /// For HTTPS: the (first) certificate file, and whether clients must
+    /// present one.
+    pub tls: Option<(std::path::PathBuf, bool)>,
 }
 
 /// A server with its listeners bound, ready to run.
@@ -503,6 +506,7 @@ impl Control {
                     addr: l.addr,
                     connections: max.saturating_sub(s.limit.available_permits()),
                     max_connections: max,
+                    tls: s.spec.tls.as_ref().map(|t| (t.cert.clone(), t.mutual)),
                 }
             })
             .collect()
