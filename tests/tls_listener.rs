@@ -177,10 +177,16 @@ async fn with_a_client_ca_only_clients_with_its_certificates_get_in() {
     let status = proxy.status().await;
     let tls = &status["config"]["listeners"][0]["tls"];
     assert_eq!(tls["client_certificates"], true, "{status:#}");
-    assert!(
-        tls["cert"].as_str().unwrap().ends_with("tls.crt"),
-        "{status:#}"
-    );
+    let served = &tls["certificates"][0];
+    let cert = served["cert"].as_str().unwrap();
+    assert!(cert.ends_with("tls.crt"), "{status:#}");
+    // rcgen's leaves run to 4096-01-01: notAfter read from the DER.
+    assert_eq!(served["not_after"], 67_090_118_400i64, "{status:#}");
+    proxy
+        .metrics_showing(&[format!(
+            "portcullis_tls_certificate_expiry_timestamp_seconds{{listener=\"https\",cert=\"{cert}\"}} 67090118400"
+        )])
+        .await;
     let stranger = TestPki::for_names(&["client.example"]);
     let other = tls::https_get_as(proxy.addr, "localhost", &pki.ca_pem, &stranger, "/in").await;
     assert!(other.is_err(), "{other:?}");

@@ -187,9 +187,12 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
                 "addr": l.addr.to_string(),
                 "connections": l.connections,
                 "max_connections": l.max_connections,
-                "tls": l.tls.as_ref().map(|(cert, mutual)| serde_json::json!({
-                    "cert": cert.display().to_string(),
+                "tls": l.tls.as_ref().map(|(mutual, certs)| serde_json::json!({
                     "client_certificates": mutual,
+                    "certificates": certs.iter().map(|(cert, expiry)| serde_json::json!({
+                        "cert": cert.display().to_string(),
+                        "not_after": expiry,
+                    })).collect::<Vec<_>>(),
                 })),
             })
         })
@@ -342,6 +345,30 @@ fn metrics(reloader: &Reloader) -> String {
         "Client connections open.",
         &conns,
     );
+    let expiries: Vec<_> = listeners
+        .iter()
+        .filter_map(|l| Some((l, &l.tls.as_ref()?.1)))
+        .flat_map(|(l, certs)| {
+            certs.iter().filter_map(move |(cert, expiry)| {
+                Some((
+                    format!(
+                        "{{listener=\"{}\",cert=\"{}\"}}",
+                        label(&l.name),
+                        label(&cert.display().to_string())
+                    ),
+                    (*expiry)? as f64,
+                ))
+            })
+        })
+        .collect();
+    if !expiries.is_empty() {
+        metric(
+            "portcullis_tls_certificate_expiry_timestamp_seconds",
+            "gauge",
+            "When each listener certificate being served expires (notAfter); alert well before.",
+            &expiries,
+        );
+    }
     let ejected: Vec<_> = control
         .pipeline()
         .ejected_endpoints()

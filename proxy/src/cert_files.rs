@@ -70,6 +70,11 @@ impl ResolvesServerCert for CertFiles {
 }
 
 impl CertFiles {
+    /// The certificate file.
+    pub fn cert_path(&self) -> &Path {
+        &self.cert
+    }
+
     /// The pair, read again first when the files changed.
     pub fn current(&self) -> Arc<CertifiedKey> {
         let now = [stamp(&self.cert), stamp(&self.key)];
@@ -110,6 +115,24 @@ impl CertFiles {
 /// falls back to its default server's.
 #[derive(Debug)]
 pub struct ByServerName(pub Vec<CertFiles>);
+
+impl ByServerName {
+    /// Each certificate file with its current certificate's expiry
+    /// (seconds since the epoch; `None` if it cannot be read).
+    pub fn expiries(&self) -> Vec<crate::server::CertExpiry> {
+        self.0
+            .iter()
+            .map(|files| {
+                let current = files.current();
+                let expiry = current
+                    .cert
+                    .first()
+                    .and_then(|leaf| crate::cert_expiry::not_after(leaf));
+                (files.cert_path().to_path_buf(), expiry)
+            })
+            .collect()
+    }
+}
 
 impl ResolvesServerCert for ByServerName {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {

@@ -8,6 +8,7 @@
 pub mod admin;
 pub mod balance;
 pub mod body;
+pub mod cert_expiry;
 pub mod cert_files;
 pub mod chain;
 pub mod client_watch;

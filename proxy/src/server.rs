@@ -181,10 +181,14 @@ pub struct ListenerStatus {
     pub connections: usize,
     /// The cap.
     pub max_connections: usize,
-    /// For HTTPS: the (first) certificate file, and whether clients must
-    /// present one.
-    pub tls: Option<(std::path::PathBuf, bool)>,
+    /// For HTTPS: whether clients must present a certificate, and each
+    /// certificate file with its expiry.
+    pub tls: Option<(bool, Vec<CertExpiry>)>,
 }
+
+/// A certificate file and when the certificate in it expires (seconds
+/// since the epoch; `None` when it cannot be read).
+pub type CertExpiry = (std::path::PathBuf, Option<i64>);
 
 /// A server with its listeners bound, ready to run.
 pub struct Server {
@@ -506,7 +510,11 @@ impl Control {
                     addr: l.addr,
                     connections: max.saturating_sub(s.limit.available_permits()),
                     max_connections: max,
-                    tls: s.spec.tls.as_ref().map(|t| (t.cert.clone(), t.mutual)),
+                    tls: s
+                        .spec
+                        .tls
+                        .as_ref()
+                        .map(|t| (t.mutual, t.certificates.expiries())),
                 }
             })
             .collect()

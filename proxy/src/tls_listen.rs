@@ -36,20 +36,20 @@ pub fn acceptor(
 
 /// [`acceptor`] with several pairs, chosen by the name the client asks
 /// for (SNI); the first is the default.
+/// The certificates come back too, for their expiry in `/status` and
+/// `/metrics`.
 pub fn acceptor_by_name(
     pairs: &[(PathBuf, PathBuf)],
     client_roots: Option<Vec<CertificateDer<'static>>>,
     alpn: &[&[u8]],
-) -> Result<TlsAcceptor, String> {
+) -> Result<(TlsAcceptor, Arc<crate::cert_files::ByServerName>), String> {
     let files = pairs
         .iter()
         .map(|(cert, key)| crate::cert_files::CertFiles::load(cert.clone(), key.clone()))
         .collect::<Result<Vec<_>, _>>()?;
-    build(
-        Arc::new(crate::cert_files::ByServerName(files)),
-        client_roots,
-        alpn,
-    )
+    let certificates = Arc::new(crate::cert_files::ByServerName(files));
+    let acceptor = build(certificates.clone(), client_roots, alpn)?;
+    Ok((acceptor, certificates))
 }
 
 fn build(

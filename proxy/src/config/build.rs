@@ -557,9 +557,10 @@ fn listener_tls(ctx: &mut Ctx, raw: &Spanned<RawListenerTls>) -> Option<Listener
     let acceptor =
         crate::tls_listen::acceptor_by_name(&paths, client_roots, crate::tls_listen::HTTP_ALPN);
     match acceptor {
-        Ok(acceptor) if !paths.is_empty() => Some(ListenerTls {
+        Ok((acceptor, certificates)) if !paths.is_empty() => Some(ListenerTls {
             acceptor,
             cert: paths[0].0.clone(),
+            certificates,
             mutual,
         }),
         Ok(_) => None,

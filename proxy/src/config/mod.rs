@@ -205,6 +205,8 @@ pub struct ListenerTls {
     pub acceptor: tokio_rustls::TlsAcceptor,
     /// The certificate file, for logs.
     pub cert: PathBuf,
+    /// The certificates served, for their expiry.
+    pub certificates: Arc<crate::cert_files::ByServerName>,
     /// Clients must present a certificate from `client_ca`.
     pub mutual: bool,
 }
