@@ -138,21 +138,35 @@ pub async fn server_certificate(
 ) -> Result<Vec<u8>, String> {
     let connector = connector(ca_pem, &[], None);
     let handshake = async {
-        let tcp = tokio::net::TcpStream::connect(addr)
-            .await
-            .map_err(|e| e.to_string())?;
-        let name =
-            rustls_pki_types::ServerName::try_from(host.to_owned()).map_err(|e| e.to_string())?;
-        let tls = connector
-            .connect(name, tcp)
-            .await
-            .map_err(|e| format!("TLS: {e}"))?;
+        let tls = tls_connect(addr, b"", host, &connector).await?;
         let certs = tls.get_ref().1.peer_certificates().unwrap_or_default();
         Ok(certs.first().map(|c| c.to_vec()).unwrap_or_default())
     };
     tokio::time::timeout(std::time::Duration::from_secs(20), handshake)
         .await
         .map_err(|_| "no handshake within 20s".to_owned())?
+}
+
+/// Connects to `addr`, sends `before` (a PROXY header, say), and does the
+/// TLS handshake asking for `host`.
+async fn tls_connect(
+    addr: std::net::SocketAddr,
+    before: &[u8],
+    host: &str,
+    connector: &tokio_rustls::TlsConnector,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
+    let mut tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::io::AsyncWriteExt::write_all(&mut tcp, before)
+        .await
+        .map_err(|e| e.to_string())?;
+    let name =
+        rustls_pki_types::ServerName::try_from(host.to_owned()).map_err(|e| e.to_string())?;
+    connector
+        .connect(name, tcp)
+        .await
+        .map_err(|e| format!("TLS: {e}"))
 }
 
 /// A client TLS connector trusting only `ca_pem`, offering `alpn`, and
@@ -202,18 +216,7 @@ async fn https_exchange(
     headers: &[(&str, &str)],
 ) -> Result<(http::Version, super::client::Answer), String> {
     let exchange = async {
-        let mut tcp = tokio::net::TcpStream::connect(addr)
-            .await
-            .map_err(|e| e.to_string())?;
-        tokio::io::AsyncWriteExt::write_all(&mut tcp, before)
-            .await
-            .map_err(|e| e.to_string())?;
-        let name =
-            rustls_pki_types::ServerName::try_from(host.to_owned()).map_err(|e| e.to_string())?;
-        let tls = connector
-            .connect(name, tcp)
-            .await
-            .map_err(|e| format!("TLS: {e}"))?;
+        let tls = tls_connect(addr, before, host, &connector).await?;
         let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
         let io = hyper_util::rt::TokioIo::new(tls);
         let req = |uri: String| {
