@@ -1324,3 +1324,35 @@ async fn assert_api_needs_the_key(url: &str) {
         .unwrap();
     assert_eq!(client::send(&client::http1(), keyed).await.status, 200);
 }
+
+/// Users' plugins are built against the contract of their day: one built
+/// against `portcullis:policy@0.2.0` (before `client-certificate`) loads
+/// on this 0.2.1 host and its host calls (the head, a header through the
+/// linker's shortcut) answer as before.
+#[tokio::test]
+async fn a_plugin_built_against_the_previous_contract_still_runs() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: old, path: fixture-contract-0-2-0.wasm }}]
+routes: [{{ name: any, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ use: old }}] }}]
+"#,
+            app.url()
+        ),
+        &["fixture-contract-0-2-0"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let req = Request::get(proxy.url("/some/path"))
+        .header("x-probe", "here")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let answer = client::send(&client::http1(), req).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert_eq!(
+        answer.json()["headers"]["x-contract"],
+        "0.2.0 /some/path here"
+    );
+}

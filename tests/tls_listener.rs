@@ -145,7 +145,7 @@ async fn with_a_client_ca_only_clients_with_its_certificates_get_in() {
     std::fs::write(dir.path().join("clients.crt"), &clients.ca_pem).unwrap();
     let proxy = start(&dir).await;
 
-    let (_, ok) = tls::https_get_as(proxy.addr, "localhost", &pki.ca_pem, &clients, "/in")
+    let (_, ok) = tls::https_get_as(proxy.addr, "localhost", &pki.ca_pem, &clients, "/in", &[])
         .await
         .unwrap();
     assert_eq!(ok.status, 200, "{:?}", ok.body);
@@ -162,21 +162,26 @@ async fn with_a_client_ca_only_clients_with_its_certificates_get_in() {
     let pem: String = xfcc
         .split("Cert=\"")
         .nth(1)
+        .and_then(|rest| rest.split('"').next())
         .unwrap()
-        .trim_end_matches('"')
         .replace("%0A", "\n")
         .replace("%2B", "+")
         .replace("%2F", "/")
         .replace("%3D", "=")
         .replace("%20", " ");
     assert_eq!(pem.trim(), clients.leaf_pem.trim());
+    // And its names, as Envoy adds them.
+    assert!(
+        xfcc.ends_with("\";Subject=\"CN=rcgen self signed cert\";DNS=client.example"),
+        "{xfcc}"
+    );
     // No certificate, or one from another CA: refused in the handshake.
     let none = tls::https_get(proxy.addr, "localhost", &pki.ca_pem, &[], "/in").await;
     assert!(none.is_err(), "{none:?}");
     // /status says what the listener asks for.
     let status = proxy.status().await;
     let tls = &status["config"]["listeners"][0]["tls"];
-    assert_eq!(tls["client_certificates"], true, "{status:#}");
+    assert_eq!(tls["client_certificates"], "required", "{status:#}");
     let served = &tls["certificates"][0];
     let cert = served["cert"].as_str().unwrap();
     assert!(cert.ends_with("tls.crt"), "{status:#}");
@@ -188,7 +193,8 @@ async fn with_a_client_ca_only_clients_with_its_certificates_get_in() {
         )])
         .await;
     let stranger = TestPki::for_names(&["client.example"]);
-    let other = tls::https_get_as(proxy.addr, "localhost", &pki.ca_pem, &stranger, "/in").await;
+    let other =
+        tls::https_get_as(proxy.addr, "localhost", &pki.ca_pem, &stranger, "/in", &[]).await;
     assert!(other.is_err(), "{other:?}");
 }
 
@@ -231,6 +237,22 @@ async fn check_names_a_missing_or_mismatched_certificate_at_its_line() {
     let (ok, _, err) = crate::support::check(dir.path());
     assert!(!ok);
     assert!(err.contains("needs both `cert` and `key`"), "{err}");
+    // Optional client certificates, but from which CA? And a mode that
+    // is neither.
+    let no_ca = policy.replace("key: tls.key }", "key: tls.key, client_auth: optional }");
+    std::fs::write(dir.path().join("policy.yaml"), &no_ca).unwrap();
+    let (ok, _, err) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(err.contains("policy.yaml:5:"), "{err}");
+    assert!(err.contains("`client_auth` needs `client_ca`"), "{err}");
+    let odd = policy.replace(
+        "key: tls.key }",
+        "key: tls.key, client_ca: ca.crt, client_auth: sometimes }",
+    );
+    std::fs::write(dir.path().join("policy.yaml"), &odd).unwrap();
+    let (ok, _, err) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(err.contains("client_auth `sometimes`"), "{err}");
     std::fs::write(dir.path().join("policy.yaml"), &policy).unwrap();
 
     // A missing file.
@@ -351,4 +373,149 @@ routes:
     .unwrap();
     assert_eq!(ok.status, 200);
     assert_eq!(ok.json()["headers"]["x-forwarded-proto"], "https");
+}
+
+/// `client_auth: optional` lets clients without a certificate in, and
+/// `client-cert-allow` decides per route on the names in the certificate,
+/// as Envoy's RBAC does on a principal: a SPIFFE ID by prefix, a DNS name
+/// by suffix. The upstream learns which name let the client in (a forged
+/// copy of that header is replaced), and the client's names in
+/// `X-Forwarded-Client-Cert`.
+#[tokio::test]
+async fn client_cert_allow_lets_in_only_the_names_a_route_lists() {
+    use rcgen::SanType;
+    let pki = TestPki::new();
+    let clients = TestPki::for_names(&["clients-ca"]);
+    let runner = clients.client(
+        "ci-runner",
+        vec![SanType::URI(
+            "spiffe://cluster.local/ns/ci/sa/runner".try_into().unwrap(),
+        )],
+    );
+    let partner = clients.client(
+        "hooks",
+        vec![SanType::DnsName(
+            "hooks.partner.example".try_into().unwrap(),
+        )],
+    );
+    let dev = clients.client(
+        "dev",
+        vec![SanType::URI(
+            "spiffe://cluster.local/ns/dev/sa/x".try_into().unwrap(),
+        )],
+    );
+    let echo = upstream::echo("svc").await;
+    let dir = tempfile::tempdir().unwrap();
+    write_pair(dir.path(), &pki);
+    std::fs::write(dir.path().join("clients.crt"), &clients.ca_pem).unwrap();
+    std::fs::copy(
+        crate::support::plugin_file("client-cert-allow"),
+        dir.path().join("client-cert-allow.wasm"),
+    )
+    .unwrap();
+    let policy = format!(
+        r#"
+listeners:
+  - name: https
+    bind: "127.0.0.1:0"
+    tls: {{ cert: tls.crt, key: tls.key, client_ca: clients.crt, client_auth: optional }}
+upstreams: [{{ name: svc, endpoints: ["{}"] }}]
+plugins: [{{ name: certs, path: client-cert-allow.wasm }}]
+routes:
+  - name: ci
+    match: {{ path_prefix: /ci }}
+    upstream: svc
+    plugins:
+      - use: certs
+        config: {{ uris: ["spiffe://cluster.local/ns/ci/*"], identity_header: x-client-identity }}
+  - name: hooks
+    match: {{ path_prefix: /hooks }}
+    upstream: svc
+    plugins: [{{ use: certs, config: {{ dns_names: ["*.partner.example"] }} }}]
+  - {{ name: open, match: {{ path_prefix: /open }}, upstream: svc }}
+"#,
+        echo.url()
+    );
+    std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
+    let proxy = start(&dir).await;
+    let forged = [("x-client-identity", "spiffe://cluster.local/ns/ci/sa/admin")];
+
+    let (_, ok) = tls::https_get_as(
+        proxy.addr,
+        "localhost",
+        &pki.ca_pem,
+        &runner,
+        "/ci",
+        &forged,
+    )
+    .await
+    .unwrap();
+    assert_eq!(ok.status, 200, "{:?}", ok.body);
+    let headers = &ok.json()["headers"];
+    assert_eq!(
+        headers["x-client-identity"], "spiffe://cluster.local/ns/ci/sa/runner",
+        "{headers:#}"
+    );
+    let xfcc = headers["x-forwarded-client-cert"].as_str().unwrap();
+    assert!(
+        xfcc.ends_with(";Subject=\"CN=ci-runner\";URI=spiffe://cluster.local/ns/ci/sa/runner"),
+        "{xfcc}"
+    );
+
+    // Each route its own names; everyone else, a 403 saying why.
+    async fn get(
+        addr: std::net::SocketAddr,
+        ca: &str,
+        who: Option<&TestPki>,
+        path: &str,
+    ) -> (u16, serde_json::Value) {
+        let forged = [("x-client-identity", "spiffe://cluster.local/ns/ci/sa/admin")];
+        let answer = match who {
+            Some(id) => tls::https_get_as(addr, "localhost", ca, id, path, &forged).await,
+            None => tls::https_get_with(addr, "localhost", ca, &[b"http/1.1"], path, &forged).await,
+        };
+        let (_, answer) = answer.unwrap();
+        (answer.status.as_u16(), answer.json()["error"].clone())
+    }
+    let get = |who, path| get(proxy.addr, &pki.ca_pem, who, path);
+    assert_eq!(get(Some(&partner), "/hooks").await.0, 200);
+    assert_eq!(
+        get(Some(&partner), "/ci").await,
+        (403, "client certificate not allowed".into())
+    );
+    assert_eq!(get(Some(&runner), "/hooks").await.0, 403);
+    assert_eq!(
+        get(Some(&dev), "/ci").await,
+        (403, "client certificate not allowed".into())
+    );
+    // No certificate: the handshake lets it in (optional), the open route
+    // serves it, and the plugin refuses it.
+    assert_eq!(get(None, "/open").await.0, 200);
+    assert_eq!(
+        get(None, "/ci").await,
+        (403, "client certificate required".into())
+    );
+    // Optional is not "anything goes": a certificate from another CA
+    // still fails the handshake.
+    let stranger = TestPki::for_names(&["x"]).client("ci-runner", vec![]);
+    let refused = tls::https_get_as(
+        proxy.addr,
+        "localhost",
+        &pki.ca_pem,
+        &stranger,
+        "/open",
+        &[],
+    )
+    .await;
+    assert!(refused.is_err(), "{refused:?}");
+    let status = proxy.status().await;
+    assert_eq!(
+        status["config"]["listeners"][0]["tls"]["client_certificates"], "optional",
+        "{status:#}"
+    );
+    proxy
+        .metrics_showing(&[
+            "portcullis_plugin_counter_total{plugin=\"certs\",name=\"refused\"} 4".to_owned(),
+        ])
+        .await;
 }

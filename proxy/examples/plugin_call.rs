@@ -60,6 +60,7 @@ fn main() -> anyhow::Result<()> {
                     client,
                     tls: false,
                     sni: None,
+                    client_cert: None,
                     route: index,
                     params: Vec::new(),
                 });

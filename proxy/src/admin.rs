@@ -187,8 +187,8 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
                 "addr": l.addr.to_string(),
                 "connections": l.connections,
                 "max_connections": l.max_connections,
-                "tls": l.tls.as_ref().map(|(mutual, certs)| serde_json::json!({
-                    "client_certificates": mutual,
+                "tls": l.tls.as_ref().map(|(client_auth, certs)| serde_json::json!({
+                    "client_certificates": client_auth.as_str(),
                     "certificates": certs.iter().map(|(cert, expiry)| serde_json::json!({
                         "cert": cert.display().to_string(),
                         "not_after": expiry,

@@ -1,57 +1,25 @@
-//! When a certificate expires: its `notAfter`, read from the DER without
-//! an X.509 library (webpki checks validity but does not expose it), for
-//! the expiry metric an operator alerts on before a renewal that failed
-//! becomes an outage.
+//! When a certificate expires: its `notAfter`, read from the DER (webpki
+//! checks validity but does not expose it), for the expiry metric an
+//! operator alerts on before a renewal that failed becomes an outage.
+
+use crate::der;
 
 /// `notAfter` of the DER certificate `cert`, in seconds since the Unix
 /// epoch; `None` when the bytes are not a certificate this reads.
 pub fn not_after(cert: &[u8]) -> Option<i64> {
-    // Certificate ::= SEQUENCE { tbsCertificate SEQUENCE { [0] version
-    // OPTIONAL, serialNumber, signature, issuer, validity, ... }, ... }
-    let (certificate, _) = element(cert, 0x30)?;
-    let (mut tbs, _) = element(certificate, 0x30)?;
-    if tbs.first() == Some(&0xa0) {
-        tbs = element(tbs, 0xa0)?.1;
-    }
-    let (_, rest) = element(tbs, 0x02)?; // serialNumber
-    let (_, rest) = element(rest, 0x30)?; // signature
-    let (_, rest) = element(rest, 0x30)?; // issuer
-    let (validity, _) = element(rest, 0x30)?;
-    let (_, rest) = any_element(validity)?; // notBefore
-    let (tag, time) = (rest.first()?, any_element(rest)?.0);
+    // ... serialNumber, signature, issuer, validity { notBefore, notAfter }
+    let tbs = der::tbs_fields(cert)?;
+    let (_, rest) = der::element(tbs, 0x02)?; // serialNumber
+    let (_, rest) = der::element(rest, 0x30)?; // signature
+    let (_, rest) = der::element(rest, 0x30)?; // issuer
+    let (validity, _) = der::element(rest, 0x30)?;
+    let (_, rest) = der::any_element(validity)?; // notBefore
+    let (tag, time) = (rest.first()?, der::any_element(rest)?.0);
     match tag {
         0x17 => parse_time(time, false), // UTCTime: YYMMDDHHMMSSZ
         0x18 => parse_time(time, true),  // GeneralizedTime: YYYYMMDDHHMMSSZ
         _ => None,
     }
-}
-
-/// The contents of the DER element at the start of `der`, which must
-/// have `tag`, and what follows it.
-fn element(der: &[u8], tag: u8) -> Option<(&[u8], &[u8])> {
-    if *der.first()? != tag {
-        return None;
-    }
-    any_element(der)
-}
-
-fn any_element(der: &[u8]) -> Option<(&[u8], &[u8])> {
-    let first = *der.get(1)?;
-    let (len, header) = if first < 0x80 {
-        (usize::from(first), 2)
-    } else {
-        let n = usize::from(first & 0x7f);
-        if n == 0 || n > 4 {
-            return None;
-        }
-        let len = der
-            .get(2..2 + n)?
-            .iter()
-            .fold(0usize, |l, b| (l << 8) | usize::from(*b));
-        (len, 2 + n)
-    };
-    let body = der.get(header..header.checked_add(len)?)?;
-    Some((body, &der[header + len..]))
 }
 
 fn parse_time(text: &[u8], four_digit_year: bool) -> Option<i64> {

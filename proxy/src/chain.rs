@@ -155,6 +155,7 @@ pub fn on_request<'a>(
             client: conn.client.ip(),
             tls: conn.tls,
             sni: conn.sni.clone(),
+            client_cert: conn.client_cert.clone(),
             route: route_index,
             params: params
                 .iter()

@@ -124,9 +124,8 @@ pub struct ConnInfo {
     pub tls: bool,
     /// The server name the client asked for in its TLS handshake (SNI).
     pub sni: Option<Arc<str>>,
-    /// The client's verified certificate (mutual TLS), as the
-    /// `X-Forwarded-Client-Cert` value the upstream gets.
-    pub client_cert: Option<HeaderValue>,
+    /// The client's verified certificate (mutual TLS).
+    pub client_cert: Option<Arc<crate::client_cert::ClientCertificate>>,
     /// The worker thread serving it, which picks its upstream pools.
     pub worker: usize,
     /// Its socket, watched for the client leaving while a request waits
@@ -587,7 +586,11 @@ impl Pipeline {
                 };
                 forward::set_forwarded(
                     &mut headers,
-                    (&conn.client_ip, conn.client_cert.as_ref(), claimed),
+                    (
+                        &conn.client_ip,
+                        conn.client_cert.as_ref().map(|c| &c.header),
+                        claimed,
+                    ),
                     proto,
                     public_host,
                     conn.listener.trust_forwarded_headers,

@@ -181,9 +181,9 @@ pub struct ListenerStatus {
     pub connections: usize,
     /// The cap.
     pub max_connections: usize,
-    /// For HTTPS: whether clients must present a certificate, and each
+    /// For HTTPS: which client certificates it asks for, and each
     /// certificate file with its expiry.
-    pub tls: Option<(bool, Vec<CertExpiry>)>,
+    pub tls: Option<(crate::config::ClientAuthMode, Vec<CertExpiry>)>,
 }
 
 /// A certificate file and when the certificate in it expires (seconds
@@ -514,7 +514,7 @@ impl Control {
                         .spec
                         .tls
                         .as_ref()
-                        .map(|t| (t.mutual, t.certificates.expiries())),
+                        .map(|t| (t.client_auth, t.certificates.expiries())),
                 }
             })
             .collect()

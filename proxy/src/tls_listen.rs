@@ -10,28 +10,40 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use http::HeaderValue;
 use rustls_pki_types::CertificateDer;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 
+use crate::client_cert::ClientCertificate;
+
 /// What a listener offers in ALPN: HTTP/2 first, as browsers and curl
 /// prefer, then HTTP/1.1.
 pub const HTTP_ALPN: &[&[u8]] = &[b"h2", b"http/1.1"];
 
+/// Which client certificates a listener asks for (mutual TLS).
+#[derive(Debug, Clone)]
+pub struct ClientAuth {
+    /// The CAs a client certificate must chain to.
+    pub roots: Vec<CertificateDer<'static>>,
+    /// Clients without a certificate get in too (nginx's
+    /// `ssl_verify_client optional`), for routes whose plugins decide;
+    /// one that presents a certificate must still present a valid one.
+    pub optional: bool,
+}
+
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
-/// they change), offering `alpn`. With `client_roots`, clients must
-/// present a certificate that chains to one of them (mutual TLS). An error
+/// they change), offering `alpn`. With `client_auth`, clients present a
+/// certificate that chains to one of its roots (mutual TLS). An error
 /// names the file and the problem.
 pub fn acceptor(
     cert: &Path,
     key: &Path,
-    client_roots: Option<Vec<CertificateDer<'static>>>,
+    client_auth: Option<ClientAuth>,
     alpn: &[&[u8]],
 ) -> Result<TlsAcceptor, String> {
     let files = crate::cert_files::CertFiles::load(cert.to_path_buf(), key.to_path_buf())?;
-    build(Arc::new(files), client_roots, alpn)
+    build(Arc::new(files), client_auth, alpn)
 }
 
 /// [`acceptor`] with several pairs, chosen by the name the client asks
@@ -40,7 +52,7 @@ pub fn acceptor(
 /// `/metrics`.
 pub fn acceptor_by_name(
     pairs: &[(PathBuf, PathBuf)],
-    client_roots: Option<Vec<CertificateDer<'static>>>,
+    client_auth: Option<ClientAuth>,
     alpn: &[&[u8]],
 ) -> Result<(TlsAcceptor, Arc<crate::cert_files::ByServerName>), String> {
     let files = pairs
@@ -48,24 +60,24 @@ pub fn acceptor_by_name(
         .map(|(cert, key)| crate::cert_files::CertFiles::load(cert.clone(), key.clone()))
         .collect::<Result<Vec<_>, _>>()?;
     let certificates = Arc::new(crate::cert_files::ByServerName(files));
-    let acceptor = build(certificates.clone(), client_roots, alpn)?;
+    let acceptor = build(certificates.clone(), client_auth, alpn)?;
     Ok((acceptor, certificates))
 }
 
 fn build(
     certificates: Arc<dyn rustls::server::ResolvesServerCert>,
-    client_roots: Option<Vec<CertificateDer<'static>>>,
+    client_auth: Option<ClientAuth>,
     alpn: &[&[u8]],
 ) -> Result<TlsAcceptor, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?;
-    let builder = match client_roots {
+    let builder = match client_auth {
         None => builder.with_no_client_auth(),
-        Some(roots) => {
+        Some(auth) => {
             let mut store = rustls::RootCertStore::empty();
-            for root in roots {
+            for root in auth.roots {
                 store
                     .add(root)
                     .map_err(|e| format!("client CA certificate: {e}"))?;
@@ -73,9 +85,13 @@ fn build(
             let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
                 Arc::new(store),
                 provider,
-            )
-            .build()
-            .map_err(|e| format!("client CA: {e}"))?;
+            );
+            let verifier = if auth.optional {
+                verifier.allow_unauthenticated()
+            } else {
+                verifier
+            };
+            let verifier = verifier.build().map_err(|e| format!("client CA: {e}"))?;
             builder.with_client_cert_verifier(verifier)
         }
     };
@@ -143,9 +159,8 @@ pub async fn handshake(
 pub struct ClientFacts {
     /// The server name it asked for (SNI).
     pub sni: Option<Arc<str>>,
-    /// Its certificate (mutual TLS) as an `X-Forwarded-Client-Cert`
-    /// value, made once per connection.
-    pub client_cert: Option<HeaderValue>,
+    /// Its certificate (mutual TLS), read once per connection.
+    pub client_cert: Option<Arc<ClientCertificate>>,
 }
 
 impl ClientFacts {
@@ -157,41 +172,9 @@ impl ClientFacts {
             client_cert: session
                 .peer_certificates()
                 .and_then(|chain| chain.first())
-                .and_then(|leaf| client_cert_header(leaf)),
+                .map(|leaf| Arc::new(ClientCertificate::of(leaf))),
         }
     }
-}
-
-/// The `X-Forwarded-Client-Cert` value for a verified client certificate,
-/// in Envoy's format: `Hash` (SHA-256 of the DER, hex) and `Cert` (the
-/// PEM, URL-encoded, as nginx's `$ssl_client_escaped_cert`), from which
-/// an upstream reads the subject and names it trusts.
-pub fn client_cert_header(leaf: &CertificateDer<'_>) -> Option<HeaderValue> {
-    use base64::Engine;
-    use sha2::Digest;
-    let hash = hex::encode(sha2::Sha256::digest(leaf.as_ref()));
-    let body = base64::engine::general_purpose::STANDARD.encode(leaf.as_ref());
-    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
-    for line in body.as_bytes().chunks(64) {
-        pem.push_str(std::str::from_utf8(line).unwrap_or_default());
-        pem.push('\n');
-    }
-    pem.push_str("-----END CERTIFICATE-----\n");
-    let value = format!("Hash={hash};Cert=\"{}\"", url_encode(&pem));
-    HeaderValue::from_str(&value).ok()
-}
-
-/// Percent-encodes all but RFC 3986's unreserved characters.
-fn url_encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() * 3 / 2);
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 /// An accepted connection ready for HTTP.

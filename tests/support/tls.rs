@@ -41,12 +41,27 @@ impl TestPki {
         Self::leaf(self.ca.clone(), names)
     }
 
+    /// A client certificate from the same CA, with the subject `cn` and
+    /// the alternative names `sans`.
+    pub fn client(&self, cn: &str, sans: Vec<rcgen::SanType>) -> TestPki {
+        let mut params = CertificateParams::default();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
+        params.subject_alt_names = sans;
+        Self::signed(self.ca.clone(), params)
+    }
+
     fn leaf(ca: Arc<CertifiedIssuer<'static, KeyPair>>, names: &[&str]) -> TestPki {
-        let leaf_key = KeyPair::generate().expect("leaf key");
-        let leaf_params =
+        let params =
             CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
                 .expect("leaf params");
-        let leaf = leaf_params.signed_by(&leaf_key, &*ca).expect("leaf cert");
+        Self::signed(ca, params)
+    }
+
+    fn signed(ca: Arc<CertifiedIssuer<'static, KeyPair>>, params: CertificateParams) -> TestPki {
+        let leaf_key = KeyPair::generate().expect("leaf key");
+        let leaf = params.signed_by(&leaf_key, &*ca).expect("leaf cert");
         TestPki {
             ca_pem: ca.pem(),
             leaf_chain: vec![leaf.der().clone()],
@@ -124,9 +139,10 @@ pub async fn https_get_as(
     ca_pem: &str,
     identity: &TestPki,
     path: &str,
+    headers: &[(&str, &str)],
 ) -> Result<(http::Version, super::client::Answer), String> {
     let connector = connector(ca_pem, &[b"http/1.1"], Some(identity));
-    https_exchange(addr, b"", host, connector, path, &[]).await
+    https_exchange(addr, b"", host, connector, path, headers).await
 }
 
 /// The certificate `addr` presents to a client asking for `host` (DER),

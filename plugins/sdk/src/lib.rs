@@ -58,7 +58,7 @@ pub use bindings::portcullis::policy::types::RequestHead as RequestFields;
 /// The fields of a route (what [`RouteInfo`] derefs to).
 pub use bindings::portcullis::policy::types::RouteInfo as RouteFields;
 pub use bindings::portcullis::policy::types::{
-    Decision, Forward, Header, HeaderEdits, Hooks, LocalResponse, ResponseHead,
+    Certificate, Decision, Forward, Header, HeaderEdits, Hooks, LocalResponse, ResponseHead,
 };
 
 use std::cell::OnceCell;
@@ -256,6 +256,12 @@ impl RequestHead {
     /// All of the request's headers.
     pub fn headers(&self) -> Vec<Header> {
         portcullis::policy::host::request_headers()
+    }
+
+    /// The client's certificate, verified against the listener's
+    /// `client_ca` (mutual TLS); `None` on a listener without one.
+    pub fn client_certificate(&self) -> Option<Certificate> {
+        portcullis::policy::host::client_certificate()
     }
 
     /// Every field called `name`, joined with `separator`: see

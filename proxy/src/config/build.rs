@@ -22,9 +22,9 @@ use super::raw::{
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
 use super::{
-    Action, Balance, Config, ConfigError, Cors, Endpoint, FailMode, HeaderEdits, Listener,
-    ListenerTls, LocalResponse, PathRewrite, PluginModule, PluginUse, Pos, Probe, Route, Target,
-    Timeouts, TlsSettings, Upstream,
+    Action, Balance, ClientAuthMode, Config, ConfigError, Cors, Endpoint, FailMode, HeaderEdits,
+    Listener, ListenerTls, LocalResponse, PathRewrite, PluginModule, PluginUse, Pos, Probe, Route,
+    Target, Timeouts, TlsSettings, Upstream,
 };
 use crate::compress::Compression;
 use crate::request_id::RequestIds;
@@ -517,14 +517,36 @@ fn listener_tls(ctx: &mut Ctx, raw: &Spanned<RawListenerTls>) -> Option<Listener
             return None;
         }
     };
-    let client_roots = match &t.client_ca {
+    let optional = match &t.client_auth {
+        None => false,
+        Some(mode) => {
+            let optional = ctx.parse(mode, |s| match s {
+                "required" => Ok(false),
+                "optional" => Ok(true),
+                _ => Err(format!(
+                    "client_auth `{s}`: expected `required` or `optional`"
+                )),
+            })?;
+            if t.client_ca.is_none() {
+                ctx.err(
+                    &mode.referenced,
+                    "`client_auth` needs `client_ca`: the CA client certificates must chain to",
+                );
+                return None;
+            }
+            optional
+        }
+    };
+    let client_auth = match &t.client_ca {
         None => None,
         Some(ca) => {
             let path = ctx.path(ca)?;
             match CertificateDer::pem_file_iter(&path)
                 .and_then(|it| it.collect::<Result<Vec<_>, _>>())
             {
-                Ok(certs) if !certs.is_empty() => Some(certs),
+                Ok(roots) if !roots.is_empty() => {
+                    Some(crate::tls_listen::ClientAuth { roots, optional })
+                }
                 Ok(_) => {
                     ctx.err(
                         &ca.referenced,
@@ -553,15 +575,19 @@ fn listener_tls(ctx: &mut Ctx, raw: &Spanned<RawListenerTls>) -> Option<Listener
             Err(e) => ctx.err(&cert_text.referenced, e),
         }
     }
-    let mutual = client_roots.is_some();
+    let mode = match &client_auth {
+        None => ClientAuthMode::Off,
+        Some(auth) if auth.optional => ClientAuthMode::Optional,
+        Some(_) => ClientAuthMode::Required,
+    };
     let acceptor =
-        crate::tls_listen::acceptor_by_name(&paths, client_roots, crate::tls_listen::HTTP_ALPN);
+        crate::tls_listen::acceptor_by_name(&paths, client_auth, crate::tls_listen::HTTP_ALPN);
     match acceptor {
         Ok((acceptor, certificates)) if !paths.is_empty() => Some(ListenerTls {
             acceptor,
             cert: paths[0].0.clone(),
             certificates,
-            mutual,
+            client_auth: mode,
         }),
         Ok(_) => None,
         Err(e) => {

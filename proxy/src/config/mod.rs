@@ -207,15 +207,38 @@ pub struct ListenerTls {
     pub cert: PathBuf,
     /// The certificates served, for their expiry.
     pub certificates: Arc<crate::cert_files::ByServerName>,
-    /// Clients must present a certificate from `client_ca`.
-    pub mutual: bool,
+    /// Which client certificates it asks for.
+    pub client_auth: ClientAuthMode,
+}
+
+/// Whether a listener asks for client certificates (`client_ca`), and
+/// whether a client may go without one (`client_auth: optional`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientAuthMode {
+    /// No `client_ca`: no client certificates.
+    Off,
+    /// Every client presents one from `client_ca`.
+    Required,
+    /// A client may present none; one it presents must be valid.
+    Optional,
+}
+
+impl ClientAuthMode {
+    /// As `/status` shows it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClientAuthMode::Off => "off",
+            ClientAuthMode::Required => "required",
+            ClientAuthMode::Optional => "optional",
+        }
+    }
 }
 
 impl std::fmt::Debug for ListenerTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ListenerTls")
             .field("cert", &self.cert)
-            .field("mutual", &self.mutual)
+            .field("client_auth", &self.client_auth)
             .finish_non_exhaustive()
     }
 }

@@ -124,6 +124,7 @@ pub struct RawListenerTls {
     pub key: Option<Text>,
     pub certificates: Option<Spanned<Vec<Spanned<RawCertPair>>>>,
     pub client_ca: Option<Text>,
+    pub client_auth: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -7,4 +7,6 @@ wasmtime::component::bindgen!({
 
 pub use self::portcullis::policy::host::Level;
 // The world's `use` brings the other shared types to this module's root.
-pub use self::portcullis::policy::types::{Forward, Header, LocalResponse, RequestHead, RouteInfo};
+pub use self::portcullis::policy::types::{
+    Certificate, Forward, Header, LocalResponse, RequestHead, RouteInfo,
+};

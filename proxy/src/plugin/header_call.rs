@@ -24,7 +24,7 @@ use wasmtime::component::{ComponentType, Lift, Linker, LinkerInstance, Lower};
 use super::state::State;
 
 /// The interface both calls live in, as the bindings name it.
-const HOST: &str = "portcullis:policy/host@0.2.0";
+const HOST: &str = "portcullis:policy/host@0.2.1";
 
 /// Names up to this long (all the usual ones) are lifted onto the stack.
 const INLINE: usize = 64;

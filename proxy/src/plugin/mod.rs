@@ -700,6 +700,8 @@ pub struct RequestFacts {
     pub tls: bool,
     /// The server name the client asked for in its TLS handshake.
     pub sni: Option<std::sync::Arc<str>>,
+    /// The client's verified certificate (mutual TLS).
+    pub client_cert: Option<Arc<crate::client_cert::ClientCertificate>>,
     /// The route's index in the config.
     pub route: usize,
     /// The route's path parameters (empty for routes without any).
@@ -806,6 +808,7 @@ mod tests {
             client: "::ffff:10.1.2.3".parse().unwrap(),
             tls: true,
             sni: Some("public.example".into()),
+            client_cert: None,
             route: 1,
             params: vec![("name".into(), "hooks".into())],
         }

@@ -149,6 +149,20 @@ impl host::Host for State {
         }
     }
 
+    fn client_certificate(&mut self) -> Option<super::bindings::Certificate> {
+        let cert = self.request.as_ref()?.client_cert.as_deref()?;
+        let id = &cert.identity;
+        Some(super::bindings::Certificate {
+            sha256: cert.sha256.clone(),
+            subject: id.subject.clone(),
+            dns_names: id.dns_names.clone(),
+            uris: id.uris.clone(),
+            emails: id.emails.clone(),
+            ip_addresses: id.ip_addresses.clone(),
+            der: cert.der.to_vec(),
+        })
+    }
+
     // The linker serves these two through `header_call`'s shortcuts; these
     // are the bindings' plain versions, which the trait requires.
     fn request_header(&mut self, name: String) -> Option<Vec<u8>> {
