@@ -69,6 +69,22 @@ impl ResolvesServerCert for CertFiles {
     }
 }
 
+/// The same pair as a client certificate (a tunnel server dialling its
+/// peers), renewed the same way.
+impl rustls::client::ResolvesClientCert for CertFiles {
+    fn resolve(
+        &self,
+        _root_hint_subjects: &[&[u8]],
+        _sigschemes: &[rustls::SignatureScheme],
+    ) -> Option<Arc<CertifiedKey>> {
+        Some(self.current())
+    }
+
+    fn has_certs(&self) -> bool {
+        true
+    }
+}
+
 impl CertFiles {
     /// The certificate file.
     pub fn cert_path(&self) -> &Path {

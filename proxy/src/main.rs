@@ -136,14 +136,28 @@ enum Command {
         #[arg(long, env = "PORTCULLIS_PEERS", value_delimiter = ',')]
         peers: Vec<String>,
         /// Where peers forward requests to this server and ask which
-        /// runtimes it holds (cleartext HTTP/2, authenticated by the peer
-        /// token: keep it on the cluster network).
+        /// runtimes it holds (HTTP/2 authenticated by the peer token;
+        /// cleartext unless --peer-cert is given: then keep it on the
+        /// cluster network).
         #[arg(long, env = "PORTCULLIS_PEER_LISTEN")]
         peer_listen: Option<std::net::SocketAddr>,
         /// File holding the token all peers share (a mounted Secret, at
         /// least 16 characters); otherwise PORTCULLIS_PEER_TOKEN.
         #[arg(long, env = "PORTCULLIS_PEER_TOKEN_FILE")]
         peer_token_file: Option<PathBuf>,
+        /// Mutual TLS between peers: this server's certificate (PEM chain),
+        /// served on --peer-listen and presented when dialling a peer. It
+        /// must name the host the other servers list it by in --peers.
+        /// Renewed files are used from the next handshake on.
+        #[arg(long, env = "PORTCULLIS_PEER_CERT", requires_all = ["peer_key", "peer_ca"])]
+        peer_cert: Option<PathBuf>,
+        /// The key of --peer-cert.
+        #[arg(long, env = "PORTCULLIS_PEER_KEY", requires_all = ["peer_cert", "peer_ca"])]
+        peer_key: Option<PathBuf>,
+        /// The CA every peer's certificate chains to: a peer connection
+        /// without one (either way) fails its handshake.
+        #[arg(long, env = "PORTCULLIS_PEER_CA", requires_all = ["peer_cert", "peer_key"])]
+        peer_ca: Option<PathBuf>,
     },
     /// The cluster side of a tunnel: dials out to the tunnel server and
     /// serves what comes through with the routing core.
@@ -299,8 +313,17 @@ fn main() -> ExitCode {
             peers,
             peer_listen,
             peer_token_file,
+            peer_cert,
+            peer_key,
+            peer_ca,
         } => {
             let peers = if peers.is_empty() && peer_listen.is_none() {
+                if peer_cert.is_some() {
+                    eprintln!(
+                        "portcullis tunnel-server: --peer-cert is for peers: give --peers or --peer-listen too"
+                    );
+                    return ExitCode::from(2);
+                }
                 None
             } else {
                 let token = match (peer_token_file, std::env::var("PORTCULLIS_PEER_TOKEN")) {
@@ -322,10 +345,17 @@ fn main() -> ExitCode {
                         return ExitCode::from(2);
                     }
                 };
+                let tls = match (peer_cert, peer_key, peer_ca) {
+                    (Some(cert), Some(key), Some(ca)) => {
+                        Some(portcullis::tunnel::peers::PeerTlsFiles { cert, key, ca })
+                    }
+                    _ => None,
+                };
                 Some(portcullis::tunnel::peers::PeerOptions {
                     listen: peer_listen,
                     peers,
                     token,
+                    tls,
                 })
             };
             portcullis::telemetry::init();

@@ -282,3 +282,146 @@ async fn a_stopping_peer_finishes_the_requests_forwarded_to_it() {
     let status = b.process.wait_exit(Duration::from_secs(20)).await;
     assert!(status.success(), "{status:?}");
 }
+
+/// Peers across a network they do not trust speak mutual TLS
+/// (`--peer-cert`, `--peer-key`, `--peer-ca`). Requests cross as they do
+/// over cleartext. Each side checks the other's certificate against the
+/// peer CA, and the dialling side also checks the name it listed the
+/// peer by. The peer port refuses plain HTTP, a client without a
+/// certificate, and one from another CA, and goes on serving.
+#[tokio::test]
+async fn peers_with_certificates_speak_mutual_tls() {
+    use crate::support::tls::{self, TestPki};
+    let echo = upstream::echo("behind-b").await;
+    let (token_dir, token) = peer_token_file();
+    // B's certificate names only `localhost`; A presents its own from the
+    // same CA.
+    let pki = TestPki::for_names(&["localhost"]);
+    let a_pki = pki.renewed(&["tunnel-a.example"]);
+    let files = |name: &str, who: &TestPki| {
+        let (cert, key) = (format!("{name}.crt"), format!("{name}.key"));
+        std::fs::write(token_dir.path().join(&cert), &who.leaf_pem).unwrap();
+        std::fs::write(token_dir.path().join(&key), &who.leaf_key_pem).unwrap();
+        let path = |f: &str| token_dir.path().join(f).display().to_string();
+        [path(&cert), path(&key)]
+    };
+    std::fs::write(token_dir.path().join("ca.crt"), &pki.ca_pem).unwrap();
+    let ca = token_dir.path().join("ca.crt").display().to_string();
+    let [b_cert, b_key] = files("b", &pki);
+    let [a_cert, a_key] = files("a", &a_pki);
+    let b_tls = [
+        "--peer-cert",
+        &b_cert,
+        "--peer-key",
+        &b_key,
+        "--peer-ca",
+        &ca,
+    ];
+    let a_tls = [
+        "--peer-cert",
+        &a_cert,
+        "--peer-key",
+        &a_key,
+        "--peer-ca",
+        &ca,
+    ];
+
+    let mut b = replica(
+        &[
+            &["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token][..],
+            &b_tls,
+        ]
+        .concat(),
+    )
+    .await;
+    let b_peer = b.process.addrs["peer listening"];
+    let _rt = b
+        .client("rt-a", TOKENS[0].1, &["--upstream", &echo.url()])
+        .await;
+    // Listed by the name its certificate carries: up, and forwarded to.
+    let by_name = format!("localhost:{}", b_peer.port());
+    let a = replica(
+        &[
+            &["--peers", &by_name, "--peer-token-file", &token][..],
+            &a_tls,
+        ]
+        .concat(),
+    )
+    .await;
+    a.process
+        .wait_status("peer B up over TLS with its runtime", |s| {
+            s["peers"]
+                .as_array()
+                .is_some_and(|peers| peers.iter().any(|p| p["up"] == true && p["runtimes"] == 1))
+        })
+        .await;
+    let answer = a.get("rt-a", "/over-tls").await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert_eq!(answer.json()["upstream"], "behind-b");
+    assert_eq!(answer.json()["target"], "/over-tls");
+
+    // Listed by an address its certificate does not name: never up, and
+    // the status says why.
+    let by_address = b_peer.to_string();
+    let wrong = replica(
+        &[
+            &["--peers", &by_address, "--peer-token-file", &token][..],
+            &a_tls,
+        ]
+        .concat(),
+    )
+    .await;
+    let status = wrong
+        .process
+        .wait_status("peer B refused for its name", |s| {
+            s["peers"][0]["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("TLS handshake"))
+        })
+        .await;
+    assert_eq!(status["peers"][0]["up"], false, "{status:#}");
+    let error = status["peers"][0]["error"].as_str().unwrap();
+    assert!(error.contains("not valid for name"), "{error}");
+    assert_eq!(wrong.get("rt-a", "/x").await.status, 503);
+
+    // The port by hand: plain HTTP is told it speaks TLS; TLS without a
+    // certificate, or with one from another CA, fails the handshake.
+    let plain = client::raw(b_peer, b"GET /runtimes HTTP/1.1\r\nhost: x\r\n\r\n").await;
+    assert!(plain.starts_with("HTTP/1.1 400"), "{plain}");
+    assert!(plain.contains("speaks TLS"), "{plain}");
+    let none = tls::https_get(
+        b_peer,
+        "localhost",
+        &pki.ca_pem,
+        &[b"http/1.1"],
+        "/runtimes",
+    )
+    .await;
+    assert!(none.is_err(), "{none:?}");
+    let stranger = TestPki::for_names(&["localhost"]);
+    let other = tls::https_get_as(
+        b_peer,
+        "localhost",
+        &pki.ca_pem,
+        &stranger,
+        "/runtimes",
+        &[],
+    )
+    .await;
+    assert!(other.is_err(), "{other:?}");
+    b.process.wait_for_log("peer connection refused").await;
+    // A peer's certificate and the token: listed, after all that.
+    let token_header = [("x-portcullis-peer-token", "peer-token-0123456789")];
+    let (_, listed) = tls::https_get_as(
+        b_peer,
+        "localhost",
+        &pki.ca_pem,
+        &a_pki,
+        "/runtimes",
+        &token_header,
+    )
+    .await
+    .unwrap();
+    assert_eq!(listed.status, 200, "{:?}", listed.body);
+    assert_eq!(listed.json()["runtimes"], serde_json::json!(["rt-a"]));
+}

@@ -12,9 +12,11 @@
 //! (`GET /runtimes` on the peer listener, answered in full only when its
 //! registry changed), so a miss is forwarded with no round trip spent
 //! asking. A forwarded request is one HTTP/2 stream on a connection its
-//! worker keeps to that peer (cleartext, inside the cluster; a WebSocket crosses as an
-//! extended CONNECT, as it does through a tunnel), carrying the shared
-//! peer token and the client's address. The receiving peer serves it only
+//! worker keeps to that peer (cleartext inside a cluster, or mutual TLS
+//! with `--peer-cert`, `--peer-key` and `--peer-ca` where peers talk over
+//! networks that are not trusted; a WebSocket crosses as an extended
+//! CONNECT, as it does through a tunnel), carrying the shared peer token
+//! and the client's address. The receiving peer serves it only
 //! through its own tunnels, never forwarding again, so no request loops.
 //! Peer names are resolved on every poll: a headless Service's name gives
 //! one peer per pod, replicas added or gone are seen within a second, and
@@ -62,6 +64,69 @@ pub struct PeerOptions {
     pub peers: Vec<String>,
     /// The token every peer of the group shares.
     pub token: String,
+    /// Mutual TLS between peers: this server's certificate and key (served
+    /// on the peer port and presented when dialling a peer) and the CA
+    /// every peer's certificate chains to.
+    pub tls: Option<PeerTlsFiles>,
+}
+
+/// The files of [`PeerOptions::tls`].
+#[derive(Debug, Clone)]
+pub struct PeerTlsFiles {
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+    pub ca: std::path::PathBuf,
+}
+
+/// Both ends of mutual TLS between peers.
+pub(super) struct PeerTls {
+    /// The peer port's handshake: a certificate from the peer CA required.
+    pub acceptor: tokio_rustls::TlsAcceptor,
+    /// Dialling a peer: its certificate checked against the peer CA and
+    /// the name it was listed by; this server's own presented.
+    connector: tokio_rustls::TlsConnector,
+}
+
+impl PeerTls {
+    fn load(files: &PeerTlsFiles) -> Result<PeerTls, String> {
+        use rustls_pki_types::pem::PemObject;
+        let roots = rustls_pki_types::CertificateDer::pem_file_iter(&files.ca)
+            .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| format!("reading peer CA {}: {e}", files.ca.display()))?;
+        if roots.is_empty() {
+            return Err(format!("{} holds no certificate", files.ca.display()));
+        }
+        let auth = crate::tls_listen::ClientAuth {
+            roots: roots.clone(),
+            optional: false,
+        };
+        // HTTP/1.1 too, as on the cleartext port: someone trying the port
+        // by hand is told what it is.
+        let acceptor = crate::tls_listen::acceptor(
+            &files.cert,
+            &files.key,
+            Some(auth),
+            &[b"h2", b"http/1.1"],
+        )?;
+        let mut store = rustls::RootCertStore::empty();
+        for root in roots {
+            store
+                .add(root)
+                .map_err(|e| format!("peer CA {}: {e}", files.ca.display()))?;
+        }
+        let own = crate::cert_files::CertFiles::load(files.cert.clone(), files.key.clone())?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(store)
+            .with_client_cert_resolver(Arc::new(own));
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(PeerTls {
+            acceptor,
+            connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
+        })
+    }
 }
 
 /// What a peer answers a poll with.
@@ -84,6 +149,8 @@ pub(super) struct Peers {
     entries: Vec<String>,
     /// The worker threads, each with connections of its own to the peers.
     workers: usize,
+    /// Mutual TLS between peers, when configured.
+    pub tls: Option<PeerTls>,
     table: Mutex<Table>,
     next: AtomicUsize,
 }
@@ -153,8 +220,13 @@ impl Peers {
         );
         let header = HeaderValue::from_str(token)
             .map_err(|_| anyhow::anyhow!("the peer token must be printable ASCII"))?;
+        let tls = match &options.tls {
+            Some(files) => Some(PeerTls::load(files).map_err(anyhow::Error::msg)?),
+            None => None,
+        };
         Ok(Peers {
             instance,
+            tls,
             token: header,
             token_digest: digest(token.as_bytes()),
             entries: options.peers.clone(),
@@ -288,18 +360,33 @@ impl Peers {
         }
         let asks: Vec<_> = {
             let mut table = self.lock();
-            let wanted: HashSet<SocketAddr> = table.resolved.values().flatten().copied().collect();
+            // Each address with the name it was listed by: the name its
+            // certificate must carry when peers speak TLS.
+            let mut wanted: HashMap<SocketAddr, &str> = HashMap::new();
+            for (entry, addrs) in &table.resolved {
+                for addr in addrs {
+                    wanted.entry(*addr).or_insert(entry.as_str());
+                }
+            }
+            let wanted: HashMap<SocketAddr, String> = wanted
+                .into_iter()
+                .map(|(addr, entry)| (addr, entry.to_owned()))
+                .collect();
             table.peers.retain(|addr, p| {
-                let keep = wanted.contains(addr);
+                let keep = wanted.contains_key(addr);
                 if !keep && p.seen.as_ref().is_some_and(|s| !s.itself(self)) {
                     tracing::info!(peer = %addr, "peer no longer listed");
                 }
                 keep
             });
-            for addr in wanted {
+            for (addr, entry) in wanted {
+                let tls = self
+                    .tls
+                    .as_ref()
+                    .map(|t| (t.connector.clone(), server_name(&entry)));
                 table.peers.entry(addr).or_insert_with(|| Peer {
                     links: (0..=self.workers)
-                        .map(|_| Arc::new(Link::new(addr)))
+                        .map(|_| Arc::new(Link::new(addr, tls.clone())))
                         .collect(),
                     seen: None,
                     error: None,
@@ -447,19 +534,39 @@ pub(super) fn presence(
     resp
 }
 
+/// The name a peer's certificate must carry: the host of the `--peers`
+/// entry it was listed by (an IP address entry: that address).
+fn server_name(entry: &str) -> rustls_pki_types::ServerName<'static> {
+    let host = entry.rsplit_once(':').map_or(entry, |(host, _)| host);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    rustls_pki_types::ServerName::try_from(host.to_owned()).unwrap_or_else(|_| {
+        // Not a name a certificate can carry: nothing will verify, and
+        // the poll's error says so.
+        rustls_pki_types::ServerName::try_from("invalid.peer.name").expect("a valid name")
+    })
+}
+
+/// How a link dials with TLS: the connector and the name to verify.
+type LinkTls = (
+    tokio_rustls::TlsConnector,
+    rustls_pki_types::ServerName<'static>,
+);
+
 /// A connection to one peer, made when first needed and again after it
 /// closes.
 pub(super) struct Link {
     pub addr: SocketAddr,
+    tls: Option<LinkTls>,
     sender: Mutex<Option<SendRequest<Body>>>,
     /// Requests forwarded on it (polls not counted).
     sent: AtomicU64,
 }
 
 impl Link {
-    fn new(addr: SocketAddr) -> Link {
+    fn new(addr: SocketAddr, tls: Option<LinkTls>) -> Link {
         Link {
             addr,
+            tls,
             sender: Mutex::new(None),
             sent: AtomicU64::new(0),
         }
@@ -480,8 +587,27 @@ impl Link {
             .map_err(|_| "connect timed out".to_owned())?
             .map_err(|e| format!("connect: {e}"))?;
         let _ = tcp.set_nodelay(true);
+        let send = match &self.tls {
+            None => self.h2(tcp).await?,
+            Some((connector, name)) => {
+                let tls = tokio::time::timeout(POLL_TIMEOUT, connector.connect(name.clone(), tcp))
+                    .await
+                    .map_err(|_| "TLS handshake timed out".to_owned())?
+                    .map_err(|e| format!("TLS handshake: {e}"))?;
+                self.h2(tls).await?
+            }
+        };
+        *self.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(send.clone());
+        Ok(send)
+    }
+
+    /// HTTP/2 on a connection to the peer, driven by a task of its own.
+    async fn h2<S>(&self, io: S) -> Result<SendRequest<Body>, String>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
         let (send, connection) = super::h2_client()
-            .handshake(TokioIo::new(tcp))
+            .handshake(TokioIo::new(io))
             .await
             .map_err(|e| format!("HTTP/2 handshake: {}", crate::forward::error_chain(&e)))?;
         let addr = self.addr;
@@ -490,7 +616,6 @@ impl Link {
                 tracing::debug!(peer = %addr, error = %e, "peer connection ended");
             }
         });
-        *self.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(send.clone());
         Ok(send)
     }
 
@@ -529,12 +654,19 @@ impl Link {
     }
 }
 
-/// Serves the peer listener until `stop`: HTTP/2 without TLS (or
-/// HTTP/1.1, see below), with
+/// The answer to plain HTTP on a peer port that speaks TLS.
+const PLAIN_ON_PEER_TLS: &str = concat!(
+    r#"{"error":"plain HTTP request sent to a peer port that speaks TLS (with peer certificates)","#,
+    r#""status":400}"#
+);
+
+/// Serves the peer listener until `stop`: HTTP/2, over TLS with `tls`
+/// (or HTTP/1.1, see below), with
 /// extended CONNECT for forwarded WebSockets. Every connection is tracked
 /// by `tracker`, and on a stop finishes its streams after a GOAWAY.
 pub(super) async fn listen<F, Fut>(
     listener: TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     answer: F,
     tracker: TaskTracker,
     stop: CancellationToken,
@@ -579,23 +711,58 @@ pub(super) async fn listen<F, Fut>(
             let answer = answer.clone();
             async move { Ok::<_, std::convert::Infallible>(answer(req, from).await) }
         });
-        let connection = builder
-            .serve_connection(TokioIo::new(stream), service)
-            .into_owned();
-        let stop = stop.clone();
+        let (builder, stop, tls) = (builder.clone(), stop.clone(), tls.clone());
+        // The handshake runs in the connection's own task, so a slow or
+        // silent client holds up nobody else.
         tracker.spawn(async move {
-            let mut connection = std::pin::pin!(connection);
-            let ended = tokio::select! {
-                ended = connection.as_mut() => ended,
-                _ = stop.cancelled() => {
-                    connection.as_mut().graceful_shutdown();
-                    connection.await
-                }
+            let Some(tls) = tls else {
+                return serve(&builder, stream, service, stop, from).await;
             };
-            if let Err(e) = ended {
-                tracing::debug!(peer = %from, error = %e, "peer connection ended");
+            let handshake = crate::tls_listen::handshake(&tls, stream, PLAIN_ON_PEER_TLS);
+            match tokio::time::timeout(super::HANDSHAKE_TIMEOUT, handshake).await {
+                Ok(Ok(stream)) => serve(&builder, stream, service, stop, from).await,
+                // Not a peer (no certificate from the peer CA, or plain
+                // HTTP): a configuration mistake worth seeing, or a probe.
+                Ok(Err(refused)) => {
+                    tracing::warn!(peer = %from, "peer connection refused: {refused}")
+                }
+                Err(_) => {
+                    tracing::warn!(peer = %from, "peer connection refused: TLS handshake timed out")
+                }
             }
         });
+    }
+}
+
+/// One peer connection, served until it ends or `stop` (then its
+/// streams finish after a GOAWAY).
+async fn serve<S, Svc>(
+    builder: &hyper_util::server::conn::auto::Builder<TokioExecutor>,
+    stream: S,
+    service: Svc,
+    stop: CancellationToken,
+    from: SocketAddr,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    Svc: hyper::service::Service<
+            Request<Incoming>,
+            Response = Response<crate::body::ResponseBody>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    Svc::Future: Send + 'static,
+{
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    let mut connection = std::pin::pin!(connection);
+    let ended = tokio::select! {
+        ended = connection.as_mut() => ended,
+        _ = stop.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    if let Err(e) = ended {
+        tracing::debug!(peer = %from, error = %e, "peer connection ended");
     }
 }
 
@@ -619,6 +786,7 @@ mod tests {
             listen: None,
             peers: Vec::new(),
             token: "a-peer-token-of-some-length".into(),
+            tls: None,
         };
         Peers::new(&options, "1-self".into(), 2).unwrap()
     }
@@ -643,9 +811,23 @@ mod tests {
             listen: None,
             peers: Vec::new(),
             token: "short".into(),
+            tls: None,
         };
         let e = Peers::new(&options, "1-x".into(), 1).err().unwrap();
         assert!(e.to_string().contains("at least 16"), "{e}");
+    }
+
+    #[test]
+    fn a_peer_is_verified_by_the_host_it_was_listed_by() {
+        use rustls_pki_types::ServerName;
+        let name = |entry: &str| server_name(entry).to_str().into_owned();
+        assert_eq!(name("tunnel-peers.ns.svc:7946"), "tunnel-peers.ns.svc");
+        assert_eq!(name("10.0.0.7:7946"), "10.0.0.7");
+        assert!(matches!(
+            server_name("[fd00::7]:7946"),
+            ServerName::IpAddress(_)
+        ));
+        assert_eq!(name("[fd00::7]:7946"), "fd00::7");
     }
 
     #[test]
@@ -658,7 +840,7 @@ mod tests {
                 table.peers.insert(
                     addr,
                     Peer {
-                        links: (0..3).map(|_| Arc::new(Link::new(addr))).collect(),
+                        links: (0..3).map(|_| Arc::new(Link::new(addr, None))).collect(),
                         seen: Some(Seen {
                             instance: instance.into(),
                             generation: 1,

@@ -526,7 +526,8 @@ impl TunnelServer {
         let tunnel_addr = self.tunnel.local_addr()?;
         tracing::info!(addr = %self.public_addr, workers = self.workers, tls = self.public_tls.is_some(), "public listening");
         if let Some(listener) = self.peer_listeners.first() {
-            tracing::info!(addr = %listener.local_addr()?, "peer listening");
+            let tls = self.shared.peers.as_ref().is_some_and(|p| p.tls.is_some());
+            tracing::info!(addr = %listener.local_addr()?, tls, "peer listening");
         }
         tracing::info!(addr = %tunnel_addr, tls = self.tls.is_some(), "tunnel listening");
         if self.h3.is_some() {
@@ -749,10 +750,13 @@ fn worker(
         if let Some(listener) = peer {
             match TcpListener::from_std(listener) {
                 Ok(listener) => {
+                    let tls = shared.peers.as_ref().and_then(|p| p.tls.as_ref());
+                    let tls = tls.map(|t| t.acceptor.clone());
                     let shared = shared.clone();
                     let answer = move |req, from| answer_peer(req, from, shared.clone(), index);
                     tracker.spawn(super::peers::listen(
                         listener,
+                        tls,
                         answer,
                         tracker.clone(),
                         stop.clone(),
