@@ -19,10 +19,13 @@ cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -r
 trap cleanup EXIT
 
 # A private CA (ca.pem, ca.key) and a leaf it signed (leaf.pem, leaf.key)
-# for the DNS names given, in $WORK.
+# for the DNS names (or IPv4 addresses) given, in $WORK.
 make_pki() {
-  local san
-  san=$(printf 'DNS:%s,' "$@"); san=${san%,}
+  local san="" name
+  for name in "$@"; do
+    if [[ $name =~ ^[0-9.]+$ ]]; then san+="IP:$name,"; else san+="DNS:$name,"; fi
+  done
+  san=${san%,}
   (
     cd "$WORK"
     openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=bench-ca 2>/dev/null

@@ -8,6 +8,7 @@
 #
 #   bench/peers.sh                       # 5 s rounds, 3 of each
 #   DURATION=8 ROUNDS=5 CONNECTIONS=64 bench/peers.sh
+#   PEER_TLS=1 bench/peers.sh            # peers speak mutual TLS (RSA 2048)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,13 +24,18 @@ start_upstream "$UP"
 hash=$(printf bench-token | "$BIN" hash-token)
 printf 'bench: %s\n' "$hash" > "$WORK/tokens.yaml"
 export PORTCULLIS_PEER_TOKEN=bench-peer-token-0123456789
+PEER_TLS_ARGS=()
+if [ "${PEER_TLS:-0}" = 1 ]; then
+  make_pki 127.0.0.1
+  PEER_TLS_ARGS=(--peer-cert "$WORK/leaf.pem" --peer-key "$WORK/leaf.key" --peer-ca "$WORK/ca.pem")
+fi
 "$BIN" tunnel-server --public "127.0.0.1:$B_PUB" --tunnel-listen "127.0.0.1:$B_TUN" \
   --domain bench.test --tokens "$WORK/tokens.yaml" --workers 1 --admin off \
-  --peer-listen "127.0.0.1:$B_PEER" & PIDS+=($!)
+  --peer-listen "127.0.0.1:$B_PEER" "${PEER_TLS_ARGS[@]}" & PIDS+=($!)
 B_PID=$!
 "$BIN" tunnel-server --public "127.0.0.1:$A_PUB" --tunnel-listen "127.0.0.1:$A_TUN" \
   --domain bench.test --tokens "$WORK/tokens.yaml" --workers 1 --admin off \
-  --peers "127.0.0.1:$B_PEER" & PIDS+=($!)
+  --peers "127.0.0.1:$B_PEER" "${PEER_TLS_ARGS[@]}" & PIDS+=($!)
 A_PID=$!
 sleep 0.5
 PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "ws://127.0.0.1:$B_TUN" \
@@ -60,7 +66,7 @@ for round in $(seq "$ROUNDS"); do
 done
 
 echo
-echo "wrk -t2 -c$CONNECTIONS -d${DURATION}s, servers and client with 1 worker each, median of $ROUNDS rounds"
+echo "wrk -t2 -c$CONNECTIONS -d${DURATION}s, servers and client with 1 worker each, peers $([ "${PEER_TLS:-0}" = 1 ] && echo 'over mutual TLS' || echo cleartext), median of $ROUNDS rounds"
 d=$(median "$WORK/direct"); p=$(median "$WORK/peer"); pb=$(median "$WORK/peer-b")
 awk -v d="$d" -v p="$p" -v pb="$pb" 'BEGIN {
   split(d, a, " "); split(p, b, " "); split(pb, c, " ")

@@ -519,3 +519,28 @@ routes:
         ])
         .await;
 }
+
+/// Sessions resume from stateless tickets, as nginx and Envoy default to,
+/// and not only from the server's session cache (256 entries in rustls):
+/// a client comes back after 200 others have had full handshakes, each
+/// taking cache entries, and still resumes.
+#[tokio::test]
+async fn sessions_resume_from_tickets_beyond_the_server_cache() {
+    let pki = TestPki::new();
+    let echo = upstream::echo("svc").await;
+    let dir = policies(&pki, &echo, "");
+    let proxy = start(&dir).await;
+    let resumed = |client| async move {
+        tls::get_resumed(proxy.addr, "localhost", &client)
+            .await
+            .unwrap()
+    };
+    let browser = tls::connector(&pki.ca_pem, &[b"http/1.1"], None);
+    assert!(!resumed(browser.clone()).await);
+    assert!(resumed(browser.clone()).await);
+    for _ in 0..200 {
+        let stranger = tls::connector(&pki.ca_pem, &[b"http/1.1"], None);
+        assert!(!resumed(stranger).await);
+    }
+    assert!(resumed(browser).await);
+}

@@ -97,6 +97,15 @@ fn build(
     };
     let mut config = builder.with_cert_resolver(certificates);
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    // Stateless session tickets, on by default in nginx and Envoy: without
+    // them resumption rests on rustls' in-memory cache of 256 sessions,
+    // which a few hundred clients (TLS 1.3 stores two per handshake)
+    // cycle through, and each client past it pays a full handshake. The
+    // ticket key is this listener's own (a ticket never resumes on a
+    // listener with other client-certificate rules) and rotates every
+    // 6 hours; a reload or restart makes a new one, as in nginx without
+    // `ssl_session_ticket_key`.
+    config.ticketer = rustls::crypto::ring::Ticketer::new().map_err(|e| e.to_string())?;
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 

@@ -186,8 +186,9 @@ async fn tls_connect(
 }
 
 /// A client TLS connector trusting only `ca_pem`, offering `alpn`, and
-/// presenting `identity`'s leaf when given.
-fn connector(
+/// presenting `identity`'s leaf when given. It keeps the sessions servers
+/// hand it (rustls' default), and offers them again, as a browser does.
+pub fn connector(
     ca_pem: &str,
     alpn: &[&[u8]],
     identity: Option<&TestPki>,
@@ -208,6 +209,36 @@ fn connector(
     };
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
+/// A `Connection: close` GET of `/` on a new connection made with
+/// `connector`, read to the end (so a TLS 1.3 server's session tickets,
+/// sent after the handshake, are taken in): whether the handshake resumed
+/// a session (20 s limit).
+pub async fn get_resumed(
+    addr: std::net::SocketAddr,
+    host: &str,
+    connector: &tokio_rustls::TlsConnector,
+) -> Result<bool, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut tls = tls_connect(addr, b"", host, connector).await?;
+        let resumed = tls.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
+        let request = format!("GET / HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n");
+        tls.write_all(request.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut answer = Vec::new();
+        // A peer closing without close_notify still leaves the answer read.
+        let _ = tls.read_to_end(&mut answer).await;
+        if !answer.starts_with(b"HTTP/1.1 200") {
+            return Err(format!("answer: {}", String::from_utf8_lossy(&answer)));
+        }
+        Ok(resumed)
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(20), exchange)
+        .await
+        .map_err(|_| "no answer within 20s".to_owned())?
 }
 
 /// [`https_get`] sending `before` on the connection ahead of the TLS
