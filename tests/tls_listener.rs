@@ -10,7 +10,7 @@ use crate::support::upstream;
 /// A policy directory with `pki`'s leaf as tls.crt/tls.key (and its CA as
 /// ca.crt) and an HTTPS listener sending everything to `upstream`, with
 /// `extra` added to the listener's `tls`.
-fn policies(pki: &TestPki, upstream: &upstream::Upstream, extra: &str) -> tempfile::TempDir {
+fn policies(pki: &TestPki, upstream: &str, extra: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     write_pair(dir.path(), pki);
     std::fs::write(dir.path().join("ca.crt"), &pki.ca_pem).unwrap();
@@ -20,10 +20,9 @@ listeners:
   - name: https
     bind: "127.0.0.1:0"
     tls: {{ cert: tls.crt, key: tls.key{extra} }}
-upstreams: [{{ name: svc, endpoints: ["{}"] }}]
+upstreams: [{{ name: svc, endpoints: ["{upstream}"] }}]
 routes: [{{ name: any, match: {{ path_prefix: / }}, upstream: svc }}]
-"#,
-        upstream.url()
+"#
     );
     std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
     dir
@@ -47,7 +46,7 @@ async fn start(dir: &tempfile::TempDir) -> ProxyProcess {
 async fn an_https_listener_serves_http1_and_http2_and_tells_the_upstream() {
     let pki = TestPki::new();
     let echo = upstream::echo("svc").await;
-    let dir = policies(&pki, &echo, "");
+    let dir = policies(&pki, &echo.url(), "");
     let proxy = start(&dir).await;
 
     for (alpn, version) in [
@@ -79,7 +78,7 @@ async fn an_https_listener_serves_http1_and_http2_and_tells_the_upstream() {
 async fn plain_http_on_the_https_port_is_told_to_use_https_and_counted() {
     let pki = TestPki::new();
     let echo = upstream::echo("svc").await;
-    let dir = policies(&pki, &echo, "");
+    let dir = policies(&pki, &echo.url(), "");
     let proxy = start(&dir).await;
 
     let answer = client::raw(proxy.addr, b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n").await;
@@ -113,7 +112,7 @@ async fn plain_http_on_the_https_port_is_told_to_use_https_and_counted() {
 async fn a_renewed_certificate_is_served_without_a_restart() {
     let pki = TestPki::new();
     let echo = upstream::echo("svc").await;
-    let dir = policies(&pki, &echo, "");
+    let dir = policies(&pki, &echo.url(), "");
     let mut proxy = start(&dir).await;
     let first = tls::server_certificate(proxy.addr, "localhost", &pki.ca_pem)
         .await
@@ -141,7 +140,7 @@ async fn with_a_client_ca_only_clients_with_its_certificates_get_in() {
     let pki = TestPki::new();
     let clients = TestPki::for_names(&["client.example"]);
     let echo = upstream::echo("svc").await;
-    let dir = policies(&pki, &echo, ", client_ca: clients.crt");
+    let dir = policies(&pki, &echo.url(), ", client_ca: clients.crt");
     std::fs::write(dir.path().join("clients.crt"), &clients.ca_pem).unwrap();
     let proxy = start(&dir).await;
 
@@ -203,7 +202,7 @@ async fn check_names_a_missing_or_mismatched_certificate_at_its_line() {
     let pki = TestPki::new();
     let other = TestPki::new();
     let echo = upstream::echo("svc").await;
-    let dir = policies(&pki, &echo, "");
+    let dir = policies(&pki, &echo.url(), "");
     let (ok, out, err) = crate::support::check(dir.path());
     assert!(ok, "{out}{err}");
 
@@ -528,7 +527,7 @@ routes:
 async fn sessions_resume_from_tickets_beyond_the_server_cache() {
     let pki = TestPki::new();
     let echo = upstream::echo("svc").await;
-    let dir = policies(&pki, &echo, "");
+    let dir = policies(&pki, &echo.url(), "");
     let proxy = start(&dir).await;
     let resumed = |client| async move {
         tls::get_resumed(proxy.addr, "localhost", &client)
@@ -543,4 +542,52 @@ async fn sessions_resume_from_tickets_beyond_the_server_cache() {
         assert!(!resumed(stranger).await);
     }
     assert!(resumed(browser).await);
+}
+
+/// A client that leaves an HTTPS request while the upstream works is
+/// noticed as on cleartext, though the close_notify alert it sends
+/// before its FIN is unread bytes to a peek: the upstream connection is
+/// dropped within about a second, not held to the 60 s route timeout.
+#[tokio::test]
+async fn an_https_client_that_leaves_mid_request_cancels_the_upstream_exchange() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // An upstream that takes the request, never answers, and reports when
+    // the proxy closes the connection.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (got, got_rx) = tokio::sync::oneshot::channel();
+    let (closed, closed_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 4096];
+        let mut head = Vec::new();
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match sock.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let _ = got.send(());
+        while matches!(sock.read(&mut buf).await, Ok(n) if n > 0) {}
+        let _ = closed.send(());
+    });
+    let pki = TestPki::new();
+    let dir = policies(&pki, &format!("http://{addr}"), "");
+    let proxy = start(&dir).await;
+    let mut client = tls::connect(proxy.addr, "localhost", &pki.ca_pem)
+        .await
+        .unwrap();
+    client
+        .write_all(b"GET /slow HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    got_rx.await.expect("the request reached the upstream");
+    // close_notify, then FIN, as a browser closing the tab does.
+    client.shutdown().await.unwrap();
+    drop(client);
+    tokio::time::timeout(std::time::Duration::from_secs(5), closed_rx)
+        .await
+        .expect("the upstream connection was still open 5 s after the client left")
+        .expect("upstream task");
 }

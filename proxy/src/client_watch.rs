@@ -70,6 +70,13 @@ impl Watch {
                 Poll::Ready(Err(_)) => return Poll::Ready(true),
                 Poll::Pending => return Poll::Pending,
             };
+            // The client shut its side (EPOLLRDHUP), with bytes still
+            // unread: the close_notify alert a TLS client sends before its
+            // FIN, which a peek would take for more request. nginx reads
+            // the same flag (`pending_eof`).
+            if guard.ready().is_read_closed() {
+                return Poll::Ready(true);
+            }
             let mut byte = [MaybeUninit::<u8>::uninit()];
             match socket2::SockRef::from(self.0.get_ref()).peek(&mut byte) {
                 Ok(0) => return Poll::Ready(true),

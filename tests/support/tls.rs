@@ -163,6 +163,16 @@ pub async fn server_certificate(
         .map_err(|_| "no handshake within 20s".to_owned())?
 }
 
+/// An HTTP/1.1 TLS connection to `addr` asking for `host`, trusting only
+/// `ca_pem`.
+pub async fn connect(
+    addr: std::net::SocketAddr,
+    host: &str,
+    ca_pem: &str,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
+    tls_connect(addr, b"", host, &connector(ca_pem, &[b"http/1.1"], None)).await
+}
+
 /// Connects to `addr`, sends `before` (a PROXY header, say), and does the
 /// TLS handshake asking for `host`.
 async fn tls_connect(
