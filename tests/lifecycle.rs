@@ -78,6 +78,9 @@ async fn sigterm_drains_a_slow_in_flight_request_then_exits_zero() {
     assert_eq!(access[0]["route"], "slow");
     assert_eq!(access[0]["upstream"], "slow");
     assert_eq!(access[0]["method"], "GET");
+    // Cleartext: no TLS fields at all.
+    assert!(access[0].get("tls").is_none(), "{:#}", access[0]);
+    assert!(access[0].get("client_cert").is_none(), "{:#}", access[0]);
     // Milliseconds to the microsecond: no float noise in the log line.
     let ms = &access[0]["duration_ms"];
     assert!(ms.as_f64().is_some_and(|ms| ms > 0.0), "{ms}");

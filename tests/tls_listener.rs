@@ -436,7 +436,7 @@ routes:
         echo.url()
     );
     std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
-    let proxy = start(&dir).await;
+    let mut proxy = start(&dir).await;
     let forged = [("x-client-identity", "spiffe://cluster.local/ns/ci/sa/admin")];
 
     let (_, ok) = tls::https_get_as(
@@ -460,6 +460,11 @@ routes:
         xfcc.ends_with(";Subject=\"CN=ci-runner\";URI=spiffe://cluster.local/ns/ci/sa/runner"),
         "{xfcc}"
     );
+    // The access line says who it was, and over which TLS version.
+    let line = proxy.wait_for_log("\"client_cert\":\"CN=ci-runner\"").await;
+    let access: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(access["path"], "/ci", "{access:#}");
+    assert_eq!(access["tls"], "TLSv1.3", "{access:#}");
 
     // Each route its own names; everyone else, a 403 saying why.
     async fn get(

@@ -122,6 +122,8 @@ pub struct ConnInfo {
     pub listener: Arc<Listener>,
     /// Whether the client connection is TLS.
     pub tls: bool,
+    /// Its TLS version (`TLSv1.3`), for the access log.
+    pub tls_version: Option<&'static str>,
     /// The server name the client asked for in its TLS handshake (SNI).
     pub sni: Option<Arc<str>>,
     /// The client's verified certificate (mutual TLS).
@@ -382,6 +384,8 @@ impl Pipeline {
         };
         if let Some(log) = log.as_mut() {
             log.request_id = request_id.clone();
+            log.tls = conn.tls_version;
+            log.client_cert = conn.client_cert.clone();
         }
         let mut stats = metrics::unrouted();
         let (resp, held) = self

@@ -814,6 +814,7 @@ fn serve_connection<S>(
         client_ip: crate::forward::client_ip_header(client.ip()),
         listener: settings.spec.clone(),
         tls: tls.is_some(),
+        tls_version: tls.as_ref().and_then(|t| t.version),
         sni: tls.as_ref().and_then(|t| t.sni.clone()),
         client_cert: tls.and_then(|t| t.client_cert),
         worker,

@@ -63,6 +63,12 @@ pub struct AccessLog {
     pub aborted: bool,
     /// The request's `X-Request-Id`.
     pub request_id: Option<http::HeaderValue>,
+    /// The connection's TLS version (`TLSv1.3`); none in cleartext.
+    pub tls: Option<&'static str>,
+    /// The client's verified certificate (mutual TLS): its subject is
+    /// logged, as nginx's `$ssl_client_s_dn`, so the log says who made
+    /// each request.
+    pub client_cert: Option<Arc<crate::client_cert::ClientCertificate>>,
 }
 
 impl AccessLog {
@@ -87,6 +93,8 @@ impl AccessLog {
             bytes_sent: 0,
             aborted: false,
             request_id: None,
+            tls: None,
+            client_cert: None,
         })
     }
 }
@@ -110,6 +118,10 @@ impl Drop for AccessLog {
             worker = self.worker,
             aborted = self.aborted,
             request_id = crate::request_id::text(self.request_id.as_ref()),
+            // Absent (not "-") in cleartext: most deployments have no TLS
+            // here and should not pay for the fields.
+            tls = self.tls,
+            client_cert = self.client_cert.as_ref().map(|c| c.identity.subject.as_str()),
         );
     }
 }

@@ -168,6 +168,8 @@ pub async fn handshake(
 pub struct ClientFacts {
     /// The server name it asked for (SNI).
     pub sni: Option<Arc<str>>,
+    /// The protocol version agreed, as nginx's `$ssl_protocol` names it.
+    pub version: Option<&'static str>,
     /// Its certificate (mutual TLS), read once per connection.
     pub client_cert: Option<Arc<ClientCertificate>>,
 }
@@ -178,11 +180,22 @@ impl ClientFacts {
         let session = stream.get_ref().1;
         ClientFacts {
             sni: session.server_name().map(Arc::from),
+            version: session.protocol_version().map(version_name),
             client_cert: session
                 .peer_certificates()
                 .and_then(|chain| chain.first())
                 .map(|leaf| Arc::new(ClientCertificate::of(leaf))),
         }
+    }
+}
+
+/// nginx's name for a TLS version (`TLSv1.3`), which log pipelines
+/// already parse; rustls offers none older than 1.2.
+fn version_name(version: rustls::ProtocolVersion) -> &'static str {
+    match version {
+        rustls::ProtocolVersion::TLSv1_3 => "TLSv1.3",
+        rustls::ProtocolVersion::TLSv1_2 => "TLSv1.2",
+        _ => "other",
     }
 }
 

@@ -656,6 +656,7 @@ async fn handle(
         client_ip: crate::forward::client_ip_header(client.ip()),
         listener: dialer.listener.clone(),
         tls: false,
+        tls_version: None,
         sni: None,
         client_cert: None,
         worker,
