@@ -10,6 +10,7 @@ mod errors;
 mod lifecycle;
 mod metrics;
 mod plugins;
+mod rate_limit;
 mod reload;
 mod request_id;
 mod routing;

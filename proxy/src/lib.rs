@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod pipeline;
 pub mod plugin;
 pub mod proxy_protocol;
+pub mod rate_limit;
 pub mod reload;
 pub mod request_head;
 pub mod request_id;

@@ -165,6 +165,49 @@ pub fn error_response(
     resp
 }
 
+/// Takes one request from `limit` for the key it counts by.
+fn take_rate(
+    limit: &crate::rate_limit::RateLimit,
+    conn: &ConnInfo,
+    headers: &http::HeaderMap,
+) -> Result<(), Duration> {
+    use crate::rate_limit::LimitKey;
+    let mut buf = [0u8; 16];
+    let key = match &limit.key {
+        LimitKey::Route => None,
+        LimitKey::Header(name) => Some(headers.get(name).map_or(&[][..], |v| v.as_bytes())),
+        LimitKey::Client => {
+            // Behind a proxy the listener trusts, the client is the last
+            // address that proxy added, not the proxy itself.
+            let forwarded = conn
+                .listener
+                .trust_forwarded_headers
+                .then(|| forward::last_forwarded_for(headers))
+                .flatten();
+            Some(crate::rate_limit::ip_key(
+                forwarded.unwrap_or(conn.client.ip()),
+                &mut buf,
+            ))
+        }
+    };
+    limit.take(key)
+}
+
+/// The answer to a request over its route's rate limit: 429 with
+/// `Retry-After` (whole seconds, rounded up) saying when one would pass.
+fn rate_limited(route: &Route, wait: Duration, origin: Option<&HeaderValue>) -> Response<Body> {
+    let mut resp = error_response(
+        StatusCode::TOO_MANY_REQUESTS,
+        "rate limit exceeded",
+        Some(route),
+        origin,
+    );
+    let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    resp.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+    resp
+}
+
 /// The proxy's JSON error answer: `{"error", "status", "route", "plugin"?}`.
 pub fn json_error(
     status: StatusCode,
@@ -485,6 +528,16 @@ impl Pipeline {
             .and_then(|c| crate::compress::negotiate(&parts.headers, c));
         let head = route.compress.is_some() && parts.method == Method::HEAD;
         *stats = self.stats[found.route];
+        // Before the plugins: a request over the limit costs no plugin
+        // call. Health probes are never limited (a route without a limit).
+        if let Some(limit) = &route.rate_limit
+            && let Err(wait) = take_rate(limit, conn, &parts.headers)
+        {
+            return (
+                rate_limited(route, wait, origin.as_ref()),
+                forward::Held::default(),
+            );
+        }
         // The route's plugins run first, whatever the action, except for
         // health probes (a plugin must not make a pod look dead).
         let mut body = Body::from(body);

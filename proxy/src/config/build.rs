@@ -17,7 +17,7 @@ use serde_saphyr::{Location, Spanned};
 use super::envsubst::expand;
 use super::raw::{
     PolicyFile, RawCompress, RawCors, RawHeaderEdits, RawListener, RawListenerTls, RawPlugin,
-    RawPluginUse, RawRoute, RawUpstream, Text, TextMap,
+    RawPluginUse, RawRateLimit, RawRoute, RawUpstream, Text, TextMap,
 };
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
@@ -993,6 +993,7 @@ fn route(
     let websocket = ctx.flag(&r.websocket, false);
     let error_cors = r.error_cors.as_ref().map(|c| cors(ctx, c));
     let compress = r.compress.as_ref().and_then(|c| compression(ctx, c));
+    let rate_limit = r.rate_limit.as_ref().and_then(|l| rate_limit(ctx, l));
     let plugins = r
         .plugins
         .iter()
@@ -1011,12 +1012,49 @@ fn route(
             websocket,
             error_cors,
             compress,
+            rate_limit,
             plugins,
             defined_at: ctx.pos(&raw.referenced),
         },
         host,
         patterns,
     ))
+}
+
+fn rate_limit(
+    ctx: &mut Ctx,
+    raw: &Spanned<RawRateLimit>,
+) -> Option<Arc<crate::rate_limit::RateLimit>> {
+    use crate::rate_limit::{LimitKey, RateLimit, parse_rate};
+    let l = &raw.value;
+    let rate = ctx.parse(&l.rate, parse_rate);
+    let burst = match &l.burst {
+        None => Some(0),
+        Some(t) => ctx.parse(t, |s| {
+            s.parse::<u32>()
+                .map_err(|_| format!("burst `{s}`: a whole number of requests, 0 or more"))
+        }),
+    };
+    let key = match &l.key {
+        None => Some(LimitKey::Client),
+        Some(t) => ctx.parse(t, |s| match s {
+            "client" => Ok(LimitKey::Client),
+            "route" => Ok(LimitKey::Route),
+            _ => match s.strip_prefix("header:") {
+                Some(name) => HeaderName::from_bytes(name.trim().as_bytes())
+                    .map(LimitKey::Header)
+                    .map_err(|_| format!("key `{s}`: `{}` is not a header name", name.trim())),
+                None => Err(format!(
+                    "key `{s}`: expected `client`, `route` or `header:NAME`"
+                )),
+            },
+        }),
+    };
+    let ((count, period), burst, key) = (rate?, burst?, key?);
+    let described = ctx.text(&l.rate)?.trim().to_owned();
+    Some(Arc::new(RateLimit::new(
+        count, period, burst, key, described,
+    )))
 }
 
 fn compression(ctx: &mut Ctx, raw: &Spanned<RawCompress>) -> Option<Compression> {

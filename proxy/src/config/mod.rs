@@ -477,6 +477,8 @@ pub struct Route {
     pub error_cors: Option<Cors>,
     /// Responses compressed for clients that take gzip.
     pub compress: Option<crate::compress::Compression>,
+    /// Requests beyond this rate are answered 429.
+    pub rate_limit: Option<Arc<crate::rate_limit::RateLimit>>,
     /// Plugins run on this route, in order (after the global ones).
     pub plugins: Vec<PluginUse>,
     /// Where the route was defined.

@@ -186,8 +186,17 @@ pub struct RawRoute {
     pub websocket: Option<Text>,
     pub error_cors: Option<Spanned<RawCors>>,
     pub compress: Option<Spanned<RawCompress>>,
+    pub rate_limit: Option<Spanned<RawRateLimit>>,
     #[serde(default)]
     pub plugins: Vec<Spanned<RawPluginUse>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRateLimit {
+    pub rate: Text,
+    pub burst: Option<Text>,
+    pub key: Option<Text>,
 }
 
 /// A route's `compress`: `true`/`false` (or a `${VAR}` giving one), or

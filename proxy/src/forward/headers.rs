@@ -147,6 +147,19 @@ pub fn join_cookie_crumbs(headers: &mut HeaderMap) {
     }
 }
 
+/// The last address in `X-Forwarded-For` (over all its fields): the
+/// client as the nearest proxy saw it, which that proxy appended. Earlier
+/// entries are the client's to make up. An entry with a port (Azure's
+/// `ip:port`) counts by its address.
+pub fn last_forwarded_for(headers: &HeaderMap) -> Option<IpAddr> {
+    let field = headers.get_all("x-forwarded-for").iter().next_back()?;
+    let entry = field.to_str().ok()?.rsplit(',').next()?.trim();
+    entry
+        .parse::<IpAddr>()
+        .ok()
+        .or_else(|| entry.parse::<std::net::SocketAddr>().ok().map(|s| s.ip()))
+}
+
 /// The `X-Forwarded-For` entry for a client address.
 pub fn client_ip_header(client: IpAddr) -> HeaderValue {
     HeaderValue::try_from(client.to_canonical().to_string())
@@ -212,6 +225,22 @@ pub const CLIENT_CERT: HeaderName = HeaderName::from_static("x-forwarded-client-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_last_forwarded_entry_is_the_nearest_proxys() {
+        let mut h = HeaderMap::new();
+        assert_eq!(last_forwarded_for(&h), None);
+        h.append("x-forwarded-for", "9.9.9.9, 203.0.113.7".parse().unwrap());
+        assert_eq!(last_forwarded_for(&h), Some("203.0.113.7".parse().unwrap()));
+        // A proxy that adds a field of its own rather than appending.
+        h.append("x-forwarded-for", "198.51.100.1:4711".parse().unwrap());
+        assert_eq!(
+            last_forwarded_for(&h),
+            Some("198.51.100.1".parse().unwrap())
+        );
+        h.append("x-forwarded-for", "unknown".parse().unwrap());
+        assert_eq!(last_forwarded_for(&h), None);
+    }
 
     fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
         match listed(name.as_str()) {

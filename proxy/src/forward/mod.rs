@@ -19,8 +19,8 @@ use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 pub use ejection::Ejections;
 pub use h1::H1Body;
 pub use headers::{
-    CLIENT_CERT, client_ip_header, is_websocket_upgrade, join_cookie_crumbs, remove_hop_by_hop,
-    set_forwarded,
+    CLIENT_CERT, client_ip_header, is_websocket_upgrade, join_cookie_crumbs, last_forwarded_for,
+    remove_hop_by_hop, set_forwarded,
 };
 pub use tls::client_config as client_tls_config;
 
