@@ -133,6 +133,8 @@ PY
 #   /auth    jwt-auth (HS256), the verified token remembered (the default)
 #   /verify  jwt-auth with cache_size: 0, the signature checked per request
 #   /fresh   jwt-auth, a new instance per request (instances: per-request)
+#   /limited no plugin, a rate limit per client too high to refuse anything:
+#            what keeping count costs (`PATHS="/plain /limited"`)
 plugin_policies() {
   mkdir -p "$1"
   cp plugins/dist/jwt-auth.wasm plugins/dist/example-require-header.wasm "$1/"
@@ -146,5 +148,6 @@ routes:
   - { name: auth, match: { path: /auth }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret } }] }
   - { name: verify, match: { path: /verify }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret, cache_size: 0 } }] }
   - { name: fresh, match: { path: /fresh }, upstream: app, plugins: [{ use: jwt, instances: per-request, config: { hs256_secret: bench-secret } }] }
+  - { name: limited, match: { path: /limited }, upstream: app, rate_limit: { rate: 1000000000/s, burst: 1000000 } }
 YAML
 }

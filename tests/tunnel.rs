@@ -1775,3 +1775,85 @@ async fn public_http3_connections_are_spread_over_the_workers() {
         "HTTP/3 connections per worker"
     );
 }
+
+/// `--public-rate-limit` on the public side: per client, a burst, then
+/// 429 naming the runtime with `Retry-After`; the tunnel and other
+/// clients behind a trusted balancer are untouched. A rate that does not
+/// parse stops the server at start, saying so.
+#[tokio::test]
+async fn the_public_side_limits_each_client_rate() {
+    let echo = upstream::echo("limited").await;
+    let any = "127.0.0.1:0".parse().unwrap();
+    let server = TunnelServer::start_in_with(
+        tokens_dir(),
+        any,
+        any,
+        &[
+            "--public-rate-limit",
+            "60/h",
+            "--public-rate-burst",
+            "1",
+            "--trust-forwarded-headers",
+        ],
+    )
+    .await;
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &echo.url()])
+        .await;
+    let from = |client: &str| {
+        server
+            .request("rt-a", "GET", "/x")
+            .header("x-forwarded-for", client)
+            .body(body(Bytes::new()))
+            .unwrap()
+    };
+    for _ in 0..2 {
+        let answer = client::send(&client::http1(), from("203.0.113.7")).await;
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+    }
+    let limited = client::send(&client::http1(), from("203.0.113.7")).await;
+    assert_eq!(limited.status, 429, "{:?}", limited.body);
+    assert_eq!(limited.json()["runtime"], "rt-a");
+    assert_eq!(limited.json()["error"], "rate limit exceeded");
+    let retry: u64 = limited.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((59..=60).contains(&retry), "Retry-After {retry}");
+    // Another client behind the same balancer has its own allowance.
+    let other = client::send(&client::http1(), from("198.51.100.1")).await;
+    assert_eq!(other.status, 200, "{:?}", other.body);
+
+    let dir = tokens_dir();
+    let out = server_command(&dir)
+        .args(["--public-rate-limit", "many"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--public-rate-limit: rate `many`"),
+        "{stderr}"
+    );
+}
+
+/// `portcullis tunnel-server` on free loopback ports with the tokens in
+/// `dir`, no admin listener: for tests of what it refuses at start.
+fn server_command(dir: &tempfile::TempDir) -> std::process::Command {
+    let mut command = std::process::Command::new(crate::support::binary());
+    command.args([
+        "tunnel-server",
+        "--public",
+        "127.0.0.1:0",
+        "--tunnel-listen",
+        "127.0.0.1:0",
+        "--domain",
+        DOMAIN,
+        "--tokens",
+        &dir.path().join("tokens.yaml").display().to_string(),
+        "--admin",
+        "off",
+    ]);
+    command
+}

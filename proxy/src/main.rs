@@ -23,6 +23,9 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start and matched at once: the size of the largest
+// variant (the tunnel server's many flags) costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Serve the routing core on the policies' listeners.
@@ -158,6 +161,20 @@ enum Command {
         /// without one (either way) fails its handshake.
         #[arg(long, env = "PORTCULLIS_PEER_CA", requires_all = ["peer_cert", "peer_key"])]
         peer_ca: Option<PathBuf>,
+        /// Public requests per client (`100/s`, `600/m`, `COUNT/h`) beyond
+        /// which they are answered 429 with Retry-After. The client is the
+        /// connection's (or PROXY header's) address, or with
+        /// --trust-forwarded-headers the last X-Forwarded-For entry.
+        #[arg(long, env = "PORTCULLIS_PUBLIC_RATE_LIMIT")]
+        public_rate_limit: Option<String>,
+        /// Requests a client may make at once beyond the rate.
+        #[arg(
+            long,
+            env = "PORTCULLIS_PUBLIC_RATE_BURST",
+            default_value_t = 0,
+            requires = "public_rate_limit"
+        )]
+        public_rate_burst: u32,
     },
     /// The cluster side of a tunnel: dials out to the tunnel server and
     /// serves what comes through with the routing core.
@@ -316,6 +333,8 @@ fn main() -> ExitCode {
             peer_cert,
             peer_key,
             peer_ca,
+            public_rate_limit,
+            public_rate_burst,
         } => {
             let peers = if peers.is_empty() && peer_listen.is_none() {
                 if peer_cert.is_some() {
@@ -376,6 +395,7 @@ fn main() -> ExitCode {
                 workers: workers.unwrap_or_else(portcullis::server::default_workers),
                 max_connections,
                 peers,
+                public_rate_limit: public_rate_limit.map(|rate| (rate, public_rate_burst)),
             };
             // The control plane (signals, tunnel accepts, admin); workers
             // run their own event loops.

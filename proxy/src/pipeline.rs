@@ -177,17 +177,9 @@ fn take_rate(
         LimitKey::Route => None,
         LimitKey::Header(name) => Some(headers.get(name).map_or(&[][..], |v| v.as_bytes())),
         LimitKey::Client => {
-            // Behind a proxy the listener trusts, the client is the last
-            // address that proxy added, not the proxy itself.
-            let forwarded = conn
-                .listener
-                .trust_forwarded_headers
-                .then(|| forward::last_forwarded_for(headers))
-                .flatten();
-            Some(crate::rate_limit::ip_key(
-                forwarded.unwrap_or(conn.client.ip()),
-                &mut buf,
-            ))
+            let trust = conn.listener.trust_forwarded_headers;
+            let client = crate::rate_limit::client_of(conn.client.ip(), trust, headers);
+            Some(crate::rate_limit::ip_key(client, &mut buf))
         }
     };
     limit.take(key)
@@ -202,9 +194,7 @@ fn rate_limited(route: &Route, wait: Duration, origin: Option<&HeaderValue>) -> 
         Some(route),
         origin,
     );
-    let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-    resp.headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+    crate::rate_limit::retry_after(resp.headers_mut(), wait);
     resp
 }
 

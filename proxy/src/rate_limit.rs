@@ -158,6 +158,26 @@ fn forget(keys: &mut HashMap<u64, u64>, now: u64, room: usize) {
     keys.retain(|_, due| *due > threshold);
 }
 
+/// The client a request is counted as: the connection's address
+/// (`peer`, or its PROXY header's), or behind a proxy that is trusted
+/// (`trust_forwarded`), the last `X-Forwarded-For` entry, the one that
+/// proxy appended. Earlier entries are the client's to make up.
+pub fn client_of(peer: IpAddr, trust_forwarded: bool, headers: &http::HeaderMap) -> IpAddr {
+    trust_forwarded
+        .then(|| crate::forward::last_forwarded_for(headers))
+        .flatten()
+        .unwrap_or(peer)
+}
+
+/// Sets `Retry-After` to `wait` in whole seconds, rounded up (at least 1).
+pub fn retry_after(headers: &mut http::HeaderMap, wait: Duration) {
+    let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    headers.insert(
+        http::header::RETRY_AFTER,
+        http::HeaderValue::from(seconds.max(1)),
+    );
+}
+
 /// The key bytes of the client address `ip`.
 pub fn ip_key(ip: IpAddr, buf: &mut [u8; 16]) -> &[u8] {
     match ip.to_canonical() {

@@ -221,31 +221,16 @@ async fn a_replica_among_its_own_peers_leaves_itself_out() {
 #[tokio::test]
 async fn a_missing_or_short_peer_token_is_refused_at_start() {
     let dir = tokens_dir();
-    let tokens = dir.path().join("tokens.yaml").display().to_string();
     let short = dir.path().join("short");
     std::fs::write(&short, "tiny\n").unwrap();
     let short = short.display().to_string();
-    let base = [
-        "tunnel-server",
-        "--public",
-        "127.0.0.1:0",
-        "--tunnel-listen",
-        "127.0.0.1:0",
-        "--domain",
-        DOMAIN,
-        "--tokens",
-        &tokens,
-        "--admin",
-        "off",
-        "--peers",
-        "127.0.0.1:1",
-    ];
     for (extra, message) in [
         (&[][..], "need the peers' token"),
         (&["--peer-token-file", &short][..], "at least 16 characters"),
     ] {
-        let out = std::process::Command::new(crate::support::binary())
-            .args(base.iter().chain(extra))
+        let out = server_command(&dir)
+            .args(["--peers", "127.0.0.1:1"])
+            .args(extra)
             .env_remove("PORTCULLIS_PEER_TOKEN")
             .output()
             .unwrap();

@@ -81,6 +81,9 @@ pub struct ServerOptions {
     /// Other replicas to forward to, and where they forward to this one
     /// (`--peers`, `--peer-listen`).
     pub peers: Option<super::peers::PeerOptions>,
+    /// Public requests per client beyond which they are answered 429
+    /// (`--public-rate-limit`, `COUNT/s|m|h`), and how many more at once.
+    pub public_rate_limit: Option<(String, u32)>,
 }
 
 /// One tunnel connection from a client.
@@ -354,6 +357,8 @@ struct Shared {
     alt_svc: Option<HeaderValue>,
     /// The other replicas (`--peers`).
     peers: Option<Arc<super::peers::Peers>>,
+    /// The public side's limit per client.
+    rate_limit: Option<crate::rate_limit::RateLimit>,
 }
 
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
@@ -433,6 +438,20 @@ impl TunnelServer {
             "--tunnel-quic needs --cert and --key",
             super::quic::tunnel_server_config,
         )?;
+        let rate_limit = match &options.public_rate_limit {
+            Some((rate, burst)) => {
+                let (count, period) = crate::rate_limit::parse_rate(rate)
+                    .map_err(|e| anyhow::anyhow!("--public-rate-limit: {e}"))?;
+                Some(crate::rate_limit::RateLimit::new(
+                    count,
+                    period,
+                    *burst,
+                    crate::rate_limit::LimitKey::Client,
+                    rate.clone(),
+                ))
+            }
+            None => None,
+        };
         let peers = match &options.peers {
             Some(peers) => Some(Arc::new(super::peers::Peers::new(
                 peers,
@@ -484,6 +503,7 @@ impl TunnelServer {
                 tunnel_quic: options.tunnel_quic,
                 alt_svc,
                 peers,
+                rate_limit,
             }),
         })
     }
@@ -1519,6 +1539,25 @@ where
             return error(StatusCode::BAD_GATEWAY, "unknown runtime", Some(runtime));
         }
     };
+    // Counted once, where the public reached: a peer does not count a
+    // request again. Only known, connected runtimes get this far, so the
+    // 429 is in the runtime's metrics.
+    if origin == Origin::Public
+        && let Some(limit) = &shared.rate_limit
+    {
+        let client =
+            crate::rate_limit::client_of(peer.ip(), shared.trust_forwarded_headers, req.headers());
+        let mut buf = [0u8; 16];
+        if let Err(wait) = limit.take(Some(crate::rate_limit::ip_key(client, &mut buf))) {
+            let mut resp = error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate limit exceeded",
+                Some(runtime),
+            );
+            crate::rate_limit::retry_after(resp.headers_mut(), wait);
+            return resp;
+        }
+    }
     // An HTTP/1.1 upgrade (WebSocket) crosses the tunnel as an HTTP/2
     // extended CONNECT (RFC 8441) whose stream then carries the bytes; a
     // peer passes one on in that shape already.
