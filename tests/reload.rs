@@ -609,3 +609,33 @@ routes:
     served_within(&proxy.url("/v"), "three", Duration::from_secs(1)).await;
     assert_ne!(peer().await, first, "a changed upstream kept its old pool");
 }
+
+/// A reload keeps a route's rate-limit counts when its limit is
+/// unchanged: an edit elsewhere in the ConfigMap gives no limited client
+/// a fresh burst, as nginx keeps its zones. A changed limit starts afresh.
+#[tokio::test]
+async fn rate_limit_counts_survive_a_reload_unless_the_limit_changes() {
+    let policy = |other: &str, rate: &str| {
+        format!(
+            r#"
+listeners: [{{ name: main, bind: "127.0.0.1:0" }}]
+routes:
+  - {{ name: v, match: {{ path: /v }}, respond: {{ status: 200, body: "{other}" }} }}
+  - {{ name: hooks, match: {{ path: /hooks }}, respond: {{ status: 200, body: ok }}, rate_limit: {{ rate: {rate} }} }}
+"#
+        )
+    };
+    let mut map = ConfigMap::new(&[("routing.yaml", policy("one", "1/h").as_bytes())]);
+    let proxy = ProxyProcess::start_on(map.path(), &[]).await;
+    let hooks = || async { client::get(&proxy.url("/hooks")).await.status.as_u16() };
+    assert_eq!(hooks().await, 200);
+    assert_eq!(hooks().await, 429);
+
+    map.update(&[("routing.yaml", policy("two", "1/h").as_bytes())]);
+    served_within(&proxy.url("/v"), "two", Duration::from_secs(1)).await;
+    assert_eq!(hooks().await, 429, "the reload reset an unchanged limit");
+
+    map.update(&[("routing.yaml", policy("three", "2/h").as_bytes())]);
+    served_within(&proxy.url("/v"), "three", Duration::from_secs(1)).await;
+    assert_eq!(hooks().await, 200, "a changed limit kept the old counts");
+}

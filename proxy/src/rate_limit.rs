@@ -17,6 +17,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::config::Route;
+
 /// Shards of a keyed limit's table.
 const SHARDS: usize = 16;
 
@@ -53,8 +55,34 @@ pub struct RateLimit {
     pub described: String,
 }
 
+/// A keyed limit's map: key hash to due time. The keys are already
+/// SipHash outputs (keyed per process, so not chosen by a client), and
+/// hashing them again cost ~180 instructions a request.
+type Keys = HashMap<u64, u64, std::hash::BuildHasherDefault<Prehashed>>;
+
+/// The hasher of [`Keys`]: the key is its own hash.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl std::hash::Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are hashed here; fold anything else in anyway.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
 struct Table {
-    shards: Vec<Mutex<HashMap<u64, u64>>>,
+    shards: Vec<Mutex<Keys>>,
     /// Keys a shard holds before it drops those whose due time has
     /// passed (they are as good as new).
     per_shard: usize,
@@ -79,7 +107,7 @@ impl RateLimit {
     pub fn new(count: u32, period: Duration, burst: u32, key: LimitKey, described: String) -> Self {
         let interval = (period.as_nanos() / u128::from(count.max(1))).max(1) as u64;
         let table = (key != LimitKey::Route).then(|| Table {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::new(Keys::default())).collect(),
             per_shard: MAX_KEYS / SHARDS,
             hasher: Default::default(),
         });
@@ -117,7 +145,9 @@ impl RateLimit {
             }
             Some(table) => {
                 let hash = table.hasher.hash_one(key.unwrap_or_default());
-                let shard = &table.shards[(hash as usize) % SHARDS];
+                // Middle bits: the map places a key by its low bits and
+                // tags it with its top 7, which should vary within a shard.
+                let shard = &table.shards[((hash >> 32) as usize) % SHARDS];
                 let mut keys = shard.lock().unwrap_or_else(|p| p.into_inner());
                 let due = keys.get(&hash).copied().unwrap_or(0);
                 let next = self.next_due(due, now)?;
@@ -128,6 +158,11 @@ impl RateLimit {
                 Ok(())
             }
         }
+    }
+
+    /// Whether `other` limits the same way (its counts may carry over).
+    fn same_limit(&self, other: &RateLimit) -> bool {
+        (self.interval, self.tolerance, &self.key) == (other.interval, other.tolerance, &other.key)
     }
 
     /// The next due time after taking a request at `now` from a key due
@@ -141,12 +176,35 @@ impl RateLimit {
     }
 }
 
+/// Hands each limited route of `routes` the counts of `previous`'s route
+/// of the same name, when its limit is the same: a reload (a ConfigMap
+/// edit elsewhere) must not give every limited client a fresh burst, as
+/// nginx keeps its zones over a reload. A changed limit starts afresh.
+pub fn keep_counts(routes: &mut [std::sync::Arc<Route>], previous: &[std::sync::Arc<Route>]) {
+    for route in routes {
+        let Some(r) = std::sync::Arc::get_mut(route) else {
+            continue;
+        };
+        let Some(limit) = &r.rate_limit else {
+            continue;
+        };
+        let old = previous
+            .iter()
+            .find(|o| o.name == r.name)
+            .and_then(|o| o.rate_limit.as_ref())
+            .filter(|old| old.same_limit(limit));
+        if let Some(old) = old {
+            r.rate_limit = Some(old.clone());
+        }
+    }
+}
+
 /// Makes room in a full shard. Keys whose due time has passed are back
 /// to a whole allowance, the same as absent, and go first. If none has,
 /// the eighth nearest to a whole allowance go, as nginx drops its least
 /// recently used states: the memory stays bounded when addresses are
 /// sprayed, at the price of those keys starting over.
-fn forget(keys: &mut HashMap<u64, u64>, now: u64, room: usize) {
+fn forget(keys: &mut Keys, now: u64, room: usize) {
     keys.retain(|_, due| *due > now);
     let size = keys.len();
     if size < room {

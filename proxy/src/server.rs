@@ -417,8 +417,10 @@ impl Control {
                 fresh.push((spec.clone(), addr, sockets));
             }
         }
-        let config = Arc::new(config);
+        let mut config = config;
         let previous = self.pipeline.load_full();
+        crate::rate_limit::keep_counts(&mut config.routes, &previous.config().routes);
+        let config = Arc::new(config);
         self.pipeline.store(Arc::new(Pipeline::new(
             config.clone(),
             chains,
