@@ -62,4 +62,5 @@ cargo test --locked --workspace
 # The SDK's and the plugins' own unit tests run natively (their logic and
 # the allocator's, not the bindings).
 cargo test --locked --manifest-path plugins/Cargo.toml --lib \
-  -p portcullis-sdk -p webhook-signature -p jwt-auth -p ip-allow -p canary-route
+  -p portcullis-sdk -p webhook-signature -p jwt-auth -p ip-allow -p canary-route \
+  -p client-cert-allow
