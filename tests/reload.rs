@@ -639,3 +639,52 @@ routes:
     served_within(&proxy.url("/v"), "three", Duration::from_secs(1)).await;
     assert_eq!(hooks().await, 200, "a changed limit kept the old counts");
 }
+
+/// Rotating a listener's session ticket key, or its client CA, is a
+/// change: the files' contents are in the config's fingerprint, so the
+/// reload that the Secret's swap triggers applies it, rather than
+/// finding the policy text unchanged.
+#[tokio::test]
+async fn a_rotated_ticket_key_or_client_ca_is_applied() {
+    let pki = crate::support::tls::TestPki::new();
+    let other = crate::support::tls::TestPki::new();
+    let policy = r#"
+listeners:
+  - name: https
+    bind: "127.0.0.1:0"
+    tls: { cert: tls.crt, key: tls.key, client_ca: ca.crt, session_ticket_keys: [ticket.key] }
+routes: [{ name: v, match: { path: /v }, respond: { status: 200, body: ok } }]
+"#;
+    // The whole set each time, as kubelet swaps a mounted ConfigMap.
+    let files = |ca: &str, ticket: u8| -> Vec<(String, Vec<u8>)> {
+        vec![
+            ("routing.yaml".into(), policy.into()),
+            ("tls.crt".into(), pki.leaf_pem.clone().into()),
+            ("tls.key".into(), pki.leaf_key_pem.clone().into()),
+            ("ca.crt".into(), ca.into()),
+            ("ticket.key".into(), vec![ticket; 48]),
+        ]
+    };
+    let first = files(&pki.ca_pem, 1);
+    let mut map = ConfigMap::new(&borrowed(&first));
+    let proxy = ProxyProcess::start_on(map.path(), &[]).await;
+    map.update(&borrowed(&files(&pki.ca_pem, 2)));
+    proxy
+        .wait_status("the new ticket key applied", |s| {
+            s["config"]["generation"] == 2
+        })
+        .await;
+    map.update(&borrowed(&files(&other.ca_pem, 2)));
+    proxy
+        .wait_status("the new client CA applied", |s| {
+            s["config"]["generation"] == 3
+        })
+        .await;
+}
+
+/// Owned ConfigMap files as [`ConfigMap`] takes them.
+fn borrowed(set: &[(String, Vec<u8>)]) -> Vec<(&str, &[u8])> {
+    set.iter()
+        .map(|(n, b)| (n.as_str(), b.as_slice()))
+        .collect()
+}

@@ -236,6 +236,17 @@ async fn check_names_a_missing_or_mismatched_certificate_at_its_line() {
     let (ok, _, err) = crate::support::check(dir.path());
     assert!(!ok);
     assert!(err.contains("needs both `cert` and `key`"), "{err}");
+    // A ticket key too short to be one.
+    std::fs::write(dir.path().join("short.key"), b"12345").unwrap();
+    let short = policy.replace(
+        "key: tls.key }",
+        "key: tls.key, session_ticket_keys: [short.key] }",
+    );
+    std::fs::write(dir.path().join("policy.yaml"), &short).unwrap();
+    let (ok, _, err) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(err.contains("policy.yaml:5:"), "{err}");
+    assert!(err.contains("holds 5 bytes"), "{err}");
     // Optional client certificates, but from which CA? And a mode that
     // is neither.
     let no_ca = policy.replace("key: tls.key }", "key: tls.key, client_auth: optional }");
@@ -595,4 +606,45 @@ async fn an_https_client_that_leaves_mid_request_cancels_the_upstream_exchange()
         .await
         .expect("the upstream connection was still open 5 s after the client left")
         .expect("upstream task");
+}
+
+/// Replicas that share `session_ticket_keys` files resume each other's
+/// sessions: a client that had a full handshake with one resumes on the
+/// other, as behind a balancer. A replica with its own random key (no
+/// files) takes none of their tickets.
+#[tokio::test]
+async fn replicas_sharing_ticket_keys_resume_each_others_sessions() {
+    let pki = TestPki::new();
+    let echo = upstream::echo("svc").await;
+    let shared = ", session_ticket_keys: [ticket.key]";
+    let (dir_a, dir_b) = (
+        policies(&pki, &echo.url(), shared),
+        policies(&pki, &echo.url(), shared),
+    );
+    let key: Vec<u8> = (0..80u8).map(|b| b.wrapping_mul(37)).collect();
+    for dir in [&dir_a, &dir_b] {
+        std::fs::write(dir.path().join("ticket.key"), &key).unwrap();
+    }
+    let dir_c = policies(&pki, &echo.url(), "");
+    let (a, b, c) = (
+        start(&dir_a).await,
+        start(&dir_b).await,
+        start(&dir_c).await,
+    );
+    let resumed =
+        |addr, client| async move { tls::get_resumed(addr, "localhost", &client).await.unwrap() };
+    let browser = tls::connector(&pki.ca_pem, &[b"http/1.1"], None);
+    assert!(!resumed(a.addr, browser.clone()).await);
+    assert!(
+        resumed(b.addr, browser.clone()).await,
+        "B did not take A's ticket"
+    );
+    assert!(
+        resumed(a.addr, browser.clone()).await,
+        "A did not take B's ticket"
+    );
+    assert!(
+        !resumed(c.addr, browser).await,
+        "C took a ticket of keys it lacks"
+    );
 }

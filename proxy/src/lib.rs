@@ -34,6 +34,7 @@ pub mod server;
 pub mod shard;
 pub mod sockets;
 pub mod telemetry;
+pub mod ticket_keys;
 pub mod tls_listen;
 pub mod tunnel;
 pub mod unparsed_head;

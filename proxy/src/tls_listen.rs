@@ -43,7 +43,7 @@ pub fn acceptor(
     alpn: &[&[u8]],
 ) -> Result<TlsAcceptor, String> {
     let files = crate::cert_files::CertFiles::load(cert.to_path_buf(), key.to_path_buf())?;
-    build(Arc::new(files), client_auth, alpn)
+    build(Arc::new(files), client_auth, None, alpn)
 }
 
 /// [`acceptor`] with several pairs, chosen by the name the client asks
@@ -53,6 +53,7 @@ pub fn acceptor(
 pub fn acceptor_by_name(
     pairs: &[(PathBuf, PathBuf)],
     client_auth: Option<ClientAuth>,
+    tickets: Option<Arc<dyn rustls::server::ProducesTickets>>,
     alpn: &[&[u8]],
 ) -> Result<(TlsAcceptor, Arc<crate::cert_files::ByServerName>), String> {
     let files = pairs
@@ -60,13 +61,14 @@ pub fn acceptor_by_name(
         .map(|(cert, key)| crate::cert_files::CertFiles::load(cert.clone(), key.clone()))
         .collect::<Result<Vec<_>, _>>()?;
     let certificates = Arc::new(crate::cert_files::ByServerName(files));
-    let acceptor = build(certificates.clone(), client_auth, alpn)?;
+    let acceptor = build(certificates.clone(), client_auth, tickets, alpn)?;
     Ok((acceptor, certificates))
 }
 
 fn build(
     certificates: Arc<dyn rustls::server::ResolvesServerCert>,
     client_auth: Option<ClientAuth>,
+    tickets: Option<Arc<dyn rustls::server::ProducesTickets>>,
     alpn: &[&[u8]],
 ) -> Result<TlsAcceptor, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -100,12 +102,17 @@ fn build(
     // Stateless session tickets, on by default in nginx and Envoy: without
     // them resumption rests on rustls' in-memory cache of 256 sessions,
     // which a few hundred clients (TLS 1.3 stores two per handshake)
-    // cycle through, and each client past it pays a full handshake. The
-    // ticket key is this listener's own (a ticket never resumes on a
-    // listener with other client-certificate rules) and rotates every
-    // 6 hours; a reload or restart makes a new one, as in nginx without
-    // `ssl_session_ticket_key`.
-    config.ticketer = rustls::crypto::ring::Ticketer::new().map_err(|e| e.to_string())?;
+    // cycle through, and each client past it pays a full handshake. By
+    // default the ticket key is this listener's own (a ticket never
+    // resumes on a listener with other client-certificate rules) and
+    // rotates every 6 hours; a reload or restart makes a new one, as in
+    // nginx without `ssl_session_ticket_key`.
+    config.ticketer = match tickets {
+        // Keys from files (`session_ticket_keys`), shared with replicas;
+        // the listener's rules are bound into each ticket instead.
+        Some(tickets) => tickets,
+        None => rustls::crypto::ring::Ticketer::new().map_err(|e| e.to_string())?,
+    };
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 

@@ -448,7 +448,10 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
             "`{s}` is not a request id mode; use keep, make or off"
         )),
     });
-    let tls = l.tls.as_ref().and_then(|t| listener_tls(ctx, t));
+    let tls = l
+        .tls
+        .as_ref()
+        .and_then(|t| listener_tls(ctx, t, name.as_deref().unwrap_or_default()));
     // `true` for the standard port, or the HTTPS listener's port.
     let redirect_https = l.redirect_https.as_ref().and_then(|t| {
         ctx.parse(t, |s| match s {
@@ -487,7 +490,11 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
 
 /// A listener's `tls`: the certificate and key are read (and checked to
 /// belong together) now, so `check` reports a bad pair at its line.
-fn listener_tls(ctx: &mut Ctx, raw: &Spanned<RawListenerTls>) -> Option<ListenerTls> {
+fn listener_tls(
+    ctx: &mut Ctx,
+    raw: &Spanned<RawListenerTls>,
+    listener: &str,
+) -> Option<ListenerTls> {
     let t = &raw.value;
     // `cert` and `key` for one certificate; `certificates` for several,
     // chosen by SNI.
@@ -580,14 +587,59 @@ fn listener_tls(ctx: &mut Ctx, raw: &Spanned<RawListenerTls>) -> Option<Listener
         Some(auth) if auth.optional => ClientAuthMode::Optional,
         Some(_) => ClientAuthMode::Required,
     };
-    let acceptor =
-        crate::tls_listen::acceptor_by_name(&paths, client_auth, crate::tls_listen::HTTP_ALPN);
+    // What a session resumed here was authenticated against: the listener
+    // and its client-certificate rules. Bound into file-keyed tickets, and
+    // part of the config's fingerprint, so a rotated client CA or ticket
+    // key file is a change a reload applies.
+    let mut material = {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(listener.as_bytes());
+        h.update([0, mode as u8]);
+        for root in client_auth.iter().flat_map(|a| &a.roots) {
+            h.update((root.len() as u64).to_le_bytes());
+            h.update(root.as_ref());
+        }
+        <[u8; 32]>::from(h.finalize())
+    };
+    let tickets: Option<Arc<dyn rustls::server::ProducesTickets>> = match &t.session_ticket_keys {
+        None => None,
+        Some(list) => {
+            let files: Vec<_> = list.iter().filter_map(|f| ctx.path(f)).collect();
+            if files.len() != list.len() {
+                return None;
+            }
+            match crate::ticket_keys::FileTicketer::from_files(&files, material) {
+                Ok((ticketer, keys)) => {
+                    use sha2::Digest;
+                    material = sha2::Sha256::new()
+                        .chain_update(material)
+                        .chain_update(keys)
+                        .finalize()
+                        .into();
+                    Some(Arc::new(ticketer))
+                }
+                Err(e) => {
+                    let at = list.first().map_or(&raw.referenced, |f| &f.referenced);
+                    ctx.err(at, e);
+                    return None;
+                }
+            }
+        }
+    };
+    let acceptor = crate::tls_listen::acceptor_by_name(
+        &paths,
+        client_auth,
+        tickets,
+        crate::tls_listen::HTTP_ALPN,
+    );
     match acceptor {
         Ok((acceptor, certificates)) if !paths.is_empty() => Some(ListenerTls {
             acceptor,
             cert: paths[0].0.clone(),
             certificates,
             client_auth: mode,
+            material,
         }),
         Ok(_) => None,
         Err(e) => {

@@ -169,6 +169,9 @@ fn fingerprint(sources: &[Source], config: &Config) -> [u8; 32] {
             put(cert.as_ref());
         }
     }
+    for tls in config.listeners.iter().filter_map(|l| l.tls.as_ref()) {
+        put(&tls.material);
+    }
     let uses = config.routes.iter().flat_map(|r| &r.plugins);
     for plugin_use in uses.chain(&config.global_plugins) {
         put(plugin_use.config_json.as_bytes());

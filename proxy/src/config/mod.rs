@@ -209,6 +209,10 @@ pub struct ListenerTls {
     pub certificates: Arc<crate::cert_files::ByServerName>,
     /// Which client certificates it asks for.
     pub client_auth: ClientAuthMode,
+    /// A digest of its client CA and session ticket keys (not of its
+    /// certificates, which are reread at handshakes), for the config's
+    /// fingerprint.
+    pub material: [u8; 32],
 }
 
 /// Whether a listener asks for client certificates (`client_ca`), and

@@ -125,6 +125,7 @@ pub struct RawListenerTls {
     pub certificates: Option<Spanned<Vec<Spanned<RawCertPair>>>>,
     pub client_ca: Option<Text>,
     pub client_auth: Option<Text>,
+    pub session_ticket_keys: Option<Vec<Text>>,
 }
 
 #[derive(Debug, Deserialize)]
