@@ -628,6 +628,12 @@ routes:
     let mut map = ConfigMap::new(&[("routing.yaml", policy("one", "1/h").as_bytes())]);
     let proxy = ProxyProcess::start_on(map.path(), &[]).await;
     let hooks = || async { client::get(&proxy.url("/hooks")).await.status.as_u16() };
+    let status = proxy.status().await;
+    assert_eq!(
+        status["config"]["rate_limits"],
+        serde_json::json!([{ "route": "hooks", "rate": "1/h", "burst": 0, "key": "client" }]),
+        "{status:#}"
+    );
     assert_eq!(hooks().await, 200);
     assert_eq!(hooks().await, 429);
 

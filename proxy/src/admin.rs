@@ -216,6 +216,11 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
                 }))
             }).collect::<Vec<_>>(),
             "routes": config.routes.iter().map(|r| &*r.name).collect::<Vec<_>>(),
+            "rate_limits": config.routes.iter().filter_map(|r| {
+                let mut limit = r.rate_limit.as_ref()?.describe();
+                limit["route"] = serde_json::json!(&*r.name);
+                Some(limit)
+            }).collect::<Vec<_>>(),
             "plugins": config.plugins.iter().map(|p| serde_json::json!({
                 "name": &*p.name,
                 "path": p.path.display().to_string(),

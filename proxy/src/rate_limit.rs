@@ -160,6 +160,20 @@ impl RateLimit {
         }
     }
 
+    /// The limit as `/status` shows it: rate, burst and key as written.
+    pub fn describe(&self) -> serde_json::Value {
+        let key = match &self.key {
+            LimitKey::Client => "client".to_owned(),
+            LimitKey::Route => "route".to_owned(),
+            LimitKey::Header(name) => format!("header:{name}"),
+        };
+        serde_json::json!({
+            "rate": self.described,
+            "burst": self.tolerance / self.interval,
+            "key": key,
+        })
+    }
+
     /// Whether `other` limits the same way (its counts may carry over).
     fn same_limit(&self, other: &RateLimit) -> bool {
         (self.interval, self.tolerance, &self.key) == (other.interval, other.tolerance, &other.key)
