@@ -566,27 +566,8 @@ async fn sessions_resume_from_tickets_beyond_the_server_cache() {
 /// dropped within about a second, not held to the 60 s route timeout.
 #[tokio::test]
 async fn an_https_client_that_leaves_mid_request_cancels_the_upstream_exchange() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    // An upstream that takes the request, never answers, and reports when
-    // the proxy closes the connection.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (got, got_rx) = tokio::sync::oneshot::channel();
-    let (closed, closed_rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move {
-        let (mut sock, _) = listener.accept().await.unwrap();
-        let mut buf = [0u8; 4096];
-        let mut head = Vec::new();
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-            match sock.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => head.extend_from_slice(&buf[..n]),
-            }
-        }
-        let _ = got.send(());
-        while matches!(sock.read(&mut buf).await, Ok(n) if n > 0) {}
-        let _ = closed.send(());
-    });
+    use tokio::io::AsyncWriteExt;
+    let (addr, got_rx, closed_rx) = upstream::never_answering().await;
     let pki = TestPki::new();
     let dir = policies(&pki, &format!("http://{addr}"), "");
     let proxy = start(&dir).await;

@@ -538,22 +538,7 @@ async fn read_until(sock: &mut TcpStream, want: &[u8]) -> String {
 
 #[tokio::test]
 async fn a_client_that_leaves_mid_request_cancels_the_upstream_exchange() {
-    // An upstream that takes the request and never answers, then reports
-    // when the proxy closes its connection.
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (got, got_rx) = tokio::sync::oneshot::channel();
-    let (closed, closed_rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move {
-        let (mut sock, _) = listener.accept().await.unwrap();
-        if !read_head(&mut sock).await {
-            return;
-        }
-        let _ = got.send(());
-        // No answer: wait for the proxy to give up on the connection.
-        until_closed(&mut sock).await;
-        let _ = closed.send(());
-    });
+    let (addr, got_rx, closed_rx) = crate::support::upstream::never_answering().await;
     let proxy = proxy_to(addr).await;
     let mut client = TcpStream::connect(proxy.addr).await.unwrap();
     client

@@ -245,3 +245,34 @@ pub async fn websocket_echo() -> Upstream {
     });
     Upstream { addr, task }
 }
+
+/// An upstream that takes one request and never answers it, for tests of
+/// a client that leaves while its upstream works: its address, a signal
+/// when the request head has arrived, and one when the proxy closes the
+/// connection (giving up on the exchange).
+pub async fn never_answering() -> (
+    SocketAddr,
+    tokio::sync::oneshot::Receiver<()>,
+    tokio::sync::oneshot::Receiver<()>,
+) {
+    use tokio::io::AsyncReadExt;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (got, got_rx) = tokio::sync::oneshot::channel();
+    let (closed, closed_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut chunk = [0u8; 4096];
+        let mut head = Vec::new();
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match sock.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let _ = got.send(());
+        while matches!(sock.read(&mut chunk).await, Ok(n) if n > 0) {}
+        let _ = closed.send(());
+    });
+    (addr, got_rx, closed_rx)
+}
