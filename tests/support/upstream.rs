@@ -247,14 +247,34 @@ pub async fn websocket_echo() -> Upstream {
 }
 
 /// An upstream that takes one request and never answers it, for tests of
-/// a client that leaves while its upstream works: its address, a signal
-/// when the request head has arrived, and one when the proxy closes the
-/// connection (giving up on the exchange).
-pub async fn never_answering() -> (
-    SocketAddr,
-    tokio::sync::oneshot::Receiver<()>,
-    tokio::sync::oneshot::Receiver<()>,
-) {
+/// a client that leaves while its upstream works.
+pub struct NeverAnswering {
+    /// Its address.
+    pub addr: SocketAddr,
+    got: tokio::sync::oneshot::Receiver<()>,
+    closed: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl NeverAnswering {
+    /// Waits for the request head to arrive.
+    pub async fn request_arrived(&mut self) {
+        (&mut self.got)
+            .await
+            .expect("the request reached the upstream");
+    }
+
+    /// Asserts that the proxy closes the connection within 5 s: it gave
+    /// up on the exchange rather than holding it to the route timeout.
+    pub async fn closed_soon(self) {
+        tokio::time::timeout(std::time::Duration::from_secs(5), self.closed)
+            .await
+            .expect("the upstream connection was still open 5 s after the client left")
+            .expect("upstream task");
+    }
+}
+
+/// Starts a [`NeverAnswering`] upstream.
+pub async fn never_answering() -> NeverAnswering {
     use tokio::io::AsyncReadExt;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -274,5 +294,9 @@ pub async fn never_answering() -> (
         while matches!(sock.read(&mut chunk).await, Ok(n) if n > 0) {}
         let _ = closed.send(());
     });
-    (addr, got_rx, closed_rx)
+    NeverAnswering {
+        addr,
+        got: got_rx,
+        closed: closed_rx,
+    }
 }
