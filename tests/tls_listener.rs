@@ -205,20 +205,27 @@ async fn check_names_a_missing_or_mismatched_certificate_at_its_line() {
     let dir = policies(&pki, &echo.url(), "");
     let (ok, out, err) = crate::support::check(dir.path());
     assert!(ok, "{out}{err}");
+    // `check` on `dir`, with `policy` written first when given: it must
+    // fail, and its errors are returned.
+    let refused = |dir: &tempfile::TempDir, policy: Option<&str>| {
+        if let Some(policy) = policy {
+            std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
+        }
+        let (ok, _, err) = crate::support::check(dir.path());
+        assert!(!ok);
+        err
+    };
 
     // A key that is not the certificate's.
     std::fs::write(dir.path().join("tls.key"), &other.leaf_key_pem).unwrap();
-    let (ok, _, err) = crate::support::check(dir.path());
-    assert!(!ok);
+    let err = refused(&dir, None);
     assert!(err.contains("policy.yaml:5:"), "{err}");
     assert!(err.contains("do not belong together"), "{err}");
 
     let policy = std::fs::read_to_string(dir.path().join("policy.yaml")).unwrap();
     // An HTTPS listener that would redirect to itself.
     let looping = policy.replace("key: tls.key }", "key: tls.key }\n    redirect_https: true");
-    std::fs::write(dir.path().join("policy.yaml"), &looping).unwrap();
-    let (ok, _, err) = crate::support::check(dir.path());
-    assert!(!ok);
+    let err = refused(&dir, Some(&looping));
     assert!(err.contains("policy.yaml:6:"), "{err}");
     assert!(err.contains("does not redirect to https"), "{err}");
 
@@ -227,14 +234,10 @@ async fn check_names_a_missing_or_mismatched_certificate_at_its_line() {
         "key: tls.key }",
         "key: tls.key, certificates: [{ cert: tls.crt, key: tls.key }] }",
     );
-    std::fs::write(dir.path().join("policy.yaml"), &both).unwrap();
-    let (ok, _, err) = crate::support::check(dir.path());
-    assert!(!ok);
+    let err = refused(&dir, Some(&both));
     assert!(err.contains("not both"), "{err}");
     let half = policy.replace(", key: tls.key }", " }");
-    std::fs::write(dir.path().join("policy.yaml"), &half).unwrap();
-    let (ok, _, err) = crate::support::check(dir.path());
-    assert!(!ok);
+    let err = refused(&dir, Some(&half));
     assert!(err.contains("needs both `cert` and `key`"), "{err}");
     // A ticket key too short to be one.
     std::fs::write(dir.path().join("short.key"), b"12345").unwrap();
@@ -242,33 +245,26 @@ async fn check_names_a_missing_or_mismatched_certificate_at_its_line() {
         "key: tls.key }",
         "key: tls.key, session_ticket_keys: [short.key] }",
     );
-    std::fs::write(dir.path().join("policy.yaml"), &short).unwrap();
-    let (ok, _, err) = crate::support::check(dir.path());
-    assert!(!ok);
+    let err = refused(&dir, Some(&short));
     assert!(err.contains("policy.yaml:5:"), "{err}");
     assert!(err.contains("holds 5 bytes"), "{err}");
     // Optional client certificates, but from which CA? And a mode that
     // is neither.
     let no_ca = policy.replace("key: tls.key }", "key: tls.key, client_auth: optional }");
-    std::fs::write(dir.path().join("policy.yaml"), &no_ca).unwrap();
-    let (ok, _, err) = crate::support::check(dir.path());
-    assert!(!ok);
+    let err = refused(&dir, Some(&no_ca));
     assert!(err.contains("policy.yaml:5:"), "{err}");
     assert!(err.contains("`client_auth` needs `client_ca`"), "{err}");
     let odd = policy.replace(
         "key: tls.key }",
         "key: tls.key, client_ca: ca.crt, client_auth: sometimes }",
     );
-    std::fs::write(dir.path().join("policy.yaml"), &odd).unwrap();
-    let (ok, _, err) = crate::support::check(dir.path());
-    assert!(!ok);
+    let err = refused(&dir, Some(&odd));
     assert!(err.contains("client_auth `sometimes`"), "{err}");
     std::fs::write(dir.path().join("policy.yaml"), &policy).unwrap();
 
     // A missing file.
     std::fs::remove_file(dir.path().join("tls.crt")).unwrap();
-    let (ok, _, err) = crate::support::check(dir.path());
-    assert!(!ok);
+    let err = refused(&dir, None);
     assert!(err.contains("policy.yaml:5:"), "{err}");
     assert!(err.contains("tls.crt"), "{err}");
 }
