@@ -50,6 +50,22 @@ async fn webhooks_keep_the_full_path_and_body() {
 }
 
 #[tokio::test]
+async fn webhook_bodies_over_webhook_max_body_get_413() {
+    let events = upstream::echo("eventsource").await;
+    let proxy = Proxy::start_default(&[
+        ("EVENTSOURCE_URL", events.url()),
+        ("WEBHOOK_MAX_BODY", "1KiB".into()),
+    ])
+    .await;
+    let url = proxy.url("/webhooks/argo-events/github/push");
+    let post = |n: usize| Request::post(&url).body(body(vec![b'{'; n])).unwrap();
+    assert_eq!(client::send(&client::http1(), post(1024)).await.status, 200);
+    let a = client::send(&client::http1(), post(1025)).await;
+    assert_eq!(a.status, 413, "{:?}", a.body);
+    assert_eq!(a.json()["route"], "webhooks");
+}
+
+#[tokio::test]
 async fn workflows_strip_the_prefix() {
     let s = default_stack().await;
     let a = client::get(

@@ -3,6 +3,7 @@
 
 mod support;
 
+mod body_limit;
 mod check_cli;
 mod compression;
 mod default_routes;

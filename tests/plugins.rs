@@ -137,6 +137,11 @@ routes:
     match: {{ path: /small }}
     upstream: events
     plugins: [{{ use: sig, config: {{ provider: github, secret: s, max_body: 1024 }} }}]
+  - name: capped
+    match: {{ path: /capped }}
+    upstream: events
+    max_request_body: 2KiB
+    plugins: [{{ use: sig, config: {{ provider: github, secret: s }} }}]
 "#,
             events.url()
         ),
@@ -160,6 +165,23 @@ routes:
     let a = client::send(&client::http1(), big).await;
     assert_eq!(a.status, 413);
     assert_eq!(a.json()["plugin"], "sig");
+    // The client may still be sending: its connection closes after this.
+    assert_eq!(a.header("connection"), Some("close"));
+    // The route's own limit, below the plugin's bound, holds for the body
+    // the plugin reads too (chunked: no length to refuse it by first).
+    let (tx, sent) = client::streamed_post_with(
+        proxy.url("/capped"),
+        &[("x-hub-signature-256", "sha256=00")],
+    );
+    for _ in 0..4 {
+        if tx.send(Bytes::from(vec![b'a'; 1024])).await.is_err() {
+            break;
+        }
+    }
+    drop(tx);
+    let a = sent.await.unwrap();
+    assert_eq!(a.status, 413);
+    assert_eq!(a.json()["error"], "request body too large");
     assert_eq!(hits.load(Ordering::SeqCst), 1);
 }
 

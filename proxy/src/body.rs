@@ -67,6 +67,9 @@ impl Body {
     /// be streamed from the client; `None` (and the body left as it is,
     /// not moved: most requests have none) when it is in memory or empty.
     pub fn track(&mut self) -> Option<Arc<BodyProgress>> {
+        if let Body::Tracked { inner } = self {
+            return Some(inner.progress.clone());
+        }
         if !matches!(self, Body::Stream { inner } if !inner.is_end_stream()) {
             return None;
         }
@@ -78,9 +81,22 @@ impl Body {
             inner: Box::new(Tracked {
                 inner,
                 progress: progress.clone(),
+                seen: 0,
+                max: u64::MAX,
             }),
         };
         Some(progress)
+    }
+
+    /// Ends a body still to be streamed from the client with [`TooLarge`]
+    /// once more than `max` bytes of it have come (a body of declared
+    /// length is checked against its `Content-Length` before this).
+    pub fn limit(&mut self, max: u64) {
+        if self.track().is_some()
+            && let Body::Tracked { inner } = self
+        {
+            inner.max = max;
+        }
     }
 }
 
@@ -88,7 +104,16 @@ impl Body {
 pub struct Tracked {
     inner: Incoming,
     progress: Arc<BodyProgress>,
+    /// Bytes come so far, and how many the route takes.
+    seen: u64,
+    max: u64,
 }
+
+/// A request body over its route's `max_request_body`: the error the body
+/// ends with, told apart from a client's broken body by its type.
+#[derive(Debug, thiserror::Error)]
+#[error("request body larger than the route's max_request_body of {0} bytes")]
+pub struct TooLarge(pub u64);
 
 /// How a request body streamed to an upstream is getting on: the upstream
 /// is not expected to answer before the body has arrived, so the wait for
@@ -99,6 +124,8 @@ pub struct BodyProgress {
     /// When a frame last came, by [`coarse_now`], in milliseconds.
     last_ms: AtomicU64,
     done: AtomicBool,
+    /// Whether the body went over its route's limit.
+    too_large: AtomicBool,
     /// Whether the body was last found waiting on the client (rather
     /// than not asked for: an upstream that stopped reading it).
     waiting: AtomicBool,
@@ -109,6 +136,7 @@ impl BodyProgress {
         BodyProgress {
             last_ms: AtomicU64::new(coarse_ms()),
             done: AtomicBool::new(false),
+            too_large: AtomicBool::new(false),
             waiting: AtomicBool::new(false),
         }
     }
@@ -133,6 +161,12 @@ impl BodyProgress {
     /// Whether all of the body has been read.
     pub fn done(&self) -> bool {
         self.done.load(Ordering::Relaxed)
+    }
+
+    /// Whether the body went over its route's `max_request_body` (the
+    /// request then failed for that, whatever the upstream side saw).
+    pub fn too_large(&self) -> bool {
+        self.too_large.load(Ordering::Relaxed)
     }
 
     /// Whether the rest of the body is awaited from the client (not done,
@@ -167,10 +201,23 @@ impl http_body::Body for Body {
         match self.project() {
             BodyProj::Stream { inner } => inner.poll_frame(cx).map_err(Into::into),
             BodyProj::Tracked { inner } => {
-                let Tracked { inner, progress } = &mut **inner;
+                let Tracked {
+                    inner,
+                    progress,
+                    seen,
+                    max,
+                } = &mut **inner;
                 let polled = Pin::new(&mut *inner).poll_frame(cx);
                 match &polled {
-                    Poll::Ready(Some(Ok(_))) => progress.moved(inner.is_end_stream()),
+                    Poll::Ready(Some(Ok(frame))) => {
+                        let n = frame.data_ref().map_or(0, |d| d.len() as u64);
+                        *seen += n;
+                        if *seen > *max {
+                            progress.too_large.store(true, Ordering::Relaxed);
+                            return Poll::Ready(Some(Err(TooLarge(*max).into())));
+                        }
+                        progress.moved(inner.is_end_stream())
+                    }
                     Poll::Ready(None) => progress.moved(true),
                     Poll::Pending => progress.waiting.store(true, Ordering::Relaxed),
                     Poll::Ready(Some(Err(_))) => {}

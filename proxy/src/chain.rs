@@ -95,12 +95,12 @@ async fn read_body(
     headers: &http::HeaderMap,
     max: u32,
     timeout: Duration,
-) -> Result<Bytes, StatusCode> {
+) -> Result<Bytes, (StatusCode, &'static str)> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|n| n > u64::from(max)) {
-        return Err(StatusCode::PAYLOAD_TOO_LARGE);
+        return Err((StatusCode::PAYLOAD_TOO_LARGE, FOR_THE_PLUGIN));
     }
     let progress = body.track();
     let mut collect = std::pin::pin!(http_body_util::Limited::new(body, max as usize).collect());
@@ -124,12 +124,18 @@ async fn read_body(
     match collected {
         Some(Ok(collected)) => Ok(collected.to_bytes()),
         Some(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(StatusCode::PAYLOAD_TOO_LARGE)
+            Err((StatusCode::PAYLOAD_TOO_LARGE, FOR_THE_PLUGIN))
         }
-        Some(Err(_)) => Err(StatusCode::BAD_REQUEST),
-        None => Err(StatusCode::REQUEST_TIMEOUT),
+        // The route's own limit, below the plugin's.
+        Some(Err(e)) if e.is::<crate::body::TooLarge>() => {
+            Err((StatusCode::PAYLOAD_TOO_LARGE, "request body too large"))
+        }
+        Some(Err(_)) => Err((StatusCode::BAD_REQUEST, "request body could not be read")),
+        None => Err((StatusCode::REQUEST_TIMEOUT, "request body timeout")),
     }
 }
+
+const FOR_THE_PLUGIN: &str = "request body too large for the route's plugin";
 
 /// Runs the request hooks of `chain`, without waiting on anything: a
 /// plain function, so a route's plugins cost no future of their own (and
@@ -184,14 +190,7 @@ impl<'a> PendingBody<'a> {
         let timeout = config.request_timeout(route);
         let bytes = match read_body(taken, headers, self.max, timeout).await {
             Ok(bytes) => bytes,
-            Err(status) => {
-                let message = match status {
-                    StatusCode::PAYLOAD_TOO_LARGE => {
-                        "request body too large for the route's plugin"
-                    }
-                    StatusCode::REQUEST_TIMEOUT => "request body timeout",
-                    _ => "request body could not be read",
-                };
+            Err((status, message)) => {
                 let plugin = request_hooks(self.chain)
                     .nth(self.at)
                     .map(|b| b.plugin.clone());

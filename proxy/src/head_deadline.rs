@@ -25,12 +25,14 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU16, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::Version;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::linger::Lingering;
 
 /// Where a connection is between requests, for the head deadline.
 ///
@@ -43,7 +45,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 /// It also keeps the status of the answer [`Watched`] gave in place of
 /// hyper's to a head hyper could not parse, for the access line.
 #[derive(Debug, Default)]
-pub struct HeadClock(AtomicU32, AtomicU16);
+pub struct HeadClock(AtomicU32, AtomicU16, AtomicBool);
 
 const PHASE: u32 = 0b11;
 /// No request yet: the first head is awaited from the accept.
@@ -123,6 +125,13 @@ impl HeadClock {
         self.1.load(Ordering::Relaxed)
     }
 
+    /// Notes that the connection is to linger when it closes (see
+    /// [`crate::linger`]): an answer went out before the request's body
+    /// was read.
+    pub fn linger(&self) {
+        self.2.store(true, Ordering::Relaxed);
+    }
+
     /// Notes bytes read from the client: a head has started when no
     /// request is being served. (Bytes read while one is are its body.)
     fn bytes_read(&self) {
@@ -185,6 +194,8 @@ pub struct Watched<S> {
     clock: Arc<HeadClock>,
     /// The proxy's answer in place of hyper's, and how much of it is out.
     answer: Option<(Vec<u8>, usize)>,
+    /// Once the write side is closed on a connection marked to linger.
+    lingering: Option<Pin<Box<Lingering>>>,
 }
 
 impl<S> Watched<S> {
@@ -193,6 +204,7 @@ impl<S> Watched<S> {
             io,
             clock,
             answer: None,
+            lingering: None,
         }
     }
 }
@@ -263,7 +275,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -306,8 +318,17 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        std::task::ready!(self.poll_answer(cx))?;
-        Pin::new(&mut self.io).poll_shutdown(cx)
+        let this = &mut *self;
+        if this.lingering.is_none() {
+            std::task::ready!(this.poll_answer(cx))?;
+            std::task::ready!(Pin::new(&mut this.io).poll_shutdown(cx))?;
+            if !this.clock.2.load(Ordering::Relaxed) {
+                return Poll::Ready(Ok(()));
+            }
+            this.lingering = Some(Box::pin(Lingering::start()));
+        }
+        let lingering = this.lingering.as_mut().expect("set above");
+        lingering.as_mut().poll_drain(&mut this.io, cx).map(Ok)
     }
 }
 

@@ -21,6 +21,7 @@ pub mod der;
 pub mod drain;
 pub mod forward;
 pub mod head_deadline;
+pub mod linger;
 pub mod metrics;
 pub mod pipeline;
 pub mod plugin;

@@ -198,6 +198,37 @@ fn rate_limited(route: &Route, wait: Duration, origin: Option<&HeaderValue>) -> 
     resp
 }
 
+/// Marks an answer given while the client may still be sending its body
+/// (413): its HTTP/1 connection closes after it, and first reads and
+/// drops what the client still sends, for a while, as nginx's lingering
+/// close does. Closed at once, the socket's unread bytes would make the
+/// kernel reset the connection, and a client still writing would see
+/// the reset instead of the answer.
+#[derive(Clone, Copy, Debug)]
+pub struct Linger;
+
+/// The 413 answer to a body over the route's `max_request_body`.
+fn too_large(route: &Route, version: Version, origin: Option<&HeaderValue>) -> Response<Body> {
+    let resp = error_response(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "request body too large",
+        Some(route),
+        origin,
+    );
+    closing(resp, version)
+}
+
+/// `resp`, closing its HTTP/1 connection after it with a lingering close
+/// (HTTP/2 and HTTP/3 reset the one stream instead).
+fn closing(mut resp: Response<Body>, version: Version) -> Response<Body> {
+    if version < Version::HTTP_2 {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        resp.extensions_mut().insert(Linger);
+    }
+    resp
+}
+
 /// The proxy's JSON error answer: `{"error", "status", "route", "plugin"?}`.
 pub fn json_error(
     status: StatusCode,
@@ -528,9 +559,23 @@ impl Pipeline {
                 forward::Held::default(),
             );
         }
+        let mut body = Body::from(body);
+        // Also before the plugins: one that reads the body never sees more
+        // than the route takes.
+        if let Some(max) = route.max_request_body {
+            match http_body::Body::size_hint(&body).exact() {
+                Some(n) if n > max => {
+                    return (
+                        too_large(route, parts.version, origin.as_ref()),
+                        forward::Held::default(),
+                    );
+                }
+                Some(_) => {}
+                None => body.limit(max),
+            }
+        }
         // The route's plugins run first, whatever the action, except for
         // health probes (a plugin must not make a pod look dead).
-        let mut body = Body::from(body);
         let mut plugins = None;
         let chain = &self.chains.routes[found.route];
         if !chain.is_empty() && !matches!(route.action, Action::Health(_)) {
@@ -556,6 +601,13 @@ impl Pipeline {
             };
             match outcome {
                 chain::RequestOutcome::Forward(ctx) => plugins = ctx,
+                // A body too large for the plugin (or the route), or a
+                // plugin's own 413: the client may still be sending it.
+                chain::RequestOutcome::Answer(resp)
+                    if resp.status() == StatusCode::PAYLOAD_TOO_LARGE =>
+                {
+                    return (closing(resp, parts.version), forward::Held::default());
+                }
                 chain::RequestOutcome::Answer(resp) => return (resp, forward::Held::default()),
             }
         }
@@ -690,6 +742,14 @@ impl Pipeline {
                         }
                         return (r, held.with_read_timeout(pool.spec.timeouts.read));
                     }
+                    Err(ForwardError::BodyTooLarge) => {
+                        let e = ForwardError::BodyTooLarge;
+                        log_forward_error(route, &pool.spec.name, &e, request_id);
+                        return (
+                            too_large(route, parts.version, origin.as_ref()),
+                            forward::Held::default(),
+                        );
+                    }
                     Err(e) => {
                         log_forward_error(route, &pool.spec.name, &e, request_id);
                         return (
@@ -726,7 +786,9 @@ fn log_forward_error(
         ForwardError::BadTarget(_) => {
             tracing::info!(route = %route.name, upstream, request_id, error = %e, "bad request target")
         }
-        ForwardError::RequestBody(_) | ForwardError::RequestBodyTimeout(_) => {
+        ForwardError::RequestBody(_)
+        | ForwardError::RequestBodyTimeout(_)
+        | ForwardError::BodyTooLarge => {
             tracing::info!(route = %route.name, upstream, request_id, error = %e, "request body not received")
         }
         _ => {

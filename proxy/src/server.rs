@@ -837,6 +837,9 @@ fn serve_connection<S>(
         let clock = service_clock.clone();
         async move {
             let mut resp = pipeline.handle(req, &conn).await;
+            if resp.extensions().get::<crate::pipeline::Linger>().is_some() {
+                clock.linger();
+            }
             resp.body_mut().set_ended(Ended::new(clock));
             Ok::<_, Infallible>(resp)
         }

@@ -190,12 +190,27 @@ pub fn streamed_post(
     tokio::sync::mpsc::Sender<Bytes>,
     tokio::task::JoinHandle<Answer>,
 ) {
+    streamed_post_with(url, &[])
+}
+
+/// [`streamed_post`] with these request headers.
+pub fn streamed_post_with(
+    url: String,
+    headers: &[(&str, &str)],
+) -> (
+    tokio::sync::mpsc::Sender<Bytes>,
+    tokio::task::JoinHandle<Answer>,
+) {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(1);
     let frames = futures_util::stream::poll_fn(move |cx| {
         rx.poll_recv(cx)
             .map(|c| c.map(|c| Ok::<_, std::io::Error>(hyper::body::Frame::data(c))))
     });
-    let req = Request::post(url)
+    let mut req = Request::post(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
         .body(http_body_util::BodyExt::boxed(
             http_body_util::StreamBody::new(frames),
         ))

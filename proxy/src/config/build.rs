@@ -1046,6 +1046,14 @@ fn route(
     let error_cors = r.error_cors.as_ref().map(|c| cors(ctx, c));
     let compress = r.compress.as_ref().and_then(|c| compression(ctx, c));
     let rate_limit = r.rate_limit.as_ref().and_then(|l| rate_limit(ctx, l));
+    let max_request_body = r.max_request_body.as_ref().and_then(|t| {
+        ctx.parse(t, |s| match parse_size(s)? {
+            0 => Err(format!(
+                "max_request_body `{s}`: must be above 0 (leave it out for no limit)"
+            )),
+            n => Ok(n),
+        })
+    });
     let plugins = r
         .plugins
         .iter()
@@ -1065,6 +1073,7 @@ fn route(
             error_cors,
             compress,
             rate_limit,
+            max_request_body,
             plugins,
             defined_at: ctx.pos(&raw.referenced),
         },

@@ -483,6 +483,9 @@ pub struct Route {
     pub compress: Option<crate::compress::Compression>,
     /// Requests beyond this rate are answered 429.
     pub rate_limit: Option<Arc<crate::rate_limit::RateLimit>>,
+    /// Request bodies larger than this are answered 413 (nginx's
+    /// client_max_body_size); `None`: no limit.
+    pub max_request_body: Option<u64>,
     /// Plugins run on this route, in order (after the global ones).
     pub plugins: Vec<PluginUse>,
     /// Where the route was defined.

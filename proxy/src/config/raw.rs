@@ -188,6 +188,7 @@ pub struct RawRoute {
     pub error_cors: Option<Spanned<RawCors>>,
     pub compress: Option<Spanned<RawCompress>>,
     pub rate_limit: Option<Spanned<RawRateLimit>>,
+    pub max_request_body: Option<Text>,
     #[serde(default)]
     pub plugins: Vec<Spanned<RawPluginUse>>,
 }

@@ -27,7 +27,7 @@ pub use tls::client_config as client_tls_config;
 pub(crate) use pool::coarse_now;
 use pool::{Conn, ConnPool, Dest, Lease};
 
-use crate::body::Body;
+use crate::body::{Body, BodyProgress};
 use crate::client_watch::{self, ClientSocket, Cut};
 use crate::config::{Balance, Endpoint, Target, Upstream};
 
@@ -59,6 +59,10 @@ pub enum ForwardError {
     /// The client went away while the upstream was working.
     #[error("client closed the connection")]
     ClientGone,
+    /// The client's streamed body went over the route's
+    /// `max_request_body`; the upstream got the start of it and a cut.
+    #[error("request body larger than the route's max_request_body")]
+    BodyTooLarge,
 }
 
 impl ForwardError {
@@ -69,6 +73,7 @@ impl ForwardError {
             ForwardError::ConnectTimeout | ForwardError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ForwardError::BadTarget(_) | ForwardError::RequestBody(_) => StatusCode::BAD_REQUEST,
             ForwardError::RequestBodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ForwardError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             // nginx's "client closed request": never sent, but logged and
             // counted.
             ForwardError::ClientGone => {
@@ -88,6 +93,7 @@ impl ForwardError {
             ForwardError::RequestBody(_) => "request body could not be read",
             ForwardError::RequestBodyTimeout(_) => "request body timeout",
             ForwardError::ClientGone => "client closed request",
+            ForwardError::BodyTooLarge => "request body too large",
         }
     }
 }
@@ -499,11 +505,21 @@ impl UpstreamPool {
             }
             Err(last.unwrap_or(ForwardError::Unreachable("no endpoint".into())))
         });
-        match client_watch::exchange(attempt_all, timeout, client, progress.as_deref()).await {
-            Ok(r) => r,
-            Err(Cut::TimedOut) => Err(ForwardError::Timeout(timeout)),
-            Err(Cut::BodyStalled) => Err(ForwardError::RequestBodyTimeout(timeout)),
-            Err(Cut::ClientGone) => Err(ForwardError::ClientGone),
+        let result =
+            match client_watch::exchange(attempt_all, timeout, client, progress.as_deref()).await {
+                Ok(r) => r,
+                Err(Cut::TimedOut) => Err(ForwardError::Timeout(timeout)),
+                Err(Cut::BodyStalled) => Err(ForwardError::RequestBodyTimeout(timeout)),
+                Err(Cut::ClientGone) => Err(ForwardError::ClientGone),
+            };
+        // However the upstream side reported it (hyper's "user body
+        // error", an HTTP/2 reset), a body cut for its size is the
+        // client's 413.
+        match result {
+            Err(_) if progress.as_deref().is_some_and(BodyProgress::too_large) => {
+                Err(ForwardError::BodyTooLarge)
+            }
+            r => r,
         }
     }
 }

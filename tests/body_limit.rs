@@ -1,0 +1,205 @@
+//! A route's `max_request_body`: a declared length over it is answered
+//! 413 before anything goes upstream, a streamed body that grows over it
+//! is cut with 413, and an HTTP/1 client still writing its body reads the
+//! answer instead of a reset (lingering close).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::{Request, Response};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+use crate::support::client::{self, body};
+use crate::support::upstream::{self, Upstream};
+use crate::support::{Proxy, check, policy_dir};
+
+const LIMIT: usize = 64 * 1024;
+
+type Client = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    client::ReqBody,
+>;
+
+/// What the upstream made of a request body: its length when read to its
+/// end, `None` when it broke off.
+type Bodies = UnboundedReceiver<Option<usize>>;
+
+/// An upstream that reads each request body and reports it (answering
+/// with its length).
+async fn body_reader() -> (Upstream, Bodies) {
+    let (tx, rx) = unbounded_channel();
+    let server = upstream::serve(move |req: Request<hyper::body::Incoming>| {
+        let tx = tx.clone();
+        async move {
+            let read = req.into_body().collect().await.ok();
+            let len = read.map(|b| b.to_bytes().len());
+            let _ = tx.send(len);
+            Response::new(upstream::full(len.map_or("cut".into(), |n| n.to_string())))
+        }
+    })
+    .await;
+    (server, rx)
+}
+
+/// The reports the upstream has made so far.
+fn reports(bodies: &mut Bodies) -> Vec<Option<usize>> {
+    std::iter::from_fn(|| bodies.try_recv().ok()).collect()
+}
+
+async fn start(app: &Upstream) -> Proxy {
+    Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: app, endpoints: ["{0}"] }}
+  - {{ name: app-h2, endpoints: ["{0}"], http2: true }}
+routes:
+  - {{ name: small, match: {{ path: /small }}, upstream: app, max_request_body: 64KiB }}
+  - {{ name: small-h2, match: {{ path: /small-h2 }}, upstream: app-h2, max_request_body: 64KiB }}
+  - {{ name: free, match: {{ path: /free }}, upstream: app }}
+"#,
+        app.url()
+    ))
+    .await
+}
+
+fn assert_too_large(answer: &client::Answer, route: &str) {
+    assert_eq!(answer.status, 413, "{:?}", answer.body);
+    let json = answer.json();
+    assert_eq!(json["error"], "request body too large", "{json:#}");
+    assert_eq!(json["route"], route, "{json:#}");
+}
+
+async fn post(client: &Client, url: String, data: Vec<u8>) -> client::Answer {
+    client::send(client, Request::post(url).body(body(data)).unwrap()).await
+}
+
+#[tokio::test]
+async fn a_declared_length_over_the_limit_is_413_and_never_sent_upstream() {
+    let (app, mut bodies) = body_reader().await;
+    let proxy = start(&app).await;
+    let h1 = client::http1();
+
+    // Exactly the limit passes.
+    let answer = post(&h1, proxy.url("/small"), vec![b'a'; LIMIT]).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.body, LIMIT.to_string());
+
+    // One byte more does not, and the connection is closed after it.
+    let answer = post(&h1, proxy.url("/small"), vec![b'a'; LIMIT + 1]).await;
+    assert_too_large(&answer, "small");
+    assert_eq!(answer.header("connection"), Some("close"));
+    // A route without a limit takes it.
+    let answer = post(&h1, proxy.url("/free"), vec![b'a'; 4 * LIMIT]).await;
+    assert_eq!(answer.body, (4 * LIMIT).to_string());
+
+    // Over HTTP/2 the stream is refused, not the connection: no
+    // connection header, and the next request on it goes through.
+    let h2 = client::h2c();
+    let answer = post(&h2, proxy.url("/small"), vec![b'a'; LIMIT + 1]).await;
+    assert_too_large(&answer, "small");
+    assert_eq!(answer.header("connection"), None);
+    let answer = post(&h2, proxy.url("/small"), vec![b'a'; 10]).await;
+    assert_eq!(answer.body, "10");
+
+    // Only the bodies that passed went upstream, each whole.
+    assert_eq!(
+        reports(&mut bodies),
+        [Some(LIMIT), Some(4 * LIMIT), Some(10)]
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_still_writing_its_body_reads_the_413_not_a_reset() {
+    let (app, mut bodies) = body_reader().await;
+    let proxy = start(&app).await;
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    // No `Expect: 100-continue`: the client sends all of its 8 MiB at
+    // once, as many do, and reads only then. Closed with that data
+    // unread, the socket would reset and these writes fail.
+    let size = 8 << 20;
+    let head = format!("POST /small HTTP/1.1\r\nhost: x\r\ncontent-length: {size}\r\n\r\n");
+    let sent = tokio::time::timeout(Duration::from_secs(20), async {
+        conn.write_all(head.as_bytes()).await?;
+        let chunk = vec![b'a'; 64 * 1024];
+        for _ in 0..size / chunk.len() {
+            conn.write_all(&chunk).await?;
+        }
+        conn.shutdown().await
+    })
+    .await
+    .expect("the body was not taken in 20 s");
+    sent.expect("writing the body after the 413");
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut answer))
+        .await
+        .expect("the proxy did not close in 20 s");
+    read.expect("reading the 413 and the close");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 413 "), "{text}");
+    assert!(text.contains("\"request body too large\""), "{text}");
+    assert_eq!(reports(&mut bodies), []);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_streamed_body_growing_over_the_limit_is_cut_with_413() {
+    let (app, mut bodies) = body_reader().await;
+    let proxy = start(&app).await;
+    for path in ["/small", "/small-h2"] {
+        // Chunked, so no length to check first: counted as it streams.
+        let (tx, sent) = client::streamed_post(proxy.url(path));
+        for _ in 0..8 {
+            if tx.send(Bytes::from(vec![b'a'; 16 * 1024])).await.is_err() {
+                break;
+            }
+        }
+        drop(tx);
+        let answer = sent.await.unwrap();
+        assert_too_large(&answer, &path[1..]);
+        // The upstream got the start of the body, then the cut.
+        let report = tokio::time::timeout(Duration::from_secs(10), bodies.recv()).await;
+        assert_eq!(
+            report.expect("upstream report in 10 s"),
+            Some(None),
+            "{path}"
+        );
+
+        // Up to the limit, streamed, it passes whole.
+        let (tx, sent) = client::streamed_post(proxy.url(path));
+        for _ in 0..4 {
+            tx.send(Bytes::from(vec![b'a'; 16 * 1024])).await.unwrap();
+        }
+        drop(tx);
+        assert_eq!(sent.await.unwrap().body, LIMIT.to_string(), "{path}");
+        assert_eq!(reports(&mut bodies), [Some(LIMIT)], "{path}");
+    }
+    proxy.stop().await;
+}
+
+#[test]
+fn check_names_a_bad_limit() {
+    let dir = policy_dir(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+upstreams: [{ name: app, endpoints: ["http://127.0.0.1:9"] }]
+routes:
+  - { name: zero, match: { path: /a }, upstream: app, max_request_body: 0 }
+  - { name: words, match: { path: /b }, upstream: app, max_request_body: lots }
+"#,
+        &[],
+    );
+    let (ok, _, stderr) = check(dir.path());
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains(":5:") && stderr.contains("must be above 0 (leave it out for no limit)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(":6:") && stderr.contains("`lots`"),
+        "{stderr}"
+    );
+}
