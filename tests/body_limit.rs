@@ -8,7 +8,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::{Request, Response};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use crate::support::client::{self, body};
@@ -116,29 +115,10 @@ async fn a_declared_length_over_the_limit_is_413_and_never_sent_upstream() {
 async fn a_client_still_writing_its_body_reads_the_413_not_a_reset() {
     let (app, mut bodies) = body_reader().await;
     let proxy = start(&app).await;
-    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     // No `Expect: 100-continue`: the client sends all of its 8 MiB at
     // once, as many do, and reads only then. Closed with that data
     // unread, the socket would reset and these writes fail.
-    let size = 8 << 20;
-    let head = format!("POST /small HTTP/1.1\r\nhost: x\r\ncontent-length: {size}\r\n\r\n");
-    let sent = tokio::time::timeout(Duration::from_secs(20), async {
-        conn.write_all(head.as_bytes()).await?;
-        let chunk = vec![b'a'; 64 * 1024];
-        for _ in 0..size / chunk.len() {
-            conn.write_all(&chunk).await?;
-        }
-        conn.shutdown().await
-    })
-    .await
-    .expect("the body was not taken in 20 s");
-    sent.expect("writing the body after the 413");
-    let mut answer = Vec::new();
-    let read = tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut answer))
-        .await
-        .expect("the proxy did not close in 20 s");
-    read.expect("reading the 413 and the close");
-    let text = String::from_utf8_lossy(&answer);
+    let text = client::post_all_then_read(proxy.addr, "x", "/small", 8 << 20).await;
     assert!(text.starts_with("HTTP/1.1 413 "), "{text}");
     assert!(text.contains("\"request body too large\""), "{text}");
     assert_eq!(reports(&mut bodies), []);

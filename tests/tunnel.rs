@@ -168,6 +168,24 @@ impl TunnelServer {
         self.client_via(&self.url, runtime, token, target).await
     }
 
+    /// A client for runtime `rt-a` whose routing core has the upstream
+    /// `api` at `api_url` and these `routes` (YAML list entries), with
+    /// `extra` arguments; the policy directory lives as long as it.
+    async fn core_client(
+        &self,
+        api_url: &str,
+        routes: &str,
+        extra: &[&str],
+    ) -> (ProxyProcess, tempfile::TempDir) {
+        let dir = policies(&format!(
+            "upstreams: [{{ name: api, endpoints: [\"{api_url}\"] }}]\nroutes:\n{routes}"
+        ));
+        let path = dir.path().display().to_string();
+        let mut args = extra.to_vec();
+        args.extend(["--policies", &path]);
+        (self.client("rt-a", TOKENS[0].1, &args).await, dir)
+    }
+
     /// [`TunnelServer::client`] dialing `url` (a relay in front of the
     /// tunnel endpoint, say).
     async fn client_via(
@@ -349,19 +367,11 @@ fn policies(yaml: &str) -> tempfile::TempDir {
 async fn public_requests_reach_the_routing_core_through_the_tunnel() {
     let echo = upstream::echo("api").await;
     let server = TunnelServer::start().await;
-    let dir = policies(&format!(
-        r#"
-upstreams: [{{ name: api, endpoints: ["{}"] }}]
-routes:
-  - {{ name: api, match: {{ path_prefix: /api }}, upstream: api }}
-  - {{ name: hello, match: {{ path: /hello }}, respond: {{ status: 200, body: "hello from the cluster" }} }}
-"#,
-        echo.url()
-    ));
-    let path = dir.path().display().to_string();
-    let _client = server
-        .client("rt-a", TOKENS[0].1, &["--policies", &path])
-        .await;
+    let routes = r#"
+  - { name: api, match: { path_prefix: /api }, upstream: api }
+  - { name: hello, match: { path: /hello }, respond: { status: 200, body: "hello from the cluster" } }
+"#;
+    let _client = server.core_client(&echo.url(), routes, &[]).await;
 
     let hello = server.get("rt-a", "/hello").await;
     assert_eq!(hello.status, 200);
@@ -420,6 +430,33 @@ routes:
     assert_eq!(send("hook-secret").await.status, 200);
     let refused = send("guess").await;
     assert_eq!(refused.status, 401, "{:?}", refused.body);
+}
+
+#[tokio::test]
+async fn a_body_over_the_routes_limit_gets_413_through_the_tunnel() {
+    let echo = upstream::echo("api").await;
+    let server = TunnelServer::start().await;
+    let routes =
+        "  - { name: small, match: { path: /small }, upstream: api, max_request_body: 64KiB }";
+    let _client = server.core_client(&echo.url(), routes, &[]).await;
+    // The core refuses it; the public side, where the client is still
+    // writing, closes with a linger so that the 413 arrives (without it
+    // the client's writes fail on a reset).
+    let host = format!("rt-a.{DOMAIN}");
+    let text = client::post_all_then_read(server.public, &host, "/small", 8 << 20).await;
+    assert!(text.starts_with("HTTP/1.1 413 "), "{text}");
+    assert!(text.contains("\"request body too large\""), "{text}");
+    assert!(
+        text.to_ascii_lowercase().contains("connection: close"),
+        "{text}"
+    );
+    // Under the limit it passes.
+    let req = server
+        .request("rt-a", "POST", "/small")
+        .body(body(vec![b'a'; 1000]))
+        .unwrap();
+    let answer = client::send(&client::http1(), req).await;
+    assert_eq!(answer.json()["body_len"], 1000);
 }
 
 #[tokio::test]

@@ -183,6 +183,40 @@ pub async fn raw_until_closed(addr: std::net::SocketAddr, raw: &[u8]) -> String 
     String::from_utf8_lossy(&buf).into_owned()
 }
 
+/// POSTs `size` bytes to `path` on a new connection to `addr` as a client
+/// without `Expect: 100-continue` does: the head and the whole body
+/// written at once, the answer read only then, up to the server's close.
+/// Panics when a write fails (the server reset the connection) or the
+/// server neither takes the body nor closes within 20 s.
+pub async fn post_all_then_read(
+    addr: std::net::SocketAddr,
+    host: &str,
+    path: &str,
+    size: usize,
+) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!("POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {size}\r\n\r\n");
+    let sent = tokio::time::timeout(Duration::from_secs(20), async {
+        conn.write_all(head.as_bytes()).await?;
+        let chunk = vec![b'a'; 64 * 1024];
+        for _ in 0..size / chunk.len() {
+            conn.write_all(&chunk).await?;
+        }
+        conn.write_all(&chunk[..size % chunk.len()]).await?;
+        conn.shutdown().await
+    })
+    .await
+    .expect("the body was not taken in 20 s");
+    sent.expect("writing the body after the answer");
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut answer))
+        .await
+        .expect("the server did not close in 20 s");
+    read.expect("reading the answer and the close");
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
 /// A POST whose streamed body (chunked) the test feeds through the sender.
 pub fn streamed_post(
     url: String,

@@ -65,21 +65,9 @@ async fn slow_request_on_a_quic_tunnel() -> (
 async fn public_requests_cross_a_quic_tunnel() {
     let echo = upstream::echo("api").await;
     let server = TunnelServer::start_quic().await;
-    let dir = policies(&format!(
-        r#"
-upstreams: [{{ name: api, endpoints: ["{}"] }}]
-routes:
-  - {{ name: api, match: {{ path_prefix: /api }}, upstream: api }}
-"#,
-        echo.url()
-    ));
-    let path = dir.path().display().to_string();
+    let routes = "  - { name: api, match: { path_prefix: /api }, upstream: api }";
     let _client = server
-        .client(
-            "rt-a",
-            TOKENS[0].1,
-            &["--transport", "quic", "--policies", &path],
-        )
+        .core_client(&echo.url(), routes, &["--transport", "quic"])
         .await;
     server.wait_connections("rt-a", 2).await;
     assert_eq!(transports(&server, "rt-a").await, ["quic", "quic"]);

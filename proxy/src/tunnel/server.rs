@@ -1302,11 +1302,24 @@ impl Public {
         let clock = Arc::new(HeadClock::default());
         let service_clock = clock.clone();
         let service = service_fn(move |req: Request<Incoming>| {
-            service_clock.request(req.version());
+            let version = req.version();
+            service_clock.request(version);
             let clock = service_clock.clone();
             let public = public.clone();
             async move {
                 let mut resp = public.respond(req, peer).await;
+                // The routing core refused a body the client may still be
+                // sending: close after the answer, lingering, as the core
+                // does on its own listeners (`crate::linger`).
+                if resp.status() == http::StatusCode::PAYLOAD_TOO_LARGE
+                    && version < http::Version::HTTP_2
+                {
+                    resp.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                    clock.linger();
+                }
                 resp.body_mut().set_ended(Ended::new(clock));
                 Ok::<_, Infallible>(resp)
             }
