@@ -392,6 +392,7 @@ async fn public_requests_reach_the_routing_core_through_the_tunnel() {
     let mut server = server;
     let line = server.process.wait_for_log("\"path\":\"/nowhere\"").await;
     assert!(line.contains("\"status\":404"), "{line}");
+    assert!(!line.contains("\"tls\""), "cleartext: {line}");
     assert!(line.contains(&format!("rt-a.{DOMAIN}")), "{line}");
     server.wait_connections("rt-a", 2).await;
 }
@@ -829,6 +830,13 @@ async fn the_public_side_serves_https_with_a_wildcard_certificate() {
         ])
         .await;
     assert_eq!(https(H2).await.expect("HTTPS").1.status, 200);
+    // The access line gives the TLS version, as the routing core's does.
+    let mut server = server;
+    let line = server
+        .process
+        .wait_for_log("\"path\":\"/secure?q=1\"")
+        .await;
+    assert!(line.contains("\"tls\":\"TLSv1.3\""), "{line}");
 }
 
 /// Behind a TLS-terminating balancer (`--trust-forwarded-headers`), the
@@ -962,6 +970,9 @@ async fn the_public_side_serves_http3_and_advertises_it() {
     assert_eq!(seen["method"], "POST");
     assert_eq!(seen["body_len"], data.len());
     assert_eq!(seen["body_fnv"], upstream::fnv(&data));
+    let mut server = server;
+    let line = server.process.wait_for_log("\"path\":\"/upload\"").await;
+    assert!(line.contains("\"tls\":\"TLSv1.3\""), "{line}");
 
     // A request in flight when the server is told to stop still gets its
     // answer (the connection is sent a GOAWAY, not closed).
@@ -979,7 +990,6 @@ async fn the_public_side_serves_http3_and_advertises_it() {
     tokio::time::timeout(Duration::from_secs(10), arrived.recv())
         .await
         .expect("the HTTP/3 request reached the upstream");
-    let mut server = server;
     server.process.signal("TERM");
     server.process.wait_for_log("shutting down").await;
     release.notify_one();

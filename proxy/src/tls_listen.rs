@@ -198,7 +198,7 @@ impl ClientFacts {
 
 /// nginx's name for a TLS version (`TLSv1.3`), which log pipelines
 /// already parse; rustls offers none older than 1.2.
-fn version_name(version: rustls::ProtocolVersion) -> &'static str {
+pub fn version_name(version: rustls::ProtocolVersion) -> &'static str {
     match version {
         rustls::ProtocolVersion::TLSv1_3 => "TLSv1.3",
         rustls::ProtocolVersion::TLSv1_2 => "TLSv1.2",

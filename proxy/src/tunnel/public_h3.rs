@@ -187,7 +187,10 @@ async fn request(resolver: Resolver, peer: SocketAddr, public: super::server::Pu
     };
     let (mut send, recv) = stream.split();
     let req = req.map(|()| Body::boxed(RequestBody::new(recv)));
-    let resp = public.respond(req, peer).await;
+    // QUIC is TLS 1.3 only.
+    let resp = public
+        .respond(req, peer, Some(rustls::ProtocolVersion::TLSv1_3))
+        .await;
     let (parts, body) = resp.into_parts();
     if send
         .send_response(http::Response::from_parts(parts, ()))

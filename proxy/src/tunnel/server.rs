@@ -1195,7 +1195,7 @@ async fn accept_public(
     {
         let _ = stream.set_nodelay(true);
         if tls.is_none() && !public.shared.proxy_protocol {
-            let served = public.serve(stream, peer);
+            let served = public.serve(stream, peer, None);
             tracker.spawn(async move {
                 served.await;
                 drop((permit, counted));
@@ -1217,8 +1217,11 @@ async fn accept_public(
                 _ = stop.cancelled() => return,
             };
             match opened {
-                Ok(Ok((Opened::Tcp(stream), client))) => public.serve(stream, client).await,
-                Ok(Ok((Opened::Tls(stream), client))) => public.serve(*stream, client).await,
+                Ok(Ok((Opened::Tcp(stream), client))) => public.serve(stream, client, None).await,
+                Ok(Ok((Opened::Tls(stream), client))) => {
+                    let version = stream.get_ref().1.protocol_version();
+                    public.serve(*stream, client, version).await
+                }
                 Ok(Err(NotOpened::ProxyHeader(e))) => {
                     tracing::debug!(peer = %peer, error = %e, "public connection closed");
                     crate::metrics::count_connection_error("public", "proxy_protocol");
@@ -1280,20 +1283,28 @@ impl Public {
     /// tunnel, with an access line (its `upstream` the runtime's host) and
     /// the runtime's metrics written when the response body ends, as the
     /// routing core does.
+    /// `tls` is the connection's TLS version, for the access line.
     pub(super) async fn respond<B>(
         &self,
         req: Request<B>,
         peer: SocketAddr,
+        tls: Option<rustls::ProtocolVersion>,
     ) -> Response<ResponseBody>
     where
         B: http_body::Body + Into<Body>,
     {
-        respond(req, peer, self.worker, &self.shared, Origin::Public).await
+        let origin = Origin::Public;
+        respond(req, (peer, tls), self.worker, &self.shared, origin).await
     }
 
-    /// Serves HTTP on one public connection (TCP, or TLS over it) until it
-    /// closes.
-    fn serve<S>(&self, stream: S, peer: SocketAddr) -> impl Future<Output = ()> + use<S>
+    /// Serves HTTP on one public connection (TCP, or TLS over it, of
+    /// version `tls`) until it closes.
+    fn serve<S>(
+        &self,
+        stream: S,
+        peer: SocketAddr,
+        tls: Option<rustls::ProtocolVersion>,
+    ) -> impl Future<Output = ()> + use<S>
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     {
@@ -1307,7 +1318,7 @@ impl Public {
             let clock = service_clock.clone();
             let public = public.clone();
             async move {
-                let mut resp = public.respond(req, peer).await;
+                let mut resp = public.respond(req, peer, tls).await;
                 // The routing core refused a body the client may still be
                 // sending: close after the answer, lingering, as the core
                 // does on its own listeners (`crate::linger`).
@@ -1366,7 +1377,7 @@ enum Origin {
 /// as the routing core does.
 async fn respond<B>(
     mut req: Request<B>,
-    client: SocketAddr,
+    (client, tls): (SocketAddr, Option<rustls::ProtocolVersion>),
     worker: usize,
     shared: &Shared,
     origin: Origin,
@@ -1388,6 +1399,9 @@ where
     if let Some(log) = log.as_mut() {
         log.upstream = host_of(&req).map(Into::into);
         log.request_id = Some(request_id.clone());
+        // Passed in as a version, not its name: a `&'static str` argument
+        // trips rustc's `Send` check of the spawned connection future.
+        log.tls = tls.map(crate::tls_listen::version_name);
         if let Origin::Peer(from) = origin {
             log.route = Some(format!("from peer {from}").into());
         }
@@ -1459,7 +1473,7 @@ async fn answer_peer(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok())
         .unwrap_or(from);
-    respond(req, client, worker, &shared, Origin::Peer(from)).await
+    respond(req, (client, None), worker, &shared, Origin::Peer(from)).await
 }
 
 /// Where a request goes: one of this server's tunnels, or the peers that
