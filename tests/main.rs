@@ -8,6 +8,7 @@ mod check_cli;
 mod compression;
 mod default_routes;
 mod errors;
+mod health_check;
 mod lifecycle;
 mod metrics;
 mod plugins;

@@ -144,6 +144,19 @@ pub fn prometheus(text: String) -> Answer {
     resp
 }
 
+/// How many endpoints each upstream lists, as samples labelled by upstream.
+fn counted_by_upstream<T>(lists: Vec<(Arc<str>, Vec<T>)>) -> Vec<(String, f64)> {
+    lists
+        .iter()
+        .map(|(upstream, eps)| {
+            (
+                format!("{{upstream=\"{}\"}}", label(upstream)),
+                eps.len() as f64,
+            )
+        })
+        .collect()
+}
+
 /// Writes one metric family in Prometheus text format.
 pub fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, f64)]) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -213,6 +226,12 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
                     "upstream": &**upstream,
                     "endpoint": endpoint,
                     "for_ms": left.as_millis() as u64,
+                }))
+            }).collect::<Vec<_>>(),
+            "unhealthy_endpoints": pipeline.unhealthy_endpoints().iter().flat_map(|(upstream, eps)| {
+                eps.iter().map(move |endpoint| serde_json::json!({
+                    "upstream": &**upstream,
+                    "endpoint": endpoint,
                 }))
             }).collect::<Vec<_>>(),
             "routes": config.routes.iter().map(|r| &*r.name).collect::<Vec<_>>(),
@@ -374,22 +393,18 @@ fn metrics(reloader: &Reloader) -> String {
             &expiries,
         );
     }
-    let ejected: Vec<_> = control
-        .pipeline()
-        .ejected_endpoints()
-        .iter()
-        .map(|(upstream, eps)| {
-            (
-                format!("{{upstream=\"{}\"}}", label(upstream)),
-                eps.len() as f64,
-            )
-        })
-        .collect();
+    let pipeline = control.pipeline();
     metric(
         "portcullis_upstream_endpoints_ejected",
         "gauge",
         "Endpoints out of the rotation after a failed connect, by upstream.",
-        &ejected,
+        &counted_by_upstream(pipeline.ejected_endpoints()),
+    );
+    metric(
+        "portcullis_upstream_endpoints_unhealthy",
+        "gauge",
+        "Endpoints failing their active health check, by upstream with a health_check.",
+        &counted_by_upstream(pipeline.unhealthy_endpoints()),
     );
     let mut counters: Vec<_> = crate::plugin::counters()
         .lock()

@@ -392,6 +392,10 @@ impl Pipeline {
                     None => Arc::new(UpstreamPool::new(spec.clone(), shared.clone())),
                 });
             }
+            // A kept upstream keeps its checks (and what they found).
+            if kept.is_none() {
+                forward::health::start(&upstreams[0][i]);
+            }
             debug_assert_eq!(upstreams[0].len(), i + 1);
         }
         let stats = config
@@ -411,6 +415,18 @@ impl Pipeline {
     /// The config this pipeline serves.
     pub fn config(&self) -> &Arc<Config> {
         &self.config
+    }
+
+    /// Each upstream with health checks and its endpoints failing them
+    /// (shared by the workers, so the first worker's pools tell).
+    pub fn unhealthy_endpoints(&self) -> Vec<(Arc<str>, Vec<String>)> {
+        self.upstreams.first().map_or_else(Vec::new, |pools| {
+            pools
+                .iter()
+                .filter(|p| p.spec.health_check.is_some())
+                .map(|p| (p.spec.name.clone(), p.unhealthy()))
+                .collect()
+        })
     }
 
     /// Each upstream with the endpoints a failed connect took out of the

@@ -16,15 +16,15 @@ use serde_saphyr::{Location, Spanned};
 
 use super::envsubst::expand;
 use super::raw::{
-    PolicyFile, RawCompress, RawCors, RawHeaderEdits, RawListener, RawListenerTls, RawPlugin,
-    RawPluginUse, RawRateLimit, RawRoute, RawUpstream, Text, TextMap,
+    PolicyFile, RawCompress, RawCors, RawHeaderEdits, RawHealthCheck, RawListener, RawListenerTls,
+    RawPlugin, RawPluginUse, RawRateLimit, RawRoute, RawUpstream, Text, TextMap,
 };
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
 use super::{
     Action, Balance, ClientAuthMode, Config, ConfigError, Cors, Endpoint, FailMode, HeaderEdits,
-    Listener, ListenerTls, LocalResponse, PathRewrite, PluginModule, PluginUse, Pos, Probe, Route,
-    Target, Timeouts, TlsSettings, Upstream,
+    HealthCheck, Listener, ListenerTls, LocalResponse, PathRewrite, PluginModule, PluginUse, Pos,
+    Probe, Route, Target, Timeouts, TlsSettings, Upstream,
 };
 use crate::compress::Compression;
 use crate::request_id::RequestIds;
@@ -50,6 +50,12 @@ const DEFAULT_TIMEOUTS: Timeouts = Timeouts {
 const DEFAULT_RETRIES: u32 = 1;
 /// nginx's `fail_timeout` default.
 const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(10);
+/// Health checks every 5 s with 2 s to answer: a dead endpoint is out
+/// ~15 s after it stops answering (3 failures), as Kubernetes' readiness
+/// probe defaults (period 10 s, 3 failures) would take it out of a
+/// Service in 30 s.
+const DEFAULT_HEALTH_INTERVAL: Duration = Duration::from_secs(5);
+const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Error collector and value parser for one file at a time.
 struct Ctx<'e> {
@@ -761,6 +767,17 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
             .ok_or_else(|| format!("`{s}` is not a retry count from 0 to 10"))
     });
     let eject_for = ctx.duration(&u.eject_for, DEFAULT_EJECT_FOR);
+    let health_check = match (&u.health_check, &target) {
+        (Some(h), Some(Target::Template(_))) => {
+            ctx.err(
+                &h.referenced,
+                "health_check needs `endpoints`: a URL template's hosts are only known per request",
+            );
+            None
+        }
+        (Some(h), _) => health_check(ctx, h),
+        (None, _) => None,
+    };
     let tls = tls_settings(ctx, &u.tls);
     let http2 = ctx.flag(&u.http2, false);
     let preserve_host = ctx.flag(&u.preserve_host, false);
@@ -771,10 +788,59 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         timeouts,
         retries,
         eject_for,
+        health_check,
         tls,
         http2,
         preserve_host,
         defined_at: ctx.pos(&raw.referenced),
+    })
+}
+
+fn health_check(ctx: &mut Ctx, raw: &Spanned<RawHealthCheck>) -> Option<HealthCheck> {
+    let h = &raw.value;
+    let path = ctx.parse(&h.path, |s| {
+        if s.starts_with('/') && http::uri::PathAndQuery::try_from(s).is_ok() {
+            Ok(s.to_owned())
+        } else {
+            Err(format!(
+                "health_check path `{s}` must be a path starting with `/`"
+            ))
+        }
+    });
+    let interval = ctx.duration(&h.interval, DEFAULT_HEALTH_INTERVAL);
+    let timeout = ctx.duration(&h.timeout, DEFAULT_HEALTH_TIMEOUT);
+    let count = |ctx: &mut Ctx, t: &Option<Text>, default: u32| {
+        ctx.parse_or(t, default, |s| {
+            s.parse::<u32>()
+                .ok()
+                .filter(|n| (1..=100).contains(n))
+                .ok_or_else(|| format!("`{s}` is not a count of probes from 1 to 100"))
+        })
+    };
+    let unhealthy_after = count(ctx, &h.unhealthy_after, 3);
+    let healthy_after = count(ctx, &h.healthy_after, 2);
+    if interval.is_zero() || timeout.is_zero() {
+        ctx.err(
+            &raw.referenced,
+            "health_check interval and timeout must be above 0",
+        );
+        return None;
+    }
+    if timeout > interval {
+        ctx.err(
+            &raw.referenced,
+            format!(
+                "health_check timeout ({timeout:?}) is longer than its interval ({interval:?})"
+            ),
+        );
+        return None;
+    }
+    Some(HealthCheck {
+        path: path?,
+        interval,
+        timeout,
+        unhealthy_after,
+        healthy_after,
     })
 }
 
@@ -967,6 +1033,7 @@ fn route(
             timeouts: DEFAULT_TIMEOUTS,
             retries: DEFAULT_RETRIES,
             eject_for: DEFAULT_EJECT_FOR,
+            health_check: None,
             tls: TlsSettings::default(),
             http2: false,
             preserve_host: false,

@@ -271,6 +271,22 @@ pub struct Timeouts {
     pub idle: Duration,
 }
 
+/// Active health checks of an upstream's endpoints (Envoy's
+/// `health_checks`, HAProxy's `check`): each endpoint is asked for `path`
+/// every `interval`; 2xx and 3xx pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthCheck {
+    /// Path and query asked for (after the endpoint's base path).
+    pub path: String,
+    pub interval: Duration,
+    /// For the whole probe: connect, TLS, the answer's head.
+    pub timeout: Duration,
+    /// Failed probes in a row that take an endpoint out of the rotation.
+    pub unhealthy_after: u32,
+    /// Passed probes in a row that bring it back.
+    pub healthy_after: u32,
+}
+
 /// TLS settings for `https` endpoints.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TlsSettings {
@@ -336,6 +352,8 @@ pub struct Upstream {
     /// How long an endpoint whose connect failed stays out of the
     /// rotation; zero: never taken out.
     pub eject_for: Duration,
+    /// Active health checks, if any.
+    pub health_check: Option<HealthCheck>,
     /// TLS for `https` endpoints.
     pub tls: TlsSettings,
     /// Speak HTTP/2 to the upstream (prior knowledge on cleartext, ALPN on TLS).
@@ -365,6 +383,7 @@ impl Upstream {
             && self.timeouts == other.timeouts
             && self.retries == other.retries
             && self.eject_for == other.eject_for
+            && self.health_check == other.health_check
             && self.tls == other.tls
             && self.http2 == other.http2
             && self.preserve_host == other.preserve_host

@@ -147,9 +147,20 @@ pub struct RawUpstream {
     pub timeouts: Option<RawTimeouts>,
     pub retries: Option<Text>,
     pub eject_for: Option<Text>,
+    pub health_check: Option<Spanned<RawHealthCheck>>,
     pub tls: Option<RawTls>,
     pub http2: Option<Text>,
     pub preserve_host: Option<Text>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHealthCheck {
+    pub path: Text,
+    pub interval: Option<Text>,
+    pub timeout: Option<Text>,
+    pub unhealthy_after: Option<Text>,
+    pub healthy_after: Option<Text>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -8,9 +8,12 @@
 //!
 //! Only connect failures count: nothing was sent, so the failure says the
 //! endpoint is unreachable, not that one request went wrong.
+//!
+//! Active health checks ([`super::health`]) mark endpoints down here too:
+//! an endpoint is out while either says so.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Until when each endpoint of an upstream is out of the rotation.
@@ -19,6 +22,8 @@ pub struct Ejections {
     /// the common case reads no clock.
     until_ms: Box<[AtomicU64]>,
     eject_for_ms: u64,
+    /// Failing its active health check (until it passes again).
+    down: Box<[AtomicBool]>,
 }
 
 /// Milliseconds since the first call, plus one: never 0.
@@ -33,6 +38,7 @@ impl Ejections {
         Ejections {
             until_ms: (0..endpoints).map(|_| AtomicU64::new(0)).collect(),
             eject_for_ms: eject_for.as_millis() as u64,
+            down: (0..endpoints).map(|_| AtomicBool::new(false)).collect(),
         }
     }
 
@@ -54,8 +60,21 @@ impl Ejections {
         }
     }
 
+    /// Marks endpoint `i` down (failing its health check) or up.
+    pub fn set_down(&self, i: usize, down: bool) {
+        self.down[i].store(down, Ordering::Relaxed);
+    }
+
+    /// Whether endpoint `i` is failing its health check.
+    pub fn is_down(&self, i: usize) -> bool {
+        self.down[i].load(Ordering::Relaxed)
+    }
+
     /// Whether endpoint `i` is out of the rotation now.
     pub fn is_out(&self, i: usize) -> bool {
+        if self.is_down(i) {
+            return true;
+        }
         let until = self.until_ms[i].load(Ordering::Relaxed);
         if until == 0 {
             return false;
@@ -117,6 +136,22 @@ mod tests {
         e.readmit(1);
         assert!(!e.is_out(1));
         assert!(e.is_out(0));
+    }
+
+    #[test]
+    fn a_failing_health_check_takes_an_endpoint_out_whatever_its_connects() {
+        let e = Ejections::new(3, Duration::ZERO);
+        e.set_down(1, true);
+        assert!(e.is_out(1));
+        assert_eq!(e.first_in(1, 3), 2);
+        // A connect that worked does not bring it back; passing does.
+        e.readmit(1);
+        assert!(e.is_out(1));
+        e.set_down(1, false);
+        assert_eq!(e.first_in(1, 3), 1);
+        // All down: the rotation goes on over all of them.
+        (0..3).for_each(|i| e.set_down(i, true));
+        assert_eq!(e.first_in(2, 3), 2);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 mod ejection;
 mod h1;
 mod headers;
+pub mod health;
 mod pool;
 mod tls;
 pub mod upgrade;
@@ -239,6 +240,20 @@ impl UpstreamPool {
                 .filter_map(|(i, ep)| {
                     Some((ep.authority.to_string(), self.ejections.remaining(i)?))
                 })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// The endpoints failing their health check now (authorities), for
+    /// the admin endpoint.
+    pub fn unhealthy(&self) -> Vec<String> {
+        match &self.spec.target {
+            Target::Endpoints(eps) if self.spec.health_check.is_some() => eps
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| self.ejections.is_down(i))
+                .map(|(_, ep)| ep.authority.to_string())
                 .collect(),
             _ => Vec::new(),
         }

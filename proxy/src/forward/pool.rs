@@ -308,7 +308,7 @@ impl ConnPool {
     }
 
     /// Dials `ep`: the stream, and whether it is to speak HTTP/2.
-    async fn connect(&self, ep: &Endpoint) -> Result<(Io, bool), ForwardError> {
+    pub(super) async fn connect(&self, ep: &Endpoint) -> Result<(Io, bool), ForwardError> {
         let https = ep.scheme == Scheme::HTTPS;
         let host = ep.authority.host();
         let port = ep
@@ -354,7 +354,7 @@ fn handshake_failed(e: hyper::Error) -> ForwardError {
 }
 
 /// Starts hyper's HTTP/2 client on `io`, driven by a task of its own.
-async fn handshake_h2<T>(io: T) -> Result<http2::SendRequest<Body>, ForwardError>
+pub(super) async fn handshake_h2<T>(io: T) -> Result<http2::SendRequest<Body>, ForwardError>
 where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -381,7 +381,7 @@ where
 
 /// Starts hyper's HTTP/1.1 client on `io` (for requests with a body or an
 /// upgrade), driven by a task of its own.
-async fn handshake_h1<T>(io: T) -> Result<http1::SendRequest<Body>, ForwardError>
+pub(super) async fn handshake_h1<T>(io: T) -> Result<http1::SendRequest<Body>, ForwardError>
 where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
