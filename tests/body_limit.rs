@@ -12,7 +12,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use crate::support::client::{self, body};
 use crate::support::upstream::{self, Upstream};
-use crate::support::{Proxy, check, policy_dir};
+use crate::support::{Proxy, assert_check_errors};
 
 const LIMIT: usize = 64 * 1024;
 
@@ -162,7 +162,7 @@ async fn a_streamed_body_growing_over_the_limit_is_cut_with_413() {
 
 #[test]
 fn check_names_a_bad_limit() {
-    let dir = policy_dir(
+    assert_check_errors(
         r#"
 listeners: [{ name: http, bind: "127.0.0.1:0" }]
 upstreams: [{ name: app, endpoints: ["http://127.0.0.1:9"] }]
@@ -170,16 +170,9 @@ routes:
   - { name: zero, match: { path: /a }, upstream: app, max_request_body: 0 }
   - { name: words, match: { path: /b }, upstream: app, max_request_body: lots }
 "#,
-        &[],
-    );
-    let (ok, _, stderr) = check(dir.path());
-    assert!(!ok, "{stderr}");
-    assert!(
-        stderr.contains(":5:") && stderr.contains("must be above 0 (leave it out for no limit)"),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains(":6:") && stderr.contains("`lots`"),
-        "{stderr}"
+        &[
+            (5, "must be above 0 (leave it out for no limit)"),
+            (6, "`lots` is not a size"),
+        ],
     );
 }

@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use bytes::Bytes;
 use hyper::{Request, Response};
 
+use crate::support::assert_check_errors;
 use crate::support::client::{self, body};
 use crate::support::process::ProxyProcess;
 use crate::support::upstream::{self, Upstream};
-use crate::support::{check, policy_dir};
 
 /// An upstream answering `/healthz` with the status its switch holds (and
 /// 400 to a probe without the checker's user agent, or not in `version`),
@@ -157,7 +157,7 @@ async fn an_http2_upstream_is_checked_over_http2() {
 
 #[test]
 fn check_names_bad_health_checks() {
-    let dir = policy_dir(
+    assert_check_errors(
         r#"
 upstreams:
   - { name: t, url: "http://{x}.svc", health_check: { path: /healthz } }
@@ -167,21 +167,11 @@ upstreams:
 routes:
   - { name: r, match: { path: "/{x}" }, upstream: t }
 "#,
-        &[],
+        &[
+            (3, "health_check needs `endpoints`"),
+            (4, "`healthz` must be a path starting with `/`"),
+            (5, "timeout (2s) is longer than its interval (1s)"),
+            (6, "`0` is not a count of probes from 1 to 100"),
+        ],
     );
-    let (ok, _, stderr) = check(dir.path());
-    assert!(!ok, "{stderr}");
-    for (line, message) in [
-        (3, "health_check needs `endpoints`"),
-        (4, "`healthz` must be a path starting with `/`"),
-        (5, "timeout (2s) is longer than its interval (1s)"),
-        (6, "`0` is not a count of probes from 1 to 100"),
-    ] {
-        assert!(
-            stderr
-                .lines()
-                .any(|l| l.contains(&format!(":{line}:")) && l.contains(message)),
-            "line {line}, {message}: {stderr}"
-        );
-    }
 }

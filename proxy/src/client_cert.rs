@@ -94,7 +94,7 @@ fn quoted(text: &str) -> String {
 }
 
 /// Percent-encodes all but RFC 3986's unreserved characters.
-fn url_encode(s: &str) -> String {
+pub(crate) fn url_encode(s: &str) -> String {
     let mut out = String::with_capacity(s.len() * 3 / 2);
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {

@@ -135,6 +135,32 @@ pub struct ConnInfo {
     pub socket: Option<ClientSocket>,
 }
 
+impl ConnInfo {
+    /// Sets the `X-Forwarded-*` headers of a request from this connection
+    /// bound upstream (`claimed`: the client sent an
+    /// `X-Forwarded-Client-Cert`; `public_host`: the host it asked for).
+    #[inline]
+    pub fn set_forwarded(
+        &self,
+        headers: &mut http::HeaderMap,
+        claimed: bool,
+        public_host: Option<HeaderValue>,
+    ) {
+        let proto = if self.tls { "https" } else { "http" };
+        forward::set_forwarded(
+            headers,
+            (
+                &self.client_ip,
+                self.client_cert.as_ref().map(|c| &c.header),
+                claimed,
+            ),
+            proto,
+            public_host,
+            self.listener.trust_forwarded_headers,
+        );
+    }
+}
+
 /// An endpoint out of the rotation: its authority and the time it stays out.
 pub type EjectedEndpoint = (String, Duration);
 
@@ -590,6 +616,33 @@ impl Pipeline {
                 None => body.limit(max),
             }
         }
+        // Then the auth service, before the plugins: they may act on who
+        // it says the user is.
+        if let Some(auth) = &route.auth_request {
+            let pool = &self.upstreams[conn.worker % self.upstreams.len()][auth.upstream];
+            let asked = crate::auth_request::Asked {
+                method: &parts.method,
+                uri: &parts.uri,
+            };
+            let context = (conn, &**route, origin.as_ref());
+            // Boxed: only routes with an auth request pay for its future.
+            let checked = Box::pin(crate::auth_request::check(
+                auth,
+                pool,
+                asked,
+                &mut parts.headers,
+                context,
+            ));
+            if let Err(resp) = checked.await {
+                // The client may still be sending a body no one will read.
+                let resp = if http_body::Body::is_end_stream(&body) {
+                    resp
+                } else {
+                    closing(resp, parts.version)
+                };
+                return (resp, forward::Held::default());
+            }
+        }
         // The route's plugins run first, whatever the action, except for
         // health probes (a plugin must not make a pod look dead).
         let mut plugins = None;
@@ -688,7 +741,6 @@ impl Pipeline {
                 } else {
                     None
                 };
-                let proto = if conn.tls { "https" } else { "http" };
                 let mut headers = std::mem::take(&mut parts.headers);
                 let claimed = forward::remove_hop_by_hop(&mut headers, upgrade);
                 if parts.version == Version::HTTP_2 {
@@ -699,17 +751,7 @@ impl Pipeline {
                     Some(a) => HeaderValue::from_str(a.as_str()).ok(),
                     None => headers.get(header::HOST).cloned(),
                 };
-                forward::set_forwarded(
-                    &mut headers,
-                    (
-                        &conn.client_ip,
-                        conn.client_cert.as_ref().map(|c| &c.header),
-                        claimed,
-                    ),
-                    proto,
-                    public_host,
-                    conn.listener.trust_forwarded_headers,
-                );
+                conn.set_forwarded(&mut headers, claimed, public_host);
                 if !pool.spec.preserve_host {
                     headers.remove(header::HOST);
                 }

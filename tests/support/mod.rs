@@ -141,6 +141,24 @@ pub fn check(dir: &std::path::Path) -> (bool, String, String) {
     )
 }
 
+/// Checks `yaml` (a policy file alone) with `portcullis check`, which
+/// must fail with, for each `(line, message)`, an error on that line of
+/// policy.yaml containing the message.
+pub fn assert_check_errors(yaml: &str, expected: &[(usize, &str)]) {
+    let dir = policy_dir(yaml, &[]);
+    let (ok, _, stderr) = check(dir.path());
+    assert!(!ok, "{stderr}");
+    for (line, message) in expected {
+        let at = format!("policy.yaml:{line}:");
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.contains(&at) && l.contains(message)),
+            "line {line}, {message}: {stderr}"
+        );
+    }
+}
+
 /// A loopback port with nothing listening on it (bound, then released).
 pub fn closed_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");

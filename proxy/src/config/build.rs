@@ -16,15 +16,15 @@ use serde_saphyr::{Location, Spanned};
 
 use super::envsubst::expand;
 use super::raw::{
-    PolicyFile, RawCompress, RawCors, RawHeaderEdits, RawHealthCheck, RawListener, RawListenerTls,
-    RawPlugin, RawPluginUse, RawRateLimit, RawRoute, RawUpstream, Text, TextMap,
+    PolicyFile, RawAuthRequest, RawCompress, RawCors, RawHeaderEdits, RawHealthCheck, RawListener,
+    RawListenerTls, RawPlugin, RawPluginUse, RawRateLimit, RawRoute, RawUpstream, Text, TextMap,
 };
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
 use super::{
-    Action, Balance, ClientAuthMode, Config, ConfigError, Cors, Endpoint, FailMode, HeaderEdits,
-    HealthCheck, Listener, ListenerTls, LocalResponse, PathRewrite, PluginModule, PluginUse, Pos,
-    Probe, Route, Target, Timeouts, TlsSettings, Upstream,
+    Action, AuthRequest, Balance, ClientAuthMode, Config, ConfigError, Cors, Endpoint, FailMode,
+    HeaderEdits, HealthCheck, Listener, ListenerTls, LocalResponse, PathRewrite, PluginModule,
+    PluginUse, Pos, Probe, Route, Target, Timeouts, TlsSettings, Upstream,
 };
 use crate::compress::Compression;
 use crate::request_id::RequestIds;
@@ -56,6 +56,9 @@ const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(10);
 /// Service in 30 s.
 const DEFAULT_HEALTH_INTERVAL: Duration = Duration::from_secs(5);
 const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+/// An auth service is on the request's path: it answers fast or not at
+/// all (nginx leaves it at proxy_read_timeout's 60 s).
+const DEFAULT_AUTH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Error collector and value parser for one file at a time.
 struct Ctx<'e> {
@@ -882,6 +885,96 @@ fn host_match(s: &str) -> Result<HostMatch, String> {
 
 type RouteParts = (Route, HostMatch, Vec<String>);
 
+/// The index of the upstream `t` names; an error naming the defined ones
+/// when there is none of that name.
+fn named_upstream(
+    ctx: &mut Ctx,
+    t: &Text,
+    upstream_index: &HashMap<String, Option<usize>>,
+) -> Option<usize> {
+    let up = ctx.text(t)?;
+    match upstream_index.get(up.trim()) {
+        Some(&Some(i)) => Some(i),
+        // Defined, but in error (reported there).
+        Some(None) => None,
+        None => {
+            let mut known: Vec<_> = upstream_index.keys().map(String::as_str).collect();
+            known.sort_unstable();
+            let defined = if known.is_empty() {
+                "no upstream is defined".to_owned()
+            } else {
+                format!("defined upstreams: {}", known.join(", "))
+            };
+            let hint = ctx.unparsed_hint();
+            ctx.err(
+                &t.referenced,
+                format!("unknown upstream `{up}`; {defined}{hint}"),
+            );
+            None
+        }
+    }
+}
+
+fn auth_request(
+    ctx: &mut Ctx,
+    raw: &Spanned<RawAuthRequest>,
+    upstream_index: &HashMap<String, Option<usize>>,
+    upstreams: &[Arc<Upstream>],
+) -> Option<Box<AuthRequest>> {
+    let a = &raw.value;
+    let upstream = named_upstream(ctx, &a.upstream, upstream_index);
+    if let Some(i) = upstream
+        && matches!(upstreams[i].target, Target::Template(_))
+    {
+        ctx.err(
+            &a.upstream.referenced,
+            "auth_request needs an upstream with `endpoints`, not a URL template",
+        );
+        return None;
+    }
+    let path = ctx.parse(&a.path, |s| {
+        http::uri::PathAndQuery::try_from(s)
+            .ok()
+            .filter(|_| s.starts_with('/'))
+            .ok_or_else(|| format!("auth_request path `{s}` must be a path starting with `/`"))
+    });
+    let copy_headers: Vec<_> = a
+        .copy_headers
+        .iter()
+        .filter_map(|t| {
+            ctx.parse(t, |s| {
+                HeaderName::from_bytes(s.trim().as_bytes())
+                    .map_err(|_| format!("`{s}` is not a header name"))
+            })
+        })
+        .collect();
+    let signin = match &a.signin {
+        None => Some(None),
+        Some(t) => ctx
+            .parse(t, |s| {
+                let checked = s.replace("{url}", "x");
+                match Uri::try_from(checked.as_str()) {
+                    Ok(u) if matches!(u.scheme_str(), Some("http" | "https")) => {
+                        Ok(s.to_owned())
+                    }
+                    _ => Err(format!(
+                        "signin `{s}` must be an http(s) URL (`{{url}}` stands for the original one)"
+                    )),
+                }
+            })
+            .map(Some),
+    };
+    let timeout = ctx.duration(&a.timeout, DEFAULT_AUTH_TIMEOUT);
+    (copy_headers.len() == a.copy_headers.len()).then_some(())?;
+    Some(Box::new(AuthRequest {
+        upstream: upstream?,
+        path: path?,
+        copy_headers,
+        signin: signin?,
+        timeout,
+    }))
+}
+
 fn route(
     ctx: &mut Ctx,
     raw: &Spanned<RawRoute>,
@@ -995,32 +1088,13 @@ fn route(
         .as_ref()
         .and_then(|t| ctx.parse(t, parse_duration));
     let action = if let Some(t) = &r.upstream {
-        let up = ctx.text(t)?;
-        match upstream_index.get(up.trim()) {
-            Some(&Some(i)) => {
-                if let Target::Template(tpl) = &upstreams[i].target {
-                    let tpl = tpl.clone();
-                    check_params(ctx, &tpl, &t.referenced, &format!("upstream `{up}`"));
-                }
-                Action::Forward(i)
-            }
-            Some(None) => return None,
-            None => {
-                let mut known: Vec<_> = upstream_index.keys().map(String::as_str).collect();
-                known.sort_unstable();
-                let defined = if known.is_empty() {
-                    "no upstream is defined".to_owned()
-                } else {
-                    format!("defined upstreams: {}", known.join(", "))
-                };
-                let hint = ctx.unparsed_hint();
-                ctx.err(
-                    &t.referenced,
-                    format!("unknown upstream `{up}`; {defined}{hint}"),
-                );
-                return None;
-            }
+        let i = named_upstream(ctx, t, upstream_index)?;
+        if let Target::Template(tpl) = &upstreams[i].target {
+            let tpl = tpl.clone();
+            let up = ctx.text(t)?;
+            check_params(ctx, &tpl, &t.referenced, &format!("upstream `{up}`"));
         }
+        Action::Forward(i)
     } else if let Some(t) = &r.url {
         let target = ctx.parse(t, upstream_template)?;
         if let Target::Template(tpl) = &target {
@@ -1113,6 +1187,10 @@ fn route(
     let error_cors = r.error_cors.as_ref().map(|c| cors(ctx, c));
     let compress = r.compress.as_ref().and_then(|c| compression(ctx, c));
     let rate_limit = r.rate_limit.as_ref().and_then(|l| rate_limit(ctx, l));
+    let auth_request = r
+        .auth_request
+        .as_ref()
+        .and_then(|a| auth_request(ctx, a, upstream_index, upstreams));
     let max_request_body = r.max_request_body.as_ref().and_then(|t| {
         ctx.parse(t, |s| match parse_size(s)? {
             0 => Err(format!(
@@ -1141,6 +1219,7 @@ fn route(
             compress,
             rate_limit,
             max_request_body,
+            auth_request,
             plugins,
             defined_at: ctx.pos(&raw.referenced),
         },

@@ -271,6 +271,23 @@ pub struct Timeouts {
     pub idle: Duration,
 }
 
+/// A route's auth subrequest: see [`crate::auth_request`].
+#[derive(Debug, Clone)]
+pub struct AuthRequest {
+    /// The auth service (an upstream with endpoints), by index.
+    pub upstream: usize,
+    /// The path and query asked for.
+    pub path: http::uri::PathAndQuery,
+    /// Headers of an allowing answer copied onto the forwarded request
+    /// (a client's own copies are removed first).
+    pub copy_headers: Vec<HeaderName>,
+    /// Where a 401 redirects instead, with `{url}` replaced by the
+    /// original URL, percent-encoded.
+    pub signin: Option<String>,
+    /// For the auth service's whole answer.
+    pub timeout: Duration,
+}
+
 /// Active health checks of an upstream's endpoints (Envoy's
 /// `health_checks`, HAProxy's `check`): each endpoint is asked for `path`
 /// every `interval`; 2xx and 3xx pass.
@@ -505,6 +522,9 @@ pub struct Route {
     /// Request bodies larger than this are answered 413 (nginx's
     /// client_max_body_size); `None`: no limit.
     pub max_request_body: Option<u64>,
+    /// Each request first asked of an auth service (nginx's
+    /// `auth_request`, Envoy's `ext_authz`).
+    pub auth_request: Option<Box<AuthRequest>>,
     /// Plugins run on this route, in order (after the global ones).
     pub plugins: Vec<PluginUse>,
     /// Where the route was defined.

@@ -200,8 +200,20 @@ pub struct RawRoute {
     pub compress: Option<Spanned<RawCompress>>,
     pub rate_limit: Option<Spanned<RawRateLimit>>,
     pub max_request_body: Option<Text>,
+    pub auth_request: Option<Spanned<RawAuthRequest>>,
     #[serde(default)]
     pub plugins: Vec<Spanned<RawPluginUse>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAuthRequest {
+    pub upstream: Text,
+    pub path: Text,
+    #[serde(default)]
+    pub copy_headers: Vec<Text>,
+    pub signin: Option<Text>,
+    pub timeout: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

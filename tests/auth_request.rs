@@ -1,0 +1,214 @@
+//! A route's `auth_request`: an auth service (here one that answers as
+//! oauth2-proxy's `/oauth2/auth` does) decides each request before it is
+//! forwarded, and says who the user is.
+
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use hyper::{Request, Response};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+use crate::support::client::{self, body};
+use crate::support::upstream::{self, Upstream};
+use crate::support::{Proxy, assert_check_errors, closed_port};
+
+/// What the auth service saw of one subrequest.
+#[derive(Debug)]
+struct Seen {
+    method: String,
+    path: String,
+    original_uri: String,
+    original_method: String,
+    cookie: String,
+    content_length: bool,
+    body_len: usize,
+}
+
+/// An auth service: `session=good` passes (202, naming the user),
+/// `session=forbidden` gets 403, anything else 401.
+async fn auth_service() -> (Upstream, UnboundedReceiver<Seen>) {
+    let (tx, rx) = unbounded_channel();
+    let server = upstream::serve(move |req: Request<hyper::body::Incoming>| {
+        let tx = tx.clone();
+        async move {
+            let text = |name: &str| {
+                req.headers()
+                    .get(name)
+                    .map(|v| v.to_str().unwrap().to_owned())
+                    .unwrap_or_default()
+            };
+            let cookie = text("cookie");
+            let mut seen = Seen {
+                method: req.method().to_string(),
+                path: req.uri().to_string(),
+                original_uri: text("x-original-uri"),
+                original_method: text("x-original-method"),
+                cookie: cookie.clone(),
+                content_length: req.headers().contains_key("content-length"),
+                body_len: 0,
+            };
+            seen.body_len = http_body_util::BodyExt::collect(req.into_body())
+                .await
+                .unwrap()
+                .to_bytes()
+                .len();
+            let _ = tx.send(seen);
+            let answer = Response::builder();
+            let answer = if cookie.contains("session=good") {
+                answer
+                    .status(202)
+                    .header("x-auth-request-user", "alice")
+                    .header("x-auth-request-email", "alice@example.com")
+            } else if cookie.contains("session=forbidden") {
+                answer.status(403).header("content-type", "text/plain")
+            } else {
+                answer
+                    .status(401)
+                    .header("www-authenticate", "Bearer realm=\"test\"")
+            };
+            let text = if cookie.contains("session=forbidden") {
+                "not in the team"
+            } else {
+                ""
+            };
+            answer.body(upstream::full(text)).unwrap()
+        }
+    })
+    .await;
+    (server, rx)
+}
+
+#[tokio::test]
+async fn the_auth_service_decides_and_names_the_user() {
+    let (auth, mut seen) = auth_service().await;
+    let (app, hits) = upstream::counted_echo("app").await;
+    let dead = format!("http://127.0.0.1:{}", closed_port());
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0", trust_forwarded_headers: true }}]
+upstreams:
+  - {{ name: app, endpoints: ["{app}"] }}
+  - {{ name: auth, endpoints: ["{auth}"] }}
+  - {{ name: dead, endpoints: ["{dead}"] }}
+routes:
+  - name: app
+    match: {{ path: /app }}
+    upstream: app
+    auth_request: {{ upstream: auth, path: /oauth2/auth, copy_headers: [x-auth-request-user] }}
+  - name: signin-app
+    match: {{ path: /signin-app }}
+    upstream: app
+    auth_request: {{ upstream: auth, path: /oauth2/auth, signin: "https://auth.example/start?rd={{url}}" }}
+  - name: broken
+    match: {{ path: /broken }}
+    upstream: app
+    auth_request: {{ upstream: dead, path: /auth }}
+  - {{ name: open, match: {{ path: /open }}, upstream: app }}
+"#,
+        app = app.url(),
+        auth = auth.url(),
+    ))
+    .await;
+    let http = client::http1();
+    let send = |method: &str, path: &str, cookie: &str, payload: &'static [u8]| {
+        let mut req = Request::builder().method(method).uri(proxy.url(path));
+        if !cookie.is_empty() {
+            req = req.header("cookie", cookie);
+        }
+        // A client claiming to be someone: never believed.
+        req = req.header("x-auth-request-user", "mallory");
+        client::send(&http, req.body(body(Bytes::from_static(payload))).unwrap())
+    };
+
+    // Signed in: forwarded, as the user the service named.
+    let a = send("GET", "/app?x=1", "session=good", b"").await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let j = a.json();
+    assert_eq!(j["headers"]["x-auth-request-user"], "alice", "{j}");
+    assert!(j["headers"].get("x-auth-request-email").is_none(), "{j}");
+    let s = seen.try_recv().expect("the auth service was asked");
+    assert_eq!(
+        (s.method.as_str(), s.path.as_str()),
+        ("GET", "/oauth2/auth")
+    );
+    assert_eq!(s.original_uri, "/app?x=1");
+    assert_eq!(s.original_method, "GET");
+    assert_eq!(s.cookie, "session=good");
+
+    // A POST's body goes to the upstream whole, never to the service.
+    let a = send("POST", "/app", "session=good", &[b'p'; 1000]).await;
+    assert_eq!(a.json()["body_len"], 1000);
+    let s = seen.try_recv().expect("the auth service was asked");
+    assert_eq!(
+        (s.method.as_str(), s.original_method.as_str()),
+        ("GET", "POST")
+    );
+    assert!(!s.content_length && s.body_len == 0, "{s:?}");
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+
+    // Refusals come back as the service gave them, and go no further.
+    let a = send("GET", "/app", "", b"").await;
+    assert_eq!(a.status, 401);
+    assert_eq!(a.header("www-authenticate"), Some("Bearer realm=\"test\""));
+    let a = send("POST", "/app", "session=forbidden", &[b'p'; 1000]).await;
+    assert_eq!(a.status, 403);
+    assert_eq!(a.body, "not in the team");
+    // The body was never read: the connection closes after the answer.
+    assert_eq!(a.header("connection"), Some("close"));
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+
+    // With `signin`, a 401 is a redirect to the sign-in page.
+    let a = send("GET", "/signin-app?q=1", "", b"").await;
+    assert_eq!(a.status, 302);
+    let back = format!(
+        "http%3A%2F%2F127.0.0.1%3A{}%2Fsignin-app%3Fq%3D1",
+        proxy.addr.port()
+    );
+    let location = format!("https://auth.example/start?rd={back}");
+    assert_eq!(a.header("location"), Some(location.as_str()));
+    // Behind a trusted balancer, the URL the balancer was asked for.
+    let req = Request::get(proxy.url("/signin-app"))
+        .header("x-forwarded-proto", "https")
+        .header("x-forwarded-host", "app.example.com")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let a = client::send(&http, req).await;
+    assert_eq!(
+        a.header("location"),
+        Some("https://auth.example/start?rd=https%3A%2F%2Fapp.example.com%2Fsignin-app")
+    );
+
+    // An auth service that cannot be asked lets nothing through.
+    let a = send("GET", "/broken", "session=good", b"").await;
+    assert_eq!(a.status, 503);
+    assert_eq!(a.json()["error"], "auth service unavailable");
+    assert_eq!(a.json()["route"], "broken");
+
+    // Routes without it never ask.
+    assert_eq!(send("GET", "/open", "", b"").await.status, 200);
+    assert_eq!(hits.load(Ordering::SeqCst), 3);
+    let asked = std::iter::from_fn(|| seen.try_recv().ok()).count();
+    assert_eq!(asked, 4, "the two refusals and the sign-ins");
+}
+
+#[test]
+fn check_names_bad_auth_requests() {
+    assert_check_errors(
+        r#"
+upstreams:
+  - { name: app, endpoints: ["http://127.0.0.1:9"] }
+  - { name: per-host, url: "http://{h}.svc" }
+routes:
+  - { name: a, match: { path: /a }, upstream: app, auth_request: { upstream: nowhere, path: /auth } }
+  - { name: b, match: { path: /b }, upstream: app, auth_request: { upstream: app, path: auth } }
+  - { name: c, match: { path: /c }, upstream: app, auth_request: { upstream: per-host, path: /auth } }
+  - { name: d, match: { path: /d }, upstream: app, auth_request: { upstream: app, path: /auth, signin: "/start" } }
+"#,
+        &[
+            (6, "unknown upstream `nowhere`"),
+            (7, "`auth` must be a path starting with `/`"),
+            (8, "needs an upstream with `endpoints`"),
+            (9, "signin `/start` must be an http(s) URL"),
+        ],
+    );
+}
