@@ -265,3 +265,28 @@ fn a_listener_that_cannot_bind_is_named_with_its_place_and_the_os_error_once() {
     );
     assert_eq!(stderr.matches("in use").count(), 1, "{stderr}");
 }
+
+#[test]
+fn check_names_bad_redirects() {
+    crate::support::assert_check_errors(
+        r#"
+routes:
+  - { name: a, match: { path: /a }, redirect: { to: "docs.example.com/" } }
+  - { name: b, match: { path: /b }, redirect: { to: /x, status: 200 } }
+  - { name: c, match: { path: /c }, redirect: { to: "/{rest}" } }
+  - { name: d, match: { path: /d }, redirect: { to: /x }, upstream: nowhere }
+"#,
+        &[
+            (3, "must be an http(s) URL or a path starting with `/`"),
+            (4, "must be 301, 302, 303, 307 or 308"),
+            (
+                5,
+                "redirect uses `{rest}` but path `/c` does not capture it",
+            ),
+            (
+                6,
+                "exactly one of `upstream`, `url`, `respond`, `redirect` or `health`",
+            ),
+        ],
+    );
+}

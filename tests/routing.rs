@@ -367,3 +367,47 @@ async fn cookies_an_http2_client_splits_reach_an_http1_upstream_as_one_header() 
     assert_eq!(a.status, 200);
     assert_eq!(a.json()["headers"]["cookie"], "a=1; b=2");
 }
+
+#[tokio::test]
+async fn redirect_routes_fill_the_location_and_keep_the_query() {
+    let proxy = Proxy::start_yaml(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+routes:
+  - { name: docs, match: { path: "/old/{*rest}" }, redirect: { to: "https://docs.example.com/v2/{rest}" } }
+  - { name: moved, match: { path: /moved }, redirect: { to: /new, status: 308, strip_query: true } }
+  - { name: local, match: { path: "/r/{*rest}" }, redirect: { to: "/{rest}", status: 302 } }
+  - { name: tenant, match: { path: "/t/{tenant}" }, redirect: { to: "https://{tenant}.example.com/", status: 307 } }
+"#,
+    )
+    .await;
+    let location = |a: &Answer| a.header("location").map(str::to_owned);
+
+    let a = send(&proxy, "GET", "h", "/old/guide/intro?lang=en", &[]).await;
+    assert_eq!(a.status, 301);
+    assert_eq!(
+        location(&a).as_deref(),
+        Some("https://docs.example.com/v2/guide/intro?lang=en")
+    );
+    // 308 keeps the method and body; the query is dropped when asked.
+    let a = send(&proxy, "POST", "h", "/moved?x=1", &[]).await;
+    assert_eq!(a.status, 308);
+    assert_eq!(location(&a).as_deref(), Some("/new"));
+    let a = send(&proxy, "GET", "h", "/r/a/b", &[]).await;
+    assert_eq!(
+        (a.status.as_u16(), location(&a).as_deref()),
+        (302, Some("/a/b"))
+    );
+    // A parameter cannot make the path another host (`//evil.example`).
+    let a = send(&proxy, "GET", "h", "/r//evil.example/x", &[]).await;
+    assert_eq!(location(&a).as_deref(), Some("/evil.example/x"));
+    let a = send(&proxy, "GET", "h", "/t/blue", &[]).await;
+    assert_eq!(
+        (a.status.as_u16(), location(&a).as_deref()),
+        (307, Some("https://blue.example.com/"))
+    );
+    // Nor name a host of its choosing.
+    let a = send(&proxy, "GET", "h", "/t/evil.example%2f", &[]).await;
+    assert_eq!(a.status, 400, "{:?}", a.body);
+    assert_eq!(location(&a), None);
+}

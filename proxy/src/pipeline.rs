@@ -696,6 +696,20 @@ impl Pipeline {
                     .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
                 r
             }
+            Action::Redirect(redirect) => match redirect_to(redirect, &found.params, &parts.uri) {
+                Some(location) => {
+                    let mut r = Response::new(Body::empty());
+                    *r.status_mut() = redirect.status;
+                    r.headers_mut().insert(header::LOCATION, location);
+                    r
+                }
+                None => error_response(
+                    StatusCode::BAD_REQUEST,
+                    "invalid path parameter for the redirect",
+                    Some(route),
+                    origin.as_ref(),
+                ),
+            },
             Action::Respond(local) => {
                 let mut r = Response::new(Body::full(local.body.clone()));
                 *r.status_mut() = local.status;
@@ -853,6 +867,30 @@ fn log_forward_error(
             tracing::warn!(route = %route.name, upstream, request_id, error = %e, "upstream request failed")
         }
     }
+}
+
+/// The `Location` of a route's redirect: its template filled from the
+/// path parameters, the request's query after it unless stripped. `None`
+/// when a parameter cannot go where it lands (a host part).
+fn redirect_to(
+    redirect: &crate::config::Redirect,
+    params: &matchit::Params,
+    uri: &http::Uri,
+) -> Option<HeaderValue> {
+    let mut to = redirect.to.render(|n| params.get(n)).ok()?;
+    // A path that starts with `//` (or `/\`) is another host to a
+    // browser: a parameter must not turn `/{rest}` into one.
+    if to.starts_with('/') {
+        let slashes = to.len() - to.trim_start_matches(['/', '\\']).len();
+        to.replace_range(..slashes, "/");
+    }
+    if redirect.keep_query
+        && let Some(query) = uri.query()
+    {
+        to.push(if to.contains('?') { '&' } else { '?' });
+        to.push_str(query);
+    }
+    HeaderValue::from_str(&to).ok()
 }
 
 /// The path and query to send upstream, after the route's rewrite.

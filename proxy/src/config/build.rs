@@ -24,7 +24,7 @@ use super::units::{parse_duration, parse_size};
 use super::{
     Action, AuthRequest, Balance, ClientAuthMode, Config, ConfigError, Cors, Endpoint, FailMode,
     HeaderEdits, HealthCheck, Listener, ListenerTls, LocalResponse, PathRewrite, PluginModule,
-    PluginUse, Pos, Probe, Route, Target, Timeouts, TlsSettings, Upstream,
+    PluginUse, Pos, Probe, Redirect, Route, Target, Timeouts, TlsSettings, Upstream,
 };
 use crate::compress::Compression;
 use crate::request_id::RequestIds;
@@ -1074,12 +1074,13 @@ fn route(
         r.upstream.is_some(),
         r.url.is_some(),
         r.respond.is_some(),
+        r.redirect.is_some(),
         r.health.is_some(),
     ];
     if actions.iter().filter(|a| **a).count() != 1 {
         ctx.err(
             &raw.referenced,
-            "a route needs exactly one of `upstream`, `url`, `respond` or `health`",
+            "a route needs exactly one of `upstream`, `url`, `respond`, `redirect` or `health`",
         );
         return None;
     }
@@ -1137,6 +1138,36 @@ fn route(
             status,
             headers,
             body: Bytes::from(body),
+        })
+    } else if let Some(raw) = &r.redirect {
+        let d = &raw.value;
+        let to = ctx.parse(&d.to, |s| {
+            let url = s.starts_with("https://") || s.starts_with("http://");
+            if !url && !s.starts_with('/') {
+                return Err(format!(
+                    "redirect `{s}` must be an http(s) URL or a path starting with `/`"
+                ));
+            }
+            Template::parse(s, url)
+        });
+        if let Some(tpl) = &to {
+            check_params(ctx, tpl, &d.to.referenced, "redirect");
+        }
+        let status = ctx.parse_or(&d.status, StatusCode::MOVED_PERMANENTLY, |s| {
+            match s.parse::<u16>() {
+                Ok(n @ (301 | 302 | 303 | 307 | 308)) => {
+                    Ok(StatusCode::from_u16(n).expect("a valid status"))
+                }
+                _ => Err(format!(
+                    "redirect status `{s}` must be 301, 302, 303, 307 or 308"
+                )),
+            }
+        });
+        let keep_query = !ctx.flag(&d.strip_query, false);
+        Action::Redirect(Redirect {
+            to: to?,
+            status,
+            keep_query,
         })
     } else {
         let t = r.health.as_ref()?;

@@ -488,8 +488,22 @@ pub enum Action {
     Forward(usize),
     /// Answer locally.
     Respond(LocalResponse),
+    /// Answer with a redirect.
+    Redirect(Redirect),
     /// Answer a health probe.
     Health(Probe),
+}
+
+/// A route's redirect (nginx's `return 301 ...`, Envoy's redirect action).
+#[derive(Debug, Clone)]
+pub struct Redirect {
+    /// The `Location`, filled from the path parameters: an `http(s)` URL
+    /// or a path starting with `/`.
+    pub to: Template,
+    /// 301, 302, 303, 307 or 308.
+    pub status: StatusCode,
+    /// Whether the request's query is appended.
+    pub keep_query: bool,
 }
 
 /// A route: match conditions beyond host and path, and what to do.

@@ -189,6 +189,7 @@ pub struct RawRoute {
     pub upstream: Option<Text>,
     pub url: Option<Text>,
     pub respond: Option<Spanned<RawRespond>>,
+    pub redirect: Option<Spanned<RawRedirect>>,
     pub health: Option<Text>,
     pub strip_prefix: Option<Text>,
     pub rewrite: Option<Text>,
@@ -276,6 +277,14 @@ pub struct RawMatch {
     #[serde(default)]
     pub methods: Vec<Text>,
     pub headers: Option<TextMap>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRedirect {
+    pub to: Text,
+    pub status: Option<Text>,
+    pub strip_query: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]
