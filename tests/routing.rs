@@ -411,3 +411,47 @@ routes:
     assert_eq!(a.status, 400, "{:?}", a.body);
     assert_eq!(location(&a), None);
 }
+
+#[tokio::test]
+async fn an_upstream_at_its_max_requests_answers_503_until_one_ends() {
+    let (up, mut arrived, release) = upstream::holding().await;
+    let other = upstream::echo("other").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: capped, endpoints: ["{}"], max_requests: 2 }}
+  - {{ name: other, endpoints: ["{}"] }}
+routes:
+  - {{ name: capped, match: {{ path_prefix: / }}, upstream: capped }}
+  - {{ name: other, match: {{ path: /other }}, upstream: other }}
+"#,
+        up.url(),
+        other.url()
+    ))
+    .await;
+    let held: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(client::get_owned(proxy.url("/slow"))))
+        .collect();
+    for _ in 0..2 {
+        tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+            .await
+            .expect("a held request reached the upstream");
+    }
+    // Two in flight: a third is refused at once, without reaching it.
+    let a = client::get(&proxy.url("/fast")).await;
+    assert_eq!(a.status, 503, "{:?}", a.body);
+    assert_eq!(a.json()["error"], "upstream overloaded");
+    assert_eq!(a.json()["route"], "capped");
+    // Other upstreams are not touched by it.
+    assert_eq!(client::get(&proxy.url("/other")).await.status, 200);
+    // One ends: one more fits.
+    release.notify_one();
+    let mut held = held.into_iter();
+    let first = held.next().unwrap().await.unwrap();
+    assert_eq!(first.body, "done /slow");
+    let a = client::get(&proxy.url("/fast")).await;
+    assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"done /fast"[..]));
+    release.notify_one();
+    assert_eq!(held.next().unwrap().await.unwrap().status, 200);
+}

@@ -282,7 +282,7 @@ impl TunnelServer {
     }
 
     /// Sends `GET /slow` for `runtime` and waits until it has reached the
-    /// [`holding_upstream`] (told by `arrived`); the answer comes from the
+    /// [`upstream::holding`] (told by `arrived`); the answer comes from the
     /// task returned.
     async fn slow_in_flight(
         &self,
@@ -335,7 +335,7 @@ impl TunnelServer {
         crate::support::client::websocket_echo(request).await;
     }
 
-    /// Waits until `client` (`rt-a`, in front of a [`holding_upstream`])
+    /// Waits until `client` (`rt-a`, in front of a [`upstream::holding`])
     /// has a tunnel again, and checks a request goes through it.
     async fn serves_again(&self, client: &mut ProxyProcess) {
         client.wait_for_log("tunnel connected").await;
@@ -976,7 +976,7 @@ async fn the_public_side_serves_http3_and_advertises_it() {
 
     // A request in flight when the server is told to stop still gets its
     // answer (the connection is sent a GOAWAY, not closed).
-    let (up, mut arrived, release) = holding_upstream().await;
+    let (up, mut arrived, release) = upstream::holding().await;
     let url = up.url();
     let _slow_client = server
         .client("rt-b", TOKENS[1].1, &["--upstream", &url])
@@ -1265,26 +1265,6 @@ impl Drop for Relay {
     }
 }
 
-/// An upstream that holds every request until released, telling the test
-/// when one arrives.
-async fn holding_upstream() -> (upstream::Upstream, mpsc::UnboundedReceiver<()>, Arc<Notify>) {
-    let (arrived_tx, arrived) = mpsc::unbounded_channel();
-    let release = Arc::new(Notify::new());
-    let held = release.clone();
-    let up = upstream::serve(move |req: Request<hyper::body::Incoming>| {
-        let (arrived_tx, held) = (arrived_tx.clone(), held.clone());
-        async move {
-            if req.uri().path() == "/slow" {
-                let _ = arrived_tx.send(());
-                held.notified().await;
-            }
-            Response::new(full(format!("done {}", req.uri().path())))
-        }
-    })
-    .await;
-    (up, arrived, release)
-}
-
 /// The client's "tunnel lost" line says why (a reset, an unanswered
 /// ping, a clean close: which one depends on timing here) and after how
 /// long the tunnel had been up.
@@ -1299,7 +1279,7 @@ fn assert_lost_with_reason(line: &str) {
 
 #[tokio::test]
 async fn a_cut_tunnel_fails_in_flight_requests_promptly_and_the_client_reconnects() {
-    let (up, mut arrived, _release) = holding_upstream().await;
+    let (up, mut arrived, _release) = upstream::holding().await;
     let server = TunnelServer::start().await;
     let relay = Relay::start(server.tunnel).await;
     let url = up.url();
@@ -1485,7 +1465,7 @@ async fn a_second_client_takes_over_its_runtime_and_the_first_stops() {
 
 #[tokio::test]
 async fn sigterm_drains_the_client_then_it_exits() {
-    let (up, mut arrived, release) = holding_upstream().await;
+    let (up, mut arrived, release) = upstream::holding().await;
     let server = TunnelServer::start().await;
     let url = up.url();
     let mut client = server

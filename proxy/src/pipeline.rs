@@ -858,6 +858,11 @@ fn log_forward_error(
         ForwardError::BadTarget(_) => {
             tracing::info!(route = %route.name, upstream, request_id, error = %e, "bad request target")
         }
+        // Every request over the cap would log one: the access log and
+        // the 503s counted by route say it already.
+        ForwardError::Overloaded(_) => {
+            tracing::debug!(route = %route.name, upstream, request_id, error = %e, "upstream overloaded")
+        }
         ForwardError::RequestBody(_)
         | ForwardError::RequestBodyTimeout(_)
         | ForwardError::BodyTooLarge => {

@@ -90,6 +90,11 @@ pub async fn get(url: &str) -> Answer {
     send(&http1(), req).await
 }
 
+/// [`get`] taking its URL, for a task of its own.
+pub async fn get_owned(url: String) -> Answer {
+    get(&url).await
+}
+
 /// Opens a WebSocket to an echo server through `request` (10 s at most for
 /// the handshake, which must answer 101) and checks the exchange.
 pub async fn websocket_echo<R>(request: R)

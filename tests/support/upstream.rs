@@ -300,3 +300,29 @@ pub async fn never_answering() -> NeverAnswering {
         closed: closed_rx,
     }
 }
+
+/// An upstream that holds each request for `/slow` until released (one
+/// per `notify_one`, all waiting with `notify_waiters`), telling the test
+/// when one arrives; other paths are answered at once. Answers say
+/// `done <path>`.
+pub async fn holding() -> (
+    Upstream,
+    tokio::sync::mpsc::UnboundedReceiver<()>,
+    Arc<tokio::sync::Notify>,
+) {
+    let (arrived_tx, arrived) = tokio::sync::mpsc::unbounded_channel();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let held = release.clone();
+    let up = serve(move |req: Request<Incoming>| {
+        let (arrived_tx, held) = (arrived_tx.clone(), held.clone());
+        async move {
+            if req.uri().path() == "/slow" {
+                let _ = arrived_tx.send(());
+                held.notified().await;
+            }
+            Response::new(full(format!("done {}", req.uri().path())))
+        }
+    })
+    .await;
+    (up, arrived, release)
+}

@@ -247,7 +247,7 @@ async fn a_missing_or_short_peer_token_is_refused_at_start() {
 /// answer.
 #[tokio::test]
 async fn a_stopping_peer_finishes_the_requests_forwarded_to_it() {
-    let (up, mut arrived, release) = holding_upstream().await;
+    let (up, mut arrived, release) = upstream::holding().await;
     let (_token_dir, token) = peer_token_file();
     let mut b = replica(&["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token]).await;
     let b_peer = b.process.addrs["peer listening"];

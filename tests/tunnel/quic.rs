@@ -44,7 +44,7 @@ async fn transports(server: &TunnelServer, runtime: &str) -> Vec<String> {
 }
 
 /// A server, a one-tunnel QUIC client for `rt-a` in front of a
-/// [`holding_upstream`], and a request held there: its answer comes from
+/// [`upstream::holding`], and a request held there: its answer comes from
 /// the task, once the returned `Notify` releases it.
 async fn slow_request_on_a_quic_tunnel() -> (
     TunnelServer,
@@ -53,7 +53,7 @@ async fn slow_request_on_a_quic_tunnel() -> (
     upstream::Upstream,
     Arc<Notify>,
 ) {
-    let (up, mut arrived, release) = holding_upstream().await;
+    let (up, mut arrived, release) = upstream::holding().await;
     let server = TunnelServer::start_quic().await;
     let url = up.url();
     let client = quic_client(&server, &url, 1).await;
@@ -346,7 +346,7 @@ async fn a_silent_quic_client_fails_in_flight_requests_and_comes_back() {
 /// transport) close only after them.
 #[tokio::test]
 async fn a_stopping_server_finishes_requests_in_flight_through_either_transport() {
-    let (up, mut arrived, release) = holding_upstream().await;
+    let (up, mut arrived, release) = upstream::holding().await;
     let mut server = TunnelServer::start_quic().await;
     let url = up.url();
     let _ws = server

@@ -770,6 +770,14 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
             .ok_or_else(|| format!("`{s}` is not a retry count from 0 to 10"))
     });
     let eject_for = ctx.duration(&u.eject_for, DEFAULT_EJECT_FOR);
+    let max_requests = u.max_requests.as_ref().and_then(|t| {
+        ctx.parse(t, |s| {
+            s.parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| format!("max_requests `{s}` is not a positive number of requests"))
+        })
+    });
     let health_check = match (&u.health_check, &target) {
         (Some(h), Some(Target::Template(_))) => {
             ctx.err(
@@ -791,6 +799,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         timeouts,
         retries,
         eject_for,
+        max_requests,
         health_check,
         tls,
         http2,
@@ -1108,6 +1117,7 @@ fn route(
             timeouts: DEFAULT_TIMEOUTS,
             retries: DEFAULT_RETRIES,
             eject_for: DEFAULT_EJECT_FOR,
+            max_requests: None,
             health_check: None,
             tls: TlsSettings::default(),
             http2: false,

@@ -369,6 +369,10 @@ pub struct Upstream {
     /// How long an endpoint whose connect failed stays out of the
     /// rotation; zero: never taken out.
     pub eject_for: Duration,
+    /// Requests in flight to the upstream (all endpoints, all workers)
+    /// beyond which more are answered 503 at once (Envoy's circuit
+    /// breaker `max_requests`); `None`: no cap.
+    pub max_requests: Option<usize>,
     /// Active health checks, if any.
     pub health_check: Option<HealthCheck>,
     /// TLS for `https` endpoints.
@@ -401,6 +405,7 @@ impl Upstream {
             && self.retries == other.retries
             && self.eject_for == other.eject_for
             && self.health_check == other.health_check
+            && self.max_requests == other.max_requests
             && self.tls == other.tls
             && self.http2 == other.http2
             && self.preserve_host == other.preserve_host

@@ -147,6 +147,7 @@ pub struct RawUpstream {
     pub timeouts: Option<RawTimeouts>,
     pub retries: Option<Text>,
     pub eject_for: Option<Text>,
+    pub max_requests: Option<Text>,
     pub health_check: Option<Spanned<RawHealthCheck>>,
     pub tls: Option<RawTls>,
     pub http2: Option<Text>,

@@ -64,6 +64,9 @@ pub enum ForwardError {
     /// `max_request_body`; the upstream got the start of it and a cut.
     #[error("request body larger than the route's max_request_body")]
     BodyTooLarge,
+    /// The upstream already has its `max_requests` in flight.
+    #[error("upstream has its max_requests ({0}) in flight")]
+    Overloaded(usize),
 }
 
 impl ForwardError {
@@ -75,6 +78,7 @@ impl ForwardError {
             ForwardError::BadTarget(_) | ForwardError::RequestBody(_) => StatusCode::BAD_REQUEST,
             ForwardError::RequestBodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ForwardError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ForwardError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             // nginx's "client closed request": never sent, but logged and
             // counted.
             ForwardError::ClientGone => {
@@ -95,6 +99,7 @@ impl ForwardError {
             ForwardError::RequestBodyTimeout(_) => "request body timeout",
             ForwardError::ClientGone => "client closed request",
             ForwardError::BodyTooLarge => "request body too large",
+            ForwardError::Overloaded(_) => "upstream overloaded",
         }
     }
 }
@@ -109,11 +114,36 @@ impl Drop for InFlight {
     }
 }
 
+/// Counts a request against its upstream's `max_requests` until dropped.
+#[derive(Debug)]
+pub struct Admitted(Arc<AtomicUsize>);
+
+impl Admitted {
+    /// Counts one more request on `count`, unless `max` are in flight.
+    fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Admitted> {
+        // An optimistic add, taken back when over: one atomic operation
+        // for a request that is let in.
+        if count.fetch_add(1, Ordering::Relaxed) >= max {
+            count.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(Admitted(count.clone()))
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// What a forwarded response holds on to until its body ends: the
-/// endpoint's in-flight count and, for HTTP/1.1, the connection.
+/// endpoint's in-flight count, the upstream's under `max_requests`, and,
+/// for HTTP/1.1, the connection.
 #[derive(Default)]
 pub struct Held {
     in_flight: Option<InFlight>,
+    admitted: Option<Admitted>,
     lease: Option<Lease>,
     /// The upstream's read timeout in milliseconds (zero: none); not a
     /// `Duration`, which would make every response's `Held` 16 bytes
@@ -141,6 +171,7 @@ impl Held {
             lease.release();
         }
         self.in_flight = None;
+        self.admitted = None;
     }
 }
 
@@ -151,6 +182,9 @@ pub struct SharedEndpoints {
     in_flight: Arc<[AtomicUsize]>,
     /// Endpoints out of the rotation after a failed connect.
     ejections: Arc<Ejections>,
+    /// Requests in flight to the whole upstream, counted only when it
+    /// has `max_requests`.
+    requests: Arc<AtomicUsize>,
 }
 
 /// A fresh [`SharedEndpoints`] for `spec`, made once per upstream.
@@ -162,6 +196,7 @@ pub fn shared_endpoints(spec: &Upstream) -> SharedEndpoints {
     SharedEndpoints {
         in_flight: (0..n).map(|_| AtomicUsize::new(0)).collect(),
         ejections: Arc::new(Ejections::new(n, spec.eject_for)),
+        requests: Arc::new(AtomicUsize::new(0)),
     }
 }
 
@@ -172,6 +207,7 @@ pub struct UpstreamPool {
     conns: ConnPool,
     in_flight: Arc<[AtomicUsize]>,
     ejections: Arc<Ejections>,
+    requests: Arc<AtomicUsize>,
     next: AtomicUsize,
 }
 
@@ -225,6 +261,7 @@ impl UpstreamPool {
             conns: ConnPool::new(&spec, shared.in_flight.len()),
             in_flight: shared.in_flight,
             ejections: shared.ejections,
+            requests: shared.requests,
             next: AtomicUsize::new(0),
             spec,
         }
@@ -314,6 +351,14 @@ impl UpstreamPool {
         timeout: Duration,
         client: Option<ClientSocket>,
     ) -> Result<(Response<Body>, Held), ForwardError> {
+        // Before anything is read or dialled: a request over the cap
+        // costs the upstream nothing.
+        let mut admitted = match self.spec.max_requests {
+            None => None,
+            Some(max) => {
+                Some(Admitted::take(&self.requests, max).ok_or(ForwardError::Overloaded(max))?)
+            }
+        };
         let rendered;
         let (endpoints, template): (&[Endpoint], bool) = match &self.spec.target {
             Target::Endpoints(e) => (e, false),
@@ -450,6 +495,7 @@ impl UpstreamPool {
                                     let resp = resp.map(|()| Body::Upstream { inner: body });
                                     let held = Held {
                                         in_flight: guard,
+                                        admitted: admitted.take(),
                                         lease: None,
                                         read_timeout_ms: 0,
                                     };
@@ -498,6 +544,7 @@ impl UpstreamPool {
                                 resp.map(Body::from),
                                 Held {
                                     in_flight: guard,
+                                    admitted: admitted.take(),
                                     lease: conn.into_lease(),
                                     read_timeout_ms: 0,
                                 },
