@@ -290,3 +290,18 @@ routes:
         ],
     );
 }
+
+#[test]
+fn check_names_bad_upstream_guards() {
+    crate::support::assert_check_errors(
+        r#"
+upstreams:
+  - { name: a, endpoints: ["http://127.0.0.1:9"], retry_on: [500] }
+  - { name: b, endpoints: ["http://127.0.0.1:9"], max_requests: 0 }
+"#,
+        &[
+            (3, "only 502, 503 and 504 say the request was not acted on"),
+            (4, "max_requests `0` is not a positive number of requests"),
+        ],
+    );
+}

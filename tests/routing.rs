@@ -445,13 +445,138 @@ routes:
     assert_eq!(a.json()["route"], "capped");
     // Other upstreams are not touched by it.
     assert_eq!(client::get(&proxy.url("/other")).await.status, 200);
-    // One ends: one more fits.
+    // One ends (whichever the upstream lets go): one more fits.
     release.notify_one();
-    let mut held = held.into_iter();
-    let first = held.next().unwrap().await.unwrap();
-    assert_eq!(first.body, "done /slow");
+    let (first, _, rest) = futures_util::future::select_all(held).await;
+    assert_eq!(first.unwrap().body, "done /slow");
     let a = client::get(&proxy.url("/fast")).await;
     assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"done /fast"[..]));
     release.notify_one();
-    assert_eq!(held.next().unwrap().await.unwrap().status, 200);
+    assert_eq!(rest.into_iter().next().unwrap().await.unwrap().status, 200);
+}
+
+/// An upstream answering `/always` 503, `/once` 503 the first time only,
+/// `/down-only` 503 if it is named `down`, anything else 200, with its
+/// name; counting the requests it gets.
+async fn unavailable_at_times(
+    name: &'static str,
+) -> (upstream::Upstream, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let hits = Arc::new(AtomicUsize::new(0));
+    let once = Arc::new(AtomicBool::new(false));
+    let counted = hits.clone();
+    let up = upstream::serve(move |req: Request<hyper::body::Incoming>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        let failed_once = once.swap(true, Ordering::SeqCst);
+        async move {
+            let unavailable = match req.uri().path() {
+                "/always" => true,
+                "/once" => !failed_once,
+                "/down-only" => name == "down",
+                _ => false,
+            };
+            let _ = http_body_util::BodyExt::collect(req.into_body()).await;
+            Response::builder()
+                .status(if unavailable { 503 } else { 200 })
+                .body(full(name))
+                .unwrap()
+        }
+    })
+    .await;
+    (up, hits)
+}
+
+#[tokio::test]
+async fn idempotent_requests_in_hand_are_retried_after_a_listed_status() {
+    use std::sync::atomic::Ordering;
+    let (one, one_hits) = unavailable_at_times("one").await;
+    let (down, down_hits) = unavailable_at_times("down").await;
+    let (up, up_hits) = unavailable_at_times("up").await;
+    let (plain, plain_hits) = unavailable_at_times("plain").await;
+    let (h2, h2_hits) = unavailable_at_times("h2").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: one, endpoints: ["{}"], retry_on: [503], retries: 2 }}
+  - {{ name: pair, endpoints: ["{}", "{}"], retry_on: [502, 503, 504] }}
+  - {{ name: plain, endpoints: ["{}"] }}
+  - {{ name: h2, endpoints: ["{}"], retry_on: [503], http2: true }}
+routes:
+  - {{ name: h2, match: {{ path_prefix: /h2 }}, upstream: h2, strip_prefix: /h2 }}
+  - {{ name: one, match: {{ path_prefix: /one }}, upstream: one, strip_prefix: /one }}
+  - {{ name: pair, match: {{ path_prefix: /pair }}, upstream: pair, strip_prefix: /pair }}
+  - {{ name: plain, match: {{ path_prefix: /plain }}, upstream: plain, strip_prefix: /plain }}
+"#,
+        one.url(),
+        down.url(),
+        up.url(),
+        plain.url(),
+        h2.url()
+    ))
+    .await;
+    let http = client::http1();
+    let call = |method: &str, path: &str, payload: ReqBodyKind| {
+        let req = Request::builder().method(method).uri(proxy.url(path));
+        let req = match payload {
+            ReqBodyKind::InHand => req.body(body("in hand")),
+            ReqBodyKind::Streamed => req.body(BodyExt::boxed(StreamBody::new(upstream::chunks(
+                128 * 1024,
+            )))),
+        };
+        client::send(&http, req.unwrap())
+    };
+
+    // One endpoint (a Service): the 503 is retried there, and the second
+    // answer is the client's.
+    let a = call("GET", "/one/once", ReqBodyKind::InHand).await;
+    assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"one"[..]));
+    assert_eq!(one_hits.load(Ordering::SeqCst), 2);
+    // `retries` bounds it: three answers, the last one passed on.
+    let a = call("GET", "/one/always", ReqBodyKind::InHand).await;
+    assert_eq!(a.status, 503);
+    assert_eq!(one_hits.load(Ordering::SeqCst), 5);
+    // Not for a POST (it may have been acted on), nor a body that
+    // streamed (no copy to send again).
+    assert_eq!(
+        call("POST", "/one/always", ReqBodyKind::InHand)
+            .await
+            .status,
+        503
+    );
+    assert_eq!(
+        call("PUT", "/one/always", ReqBodyKind::Streamed)
+            .await
+            .status,
+        503
+    );
+    assert_eq!(one_hits.load(Ordering::SeqCst), 7);
+
+    // Two endpoints: the retry goes to the other, so every PUT in hand
+    // gets the live endpoint's answer.
+    for _ in 0..4 {
+        let a = call("PUT", "/pair/down-only", ReqBodyKind::InHand).await;
+        assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"up"[..]));
+    }
+    // Round robin started on each twice.
+    assert_eq!(down_hits.load(Ordering::SeqCst), 2);
+    assert_eq!(up_hits.load(Ordering::SeqCst), 4);
+
+    // Over HTTP/2 to the upstream (hyper's client rather than the in-task
+    // exchange) alike.
+    let a = call("GET", "/h2/once", ReqBodyKind::InHand).await;
+    assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"h2"[..]));
+    assert_eq!(h2_hits.load(Ordering::SeqCst), 2);
+
+    // Without retry_on, a 503 is passed on as it came.
+    assert_eq!(
+        call("GET", "/plain/once", ReqBodyKind::InHand).await.status,
+        503
+    );
+    assert_eq!(plain_hits.load(Ordering::SeqCst), 1);
+}
+
+enum ReqBodyKind {
+    InHand,
+    Streamed,
 }

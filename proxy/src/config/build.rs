@@ -770,6 +770,20 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
             .ok_or_else(|| format!("`{s}` is not a retry count from 0 to 10"))
     });
     let eject_for = ctx.duration(&u.eject_for, DEFAULT_EJECT_FOR);
+    let retry_on: Vec<u16> = u
+        .retry_on
+        .iter()
+        .filter_map(|t| {
+            ctx.parse(t, |s| match s.trim() {
+                "502" => Ok(502),
+                "503" => Ok(503),
+                "504" => Ok(504),
+                _ => Err(format!(
+                    "retry_on `{s}`: only 502, 503 and 504 say the request was not acted on"
+                )),
+            })
+        })
+        .collect();
     let max_requests = u.max_requests.as_ref().and_then(|t| {
         ctx.parse(t, |s| {
             s.parse::<usize>()
@@ -799,6 +813,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         timeouts,
         retries,
         eject_for,
+        retry_on,
         max_requests,
         health_check,
         tls,
@@ -1117,6 +1132,7 @@ fn route(
             timeouts: DEFAULT_TIMEOUTS,
             retries: DEFAULT_RETRIES,
             eject_for: DEFAULT_EJECT_FOR,
+            retry_on: Vec::new(),
             max_requests: None,
             health_check: None,
             tls: TlsSettings::default(),

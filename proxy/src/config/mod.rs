@@ -369,6 +369,10 @@ pub struct Upstream {
     /// How long an endpoint whose connect failed stays out of the
     /// rotation; zero: never taken out.
     pub eject_for: Duration,
+    /// Answer statuses (502, 503, 504) after which an idempotent request
+    /// in hand is sent again, up to `retries` times (Envoy's `retry_on`
+    /// `gateway-error`, nginx's `proxy_next_upstream http_503`).
+    pub retry_on: Vec<u16>,
     /// Requests in flight to the upstream (all endpoints, all workers)
     /// beyond which more are answered 503 at once (Envoy's circuit
     /// breaker `max_requests`); `None`: no cap.
@@ -406,6 +410,7 @@ impl Upstream {
             && self.eject_for == other.eject_for
             && self.health_check == other.health_check
             && self.max_requests == other.max_requests
+            && self.retry_on == other.retry_on
             && self.tls == other.tls
             && self.http2 == other.http2
             && self.preserve_host == other.preserve_host

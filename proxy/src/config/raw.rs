@@ -148,6 +148,8 @@ pub struct RawUpstream {
     pub retries: Option<Text>,
     pub eject_for: Option<Text>,
     pub max_requests: Option<Text>,
+    #[serde(default)]
+    pub retry_on: Vec<Text>,
     pub health_check: Option<Spanned<RawHealthCheck>>,
     pub tls: Option<RawTls>,
     pub http2: Option<Text>,

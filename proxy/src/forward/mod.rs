@@ -408,10 +408,23 @@ impl UpstreamPool {
         // a failed connect is retried, before any byte of the request left:
         // a streamed body is still untouched then.
         let retryable = self.spec.retries > 0 && endpoints.len() > 1;
-        let attempts = if retryable {
+        let mut attempts = if retryable {
             1 + self.spec.retries.min(endpoints.len() as u32 - 1)
         } else {
             1
+        };
+        // A request whose answer may be thrown away for another: whole in
+        // hand and safe to send twice. It gets its `retries` even with one
+        // endpoint (a Kubernetes Service picks another pod).
+        let replay_on_status =
+            !self.spec.retry_on.is_empty() && whole && !upgrade && idempotent(&method);
+        if replay_on_status {
+            attempts = attempts.max(1 + self.spec.retries);
+        }
+        let retry_status = |status: StatusCode, attempt: u32| {
+            replay_on_status
+                && attempt + 1 < attempts
+                && self.spec.retry_on.contains(&status.as_u16())
         };
         // Requests in hand are exchanged with HTTP/1.1 upstreams by this
         // task (`h1`); streamed bodies and upgrades go through hyper's
@@ -424,7 +437,7 @@ impl UpstreamPool {
             let mut last = None;
             let n = endpoints.len();
             let mut i = self.pick(n);
-            for attempt in 0..attempts {
+            'attempts: for attempt in 0..attempts {
                 // Retries walk on from the balancer's choice to the next
                 // endpoint in (the one that failed is out by now).
                 if attempt > 0 {
@@ -488,6 +501,11 @@ impl UpstreamPool {
                                 )
                                 .await
                             {
+                                Ok((resp, _)) if retry_status(resp.status(), attempt) => {
+                                    // Its body unread, the connection goes.
+                                    tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, status = resp.status().as_u16(), attempt, "answer to retry");
+                                    continue 'attempts;
+                                }
                                 Ok((resp, framing)) => {
                                     conn.recycle(std::mem::take(&mut hdrs));
                                     let home = h1::keeps_alive(&resp, framing).then_some(slot);
@@ -539,6 +557,10 @@ impl UpstreamPool {
                         }
                     };
                     match conn.send(r).await {
+                        Ok(resp) if retry_status(resp.status(), attempt) => {
+                            tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, status = resp.status().as_u16(), attempt, "answer to retry");
+                            continue 'attempts;
+                        }
                         Ok(resp) => {
                             return Ok((
                                 resp.map(Body::from),
