@@ -421,11 +421,6 @@ impl UpstreamPool {
         if replay_on_status {
             attempts = attempts.max(1 + self.spec.retries);
         }
-        let retry_status = |status: StatusCode, attempt: u32| {
-            replay_on_status
-                && attempt + 1 < attempts
-                && self.spec.retry_on.contains(&status.as_u16())
-        };
         // Requests in hand are exchanged with HTTP/1.1 upstreams by this
         // task (`h1`); streamed bodies and upgrades go through hyper's
         // connection task, which reads the response while the body is
@@ -444,6 +439,11 @@ impl UpstreamPool {
                     i = self.ejections.first_in((i + 1) % n, n);
                 }
                 let ep = &endpoints[i];
+                // Whether this attempt's answer may be dropped for another
+                // (the status is looked at only then).
+                let may_retry = replay_on_status && attempt + 1 < attempts;
+                let retry_status =
+                    |status: StatusCode| may_retry && self.spec.retry_on.contains(&status.as_u16());
                 let dest = if template {
                     Dest::Dynamic(ep)
                 } else {
@@ -501,7 +501,7 @@ impl UpstreamPool {
                                 )
                                 .await
                             {
-                                Ok((resp, _)) if retry_status(resp.status(), attempt) => {
+                                Ok((resp, _)) if retry_status(resp.status()) => {
                                     // Its body unread, the connection goes.
                                     tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, status = resp.status().as_u16(), attempt, "answer to retry");
                                     continue 'attempts;
@@ -557,7 +557,7 @@ impl UpstreamPool {
                         }
                     };
                     match conn.send(r).await {
-                        Ok(resp) if retry_status(resp.status(), attempt) => {
+                        Ok(resp) if retry_status(resp.status()) => {
                             tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, status = resp.status().as_u16(), attempt, "answer to retry");
                             continue 'attempts;
                         }
