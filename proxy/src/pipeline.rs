@@ -724,6 +724,22 @@ impl Pipeline {
                 if let Some(log) = log.as_mut() {
                     log.upstream = Some(pool.spec.name.clone());
                 }
+                // Before anything is read or dialled: a request over the
+                // cap costs the upstream nothing.
+                let admitted = match pool.admit() {
+                    Ok(admitted) => admitted,
+                    Err(e) => {
+                        log_forward_error(route, &pool.spec.name, &e, request_id);
+                        let status = e.status();
+                        let resp = error_response(
+                            status,
+                            e.public_message(),
+                            Some(route),
+                            origin.as_ref(),
+                        );
+                        return (resp, forward::Held::default());
+                    }
+                };
                 let plugin_path = plugins.as_mut().and_then(|p| p.path.take());
                 let new_path = match plugin_path.map(Ok).unwrap_or_else(|| {
                     rewritten_path(
@@ -782,6 +798,7 @@ impl Pipeline {
                 let watch = watchable(conn, parts.version);
                 match pool.send(out, &found.params, timeout, watch).await {
                     Ok((mut resp, held)) => {
+                        let held = held.admitted(admitted);
                         if let Some(client_upgrade) = client_upgrade
                             .filter(|_| resp.status() == StatusCode::SWITCHING_PROTOCOLS)
                         {

@@ -159,6 +159,13 @@ impl Held {
         self
     }
 
+    /// Holds the request's count under its upstream's `max_requests`
+    /// until the body ends.
+    pub fn admitted(mut self, admitted: Option<Admitted>) -> Held {
+        self.admitted = admitted;
+        self
+    }
+
     /// See [`Held::with_read_timeout`].
     pub fn read_timeout(&self) -> Duration {
         Duration::from_millis(self.read_timeout_ms.into())
@@ -337,6 +344,21 @@ impl UpstreamPool {
         Uri::from_parts(parts).map_err(|e| ForwardError::BadTarget(e.to_string()))
     }
 
+    /// Counts a request against the upstream's `max_requests`, if it has
+    /// one: `Err` when that many are in flight. Asked before [`send`]
+    /// (kept out of it: its future is the hot path's largest), and the
+    /// count handed to the response's [`Held`].
+    ///
+    /// [`send`]: UpstreamPool::send
+    pub fn admit(&self) -> Result<Option<Admitted>, ForwardError> {
+        match self.spec.max_requests {
+            None => Ok(None),
+            Some(max) => Admitted::take(&self.requests, max)
+                .map(Some)
+                .ok_or(ForwardError::Overloaded(max)),
+        }
+    }
+
     /// Sends `out` to the upstream and waits for the response head, within
     /// `timeout`. A request whose connection could not be made is retried
     /// on the next endpoint in, up to `retries` times: nothing was sent,
@@ -351,14 +373,6 @@ impl UpstreamPool {
         timeout: Duration,
         client: Option<ClientSocket>,
     ) -> Result<(Response<Body>, Held), ForwardError> {
-        // Before anything is read or dialled: a request over the cap
-        // costs the upstream nothing.
-        let mut admitted = match self.spec.max_requests {
-            None => None,
-            Some(max) => {
-                Some(Admitted::take(&self.requests, max).ok_or(ForwardError::Overloaded(max))?)
-            }
-        };
         let rendered;
         let (endpoints, template): (&[Endpoint], bool) = match &self.spec.target {
             Target::Endpoints(e) => (e, false),
@@ -513,7 +527,7 @@ impl UpstreamPool {
                                     let resp = resp.map(|()| Body::Upstream { inner: body });
                                     let held = Held {
                                         in_flight: guard,
-                                        admitted: admitted.take(),
+                                        admitted: None,
                                         lease: None,
                                         read_timeout_ms: 0,
                                     };
@@ -566,7 +580,7 @@ impl UpstreamPool {
                                 resp.map(Body::from),
                                 Held {
                                     in_flight: guard,
-                                    admitted: admitted.take(),
+                                    admitted: None,
                                     lease: conn.into_lease(),
                                     read_timeout_ms: 0,
                                 },
