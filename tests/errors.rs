@@ -334,6 +334,13 @@ async fn a_head_past_hypers_buffer_gets_a_json_431() {
     assert_eq!(status, 431, "{answer:?}");
     assert_eq!(json["error"], "request head too large");
     assert_eq!(client::get(&proxy.url("/healthz")).await.status, 200);
+
+    // A client still writing a head of megabytes reads the 431 too, not
+    // a reset: the proxy reads on and drops the rest before closing.
+    let mut bytes = b"GET /healthz HTTP/1.1\r\nhost: a\r\nx-big: ".to_vec();
+    bytes.resize(bytes.len() + (8 << 20), b'x');
+    let answer = client::raw_written_whole(proxy.addr, &bytes).await;
+    assert_eq!(status_and_json(&answer).0, 431, "{answer:?}");
 }
 
 /// The status code and JSON body of a raw HTTP/1.1 answer.

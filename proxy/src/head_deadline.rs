@@ -235,6 +235,12 @@ impl<S: AsyncWrite + Unpin> Watched<S> {
     ) -> Option<Poll<std::io::Result<usize>>> {
         let (status, answer) = crate::unparsed_head::answer(buf)?;
         self.clock.1.store(status, Ordering::Relaxed);
+        // The rest of a head too large is likely still coming: linger, so
+        // that the client reads the 431 rather than a reset (nginx does
+        // for its 494 too; a malformed head's client is not waited for).
+        if status == 431 {
+            self.clock.linger();
+        }
         self.answer = Some((answer, 0));
         // hyper's head counts as written; the flush that follows sends
         // whatever of the answer this does not.

@@ -199,21 +199,26 @@ pub async fn post_all_then_read(
     path: &str,
     size: usize,
 ) -> String {
+    let head = format!("POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {size}\r\n\r\n");
+    let mut raw = head.into_bytes();
+    raw.resize(raw.len() + size, b'a');
+    raw_written_whole(addr, &raw).await
+}
+
+/// Writes all of `raw` on a new connection to `addr`, then reads the
+/// answer up to the server's close. Panics when a write fails (the server
+/// reset the connection) or the server neither takes it all nor closes
+/// within 20 s.
+pub async fn raw_written_whole(addr: std::net::SocketAddr, raw: &[u8]) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let head = format!("POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {size}\r\n\r\n");
     let sent = tokio::time::timeout(Duration::from_secs(20), async {
-        conn.write_all(head.as_bytes()).await?;
-        let chunk = vec![b'a'; 64 * 1024];
-        for _ in 0..size / chunk.len() {
-            conn.write_all(&chunk).await?;
-        }
-        conn.write_all(&chunk[..size % chunk.len()]).await?;
+        conn.write_all(raw).await?;
         conn.shutdown().await
     })
     .await
-    .expect("the body was not taken in 20 s");
-    sent.expect("writing the body after the answer");
+    .expect("the bytes were not all taken in 20 s");
+    sent.expect("writing on after the answer");
     let mut answer = Vec::new();
     let read = tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut answer))
         .await
