@@ -796,7 +796,7 @@ impl Pipeline {
                 };
                 let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
                 let watch = watchable(conn, parts.version);
-                match pool.send(out, &found.params, timeout, watch).await {
+                match pool.send::<false>(out, &found.params, timeout, watch).await {
                     Ok((mut resp, held)) => {
                         let held = held.admitted(admitted);
                         if let Some(client_upgrade) = client_upgrade
