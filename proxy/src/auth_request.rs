@@ -70,8 +70,7 @@ pub async fn check(
     };
     let params = matchit::Params::new();
     let answer = async {
-        let _admitted = pool.admit()?;
-        let (resp, held) = pool.send::<true>(out, &params, auth.timeout, None).await?;
+        let (resp, held) = pool.send(out, &params, auth.timeout, None).await?;
         let (parts, body) = resp.into_parts();
         let body = http_body_util::Limited::new(body, MAX_BODY)
             .collect()

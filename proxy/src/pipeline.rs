@@ -516,41 +516,6 @@ impl Pipeline {
         )
     }
 
-    /// Asks a route's auth service about a request (see
-    /// [`crate::auth_request`]); `Err` is the client's answer, closing an
-    /// HTTP/1 connection whose body (`body_left`) no one will read. Boxed
-    /// and made out of line: only routes with an auth request pay for its
-    /// future, and the request's own stays small.
-    #[inline(never)]
-    fn ask_auth<'a>(
-        &'a self,
-        auth: &'a crate::config::AuthRequest,
-        conn: &'a ConnInfo,
-        route: &'a Route,
-        (method, uri, headers, version): (
-            &'a Method,
-            &'a http::Uri,
-            &'a mut http::HeaderMap,
-            Version,
-        ),
-        origin: Option<&'a HeaderValue>,
-        body_left: bool,
-    ) -> std::pin::Pin<Box<dyn Future<Output = Result<(), Response<Body>>> + Send + 'a>> {
-        let pool = &self.upstreams[conn.worker % self.upstreams.len()][auth.upstream];
-        Box::pin(async move {
-            let asked = crate::auth_request::Asked { method, uri };
-            let checked =
-                crate::auth_request::check(auth, pool, asked, headers, (conn, route, origin));
-            checked.await.map_err(|resp| {
-                if body_left {
-                    closing(resp, version)
-                } else {
-                    resp
-                }
-            })
-        })
-    }
-
     async fn route_and_serve(
         &self,
         req: Request<Incoming>,
@@ -654,10 +619,27 @@ impl Pipeline {
         // Then the auth service, before the plugins: they may act on who
         // it says the user is.
         if let Some(auth) = &route.auth_request {
-            let body_left = !http_body::Body::is_end_stream(&body);
-            let head = (&parts.method, &parts.uri, &mut parts.headers, parts.version);
-            let checked = self.ask_auth(auth, conn, route, head, origin.as_ref(), body_left);
+            let pool = &self.upstreams[conn.worker % self.upstreams.len()][auth.upstream];
+            let asked = crate::auth_request::Asked {
+                method: &parts.method,
+                uri: &parts.uri,
+            };
+            let context = (conn, &**route, origin.as_ref());
+            // Boxed: only routes with an auth request pay for its future.
+            let checked = Box::pin(crate::auth_request::check(
+                auth,
+                pool,
+                asked,
+                &mut parts.headers,
+                context,
+            ));
             if let Err(resp) = checked.await {
+                // The client may still be sending a body no one will read.
+                let resp = if http_body::Body::is_end_stream(&body) {
+                    resp
+                } else {
+                    closing(resp, parts.version)
+                };
                 return (resp, forward::Held::default());
             }
         }
@@ -714,9 +696,20 @@ impl Pipeline {
                     .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
                 r
             }
-            Action::Redirect(redirect) => {
-                redirect_response(redirect, &found.params, &parts.uri, route, origin.as_ref())
-            }
+            Action::Redirect(redirect) => match redirect_to(redirect, &found.params, &parts.uri) {
+                Some(location) => {
+                    let mut r = Response::new(Body::empty());
+                    *r.status_mut() = redirect.status;
+                    r.headers_mut().insert(header::LOCATION, location);
+                    r
+                }
+                None => error_response(
+                    StatusCode::BAD_REQUEST,
+                    "invalid path parameter for the redirect",
+                    Some(route),
+                    origin.as_ref(),
+                ),
+            },
             Action::Respond(local) => {
                 let mut r = Response::new(Body::full(local.body.clone()));
                 *r.status_mut() = local.status;
@@ -731,15 +724,6 @@ impl Pipeline {
                 if let Some(log) = log.as_mut() {
                     log.upstream = Some(pool.spec.name.clone());
                 }
-                // Before anything is read or dialled: a request over the
-                // cap costs the upstream nothing.
-                let admitted = match pool.admit() {
-                    Ok(admitted) => admitted,
-                    Err(e) => {
-                        let resp = forward_failed(route, &pool.spec.name, &e, request_id, origin);
-                        return (resp, forward::Held::default());
-                    }
-                };
                 let plugin_path = plugins.as_mut().and_then(|p| p.path.take());
                 let new_path = match plugin_path.map(Ok).unwrap_or_else(|| {
                     rewritten_path(
@@ -796,9 +780,8 @@ impl Pipeline {
                 };
                 let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
                 let watch = watchable(conn, parts.version);
-                match pool.send::<false>(out, &found.params, timeout, watch).await {
+                match pool.send(out, &found.params, timeout, watch).await {
                     Ok((mut resp, held)) => {
-                        let held = held.admitted(admitted);
                         if let Some(client_upgrade) = client_upgrade
                             .filter(|_| resp.status() == StatusCode::SWITCHING_PROTOCOLS)
                         {
@@ -888,46 +871,6 @@ fn log_forward_error(
         _ => {
             tracing::warn!(route = %route.name, upstream, request_id, error = %e, "upstream request failed")
         }
-    }
-}
-
-/// The answer to a request that could not be forwarded, logged.
-#[cold]
-#[inline(never)]
-fn forward_failed(
-    route: &Route,
-    upstream: &str,
-    e: &ForwardError,
-    request_id: Option<&HeaderValue>,
-    origin: Option<HeaderValue>,
-) -> Response<Body> {
-    log_forward_error(route, upstream, e, request_id);
-    error_response(e.status(), e.public_message(), Some(route), origin.as_ref())
-}
-
-/// A route's redirect answer (out of line: the forwarding path's future
-/// is inlined into its caller only while small).
-#[inline(never)]
-fn redirect_response(
-    redirect: &crate::config::Redirect,
-    params: &matchit::Params,
-    uri: &http::Uri,
-    route: &Route,
-    origin: Option<&HeaderValue>,
-) -> Response<Body> {
-    match redirect_to(redirect, params, uri) {
-        Some(location) => {
-            let mut r = Response::new(Body::empty());
-            *r.status_mut() = redirect.status;
-            r.headers_mut().insert(header::LOCATION, location);
-            r
-        }
-        None => error_response(
-            StatusCode::BAD_REQUEST,
-            "invalid path parameter for the redirect",
-            Some(route),
-            origin,
-        ),
     }
 }
 

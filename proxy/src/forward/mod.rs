@@ -159,13 +159,6 @@ impl Held {
         self
     }
 
-    /// Holds the request's count under its upstream's `max_requests`
-    /// until the body ends.
-    pub fn admitted(mut self, admitted: Option<Admitted>) -> Held {
-        self.admitted = admitted;
-        self
-    }
-
     /// See [`Held::with_read_timeout`].
     pub fn read_timeout(&self) -> Duration {
         Duration::from_millis(self.read_timeout_ms.into())
@@ -344,21 +337,6 @@ impl UpstreamPool {
         Uri::from_parts(parts).map_err(|e| ForwardError::BadTarget(e.to_string()))
     }
 
-    /// Counts a request against the upstream's `max_requests`, if it has
-    /// one: `Err` when that many are in flight. Asked before [`send`]
-    /// (kept out of it: its future is the hot path's largest), and the
-    /// count handed to the response's [`Held`].
-    ///
-    /// [`send`]: UpstreamPool::send
-    pub fn admit(&self) -> Result<Option<Admitted>, ForwardError> {
-        match self.spec.max_requests {
-            None => Ok(None),
-            Some(max) => Admitted::take(&self.requests, max)
-                .map(Some)
-                .ok_or(ForwardError::Overloaded(max)),
-        }
-    }
-
     /// Sends `out` to the upstream and waits for the response head, within
     /// `timeout`. A request whose connection could not be made is retried
     /// on the next endpoint in, up to `retries` times: nothing was sent,
@@ -366,19 +344,21 @@ impl UpstreamPool {
     /// failure retries do); the endpoint is ejected for `eject_for`. A
     /// request that a stale pooled connection gave back unsent is always
     /// sent again on a new connection.
-    ///
-    /// `SUBREQUEST` is true for the proxy's own requests (auth requests)
-    /// and changes nothing but the copy the compiler makes: the client
-    /// requests' copy then has one caller, and its future's poll is
-    /// inlined into the pipeline's (~180 instructions a request of moves
-    /// when a second caller shared it).
-    pub async fn send<const SUBREQUEST: bool>(
+    pub async fn send(
         &self,
         out: Outgoing,
         params: &matchit::Params<'_, '_>,
         timeout: Duration,
         client: Option<ClientSocket>,
     ) -> Result<(Response<Body>, Held), ForwardError> {
+        // Before anything is read or dialled: a request over the cap
+        // costs the upstream nothing.
+        let mut admitted = match self.spec.max_requests {
+            None => None,
+            Some(max) => {
+                Some(Admitted::take(&self.requests, max).ok_or(ForwardError::Overloaded(max))?)
+            }
+        };
         let rendered;
         let (endpoints, template): (&[Endpoint], bool) = match &self.spec.target {
             Target::Endpoints(e) => (e, false),
@@ -533,7 +513,7 @@ impl UpstreamPool {
                                     let resp = resp.map(|()| Body::Upstream { inner: body });
                                     let held = Held {
                                         in_flight: guard,
-                                        admitted: None,
+                                        admitted: admitted.take(),
                                         lease: None,
                                         read_timeout_ms: 0,
                                     };
@@ -586,7 +566,7 @@ impl UpstreamPool {
                                 resp.map(Body::from),
                                 Held {
                                     in_flight: guard,
-                                    admitted: None,
+                                    admitted: admitted.take(),
                                     lease: conn.into_lease(),
                                     read_timeout_ms: 0,
                                 },
