@@ -146,6 +146,19 @@ routes:
     assert!(!s.content_length && s.body_len == 0, "{s:?}");
     assert_eq!(hits.load(Ordering::SeqCst), 2);
 
+    // An HTTP/2 client's cookies, sent as fields of their own, reach the
+    // service as one Cookie line.
+    let req = Request::get(proxy.url("/app"))
+        .header("cookie", "theme=dark")
+        .header("cookie", "session=good")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let a = client::send(&client::h2c(), req).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let s = seen.try_recv().expect("the auth service was asked");
+    assert_eq!(s.cookie, "theme=dark; session=good");
+    assert_eq!(hits.load(Ordering::SeqCst), 3);
+
     // Refusals come back as the service gave them, and go no further.
     let a = send("GET", "/app", "", b"").await;
     assert_eq!(a.status, 401);
@@ -155,7 +168,7 @@ routes:
     assert_eq!(a.body, "not in the team");
     // The body was never read: the connection closes after the answer.
     assert_eq!(a.header("connection"), Some("close"));
-    assert_eq!(hits.load(Ordering::SeqCst), 2);
+    assert_eq!(hits.load(Ordering::SeqCst), 3);
 
     // With `signin`, a 401 is a redirect to the sign-in page.
     let a = send("GET", "/signin-app?q=1", "", b"").await;
@@ -186,7 +199,7 @@ routes:
 
     // Routes without it never ask.
     assert_eq!(send("GET", "/open", "", b"").await.status, 200);
-    assert_eq!(hits.load(Ordering::SeqCst), 3);
+    assert_eq!(hits.load(Ordering::SeqCst), 4);
     let asked = std::iter::from_fn(|| seen.try_recv().ok()).count();
     assert_eq!(asked, 4, "the two refusals and the sign-ins");
 }

@@ -122,6 +122,9 @@ fn subrequest_headers(
 ) -> HeaderMap {
     let mut out = headers.clone();
     let claimed = forward::remove_hop_by_hop(&mut out, false);
+    // An HTTP/2 client's cookies, one field each, go as one line: an auth
+    // service reading one Cookie header would miss the session otherwise.
+    forward::join_cookie_crumbs(&mut out);
     for name in [
         header::CONTENT_LENGTH,
         header::CONTENT_TYPE,
