@@ -416,8 +416,9 @@ routes:
 async fn an_upstream_at_its_max_requests_answers_503_until_one_ends() {
     let (up, mut arrived, release) = upstream::holding().await;
     let other = upstream::echo("other").await;
-    let proxy = Proxy::start_yaml(&format!(
-        r#"
+    let proxy = ProxyProcess::start(
+        &format!(
+            r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
 upstreams:
   - {{ name: capped, endpoints: ["{}"], max_requests: 2 }}
@@ -426,9 +427,11 @@ routes:
   - {{ name: capped, match: {{ path_prefix: / }}, upstream: capped }}
   - {{ name: other, match: {{ path: /other }}, upstream: other }}
 "#,
-        up.url(),
-        other.url()
-    ))
+            up.url(),
+            other.url()
+        ),
+        &["--workers", "2"],
+    )
     .await;
     let held: Vec<_> = (0..2)
         .map(|_| tokio::spawn(client::get_owned(proxy.url("/slow"))))
@@ -443,6 +446,16 @@ routes:
     assert_eq!(a.status, 503, "{:?}", a.body);
     assert_eq!(a.json()["error"], "upstream overloaded");
     assert_eq!(a.json()["route"], "capped");
+    // Operators see the count (one for all the workers).
+    let status = proxy.status().await;
+    let counted = &status["config"]["upstream_requests"];
+    assert_eq!(
+        counted,
+        &serde_json::json!([{ "upstream": "capped", "in_flight": 2, "max_requests": 2 }])
+    );
+    proxy
+        .metrics_showing(&[r#"portcullis_upstream_requests_in_flight{upstream="capped"} 2"#.into()])
+        .await;
     // Other upstreams are not touched by it.
     assert_eq!(client::get(&proxy.url("/other")).await.status, 200);
     // One ends (whichever the upstream lets go): one more fits.
@@ -453,6 +466,10 @@ routes:
     assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"done /fast"[..]));
     release.notify_one();
     assert_eq!(rest.into_iter().next().unwrap().await.unwrap().status, 200);
+    // Each request counted until its response ended, and no longer.
+    proxy
+        .metrics_showing(&[r#"portcullis_upstream_requests_in_flight{upstream="capped"} 0"#.into()])
+        .await;
 }
 
 /// An upstream answering `/always` 503, `/once` 503 the first time only,

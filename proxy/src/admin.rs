@@ -228,6 +228,11 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
                     "for_ms": left.as_millis() as u64,
                 }))
             }).collect::<Vec<_>>(),
+            "upstream_requests": pipeline.capped_upstreams().iter().map(|(upstream, in_flight, max)| serde_json::json!({
+                "upstream": &**upstream,
+                "in_flight": in_flight,
+                "max_requests": max,
+            })).collect::<Vec<_>>(),
             "unhealthy_endpoints": pipeline.unhealthy_endpoints().iter().flat_map(|(upstream, eps)| {
                 eps.iter().map(move |endpoint| serde_json::json!({
                     "upstream": &**upstream,
@@ -399,6 +404,17 @@ fn metrics(reloader: &Reloader) -> String {
         "gauge",
         "Endpoints out of the rotation after a failed connect, by upstream.",
         &counted_by_upstream(pipeline.ejected_endpoints()),
+    );
+    let in_flight: Vec<_> = pipeline
+        .capped_upstreams()
+        .iter()
+        .map(|(upstream, n, _)| (format!("{{upstream=\"{}\"}}", label(upstream)), *n as f64))
+        .collect();
+    metric(
+        "portcullis_upstream_requests_in_flight",
+        "gauge",
+        "Requests in flight to each upstream with max_requests (its circuit breaker's count).",
+        &in_flight,
     );
     metric(
         "portcullis_upstream_endpoints_unhealthy",

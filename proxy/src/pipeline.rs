@@ -443,6 +443,20 @@ impl Pipeline {
         &self.config
     }
 
+    /// Each upstream with `max_requests`: its requests in flight and the
+    /// cap (shared by the workers, so the first worker's pools tell).
+    pub fn capped_upstreams(&self) -> Vec<(Arc<str>, usize, usize)> {
+        self.upstreams.first().map_or_else(Vec::new, |pools| {
+            pools
+                .iter()
+                .filter_map(|p| {
+                    let (in_flight, max) = p.requests_in_flight()?;
+                    Some((p.spec.name.clone(), in_flight, max))
+                })
+                .collect()
+        })
+    }
+
     /// Each upstream with health checks and its endpoints failing them
     /// (shared by the workers, so the first worker's pools tell).
     pub fn unhealthy_endpoints(&self) -> Vec<(Arc<str>, Vec<String>)> {

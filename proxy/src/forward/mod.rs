@@ -282,6 +282,13 @@ impl UpstreamPool {
         }
     }
 
+    /// Requests in flight against the upstream's `max_requests`, and that
+    /// cap, for the admin endpoint; `None` without a cap (uncounted).
+    pub fn requests_in_flight(&self) -> Option<(usize, usize)> {
+        let max = self.spec.max_requests?;
+        Some((self.requests.load(Ordering::Relaxed), max))
+    }
+
     /// The endpoints failing their health check now (authorities), for
     /// the admin endpoint.
     pub fn unhealthy(&self) -> Vec<String> {
