@@ -300,7 +300,10 @@ upstreams:
   - { name: b, endpoints: ["http://127.0.0.1:9"], max_requests: 0 }
 "#,
         &[
-            (3, "only 502, 503 and 504 say the request was not acted on"),
+            (
+                3,
+                "only 502, 503, 504 and reset say the request was not acted on",
+            ),
             (4, "max_requests `0` is not a positive number of requests"),
         ],
     );

@@ -597,3 +597,79 @@ enum ReqBodyKind {
     InHand,
     Streamed,
 }
+
+/// A raw HTTP/1.1 upstream that closes its first connection once it has
+/// read a request (a pod killed mid-request), and answers `ok` on every
+/// later one; it counts the connections it accepts.
+async fn closing_first_connection() -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let Ok(n) = conn.read(&mut chunk).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        if first {
+                            return;
+                        }
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if conn.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+#[tokio::test]
+async fn a_connection_lost_before_the_answer_is_retried_with_reset() {
+    use std::sync::atomic::Ordering;
+    let (with_reset, with_accepted) = closing_first_connection().await;
+    let (without, without_accepted) = closing_first_connection().await;
+    let (posted, posted_accepted) = closing_first_connection().await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: reset, endpoints: ["http://{with_reset}"], retry_on: [reset] }}
+  - {{ name: plain, endpoints: ["http://{without}"] }}
+  - {{ name: posted, endpoints: ["http://{posted}"], retry_on: [reset] }}
+routes:
+  - {{ name: reset, match: {{ path: /reset }}, upstream: reset }}
+  - {{ name: posted, match: {{ path: /posted }}, upstream: posted }}
+  - {{ name: plain, match: {{ path: /plain }}, upstream: plain }}
+"#
+    ))
+    .await;
+    // The first connection is lost after the request went out: sent again
+    // on a new one, the GET gets its answer.
+    let a = send(&proxy, "GET", "h", "/reset", &[]).await;
+    assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"ok"[..]));
+    assert_eq!(with_accepted.load(Ordering::SeqCst), 2);
+    // Without `reset`, the client gets the 502.
+    let a = send(&proxy, "GET", "h", "/plain", &[]).await;
+    assert_eq!(a.status, 502);
+    assert_eq!(without_accepted.load(Ordering::SeqCst), 1);
+    // Nor is a POST sent twice: the upstream may have acted on it.
+    let a = send(&proxy, "POST", "h", "/posted", &[]).await;
+    assert_eq!(a.status, 502);
+    assert_eq!(posted_accepted.load(Ordering::SeqCst), 1);
+}

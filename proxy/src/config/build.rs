@@ -770,6 +770,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
             .ok_or_else(|| format!("`{s}` is not a retry count from 0 to 10"))
     });
     let eject_for = ctx.duration(&u.eject_for, DEFAULT_EJECT_FOR);
+    // 0 stands for `reset` while parsing.
     let retry_on: Vec<u16> = u
         .retry_on
         .iter()
@@ -778,12 +779,15 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
                 "502" => Ok(502),
                 "503" => Ok(503),
                 "504" => Ok(504),
+                "reset" => Ok(0),
                 _ => Err(format!(
-                    "retry_on `{s}`: only 502, 503 and 504 say the request was not acted on"
+                    "retry_on `{s}`: only 502, 503, 504 and reset say the request was not acted on"
                 )),
             })
         })
         .collect();
+    let retry_on_reset = retry_on.contains(&0);
+    let retry_on: Vec<u16> = retry_on.into_iter().filter(|&s| s != 0).collect();
     let max_requests = u.max_requests.as_ref().and_then(|t| {
         ctx.parse(t, |s| {
             s.parse::<usize>()
@@ -814,6 +818,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         retries,
         eject_for,
         retry_on,
+        retry_on_reset,
         max_requests,
         health_check,
         tls,
@@ -1133,6 +1138,7 @@ fn route(
             retries: DEFAULT_RETRIES,
             eject_for: DEFAULT_EJECT_FOR,
             retry_on: Vec::new(),
+            retry_on_reset: false,
             max_requests: None,
             health_check: None,
             tls: TlsSettings::default(),

@@ -373,6 +373,10 @@ pub struct Upstream {
     /// in hand is sent again, up to `retries` times (Envoy's `retry_on`
     /// `gateway-error`, nginx's `proxy_next_upstream http_503`).
     pub retry_on: Vec<u16>,
+    /// `retry_on: [reset]`: also send such a request again when its
+    /// HTTP/1.1 connection closed after it was sent, before any answer
+    /// came (Envoy's `reset`, nginx's default `proxy_next_upstream error`).
+    pub retry_on_reset: bool,
     /// Requests in flight to the upstream (all endpoints, all workers)
     /// beyond which more are answered 503 at once (Envoy's circuit
     /// breaker `max_requests`); `None`: no cap.
@@ -411,6 +415,7 @@ impl Upstream {
             && self.health_check == other.health_check
             && self.max_requests == other.max_requests
             && self.retry_on == other.retry_on
+            && self.retry_on_reset == other.retry_on_reset
             && self.tls == other.tls
             && self.http2 == other.http2
             && self.preserve_host == other.preserve_host

@@ -423,8 +423,10 @@ impl UpstreamPool {
         // A request whose answer may be thrown away for another: whole in
         // hand and safe to send twice. It gets its `retries` even with one
         // endpoint (a Kubernetes Service picks another pod).
-        let replay_on_status =
-            !self.spec.retry_on.is_empty() && whole && !upgrade && idempotent(&method);
+        let replay_on_status = (!self.spec.retry_on.is_empty() || self.spec.retry_on_reset)
+            && whole
+            && !upgrade
+            && idempotent(&method);
         if replay_on_status {
             attempts = attempts.max(1 + self.spec.retries);
         }
@@ -535,6 +537,15 @@ impl UpstreamPool {
                                 {
                                     fresh = true;
                                     continue;
+                                }
+                                // Sent, and the connection went before any
+                                // answer: with `reset`, the next attempt.
+                                Err(h1::ExchangeError::Closed(e))
+                                    if may_retry && self.spec.retry_on_reset =>
+                                {
+                                    tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, error = %e, attempt, "connection failed before an answer; retrying");
+                                    last = Some(ForwardError::Failed(e));
+                                    continue 'attempts;
                                 }
                                 Err(
                                     h1::ExchangeError::Closed(e) | h1::ExchangeError::Failed(e),
