@@ -25,7 +25,8 @@ struct Seen {
 }
 
 /// An auth service: `session=good` passes (202, naming the user),
-/// `session=forbidden` gets 403, anything else 401.
+/// `session=chatty` too but with a 100 KiB body, `session=forbidden`
+/// gets 403, anything else 401.
 async fn auth_service() -> (Upstream, UnboundedReceiver<Seen>) {
     let (tx, rx) = unbounded_channel();
     let server = upstream::serve(move |req: Request<hyper::body::Incoming>| {
@@ -54,6 +55,11 @@ async fn auth_service() -> (Upstream, UnboundedReceiver<Seen>) {
                 .len();
             let _ = tx.send(seen);
             let answer = Response::builder();
+            if cookie.contains("session=chatty") {
+                let page = "x".repeat(100 * 1024);
+                let allowed = answer.status(200).header("x-auth-request-user", "bob");
+                return allowed.body(upstream::full(page)).unwrap();
+            }
             let answer = if cookie.contains("session=good") {
                 answer
                     .status(202)
@@ -159,6 +165,14 @@ routes:
     assert_eq!(s.cookie, "theme=dark; session=good");
     assert_eq!(hits.load(Ordering::SeqCst), 3);
 
+    // The status decides: an allowing answer with a body past what is
+    // read of it still allows.
+    let a = send("GET", "/app", "session=chatty", b"").await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.json()["headers"]["x-auth-request-user"], "bob");
+    seen.try_recv().expect("the auth service was asked");
+    assert_eq!(hits.load(Ordering::SeqCst), 4);
+
     // Refusals come back as the service gave them, and go no further.
     let a = send("GET", "/app", "", b"").await;
     assert_eq!(a.status, 401);
@@ -168,7 +182,7 @@ routes:
     assert_eq!(a.body, "not in the team");
     // The body was never read: the connection closes after the answer.
     assert_eq!(a.header("connection"), Some("close"));
-    assert_eq!(hits.load(Ordering::SeqCst), 3);
+    assert_eq!(hits.load(Ordering::SeqCst), 4);
 
     // With `signin`, a 401 is a redirect to the sign-in page.
     let a = send("GET", "/signin-app?q=1", "", b"").await;
@@ -199,7 +213,7 @@ routes:
 
     // Routes without it never ask.
     assert_eq!(send("GET", "/open", "", b"").await.status, 200);
-    assert_eq!(hits.load(Ordering::SeqCst), 4);
+    assert_eq!(hits.load(Ordering::SeqCst), 5);
     let asked = std::iter::from_fn(|| seen.try_recv().ok()).count();
     assert_eq!(asked, 4, "the two refusals and the sign-ins");
 }

@@ -69,18 +69,8 @@ pub async fn check(
         body: Body::empty(),
     };
     let params = matchit::Params::new();
-    let answer = async {
-        let (resp, held) = pool.send(out, &params, auth.timeout, None).await?;
-        let (parts, body) = resp.into_parts();
-        let body = http_body_util::Limited::new(body, MAX_BODY)
-            .collect()
-            .await
-            .map(|b| b.to_bytes())
-            .map_err(|e| forward::ForwardError::Failed(format!("reading its answer: {e}")))?;
-        drop(held);
-        Ok::<_, forward::ForwardError>((parts, body))
-    };
-    let (parts, body) = match tokio::time::timeout(auth.timeout, answer).await {
+    let answer = pool.send(out, &params, auth.timeout, None);
+    let (resp, held) = match tokio::time::timeout(auth.timeout, answer).await {
         Ok(Ok(answer)) => answer,
         Ok(Err(e)) => return Err(unavailable(route, &pool.spec.name, &e.to_string(), origin)),
         Err(_) => {
@@ -88,6 +78,19 @@ pub async fn check(
             return Err(unavailable(route, &pool.spec.name, &e, origin));
         }
     };
+    // The status decides. The body is read to pass a refusal's on, and so
+    // that the connection can serve again; one too large, cut or slow is
+    // left out (and its connection closed), whatever the status said.
+    let (parts, body) = resp.into_parts();
+    let read = http_body_util::Limited::new(body, MAX_BODY).collect();
+    let body = match tokio::time::timeout(auth.timeout, read).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        _ => {
+            tracing::debug!(route = %route.name, status = parts.status.as_u16(), "auth service's answer body left out (over 64 KiB, cut or slow)");
+            bytes::Bytes::new()
+        }
+    };
+    drop(held);
     if parts.status.is_success() {
         for name in &auth.copy_headers {
             for value in parts.headers.get_all(name) {
