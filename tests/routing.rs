@@ -673,3 +673,60 @@ routes:
     assert_eq!(a.status, 502);
     assert_eq!(posted_accepted.load(Ordering::SeqCst), 1);
 }
+
+/// A raw HTTP/2 upstream that refuses its first stream (REFUSED_STREAM,
+/// as a server going away does) and answers `ok` on every later one,
+/// counting the streams it gets.
+async fn refusing_first_stream() -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let streams = Arc::new(AtomicUsize::new(0));
+    let counted = streams.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                    return;
+                };
+                while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                    if counted.fetch_add(1, Ordering::SeqCst) == 0 {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                        continue;
+                    }
+                    let Ok(mut body) = respond.send_response(http::Response::new(()), false) else {
+                        return;
+                    };
+                    let _ = body.send_data(Bytes::from_static(b"ok"), true);
+                }
+            });
+        }
+    });
+    (addr, streams)
+}
+
+#[tokio::test]
+async fn an_http2_stream_refused_before_the_answer_is_retried_with_reset() {
+    use std::sync::atomic::Ordering;
+    let (with_reset, with_streams) = refusing_first_stream().await;
+    let (without, without_streams) = refusing_first_stream().await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: reset, endpoints: ["http://{with_reset}"], http2: true, retry_on: [reset] }}
+  - {{ name: plain, endpoints: ["http://{without}"], http2: true }}
+routes:
+  - {{ name: reset, match: {{ path: /reset }}, upstream: reset }}
+  - {{ name: plain, match: {{ path: /plain }}, upstream: plain }}
+"#
+    ))
+    .await;
+    let a = send(&proxy, "GET", "h", "/reset", &[]).await;
+    assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"ok"[..]));
+    assert_eq!(with_streams.load(Ordering::SeqCst), 2);
+    let a = send(&proxy, "GET", "h", "/plain", &[]).await;
+    assert_eq!(a.status, 502);
+    assert_eq!(without_streams.load(Ordering::SeqCst), 1);
+}

@@ -374,8 +374,9 @@ pub struct Upstream {
     /// `gateway-error`, nginx's `proxy_next_upstream http_503`).
     pub retry_on: Vec<u16>,
     /// `retry_on: [reset]`: also send such a request again when its
-    /// HTTP/1.1 connection closed after it was sent, before any answer
-    /// came (Envoy's `reset`, nginx's default `proxy_next_upstream error`).
+    /// connection (or HTTP/2 stream) ended after it was sent, before any
+    /// answer came (Envoy's `reset`, nginx's default `proxy_next_upstream
+    /// error`).
     pub retry_on_reset: bool,
     /// Requests in flight to the upstream (all endpoints, all workers)
     /// beyond which more are answered 503 at once (Envoy's circuit

@@ -595,6 +595,20 @@ impl UpstreamPool {
                                 req = Some(back);
                                 fresh = true;
                             }
+                            // A stream or connection lost before an
+                            // answer (an HTTP/2 upstream's REFUSED_STREAM
+                            // or GOAWAY as it shuts down), not an answer
+                            // that did not parse nor our own body's error.
+                            _ if may_retry
+                                && self.spec.retry_on_reset
+                                && !e.error().is_parse()
+                                && !e.error().is_user() =>
+                            {
+                                let e = error_chain(e.error());
+                                tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, error = %e, attempt, "no answer before the stream ended; retrying");
+                                last = Some(ForwardError::Failed(e));
+                                continue 'attempts;
+                            }
                             _ => return Err(ForwardError::Failed(error_chain(e.error()))),
                         },
                     }
