@@ -307,4 +307,23 @@ upstreams:
             (4, "max_requests `0` is not a positive number of requests"),
         ],
     );
+    crate::support::assert_check_errors(
+        r#"
+upstreams:
+  - { name: a, endpoints: ["http://127.0.0.1:9"], retry_on: [503], per_try_timeout: 1s }
+  - { name: b, endpoints: ["http://127.0.0.1:9"], retry_on: [504], per_try_timeout: 0s }
+  - { name: c, endpoints: ["http://127.0.0.1:9"], retry_budget: { percent: 20 } }
+  - name: d
+    endpoints: ["http://127.0.0.1:9"]
+    retry_on: [reset]
+    retry_budget: { percent: 0, min_concurrent: many }
+"#,
+        &[
+            (3, "per_try_timeout needs 504 in retry_on"),
+            (4, "per_try_timeout 0s: leave it out"),
+            (5, "this upstream has no retry_on"),
+            (9, "retry_budget percent `0` is not a share from 1 to 100"),
+            (9, "min_concurrent `many` is not a number of retries"),
+        ],
+    );
 }

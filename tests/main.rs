@@ -16,6 +16,7 @@ mod plugins;
 mod rate_limit;
 mod reload;
 mod request_id;
+mod retries;
 mod routing;
 mod streaming;
 mod tls_listener;

@@ -26,6 +26,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
+use crate::forward::UpstreamPool;
 use crate::reload::{Outcome, Reloader, Trigger};
 
 /// Binds the admin listener and serves it on the current runtime until the
@@ -221,19 +222,19 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
             "loaded_at": rfc3339(s.loaded_at),
             "listeners": listeners,
             "upstreams": config.upstreams.iter().map(|u| &*u.name).collect::<Vec<_>>(),
-            "ejected_endpoints": pipeline.ejected_endpoints().iter().flat_map(|(upstream, eps)| {
+            "ejected_endpoints": pipeline.upstream_facts(|p| Some(p.ejected())).iter().flat_map(|(upstream, eps)| {
                 eps.iter().map(move |(endpoint, left)| serde_json::json!({
                     "upstream": &**upstream,
                     "endpoint": endpoint,
                     "for_ms": left.as_millis() as u64,
                 }))
             }).collect::<Vec<_>>(),
-            "upstream_requests": pipeline.capped_upstreams().iter().map(|(upstream, in_flight, max)| serde_json::json!({
+            "upstream_requests": pipeline.upstream_facts(UpstreamPool::requests_in_flight).iter().map(|(upstream, (in_flight, max))| serde_json::json!({
                 "upstream": &**upstream,
                 "in_flight": in_flight,
                 "max_requests": max,
             })).collect::<Vec<_>>(),
-            "unhealthy_endpoints": pipeline.unhealthy_endpoints().iter().flat_map(|(upstream, eps)| {
+            "unhealthy_endpoints": pipeline.upstream_facts(UpstreamPool::unhealthy).iter().flat_map(|(upstream, eps)| {
                 eps.iter().map(move |endpoint| serde_json::json!({
                     "upstream": &**upstream,
                     "endpoint": endpoint,
@@ -403,12 +404,12 @@ fn metrics(reloader: &Reloader) -> String {
         "portcullis_upstream_endpoints_ejected",
         "gauge",
         "Endpoints out of the rotation after a failed connect, by upstream.",
-        &counted_by_upstream(pipeline.ejected_endpoints()),
+        &counted_by_upstream(pipeline.upstream_facts(|p| Some(p.ejected()))),
     );
     let in_flight: Vec<_> = pipeline
-        .capped_upstreams()
+        .upstream_facts(UpstreamPool::requests_in_flight)
         .iter()
-        .map(|(upstream, n, _)| (format!("{{upstream=\"{}\"}}", label(upstream)), *n as f64))
+        .map(|(upstream, (n, _))| (format!("{{upstream=\"{}\"}}", label(upstream)), *n as f64))
         .collect();
     metric(
         "portcullis_upstream_requests_in_flight",
@@ -416,11 +417,34 @@ fn metrics(reloader: &Reloader) -> String {
         "Requests in flight to each upstream with max_requests (its circuit breaker's count).",
         &in_flight,
     );
+    let retries: Vec<_> = pipeline
+        .upstream_facts(UpstreamPool::retry_totals)
+        .iter()
+        .flat_map(|(upstream, (retried, refused))| {
+            let upstream = label(upstream);
+            [
+                (
+                    format!("{{upstream=\"{upstream}\",outcome=\"retried\"}}"),
+                    *retried as f64,
+                ),
+                (
+                    format!("{{upstream=\"{upstream}\",outcome=\"budget_exhausted\"}}"),
+                    *refused as f64,
+                ),
+            ]
+        })
+        .collect();
+    metric(
+        "portcullis_upstream_retries_total",
+        "counter",
+        "retry_on's retries by upstream: made, or refused by its retry_budget (the answer at hand passed on).",
+        &retries,
+    );
     metric(
         "portcullis_upstream_endpoints_unhealthy",
         "gauge",
         "Endpoints failing their active health check, by upstream with a health_check.",
-        &counted_by_upstream(pipeline.unhealthy_endpoints()),
+        &counted_by_upstream(pipeline.upstream_facts(UpstreamPool::unhealthy)),
     );
     let mut counters: Vec<_> = crate::plugin::counters()
         .lock()

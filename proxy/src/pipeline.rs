@@ -161,9 +161,6 @@ impl ConnInfo {
     }
 }
 
-/// An endpoint out of the rotation: its authority and the time it stays out.
-pub type EjectedEndpoint = (String, Duration);
-
 /// One configuration made ready to serve: routes plus upstream pools.
 pub struct Pipeline {
     config: Arc<Config>,
@@ -443,40 +440,17 @@ impl Pipeline {
         &self.config
     }
 
-    /// Each upstream with `max_requests`: its requests in flight and the
-    /// cap (shared by the workers, so the first worker's pools tell).
-    pub fn capped_upstreams(&self) -> Vec<(Arc<str>, usize, usize)> {
+    /// What `fact` says of each upstream it says something of, by name:
+    /// ejected endpoints, requests in flight, retries. The workers' pools
+    /// share these, so the first worker's tell.
+    pub fn upstream_facts<T>(
+        &self,
+        fact: impl Fn(&UpstreamPool) -> Option<T>,
+    ) -> Vec<(Arc<str>, T)> {
         self.upstreams.first().map_or_else(Vec::new, |pools| {
             pools
                 .iter()
-                .filter_map(|p| {
-                    let (in_flight, max) = p.requests_in_flight()?;
-                    Some((p.spec.name.clone(), in_flight, max))
-                })
-                .collect()
-        })
-    }
-
-    /// Each upstream with health checks and its endpoints failing them
-    /// (shared by the workers, so the first worker's pools tell).
-    pub fn unhealthy_endpoints(&self) -> Vec<(Arc<str>, Vec<String>)> {
-        self.upstreams.first().map_or_else(Vec::new, |pools| {
-            pools
-                .iter()
-                .filter(|p| p.spec.health_check.is_some())
-                .map(|p| (p.spec.name.clone(), p.unhealthy()))
-                .collect()
-        })
-    }
-
-    /// Each upstream with the endpoints a failed connect took out of the
-    /// rotation and how long they stay out (shared by the workers, so the
-    /// first worker's pools tell).
-    pub fn ejected_endpoints(&self) -> Vec<(Arc<str>, Vec<EjectedEndpoint>)> {
-        self.upstreams.first().map_or_else(Vec::new, |pools| {
-            pools
-                .iter()
-                .map(|p| (p.spec.name.clone(), p.ejected()))
+                .filter_map(|p| Some((p.spec.name.clone(), fact(p)?)))
                 .collect()
         })
     }

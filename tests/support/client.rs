@@ -90,6 +90,21 @@ pub async fn get(url: &str) -> Answer {
     send(&http1(), req).await
 }
 
+/// `method` on `url` without a body, with a fresh client.
+pub async fn call(method: &str, url: &str) -> Answer {
+    let req = Request::builder()
+        .method(method)
+        .uri(url)
+        .body(body(Bytes::new()))
+        .expect("request");
+    send(&http1(), req).await
+}
+
+/// [`call`] taking its method and URL, for a task of its own.
+pub async fn call_owned(method: &'static str, url: String) -> Answer {
+    call(method, &url).await
+}
+
 /// [`get`] taking its URL, for a task of its own.
 pub async fn get_owned(url: String) -> Answer {
     get(&url).await

@@ -24,7 +24,7 @@ use super::units::{parse_duration, parse_size};
 use super::{
     Action, AuthRequest, Balance, ClientAuthMode, Config, ConfigError, Cors, Endpoint, FailMode,
     HeaderEdits, HealthCheck, Listener, ListenerTls, LocalResponse, PathRewrite, PluginModule,
-    PluginUse, Pos, Probe, Redirect, Route, Target, Timeouts, TlsSettings, Upstream,
+    PluginUse, Pos, Probe, Redirect, RetryBudget, Route, Target, Timeouts, TlsSettings, Upstream,
 };
 use crate::compress::Compression;
 use crate::request_id::RequestIds;
@@ -788,6 +788,53 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         .collect();
     let retry_on_reset = retry_on.contains(&0);
     let retry_on: Vec<u16> = retry_on.into_iter().filter(|&s| s != 0).collect();
+    let per_try_timeout = u.per_try_timeout.as_ref().and_then(|t| {
+        ctx.parse(t, |s| match parse_duration(s)? {
+            d if d.is_zero() => Err(
+                "per_try_timeout 0s: leave it out for tries bounded by the request timeout alone"
+                    .into(),
+            ),
+            _ if !retry_on.contains(&504) => Err(
+                "per_try_timeout needs 504 in retry_on: a try that runs out counts as a gateway timeout, and only then is the next one made"
+                    .into(),
+            ),
+            d => Ok(d),
+        })
+    });
+    let retry_budget = match &u.retry_budget {
+        None => RetryBudget::default(),
+        Some(b) if retry_on.is_empty() && !retry_on_reset => {
+            ctx.err(
+                &b.referenced,
+                "retry_budget bounds the retries retry_on makes; this upstream has no retry_on",
+            );
+            RetryBudget::default()
+        }
+        Some(b) => {
+            let defaults = RetryBudget::default();
+            RetryBudget {
+                percent: ctx.parse_or(&b.value.percent, defaults.percent, |s| {
+                    s.trim_end_matches('%')
+                        .trim()
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|n| (1..=100).contains(n))
+                        .ok_or_else(|| {
+                            format!("retry_budget percent `{s}` is not a share from 1 to 100")
+                        })
+                }),
+                min_concurrent: ctx.parse_or(
+                    &b.value.min_concurrent,
+                    defaults.min_concurrent,
+                    |s| {
+                        s.parse::<usize>().map_err(|_| {
+                            format!("retry_budget min_concurrent `{s}` is not a number of retries")
+                        })
+                    },
+                ),
+            }
+        }
+    };
     let max_requests = u.max_requests.as_ref().and_then(|t| {
         ctx.parse(t, |s| {
             s.parse::<usize>()
@@ -819,6 +866,8 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         eject_for,
         retry_on,
         retry_on_reset,
+        per_try_timeout,
+        retry_budget,
         max_requests,
         health_check,
         tls,
@@ -1139,6 +1188,8 @@ fn route(
             eject_for: DEFAULT_EJECT_FOR,
             retry_on: Vec::new(),
             retry_on_reset: false,
+            per_try_timeout: None,
+            retry_budget: RetryBudget::default(),
             max_requests: None,
             health_check: None,
             tls: TlsSettings::default(),

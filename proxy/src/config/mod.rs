@@ -378,6 +378,14 @@ pub struct Upstream {
     /// answer came (Envoy's `reset`, nginx's default `proxy_next_upstream
     /// error`).
     pub retry_on_reset: bool,
+    /// How long each try of a request that `retry_on` may send again
+    /// waits for its answer before the next try (Envoy's
+    /// `per_try_timeout`; it counts as a 504); `None`: the request
+    /// timeout alone.
+    pub per_try_timeout: Option<Duration>,
+    /// The share of the upstream's requests that may be `retry_on`
+    /// retries at once.
+    pub retry_budget: RetryBudget,
     /// Requests in flight to the upstream (all endpoints, all workers)
     /// beyond which more are answered 503 at once (Envoy's circuit
     /// breaker `max_requests`); `None`: no cap.
@@ -417,9 +425,43 @@ impl Upstream {
             && self.max_requests == other.max_requests
             && self.retry_on == other.retry_on
             && self.retry_on_reset == other.retry_on_reset
+            && self.per_try_timeout == other.per_try_timeout
+            && self.retry_budget == other.retry_budget
             && self.tls == other.tls
             && self.http2 == other.http2
             && self.preserve_host == other.preserve_host
+    }
+}
+
+/// How many `retry_on` retries an upstream lets run at once (Envoy's
+/// `retry_budget`): `percent` of its requests in flight, and never fewer
+/// than `min_concurrent`. During an outage every request may fail once;
+/// without a bound, retrying them all would double the load on what is
+/// left of the upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryBudget {
+    /// Retries in flight as a share of requests in flight, 1 to 100.
+    pub percent: u32,
+    /// Retries always allowed at once, however few requests are in flight.
+    pub min_concurrent: usize,
+}
+
+impl Default for RetryBudget {
+    /// Envoy's defaults.
+    fn default() -> RetryBudget {
+        RetryBudget {
+            percent: 20,
+            min_concurrent: 3,
+        }
+    }
+}
+
+impl RetryBudget {
+    /// Whether one more retry fits, with `retrying` retries and
+    /// `requests` requests in flight.
+    pub fn allows(&self, retrying: usize, requests: usize) -> bool {
+        let share = requests.saturating_mul(self.percent as usize) / 100;
+        retrying < share.max(self.min_concurrent)
     }
 }
 

@@ -150,10 +150,19 @@ pub struct RawUpstream {
     pub max_requests: Option<Text>,
     #[serde(default)]
     pub retry_on: Vec<Text>,
+    pub per_try_timeout: Option<Text>,
+    pub retry_budget: Option<Spanned<RawRetryBudget>>,
     pub health_check: Option<Spanned<RawHealthCheck>>,
     pub tls: Option<RawTls>,
     pub http2: Option<Text>,
     pub preserve_host: Option<Text>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRetryBudget {
+    pub percent: Option<Text>,
+    pub min_concurrent: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

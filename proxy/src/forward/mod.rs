@@ -7,6 +7,7 @@ mod h1;
 mod headers;
 pub mod health;
 mod pool;
+mod retry;
 mod tls;
 pub mod upgrade;
 
@@ -27,6 +28,8 @@ pub use tls::client_config as client_tls_config;
 
 pub(crate) use pool::coarse_now;
 use pool::{Conn, ConnPool, Dest, Lease};
+pub use retry::RetryCounts;
+use retry::within;
 
 use crate::body::{Body, BodyProgress};
 use crate::client_watch::{self, ClientSocket, Cut};
@@ -183,8 +186,10 @@ pub struct SharedEndpoints {
     /// Endpoints out of the rotation after a failed connect.
     ejections: Arc<Ejections>,
     /// Requests in flight to the whole upstream, counted only when it
-    /// has `max_requests`.
+    /// has `max_requests` or `retry_on` (the retry budget's base).
     requests: Arc<AtomicUsize>,
+    /// `retry_on`'s retries.
+    retries: Arc<RetryCounts>,
 }
 
 /// A fresh [`SharedEndpoints`] for `spec`, made once per upstream.
@@ -197,6 +202,7 @@ pub fn shared_endpoints(spec: &Upstream) -> SharedEndpoints {
         in_flight: (0..n).map(|_| AtomicUsize::new(0)).collect(),
         ejections: Arc::new(Ejections::new(n, spec.eject_for)),
         requests: Arc::new(AtomicUsize::new(0)),
+        retries: Arc::default(),
     }
 }
 
@@ -208,6 +214,10 @@ pub struct UpstreamPool {
     in_flight: Arc<[AtomicUsize]>,
     ejections: Arc<Ejections>,
     requests: Arc<AtomicUsize>,
+    /// The cap on `requests` when they are counted: `max_requests`, or
+    /// none (`usize::MAX`) when only the retry budget needs the count.
+    request_cap: Option<usize>,
+    retries: Arc<RetryCounts>,
     next: AtomicUsize,
 }
 
@@ -262,6 +272,10 @@ impl UpstreamPool {
             in_flight: shared.in_flight,
             ejections: shared.ejections,
             requests: shared.requests,
+            request_cap: spec
+                .max_requests
+                .or((!spec.retry_on.is_empty() || spec.retry_on_reset).then_some(usize::MAX)),
+            retries: shared.retries,
             next: AtomicUsize::new(0),
             spec,
         }
@@ -289,17 +303,37 @@ impl UpstreamPool {
         Some((self.requests.load(Ordering::Relaxed), max))
     }
 
+    /// `retry_on`'s retries made and refused by the budget (all workers),
+    /// for the metrics; `None` for upstreams without `retry_on`.
+    pub fn retry_totals(&self) -> Option<(u64, u64)> {
+        let retrying = !self.spec.retry_on.is_empty() || self.spec.retry_on_reset;
+        retrying.then(|| self.retries.totals())
+    }
+
+    /// Whether one more `retry_on` retry fits the budget; the place taken
+    /// is kept in `slot` for as long as the retry's try runs.
+    fn retry_fits(&self, slot: &retry::RetrySlot<'_>) -> bool {
+        let requests = self.requests.load(Ordering::Relaxed);
+        let fits = slot.take(&self.spec.retry_budget, requests);
+        if !fits {
+            tracing::debug!(upstream = %self.spec.name, ?self.spec.retry_budget, requests, "retry budget spent; the answer at hand is passed on");
+        }
+        fits
+    }
+
     /// The endpoints failing their health check now (authorities), for
-    /// the admin endpoint.
-    pub fn unhealthy(&self) -> Vec<String> {
+    /// the admin endpoint; `None` without health checks.
+    pub fn unhealthy(&self) -> Option<Vec<String>> {
+        self.spec.health_check.as_ref()?;
         match &self.spec.target {
-            Target::Endpoints(eps) if self.spec.health_check.is_some() => eps
-                .iter()
-                .enumerate()
-                .filter(|&(i, _)| self.ejections.is_down(i))
-                .map(|(_, ep)| ep.authority.to_string())
-                .collect(),
-            _ => Vec::new(),
+            Target::Endpoints(eps) => Some(
+                eps.iter()
+                    .enumerate()
+                    .filter(|&(i, _)| self.ejections.is_down(i))
+                    .map(|(_, ep)| ep.authority.to_string())
+                    .collect(),
+            ),
+            Target::Template(_) => None,
         }
     }
 
@@ -360,7 +394,7 @@ impl UpstreamPool {
     ) -> Result<(Response<Body>, Held), ForwardError> {
         // Before anything is read or dialled: a request over the cap
         // costs the upstream nothing.
-        let mut admitted = match self.spec.max_requests {
+        let mut admitted = match self.request_cap {
             None => None,
             Some(max) => {
                 Some(Admitted::take(&self.requests, max).ok_or(ForwardError::Overloaded(max))?)
@@ -435,12 +469,21 @@ impl UpstreamPool {
         // connection task, which reads the response while the body is
         // still going out.
         let in_task = version == Version::HTTP_11 && !upgrade && whole;
+        // Each try of a request that may be sent again gets its own
+        // deadline; others wait for the request timeout alone.
+        let per_try = if replay_on_status {
+            self.spec.per_try_timeout
+        } else {
+            None
+        };
         // Pinned where it is made: the exchange is the request's largest
         // future, and passed by value it was copied twice per request.
         let attempt_all = std::pin::pin!(async {
             let mut last = None;
             let n = endpoints.len();
             let mut i = self.pick(n);
+            // The budget's place for the retry under way, if one is.
+            let retrying = retry::RetrySlot::new(&self.retries);
             'attempts: for attempt in 0..attempts {
                 // Retries walk on from the balancer's choice to the next
                 // endpoint in (the one that failed is out by now).
@@ -451,8 +494,24 @@ impl UpstreamPool {
                 // Whether this attempt's answer may be dropped for another
                 // (the status is looked at only then).
                 let may_retry = replay_on_status && attempt + 1 < attempts;
-                let retry_status =
-                    |status: StatusCode| may_retry && self.spec.retry_on.contains(&status.as_u16());
+                let retry_status = |status: StatusCode| {
+                    may_retry
+                        && self.spec.retry_on.contains(&status.as_u16())
+                        && self.retry_fits(&retrying)
+                };
+                let mut timer = per_try.map(|d| Box::pin(tokio::time::sleep(d)));
+                // A try past its deadline is dropped with its connection,
+                // and counts as a 504: the next try, or the client's 504.
+                let ran_out = || {
+                    let e = ForwardError::Timeout(per_try.unwrap_or_default());
+                    if may_retry && self.spec.retry_on.contains(&504) && self.retry_fits(&retrying)
+                    {
+                        tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, attempt, "try ran out of its per_try_timeout; retrying");
+                        Ok(e)
+                    } else {
+                        Err(e)
+                    }
+                };
                 let dest = if template {
                     Dest::Dynamic(ep)
                 } else {
@@ -477,9 +536,14 @@ impl UpstreamPool {
                 let mut req = None;
                 let mut fresh = false;
                 for _ in 0..=STALE_RETRIES {
-                    let (conn, reused) = match self.conns.checkout(&dest, fresh, in_task).await {
-                        Ok(c) => c,
-                        Err(e) => {
+                    let checkout = self.conns.checkout(&dest, fresh, in_task);
+                    let (conn, reused) = match within(timer.as_mut(), checkout).await {
+                        None => {
+                            last = Some(ran_out()?);
+                            continue 'attempts;
+                        }
+                        Some(Ok(c)) => c,
+                        Some(Err(e)) => {
                             tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, attempt, error = %e, "connect failed");
                             if n > 1 && self.ejections.eject(i) {
                                 tracing::warn!(upstream = %self.spec.name, endpoint = %ep.authority, error = %e, eject_for = ?self.spec.eject_for, "endpoint out of the rotation after a failed connect");
@@ -499,23 +563,25 @@ impl UpstreamPool {
                     let mut conn = match conn {
                         Conn::InTask(mut conn, slot) => {
                             let prefix = ep.base_path.as_deref().unwrap_or("");
-                            match conn
-                                .exchange(
-                                    &method,
-                                    prefix,
-                                    path.as_str(),
-                                    host,
-                                    &hdrs,
-                                    payload.as_deref(),
-                                )
-                                .await
-                            {
-                                Ok((resp, _)) if retry_status(resp.status()) => {
+                            let exchange = conn.exchange(
+                                &method,
+                                prefix,
+                                path.as_str(),
+                                host,
+                                &hdrs,
+                                payload.as_deref(),
+                            );
+                            match within(timer.as_mut(), exchange).await {
+                                None => {
+                                    last = Some(ran_out()?);
+                                    continue 'attempts;
+                                }
+                                Some(Ok((resp, _))) if retry_status(resp.status()) => {
                                     // Its body unread, the connection goes.
                                     tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, status = resp.status().as_u16(), attempt, "answer to retry");
                                     continue 'attempts;
                                 }
-                                Ok((resp, framing)) => {
+                                Some(Ok((resp, framing))) => {
                                     conn.recycle(std::mem::take(&mut hdrs));
                                     let home = h1::keeps_alive(&resp, framing).then_some(slot);
                                     let body = H1Body::new(conn, framing, home);
@@ -532,7 +598,7 @@ impl UpstreamPool {
                                 // while idle: the request may not have been
                                 // seen, so an idempotent one goes again on a
                                 // new connection (as nginx and hyper do).
-                                Err(h1::ExchangeError::Closed(_))
+                                Some(Err(h1::ExchangeError::Closed(_)))
                                     if reused && idempotent(&method) =>
                                 {
                                     fresh = true;
@@ -540,16 +606,18 @@ impl UpstreamPool {
                                 }
                                 // Sent, and the connection went before any
                                 // answer: with `reset`, the next attempt.
-                                Err(h1::ExchangeError::Closed(e))
-                                    if may_retry && self.spec.retry_on_reset =>
+                                Some(Err(h1::ExchangeError::Closed(e)))
+                                    if may_retry
+                                        && self.spec.retry_on_reset
+                                        && self.retry_fits(&retrying) =>
                                 {
                                     tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, error = %e, attempt, "connection failed before an answer; retrying");
                                     last = Some(ForwardError::Failed(e));
                                     continue 'attempts;
                                 }
-                                Err(
+                                Some(Err(
                                     h1::ExchangeError::Closed(e) | h1::ExchangeError::Failed(e),
-                                ) => return Err(ForwardError::Failed(e)),
+                                )) => return Err(ForwardError::Failed(e)),
                             }
                         }
                         c => c,
@@ -574,12 +642,16 @@ impl UpstreamPool {
                             r
                         }
                     };
-                    match conn.send(r).await {
-                        Ok(resp) if retry_status(resp.status()) => {
+                    match within(timer.as_mut(), conn.send(r)).await {
+                        None => {
+                            last = Some(ran_out()?);
+                            continue 'attempts;
+                        }
+                        Some(Ok(resp)) if retry_status(resp.status()) => {
                             tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, status = resp.status().as_u16(), attempt, "answer to retry");
                             continue 'attempts;
                         }
-                        Ok(resp) => {
+                        Some(Ok(resp)) => {
                             return Ok((
                                 resp.map(Body::from),
                                 Held {
@@ -590,7 +662,7 @@ impl UpstreamPool {
                                 },
                             ));
                         }
-                        Err(mut e) => match e.take_message() {
+                        Some(Err(mut e)) => match e.take_message() {
                             Some(back) if reused => {
                                 req = Some(back);
                                 fresh = true;
@@ -602,7 +674,8 @@ impl UpstreamPool {
                             _ if may_retry
                                 && self.spec.retry_on_reset
                                 && !e.error().is_parse()
-                                && !e.error().is_user() =>
+                                && !e.error().is_user()
+                                && self.retry_fits(&retrying) =>
                             {
                                 let e = error_chain(e.error());
                                 tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, error = %e, attempt, "no answer before the stream ended; retrying");
