@@ -326,4 +326,23 @@ upstreams:
             (9, "min_concurrent `many` is not a number of retries"),
         ],
     );
+    crate::support::assert_check_errors(
+        r#"
+upstreams:
+  - { name: a, endpoints: ["http://127.0.0.1:9", "http://127.0.0.1:8"], eject_after_5xx: 0 }
+  - { name: b, endpoints: ["http://127.0.0.1:9"], eject_after_5xx: 5 }
+  - { name: c, endpoints: ["http://127.0.0.1:9", "http://127.0.0.1:8"], eject_after_5xx: 5, eject_for: 0s }
+"#,
+        &[
+            (
+                3,
+                "eject_after_5xx `0` is not a count of answers from 1 to 1000",
+            ),
+            (4, "eject_after_5xx needs two endpoints or more"),
+            (
+                5,
+                "eject_after_5xx with eject_for 0s never takes an endpoint out",
+            ),
+        ],
+    );
 }

@@ -1,5 +1,6 @@
 //! Retries beyond failed connects: `retry_on` (statuses and resets),
-//! each try's `per_try_timeout`, and the `retry_budget` that bounds them.
+//! each try's `per_try_timeout`, and the `retry_budget` that bounds them;
+//! and endpoints taken out after failed answers (`eject_after_5xx`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -340,9 +341,12 @@ routes:
     assert_eq!(a.status, 504);
     assert_eq!(posted_hits.load(Ordering::SeqCst), 1);
 
-    // Two endpoints, one stuck: every GET gets the other's answer.
+    // Two endpoints, one stuck: every GET gets the other's answer. (One
+    // connection: one worker's round robin.)
+    let http = client::http1();
     for _ in 0..4 {
-        let a = client::call("GET", &proxy.url("/pair/stuck-only")).await;
+        let req = Request::get(proxy.url("/pair/stuck-only"));
+        let a = client::send(&http, req.body(body("")).unwrap()).await;
         assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"quick"[..]));
     }
     assert_eq!(stuck_hits.load(Ordering::SeqCst), 2);
@@ -431,4 +435,61 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: app }}]
             r#"portcullis_upstream_retries_total{upstream="app",outcome="retried"} 2"#.into(),
         ])
         .await;
+}
+
+#[tokio::test]
+async fn an_endpoint_failing_answer_after_answer_leaves_the_rotation() {
+    let (down, down_hits) = failing_at_times("down").await;
+    let (up, _) = failing_at_times("up").await;
+    let (retried_down, retried_down_hits) = failing_at_times("down").await;
+    let (retried_up, _) = failing_at_times("up").await;
+    // Two workers: the count is the endpoint's, whichever worker sees the
+    // answers.
+    let mut proxy = ProxyProcess::start(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: counted, endpoints: ["{}", "{}"], eject_after_5xx: 3, eject_for: 60s }}
+  - {{ name: retried, endpoints: ["{}", "{}"], eject_after_5xx: 1, retry_on: [503] }}
+routes:
+  - {{ name: counted, match: {{ path_prefix: /counted }}, upstream: counted, strip_prefix: /counted }}
+  - {{ name: retried, match: {{ path_prefix: /retried }}, upstream: retried, strip_prefix: /retried }}
+"#,
+            down.url(),
+            up.url(),
+            retried_down.url(),
+            retried_up.url()
+        ),
+        &["--workers", "2"],
+    )
+    .await;
+    // Round robin sends the failing endpoint every other request of each
+    // worker, until its third 503 in a row: from then on, none.
+    let mut failed = 0;
+    for _ in 0..20 {
+        let a = client::call("GET", &proxy.url("/counted/down-only")).await;
+        match a.status.as_u16() {
+            503 => failed += 1,
+            200 => assert_eq!(&a.body[..], b"up"),
+            s => panic!("status {s}"),
+        }
+    }
+    assert_eq!((failed, down_hits.load(Ordering::SeqCst)), (3, 3));
+    let status = proxy.status().await;
+    let out = &status["config"]["ejected_endpoints"];
+    assert_eq!(out.as_array().map(Vec::len), Some(1), "{out}");
+    assert_eq!(out[0]["upstream"], "counted");
+    assert_eq!(out[0]["endpoint"], &down.url()[7..]);
+    let warning = "after failed answers in a row";
+    proxy.wait_for_log(warning).await;
+    assert_eq!(proxy.count_logs(warning), 1, "one warning for the change");
+
+    // With retry_on, the client never sees the one failed answer that
+    // took the endpoint out.
+    for _ in 0..6 {
+        let a = client::call("GET", &proxy.url("/retried/down-only")).await;
+        assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"up"[..]));
+    }
+    assert_eq!(retried_down_hits.load(Ordering::SeqCst), 1);
 }

@@ -770,6 +770,21 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
             .ok_or_else(|| format!("`{s}` is not a retry count from 0 to 10"))
     });
     let eject_for = ctx.duration(&u.eject_for, DEFAULT_EJECT_FOR);
+    let eject_after_5xx = u.eject_after_5xx.as_ref().and_then(|t| {
+        ctx.parse(t, |s| {
+            let n = s
+                .parse::<u32>()
+                .ok()
+                .filter(|n| (1..=1000).contains(n))
+                .ok_or_else(|| {
+                    format!("eject_after_5xx `{s}` is not a count of answers from 1 to 1000")
+                })?;
+            if eject_for.is_zero() {
+                return Err("eject_after_5xx with eject_for 0s never takes an endpoint out".into());
+            }
+            Ok(n)
+        })
+    });
     // 0 stands for `reset` while parsing.
     let retry_on: Vec<u16> = u
         .retry_on
@@ -843,6 +858,18 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
                 .ok_or_else(|| format!("max_requests `{s}` is not a positive number of requests"))
         })
     });
+    if let (Some(t), Some(_), Some(target)) = (&u.eject_after_5xx, eject_after_5xx, &target) {
+        let single = match target {
+            Target::Endpoints(eps) => eps.len() == 1,
+            Target::Template(_) => true,
+        };
+        if single {
+            ctx.err(
+                &t.referenced,
+                "eject_after_5xx needs two endpoints or more: a single one (or a URL template) is never taken out of the rotation",
+            );
+        }
+    }
     let health_check = match (&u.health_check, &target) {
         (Some(h), Some(Target::Template(_))) => {
             ctx.err(
@@ -864,6 +891,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         timeouts,
         retries,
         eject_for,
+        eject_after_5xx,
         retry_on,
         retry_on_reset,
         per_try_timeout,
@@ -1186,6 +1214,7 @@ fn route(
             timeouts: DEFAULT_TIMEOUTS,
             retries: DEFAULT_RETRIES,
             eject_for: DEFAULT_EJECT_FOR,
+            eject_after_5xx: None,
             retry_on: Vec::new(),
             retry_on_reset: false,
             per_try_timeout: None,

@@ -369,6 +369,11 @@ pub struct Upstream {
     /// How long an endpoint whose connect failed stays out of the
     /// rotation; zero: never taken out.
     pub eject_for: Duration,
+    /// Answers in a row that are 5xx, or none at all (the connection
+    /// lost, the try timed out), after which an endpoint is out for
+    /// `eject_for` too (Envoy's `consecutive_5xx` outlier detection);
+    /// `None`: only failed connects eject.
+    pub eject_after_5xx: Option<u32>,
     /// Answer statuses (502, 503, 504) after which an idempotent request
     /// in hand is sent again, up to `retries` times (Envoy's `retry_on`
     /// `gateway-error`, nginx's `proxy_next_upstream http_503`).
@@ -421,6 +426,7 @@ impl Upstream {
             && self.timeouts == other.timeouts
             && self.retries == other.retries
             && self.eject_for == other.eject_for
+            && self.eject_after_5xx == other.eject_after_5xx
             && self.health_check == other.health_check
             && self.max_requests == other.max_requests
             && self.retry_on == other.retry_on

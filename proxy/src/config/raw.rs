@@ -147,6 +147,7 @@ pub struct RawUpstream {
     pub timeouts: Option<RawTimeouts>,
     pub retries: Option<Text>,
     pub eject_for: Option<Text>,
+    pub eject_after_5xx: Option<Text>,
     pub max_requests: Option<Text>,
     #[serde(default)]
     pub retry_on: Vec<Text>,

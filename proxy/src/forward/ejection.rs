@@ -6,14 +6,18 @@
 //! gone silent. Shared by all workers' pools of an upstream, so one
 //! worker's failure spares the others the same attempt.
 //!
-//! Only connect failures count: nothing was sent, so the failure says the
-//! endpoint is unreachable, not that one request went wrong.
+//! Connect failures count at once: nothing was sent, so the failure says
+//! the endpoint is unreachable, not that one request went wrong. With
+//! `eject_after_5xx`, answers count too (Envoy's `consecutive_5xx`
+//! outlier detection): that many 5xx in a row, or tries that got no
+//! answer, and the endpoint is out as after a failed connect. One 503 is
+//! a request gone wrong; five in a row is a pod that lost its database.
 //!
 //! Active health checks ([`super::health`]) mark endpoints down here too:
 //! an endpoint is out while either says so.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Until when each endpoint of an upstream is out of the rotation.
@@ -24,6 +28,9 @@ pub struct Ejections {
     eject_for_ms: u64,
     /// Failing its active health check (until it passes again).
     down: Box<[AtomicBool]>,
+    /// Failed answers in a row, counted when `eject_after` is not 0.
+    fails: Box<[AtomicU32]>,
+    eject_after: u32,
 }
 
 /// Milliseconds since the first call, plus one: never 0.
@@ -33,13 +40,42 @@ fn now_ms() -> u64 {
 }
 
 impl Ejections {
-    /// `endpoints` all in; `eject_for` zero turns ejection off.
-    pub fn new(endpoints: usize, eject_for: Duration) -> Ejections {
+    /// `endpoints` all in; `eject_for` zero turns ejection off;
+    /// `eject_after` failed answers in a row take one out (0: answers do
+    /// not count).
+    pub fn new(endpoints: usize, eject_for: Duration, eject_after: u32) -> Ejections {
         Ejections {
             until_ms: (0..endpoints).map(|_| AtomicU64::new(0)).collect(),
             eject_for_ms: eject_for.as_millis() as u64,
             down: (0..endpoints).map(|_| AtomicBool::new(false)).collect(),
+            fails: (0..endpoints).map(|_| AtomicU32::new(0)).collect(),
+            eject_after,
         }
+    }
+
+    /// Whether answers count ([`Ejections::answered`] is worth calling).
+    pub fn counts_answers(&self) -> bool {
+        self.eject_after > 0
+    }
+
+    /// Notes how endpoint `i` answered: with a 5xx or not at all
+    /// (`failed`), or otherwise. True when this took it out (the caller
+    /// logs the change once).
+    pub fn answered(&self, i: usize, failed: bool) -> bool {
+        let fails = &self.fails[i];
+        if !failed {
+            // Read first: a healthy endpoint's count stays 0, and its
+            // cache line is not written on every answer.
+            if fails.load(Ordering::Relaxed) != 0 {
+                fails.store(0, Ordering::Relaxed);
+            }
+            return false;
+        }
+        if fails.fetch_add(1, Ordering::Relaxed) + 1 < self.eject_after {
+            return false;
+        }
+        fails.store(0, Ordering::Relaxed);
+        self.eject(i)
     }
 
     /// Takes endpoint `i` out after a failed connect. True when it was in
@@ -111,7 +147,7 @@ mod tests {
 
     #[test]
     fn an_ejected_endpoint_is_skipped_until_its_time_is_up() {
-        let e = Ejections::new(3, Duration::from_millis(30));
+        let e = Ejections::new(3, Duration::from_millis(30), 0);
         assert_eq!(e.first_in(1, 3), 1);
         assert!(e.eject(1));
         assert!(!e.eject(1), "already out: not a new ejection");
@@ -129,7 +165,7 @@ mod tests {
 
     #[test]
     fn with_every_endpoint_out_the_rotation_goes_on_as_if_none_were() {
-        let e = Ejections::new(2, Duration::from_secs(10));
+        let e = Ejections::new(2, Duration::from_secs(10), 0);
         e.eject(0);
         e.eject(1);
         assert_eq!(e.first_in(1, 2), 1);
@@ -140,7 +176,7 @@ mod tests {
 
     #[test]
     fn a_failing_health_check_takes_an_endpoint_out_whatever_its_connects() {
-        let e = Ejections::new(3, Duration::ZERO);
+        let e = Ejections::new(3, Duration::ZERO, 0);
         e.set_down(1, true);
         assert!(e.is_out(1));
         assert_eq!(e.first_in(1, 3), 2);
@@ -155,8 +191,23 @@ mod tests {
     }
 
     #[test]
+    fn failed_answers_in_a_row_take_an_endpoint_out() {
+        let e = Ejections::new(2, Duration::from_secs(10), 3);
+        assert!(!e.answered(0, true));
+        assert!(!e.answered(0, true));
+        // A good answer starts the count again.
+        assert!(!e.answered(0, false));
+        assert!(!e.answered(0, true));
+        assert!(!e.answered(0, true));
+        assert!(!e.is_out(0));
+        assert!(e.answered(0, true));
+        assert!(e.is_out(0));
+        assert!(!e.is_out(1));
+    }
+
+    #[test]
     fn zero_turns_ejection_off() {
-        let e = Ejections::new(2, Duration::ZERO);
+        let e = Ejections::new(2, Duration::ZERO, 0);
         assert!(!e.eject(0));
         assert!(!e.is_out(0));
     }

@@ -29,7 +29,6 @@ pub use tls::client_config as client_tls_config;
 pub(crate) use pool::coarse_now;
 use pool::{Conn, ConnPool, Dest, Lease};
 pub use retry::RetryCounts;
-use retry::within;
 
 use crate::body::{Body, BodyProgress};
 use crate::client_watch::{self, ClientSocket, Cut};
@@ -200,7 +199,11 @@ pub fn shared_endpoints(spec: &Upstream) -> SharedEndpoints {
     };
     SharedEndpoints {
         in_flight: (0..n).map(|_| AtomicUsize::new(0)).collect(),
-        ejections: Arc::new(Ejections::new(n, spec.eject_for)),
+        ejections: Arc::new(Ejections::new(
+            n,
+            spec.eject_for,
+            spec.eject_after_5xx.unwrap_or(0),
+        )),
         requests: Arc::new(AtomicUsize::new(0)),
         retries: Arc::default(),
     }
@@ -484,6 +487,16 @@ impl UpstreamPool {
             let mut i = self.pick(n);
             // The budget's place for the retry under way, if one is.
             let retrying = retry::RetrySlot::new(&self.retries);
+            // `eject_after_5xx`: how each try went counts for its endpoint.
+            let count_answers = n > 1 && !template && self.ejections.counts_answers();
+            let answered = |i: usize, ep: &Endpoint, failed: Option<bool>| {
+                let Some(failed) = failed.filter(|_| count_answers) else {
+                    return;
+                };
+                if self.ejections.answered(i, failed) {
+                    tracing::warn!(upstream = %self.spec.name, endpoint = %ep.authority, eject_after_5xx = self.spec.eject_after_5xx, eject_for = ?self.spec.eject_for, "endpoint out of the rotation after failed answers in a row");
+                }
+            };
             'attempts: for attempt in 0..attempts {
                 // Retries walk on from the balancer's choice to the next
                 // endpoint in (the one that failed is out by now).
@@ -536,14 +549,9 @@ impl UpstreamPool {
                 let mut req = None;
                 let mut fresh = false;
                 for _ in 0..=STALE_RETRIES {
-                    let checkout = self.conns.checkout(&dest, fresh, in_task);
-                    let (conn, reused) = match within(timer.as_mut(), checkout).await {
-                        None => {
-                            last = Some(ran_out()?);
-                            continue 'attempts;
-                        }
-                        Some(Ok(c)) => c,
-                        Some(Err(e)) => {
+                    let (conn, reused) = match self.conns.checkout(&dest, fresh, in_task).await {
+                        Ok(c) => c,
+                        Err(e) => {
                             tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, attempt, error = %e, "connect failed");
                             if n > 1 && self.ejections.eject(i) {
                                 tracing::warn!(upstream = %self.spec.name, endpoint = %ep.authority, error = %e, eject_for = ?self.spec.eject_for, "endpoint out of the rotation after a failed connect");
@@ -563,25 +571,39 @@ impl UpstreamPool {
                     let mut conn = match conn {
                         Conn::InTask(mut conn, slot) => {
                             let prefix = ep.base_path.as_deref().unwrap_or("");
-                            let exchange = conn.exchange(
-                                &method,
-                                prefix,
-                                path.as_str(),
-                                host,
-                                &hdrs,
-                                payload.as_deref(),
+                            let outcome = conn
+                                .exchange(
+                                    &method,
+                                    prefix,
+                                    path.as_str(),
+                                    host,
+                                    &hdrs,
+                                    payload.as_deref(),
+                                    timer.as_mut(),
+                                )
+                                .await;
+                            // A pooled connection closed under the request
+                            // says nothing of the endpoint.
+                            answered(
+                                i,
+                                ep,
+                                match &outcome {
+                                    Ok((resp, _)) => Some(resp.status().is_server_error()),
+                                    Err(h1::ExchangeError::Closed(_)) if reused => None,
+                                    Err(_) => Some(true),
+                                },
                             );
-                            match within(timer.as_mut(), exchange).await {
-                                None => {
+                            match outcome {
+                                Err(h1::ExchangeError::RanOut) => {
                                     last = Some(ran_out()?);
                                     continue 'attempts;
                                 }
-                                Some(Ok((resp, _))) if retry_status(resp.status()) => {
+                                Ok((resp, _)) if retry_status(resp.status()) => {
                                     // Its body unread, the connection goes.
                                     tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, status = resp.status().as_u16(), attempt, "answer to retry");
                                     continue 'attempts;
                                 }
-                                Some(Ok((resp, framing))) => {
+                                Ok((resp, framing)) => {
                                     conn.recycle(std::mem::take(&mut hdrs));
                                     let home = h1::keeps_alive(&resp, framing).then_some(slot);
                                     let body = H1Body::new(conn, framing, home);
@@ -598,7 +620,7 @@ impl UpstreamPool {
                                 // while idle: the request may not have been
                                 // seen, so an idempotent one goes again on a
                                 // new connection (as nginx and hyper do).
-                                Some(Err(h1::ExchangeError::Closed(_)))
+                                Err(h1::ExchangeError::Closed(_))
                                     if reused && idempotent(&method) =>
                                 {
                                     fresh = true;
@@ -606,7 +628,7 @@ impl UpstreamPool {
                                 }
                                 // Sent, and the connection went before any
                                 // answer: with `reset`, the next attempt.
-                                Some(Err(h1::ExchangeError::Closed(e)))
+                                Err(h1::ExchangeError::Closed(e))
                                     if may_retry
                                         && self.spec.retry_on_reset
                                         && self.retry_fits(&retrying) =>
@@ -615,9 +637,9 @@ impl UpstreamPool {
                                     last = Some(ForwardError::Failed(e));
                                     continue 'attempts;
                                 }
-                                Some(Err(
+                                Err(
                                     h1::ExchangeError::Closed(e) | h1::ExchangeError::Failed(e),
-                                )) => return Err(ForwardError::Failed(e)),
+                                ) => return Err(ForwardError::Failed(e)),
                             }
                         }
                         c => c,
@@ -642,7 +664,26 @@ impl UpstreamPool {
                             r
                         }
                     };
-                    match within(timer.as_mut(), conn.send(r)).await {
+                    // Through hyper's client (HTTP/2, streamed bodies), the
+                    // deadline races the exchange from outside.
+                    let outcome = match timer.as_mut() {
+                        None => Some(conn.send(r).await),
+                        Some(timer) => retry::within(timer, conn.send(r)).await,
+                    };
+                    // Neither a request a stale connection gave back nor
+                    // our own body's error says anything of the endpoint.
+                    answered(
+                        i,
+                        ep,
+                        match &outcome {
+                            None => Some(true),
+                            Some(Ok(resp)) => Some(resp.status().is_server_error()),
+                            Some(Err(e)) if reused && e.message().is_some() => None,
+                            Some(Err(e)) if e.error().is_user() => None,
+                            Some(Err(_)) => Some(true),
+                        },
+                    );
+                    match outcome {
                         None => {
                             last = Some(ran_out()?);
                             continue 'attempts;

@@ -13,13 +13,7 @@ use crate::config::RetryBudget;
 /// `fut`'s output, or `None` when `timer` (a try's deadline) goes off
 /// first. The timer is boxed and made only for upstreams with a
 /// `per_try_timeout`, so the others' requests carry 8 bytes for it.
-pub(super) async fn within<F: Future>(
-    timer: Option<&mut Pin<Box<Sleep>>>,
-    fut: F,
-) -> Option<F::Output> {
-    let Some(timer) = timer else {
-        return Some(fut.await);
-    };
+pub(super) async fn within<F: Future>(timer: &mut Pin<Box<Sleep>>, fut: F) -> Option<F::Output> {
     tokio::select! {
         biased;
         out = fut => Some(out),
@@ -85,7 +79,11 @@ impl<'a> RetrySlot<'a> {
     }
 
     fn give_back(&self) {
-        if self.held.swap(false, Ordering::Relaxed) {
+        // A load, not a swap: every request drops a slot, and almost
+        // none holds a place; a locked read-modify-write each would cost
+        // cycles for nothing. Only this request's task touches the flag.
+        if self.held.load(Ordering::Relaxed) {
+            self.held.store(false, Ordering::Relaxed);
             self.counts.retrying.fetch_sub(1, Ordering::Relaxed);
         }
     }
