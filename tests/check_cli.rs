@@ -345,4 +345,22 @@ upstreams:
             ),
         ],
     );
+    crate::support::assert_check_errors(
+        r#"
+upstreams:
+  - { name: a, endpoints: ["http://127.0.0.1:9"], hash_on: client }
+  - { name: b, endpoints: ["http://127.0.0.1:9"], balance: hash, hash_on: "session" }
+  - { name: c, endpoints: ["http://127.0.0.1:9"], balance: hash, hash_on: "header:bad name" }
+  - { name: d, endpoints: ["http://127.0.0.1:9"], balance: sticky }
+"#,
+        &[
+            (3, "hash_on is for `balance: hash`"),
+            (
+                4,
+                "hash_on `session`: use client, header:NAME or cookie:NAME",
+            ),
+            (5, "`bad name` is not a header name"),
+            (6, "use round_robin, least_requests or hash"),
+        ],
+    );
 }

@@ -269,6 +269,84 @@ routes:
 }
 
 #[tokio::test]
+async fn hash_balancing_keeps_each_key_on_one_endpoint() {
+    let (a, b, c) = (
+        upstream::echo("a").await,
+        upstream::echo("b").await,
+        upstream::echo("c").await,
+    );
+    let dead = format!("http://127.0.0.1:{}", closed_port());
+    // Two workers, and a fresh connection per request: whichever worker
+    // takes it, a key goes to the same endpoint. One endpoint is dead:
+    // its keys move to their next choice, and stay there.
+    let proxy = ProxyProcess::start(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - name: by-cookie
+    endpoints: ["{a}", "{dead}", "{b}", "{c}"]
+    balance: hash
+    hash_on: "cookie:session"
+  - {{ name: by-header, endpoints: ["{a}", "{b}", "{c}"], balance: hash, hash_on: "header:x-user" }}
+  - {{ name: by-client, endpoints: ["{a}", "{b}", "{c}"], balance: hash }}
+routes:
+  - {{ name: cookie, match: {{ path: /cookie }}, upstream: by-cookie }}
+  - {{ name: header, match: {{ path: /header }}, upstream: by-header }}
+  - {{ name: client, match: {{ path: /client }}, upstream: by-client }}
+"#,
+            a = a.url(),
+            b = b.url(),
+            c = c.url(),
+        ),
+        &["--workers", "2"],
+    )
+    .await;
+    let upstream_of = |path: &str, header: Option<(&str, String)>| {
+        let mut req = Request::get(proxy.url(path));
+        if let Some((name, value)) = header {
+            req = req.header(name, value);
+        }
+        let req = req.body(body("")).unwrap();
+        async move {
+            let a = client::send(&client::http1(), req).await;
+            assert_eq!(a.status, 200, "{:?}", a.body);
+            a.json()["upstream"].as_str().unwrap().to_owned()
+        }
+    };
+    let mut used = std::collections::HashSet::new();
+    for user in 0..12 {
+        let (mut by_cookie, mut by_header) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            let cookie = format!("theme=dark; session=s-{user}");
+            by_cookie.push(upstream_of("/cookie", Some(("cookie", cookie))).await);
+            by_header.push(upstream_of("/header", Some(("x-user", format!("u-{user}")))).await);
+        }
+        for got in [&by_cookie, &by_header] {
+            assert!(got.iter().all(|u| *u == got[0]), "user {user}: {got:?}");
+        }
+        used.extend(by_cookie);
+    }
+    assert_eq!(
+        used.len(),
+        3,
+        "twelve keys spread over the endpoints: {used:?}"
+    );
+    // Every request from this host is one client.
+    let mut got = std::collections::HashSet::new();
+    for _ in 0..6 {
+        got.insert(upstream_of("/client", None).await);
+    }
+    assert_eq!(got.len(), 1, "{got:?}");
+    // A request without its key is balanced round robin.
+    let mut got = std::collections::HashSet::new();
+    for _ in 0..6 {
+        got.insert(upstream_of("/header", None).await);
+    }
+    assert!(got.len() >= 2, "{got:?}");
+}
+
+#[tokio::test]
 async fn least_requests_avoids_the_busy_endpoint() {
     let (arrived_tx, mut arrived) = mpsc::unbounded_channel();
     let release = Arc::new(Notify::new());

@@ -67,6 +67,7 @@ pub async fn check(
         path: auth.path.clone(),
         headers: sent,
         body: Body::empty(),
+        affinity: None,
     };
     let params = matchit::Params::new();
     let answer = pool.send(out, &params, auth.timeout, None);

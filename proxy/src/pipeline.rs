@@ -748,6 +748,13 @@ impl Pipeline {
                 if parts.version == Version::HTTP_2 {
                     forward::join_cookie_crumbs(&mut headers);
                 }
+                // The key as the client sent it, before the forwarded
+                // headers are ours.
+                let affinity = pool.affinity(
+                    conn.client.ip(),
+                    conn.listener.trust_forwarded_headers,
+                    &headers,
+                );
                 // HTTP/2 clients send the host as :authority, HTTP/1 as Host.
                 let public_host = match parts.uri.authority() {
                     Some(a) => HeaderValue::from_str(a.as_str()).ok(),
@@ -765,6 +772,7 @@ impl Pipeline {
                     path: new_path,
                     headers,
                     body,
+                    affinity,
                 };
                 let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
                 let watch = watchable(conn, parts.version);

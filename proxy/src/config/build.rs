@@ -23,8 +23,9 @@ use super::template::Template;
 use super::units::{parse_duration, parse_size};
 use super::{
     Action, AuthRequest, Balance, ClientAuthMode, Config, ConfigError, Cors, Endpoint, FailMode,
-    HeaderEdits, HealthCheck, Listener, ListenerTls, LocalResponse, PathRewrite, PluginModule,
-    PluginUse, Pos, Probe, Redirect, RetryBudget, Route, Target, Timeouts, TlsSettings, Upstream,
+    HashOn, HeaderEdits, HealthCheck, Listener, ListenerTls, LocalResponse, PathRewrite,
+    PluginModule, PluginUse, Pos, Probe, Redirect, RetryBudget, Route, Target, Timeouts,
+    TlsSettings, Upstream,
 };
 use crate::compress::Compression;
 use crate::request_id::RequestIds;
@@ -750,10 +751,32 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
     let balance = ctx.parse_or(&u.balance, Balance::RoundRobin, |s| match s {
         "round_robin" => Ok(Balance::RoundRobin),
         "least_requests" => Ok(Balance::LeastRequests),
+        "hash" => Ok(Balance::Hash),
         _ => Err(format!(
-            "`{s}` is not a balancing policy; use round_robin or least_requests"
+            "`{s}` is not a balancing policy; use round_robin, least_requests or hash"
         )),
     });
+    let hash_on = match &u.hash_on {
+        None => HashOn::Client,
+        Some(t) if balance != Balance::Hash => {
+            ctx.err(&t.referenced, "hash_on is for `balance: hash`");
+            HashOn::Client
+        }
+        Some(t) => ctx
+            .parse(t, |s| match s.split_once(':') {
+                None if s == "client" => Ok(HashOn::Client),
+                Some(("header", name)) => HeaderName::from_bytes(name.trim().as_bytes())
+                    .map(HashOn::Header)
+                    .map_err(|_| format!("hash_on `{s}`: `{name}` is not a header name")),
+                Some(("cookie", name)) if !name.trim().is_empty() => {
+                    Ok(HashOn::Cookie(name.trim().to_owned()))
+                }
+                _ => Err(format!(
+                    "hash_on `{s}`: use client, header:NAME or cookie:NAME"
+                )),
+            })
+            .unwrap_or(HashOn::Client),
+    };
     let timeouts = match &u.timeouts {
         Some(t) => Timeouts {
             connect: ctx.duration(&t.connect, DEFAULT_TIMEOUTS.connect),
@@ -888,6 +911,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         name: name?.into(),
         target: target?,
         balance,
+        hash_on,
         timeouts,
         retries,
         eject_for,
@@ -1211,6 +1235,7 @@ fn route(
             name: name.clone()?.into(),
             target,
             balance: Balance::RoundRobin,
+            hash_on: HashOn::Client,
             timeouts: DEFAULT_TIMEOUTS,
             retries: DEFAULT_RETRIES,
             eject_for: DEFAULT_EJECT_FOR,

@@ -254,6 +254,22 @@ pub enum Balance {
     RoundRobin,
     /// The endpoint with the fewest requests in flight.
     LeastRequests,
+    /// The endpoint a key of the request picks (see [`HashOn`]), the same
+    /// for the same key in every worker and replica.
+    Hash,
+}
+
+/// What `balance: hash` picks an endpoint by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HashOn {
+    /// The client's address (the connection's, its PROXY header's, or on
+    /// a listener that trusts forwarded headers the last
+    /// `X-Forwarded-For` entry), as nginx's `ip_hash`.
+    Client,
+    /// A request header's value.
+    Header(HeaderName),
+    /// A cookie's value (a session).
+    Cookie(String),
 }
 
 /// Upstream timeouts.
@@ -361,6 +377,8 @@ pub struct Upstream {
     pub target: Target,
     /// Balancing across endpoints.
     pub balance: Balance,
+    /// With `balance: hash`, what picks the endpoint.
+    pub hash_on: HashOn,
     /// Timeouts.
     pub timeouts: Timeouts,
     /// Extra attempts, each on another endpoint, for requests whose
@@ -423,6 +441,7 @@ impl Upstream {
         self.name == other.name
             && self.target == other.target
             && self.balance == other.balance
+            && self.hash_on == other.hash_on
             && self.timeouts == other.timeouts
             && self.retries == other.retries
             && self.eject_for == other.eject_for

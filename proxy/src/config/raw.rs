@@ -144,6 +144,7 @@ pub struct RawUpstream {
     /// An upstream URL template such as `http://{name}.{namespace}.svc`.
     pub url: Option<Text>,
     pub balance: Option<Text>,
+    pub hash_on: Option<Text>,
     pub timeouts: Option<RawTimeouts>,
     pub retries: Option<Text>,
     pub eject_for: Option<Text>,

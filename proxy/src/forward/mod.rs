@@ -2,6 +2,7 @@
 //! endpoint balancing, timeouts, retries of requests that never left, and
 //! endpoints that could not be reached kept out of the rotation.
 
+mod affinity;
 mod ejection;
 mod h1;
 mod headers;
@@ -221,6 +222,8 @@ pub struct UpstreamPool {
     /// none (`usize::MAX`) when only the retry budget needs the count.
     request_cap: Option<usize>,
     retries: Arc<RetryCounts>,
+    /// Each endpoint's seed for `balance: hash` (empty otherwise).
+    seeds: Box<[u64]>,
     next: AtomicUsize,
 }
 
@@ -234,6 +237,9 @@ pub struct Outgoing {
     pub headers: HeaderMap,
     /// Body.
     pub body: Body,
+    /// With `balance: hash`, the hash of the request's key (see
+    /// [`UpstreamPool::affinity`]).
+    pub affinity: Option<u64>,
 }
 
 fn idempotent(m: &Method) -> bool {
@@ -279,6 +285,12 @@ impl UpstreamPool {
                 .max_requests
                 .or((!spec.retry_on.is_empty() || spec.retry_on_reset).then_some(usize::MAX)),
             retries: shared.retries,
+            seeds: match &spec.target {
+                Target::Endpoints(eps) if spec.balance == Balance::Hash => {
+                    eps.iter().map(affinity::endpoint_seed).collect()
+                }
+                _ => Box::default(),
+            },
             next: AtomicUsize::new(0),
             spec,
         }
@@ -340,14 +352,35 @@ impl UpstreamPool {
         }
     }
 
+    /// For `balance: hash`, the hash of the key the upstream balances by,
+    /// read from a request's headers as the client sent them (`peer`: the
+    /// connection's client address; `trust`: whether its listener trusts
+    /// `X-Forwarded-For`); `None` for other balancing, or a request
+    /// without the key.
+    pub fn affinity(
+        &self,
+        peer: std::net::IpAddr,
+        trust: bool,
+        headers: &HeaderMap,
+    ) -> Option<u64> {
+        if self.spec.balance != Balance::Hash {
+            return None;
+        }
+        affinity::key_hash(&self.spec.hash_on, peer, trust, headers)
+    }
+
     /// Picks the endpoint for a request, passing over ejected ones.
-    fn pick(&self, n: usize) -> usize {
+    fn pick(&self, n: usize, key: Option<u64>) -> usize {
         if n == 1 {
             return 0;
         }
+        if let Some(key) = key.filter(|_| self.seeds.len() == n) {
+            return affinity::pick(key, &self.seeds, |i| self.ejections.is_out(i));
+        }
         let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
         match self.spec.balance {
-            Balance::RoundRobin => self.ejections.first_in(start, n),
+            // Requests without the key go round robin.
+            Balance::RoundRobin | Balance::Hash => self.ejections.first_in(start, n),
             Balance::LeastRequests => {
                 let least = |ejected_too: bool| {
                     (0..n)
@@ -430,6 +463,7 @@ impl UpstreamPool {
             path,
             mut headers,
             mut body,
+            affinity,
         } = out;
         let upgrade = headers::is_websocket_upgrade(&headers);
         let bodiless = http_body::Body::is_end_stream(&body);
@@ -484,7 +518,7 @@ impl UpstreamPool {
         let attempt_all = std::pin::pin!(async {
             let mut last = None;
             let n = endpoints.len();
-            let mut i = self.pick(n);
+            let mut i = self.pick(n, affinity);
             // The budget's place for the retry under way, if one is.
             let retrying = retry::RetrySlot::new(&self.retries);
             // `eject_after_5xx`: how each try went counts for its endpoint.
@@ -501,7 +535,17 @@ impl UpstreamPool {
                 // Retries walk on from the balancer's choice to the next
                 // endpoint in (the one that failed is out by now).
                 if attempt > 0 {
-                    i = self.ejections.first_in((i + 1) % n, n);
+                    i = match affinity.filter(|_| self.seeds.len() == n) {
+                        // The key's next choice, as its later requests
+                        // will make once the failed endpoint is out.
+                        Some(key) => {
+                            let failed = i;
+                            affinity::pick(key, &self.seeds, |j| {
+                                j == failed || self.ejections.is_out(j)
+                            })
+                        }
+                        None => self.ejections.first_in((i + 1) % n, n),
+                    };
                 }
                 let ep = &endpoints[i];
                 // Whether this attempt's answer may be dropped for another

@@ -1,0 +1,144 @@
+//! `balance: hash`: the endpoint a request's key (client address, a
+//! header, a cookie) picks, by rendezvous hashing: each endpoint scores
+//! the key, the highest score that is in the rotation wins. The same key
+//! picks the same endpoint in every worker and every replica (the hash is
+//! fixed, not keyed per process), and when an endpoint leaves (ejected,
+//! failing its health check, or gone from the list) only its own keys
+//! move; the others stay where their sessions are. Envoy's ring hash and
+//! Maglev, and nginx's `hash ... consistent`, give the same guarantees
+//! with a table; scoring every endpoint costs a few nanoseconds each,
+//! nothing for the handful a Service or a pod list has.
+
+use std::net::IpAddr;
+
+use http::HeaderMap;
+
+use crate::config::{Endpoint, HashOn};
+
+/// The hash of the key `hash_on` names in a request; `None` when the
+/// request has none (no such header or cookie): it is then balanced
+/// round robin.
+pub fn key_hash(hash_on: &HashOn, peer: IpAddr, trust: bool, headers: &HeaderMap) -> Option<u64> {
+    match hash_on {
+        HashOn::Client => {
+            let client = crate::rate_limit::client_of(peer, trust, headers);
+            let mut buf = [0u8; 16];
+            Some(fnv1a(crate::rate_limit::ip_key(client, &mut buf)))
+        }
+        HashOn::Header(name) => headers.get(name).map(|v| fnv1a(v.as_bytes())),
+        HashOn::Cookie(name) => cookie(headers, name).map(fnv1a),
+    }
+}
+
+/// The value of cookie `name` in the request's Cookie headers.
+fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h [u8]> {
+    headers
+        .get_all(http::header::COOKIE)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b';'))
+        .find_map(|pair| {
+            let pair = pair.trim_ascii();
+            let eq = pair.iter().position(|&b| b == b'=')?;
+            (pair[..eq].trim_ascii() == name.as_bytes()).then(|| pair[eq + 1..].trim_ascii())
+        })
+}
+
+/// An endpoint's own seed: its authority and base path, so it keeps its
+/// keys wherever it stands in the list.
+pub fn endpoint_seed(ep: &Endpoint) -> u64 {
+    let seed = fnv1a(ep.authority.as_str().as_bytes());
+    match ep.base_path.as_deref() {
+        Some(base) => seed ^ mix(fnv1a(base.as_bytes())),
+        None => seed,
+    }
+}
+
+/// The endpoint `key` picks among those with `seeds`, passing over those
+/// `is_out` says are out; with every one out, the pick among all (a
+/// connect that may work beats a certain 502, as elsewhere).
+pub fn pick(key: u64, seeds: &[u64], is_out: impl Fn(usize) -> bool) -> usize {
+    let best = |skip_out: bool| {
+        (0..seeds.len())
+            .filter(|&i| !(skip_out && is_out(i)))
+            .max_by_key(|&i| mix(key ^ seeds[i]))
+    };
+    best(true).or_else(|| best(false)).unwrap_or(0)
+}
+
+/// FNV-1a, 64 bits: fixed (the same in every process), and quick on the
+/// short keys hashed here.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// SplitMix64's finalizer: spreads a key and seed combined over all 64
+/// bits, so that scores compare fairly.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seeds(n: usize) -> Vec<u64> {
+        (0..n)
+            .map(|i| fnv1a(format!("pod-{i}.svc:8080").as_bytes()))
+            .collect()
+    }
+
+    #[test]
+    fn keys_spread_evenly_and_stay_put() {
+        let seeds = seeds(4);
+        let mut counts = [0; 4];
+        for k in 0..4000u32 {
+            let key = fnv1a(&k.to_be_bytes());
+            let i = pick(key, &seeds, |_| false);
+            assert_eq!(pick(key, &seeds, |_| false), i);
+            counts[i] += 1;
+        }
+        assert!(
+            counts.iter().all(|&c| (800..1200).contains(&c)),
+            "{counts:?}"
+        );
+    }
+
+    #[test]
+    fn only_the_keys_of_an_endpoint_that_leaves_move() {
+        let seeds = seeds(5);
+        for k in 0..2000u32 {
+            let key = fnv1a(&k.to_be_bytes());
+            let before = pick(key, &seeds, |_| false);
+            let after = pick(key, &seeds, |i| i == 2);
+            assert_ne!(after, 2);
+            if before != 2 {
+                assert_eq!(after, before, "key {k} moved");
+            }
+            // Every endpoint out: the pick among all.
+            assert_eq!(pick(key, &seeds, |_| true), before);
+        }
+    }
+
+    #[test]
+    fn a_cookie_is_found_among_others() {
+        let mut h = HeaderMap::new();
+        h.append("cookie", "a=1; session=abc ; b=2".parse().unwrap());
+        h.append("cookie", "other=3".parse().unwrap());
+        assert_eq!(cookie(&h, "session"), Some(&b"abc"[..]));
+        assert_eq!(cookie(&h, "other"), Some(&b"3"[..]));
+        assert_eq!(cookie(&h, "sess"), None);
+        let peer: IpAddr = "10.0.0.1".parse().unwrap();
+        let by_cookie = HashOn::Cookie("session".into());
+        assert!(key_hash(&by_cookie, peer, false, &h).is_some());
+        assert_eq!(key_hash(&by_cookie, peer, false, &HeaderMap::new()), None);
+        // The client key is the address, whatever the headers.
+        assert_eq!(
+            key_hash(&HashOn::Client, peer, false, &h),
+            key_hash(&HashOn::Client, peer, false, &HeaderMap::new())
+        );
+    }
+}
