@@ -218,6 +218,104 @@ routes:
     assert_eq!(asked, 4, "the two refusals and the sign-ins");
 }
 
+#[tokio::test]
+async fn allowing_answers_are_kept_per_session_with_a_cache() {
+    let (auth, mut seen) = auth_service().await;
+    let app = upstream::echo("app").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: app, endpoints: ["{app}"] }}
+  - {{ name: auth, endpoints: ["{auth}"] }}
+routes:
+  - name: cached
+    match: {{ path: /cached }}
+    upstream: app
+    auth_request:
+      upstream: auth
+      path: /oauth2/auth
+      copy_headers: [x-auth-request-user]
+      cache: {{ ttl: 60s }}
+  - name: per-uri
+    match: {{ path_prefix: /per-uri }}
+    upstream: app
+    auth_request: {{ upstream: auth, path: /oauth2/auth, cache: {{ ttl: 60s, per_uri: true }} }}
+  - name: uncached
+    match: {{ path: /uncached }}
+    upstream: app
+    auth_request: {{ upstream: auth, path: /oauth2/auth }}
+"#,
+        app = app.url(),
+        auth = auth.url(),
+    ))
+    .await;
+    let http = client::http1();
+    let get = |path: &str, cookie: &str| {
+        let mut req = Request::get(proxy.url(path)).header("x-auth-request-user", "mallory");
+        if !cookie.is_empty() {
+            req = req.header("cookie", cookie);
+        }
+        client::send(&http, req.body(body(Bytes::new())).unwrap())
+    };
+    let mut asked = || std::iter::from_fn(|| seen.try_recv().ok()).count();
+
+    // The first request of a session asks; the next ones are let through
+    // as the service named the user, without asking.
+    for _ in 0..3 {
+        let a = get("/cached", "session=good").await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        assert_eq!(a.json()["headers"]["x-auth-request-user"], "alice");
+    }
+    assert_eq!(asked(), 1);
+    // Another session (another cookie) is asked about.
+    let a = get("/cached", "session=good; theme=dark").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(asked(), 1);
+    // Refusals are asked again every time, and requests without the
+    // session's headers are never taken from the cache.
+    for _ in 0..2 {
+        assert_eq!(get("/cached", "session=bad").await.status, 401);
+        assert_eq!(get("/cached", "").await.status, 401);
+    }
+    assert_eq!(asked(), 4);
+    // Per URI: each path and query is its own entry.
+    for path in ["/per-uri/a", "/per-uri/a", "/per-uri/b"] {
+        assert_eq!(get(path, "session=good").await.status, 200);
+    }
+    assert_eq!(asked(), 2);
+    // Without a cache, every request asks.
+    for _ in 0..2 {
+        assert_eq!(get("/uncached", "session=good").await.status, 200);
+    }
+    assert_eq!(asked(), 2);
+}
+
+#[test]
+fn check_names_bad_auth_caches() {
+    assert_check_errors(
+        r#"
+upstreams:
+  - { name: app, endpoints: ["http://127.0.0.1:9"] }
+routes:
+  - { name: a, match: { path: /a }, upstream: app, auth_request: { upstream: app, path: /auth, cache: { ttl: 0s } } }
+  - { name: b, match: { path: /b }, upstream: app, auth_request: { upstream: app, path: /auth, cache: { ttl: 5s, key: [bad name] } } }
+"#,
+        &[
+            (5, "cache ttl 0s: leave `cache` out instead"),
+            (6, "cache key `bad name` is not a header name"),
+        ],
+    );
+    assert_check_errors(
+        r#"
+upstreams: [{ name: app, endpoints: ["http://127.0.0.1:9"] }]
+routes:
+  - { name: c, match: { path: /c }, upstream: app, auth_request: { upstream: app, path: /auth, cache: { for: 5s } } }
+"#,
+        &[(4, "unknown field `for`")],
+    );
+}
+
 #[test]
 fn check_names_bad_auth_requests() {
     assert_check_errors(

@@ -16,6 +16,9 @@
 //!   403's reason.
 //! - no answer (unreachable, timed out): 503, logged; the request is not
 //!   let through.
+//!
+//! With `cache`, allowing answers are kept a while per session
+//! ([`crate::auth_cache`]).
 
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Response, StatusCode};
@@ -58,6 +61,20 @@ pub async fn check(
     for name in &auth.copy_headers {
         headers.remove(name);
     }
+    // A session allowed a moment ago is let through as it was then.
+    let cached = auth
+        .cache
+        .as_ref()
+        .and_then(|cache| Some((cache, cache.key_of(headers, asked.uri)?)));
+    if let Some((cache, key)) = cached
+        && let Some(copied) = cache.get(key)
+    {
+        tracing::debug!(route = %route.name, "auth request answered from the cache");
+        for (name, value) in copied {
+            headers.append(name, value);
+        }
+        return Ok(());
+    }
     let sent = subrequest_headers(headers, &asked, authority, conn, pool);
     // The URL the client asked for, as the upstream would be told it
     // (behind a trusted balancer, the scheme and host it reports).
@@ -93,10 +110,19 @@ pub async fn check(
     };
     drop(held);
     if parts.status.is_success() {
-        for name in &auth.copy_headers {
-            for value in parts.headers.get_all(name) {
-                headers.append(name.clone(), value.clone());
-            }
+        let copied: Vec<_> = auth
+            .copy_headers
+            .iter()
+            .flat_map(|name| {
+                let values = parts.headers.get_all(name).iter();
+                values.map(move |value| (name.clone(), value.clone()))
+            })
+            .collect();
+        for (name, value) in &copied {
+            headers.append(name.clone(), value.clone());
+        }
+        if let Some((cache, key)) = cached {
+            cache.put(key, copied);
         }
         return Ok(());
     }

@@ -6,6 +6,7 @@
 //! [`config`] turns policy files into the immutable model all of them read.
 
 pub mod admin;
+pub mod auth_cache;
 pub mod auth_request;
 pub mod balance;
 pub mod body;

@@ -9,15 +9,16 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::uri::Authority;
-use http::{HeaderName, HeaderValue, Method, StatusCode, Uri};
+use http::{HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 use serde_saphyr::{Location, Spanned};
 
 use super::envsubst::expand;
 use super::raw::{
-    PolicyFile, RawAuthRequest, RawCompress, RawCors, RawHeaderEdits, RawHealthCheck, RawListener,
-    RawListenerTls, RawPlugin, RawPluginUse, RawRateLimit, RawRoute, RawUpstream, Text, TextMap,
+    PolicyFile, RawAuthCache, RawAuthRequest, RawCompress, RawCors, RawHeaderEdits, RawHealthCheck,
+    RawListener, RawListenerTls, RawPlugin, RawPluginUse, RawRateLimit, RawRoute, RawUpstream,
+    Text, TextMap,
 };
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
@@ -1068,16 +1069,7 @@ fn auth_request(
             .filter(|_| s.starts_with('/'))
             .ok_or_else(|| format!("auth_request path `{s}` must be a path starting with `/`"))
     });
-    let copy_headers: Vec<_> = a
-        .copy_headers
-        .iter()
-        .filter_map(|t| {
-            ctx.parse(t, |s| {
-                HeaderName::from_bytes(s.trim().as_bytes())
-                    .map_err(|_| format!("`{s}` is not a header name"))
-            })
-        })
-        .collect();
+    let copy_headers = header_names(ctx, &a.copy_headers, "");
     let signin = match &a.signin {
         None => Some(None),
         Some(t) => ctx
@@ -1095,14 +1087,46 @@ fn auth_request(
             .map(Some),
     };
     let timeout = ctx.duration(&a.timeout, DEFAULT_AUTH_TIMEOUT);
-    (copy_headers.len() == a.copy_headers.len()).then_some(())?;
+    let cache = match &a.cache {
+        None => Some(None),
+        Some(c) => auth_cache(ctx, &c.value).map(|c| Some(Arc::new(c))),
+    };
     Some(Box::new(AuthRequest {
         upstream: upstream?,
         path: path?,
-        copy_headers,
+        copy_headers: copy_headers?,
         signin: signin?,
         timeout,
+        cache: cache?,
     }))
+}
+
+/// Header names, each error reported (as `{what}`NAME` is not a header
+/// name`); `None` if any is not one.
+fn header_names(ctx: &mut Ctx, texts: &[Text], what: &str) -> Option<Vec<HeaderName>> {
+    let names: Vec<_> = texts
+        .iter()
+        .filter_map(|t| {
+            ctx.parse(t, |s| {
+                HeaderName::from_bytes(s.trim().as_bytes())
+                    .map_err(|_| format!("{what}`{s}` is not a header name"))
+            })
+        })
+        .collect();
+    (names.len() == texts.len()).then_some(names)
+}
+
+fn auth_cache(ctx: &mut Ctx, c: &RawAuthCache) -> Option<crate::auth_cache::AuthCache> {
+    let ttl = ctx.parse(&c.ttl, |s| match parse_duration(s)? {
+        d if d.is_zero() => Err("auth_request cache ttl 0s: leave `cache` out instead".into()),
+        d => Ok(d),
+    });
+    let key = match &c.key {
+        None => vec![header::COOKIE, header::AUTHORIZATION],
+        Some(names) => header_names(ctx, names, "cache key ")?,
+    };
+    let per_uri = ctx.flag(&c.per_uri, false);
+    Some(crate::auth_cache::AuthCache::new(ttl?, key, per_uri))
 }
 
 fn route(

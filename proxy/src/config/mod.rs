@@ -302,6 +302,8 @@ pub struct AuthRequest {
     pub signin: Option<String>,
     /// For the auth service's whole answer.
     pub timeout: Duration,
+    /// Allowing answers kept for a while, if set.
+    pub cache: Option<Arc<crate::auth_cache::AuthCache>>,
 }
 
 /// Active health checks of an upstream's endpoints (Envoy's

@@ -229,6 +229,15 @@ pub struct RawAuthRequest {
     pub copy_headers: Vec<Text>,
     pub signin: Option<Text>,
     pub timeout: Option<Text>,
+    pub cache: Option<Spanned<RawAuthCache>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAuthCache {
+    pub ttl: Text,
+    pub key: Option<Vec<Text>>,
+    pub per_uri: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]
