@@ -194,3 +194,40 @@ routes: [{ name: who, match: { path_prefix: /who }, respond: { status: 200, body
         "connections per worker"
     );
 }
+
+#[tokio::test]
+async fn routes_choose_which_requests_get_an_access_line() {
+    let mut proxy = ProxyProcess::start(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+routes:
+  - { name: quiet, match: { path: /quiet }, respond: { status: 200 }, access_log: false }
+  - { name: probe, match: { path: /probe }, respond: { status: 200 }, access_log: errors }
+  - { name: failing, match: { path: /failing }, respond: { status: 503 }, access_log: errors }
+  - { name: loud, match: { path: /loud }, respond: { status: 200 } }
+"#,
+        &["--workers", "1"],
+    )
+    .await;
+    // One connection: each request's line is written (or not) before the
+    // next request is read, so the last line says the others are out.
+    let http = client::http1();
+    for path in ["/quiet", "/probe", "/failing", "/quiet", "/loud"] {
+        let req = hyper::Request::get(proxy.url(path))
+            .body(client::body(""))
+            .unwrap();
+        client::send(&http, req).await;
+    }
+    proxy.wait_for_log(r#""path":"/loud""#).await;
+    let logs = proxy.logs.lock().unwrap().clone();
+    let lines_for = |path: &str| {
+        logs.iter()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["target"] == "access" && v["path"] == path)
+            .count()
+    };
+    assert_eq!(lines_for("/quiet"), 0, "{logs:#?}");
+    assert_eq!(lines_for("/probe"), 0, "a probe that passes: {logs:#?}");
+    assert_eq!(lines_for("/failing"), 1, "a probe that fails: {logs:#?}");
+    assert_eq!(lines_for("/loud"), 1, "{logs:#?}");
+}

@@ -570,6 +570,7 @@ impl Pipeline {
         let route = &config.routes[found.route];
         if let Some(log) = log.as_mut() {
             log.route = Some(route.name.clone());
+            log.logging = route.access_log;
         }
         // Read before the headers go upstream; only routes that compress
         // look.

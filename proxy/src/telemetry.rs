@@ -69,6 +69,8 @@ pub struct AccessLog {
     /// logged, as nginx's `$ssl_client_s_dn`, so the log says who made
     /// each request.
     pub client_cert: Option<Arc<crate::client_cert::ClientCertificate>>,
+    /// Whose lines the route keeps (`access_log` on the route).
+    pub logging: crate::config::AccessLogging,
 }
 
 impl AccessLog {
@@ -95,12 +97,19 @@ impl AccessLog {
             request_id: None,
             tls: None,
             client_cert: None,
+            logging: crate::config::AccessLogging::All,
         })
     }
 }
 
 impl Drop for AccessLog {
     fn drop(&mut self) {
+        use crate::config::AccessLogging;
+        match self.logging {
+            AccessLogging::All => {}
+            AccessLogging::Errors if self.status >= 400 => {}
+            AccessLogging::Errors | AccessLogging::Off => return,
+        }
         let path = self.path.as_ref().map_or("/", |p| p.as_str());
         // Whole microseconds over 1000, which prints as at most three
         // decimals; `as_secs_f64() * 1000.0` printed 0.19051300000000002.

@@ -23,10 +23,10 @@ use super::raw::{
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
 use super::{
-    Action, AuthRequest, Balance, ClientAuthMode, Config, ConfigError, Cors, Endpoint, FailMode,
-    HashOn, HeaderEdits, HealthCheck, Listener, ListenerTls, LocalResponse, PathRewrite,
-    PluginModule, PluginUse, Pos, Probe, Redirect, RetryBudget, Route, Target, Timeouts,
-    TlsSettings, Upstream,
+    AccessLogging, Action, AuthRequest, Balance, ClientAuthMode, Config, ConfigError, Cors,
+    Endpoint, FailMode, HashOn, HeaderEdits, HealthCheck, Listener, ListenerTls, LocalResponse,
+    PathRewrite, PluginModule, PluginUse, Pos, Probe, Redirect, RetryBudget, Route, Target,
+    Timeouts, TlsSettings, Upstream,
 };
 use crate::compress::Compression;
 use crate::request_id::RequestIds;
@@ -1391,6 +1391,14 @@ fn route(
             n => Ok(n),
         })
     });
+    let access_log = ctx.parse_or(&r.access_log, AccessLogging::All, |s| match s {
+        "true" => Ok(AccessLogging::All),
+        "errors" => Ok(AccessLogging::Errors),
+        "false" => Ok(AccessLogging::Off),
+        _ => Err(format!(
+            "access_log `{s}`: true (every request), errors (status 400 and above) or false"
+        )),
+    });
     let plugins = r
         .plugins
         .iter()
@@ -1411,6 +1419,7 @@ fn route(
             compress,
             rate_limit,
             max_request_body,
+            access_log,
             auth_request,
             plugins,
             defined_at: ctx.pos(&raw.referenced),

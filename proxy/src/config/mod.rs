@@ -287,6 +287,20 @@ pub struct Timeouts {
     pub idle: Duration,
 }
 
+/// Which requests of a route get an access line (nginx's `access_log
+/// off` in a location; Envoy's status-code access log filter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AccessLogging {
+    /// Every request.
+    #[default]
+    All,
+    /// Answers of 400 and above only: a health route probed every few
+    /// seconds logs its failures, not its successes.
+    Errors,
+    /// None.
+    Off,
+}
+
 /// A route's auth subrequest: see [`crate::auth_request`].
 #[derive(Debug, Clone)]
 pub struct AuthRequest {
@@ -621,6 +635,8 @@ pub struct Route {
     /// Request bodies larger than this are answered 413 (nginx's
     /// client_max_body_size); `None`: no limit.
     pub max_request_body: Option<u64>,
+    /// Which of the route's requests get an access line.
+    pub access_log: AccessLogging,
     /// Each request first asked of an auth service (nginx's
     /// `auth_request`, Envoy's `ext_authz`).
     pub auth_request: Option<Box<AuthRequest>>,

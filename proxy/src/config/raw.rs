@@ -215,6 +215,7 @@ pub struct RawRoute {
     pub compress: Option<Spanned<RawCompress>>,
     pub rate_limit: Option<Spanned<RawRateLimit>>,
     pub max_request_body: Option<Text>,
+    pub access_log: Option<Text>,
     pub auth_request: Option<Spanned<RawAuthRequest>>,
     #[serde(default)]
     pub plugins: Vec<Spanned<RawPluginUse>>,
