@@ -363,4 +363,23 @@ upstreams:
             (6, "use round_robin, least_requests or hash"),
         ],
     );
+    crate::support::assert_check_errors(
+        r#"
+upstreams:
+  - { name: a, endpoints: ["http://127.0.0.1:9 weight=0"] }
+  - { name: b, endpoints: ["http://127.0.0.1:9 heavy"] }
+  - { name: c, endpoints: ["http://127.0.0.1:9 weight=2", "http://127.0.0.1:8"], balance: least_requests }
+"#,
+        &[
+            (
+                3,
+                "`weight=0` after the URL: only weight=N, N from 1 to 100",
+            ),
+            (4, "`heavy` after the URL"),
+            (
+                5,
+                "endpoint weights apply to round_robin and hash balancing",
+            ),
+        ],
+    );
 }

@@ -347,6 +347,37 @@ routes:
 }
 
 #[tokio::test]
+async fn endpoint_weights_share_the_requests() {
+    let (heavy, heavy_hits) = upstream::counted_echo("heavy").await;
+    let (light, light_hits) = upstream::counted_echo("light").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: e, endpoints: ["{} weight=3", "{}"] }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: e }}]
+"#,
+        heavy.url(),
+        light.url()
+    ))
+    .await;
+    // One connection: one worker's round robin, whose cycle of four sends
+    // three to the heavy endpoint and one to the light.
+    let http = client::http1();
+    for _ in 0..40 {
+        let req = Request::get(proxy.url("/")).body(body("")).unwrap();
+        assert_eq!(client::send(&http, req).await.status, 200);
+    }
+    use std::sync::atomic::Ordering;
+    assert_eq!(
+        (
+            heavy_hits.load(Ordering::SeqCst),
+            light_hits.load(Ordering::SeqCst)
+        ),
+        (30, 10)
+    );
+}
+
+#[tokio::test]
 async fn least_requests_avoids_the_busy_endpoint() {
     let (arrived_tx, mut arrived) = mpsc::unbounded_channel();
     let release = Arc::new(Notify::new());

@@ -661,7 +661,29 @@ fn listener_tls(
 }
 
 /// Parses a fixed endpoint URL: `http(s)://host[:port][/base]`.
+/// The most a weight may be, and all of an upstream's together: the
+/// round-robin schedule has one slot per unit.
+const MAX_WEIGHT: u32 = 100;
+const MAX_WEIGHTS: u32 = 10_000;
+
+/// An endpoint: its URL, then optionally ` weight=N` (as nginx writes it).
 fn endpoint(s: &str) -> Result<Endpoint, String> {
+    let mut words = s.split_whitespace();
+    let url = words.next().unwrap_or_default();
+    let mut ep = endpoint_url(url)?;
+    for word in words {
+        ep.weight = word
+            .strip_prefix("weight=")
+            .and_then(|w| w.parse::<u32>().ok())
+            .filter(|w| (1..=MAX_WEIGHT).contains(w))
+            .ok_or_else(|| {
+                format!("`{word}` after the URL: only weight=N, N from 1 to {MAX_WEIGHT}")
+            })?;
+    }
+    Ok(ep)
+}
+
+fn endpoint_url(s: &str) -> Result<Endpoint, String> {
     let uri: Uri = s
         .parse()
         .map_err(|_| format!("`{s}` is not a URL; write it like http://service:8080"))?;
@@ -741,7 +763,16 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
                 .iter()
                 .filter_map(|t| ctx.parse(t, endpoint))
                 .collect();
-            (eps.len() == u.endpoints.len()).then_some(Target::Endpoints(eps))
+            let weights: u32 = eps.iter().map(|e| e.weight).sum();
+            if weights > MAX_WEIGHTS {
+                ctx.err(
+                    &raw.referenced,
+                    format!("the endpoints' weights add up to {weights}, more than {MAX_WEIGHTS}"),
+                );
+                None
+            } else {
+                (eps.len() == u.endpoints.len()).then_some(Target::Endpoints(eps))
+            }
         }
         (true, Some(t)) => ctx.parse(t, upstream_template),
         _ => {
@@ -757,6 +788,15 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
             "`{s}` is not a balancing policy; use round_robin, least_requests or hash"
         )),
     });
+    if balance == Balance::LeastRequests
+        && let Some(Target::Endpoints(eps)) = &target
+        && eps.iter().any(|e| e.weight != 1)
+    {
+        ctx.err(
+            &raw.referenced,
+            "endpoint weights apply to round_robin and hash balancing, not least_requests",
+        );
+    }
     let hash_on = match &u.hash_on {
         None => HashOn::Client,
         Some(t) if balance != Balance::Hash => {

@@ -358,6 +358,9 @@ pub struct Endpoint {
     pub base_path: Option<Arc<str>>,
     /// The `Host` header for this endpoint, made once rather than per request.
     pub host_header: HeaderValue,
+    /// Its share of the requests against the others' (nginx's `weight=`):
+    /// 1 unless written after the URL.
+    pub weight: u32,
 }
 
 impl Endpoint {
@@ -371,6 +374,7 @@ impl Endpoint {
             base_path: Some(uri.path().trim_end_matches('/'))
                 .filter(|p| !p.is_empty())
                 .map(Into::into),
+            weight: 1,
         })
     }
 }

@@ -53,16 +53,36 @@ pub fn endpoint_seed(ep: &Endpoint) -> u64 {
     }
 }
 
-/// The endpoint `key` picks among those with `seeds`, passing over those
-/// `is_out` says are out; with every one out, the pick among all (a
-/// connect that may work beats a certain 502, as elsewhere).
-pub fn pick(key: u64, seeds: &[u64], is_out: impl Fn(usize) -> bool) -> usize {
+/// The endpoint `key` picks among those with `seeds` (and `weights`,
+/// empty when all are equal), passing over those `is_out` says are out;
+/// with every one out, the pick among all (a connect that may work beats
+/// a certain 502, as elsewhere).
+pub fn pick(key: u64, seeds: &[u64], weights: &[u32], is_out: impl Fn(usize) -> bool) -> usize {
     let best = |skip_out: bool| {
-        (0..seeds.len())
-            .filter(|&i| !(skip_out && is_out(i)))
-            .max_by_key(|&i| mix(key ^ seeds[i]))
+        let candidates = (0..seeds.len()).filter(|&i| !(skip_out && is_out(i)));
+        if weights.is_empty() {
+            candidates.max_by_key(|&i| mix(key ^ seeds[i]))
+        } else {
+            candidates.max_by(|&a, &b| {
+                let (sa, sb) = (
+                    weighted(key, seeds[a], weights[a]),
+                    weighted(key, seeds[b], weights[b]),
+                );
+                sa.total_cmp(&sb)
+            })
+        }
     };
     best(true).or_else(|| best(false)).unwrap_or(0)
+}
+
+/// Weighted rendezvous: `weight / -ln(u)` for the endpoint's uniform draw
+/// `u` in (0, 1) wins with probability in proportion to its weight, and
+/// keeps the property that an endpoint leaving moves only its own keys.
+/// With equal weights it orders endpoints as the plain score does.
+fn weighted(key: u64, seed: u64, weight: u32) -> f64 {
+    // 53 bits of the score, shifted off zero: ln(0) would be -inf.
+    let u = ((mix(key ^ seed) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    f64::from(weight) / -u.ln()
 }
 
 /// FNV-1a, 64 bits: fixed (the same in every process), and quick on the
@@ -97,8 +117,8 @@ mod tests {
         let mut counts = [0; 4];
         for k in 0..4000u32 {
             let key = fnv1a(&k.to_be_bytes());
-            let i = pick(key, &seeds, |_| false);
-            assert_eq!(pick(key, &seeds, |_| false), i);
+            let i = pick(key, &seeds, &[], |_| false);
+            assert_eq!(pick(key, &seeds, &[], |_| false), i);
             counts[i] += 1;
         }
         assert!(
@@ -112,15 +132,39 @@ mod tests {
         let seeds = seeds(5);
         for k in 0..2000u32 {
             let key = fnv1a(&k.to_be_bytes());
-            let before = pick(key, &seeds, |_| false);
-            let after = pick(key, &seeds, |i| i == 2);
+            let before = pick(key, &seeds, &[], |_| false);
+            let after = pick(key, &seeds, &[], |i| i == 2);
             assert_ne!(after, 2);
             if before != 2 {
                 assert_eq!(after, before, "key {k} moved");
             }
             // Every endpoint out: the pick among all.
-            assert_eq!(pick(key, &seeds, |_| true), before);
+            assert_eq!(pick(key, &seeds, &[], |_| true), before);
         }
+    }
+
+    #[test]
+    fn weights_share_the_keys_in_proportion() {
+        let seeds = seeds(3);
+        let weights = [1, 1, 2];
+        let mut counts = [0; 3];
+        for k in 0..8000u32 {
+            let key = fnv1a(&k.to_be_bytes());
+            let i = pick(key, &seeds, &weights, |_| false);
+            counts[i] += 1;
+            // Equal weights pick as unweighted.
+            assert_eq!(
+                pick(key, &seeds, &[5, 5, 5], |_| false),
+                pick(key, &seeds, &[], |_| false)
+            );
+            // The heavy one leaving moves only its keys.
+            if i != 2 {
+                assert_eq!(pick(key, &seeds, &weights, |j| j == 2), i);
+            }
+        }
+        assert!((1700..2300).contains(&counts[0]), "{counts:?}");
+        assert!((1700..2300).contains(&counts[1]), "{counts:?}");
+        assert!((3600..4400).contains(&counts[2]), "{counts:?}");
     }
 
     #[test]
