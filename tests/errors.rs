@@ -424,3 +424,68 @@ async fn a_transfer_coding_other_than_chunked_is_501_and_never_forwarded() {
     assert_eq!(json["body_len"], 5);
     assert_eq!(json["body_fnv"], upstream::fnv(b"abcde"));
 }
+
+#[tokio::test]
+async fn grpc_clients_get_the_proxys_errors_as_grpc_statuses() {
+    let app = upstream::echo("app").await;
+    let dead = format!("http://127.0.0.1:{}", closed_port());
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: app, endpoints: ["{app}"] }}
+  - {{ name: dead, endpoints: ["{dead}"] }}
+routes:
+  - {{ name: app, match: {{ path_prefix: /app.Service }}, upstream: app }}
+  - {{ name: dead, match: {{ path_prefix: /dead.Service }}, upstream: dead }}
+  - name: limited
+    match: {{ path_prefix: /limited.Service }}
+    upstream: app
+    rate_limit: {{ rate: 1/h, key: route }}
+"#,
+        app = app.url()
+    ))
+    .await;
+    let h2 = client::h2c();
+    let call = |path: &str, content_type: &str| {
+        let req = Request::post(proxy.url(path))
+            .header("content-type", content_type)
+            .header("te", "trailers")
+            .body(body(Bytes::from_static(b"\0\0\0\0\0")))
+            .unwrap();
+        client::send(&h2, req)
+    };
+    // Trailers-only answers: 200, the status and message in the head.
+    for (path, code, message) in [
+        ("/nowhere.Service/Call", "12", "no route"),
+        ("/dead.Service/Call", "14", "upstream unreachable"),
+    ] {
+        let a = call(path, "application/grpc").await;
+        assert_eq!(a.status, 200, "{path}: {:?}", a.body);
+        assert_eq!(a.header("grpc-status"), Some(code), "{path}");
+        assert_eq!(a.header("grpc-message"), Some(message), "{path}");
+        assert_eq!(a.header("content-type"), Some("application/grpc"));
+        assert!(a.body.is_empty(), "{path}: {:?}", a.body);
+    }
+    // The request's own gRPC content type is kept; other headers too.
+    assert_eq!(
+        call("/limited.Service/Call", "application/grpc-web+proto")
+            .await
+            .status,
+        200
+    );
+    let a = call("/limited.Service/Call", "application/grpc-web+proto").await;
+    assert_eq!(a.header("grpc-status"), Some("14"));
+    assert_eq!(a.header("content-type"), Some("application/grpc-web+proto"));
+    assert!(a.header("retry-after").is_some());
+    // An upstream's answer passes as it is.
+    let a = call("/app.Service/Call", "application/grpc").await;
+    assert_eq!(a.json()["upstream"], "app");
+    assert!(a.header("grpc-status").is_none());
+    // Other clients keep the JSON.
+    let a = call("/nowhere.Service/Call", "application/json").await;
+    assert_eq!(
+        (a.status.as_u16(), a.json()["error"].as_str()),
+        (404, Some("no route"))
+    );
+}

@@ -95,15 +95,7 @@ fn quoted(text: &str) -> String {
 
 /// Percent-encodes all but RFC 3986's unreserved characters.
 pub(crate) fn url_encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() * 3 / 2);
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    crate::percent::encode(s, crate::percent::unreserved)
 }
 
 #[cfg(test)]

@@ -267,7 +267,11 @@ pub fn json_error(
     if let Some(plugin) = plugin {
         body["plugin"] = plugin.into();
     }
-    json_response(status, &body)
+    let mut resp = json_response(status, &body);
+    // A gRPC client gets it in gRPC's terms (see `grpc_local`).
+    resp.extensions_mut()
+        .insert(crate::grpc_local::LocalError(message.into()));
+    resp
 }
 
 /// A small JSON answer the proxy makes itself (never cached).
@@ -482,10 +486,19 @@ impl Pipeline {
             log.client_cert = conn.client_cert.clone();
         }
         let mut stats = metrics::unrouted();
+        // Read before the request is taken apart; a GET never looks.
+        let grpc = crate::grpc_local::is_grpc(req.method(), req.headers())
+            .then(|| req.headers().get(header::CONTENT_TYPE).cloned());
         let (resp, held) = self
             .route_and_serve(req, conn, (&mut log, request_id.as_ref()), &mut stats)
             .await;
         let status = resp.status().as_u16();
+        // Logged and counted with the HTTP status chosen; answered in
+        // gRPC's terms.
+        let resp = match grpc {
+            Some(content_type) => crate::grpc_local::answer(resp, content_type),
+            None => resp,
+        };
         if let Some(log) = log.as_mut() {
             log.status = status;
         }
