@@ -12,6 +12,7 @@ mod errors;
 mod health_check;
 mod lifecycle;
 mod metrics;
+mod mirror;
 mod plugins;
 mod rate_limit;
 mod reload;

@@ -434,6 +434,30 @@ fn metrics(reloader: &Reloader) -> String {
             ]
         })
         .collect();
+    let mirrored: Vec<_> = pipeline
+        .config()
+        .routes
+        .iter()
+        .filter_map(|r| Some((label(&r.name), r.mirror.as_ref()?.totals())))
+        .flat_map(|(route, (sent, skipped))| {
+            [
+                (
+                    format!("{{route=\"{route}\",outcome=\"sent\"}}"),
+                    sent as f64,
+                ),
+                (
+                    format!("{{route=\"{route}\",outcome=\"skipped\"}}"),
+                    skipped as f64,
+                ),
+            ]
+        })
+        .collect();
+    metric(
+        "portcullis_route_mirrored_total",
+        "counter",
+        "Requests in a route's mirror share: sent to the mirror, or skipped (body streamed, or too many in flight).",
+        &mirrored,
+    );
     metric(
         "portcullis_upstream_retries_total",
         "counter",

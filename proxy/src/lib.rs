@@ -26,6 +26,7 @@ pub mod grpc_local;
 pub mod head_deadline;
 pub mod linger;
 pub mod metrics;
+pub mod mirror;
 pub mod percent;
 pub mod pipeline;
 pub mod plugin;

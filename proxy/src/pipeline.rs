@@ -781,6 +781,31 @@ impl Pipeline {
                 if !route.request_headers.is_empty() {
                     route.request_headers.apply(&mut headers);
                 }
+                let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
+                // A share of the route's requests goes to its mirror too.
+                let body = match &route.mirror {
+                    Some(mirror) if mirror.takes() => {
+                        let to = self.upstreams[conn.worker % self.upstreams.len()]
+                            [mirror.upstream]
+                            .clone();
+                        let head = (&parts.method, &new_path, &headers);
+                        // Boxed: only mirrored routes pay for its future.
+                        let copied = Box::pin(crate::mirror::copy(mirror, to, head, body, timeout));
+                        match copied.await {
+                            Ok(body) => body,
+                            Err(e) => {
+                                log_forward_error(route, &pool.spec.name, &e, request_id);
+                                let status = e.status();
+                                let message = e.public_message();
+                                return (
+                                    error_response(status, message, Some(route), origin.as_ref()),
+                                    forward::Held::default(),
+                                );
+                            }
+                        }
+                    }
+                    _ => body,
+                };
                 let out = Outgoing {
                     method: parts.method.clone(),
                     path: new_path,
@@ -788,7 +813,6 @@ impl Pipeline {
                     body,
                     affinity,
                 };
-                let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
                 let watch = watchable(conn, parts.version);
                 match pool.send(out, &found.params, timeout, watch).await {
                     Ok((mut resp, held)) => {

@@ -17,8 +17,8 @@ use serde_saphyr::{Location, Spanned};
 use super::envsubst::expand;
 use super::raw::{
     PolicyFile, RawAuthCache, RawAuthRequest, RawCompress, RawCors, RawHeaderEdits, RawHealthCheck,
-    RawListener, RawListenerTls, RawPlugin, RawPluginUse, RawRateLimit, RawRoute, RawUpstream,
-    Text, TextMap,
+    RawListener, RawListenerTls, RawMirror, RawPlugin, RawPluginUse, RawRateLimit, RawRoute,
+    RawUpstream, Text, TextMap,
 };
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
@@ -1093,16 +1093,7 @@ fn auth_request(
     upstreams: &[Arc<Upstream>],
 ) -> Option<Box<AuthRequest>> {
     let a = &raw.value;
-    let upstream = named_upstream(ctx, &a.upstream, upstream_index);
-    if let Some(i) = upstream
-        && matches!(upstreams[i].target, Target::Template(_))
-    {
-        ctx.err(
-            &a.upstream.referenced,
-            "auth_request needs an upstream with `endpoints`, not a URL template",
-        );
-        return None;
-    }
+    let upstream = fixed_upstream(ctx, &a.upstream, upstream_index, upstreams, "auth_request");
     let path = ctx.parse(&a.path, |s| {
         http::uri::PathAndQuery::try_from(s)
             .ok()
@@ -1154,6 +1145,46 @@ fn header_names(ctx: &mut Ctx, texts: &[Text], what: &str) -> Option<Vec<HeaderN
         })
         .collect();
     (names.len() == texts.len()).then_some(names)
+}
+
+/// An upstream named for a side request (`what`: an auth request, a
+/// mirror), which must have endpoints: a URL template is filled from the
+/// route's own parameters, for its own requests only.
+fn fixed_upstream(
+    ctx: &mut Ctx,
+    t: &Text,
+    upstream_index: &HashMap<String, Option<usize>>,
+    upstreams: &[Arc<Upstream>],
+    what: &str,
+) -> Option<usize> {
+    let i = named_upstream(ctx, t, upstream_index)?;
+    if matches!(upstreams[i].target, Target::Template(_)) {
+        ctx.err(
+            &t.referenced,
+            format!("{what} needs an upstream with `endpoints`, not a URL template"),
+        );
+        return None;
+    }
+    Some(i)
+}
+
+fn mirror(
+    ctx: &mut Ctx,
+    raw: &Spanned<RawMirror>,
+    upstream_index: &HashMap<String, Option<usize>>,
+    upstreams: &[Arc<Upstream>],
+) -> Option<Arc<crate::mirror::Mirror>> {
+    let m = &raw.value;
+    let upstream = fixed_upstream(ctx, &m.upstream, upstream_index, upstreams, "mirror");
+    let percent = ctx.parse_or(&m.percent, 100, |s| {
+        s.trim_end_matches('%')
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=100).contains(n))
+            .ok_or_else(|| format!("mirror percent `{s}` is not a share from 1 to 100"))
+    });
+    Some(Arc::new(crate::mirror::Mirror::new(upstream?, percent)))
 }
 
 fn auth_cache(ctx: &mut Ctx, c: &RawAuthCache) -> Option<crate::auth_cache::AuthCache> {
@@ -1423,6 +1454,10 @@ fn route(
         .auth_request
         .as_ref()
         .and_then(|a| auth_request(ctx, a, upstream_index, upstreams));
+    let mirror = r
+        .mirror
+        .as_ref()
+        .and_then(|m| mirror(ctx, m, upstream_index, upstreams));
     let max_request_body = r.max_request_body.as_ref().and_then(|t| {
         ctx.parse(t, |s| match parse_size(s)? {
             0 => Err(format!(
@@ -1461,6 +1496,7 @@ fn route(
             max_request_body,
             access_log,
             auth_request,
+            mirror,
             plugins,
             defined_at: ctx.pos(&raw.referenced),
         },

@@ -644,6 +644,8 @@ pub struct Route {
     /// Each request first asked of an auth service (nginx's
     /// `auth_request`, Envoy's `ext_authz`).
     pub auth_request: Option<Box<AuthRequest>>,
+    /// A share of the requests also sent to another upstream.
+    pub mirror: Option<Arc<crate::mirror::Mirror>>,
     /// Plugins run on this route, in order (after the global ones).
     pub plugins: Vec<PluginUse>,
     /// Where the route was defined.

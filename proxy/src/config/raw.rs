@@ -217,6 +217,7 @@ pub struct RawRoute {
     pub max_request_body: Option<Text>,
     pub access_log: Option<Text>,
     pub auth_request: Option<Spanned<RawAuthRequest>>,
+    pub mirror: Option<Spanned<RawMirror>>,
     #[serde(default)]
     pub plugins: Vec<Spanned<RawPluginUse>>,
 }
@@ -231,6 +232,13 @@ pub struct RawAuthRequest {
     pub signin: Option<Text>,
     pub timeout: Option<Text>,
     pub cache: Option<Spanned<RawAuthCache>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMirror {
+    pub upstream: Text,
+    pub percent: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

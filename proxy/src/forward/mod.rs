@@ -260,10 +260,10 @@ fn idempotent(m: &Method) -> bool {
 /// `client_body_buffer_size`): the request is then exchanged in-task in
 /// one write, and can be sent again if a pooled connection turns out dead.
 /// Longer bodies, and bodies of unknown length, stream through hyper.
-const MAX_BUFFERED_BODY: u64 = 64 * 1024;
+pub const MAX_BUFFERED_BODY: u64 = 64 * 1024;
 
 /// Reads all of a small body (see [`MAX_BUFFERED_BODY`]) within `timeout`.
-async fn read_small_body(body: Body, timeout: Duration) -> Result<bytes::Bytes, ForwardError> {
+pub async fn read_small_body(body: Body, timeout: Duration) -> Result<bytes::Bytes, ForwardError> {
     let limited = http_body_util::Limited::new(body, MAX_BUFFERED_BODY as usize);
     match tokio::time::timeout(timeout, http_body_util::BodyExt::collect(limited)).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),

@@ -1,0 +1,170 @@
+//! A route's `mirror` (Envoy's `request_mirror_policies`, nginx's
+//! `mirror`): a share of its requests is also sent to another upstream,
+//! a new version taking real traffic before it serves any. The mirror's
+//! answers are read and dropped; the client never waits for them, and a
+//! slow or dead mirror costs the route nothing but a bounded number of
+//! requests in flight to it.
+//!
+//! Mirrored: requests whose body is empty or in hand (a known length up
+//! to 64 KiB, read before forwarding, as for retries). A longer or
+//! streamed body goes to the route's upstream alone: copying it would
+//! hold the client's upload to the mirror's pace.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use http::uri::PathAndQuery;
+use http::{HeaderMap, Method};
+
+use crate::body::Body;
+use crate::forward::{Outgoing, UpstreamPool};
+
+/// Mirrored requests in flight per route beyond which more are skipped:
+/// a mirror that stops answering must not pile up requests here.
+const MAX_IN_FLIGHT: usize = 64;
+
+/// One route's mirror and its counts.
+#[derive(Debug)]
+pub struct Mirror {
+    /// The upstream mirrored to, by index.
+    pub upstream: usize,
+    /// Share of the route's requests mirrored, 1 to 100.
+    pub percent: u32,
+    /// Requests seen, to take every `100 / percent`th evenly.
+    seen: AtomicU64,
+    in_flight: Arc<AtomicUsize>,
+    sent: AtomicU64,
+    skipped: AtomicU64,
+}
+
+impl Mirror {
+    pub fn new(upstream: usize, percent: u32) -> Mirror {
+        Mirror {
+            upstream,
+            percent,
+            seen: AtomicU64::new(0),
+            in_flight: Arc::default(),
+            sent: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether this request is in the mirrored share: spread evenly (with
+    /// 10%, one in each ten), not by chance.
+    pub fn takes(&self) -> bool {
+        let n = self.seen.fetch_add(1, Ordering::Relaxed);
+        (n * u64::from(self.percent)) % 100 + u64::from(self.percent) >= 100
+    }
+
+    /// Counts a request in the share that could not be mirrored (its body
+    /// streams, or too many mirrored requests are in flight).
+    pub fn skip(&self) {
+        self.skipped.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Requests mirrored and skipped, for the metrics.
+    pub fn totals(&self) -> (u64, u64) {
+        (
+            self.sent.load(Ordering::Relaxed),
+            self.skipped.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Sends a copy of a request to `pool` on a task of its own, unless
+    /// too many are in flight already; its answer is read and dropped.
+    pub fn send(
+        &self,
+        pool: Arc<UpstreamPool>,
+        (method, path, headers, body): (Method, PathAndQuery, HeaderMap, bytes::Bytes),
+    ) {
+        if self.in_flight.fetch_add(1, Ordering::Relaxed) >= MAX_IN_FLIGHT {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+            self.skip();
+            return;
+        }
+        self.sent.fetch_add(1, Ordering::Relaxed);
+        let in_flight = self.in_flight.clone();
+        tokio::spawn(async move {
+            let timeout = pool.spec.timeouts.request;
+            let out = Outgoing {
+                method,
+                path,
+                headers,
+                body: Body::full(body),
+                affinity: None,
+            };
+            let params = matchit::Params::new();
+            let exchange = async {
+                let (resp, held) = pool.send(out, &params, timeout, None).await?;
+                // Read to its end, so that the connection serves again.
+                let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+                drop(held);
+                Ok::<_, crate::forward::ForwardError>(())
+            };
+            match tokio::time::timeout(timeout + Duration::from_secs(1), exchange).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(upstream = %pool.spec.name, error = %e, "mirrored request failed");
+                }
+                Err(_) => tracing::debug!(upstream = %pool.spec.name, "mirrored request timed out"),
+            }
+            in_flight.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+}
+
+/// Sends a copy of a request in `mirror`'s share to `pool`, reading a
+/// small body first (within `timeout`) so that both get it; the body to
+/// forward comes back. A streamed or long body, or an upgrade, is not
+/// mirrored.
+pub async fn copy(
+    mirror: &Mirror,
+    pool: Arc<UpstreamPool>,
+    (method, path, headers): (&Method, &PathAndQuery, &HeaderMap),
+    body: Body,
+    timeout: Duration,
+) -> Result<Body, crate::forward::ForwardError> {
+    use crate::forward::{MAX_BUFFERED_BODY, is_websocket_upgrade, read_small_body};
+    if is_websocket_upgrade(headers) {
+        mirror.skip();
+        return Ok(body);
+    }
+    let (bytes, body) = if http_body::Body::is_end_stream(&body) {
+        (bytes::Bytes::new(), body)
+    } else {
+        match http_body::Body::size_hint(&body).exact() {
+            Some(n) if n <= MAX_BUFFERED_BODY => {
+                let bytes = read_small_body(body, timeout).await?;
+                (bytes.clone(), Body::full(bytes))
+            }
+            _ => {
+                mirror.skip();
+                return Ok(body);
+            }
+        }
+    };
+    mirror.send(pool, (method.clone(), path.clone(), headers.clone(), bytes));
+    Ok(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_share_is_spread_evenly() {
+        for (percent, of_ten) in [(100, 10), (50, 5), (10, 1), (30, 3)] {
+            let m = Mirror::new(0, percent);
+            let taken: Vec<bool> = (0..10).map(|_| m.takes()).collect();
+            assert_eq!(
+                taken.iter().filter(|&&t| t).count(),
+                of_ten,
+                "{percent}%: {taken:?}"
+            );
+        }
+        let half = Mirror::new(0, 50);
+        let taken: Vec<bool> = (0..4).map(|_| half.takes()).collect();
+        assert_eq!(taken, [false, true, false, true]);
+    }
+}
