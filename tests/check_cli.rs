@@ -368,7 +368,6 @@ upstreams:
 upstreams:
   - { name: a, endpoints: ["http://127.0.0.1:9 weight=0"] }
   - { name: b, endpoints: ["http://127.0.0.1:9 heavy"] }
-  - { name: c, endpoints: ["http://127.0.0.1:9 weight=2", "http://127.0.0.1:8"], balance: least_requests }
 "#,
         &[
             (
@@ -376,10 +375,6 @@ upstreams:
                 "`weight=0` after the URL: only weight=N, N from 1 to 100",
             ),
             (4, "`heavy` after the URL"),
-            (
-                5,
-                "endpoint weights apply to round_robin and hash balancing",
-            ),
         ],
     );
 }

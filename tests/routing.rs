@@ -419,6 +419,61 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: pair }}]
 }
 
 #[tokio::test]
+async fn least_requests_counts_requests_per_unit_of_weight() {
+    // Two endpoints that hold every request, saying which got it.
+    let (arrived_tx, mut arrived) = mpsc::unbounded_channel();
+    let release = Arc::new(Notify::new());
+    let mut endpoints = Vec::new();
+    for name in ["heavy", "light"] {
+        let (arrived_tx, held) = (arrived_tx.clone(), release.clone());
+        endpoints.push(
+            upstream::serve(move |_req: Request<hyper::body::Incoming>| {
+                let (arrived_tx, held) = (arrived_tx.clone(), held.clone());
+                async move {
+                    // Waiting before it says so: the release may come
+                    // right after.
+                    let notified = held.notified();
+                    tokio::pin!(notified);
+                    notified.as_mut().enable();
+                    let _ = arrived_tx.send(name);
+                    notified.await;
+                    Response::new(full(name))
+                }
+            })
+            .await,
+        );
+    }
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: pair, endpoints: ["{} weight=3", "{}"], balance: least_requests }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: pair }}]
+"#,
+        endpoints[0].url(),
+        endpoints[1].url()
+    ))
+    .await;
+    // Four requests held one after another: whichever the first tie goes
+    // to, the loads (held / weight) send three to the heavy endpoint.
+    let mut held = Vec::new();
+    let mut got = Vec::new();
+    for _ in 0..4 {
+        held.push(tokio::spawn(client::get_owned(proxy.url("/hold"))));
+        let name = tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+            .await
+            .expect("a held request arrived")
+            .unwrap();
+        got.push(name);
+    }
+    got.sort_unstable();
+    assert_eq!(got, ["heavy", "heavy", "heavy", "light"]);
+    release.notify_waiters();
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+}
+
+#[tokio::test]
 async fn upstream_connections_are_kept_alive_and_reused() {
     let e = upstream::echo("e").await;
     let proxy = forwarding_all_to(&e).await;

@@ -788,15 +788,6 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
             "`{s}` is not a balancing policy; use round_robin, least_requests or hash"
         )),
     });
-    if balance == Balance::LeastRequests
-        && let Some(Target::Endpoints(eps)) = &target
-        && eps.iter().any(|e| e.weight != 1)
-    {
-        ctx.err(
-            &raw.referenced,
-            "endpoint weights apply to round_robin and hash balancing, not least_requests",
-        );
-    }
     let hash_on = match &u.hash_on {
         None => HashOn::Client,
         Some(t) if balance != Balance::Hash => {

@@ -413,11 +413,20 @@ impl UpstreamPool {
             }
             Balance::RoundRobin | Balance::Hash => self.ejections.first_in(start, n),
             Balance::LeastRequests => {
+                // Requests in flight per unit of weight (nginx's
+                // least_conn with weights), in fixed point.
+                let load = |i: usize| {
+                    let n = self.in_flight[i].load(Ordering::Relaxed) as u64;
+                    match self.weights.get(i) {
+                        Some(&w) => (n << 16) / u64::from(w),
+                        None => n,
+                    }
+                };
                 let least = |ejected_too: bool| {
                     (0..n)
                         .map(|i| (start + i) % n)
                         .filter(|&i| ejected_too || !self.ejections.is_out(i))
-                        .min_by_key(|&i| self.in_flight[i].load(Ordering::Relaxed))
+                        .min_by_key(|&i| load(i))
                 };
                 least(false).or_else(|| least(true)).unwrap_or(start)
             }
