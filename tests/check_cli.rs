@@ -352,8 +352,12 @@ upstreams:
   - { name: b, endpoints: ["http://127.0.0.1:9"], balance: hash, hash_on: "session" }
   - { name: c, endpoints: ["http://127.0.0.1:9"], balance: hash, hash_on: "header:bad name" }
   - { name: d, endpoints: ["http://127.0.0.1:9"], balance: sticky }
+  - { name: e, endpoints: ["http://127.0.0.1:9"], balance: hash, hash_cookie_ttl: 1h }
+  - { name: f, endpoints: ["http://127.0.0.1:9"], balance: hash, hash_on: "cookie:a b" }
 "#,
         &[
+            (7, "hash_cookie_ttl is for `hash_on: cookie:NAME`"),
+            (8, "use client, header:NAME or cookie:NAME"),
             (3, "hash_on is for `balance: hash`"),
             (
                 4,

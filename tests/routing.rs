@@ -347,6 +347,69 @@ routes:
 }
 
 #[tokio::test]
+async fn a_hash_cookie_is_given_to_clients_without_one_and_keeps_them_put() {
+    let (a, b, c) = (
+        upstream::echo("a").await,
+        upstream::echo("b").await,
+        upstream::echo("c").await,
+    );
+    let proxy = ProxyProcess::start(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - name: sticky
+    endpoints: ["{}", "{}", "{}"]
+    balance: hash
+    hash_on: "cookie:route"
+    hash_cookie_ttl: 1h
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: sticky }}]
+"#,
+            a.url(),
+            b.url(),
+            c.url()
+        ),
+        &["--workers", "2"],
+    )
+    .await;
+    let get = |cookie: Option<String>| {
+        let mut req = Request::get(proxy.url("/"));
+        if let Some(cookie) = cookie {
+            req = req.header("cookie", cookie);
+        }
+        // A fresh connection each: either worker.
+        let req = req.body(body("")).unwrap();
+        async move { client::send(&client::http1(), req).await }
+    };
+    let mut first_endpoints = std::collections::HashSet::new();
+    for client in 0..8 {
+        // The first request, without the cookie, is given one...
+        let first = get(None).await;
+        let set = first.header("set-cookie").expect("a cookie").to_owned();
+        let value = set
+            .strip_prefix("route=")
+            .and_then(|rest| rest.split(';').next())
+            .expect("route=VALUE")
+            .to_owned();
+        assert_eq!(value.len(), 32, "{set}");
+        assert!(set.ends_with("; Path=/; Max-Age=3600; HttpOnly"), "{set}");
+        let endpoint = first.json()["upstream"].as_str().unwrap().to_owned();
+        // ...and its later requests, bringing it, go where it went.
+        for _ in 0..3 {
+            let later = get(Some(format!("route={value}"))).await;
+            assert_eq!(
+                later.json()["upstream"],
+                endpoint.as_str(),
+                "client {client}"
+            );
+            assert!(later.header("set-cookie").is_none());
+        }
+        first_endpoints.insert(endpoint);
+    }
+    assert!(first_endpoints.len() >= 2, "{first_endpoints:?}");
+}
+
+#[tokio::test]
 async fn endpoint_weights_share_the_requests() {
     let (heavy, heavy_hits) = upstream::counted_echo("heavy").await;
     let (light, light_hits) = upstream::counted_echo("light").await;

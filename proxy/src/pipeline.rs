@@ -764,11 +764,14 @@ impl Pipeline {
                 }
                 // The key as the client sent it, before the forwarded
                 // headers are ours.
-                let affinity = pool.affinity(
+                let (affinity, set_cookie) = match pool.affinity(
                     conn.client.ip(),
                     conn.listener.trust_forwarded_headers,
                     &headers,
-                );
+                ) {
+                    Some((key, cookie)) => (Some(key), cookie),
+                    None => (None, None),
+                };
                 // HTTP/2 clients send the host as :authority, HTTP/1 as Host.
                 let public_host = match parts.uri.authority() {
                     Some(a) => HeaderValue::from_str(a.as_str()).ok(),
@@ -816,6 +819,9 @@ impl Pipeline {
                 let watch = watchable(conn, parts.version);
                 match pool.send(out, &found.params, timeout, watch).await {
                     Ok((mut resp, held)) => {
+                        if let Some(cookie) = set_cookie {
+                            resp.headers_mut().append(header::SET_COOKIE, cookie);
+                        }
                         if let Some(client_upgrade) = client_upgrade
                             .filter(|_| resp.status() == StatusCode::SWITCHING_PROTOCOLS)
                         {

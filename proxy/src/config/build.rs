@@ -666,6 +666,14 @@ fn listener_tls(
 const MAX_WEIGHT: u32 = 100;
 const MAX_WEIGHTS: u32 = 10_000;
 
+/// Whether `name` can name a cookie (an HTTP token, RFC 6265 §4.1.1).
+fn cookie_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
 /// An endpoint: its URL, then optionally ` weight=N` (as nginx writes it).
 fn endpoint(s: &str) -> Result<Endpoint, String> {
     let mut words = s.split_whitespace();
@@ -800,7 +808,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
                 Some(("header", name)) => HeaderName::from_bytes(name.trim().as_bytes())
                     .map(HashOn::Header)
                     .map_err(|_| format!("hash_on `{s}`: `{name}` is not a header name")),
-                Some(("cookie", name)) if !name.trim().is_empty() => {
+                Some(("cookie", name)) if cookie_name(name.trim()) => {
                     Ok(HashOn::Cookie(name.trim().to_owned()))
                 }
                 _ => Err(format!(
@@ -809,6 +817,17 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
             })
             .unwrap_or(HashOn::Client),
     };
+    let hash_cookie_ttl = u.hash_cookie_ttl.as_ref().and_then(|t| {
+        ctx.parse(t, |s| match parse_duration(s)? {
+            _ if !matches!(hash_on, HashOn::Cookie(_)) => {
+                Err("hash_cookie_ttl is for `hash_on: cookie:NAME`: the cookie it sets".into())
+            }
+            d if d.as_secs() == 0 => Err(format!(
+                "hash_cookie_ttl `{s}`: at least 1s (a cookie's Max-Age is in seconds)"
+            )),
+            d => Ok(d),
+        })
+    });
     let timeouts = match &u.timeouts {
         Some(t) => Timeouts {
             connect: ctx.duration(&t.connect, DEFAULT_TIMEOUTS.connect),
@@ -944,6 +963,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         target: target?,
         balance,
         hash_on,
+        hash_cookie_ttl,
         timeouts,
         retries,
         eject_for,
@@ -1322,6 +1342,7 @@ fn route(
             target,
             balance: Balance::RoundRobin,
             hash_on: HashOn::Client,
+            hash_cookie_ttl: None,
             timeouts: DEFAULT_TIMEOUTS,
             retries: DEFAULT_RETRIES,
             eject_for: DEFAULT_EJECT_FOR,

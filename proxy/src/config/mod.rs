@@ -399,6 +399,10 @@ pub struct Upstream {
     pub balance: Balance,
     /// With `balance: hash`, what picks the endpoint.
     pub hash_on: HashOn,
+    /// With `hash_on: cookie:NAME`, a request without the cookie gets one
+    /// with this Max-Age (Envoy's hash-policy cookie `ttl`); `None`: it
+    /// goes round robin.
+    pub hash_cookie_ttl: Option<Duration>,
     /// Timeouts.
     pub timeouts: Timeouts,
     /// Extra attempts, each on another endpoint, for requests whose
@@ -462,6 +466,7 @@ impl Upstream {
             && self.target == other.target
             && self.balance == other.balance
             && self.hash_on == other.hash_on
+            && self.hash_cookie_ttl == other.hash_cookie_ttl
             && self.timeouts == other.timeouts
             && self.retries == other.retries
             && self.eject_for == other.eject_for

@@ -145,6 +145,7 @@ pub struct RawUpstream {
     pub url: Option<Text>,
     pub balance: Option<Text>,
     pub hash_on: Option<Text>,
+    pub hash_cookie_ttl: Option<Text>,
     pub timeouts: Option<RawTimeouts>,
     pub retries: Option<Text>,
     pub eject_for: Option<Text>,

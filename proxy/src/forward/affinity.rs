@@ -30,6 +30,22 @@ pub fn key_hash(hash_on: &HashOn, peer: IpAddr, trust: bool, headers: &HeaderMap
     }
 }
 
+/// A new cookie `name` for a request that came without it: a random
+/// value, the key its later requests will bring, and the `Set-Cookie`
+/// that gives it to the client for `ttl`.
+pub fn new_cookie(name: &str, ttl: std::time::Duration) -> (u64, Option<http::HeaderValue>) {
+    let value = crate::request_id::generate();
+    let set = format!(
+        "{name}={}; Path=/; Max-Age={}; HttpOnly",
+        value.to_str().unwrap_or_default(),
+        ttl.as_secs()
+    );
+    (
+        fnv1a(value.as_bytes()),
+        http::HeaderValue::from_str(&set).ok(),
+    )
+}
+
 /// The value of cookie `name` in the request's Cookie headers.
 fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h [u8]> {
     headers

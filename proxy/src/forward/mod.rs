@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::uri::PathAndQuery;
-use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
 
 pub use ejection::Ejections;
 pub use h1::H1Body;
@@ -33,7 +33,7 @@ pub use retry::RetryCounts;
 
 use crate::body::{Body, BodyProgress};
 use crate::client_watch::{self, ClientSocket, Cut};
-use crate::config::{Balance, Endpoint, Target, Upstream};
+use crate::config::{Balance, Endpoint, HashOn, Target, Upstream};
 
 /// Why a request could not be forwarded; each maps to one status code.
 #[derive(Debug, thiserror::Error)]
@@ -384,11 +384,19 @@ impl UpstreamPool {
         peer: std::net::IpAddr,
         trust: bool,
         headers: &HeaderMap,
-    ) -> Option<u64> {
+    ) -> Option<(u64, Option<HeaderValue>)> {
         if self.spec.balance != Balance::Hash {
             return None;
         }
-        affinity::key_hash(&self.spec.hash_on, peer, trust, headers)
+        if let Some(key) = affinity::key_hash(&self.spec.hash_on, peer, trust, headers) {
+            return Some((key, None));
+        }
+        // No cookie yet: one is made, and its value picks the endpoint
+        // its later requests will keep to.
+        match (&self.spec.hash_on, self.spec.hash_cookie_ttl) {
+            (HashOn::Cookie(name), Some(ttl)) => Some(affinity::new_cookie(name, ttl)),
+            _ => None,
+        }
     }
 
     /// Picks the endpoint for a request, passing over ejected ones.
