@@ -22,5 +22,6 @@ mod routing;
 mod streaming;
 mod tls_listener;
 mod tls_upstream;
+mod tracing_otlp;
 mod tunnel;
 mod upstream_h1;

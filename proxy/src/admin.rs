@@ -458,6 +458,18 @@ fn metrics(reloader: &Reloader) -> String {
         "Requests in a route's mirror share: sent to the mirror, or skipped (body streamed, or too many in flight).",
         &mirrored,
     );
+    if pipeline.config().tracing.is_some() {
+        let spans: Vec<_> = crate::otlp::totals()
+            .iter()
+            .map(|(outcome, n)| (format!("{{outcome=\"{outcome}\"}}"), *n as f64))
+            .collect();
+        metric(
+            "portcullis_trace_spans_total",
+            "counter",
+            "Spans for the collector (tracing): exported, failed (refused or not answered), dropped (too many exports in flight).",
+            &spans,
+        );
+    }
     metric(
         "portcullis_upstream_retries_total",
         "counter",

@@ -86,7 +86,6 @@ impl Mirror {
         self.sent.fetch_add(1, Ordering::Relaxed);
         let in_flight = self.in_flight.clone();
         tokio::spawn(async move {
-            let timeout = pool.spec.timeouts.request;
             let out = Outgoing {
                 method,
                 path,
@@ -94,20 +93,8 @@ impl Mirror {
                 body: Body::full(body),
                 affinity: None,
             };
-            let params = matchit::Params::new();
-            let exchange = async {
-                let (resp, held) = pool.send(out, &params, timeout, None).await?;
-                // Read to its end, so that the connection serves again.
-                let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
-                drop(held);
-                Ok::<_, crate::forward::ForwardError>(())
-            };
-            match tokio::time::timeout(timeout + Duration::from_secs(1), exchange).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    tracing::debug!(upstream = %pool.spec.name, error = %e, "mirrored request failed");
-                }
-                Err(_) => tracing::debug!(upstream = %pool.spec.name, "mirrored request timed out"),
+            if let Err(error) = pool.side_request(out).await {
+                tracing::debug!(upstream = %pool.spec.name, %error, "mirrored request failed");
             }
             in_flight.fetch_sub(1, Ordering::Relaxed);
         });

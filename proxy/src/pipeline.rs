@@ -468,12 +468,19 @@ impl Pipeline {
     ) -> Response<ResponseBody> {
         let start = Instant::now();
         let watch = watchable(conn, req.version());
+        // Before the access-log record: a sampled request needs one.
+        let trace = self.config.tracing.as_ref().map(|tracing| {
+            let pool = &self.upstreams[conn.worker % self.upstreams.len()][tracing.upstream];
+            let (uri, version) = (req.uri().clone(), req.version());
+            let head = (&uri, version, conn.tls);
+            crate::otlp::Recording::begin(tracing, pool, req.headers_mut(), head)
+        });
         let mut log = AccessLog::start(
             req.method(),
             req.uri().path_and_query(),
-            conn.client,
-            conn.worker,
+            (conn.client, conn.worker),
             start,
+            trace.as_ref().is_some_and(crate::otlp::Recording::sampled),
         );
         let (request_id, made) = match conn.listener.request_id {
             RequestIds::Keep => (req.headers().get(crate::request_id::HEADER).cloned(), false),
@@ -484,6 +491,7 @@ impl Pipeline {
             log.request_id = request_id.clone();
             log.tls = conn.tls_version;
             log.client_cert = conn.client_cert.clone();
+            log.trace = trace.map(Box::new);
         }
         let mut stats = metrics::unrouted();
         // Read before the request is taken apart; a GET never looks.

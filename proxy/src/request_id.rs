@@ -73,19 +73,23 @@ fn usable(id: &HeaderValue) -> bool {
 /// per-thread generator seeded from the process's random keys, with no
 /// lock and no system call per id.
 pub fn generate() -> HeaderValue {
+    let mut text = [0u8; 32];
+    hex_into(random_u64(), &mut text[..16]);
+    hex_into(random_u64(), &mut text[16..]);
+    HeaderValue::from_bytes(&text).expect("hex digits make a header value")
+}
+
+/// 64 random bits from this thread's generator (ids, not secrets).
+pub(crate) fn random_u64() -> u64 {
     thread_local! {
         static STATE: Cell<u64> = Cell::new(seed());
     }
-    let (high, low) = STATE.with(|state| (wyrand(state), wyrand(state)));
-    let mut text = [0u8; 32];
-    hex_into(high, &mut text[..16]);
-    hex_into(low, &mut text[16..]);
-    HeaderValue::from_bytes(&text).expect("hex digits make a header value")
+    STATE.with(wyrand)
 }
 
 /// `n` as 16 lower-case hex digits into `out`, a byte (two digits) a
 /// turn from a table: a quarter of the instructions of a nibble a turn.
-fn hex_into(n: u64, out: &mut [u8]) {
+pub(crate) fn hex_into(n: u64, out: &mut [u8]) {
     const PAIRS: [[u8; 2]; 256] = {
         const DIGITS: &[u8; 16] = b"0123456789abcdef";
         let mut pairs = [[0u8; 2]; 256];

@@ -628,6 +628,8 @@ impl Worker {
                 // Spliced WebSocket connections are tracked process-wide.
                 self.shared.tracker.close();
                 self.shared.tracker.wait().await;
+                // The last requests' spans, before the runtime goes.
+                crate::otlp::flush_and_wait().await;
             };
             tokio::select! {
                 _ = drained => {}

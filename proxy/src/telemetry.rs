@@ -71,19 +71,24 @@ pub struct AccessLog {
     pub client_cert: Option<Arc<crate::client_cert::ClientCertificate>>,
     /// Whose lines the route keeps (`access_log` on the route).
     pub logging: crate::config::AccessLogging,
+    /// The request's trace, with the policies' `tracing`: its id is
+    /// logged, and a sampled request's span recorded when this is dropped.
+    pub trace: Option<Box<crate::otlp::Recording>>,
 }
 
 impl AccessLog {
     /// A record for a request whose head arrived at `start`, or `None`
-    /// when access logging is off.
+    /// when access logging is off and the record is not `needed` anyway
+    /// (a sampled request's span is made from it).
     pub fn start(
         method: &Method,
         path: Option<&PathAndQuery>,
-        client: SocketAddr,
-        worker: usize,
+        (client, worker): (SocketAddr, usize),
         start: Instant,
+        needed: bool,
     ) -> Option<AccessLog> {
-        tracing::enabled!(target: ACCESS_TARGET, tracing::Level::INFO).then(|| AccessLog {
+        let wanted = needed || tracing::enabled!(target: ACCESS_TARGET, tracing::Level::INFO);
+        wanted.then(|| AccessLog {
             method: method.clone(),
             path: path.cloned(),
             client,
@@ -98,6 +103,7 @@ impl AccessLog {
             tls: None,
             client_cert: None,
             logging: crate::config::AccessLogging::All,
+            trace: None,
         })
     }
 }
@@ -105,6 +111,10 @@ impl AccessLog {
 impl Drop for AccessLog {
     fn drop(&mut self) {
         use crate::config::AccessLogging;
+        let trace_id = self.trace.as_ref().map(|t| t.context.trace_hex());
+        if let Some(trace) = self.trace.take() {
+            trace.finish(self);
+        }
         match self.logging {
             AccessLogging::All => {}
             AccessLogging::Errors if self.status >= 400 => {}
@@ -131,6 +141,8 @@ impl Drop for AccessLog {
             // here and should not pay for the fields.
             tls = self.tls,
             client_cert = self.client_cert.as_ref().map(|c| c.identity.subject.as_str()),
+            // Absent without `tracing`, as `tls` in cleartext.
+            trace_id = trace_id.as_ref().and_then(|t| std::str::from_utf8(t).ok()),
         );
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::uri::Authority;
+use http::uri::{Authority, PathAndQuery};
 use http::{HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
@@ -18,7 +18,7 @@ use super::envsubst::expand;
 use super::raw::{
     PolicyFile, RawAuthCache, RawAuthRequest, RawCompress, RawCors, RawHeaderEdits, RawHealthCheck,
     RawListener, RawListenerTls, RawMirror, RawPlugin, RawPluginUse, RawRateLimit, RawRoute,
-    RawUpstream, Text, TextMap,
+    RawTracing, RawUpstream, Text, TextMap,
 };
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
@@ -315,6 +315,19 @@ pub(super) fn build(
             }
         }
     }
+    let mut tracing = None;
+    let mut tracing_at: Option<Pos> = None;
+    for (file, policy) in files {
+        ctx.file = file.clone();
+        let Some(t) = &policy.tracing else { continue };
+        match &tracing_at {
+            Some(at) => ctx.err(&t.referenced, format!("tracing is already set at {at}")),
+            None => {
+                tracing_at = Some(ctx.pos(&t.referenced));
+                tracing = tracing_settings(&mut ctx, t, &upstream_index, &upstreams);
+            }
+        }
+    }
     let mut routes: Vec<Arc<Route>> = Vec::new();
     let mut pending: Vec<PendingRoute> = Vec::new();
     let mut route_names: HashMap<String, Pos> = HashMap::new();
@@ -394,6 +407,7 @@ pub(super) fn build(
         router,
         plugins,
         global_plugins,
+        tracing,
         files: ctx.files,
         fingerprint: [0; 32],
     };
@@ -1196,6 +1210,55 @@ fn mirror(
             .ok_or_else(|| format!("mirror percent `{s}` is not a share from 1 to 100"))
     });
     Some(Arc::new(crate::mirror::Mirror::new(upstream?, percent)))
+}
+
+fn tracing_settings(
+    ctx: &mut Ctx,
+    raw: &Spanned<RawTracing>,
+    upstream_index: &HashMap<String, Option<usize>>,
+    upstreams: &[Arc<Upstream>],
+) -> Option<Arc<crate::otlp::Tracing>> {
+    let t = &raw.value;
+    let upstream = fixed_upstream(ctx, &t.upstream, upstream_index, upstreams, "tracing");
+    let path = ctx.parse_or(&t.path, PathAndQuery::from_static("/v1/traces"), |s| {
+        if !s.starts_with('/') {
+            return Err(format!("tracing path `{s}` does not start with `/`"));
+        }
+        PathAndQuery::try_from(s).map_err(|e| format!("tracing path `{s}`: {e}"))
+    });
+    // Out of 2^64, which 100% reaches: every draw falls below it.
+    let threshold = ctx.parse_or(&t.sample_percent, 1u128 << 64, |s| {
+        let percent = s
+            .trim_end_matches('%')
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|p| (0.0..=100.0).contains(p))
+            .ok_or_else(|| format!("sample_percent `{s}` is not a share from 0 to 100"))?;
+        Ok((percent / 100.0 * 2f64.powi(64)) as u128)
+    });
+    let service_name = ctx.parse_or(&t.service_name, Arc::from("portcullis"), |s| {
+        if s.is_empty() {
+            Err("service_name is empty".into())
+        } else {
+            Ok(Arc::from(s))
+        }
+    });
+    let flush_every = ctx.parse_or(
+        &t.flush_every,
+        Duration::from_secs(5),
+        |s| match parse_duration(s)? {
+            d if d.is_zero() => Err("flush_every 0s: spans need a moment to gather".into()),
+            d => Ok(d),
+        },
+    );
+    Some(Arc::new(crate::otlp::Tracing {
+        upstream: upstream?,
+        path,
+        threshold,
+        service_name,
+        flush_every,
+    }))
 }
 
 fn auth_cache(ctx: &mut Ctx, c: &RawAuthCache) -> Option<crate::auth_cache::AuthCache> {

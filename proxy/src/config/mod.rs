@@ -95,6 +95,8 @@ pub struct Config {
     pub plugins: Vec<Arc<PluginModule>>,
     /// Plugins run for every route before the route's own.
     pub global_plugins: Vec<PluginUse>,
+    /// Spans to an OpenTelemetry collector, when the policies say so.
+    pub tracing: Option<Arc<crate::otlp::Tracing>>,
     /// Files read besides the policy files themselves (plugins, CA files,
     /// secrets), so a reload can watch where they live.
     pub files: Vec<std::path::PathBuf>,

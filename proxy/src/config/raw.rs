@@ -67,6 +67,24 @@ pub struct PolicyFile {
     /// Plugins run for every route, before the route's own.
     #[serde(default)]
     pub global_plugins: Vec<Spanned<RawPluginUse>>,
+    /// Spans to an OpenTelemetry collector; in one file at most.
+    pub tracing: Option<Spanned<RawTracing>>,
+}
+
+/// Where spans go and which requests make one.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTracing {
+    /// The collector's OTLP/HTTP port, an upstream with endpoints.
+    pub upstream: Text,
+    /// Default `/v1/traces`.
+    pub path: Option<Text>,
+    /// Share of new traces sampled, 0 to 100 (default 100).
+    pub sample_percent: Option<Text>,
+    /// Default `portcullis`.
+    pub service_name: Option<Text>,
+    /// Default 5s.
+    pub flush_every: Option<Text>,
 }
 
 /// A plugin module: a WebAssembly component file.

@@ -462,6 +462,28 @@ impl UpstreamPool {
         Uri::from_parts(parts).map_err(|e| ForwardError::BadTarget(e.to_string()))
     }
 
+    /// Sends a request of the proxy's own (a mirrored copy, a batch of
+    /// spans) and reads its answer to the end, so that the connection
+    /// serves again, all within the upstream's request timeout and a
+    /// second: the answer's status, or what went wrong.
+    pub async fn side_request(&self, out: Outgoing) -> Result<StatusCode, String> {
+        let timeout = self.spec.timeouts.request;
+        let params = matchit::Params::new();
+        let exchange = async {
+            let (resp, held) = self
+                .send(out, &params, timeout, None)
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = resp.status();
+            let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+            drop(held);
+            Ok(status)
+        };
+        tokio::time::timeout(timeout + Duration::from_secs(1), exchange)
+            .await
+            .unwrap_or_else(|_| Err("timed out".into()))
+    }
+
     /// Sends `out` to the upstream and waits for the response head, within
     /// `timeout`. A request whose connection could not be made is retried
     /// on the next endpoint in, up to `retries` times: nothing was sent,

@@ -1389,9 +1389,9 @@ where
     let mut log = AccessLog::start(
         req.method(),
         req.uri().path_and_query(),
-        client,
-        worker,
+        (client, worker),
         start,
+        false,
     );
     // Every public request gets its id here, at the edge (a peer's
     // carries the one its public side gave it).
