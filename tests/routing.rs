@@ -314,17 +314,60 @@ routes:
             a.json()["upstream"].as_str().unwrap().to_owned()
         }
     };
+    // Where each session belongs: its first choice, or its second when
+    // that is the dead one (the failed connect's retry goes there, not
+    // round robin).
+    let authorities: Vec<String> = [a.url(), dead.clone(), b.url(), c.url()]
+        .iter()
+        .map(|u| u.trim_start_matches("http://").to_owned())
+        .collect();
+    let authorities: Vec<&str> = authorities.iter().map(String::as_str).collect();
+    let names = ["a", "dead", "b", "c"];
+    // Twelve sessions, three of them first drawn to the dead endpoint
+    // and then to one other than the next in the list, where a retry
+    // that walked the list would go (the ports differ each run: the keys
+    // are chosen for them).
+    // The other nine are three for each live endpoint.
+    let mut sessions = Vec::new();
+    let mut moved = 0;
+    let mut stayed = std::collections::HashMap::new();
+    for user in 0.. {
+        if sessions.len() == 12 {
+            break;
+        }
+        let order = portcullis::forward::preference(format!("s-{user}").as_bytes(), &authorities);
+        match (names[order[0]], names[order[1]]) {
+            ("dead", "b") => {}
+            ("dead", next) if moved < 3 => {
+                moved += 1;
+                sessions.push((user, next));
+            }
+            ("dead", _) => {}
+            (first, _) => {
+                let n = stayed.entry(first).or_insert(0);
+                if *n < 3 {
+                    *n += 1;
+                    sessions.push((user, first));
+                }
+            }
+        }
+    }
     let mut used = std::collections::HashSet::new();
-    for user in 0..12 {
+    for (user, home) in sessions {
         let (mut by_cookie, mut by_header) = (Vec::new(), Vec::new());
         for _ in 0..3 {
             let cookie = format!("theme=dark; session=s-{user}");
             by_cookie.push(upstream_of("/cookie", Some(("cookie", cookie))).await);
             by_header.push(upstream_of("/header", Some(("x-user", format!("u-{user}")))).await);
         }
-        for got in [&by_cookie, &by_header] {
-            assert!(got.iter().all(|u| *u == got[0]), "user {user}: {got:?}");
-        }
+        assert!(
+            by_cookie.iter().all(|u| u == home),
+            "user {user}: {by_cookie:?}, not {home}"
+        );
+        assert!(
+            by_header.iter().all(|u| *u == by_header[0]),
+            "user {user}: {by_header:?}"
+        );
         used.extend(by_cookie);
     }
     assert_eq!(

@@ -91,6 +91,18 @@ pub fn pick(key: u64, seeds: &[u64], weights: &[u32], is_out: impl Fn(usize) -> 
     best(true).or_else(|| best(false)).unwrap_or(0)
 }
 
+/// The order in which a request whose key is `key` (the header's or
+/// cookie's value) prefers endpoints with these authorities (`host:port`,
+/// equal weights), first choice first: where `balance: hash` sends it,
+/// and where to when that one is out. For tools and tests that must know
+/// the pick without sending requests.
+pub fn preference(key: &[u8], authorities: &[&str]) -> Vec<usize> {
+    let key = fnv1a(key);
+    let mut order: Vec<usize> = (0..authorities.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(mix(key ^ fnv1a(authorities[i].as_bytes()))));
+    order
+}
+
 /// Weighted rendezvous: `weight / -ln(u)` for the endpoint's uniform draw
 /// `u` in (0, 1) wins with probability in proportion to its weight, and
 /// keeps the property that an endpoint leaving moves only its own keys.
@@ -125,6 +137,20 @@ mod tests {
         (0..n)
             .map(|i| fnv1a(format!("pod-{i}.svc:8080").as_bytes()))
             .collect()
+    }
+
+    #[test]
+    fn the_preference_order_is_the_pick_order() {
+        let names: Vec<String> = (0..4).map(|i| format!("pod-{i}.svc:8080")).collect();
+        let authorities: Vec<&str> = names.iter().map(String::as_str).collect();
+        let seeds = seeds(4);
+        for k in 0..200u32 {
+            let key = k.to_string();
+            let order = preference(key.as_bytes(), &authorities);
+            let hash = fnv1a(key.as_bytes());
+            assert_eq!(order[0], pick(hash, &seeds, &[], |_| false));
+            assert_eq!(order[1], pick(hash, &seeds, &[], |i| i == order[0]));
+        }
     }
 
     #[test]

@@ -19,6 +19,7 @@ use std::time::Duration;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
 
+pub use affinity::preference;
 pub use ejection::Ejections;
 pub use h1::H1Body;
 pub use headers::{
