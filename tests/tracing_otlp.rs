@@ -318,3 +318,52 @@ upstreams:
         &[(5, "unknown field `sampling`")],
     );
 }
+
+#[tokio::test]
+async fn a_reload_changes_or_ends_tracing() {
+    let (collector, mut spans) = collector().await;
+    let app = upstream::echo("app").await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policy.yaml");
+    let write = |tracing: &str| {
+        let yaml = policy(&collector, &app, tracing);
+        // Without the section at all when `tracing` is empty.
+        let yaml = yaml.replace("tracing: \n", "");
+        std::fs::write(&file, yaml).unwrap();
+    };
+    let reload = async |proxy: &ProxyProcess| {
+        let req = Request::post(proxy.admin_url("/reload"))
+            .body(client::body(""))
+            .unwrap();
+        let answer = client::send(&client::http1(), req).await;
+        assert_eq!(answer.json()["result"], "applied", "{:?}", answer.body);
+    };
+    write("{ upstream: collector, service_name: before, flush_every: 20ms }");
+    let proxy = ProxyProcess::start_on(dir.path(), &["--watch", "false"]).await;
+    assert_eq!(traceparent(&client::get(&proxy.url("/app")).await).2, "01");
+    assert_eq!(next_span(&mut spans).await.0["service"], "before");
+
+    // New settings: the next spans carry them, and new traces go unsampled.
+    write("{ upstream: collector, service_name: after, flush_every: 20ms, sample_percent: 0 }");
+    reload(&proxy).await;
+    assert_eq!(traceparent(&client::get(&proxy.url("/app")).await).2, "00");
+    let sampled = format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01");
+    get_with(proxy.url("/app"), &[("traceparent", sampled.clone())]).await;
+    let (seen, span) = next_span(&mut spans).await;
+    assert_eq!(
+        (&seen["service"], &span["traceId"]),
+        (&"after".into(), &CALLER_TRACE.into())
+    );
+
+    // Without `tracing`, the caller's traceparent passes as it came.
+    write("");
+    reload(&proxy).await;
+    let a = get_with(proxy.url("/app"), &[("traceparent", sampled.clone())]).await;
+    assert_eq!(a.json()["headers"]["traceparent"], sampled.as_str());
+    let b = client::get(&proxy.url("/app")).await;
+    assert!(
+        b.json()["headers"].get("traceparent").is_none(),
+        "{:?}",
+        b.body
+    );
+}
