@@ -24,6 +24,23 @@ struct Copy {
     forwarded_for: bool,
 }
 
+/// The proxy with route `all` mirroring every request from `app` to
+/// `shadow`, and route `half` half of them.
+async fn start_mirroring(app: &str, shadow: &str, args: &[&str]) -> ProxyProcess {
+    let yaml = format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: app, endpoints: ["{app}"] }}
+  - {{ name: shadow, endpoints: ["{shadow}"] }}
+routes:
+  - {{ name: all, match: {{ path_prefix: /all }}, upstream: app, mirror: {{ upstream: shadow }} }}
+  - {{ name: half, match: {{ path_prefix: /half }}, upstream: app, mirror: {{ upstream: shadow, percent: 50 }} }}
+"#
+    );
+    ProxyProcess::start(&yaml, args).await
+}
+
 #[tokio::test]
 async fn a_share_of_the_requests_is_mirrored_without_waiting_for_it() {
     let app = upstream::echo("app").await;
@@ -49,23 +66,7 @@ async fn a_share_of_the_requests_is_mirrored_without_waiting_for_it() {
         }
     })
     .await;
-    let proxy = ProxyProcess::start(
-        &format!(
-            r#"
-listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
-upstreams:
-  - {{ name: app, endpoints: ["{}"] }}
-  - {{ name: shadow, endpoints: ["{}"] }}
-routes:
-  - {{ name: all, match: {{ path_prefix: /all }}, upstream: app, mirror: {{ upstream: shadow }} }}
-  - {{ name: half, match: {{ path_prefix: /half }}, upstream: app, mirror: {{ upstream: shadow, percent: 50 }} }}
-"#,
-            app.url(),
-            shadow.url()
-        ),
-        &["--workers", "2"],
-    )
-    .await;
+    let proxy = start_mirroring(&app.url(), &shadow.url(), &["--workers", "2"]).await;
     let mut next_copy = async || {
         tokio::time::timeout(Duration::from_secs(10), copies.recv())
             .await
@@ -103,23 +104,63 @@ routes:
         assert_eq!(next_copy().await.path, "/half");
     }
 
-    // A streamed body goes to the upstream alone.
+    // A streamed body is copied to the mirror as the upstream reads it.
     let streamed = Request::post(proxy.url("/all/stream"))
         .body(BodyExt::boxed(StreamBody::new(upstream::chunks(
-            256 * 1024,
+            192 * 1024,
         ))))
         .unwrap();
     let a = client::send(&client::http1(), streamed).await;
-    assert_eq!(a.json()["body_len"], 256 * 1024);
+    assert_eq!(a.json()["body_len"], 192 * 1024);
+    let copy = next_copy().await;
+    assert_eq!(
+        (copy.method.as_str(), copy.path.as_str()),
+        ("POST", "/all/stream")
+    );
+    assert_eq!(copy.body.len(), 192 * 1024);
+    assert!(copy.body.iter().all(|&b| b == 0x5a), "the bytes sent");
     proxy
         .metrics_showing(&[
-            r#"portcullis_route_mirrored_total{route="all",outcome="sent"} 1"#.into(),
-            r#"portcullis_route_mirrored_total{route="all",outcome="skipped"} 1"#.into(),
+            r#"portcullis_route_mirrored_total{route="all",outcome="sent"} 2"#.into(),
+            r#"portcullis_route_mirrored_total{route="all",outcome="skipped"} 0"#.into(),
+            r#"portcullis_route_mirrored_total{route="all",outcome="cut"} 0"#.into(),
             r#"portcullis_route_mirrored_total{route="half",outcome="sent"} 2"#.into(),
         ])
         .await;
     assert!(copies.try_recv().is_err(), "no other copy was sent");
     release.notify_waiters();
+}
+
+#[tokio::test]
+async fn a_mirror_that_falls_behind_a_streamed_body_is_cut_not_waited_for() {
+    let app = upstream::echo("app").await;
+    // Takes connections and never reads from them: the copy backs up.
+    let stalled = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stalled_addr = stalled.local_addr().unwrap();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = stalled.accept().await {
+            held.push(socket);
+        }
+    });
+    let proxy = start_mirroring(&app.url(), &format!("http://{stalled_addr}"), &[]).await;
+    // Far more than the sockets between here and the mirror hold.
+    let total = 32 * 1024 * 1024;
+    let streamed = Request::post(proxy.url("/all/upload"))
+        .body(BodyExt::boxed(StreamBody::new(upstream::chunks(total))))
+        .unwrap();
+    let a = client::send(&client::http1(), streamed).await;
+    assert_eq!(
+        (a.status.as_u16(), a.json()["body_len"].as_u64()),
+        (200, Some(total))
+    );
+    proxy
+        .metrics_showing(&[
+            r#"portcullis_route_mirrored_total{route="all",outcome="sent"} 1"#.into(),
+            r#"portcullis_route_mirrored_total{route="all",outcome="cut"} 1"#.into(),
+        ])
+        .await;
+    holder.abort();
 }
 
 #[test]

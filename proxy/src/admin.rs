@@ -439,23 +439,19 @@ fn metrics(reloader: &Reloader) -> String {
         .routes
         .iter()
         .filter_map(|r| Some((label(&r.name), r.mirror.as_ref()?.totals())))
-        .flat_map(|(route, (sent, skipped))| {
-            [
+        .flat_map(|(route, totals)| {
+            totals.map(|(outcome, n)| {
                 (
-                    format!("{{route=\"{route}\",outcome=\"sent\"}}"),
-                    sent as f64,
-                ),
-                (
-                    format!("{{route=\"{route}\",outcome=\"skipped\"}}"),
-                    skipped as f64,
-                ),
-            ]
+                    format!("{{route=\"{route}\",outcome=\"{outcome}\"}}"),
+                    n as f64,
+                )
+            })
         })
         .collect();
     metric(
         "portcullis_route_mirrored_total",
         "counter",
-        "Requests in a route's mirror share: sent to the mirror, or skipped (body streamed, or too many in flight).",
+        "Requests in a route's mirror share: sent to the mirror, skipped (too many in flight, an upgrade), or sent and cut (the mirror fell behind a streamed body).",
         &mirrored,
     );
     if pipeline.config().tracing.is_some() {

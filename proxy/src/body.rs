@@ -83,9 +83,23 @@ impl Body {
                 progress: progress.clone(),
                 seen: 0,
                 max: u64::MAX,
+                tee: None,
             }),
         };
         Some(progress)
+    }
+
+    /// A copy of a body still to be streamed from the client, fed as the
+    /// body is read (see [`crate::tee`]); `None` for a body in memory,
+    /// empty, or of another kind (HTTP/3's).
+    pub fn tee(&mut self, cut: Arc<AtomicU64>) -> Option<crate::tee::Copy> {
+        self.track()?;
+        let Body::Tracked { inner } = self else {
+            return None;
+        };
+        let (sender, copy) = crate::tee::pair(inner.inner.size_hint().exact(), cut);
+        inner.tee = Some(Box::new(sender));
+        Some(copy)
     }
 
     /// Ends a body still to be streamed from the client with [`TooLarge`]
@@ -107,6 +121,8 @@ pub struct Tracked {
     /// Bytes come so far, and how many the route takes.
     seen: u64,
     max: u64,
+    /// Where a copy of each frame goes (a mirror), while it keeps up.
+    tee: Option<Box<crate::tee::Sender>>,
 }
 
 /// A request body over its route's `max_request_body`: the error the body
@@ -206,6 +222,7 @@ impl http_body::Body for Body {
                     progress,
                     seen,
                     max,
+                    tee,
                 } = &mut **inner;
                 let polled = Pin::new(&mut *inner).poll_frame(cx);
                 match &polled {
@@ -214,13 +231,28 @@ impl http_body::Body for Body {
                         *seen += n;
                         if *seen > *max {
                             progress.too_large.store(true, Ordering::Relaxed);
+                            *tee = None;
                             return Poll::Ready(Some(Err(TooLarge(*max).into())));
                         }
-                        progress.moved(inner.is_end_stream())
+                        let ended = inner.is_end_stream();
+                        progress.moved(ended);
+                        if let Some(copy) = tee {
+                            if !copy.send(frame) {
+                                // It cannot keep up: dropped, cut.
+                                *tee = None;
+                            } else if ended && let Some(copy) = tee.take() {
+                                copy.finish();
+                            }
+                        }
                     }
-                    Poll::Ready(None) => progress.moved(true),
+                    Poll::Ready(None) => {
+                        progress.moved(true);
+                        if let Some(copy) = tee.take() {
+                            copy.finish();
+                        }
+                    }
                     Poll::Pending => progress.waiting.store(true, Ordering::Relaxed),
-                    Poll::Ready(Some(Err(_))) => {}
+                    Poll::Ready(Some(Err(_))) => *tee = None,
                 }
                 polled.map_err(Into::into)
             }

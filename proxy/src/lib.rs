@@ -40,6 +40,7 @@ pub mod router;
 pub mod server;
 pub mod shard;
 pub mod sockets;
+pub mod tee;
 pub mod telemetry;
 pub mod ticket_keys;
 pub mod tls_listen;

@@ -5,10 +5,11 @@
 //! slow or dead mirror costs the route nothing but a bounded number of
 //! requests in flight to it.
 //!
-//! Mirrored: requests whose body is empty or in hand (a known length up
-//! to 64 KiB, read before forwarding, as for retries). A longer or
-//! streamed body goes to the route's upstream alone: copying it would
-//! hold the client's upload to the mirror's pace.
+//! Bodies: one in hand (a known length up to 64 KiB, read before
+//! forwarding, as for retries) is sent to both; a longer or streamed one
+//! is copied frame by frame as the upstream reads it ([`crate::tee`]),
+//! and the copy is cut (the mirror's request ends unfinished) if the
+//! mirror falls 256 KiB behind: the client's upload never waits on it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -36,6 +37,8 @@ pub struct Mirror {
     in_flight: Arc<AtomicUsize>,
     sent: AtomicU64,
     skipped: AtomicU64,
+    /// Streamed copies that fell behind and were cut.
+    cut: Arc<AtomicU64>,
 }
 
 impl Mirror {
@@ -47,6 +50,7 @@ impl Mirror {
             in_flight: Arc::default(),
             sent: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
+            cut: Arc::default(),
         }
     }
 
@@ -63,26 +67,38 @@ impl Mirror {
         self.skipped.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Requests mirrored and skipped, for the metrics.
-    pub fn totals(&self) -> (u64, u64) {
-        (
-            self.sent.load(Ordering::Relaxed),
-            self.skipped.load(Ordering::Relaxed),
-        )
+    /// Requests mirrored, skipped, and mirrored but cut, for the metrics.
+    pub fn totals(&self) -> [(&'static str, u64); 3] {
+        [
+            ("sent", self.sent.load(Ordering::Relaxed)),
+            ("skipped", self.skipped.load(Ordering::Relaxed)),
+            ("cut", self.cut.load(Ordering::Relaxed)),
+        ]
     }
 
-    /// Sends a copy of a request to `pool` on a task of its own, unless
-    /// too many are in flight already; its answer is read and dropped.
-    pub fn send(
+    /// Takes a place among the mirrored requests in flight; with too many
+    /// there already, counts the request skipped.
+    fn admit(&self) -> bool {
+        if self.in_flight.fetch_add(1, Ordering::Relaxed) >= MAX_IN_FLIGHT {
+            self.release();
+            self.skip();
+            return false;
+        }
+        true
+    }
+
+    /// Gives back a place taken for a copy that will not be sent.
+    fn release(&self) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Sends an admitted copy of a request to `pool` on a task of its
+    /// own; its answer is read and dropped.
+    fn send(
         &self,
         pool: Arc<UpstreamPool>,
-        (method, path, headers, body): (Method, PathAndQuery, HeaderMap, bytes::Bytes),
+        (method, path, headers, body): (Method, PathAndQuery, HeaderMap, Body),
     ) {
-        if self.in_flight.fetch_add(1, Ordering::Relaxed) >= MAX_IN_FLIGHT {
-            self.in_flight.fetch_sub(1, Ordering::Relaxed);
-            self.skip();
-            return;
-        }
         self.sent.fetch_add(1, Ordering::Relaxed);
         let in_flight = self.in_flight.clone();
         tokio::spawn(async move {
@@ -90,7 +106,7 @@ impl Mirror {
                 method,
                 path,
                 headers,
-                body: Body::full(body),
+                body,
                 affinity: None,
             };
             if let Err(error) = pool.side_request(out).await {
@@ -101,15 +117,16 @@ impl Mirror {
     }
 }
 
-/// Sends a copy of a request in `mirror`'s share to `pool`, reading a
-/// small body first (within `timeout`) so that both get it; the body to
-/// forward comes back. A streamed or long body, or an upgrade, is not
-/// mirrored.
+/// Sends a copy of a request in `mirror`'s share to `pool`: a small body
+/// is read first (within `timeout`) so that both get it, a longer or
+/// streamed one is copied as the upstream reads it; the body to forward
+/// comes back. An upgrade, or a body that cannot be copied (HTTP/3's),
+/// is not mirrored.
 pub async fn copy(
     mirror: &Mirror,
     pool: Arc<UpstreamPool>,
     (method, path, headers): (&Method, &PathAndQuery, &HeaderMap),
-    body: Body,
+    mut body: Body,
     timeout: Duration,
 ) -> Result<Body, crate::forward::ForwardError> {
     use crate::forward::{MAX_BUFFERED_BODY, is_websocket_upgrade, read_small_body};
@@ -117,22 +134,37 @@ pub async fn copy(
         mirror.skip();
         return Ok(body);
     }
-    let (bytes, body) = if http_body::Body::is_end_stream(&body) {
-        (bytes::Bytes::new(), body)
-    } else {
-        match http_body::Body::size_hint(&body).exact() {
-            Some(n) if n <= MAX_BUFFERED_BODY => {
-                let bytes = read_small_body(body, timeout).await?;
-                (bytes.clone(), Body::full(bytes))
+    // Before the body is read or copied: a skipped request costs nothing.
+    if !mirror.admit() {
+        return Ok(body);
+    }
+    let head = |copy| (method.clone(), path.clone(), headers.clone(), copy);
+    if http_body::Body::is_end_stream(&body) {
+        mirror.send(pool, head(Body::empty()));
+        return Ok(body);
+    }
+    match http_body::Body::size_hint(&body).exact() {
+        Some(n) if n <= MAX_BUFFERED_BODY => match read_small_body(body, timeout).await {
+            Ok(bytes) => {
+                mirror.send(pool, head(Body::full(bytes.clone())));
+                Ok(Body::full(bytes))
             }
-            _ => {
-                mirror.skip();
-                return Ok(body);
+            Err(e) => {
+                mirror.release();
+                Err(e)
             }
+        },
+        _ => {
+            match body.tee(mirror.cut.clone()) {
+                Some(copy) => mirror.send(pool, head(Body::boxed(copy))),
+                None => {
+                    mirror.release();
+                    mirror.skip();
+                }
+            }
+            Ok(body)
         }
-    };
-    mirror.send(pool, (method.clone(), path.clone(), headers.clone(), bytes));
-    Ok(body)
+    }
 }
 
 #[cfg(test)]
