@@ -105,6 +105,8 @@ async fn app_proxy_keeps_the_path_and_sets_forwarded_headers() {
         "a header named in Connection must not be forwarded: {h}"
     );
     assert!(h.get("keep-alive").is_none());
+    // No trace context without OTEL_EXPORTER_OTLP_ENDPOINT.
+    assert!(h.get("traceparent").is_none(), "{h}");
     // The upstream sees its own host, as with nginx's default proxy_set_header.
     assert_eq!(
         h["host"].as_str().unwrap(),

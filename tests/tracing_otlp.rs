@@ -9,17 +9,17 @@ use hyper::{Request, Response};
 use serde_json::Value;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-use crate::support::assert_check_errors;
 use crate::support::client;
 use crate::support::process::ProxyProcess;
 use crate::support::upstream::{self, Upstream, full};
+use crate::support::{Proxy, assert_check_errors};
 
 const CALLER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CALLER_SPAN: &str = "00f067aa0ba902b7";
 
 /// A collector that answers every export 200 and passes on each span it
 /// got, with the request's path and content type, and the resource.
-async fn collector() -> (Upstream, UnboundedReceiver<(Value, Value)>) {
+pub(crate) async fn collector() -> (Upstream, UnboundedReceiver<(Value, Value)>) {
     let (tx, spans) = unbounded_channel();
     let server = upstream::serve(move |req: Request<hyper::body::Incoming>| {
         let tx = tx.clone();
@@ -48,7 +48,7 @@ async fn collector() -> (Upstream, UnboundedReceiver<(Value, Value)>) {
     (server, spans)
 }
 
-async fn next_span(spans: &mut UnboundedReceiver<(Value, Value)>) -> (Value, Value) {
+pub(crate) async fn next_span(spans: &mut UnboundedReceiver<(Value, Value)>) -> (Value, Value) {
     tokio::time::timeout(Duration::from_secs(10), spans.recv())
         .await
         .expect("a span reached the collector")
@@ -366,4 +366,29 @@ async fn a_reload_changes_or_ends_tracing() {
         "{:?}",
         b.body
     );
+}
+
+#[tokio::test]
+async fn the_default_policies_trace_when_an_otlp_endpoint_is_set() {
+    let (collector, mut spans) = collector().await;
+    let app = upstream::echo("app-proxy").await;
+    let proxy = Proxy::start_default(&[
+        ("APP_PROXY_URL", app.url()),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url()),
+        ("OTEL_SERVICE_NAME", "runtime-routing".into()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "20".into()),
+    ])
+    .await;
+    let a = client::get(&proxy.url("/app-proxy/api/version")).await;
+    let (trace, our_span, _) = traceparent(&a);
+    let (seen, span) = next_span(&mut spans).await;
+    assert_eq!(
+        (&seen["service"], &seen["path"]),
+        (&"runtime-routing".into(), &"/v1/traces".into())
+    );
+    assert_eq!(
+        (&span["traceId"], &span["spanId"]),
+        (&trace.into(), &our_span.into())
+    );
+    assert_eq!(span["name"], "GET app-proxy");
 }

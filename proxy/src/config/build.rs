@@ -144,6 +144,20 @@ impl Ctx<'_> {
         })
     }
 
+    /// An `enabled` switch: on unless written `false` or empty (as
+    /// `${SECRET:+true}` expands when SECRET is unset); `None` when it is
+    /// neither.
+    fn switch(&mut self, t: &Option<Text>) -> Option<bool> {
+        let Some(t) = t else { return Some(true) };
+        self.parse(t, |s| match s {
+            "" | "false" => Ok(false),
+            "true" => Ok(true),
+            _ => Err(format!(
+                "`{s}` is not a boolean; write true or false (empty means false)"
+            )),
+        })
+    }
+
     fn duration(&mut self, t: &Option<Text>, default: Duration) -> Duration {
         self.parse_or(t, default, parse_duration)
     }
@@ -1219,6 +1233,9 @@ fn tracing_settings(
     upstreams: &[Arc<Upstream>],
 ) -> Option<Arc<crate::otlp::Tracing>> {
     let t = &raw.value;
+    if !ctx.switch(&t.enabled)? {
+        return None;
+    }
     let upstream = fixed_upstream(ctx, &t.upstream, upstream_index, upstreams, "tracing");
     let path = ctx.parse_or(&t.path, PathAndQuery::from_static("/v1/traces"), |s| {
         if !s.starts_with('/') {
@@ -1756,17 +1773,8 @@ fn plugin_use(
     plugin_index: &HashMap<String, usize>,
 ) -> Option<PluginUse> {
     let u = &raw.value;
-    if let Some(t) = &u.enabled {
-        let on = ctx.parse(t, |s| match s {
-            "" | "false" => Ok(false),
-            "true" => Ok(true),
-            _ => Err(format!(
-                "`{s}` is not a boolean; write true or false (empty means false)"
-            )),
-        })?;
-        if !on {
-            return None;
-        }
+    if !ctx.switch(&u.enabled)? {
+        return None;
     }
     let name = ctx.text(&u.plugin)?;
     let Some(&plugin) = plugin_index.get(name.trim()) else {

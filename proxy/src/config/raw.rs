@@ -75,6 +75,8 @@ pub struct PolicyFile {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawTracing {
+    /// `false` (or empty) leaves tracing off.
+    pub enabled: Option<Text>,
     /// The collector's OTLP/HTTP port, an upstream with endpoints.
     pub upstream: Text,
     /// Default `/v1/traces`.
