@@ -96,7 +96,7 @@ async fn get_with(url: String, headers: &[(&str, String)]) -> client::Answer {
 fn policy(collector: &Upstream, app: &Upstream, tracing: &str) -> String {
     format!(
         r#"
-listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+listeners: [{{ name: http, bind: "127.0.0.1:0", trust_forwarded_headers: true }}]
 upstreams:
   - {{ name: collector, endpoints: ["{}"] }}
   - {{ name: app, endpoints: ["{}"] }}
@@ -132,6 +132,7 @@ async fn upstreams_join_the_callers_trace_and_spans_reach_the_collector() {
             ("traceparent", sampled),
             ("tracestate", "vendor=x".into()),
             ("x-request-id", "req-1".into()),
+            ("x-forwarded-for", "203.0.113.7".into()),
         ],
     )
     .await;
@@ -164,7 +165,10 @@ async fn upstreams_join_the_callers_trace_and_spans_reach_the_collector() {
         ("url.path", "/app/orders"),
         ("url.scheme", "http"),
         ("server.address", "127.0.0.1"),
-        ("client.address", "127.0.0.1"),
+        // Behind a trusted proxy: the client it names; the socket's peer
+        // is the proxy.
+        ("client.address", "203.0.113.7"),
+        ("network.peer.address", "127.0.0.1"),
         ("network.protocol.version", "1.1"),
         ("http.response.status_code", "200"),
         ("portcullis.route", "app"),

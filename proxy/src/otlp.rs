@@ -12,6 +12,7 @@
 
 use std::cell::RefCell;
 use std::fmt::Write as _;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -72,6 +73,9 @@ struct Span {
     pool: Arc<UpstreamPool>,
     tracing: Arc<Tracing>,
     host: Option<HeaderValue>,
+    /// The client: the socket's peer, or behind a trusted proxy the last
+    /// `X-Forwarded-For` entry (as `rate_limit` and `hash_on` take it).
+    client: IpAddr,
     https: bool,
     version: Version,
 }
@@ -83,7 +87,8 @@ impl Recording {
         tracing: &Arc<Tracing>,
         pool: &Arc<UpstreamPool>,
         headers: &mut HeaderMap,
-        (uri, version, https): (&http::Uri, Version, bool),
+        (uri, version): (&http::Uri, Version),
+        conn: &crate::pipeline::ConnInfo,
     ) -> Recording {
         let context = crate::trace_context::join(headers, tracing.threshold);
         let span = context.sampled.then(|| Span {
@@ -95,7 +100,12 @@ impl Recording {
                 Some(a) => HeaderValue::from_str(a.host()).ok(),
                 None => headers.get(header::HOST).cloned(),
             },
-            https,
+            client: crate::rate_limit::client_of(
+                conn.client.ip(),
+                conn.listener.trust_forwarded_headers,
+                headers,
+            ),
+            https: conn.tls,
             version,
         });
         Recording { context, span }
@@ -322,22 +332,27 @@ fn encode_span(out: &mut String, context: &TraceContext, span: &Span, log: &Acce
         out.push(',');
         attribute(out, "server.address", host_only(host));
     }
-    out.push_str(r#",{"key":"client.address","value":{"stringValue":""#);
-    match log.client.ip() {
-        // Octet by octet: a quarter of the instructions of Display.
-        std::net::IpAddr::V4(ip) => {
-            for (i, octet) in ip.octets().into_iter().enumerate() {
-                if i > 0 {
-                    out.push('.');
+    for (key, ip) in [
+        ("client.address", span.client),
+        ("network.peer.address", log.client.ip()),
+    ] {
+        let _ = write!(out, r#",{{"key":"{key}","value":{{"stringValue":""#);
+        match ip {
+            // Octet by octet: a quarter of the instructions of Display.
+            IpAddr::V4(ip) => {
+                for (i, octet) in ip.octets().into_iter().enumerate() {
+                    if i > 0 {
+                        out.push('.');
+                    }
+                    out.push_str(digits.format(octet));
                 }
-                out.push_str(digits.format(octet));
+            }
+            ip => {
+                let _ = write!(out, "{ip}");
             }
         }
-        ip => {
-            let _ = write!(out, "{ip}");
-        }
+        out.push_str(r#""}}"#);
     }
-    out.push_str(r#""}}"#);
     out.push(',');
     let version = match span.version {
         Version::HTTP_2 => "2",

@@ -472,8 +472,7 @@ impl Pipeline {
         let trace = self.config.tracing.as_ref().map(|tracing| {
             let pool = &self.upstreams[conn.worker % self.upstreams.len()][tracing.upstream];
             let (uri, version) = (req.uri().clone(), req.version());
-            let head = (&uri, version, conn.tls);
-            crate::otlp::Recording::begin(tracing, pool, req.headers_mut(), head)
+            crate::otlp::Recording::begin(tracing, pool, req.headers_mut(), (&uri, version), conn)
         });
         let mut log = AccessLog::start(
             req.method(),
