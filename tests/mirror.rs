@@ -163,6 +163,62 @@ async fn a_mirror_that_falls_behind_a_streamed_body_is_cut_not_waited_for() {
     holder.abort();
 }
 
+#[tokio::test]
+async fn a_body_a_plugin_read_whole_is_mirrored_whatever_its_size() {
+    let app = upstream::echo("app").await;
+    let (tx, mut copies) = unbounded_channel();
+    let shadow = upstream::serve(move |req: Request<hyper::body::Incoming>| {
+        let tx = tx.clone();
+        async move {
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let _ = tx.send(body);
+            Response::new(full("shadow"))
+        }
+    })
+    .await;
+    // GitHub's signature is checked over the whole body: the plugin reads
+    // it into memory before the request goes on.
+    let dir = crate::support::policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: app, endpoints: ["{}"] }}
+  - {{ name: shadow, endpoints: ["{}"] }}
+plugins: [{{ name: sig, path: webhook-signature.wasm }}]
+routes:
+  - name: hook
+    match: {{ path: /hook }}
+    upstream: app
+    mirror: {{ upstream: shadow }}
+    plugins: [{{ use: sig, config: {{ provider: github, secret: s3cret }} }}]
+"#,
+            app.url(),
+            shadow.url()
+        ),
+        &["webhook-signature"],
+    );
+    let proxy = crate::support::Proxy::start_dir(dir, &[]).await;
+    let payload: Vec<u8> = (0..300 * 1024).map(|i| (i % 251) as u8).collect();
+    let signature = crate::plugins::hmac_sha256_hex(b"s3cret", &payload);
+    let req = Request::post(proxy.url("/hook"))
+        .header("x-hub-signature-256", format!("sha256={signature}"))
+        .body(body(payload.clone()))
+        .unwrap();
+    let a = client::send(&client::http1(), req).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.json()["body_fnv"], upstream::fnv(&payload));
+    let copy = tokio::time::timeout(Duration::from_secs(10), copies.recv())
+        .await
+        .expect("a copy reached the mirror")
+        .unwrap();
+    assert!(
+        copy == payload,
+        "the mirror got {} bytes, not the payload",
+        copy.len()
+    );
+}
+
 #[test]
 fn check_names_bad_mirrors() {
     assert_check_errors(

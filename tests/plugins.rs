@@ -14,7 +14,7 @@ use crate::support::process::{Confine, ProxyProcess};
 use crate::support::upstream::{self, Upstream};
 use crate::support::{Proxy, plugin_file, policy_dir};
 
-fn hmac_sha256_hex(secret: &[u8], body: &[u8]) -> String {
+pub(crate) fn hmac_sha256_hex(secret: &[u8], body: &[u8]) -> String {
     use hmac::{Hmac, Mac};
     let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret).unwrap();
     mac.update(body);

@@ -58,6 +58,15 @@ impl Body {
         }
     }
 
+    /// The bytes of a body already in memory (read for a plugin, or made
+    /// here), shared rather than copied; `None` for a streamed one.
+    pub fn in_memory(&self) -> Option<Bytes> {
+        match self {
+            Body::Full { data } => Some(data.clone().unwrap_or_default()),
+            _ => None,
+        }
+    }
+
     /// An empty body.
     pub fn empty() -> Body {
         Body::Full { data: None }

@@ -143,6 +143,11 @@ pub async fn copy(
         mirror.send(pool, head(Body::empty()));
         return Ok(body);
     }
+    // Read whole already (a plugin verified it): shared, whatever its size.
+    if let Some(bytes) = body.in_memory() {
+        mirror.send(pool, head(Body::full(bytes)));
+        return Ok(body);
+    }
     match http_body::Body::size_hint(&body).exact() {
         Some(n) if n <= MAX_BUFFERED_BODY => match read_small_body(body, timeout).await {
             Ok(bytes) => {
