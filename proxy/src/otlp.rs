@@ -87,7 +87,7 @@ impl Recording {
         tracing: &Arc<Tracing>,
         pool: &Arc<UpstreamPool>,
         headers: &mut HeaderMap,
-        (uri, version): (&http::Uri, Version),
+        (authority, version): (Option<&http::uri::Authority>, Version),
         conn: &crate::pipeline::ConnInfo,
     ) -> Recording {
         let context = crate::trace_context::join(headers, tracing.threshold);
@@ -96,7 +96,7 @@ impl Recording {
             pool: pool.clone(),
             tracing: tracing.clone(),
             // HTTP/2 clients send the host as :authority, HTTP/1 as Host.
-            host: match uri.authority() {
+            host: match authority {
                 Some(a) => HeaderValue::from_str(a.host()).ok(),
                 None => headers.get(header::HOST).cloned(),
             },

@@ -471,8 +471,10 @@ impl Pipeline {
         // Before the access-log record: a sampled request needs one.
         let trace = self.config.tracing.as_ref().map(|tracing| {
             let pool = &self.upstreams[conn.worker % self.upstreams.len()][tracing.upstream];
-            let (uri, version) = (req.uri().clone(), req.version());
-            crate::otlp::Recording::begin(tracing, pool, req.headers_mut(), (&uri, version), conn)
+            // An HTTP/1 request has none: nothing is cloned.
+            let (authority, version) = (req.uri().authority().cloned(), req.version());
+            let head = (authority.as_ref(), version);
+            crate::otlp::Recording::begin(tracing, pool, req.headers_mut(), head, conn)
         });
         let mut log = AccessLog::start(
             req.method(),
