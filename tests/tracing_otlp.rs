@@ -396,3 +396,30 @@ async fn the_default_policies_trace_when_an_otlp_endpoint_is_set() {
     );
     assert_eq!(span["name"], "GET app-proxy");
 }
+
+#[tokio::test]
+async fn an_untrusted_callers_trace_is_not_joined() {
+    let (collector, _spans) = collector().await;
+    let app = upstream::echo("app").await;
+    let yaml = policy(
+        &collector,
+        &app,
+        "{ upstream: collector, trust_incoming: false, sample_percent: 0 }",
+    );
+    let proxy = Proxy::start_yaml(&yaml).await;
+    let sampled = format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01");
+    let a = get_with(
+        proxy.url("/app"),
+        &[("traceparent", sampled), ("tracestate", "vendor=x".into())],
+    )
+    .await;
+    // A trace of our own, unsampled (0%): the caller's flag decides nothing.
+    let (trace, _, flags) = traceparent(&a);
+    assert_ne!(trace, CALLER_TRACE);
+    assert_eq!(flags, "00");
+    assert!(
+        a.json()["headers"].get("tracestate").is_none(),
+        "{:?}",
+        a.body
+    );
+}

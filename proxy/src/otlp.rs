@@ -49,6 +49,10 @@ pub struct Tracing {
     pub service_name: Arc<str>,
     /// The longest a span waits in its batch.
     pub flush_every: Duration,
+    /// Whether a request's own `traceparent` is joined (ingress-nginx's
+    /// `opentelemetry-trust-incoming-span`); when not, every request
+    /// starts a trace.
+    pub trust_incoming: bool,
 }
 
 /// A request's trace context, and what its span needs when it is sampled;
@@ -90,7 +94,8 @@ impl Recording {
         (authority, version): (Option<&http::uri::Authority>, Version),
         conn: &crate::pipeline::ConnInfo,
     ) -> Recording {
-        let context = crate::trace_context::join(headers, tracing.threshold);
+        let context =
+            crate::trace_context::join(headers, tracing.threshold, tracing.trust_incoming);
         let span = context.sampled.then(|| Span {
             start_unix_nanos: unix_nanos(SystemTime::now()),
             pool: pool.clone(),

@@ -47,12 +47,13 @@ impl TraceContext {
     }
 }
 
-/// Joins the trace `headers` name, or starts one sampled when a random
-/// draw falls under `threshold` (out of 2^64; above `u64::MAX` always),
-/// and sets the `traceparent` the upstream gets.
-pub fn join(headers: &mut HeaderMap, threshold: u128) -> TraceContext {
+/// Joins the trace `headers` name (when the caller is `trusted`), or
+/// starts one sampled when a random draw falls under `threshold` (out of
+/// 2^64; above `u64::MAX` always), and sets the `traceparent` the
+/// upstream gets.
+pub fn join(headers: &mut HeaderMap, threshold: u128, trusted: bool) -> TraceContext {
     let span_id = nonzero(crate::request_id::random_u64);
-    let context = match caller(headers) {
+    let context = match caller(headers).filter(|_| trusted) {
         Some((trace_id, parent, flags)) => TraceContext {
             trace_id,
             span_id,
@@ -174,7 +175,7 @@ mod tests {
             headers.insert(TRACEPARENT, sent.parse().unwrap());
             headers.insert(TRACESTATE, "congo=t61rcWkgMzE".parse().unwrap());
             // Never sampled by chance: only the caller's flag decides.
-            let ctx = join(&mut headers, 0);
+            let ctx = join(&mut headers, 0, true);
             assert_eq!(ctx.trace_id, 0x4bf92f3577b34da6a3ce929d0e0e4736);
             assert_eq!(ctx.parent, Some(0x00f067aa0ba902b7));
             assert_eq!(ctx.sampled, sampled);
@@ -188,26 +189,42 @@ mod tests {
     }
 
     #[test]
+    fn an_untrusted_caller_gets_a_trace_of_its_own() {
+        let mut headers = HeaderMap::new();
+        headers.insert(TRACEPARENT, EXAMPLE.parse().unwrap());
+        headers.insert(TRACESTATE, "congo=t61rcWkgMzE".parse().unwrap());
+        // Its sampled flag decides nothing either.
+        let ctx = join(&mut headers, 0, false);
+        assert_ne!(ctx.trace_id, 0x4bf92f3577b34da6a3ce929d0e0e4736);
+        assert_eq!((ctx.parent, ctx.sampled), (None, false));
+        assert!(!headers.contains_key(TRACESTATE));
+        assert_eq!(
+            parse(headers[TRACEPARENT].as_bytes()),
+            Some((ctx.trace_id, ctx.span_id, 0))
+        );
+    }
+
+    #[test]
     fn a_new_trace_is_sampled_by_the_threshold() {
         let mut headers = HeaderMap::new();
         headers.insert(TRACESTATE, "orphan=1".parse().unwrap());
-        let ctx = join(&mut headers, 1 << 64);
+        let ctx = join(&mut headers, 1 << 64, true);
         assert!(ctx.sampled && ctx.parent.is_none() && ctx.trace_id >> 64 != 0);
         assert!(!headers.contains_key(TRACESTATE));
         assert_eq!(
             parse(headers[TRACEPARENT].as_bytes()),
             Some((ctx.trace_id, ctx.span_id, 1))
         );
-        let never = join(&mut HeaderMap::new(), 0);
+        let never = join(&mut HeaderMap::new(), 0, true);
         assert!(!never.sampled);
         // Two headers are one too many: a new trace.
         let mut headers = HeaderMap::new();
         headers.append(TRACEPARENT, EXAMPLE.parse().unwrap());
         headers.append(TRACEPARENT, EXAMPLE.parse().unwrap());
-        assert_eq!(join(&mut headers, 0).parent, None);
+        assert_eq!(join(&mut headers, 0, true).parent, None);
         // About half with half the range.
         let sampled = (0..2000)
-            .filter(|_| join(&mut HeaderMap::new(), 1 << 63).sampled)
+            .filter(|_| join(&mut HeaderMap::new(), 1 << 63, true).sampled)
             .count();
         assert!((800..1200).contains(&sampled), "{sampled}");
     }

@@ -16,7 +16,7 @@ fuzz_target!(|bytes: &[u8]| {
     };
     let mut headers = HeaderMap::new();
     headers.insert(TRACEPARENT, value);
-    let context = join(&mut headers, 1 << 63);
+    let context = join(&mut headers, 1 << 63, true);
     // What goes upstream parses back to this trace and this proxy's span.
     let sent = headers.get(TRACEPARENT).expect("a traceparent is sent on");
     assert_eq!(

@@ -1269,12 +1269,14 @@ fn tracing_settings(
             d => Ok(d),
         },
     );
+    let trust_incoming = ctx.flag(&t.trust_incoming, true);
     Some(Arc::new(crate::otlp::Tracing {
         upstream: upstream?,
         path,
         threshold,
         service_name,
         flush_every,
+        trust_incoming,
     }))
 }
 

@@ -87,6 +87,8 @@ pub struct RawTracing {
     pub service_name: Option<Text>,
     /// Default 5s.
     pub flush_every: Option<Text>,
+    /// Join the trace a request brings (default true).
+    pub trust_incoming: Option<Text>,
 }
 
 /// A plugin module: a WebAssembly component file.
