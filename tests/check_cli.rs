@@ -10,12 +10,26 @@ fn the_shipped_policies_are_valid() {
     let (ok, stdout, stderr) = check(&dir);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("ok"), "{stdout}");
-    // And the built-in copy too.
+    // And the built-in copy too, which says whether it traces: that
+    // hangs on the environment.
     let out = Command::new(binary())
         .arg("check")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .output()
         .expect("run check");
     assert!(out.status.success());
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("ok (") && !said.contains("tracing"), "{said}");
+    let out = Command::new(binary())
+        .arg("check")
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "http://otel-collector.observability:4318",
+        )
+        .output()
+        .expect("run check");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains(", tracing to otel-collector)"), "{said}");
 }
 
 /// The container `args` in the README's Kubernetes manifests are flags the

@@ -63,8 +63,13 @@ pub fn check(dir: Option<&Path>) -> ExitCode {
     );
     match load_and_prepare(dir) {
         Ok(config) => {
+            // Whether tracing is on often hangs on the environment
+            // (`enabled: "${OTEL_EXPORTER_OTLP_ENDPOINT:+true}"`): say so.
+            let tracing = config.tracing.as_ref().map_or_else(String::new, |t| {
+                format!(", tracing to {}", config.upstreams[t.upstream].name)
+            });
             println!(
-                "{shown}: ok ({} listeners, {} upstreams, {} routes, {} plugins)",
+                "{shown}: ok ({} listeners, {} upstreams, {} routes, {} plugins{tracing})",
                 config.listeners.len(),
                 config.upstreams.len(),
                 config.routes.len(),
