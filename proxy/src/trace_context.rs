@@ -116,22 +116,32 @@ pub fn parse(value: &[u8]) -> Option<(u128, u64, u8)> {
     if !fits || value[2] != b'-' || value[35] != b'-' || value[52] != b'-' {
         return None;
     }
-    let trace_id = hex(&value[3..35])?;
-    let parent = hex(&value[36..52])? as u64;
+    let trace_id = u128::from(hex(&value[3..19])?) << 64 | u128::from(hex(&value[19..35])?);
+    let parent = hex(&value[36..52])?;
     let flags = hex(&value[53..55])? as u8;
     (trace_id != 0 && parent != 0).then_some((trace_id, parent, flags))
 }
 
-/// Lower-case hex digits (upper case is invalid in a `traceparent`).
-fn hex(digits: &[u8]) -> Option<u128> {
-    digits.iter().try_fold(0u128, |n, &d| {
-        let v = match d {
-            b'0'..=b'9' => d - b'0',
-            b'a'..=b'f' => d - b'a' + 10,
-            _ => return None,
-        };
-        Some(n << 4 | u128::from(v))
-    })
+/// Up to 16 lower-case hex digits (upper case is invalid in a
+/// `traceparent`): a table lookup a digit, and one check at the end.
+fn hex(digits: &[u8]) -> Option<u64> {
+    const NIBBLES: [u8; 256] = {
+        let mut table = [0xff; 256];
+        let mut d = 0;
+        while d < 16 {
+            table[b"0123456789abcdef"[d] as usize] = d as u8;
+            d += 1;
+        }
+        table
+    };
+    let mut n = 0u64;
+    let mut invalid = 0u8;
+    for &d in digits {
+        let v = NIBBLES[usize::from(d)];
+        invalid |= v;
+        n = n << 4 | u64::from(v & 0xf);
+    }
+    (invalid & 0xf0 == 0).then_some(n)
 }
 
 #[cfg(test)]
@@ -149,6 +159,17 @@ mod tests {
         // A later version with a field added is read as 00.
         let later = "cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what";
         assert!(parse(later.as_bytes()).is_some());
+    }
+
+    #[test]
+    fn hex_digits_read_as_the_text_says() {
+        for n in [0u64, 1, 0xdead_beef, u64::MAX, 0x00f0_67aa_0ba9_02b7] {
+            assert_eq!(hex(format!("{n:016x}").as_bytes()), Some(n));
+        }
+        assert_eq!(hex(b"01"), Some(1));
+        for bad in [&b"0G"[..], b"AB", b"1 ", b"-1", b"\xff0"] {
+            assert_eq!(hex(bad), None, "{bad:?}");
+        }
     }
 
     #[test]
