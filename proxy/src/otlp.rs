@@ -133,7 +133,9 @@ impl Recording {
             AccessLogging::Errors | AccessLogging::Off => return,
         }
         let end = span.start_unix_nanos + log.start.elapsed().as_nanos() as u64;
-        BATCH.with_borrow_mut(|batch| batch.add(&self.context, span, log, end));
+        // A response dropped as its thread ends (its thread-locals gone)
+        // loses its span rather than panicking in a destructor.
+        let _ = BATCH.try_with(|batch| batch.borrow_mut().add(&self.context, span, log, end));
     }
 }
 
