@@ -306,6 +306,31 @@ routes:
 }
 
 #[test]
+fn check_names_bad_dns_settings() {
+    let yaml = r#"
+upstreams:
+  - { name: a, endpoints: ["http://pods:9"], dns: every_address }
+  - { name: b, endpoints: ["http://pods:9"], dns_refresh: 5s }
+  - { name: c, url: "http://{name}.svc:9", dns: each_address }
+  - { name: d, endpoints: ["http://pods:9"], dns: each_address, dns_refresh: 0s }
+  - { name: e, endpoints: ["http://pods:9"], dns: each_address, dns_refresh: 1s, eject_after_5xx: 3 }
+"#;
+    crate::support::assert_check_errors(
+        yaml,
+        &[
+            (3, "dns `every_address`: use connect (the default"),
+            (4, "dns_refresh is for `dns: each_address`"),
+            (5, "dns: each_address needs `endpoints`"),
+            (6, "dns_refresh `0s`: hosts must be looked up again"),
+        ],
+    );
+    // One host may stand for several pods: outlier ejection makes sense.
+    let dir = crate::support::policy_dir(yaml, &[]);
+    let (_, _, stderr) = crate::support::check(dir.path());
+    assert!(!stderr.contains("policy.yaml:7:"), "{stderr}");
+}
+
+#[test]
 fn check_names_bad_upstream_guards() {
     crate::support::assert_check_errors(
         r#"

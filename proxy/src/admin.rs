@@ -401,6 +401,15 @@ fn metrics(reloader: &Reloader) -> String {
     }
     let pipeline = control.pipeline();
     metric(
+        "portcullis_upstream_endpoints",
+        "gauge",
+        "Endpoints each upstream balances over (with dns: each_address, its hosts' addresses).",
+        &counted_by_upstream(pipeline.upstream_facts(|p| match &p.spec.target {
+            crate::config::Target::Endpoints(eps) => Some(vec![(); eps.len()]),
+            crate::config::Target::Template(_) => None,
+        })),
+    );
+    metric(
         "portcullis_upstream_endpoints_ejected",
         "gauge",
         "Endpoints out of the rotation after a failed connect, by upstream.",

@@ -20,6 +20,7 @@ pub mod commands;
 pub mod compress;
 pub mod config;
 pub mod der;
+pub mod discovery;
 pub mod drain;
 pub mod forward;
 pub mod grpc_local;

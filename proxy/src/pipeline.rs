@@ -19,7 +19,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::body::{Body, ResponseBody};
 use crate::client_watch::ClientSocket;
-use crate::config::{Action, Config, Cors, Listener, PathRewrite, Probe, Route};
+use crate::config::{Action, Config, Cors, Listener, PathRewrite, Probe, Route, Upstream};
 use crate::forward::{self, ForwardError, Outgoing, UpstreamPool};
 use crate::request_id::RequestIds;
 use crate::telemetry::AccessLog;
@@ -398,25 +398,36 @@ impl Pipeline {
     ) -> Pipeline {
         let workers = workers.max(1);
         let mut upstreams: Vec<Vec<Arc<UpstreamPool>>> = (0..workers).map(|_| Vec::new()).collect();
-        for (i, spec) in config.upstreams.iter().enumerate() {
-            let kept = previous.and_then(|p| {
-                let j = p
-                    .config
-                    .upstreams
-                    .iter()
-                    .position(|old| old.same_settings(spec))?;
+        // The previous pipeline's pools of the upstream `same` finds.
+        let earlier = |same: &dyn Fn(&Upstream) -> bool| {
+            previous.and_then(|p| {
+                let j = p.config.upstreams.iter().position(|old| same(old))?;
                 (p.upstreams.len() == workers).then_some((p, j))
-            });
+            })
+        };
+        for (i, spec) in config.upstreams.iter().enumerate() {
+            let kept = earlier(&|old| old.same_settings(spec));
             // Once per upstream (not per worker's pool), and not again for
             // one a reload keeps.
             if kept.is_none() && spec.tls.insecure_skip_verify && spec.may_use_tls() {
                 tracing::warn!(upstream = %spec.name, "TLS certificate verification is off for this upstream");
             }
-            let shared = forward::shared_endpoints(spec);
+            // The same upstream with other endpoints (new addresses of
+            // its hosts, an endpoint added to the list): the endpoints
+            // both list keep their connections and ejections.
+            let carried = match kept {
+                Some(_) => None,
+                None => earlier(&|old| old.same_but_endpoints(spec)),
+            };
+            let shared = forward::shared_endpoints(spec, carried.map(|(p, j)| &*p.upstreams[0][j]));
             for (w, pools) in upstreams.iter_mut().enumerate() {
                 pools.push(match kept {
                     Some((p, j)) => p.upstreams[w][j].clone(),
-                    None => Arc::new(UpstreamPool::new(spec.clone(), shared.clone())),
+                    None => Arc::new(UpstreamPool::new(
+                        spec.clone(),
+                        shared.clone(),
+                        carried.map(|(p, j)| &*p.upstreams[w][j]),
+                    )),
                 });
             }
             // A kept upstream keeps its checks (and what they found).
@@ -442,6 +453,11 @@ impl Pipeline {
     /// The config this pipeline serves.
     pub fn config(&self) -> &Arc<Config> {
         &self.config
+    }
+
+    /// The routes' plugin chains.
+    pub fn chains(&self) -> &plugin::Chains {
+        &self.chains
     }
 
     /// What `fact` says of each upstream it says something of, by name:

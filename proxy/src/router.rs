@@ -34,7 +34,7 @@ impl std::fmt::Display for HostMatch {
 }
 
 /// The routes of one host, by path.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct PathTable {
     tree: matchit::Router<usize>,
     /// Routes that share one path pattern, most specific first.
@@ -44,7 +44,7 @@ struct PathTable {
 }
 
 /// The lookup structure over a config's routes.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Router {
     exact: HashMap<Box<str>, PathTable>,
     /// Sorted longest suffix first.

@@ -168,6 +168,8 @@ pub struct Control {
     stop_accepting: CancellationToken,
     /// A tunnel client may serve without listeners of its own.
     require_listeners: bool,
+    /// The addresses of `dns: each_address` upstreams' hosts.
+    addresses: crate::discovery::AddressBook,
 }
 
 /// One listener as the admin endpoint shows it.
@@ -250,7 +252,12 @@ impl Server {
             .await
             .map_err(ServeError::Plugins)?;
         let shared = Arc::new(Shared::default());
-        let config = Arc::new(config);
+        // Hosts of `each_address` upstreams are looked up before serving,
+        // so the first requests already spread over their addresses.
+        let addresses = crate::discovery::AddressBook::default();
+        let hosts = crate::discovery::hosts(&config).into_keys().collect();
+        addresses.look_up(hosts, &config).await;
+        let config = Arc::new(addresses.expand(config));
         let pipeline = Arc::new(ArcSwap::from_pointee(Pipeline::new(
             config.clone(),
             chains,
@@ -267,6 +274,7 @@ impl Server {
             to_workers,
             stop_accepting: CancellationToken::new(),
             require_listeners,
+            addresses,
         });
         {
             let mut active = control.active();
@@ -319,6 +327,10 @@ impl Server {
         for (name, addr) in control.local_addrs() {
             tracing::info!(listener = %name, addr = %addr, workers = control.workers, "listening");
         }
+        tokio::spawn(crate::discovery::refresh(
+            Arc::downgrade(&control),
+            control.stop_accepting.clone(),
+        ));
         let mut done = Vec::with_capacity(control.workers);
         for (index, commands) in self.from_control.into_iter().enumerate() {
             let (tx, rx) = oneshot::channel();
@@ -417,7 +429,7 @@ impl Control {
                 fresh.push((spec.clone(), addr, sockets));
             }
         }
-        let mut config = config;
+        let mut config = self.addresses.expand(config);
         let previous = self.pipeline.load_full();
         crate::rate_limit::keep_counts(&mut config.routes, &previous.config().routes);
         let config = Arc::new(config);
@@ -545,6 +557,44 @@ impl Control {
     /// The configuration serving new requests now.
     pub fn pipeline(&self) -> Arc<Pipeline> {
         self.pipeline.load_full()
+    }
+
+    /// What `dns: each_address` upstreams' hosts resolved to.
+    pub fn addresses(&self) -> &crate::discovery::AddressBook {
+        &self.addresses
+    }
+
+    /// Looks up the `each_address` hosts of `config` (a reload's, before
+    /// [`Control::apply`]) that were never resolved, so a new upstream
+    /// starts out spread over its addresses.
+    pub async fn look_up_new_hosts(&self, config: &Config) {
+        let new: Vec<_> = crate::discovery::hosts(config)
+            .into_keys()
+            .filter(|hp| !self.addresses.knows(hp))
+            .collect();
+        if !new.is_empty() {
+            self.addresses.look_up(new, config).await;
+        }
+    }
+
+    /// Swaps in the serving configuration with its `each_address`
+    /// upstreams listing the addresses known now, when that changes them.
+    /// Only those upstreams change: the others keep their pools, and they
+    /// keep the connections of the addresses that stayed.
+    pub fn refresh_addresses(&self) {
+        // Held as `apply` holds it: a reload and a refresh never interleave.
+        let _active = self.active();
+        let current = self.pipeline.load_full();
+        let Some(config) = self.addresses.expanded(current.config()) else {
+            return;
+        };
+        self.pipeline.store(Arc::new(Pipeline::new(
+            Arc::new(config),
+            current.chains().clone(),
+            self.shared.clone(),
+            self.workers,
+            Some(&current),
+        )));
     }
 
     /// The serving state (readiness, drain).

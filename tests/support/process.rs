@@ -77,7 +77,20 @@ impl ProxyProcess {
         } else {
             &["--admin", "127.0.0.1:0"]
         };
-        let mut child = Command::new(super::binary());
+        let mut child = match &confine.hosts {
+            // A mount namespace of its own (in a user namespace, so no
+            // privilege is needed) where `hosts` is /etc/hosts: names
+            // with the addresses a test picks, for the system resolver.
+            Some(hosts) => {
+                let mut c = Command::new("unshare");
+                c.args(["--user", "--map-root-user", "--mount", "--"])
+                    .args(["sh", "-c", r#"mount --bind "$0" /etc/hosts && exec "$@""#])
+                    .arg(hosts)
+                    .arg(super::binary());
+                c
+            }
+            None => Command::new(super::binary()),
+        };
         child
             .args(args)
             .args(admin_args)
@@ -89,10 +102,14 @@ impl ProxyProcess {
             .stderr(Stdio::piped())
             .kill_on_drop(true);
         if confine.address_space.is_some() || confine.cpu.is_some() {
+            let limits = Confine {
+                hosts: None,
+                ..confine
+            };
             // SAFETY: setrlimit and sched_setaffinity are async-signal-safe,
-            // and the closure owns plain values.
+            // and the closure owns plain values (no path to free).
             unsafe {
-                child.pre_exec(move || confine.apply());
+                child.pre_exec(move || limits.apply());
             }
         }
         let mut child = child.spawn().expect("spawn portcullis");
@@ -299,12 +316,14 @@ impl ProxyProcess {
 }
 
 /// Limits a child process starts under.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct Confine {
     /// Address space in bytes (`ulimit -v`).
     pub address_space: Option<u64>,
     /// The one CPU it may run on (`taskset -c`).
     pub cpu: Option<usize>,
+    /// A file it sees as /etc/hosts (edits to it show through).
+    pub hosts: Option<std::path::PathBuf>,
 }
 
 impl Confine {

@@ -54,7 +54,13 @@ where
     F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Response<RespBody>> + Send + 'static,
 {
-    serve_with(handler, None).await
+    serve_with(handler, None, "127.0.0.1:0".parse().unwrap()).await
+}
+
+/// [`echo`] listening on `addr` (another loopback address: a second pod
+/// of one DNS name).
+pub async fn echo_at(name: &'static str, addr: SocketAddr) -> Upstream {
+    serve_with(echo_handler(name), None, addr).await
 }
 
 /// Like [`serve`], over TLS with `tls` (ALPN picks HTTP/1.1 or HTTP/2).
@@ -63,17 +69,22 @@ where
     F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Response<RespBody>> + Send + 'static,
 {
-    serve_with(handler, Some(tokio_rustls::TlsAcceptor::from(tls))).await
+    let any = "127.0.0.1:0".parse().unwrap();
+    serve_with(handler, Some(tokio_rustls::TlsAcceptor::from(tls)), any).await
 }
 
-async fn serve_with<F, Fut>(handler: F, tls: Option<tokio_rustls::TlsAcceptor>) -> Upstream
+async fn serve_with<F, Fut>(
+    handler: F,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    at: SocketAddr,
+) -> Upstream
 where
     F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Response<RespBody>> + Send + 'static,
 {
-    let listener = TcpListener::bind("127.0.0.1:0")
+    let listener = TcpListener::bind(at)
         .await
-        .expect("bind upstream");
+        .unwrap_or_else(|e| panic!("bind upstream on {at}: {e}"));
     let addr = listener.local_addr().expect("addr");
     let handler = Arc::new(handler);
     let task = tokio::spawn(async move {

@@ -23,7 +23,7 @@ use super::raw::{
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
 use super::{
-    AccessLogging, Action, AuthRequest, Balance, ClientAuthMode, Config, ConfigError, Cors,
+    AccessLogging, Action, AuthRequest, Balance, ClientAuthMode, Config, ConfigError, Cors, Dns,
     Endpoint, FailMode, HashOn, HeaderEdits, HealthCheck, Listener, ListenerTls, LocalResponse,
     PathRewrite, PluginModule, PluginUse, Pos, Probe, Redirect, RetryBudget, Route, Target,
     Timeouts, TlsSettings, Upstream,
@@ -52,6 +52,9 @@ const DEFAULT_TIMEOUTS: Timeouts = Timeouts {
 const DEFAULT_RETRIES: u32 = 1;
 /// nginx's `fail_timeout` default.
 const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(10);
+/// How often `dns: each_address` looks hosts up again (Envoy's default
+/// `dns_refresh_rate`).
+const DEFAULT_DNS_REFRESH: Duration = Duration::from_secs(5);
 /// Health checks every 5 s with 2 s to answer: a dead endpoint is out
 /// ~15 s after it stops answering (3 failures), as Kubernetes' readiness
 /// probe defaults (period 10 s, 3 failures) would take it out of a
@@ -960,8 +963,11 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
                 .ok_or_else(|| format!("max_requests `{s}` is not a positive number of requests"))
         })
     });
+    let dns = dns(ctx, u, target.as_ref());
     if let (Some(t), Some(_), Some(target)) = (&u.eject_after_5xx, eject_after_5xx, &target) {
         let single = match target {
+            // A host may have several addresses, each an endpoint.
+            Target::Endpoints(_) if dns != Dns::Connect => false,
             Target::Endpoints(eps) => eps.len() == 1,
             Target::Template(_) => true,
         };
@@ -1005,8 +1011,40 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         tls,
         http2,
         preserve_host,
+        dns,
         defined_at: ctx.pos(&raw.referenced),
     })
+}
+
+/// An upstream's `dns` and `dns_refresh`.
+fn dns(ctx: &mut Ctx, u: &RawUpstream, target: Option<&Target>) -> Dns {
+    let each = ctx.parse_or(&u.dns, false, |s| match s {
+        "connect" => Ok(false),
+        "each_address" => Ok(true),
+        _ => Err(format!("dns `{s}`: use connect (the default: a host is looked up as each connection is made) or each_address (each of its addresses is an endpoint)")),
+    });
+    let refresh = u.dns_refresh.as_ref().and_then(|t| {
+        ctx.parse(t, |s| match parse_duration(s)? {
+            _ if !each => Err("dns_refresh is for `dns: each_address`".into()),
+            d if d.is_zero() => Err(format!(
+                "dns_refresh `{s}`: hosts must be looked up again some time; use at least 1ms"
+            )),
+            d => Ok(d),
+        })
+    });
+    match (each, target) {
+        (true, Some(Target::Endpoints(eps))) => Dns::EachAddress {
+            refresh: refresh.unwrap_or(DEFAULT_DNS_REFRESH),
+            declared: eps.as_slice().into(),
+        },
+        (true, Some(Target::Template(_))) => {
+            if let Some(t) = &u.dns {
+                ctx.err(&t.referenced, "dns: each_address needs `endpoints`: a URL template's hosts are only known per request");
+            }
+            Dns::Connect
+        }
+        _ => Dns::Connect,
+    }
 }
 
 fn health_check(ctx: &mut Ctx, raw: &Spanned<RawHealthCheck>) -> Option<HealthCheck> {
@@ -1438,6 +1476,7 @@ fn route(
             tls: TlsSettings::default(),
             http2: false,
             preserve_host: false,
+            dns: Dns::Connect,
             defined_at: ctx.pos(&t.referenced),
         }));
         Action::Forward(upstreams.len() - 1)

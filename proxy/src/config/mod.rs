@@ -80,8 +80,9 @@ impl fmt::Display for ConfigErrors {
 }
 
 /// The validated configuration: listeners, upstreams, routes and the router
-/// that picks a route for a request. Immutable once built.
-#[derive(Debug)]
+/// that picks a route for a request. Immutable once built (a changed
+/// copy, such as new upstream addresses, is a new config).
+#[derive(Debug, Clone)]
 pub struct Config {
     /// Listeners to bind, in file order.
     pub listeners: Vec<Listener>,
@@ -363,6 +364,21 @@ pub struct Endpoint {
     /// Its share of the requests against the others' (nginx's `weight=`):
     /// 1 unless written after the URL.
     pub weight: u32,
+    /// With `dns: each_address`, the one address of the host this
+    /// endpoint stands for (the host still names it in `Host`, SNI and
+    /// certificate checks); `None`: the host is looked up at connect time.
+    pub address: Option<std::net::SocketAddr>,
+}
+
+impl std::fmt::Display for Endpoint {
+    /// The authority, and the address when the endpoint is one of its
+    /// host's: `api-headless:8080 (10.1.2.3)`, so logs tell pods apart.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.address {
+            Some(a) => write!(f, "{} ({})", self.authority, a.ip()),
+            None => f.write_str(self.authority.as_str()),
+        }
+    }
 }
 
 impl Endpoint {
@@ -377,6 +393,7 @@ impl Endpoint {
                 .filter(|p| !p.is_empty())
                 .map(Into::into),
             weight: 1,
+            address: None,
         })
     }
 }
@@ -390,8 +407,27 @@ pub enum Target {
     Template(Template),
 }
 
+/// How an upstream's endpoint hosts become the addresses it connects to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Dns {
+    /// Each host is looked up as a connection is made, and is one endpoint
+    /// whatever its addresses (a ClusterIP Service: its one address
+    /// balances).
+    Connect,
+    /// Every address a host has is an endpoint of its own (a headless
+    /// Service's pods; Envoy's `STRICT_DNS`), looked up again every
+    /// `refresh`; `declared` are the endpoints as written, which the
+    /// upstream's `target` expands.
+    EachAddress {
+        /// How often hosts are looked up again.
+        refresh: Duration,
+        /// The endpoints as the policy lists them.
+        declared: Arc<[Endpoint]>,
+    },
+}
+
 /// A named destination with its connection settings.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Upstream {
     /// Name used by routes and logs.
     pub name: Arc<str>,
@@ -447,6 +483,8 @@ pub struct Upstream {
     pub http2: bool,
     /// Send the client's `Host` instead of the endpoint's.
     pub preserve_host: bool,
+    /// How endpoint hosts become addresses.
+    pub dns: Dns,
     /// Where the upstream was defined.
     pub defined_at: Pos,
 }
@@ -464,8 +502,22 @@ impl Upstream {
     /// True when `other` connects the same way, wherever it was written: a
     /// reload then keeps this upstream's pooled connections.
     pub fn same_settings(&self, other: &Upstream) -> bool {
+        self.target == other.target && self.same_connecting(other)
+    }
+
+    /// Whether `other` is this upstream with the same settings, its
+    /// endpoints aside: connections to the endpoints both list can be kept.
+    pub fn same_but_endpoints(&self, other: &Upstream) -> bool {
+        matches!(
+            (&self.target, &other.target),
+            (Target::Endpoints(_), Target::Endpoints(_))
+        ) && self.same_connecting(other)
+    }
+
+    /// Everything but the target.
+    fn same_connecting(&self, other: &Upstream) -> bool {
         self.name == other.name
-            && self.target == other.target
+            && self.dns == other.dns
             && self.balance == other.balance
             && self.hash_on == other.hash_on
             && self.hash_cookie_ttl == other.hash_cookie_ttl

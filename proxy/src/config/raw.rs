@@ -181,6 +181,8 @@ pub struct RawUpstream {
     pub tls: Option<RawTls>,
     pub http2: Option<Text>,
     pub preserve_host: Option<Text>,
+    pub dns: Option<Text>,
+    pub dns_refresh: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -59,10 +59,14 @@ fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h [u8]> {
         })
 }
 
-/// An endpoint's own seed: its authority and base path, so it keeps its
-/// keys wherever it stands in the list.
+/// An endpoint's own seed: its authority (and address, for one of a
+/// host's addresses: each pod its own keys, the same in every replica)
+/// and base path, so it keeps its keys wherever it stands in the list.
 pub fn endpoint_seed(ep: &Endpoint) -> u64 {
-    let seed = fnv1a(ep.authority.as_str().as_bytes());
+    let mut seed = fnv1a(ep.authority.as_str().as_bytes());
+    if let Some(addr) = ep.address {
+        seed ^= mix(fnv1a(addr.to_string().as_bytes()));
+    }
     match ep.base_path.as_deref() {
         Some(base) => seed ^ mix(fnv1a(base.as_bytes())),
         None => seed,

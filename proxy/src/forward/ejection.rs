@@ -53,6 +53,17 @@ impl Ejections {
         }
     }
 
+    /// Gives endpoint `i` the state of endpoint `j` of `old` (the same
+    /// endpoint before its upstream's endpoint list changed).
+    pub fn take_over(&self, i: usize, old: &Ejections, j: usize) {
+        let copy = |to: &AtomicU64, from: &AtomicU64| {
+            to.store(from.load(Ordering::Relaxed), Ordering::Relaxed)
+        };
+        copy(&self.until_ms[i], &old.until_ms[j]);
+        self.down[i].store(old.down[j].load(Ordering::Relaxed), Ordering::Relaxed);
+        self.fails[i].store(old.fails[j].load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
     /// Whether answers count ([`Ejections::answered`] is worth calling).
     pub fn counts_answers(&self) -> bool {
         self.eject_after > 0
@@ -203,6 +214,23 @@ mod tests {
         assert!(e.answered(0, true));
         assert!(e.is_out(0));
         assert!(!e.is_out(1));
+    }
+
+    #[test]
+    fn an_endpoint_that_stays_in_a_new_list_keeps_its_state() {
+        let old = Ejections::new(3, Duration::from_secs(10), 2);
+        old.eject(0);
+        old.set_down(2, true);
+        old.answered(1, true);
+        // The new list: old 2, old 1, then a new endpoint.
+        let new = Ejections::new(3, Duration::from_secs(10), 2);
+        new.take_over(0, &old, 2);
+        new.take_over(1, &old, 1);
+        assert!(new.is_down(0) && new.is_out(0));
+        assert!(!new.is_out(1));
+        // One failed answer was counted before: one more takes it out.
+        assert!(new.answered(1, true));
+        assert!(!new.is_out(2));
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Active health checks: a task per upstream with `health_check` asks each
 //! endpoint for the check's path every interval, on a new connection
-//! made as requests' are (DNS at connect time, the upstream's TLS and
+//! made as requests' are (the same DNS, the upstream's TLS and
 //! HTTP version), and marks the endpoint down after `unhealthy_after`
 //! failures in a row, up again after `healthy_after` passes (2xx or 3xx).
 //!
@@ -79,7 +79,7 @@ fn note(
     };
     let down = pool.ejections.is_down(i);
     let upstream = &*pool.spec.name;
-    let endpoint = ep.authority.as_str();
+    let endpoint = ep.to_string();
     if !down && -streak.0 >= i64::from(check.unhealthy_after) {
         pool.ejections.set_down(i, true);
         let reason = match &result {

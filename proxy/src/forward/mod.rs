@@ -193,22 +193,37 @@ pub struct SharedEndpoints {
     retries: Arc<RetryCounts>,
 }
 
-/// A fresh [`SharedEndpoints`] for `spec`, made once per upstream.
-pub fn shared_endpoints(spec: &Upstream) -> SharedEndpoints {
+/// A fresh [`SharedEndpoints`] for `spec`, made once per upstream. With
+/// `previous`, the same upstream before its endpoints changed, the
+/// endpoints both list stay out of the rotation if they were.
+pub fn shared_endpoints(spec: &Upstream, previous: Option<&UpstreamPool>) -> SharedEndpoints {
     let n = match &spec.target {
         Target::Endpoints(e) => e.len(),
         Target::Template(_) => 1,
     };
+    let ejections = Ejections::new(n, spec.eject_for, spec.eject_after_5xx.unwrap_or(0));
+    if let Some(old) = previous {
+        for (i, j) in kept_endpoints(spec, &old.spec) {
+            ejections.take_over(i, &old.ejections, j);
+        }
+    }
     SharedEndpoints {
         in_flight: (0..n).map(|_| AtomicUsize::new(0)).collect(),
-        ejections: Arc::new(Ejections::new(
-            n,
-            spec.eject_for,
-            spec.eject_after_5xx.unwrap_or(0),
-        )),
+        ejections: Arc::new(ejections),
         requests: Arc::new(AtomicUsize::new(0)),
         retries: Arc::default(),
     }
+}
+
+/// The endpoints `new` and `old` both list, as pairs of their indices.
+fn kept_endpoints(new: &Upstream, old: &Upstream) -> Vec<(usize, usize)> {
+    let (Target::Endpoints(new), Target::Endpoints(old)) = (&new.target, &old.target) else {
+        return Vec::new();
+    };
+    new.iter()
+        .enumerate()
+        .filter_map(|(i, ep)| Some((i, old.iter().position(|o| o == ep)?)))
+        .collect()
 }
 
 /// An upstream's live state: its connections and balancing counters.
@@ -281,10 +296,23 @@ impl UpstreamPool {
     /// Builds one worker's pool for an upstream; `shared` (in-flight
     /// counts and ejections per endpoint) is shared by all workers' pools
     /// of the upstream, so least-requests sees the whole process and one
-    /// worker's failed connect spares the others. Opens no connection.
-    pub fn new(spec: Arc<Upstream>, shared: SharedEndpoints) -> UpstreamPool {
+    /// worker's failed connect spares the others. Opens no connection; with
+    /// `previous` (this worker's pool of the same upstream before its
+    /// endpoints changed), takes over the connections of the endpoints
+    /// both list.
+    pub fn new(
+        spec: Arc<Upstream>,
+        shared: SharedEndpoints,
+        previous: Option<&UpstreamPool>,
+    ) -> UpstreamPool {
+        let mut conns = ConnPool::new(&spec, shared.in_flight.len());
+        if let Some(old) = previous {
+            for (i, j) in kept_endpoints(&spec, &old.spec) {
+                conns.take_slot(i, &old.conns, j);
+            }
+        }
         UpstreamPool {
-            conns: ConnPool::new(&spec, shared.in_flight.len()),
+            conns,
             in_flight: shared.in_flight,
             ejections: shared.ejections,
             requests: shared.requests,
@@ -323,9 +351,7 @@ impl UpstreamPool {
             Target::Endpoints(eps) if eps.len() > 1 => eps
                 .iter()
                 .enumerate()
-                .filter_map(|(i, ep)| {
-                    Some((ep.authority.to_string(), self.ejections.remaining(i)?))
-                })
+                .filter_map(|(i, ep)| Some((ep.to_string(), self.ejections.remaining(i)?)))
                 .collect(),
             _ => Vec::new(),
         }
@@ -365,7 +391,7 @@ impl UpstreamPool {
                 eps.iter()
                     .enumerate()
                     .filter(|&(i, _)| self.ejections.is_down(i))
-                    .map(|(_, ep)| ep.authority.to_string())
+                    .map(|(_, ep)| ep.to_string())
                     .collect(),
             ),
             Target::Template(_) => None,
@@ -599,7 +625,7 @@ impl UpstreamPool {
                     return;
                 };
                 if self.ejections.answered(i, failed) {
-                    tracing::warn!(upstream = %self.spec.name, endpoint = %ep.authority, eject_after_5xx = self.spec.eject_after_5xx, eject_for = ?self.spec.eject_for, "endpoint out of the rotation after failed answers in a row");
+                    tracing::warn!(upstream = %self.spec.name, endpoint = %ep, eject_after_5xx = self.spec.eject_after_5xx, eject_for = ?self.spec.eject_for, "endpoint out of the rotation after failed answers in a row");
                 }
             };
             'attempts: for attempt in 0..attempts {
@@ -634,7 +660,7 @@ impl UpstreamPool {
                     let e = ForwardError::Timeout(per_try.unwrap_or_default());
                     if may_retry && self.spec.retry_on.contains(&504) && self.retry_fits(&retrying)
                     {
-                        tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, attempt, "try ran out of its per_try_timeout; retrying");
+                        tracing::debug!(upstream = %self.spec.name, endpoint = %ep, attempt, "try ran out of its per_try_timeout; retrying");
                         Ok(e)
                     } else {
                         Err(e)
@@ -667,9 +693,9 @@ impl UpstreamPool {
                     let (conn, reused) = match self.conns.checkout(&dest, fresh, in_task).await {
                         Ok(c) => c,
                         Err(e) => {
-                            tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, attempt, error = %e, "connect failed");
+                            tracing::debug!(upstream = %self.spec.name, endpoint = %ep, attempt, error = %e, "connect failed");
                             if n > 1 && self.ejections.eject(i) {
-                                tracing::warn!(upstream = %self.spec.name, endpoint = %ep.authority, error = %e, eject_for = ?self.spec.eject_for, "endpoint out of the rotation after a failed connect");
+                                tracing::warn!(upstream = %self.spec.name, endpoint = %ep, error = %e, eject_for = ?self.spec.eject_for, "endpoint out of the rotation after a failed connect");
                             }
                             // A request a stale connection gave back keeps
                             // its body for the next endpoint.
@@ -715,7 +741,7 @@ impl UpstreamPool {
                                 }
                                 Ok((resp, _)) if retry_status(resp.status()) => {
                                     // Its body unread, the connection goes.
-                                    tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, status = resp.status().as_u16(), attempt, "answer to retry");
+                                    tracing::debug!(upstream = %self.spec.name, endpoint = %ep, status = resp.status().as_u16(), attempt, "answer to retry");
                                     continue 'attempts;
                                 }
                                 Ok((resp, framing)) => {
@@ -748,7 +774,7 @@ impl UpstreamPool {
                                         && self.spec.retry_on_reset
                                         && self.retry_fits(&retrying) =>
                                 {
-                                    tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, error = %e, attempt, "connection failed before an answer; retrying");
+                                    tracing::debug!(upstream = %self.spec.name, endpoint = %ep, error = %e, attempt, "connection failed before an answer; retrying");
                                     last = Some(ForwardError::Failed(e));
                                     continue 'attempts;
                                 }
@@ -804,7 +830,7 @@ impl UpstreamPool {
                             continue 'attempts;
                         }
                         Some(Ok(resp)) if retry_status(resp.status()) => {
-                            tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, status = resp.status().as_u16(), attempt, "answer to retry");
+                            tracing::debug!(upstream = %self.spec.name, endpoint = %ep, status = resp.status().as_u16(), attempt, "answer to retry");
                             continue 'attempts;
                         }
                         Some(Ok(resp)) => {
@@ -834,7 +860,7 @@ impl UpstreamPool {
                                 && self.retry_fits(&retrying) =>
                             {
                                 let e = error_chain(e.error());
-                                tracing::debug!(upstream = %self.spec.name, endpoint = %ep.authority, error = %e, attempt, "no answer before the stream ended; retrying");
+                                tracing::debug!(upstream = %self.spec.name, endpoint = %ep, error = %e, attempt, "no answer before the stream ended; retrying");
                                 last = Some(ForwardError::Failed(e));
                                 continue 'attempts;
                             }

@@ -1,4 +1,5 @@
-//! Upstream connections: dialing (DNS at connect time, TCP, optional TLS),
+//! Upstream connections: dialing (DNS at connect time unless `dns:
+//! each_address` looked the host up already, TCP, optional TLS),
 //! the HTTP handshake, and keep-alive reuse.
 //!
 //! A hand-rolled pool rather than hyper-util's legacy client: that client
@@ -213,6 +214,12 @@ impl ConnPool {
         }
     }
 
+    /// Makes fixed slot `i` the slot `j` of `old` (the same endpoint in
+    /// the upstream's earlier pool), with its connections.
+    pub fn take_slot(&mut self, i: usize, old: &ConnPool, j: usize) {
+        self.fixed[i] = old.fixed[j].clone();
+    }
+
     fn slot(&self, dest: &Dest) -> Arc<Slot> {
         match dest {
             Dest::Fixed(i, _) => self.fixed[*i].clone(),
@@ -316,7 +323,11 @@ impl ConnPool {
             .port_u16()
             .unwrap_or(if https { 443 } else { 80 });
         let dial = async {
-            let tcp = dial(host, port).await?;
+            let tcp = match ep.address {
+                // One of the host's addresses, looked up by `dns: each_address`.
+                Some(addr) => connect_to(addr).await.map_err(ForwardError::Unreachable)?,
+                None => dial(host, port).await?,
+            };
             if !https {
                 return Ok((Io::Tcp(tcp), self.http2));
             }
@@ -414,15 +425,21 @@ async fn dial(host: &str, port: u16) -> Result<TcpStream, ForwardError> {
     };
     let mut last = None;
     for addr in addrs {
-        match TcpStream::connect(addr).await {
-            Ok(s) => {
-                let _ = s.set_nodelay(true);
-                return Ok(s);
-            }
-            Err(e) => last = Some(format!("connect to {addr}: {e}")),
+        match connect_to(addr).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
         }
     }
     Err(ForwardError::Unreachable(last.unwrap_or_else(|| {
         format!("`{host}` resolved to no address")
     })))
+}
+
+/// A TCP connection to `addr`, or why there is none.
+async fn connect_to(addr: std::net::SocketAddr) -> Result<TcpStream, String> {
+    let s = TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect to {addr}: {e}"))?;
+    let _ = s.set_nodelay(true);
+    Ok(s)
 }

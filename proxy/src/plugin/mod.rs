@@ -524,7 +524,7 @@ pub(crate) fn empty_route() -> RouteInfo {
 }
 
 /// Every route's plugin chain (global plugins first), ready to call.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Chains {
     /// By route index.
     pub routes: Vec<Arc<[Arc<Binding>]>>,

@@ -217,6 +217,7 @@ impl Reloader {
             .as_deref()
             .map(|d| watch_dirs(d, &config))
             .unwrap_or_default();
+        self.control.look_up_new_hosts(&config).await;
         let counts = (
             config.listeners.len(),
             config.routes.len(),

@@ -1,0 +1,155 @@
+//! `dns: each_address`: a host with several addresses (a headless
+//! Service's pods) is balanced over each of them, and followed as they
+//! change. The proxy runs as a process that sees a file of the test's as
+//! /etc/hosts (a mount namespace of its own), so the system resolver
+//! answers with the addresses the test picks, as cluster DNS would.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::Path;
+
+use crate::support::client::{self, ReqBody};
+use crate::support::process::{Confine, ProxyProcess};
+use crate::support::upstream::{self, Upstream};
+
+/// Echo servers named a, b, c ... on 127.0.0.1, .2, .3 ..., all on one
+/// port (as a Service's pods share their target port).
+async fn pods(n: u8) -> (u16, Vec<Upstream>) {
+    const NAMES: [&str; 4] = ["a", "b", "c", "d"];
+    'port: for _ in 0..20 {
+        let first = upstream::echo_at(NAMES[0], "127.0.0.1:0".parse().unwrap()).await;
+        let port = first.addr.port();
+        let mut all = vec![first];
+        for i in 1..n {
+            let addr = SocketAddr::from(([127, 0, 0, 1 + i], port));
+            // The port may be taken on that address: try another one.
+            if std::net::TcpListener::bind(addr).is_err() {
+                continue 'port;
+            }
+            all.push(upstream::echo_at(NAMES[usize::from(i)], addr).await);
+        }
+        return (port, all);
+    }
+    panic!("no port free on every loopback address");
+}
+
+/// Writes /etc/hosts as the proxy sees it, with `pods.test` at `ips`
+/// (in place: the proxy's bind mount shows the same file).
+fn write_hosts(path: &Path, ips: &[&str]) {
+    let mut text = String::from("127.0.0.1 localhost\n");
+    for ip in ips {
+        text.push_str(&format!("{ip} pods.test\n"));
+    }
+    std::fs::write(path, text).expect("write hosts");
+}
+
+/// Sends `n` requests one after another on one client connection (so one
+/// proxy worker takes them all), and tells, per pod that answered, how
+/// many it answered, and from which proxy connections (their ports).
+async fn spread(
+    client: &hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        ReqBody,
+    >,
+    proxy: &ProxyProcess,
+    port: u16,
+    n: usize,
+) -> BTreeMap<String, (usize, BTreeSet<u16>)> {
+    let mut seen: BTreeMap<String, (usize, BTreeSet<u16>)> = BTreeMap::new();
+    for _ in 0..n {
+        let req = http::Request::get(proxy.url("/hello"))
+            .body(client::body(""))
+            .unwrap();
+        let answer = client::send(client, req).await;
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        let v = answer.json();
+        // The pod is named by its host, not by its address.
+        assert_eq!(v["headers"]["host"], format!("pods.test:{port}"));
+        let peer: SocketAddr = v["peer"].as_str().unwrap().parse().unwrap();
+        let entry = seen
+            .entry(v["upstream"].as_str().unwrap().to_owned())
+            .or_default();
+        entry.0 += 1;
+        entry.1.insert(peer.port());
+    }
+    seen
+}
+
+fn endpoints_gauge(n: usize) -> Vec<String> {
+    vec![format!(
+        r#"portcullis_upstream_endpoints{{upstream="pods"}} {n}"#
+    )]
+}
+
+#[tokio::test]
+async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
+    let (port, _pods) = pods(3).await;
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts");
+    write_hosts(&hosts, &["127.0.0.1", "127.0.0.2", "127.0.0.3"]);
+    let policies = dir.path().join("policies");
+    std::fs::create_dir(&policies).unwrap();
+    std::fs::write(
+        policies.join("policy.yaml"),
+        format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - name: pods
+    endpoints: ["http://pods.test:{port}"]
+    dns: each_address
+    dns_refresh: 50ms
+routes:
+  - {{ name: all, match: {{ path_prefix: / }}, upstream: pods }}
+"#
+        ),
+    )
+    .unwrap();
+    let args = ["serve", "--policies", policies.to_str().unwrap()].map(String::from);
+    let confine = Confine {
+        hosts: Some(hosts.clone()),
+        ..Confine::default()
+    };
+    let mut proxy = ProxyProcess::launch_confined(&args, &[], "listening", confine).await;
+    proxy.metrics_showing(&endpoints_gauge(3)).await;
+    let client = client::http1();
+
+    // Round robin over the three addresses, from the first request on.
+    let before = spread(&client, &proxy, port, 9).await;
+    let counts: Vec<_> = before.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
+    assert_eq!(counts, [("a", 3), ("b", 3), ("c", 3)]);
+
+    // A pod goes away: its address leaves the rotation; the others keep
+    // the connections they had.
+    write_hosts(&hosts, &["127.0.0.1", "127.0.0.2"]);
+    proxy.metrics_showing(&endpoints_gauge(2)).await;
+    let line = proxy.find_log(r#"removed":"[\"127.0.0.3\"]"#);
+    assert!(line.contains("upstream host's addresses changed"), "{line}");
+    assert!(line.contains(r#""upstreams":"pods""#), "{line}");
+    let after = spread(&client, &proxy, port, 8).await;
+    let counts: Vec<_> = after.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
+    assert_eq!(counts, [("a", 4), ("b", 4)]);
+    for pod in ["a", "b"] {
+        assert!(
+            after[pod].1.is_subset(&before[pod].1),
+            "{pod}: connections {:?} after, {:?} before",
+            after[pod].1,
+            before[pod].1
+        );
+    }
+
+    // DNS stops answering for the host: its last addresses are kept.
+    write_hosts(&hosts, &[]);
+    let line = proxy.wait_for_log("cannot look up an upstream host").await;
+    assert!(line.contains("pods.test"), "{line}");
+    let during = spread(&client, &proxy, port, 4).await;
+    assert_eq!(during.keys().collect::<Vec<_>>(), ["a", "b"]);
+
+    // It answers again, with the pod back.
+    write_hosts(&hosts, &["127.0.0.3", "127.0.0.1", "127.0.0.2"]);
+    proxy.wait_for_log("upstream host resolves again").await;
+    proxy.metrics_showing(&endpoints_gauge(3)).await;
+    let back = spread(&client, &proxy, port, 6).await;
+    let counts: Vec<_> = back.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
+    assert_eq!(counts, [("a", 2), ("b", 2), ("c", 2)]);
+}
