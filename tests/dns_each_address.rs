@@ -63,8 +63,13 @@ async fn spread(
         let answer = client::send(client, req).await;
         assert_eq!(answer.status, 200, "{:?}", answer.body);
         let v = answer.json();
-        // The pod is named by its host, not by its address.
-        assert_eq!(v["headers"]["host"], format!("pods.test:{port}"));
+        // The pod is named by its host, not by its address: in Host, or
+        // in HTTP/2's :authority.
+        let named = format!("pods.test:{port}");
+        match v["version"].as_str() {
+            Some("HTTP/2.0") => assert_eq!(v["target"], format!("http://{named}/hello")),
+            _ => assert_eq!(v["headers"]["host"], named),
+        }
         let peer: SocketAddr = v["peer"].as_str().unwrap().parse().unwrap();
         let entry = seen
             .entry(v["upstream"].as_str().unwrap().to_owned())
@@ -81,13 +86,11 @@ fn endpoints_gauge(n: usize) -> Vec<String> {
     )]
 }
 
-#[tokio::test]
-async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
-    let (port, _pods) = pods(3).await;
-    let dir = tempfile::tempdir().unwrap();
-    let hosts = dir.path().join("hosts");
-    write_hosts(&hosts, &["127.0.0.1", "127.0.0.2", "127.0.0.3"]);
-    let policies = dir.path().join("policies");
+/// The proxy, on one route to upstream `pods` (`http://pods.test:PORT`,
+/// `dns: each_address` and `extra` settings), seeing `hosts` as
+/// /etc/hosts; started once the upstream lists `n` addresses.
+async fn proxy(dir: &Path, port: u16, extra: &str, n: usize) -> ProxyProcess {
+    let policies = dir.join("policies");
     std::fs::create_dir(&policies).unwrap();
     std::fs::write(
         policies.join("policy.yaml"),
@@ -99,6 +102,7 @@ upstreams:
     endpoints: ["http://pods.test:{port}"]
     dns: each_address
     dns_refresh: 50ms
+{extra}
 routes:
   - {{ name: all, match: {{ path_prefix: / }}, upstream: pods }}
 "#
@@ -107,11 +111,21 @@ routes:
     .unwrap();
     let args = ["serve", "--policies", policies.to_str().unwrap()].map(String::from);
     let confine = Confine {
-        hosts: Some(hosts.clone()),
+        hosts: Some(dir.join("hosts")),
         ..Confine::default()
     };
-    let mut proxy = ProxyProcess::launch_confined(&args, &[], "listening", confine).await;
-    proxy.metrics_showing(&endpoints_gauge(3)).await;
+    let proxy = ProxyProcess::launch_confined(&args, &[], "listening", confine).await;
+    proxy.metrics_showing(&endpoints_gauge(n)).await;
+    proxy
+}
+
+#[tokio::test]
+async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
+    let (port, _pods) = pods(3).await;
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts");
+    write_hosts(&hosts, &["127.0.0.1", "127.0.0.2", "127.0.0.3"]);
+    let mut proxy = proxy(dir.path(), port, "", 3).await;
     let client = client::http1();
 
     // Round robin over the three addresses, from the first request on.
@@ -152,4 +166,25 @@ routes:
     let back = spread(&client, &proxy, port, 6).await;
     let counts: Vec<_> = back.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
     assert_eq!(counts, [("a", 2), ("b", 2), ("c", 2)]);
+}
+
+#[tokio::test]
+async fn an_http2_upstream_gets_a_connection_per_address() {
+    // The case that needs each_address most: one HTTP/2 connection would
+    // carry every request to one pod.
+    let (port, _pods) = pods(3).await;
+    let dir = tempfile::tempdir().unwrap();
+    write_hosts(
+        &dir.path().join("hosts"),
+        &["127.0.0.1", "127.0.0.2", "127.0.0.3"],
+    );
+    let proxy = proxy(dir.path(), port, "    http2: true", 3).await;
+    let client = client::http1();
+    let seen = spread(&client, &proxy, port, 6).await;
+    let version = client::get(&proxy.url("/")).await.json()["version"].clone();
+    assert_eq!(version, "HTTP/2.0");
+    let counts: Vec<_> = seen.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
+    assert_eq!(counts, [("a", 2), ("b", 2), ("c", 2)]);
+    // One multiplexed connection to each pod.
+    assert!(seen.values().all(|(_, conns)| conns.len() == 1), "{seen:?}");
 }
