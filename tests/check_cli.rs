@@ -420,4 +420,18 @@ upstreams:
             (4, "`heavy` after the URL"),
         ],
     );
+    crate::support::assert_check_errors(
+        r#"
+upstreams:
+  - { name: a, endpoints: ["http://127.0.0.1:9"], max_requests_per_connection: -1 }
+  - { name: b, endpoints: ["http://127.0.0.1:9"], timeouts: { lifetime: forever } }
+"#,
+        &[
+            (
+                3,
+                "max_requests_per_connection `-1` is not a number of requests",
+            ),
+            (4, "forever"),
+        ],
+    );
 }

@@ -48,7 +48,10 @@ const DEFAULT_TIMEOUTS: Timeouts = Timeouts {
     request: DEFAULT_REQUEST_TIMEOUT,
     read: Duration::from_secs(60),
     idle: Duration::from_secs(90),
+    // nginx's keepalive_time and keepalive_requests defaults.
+    lifetime: Duration::from_secs(3600),
 };
+const DEFAULT_REQUESTS_PER_CONNECTION: u32 = 1000;
 const DEFAULT_RETRIES: u32 = 1;
 /// nginx's `fail_timeout` default.
 const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(10);
@@ -865,6 +868,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
             request: ctx.duration(&t.request, DEFAULT_TIMEOUTS.request),
             read: ctx.duration(&t.read, DEFAULT_TIMEOUTS.read),
             idle: ctx.duration(&t.idle, DEFAULT_TIMEOUTS.idle),
+            lifetime: ctx.duration(&t.lifetime, DEFAULT_TIMEOUTS.lifetime),
         },
         None => DEFAULT_TIMEOUTS,
     };
@@ -964,6 +968,17 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         })
     });
     let dns = dns(ctx, u, target.as_ref());
+    let max_requests_per_connection = ctx.parse_or(
+        &u.max_requests_per_connection,
+        DEFAULT_REQUESTS_PER_CONNECTION,
+        |s| {
+            s.parse::<u32>().map_err(|_| {
+                format!(
+                    "max_requests_per_connection `{s}` is not a number of requests (0: no limit)"
+                )
+            })
+        },
+    );
     if let (Some(t), Some(_), Some(target)) = (&u.eject_after_5xx, eject_after_5xx, &target) {
         let single = match target {
             // A host may have several addresses, each an endpoint.
@@ -1007,6 +1022,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         per_try_timeout,
         retry_budget,
         max_requests,
+        max_requests_per_connection,
         health_check,
         tls,
         http2,
@@ -1472,6 +1488,7 @@ fn route(
             per_try_timeout: None,
             retry_budget: RetryBudget::default(),
             max_requests: None,
+            max_requests_per_connection: DEFAULT_REQUESTS_PER_CONNECTION,
             health_check: None,
             tls: TlsSettings::default(),
             http2: false,

@@ -288,6 +288,11 @@ pub struct Timeouts {
     pub read: Duration,
     /// How long an unused pooled connection is kept.
     pub idle: Duration,
+    /// How long a connection is reused at most, counted from its dial
+    /// (nginx's `keepalive_time`, Envoy's `max_connection_duration`):
+    /// then it is closed once its request is done, so connections through
+    /// a ClusterIP Service move to pods that came up since; zero: no limit.
+    pub lifetime: Duration,
 }
 
 /// Which requests of a route get an access line (nginx's `access_log
@@ -475,6 +480,10 @@ pub struct Upstream {
     /// beyond which more are answered 503 at once (Envoy's circuit
     /// breaker `max_requests`); `None`: no cap.
     pub max_requests: Option<usize>,
+    /// Requests one connection carries at most before it is closed
+    /// (nginx's `keepalive_requests`, Envoy's
+    /// `max_requests_per_connection`); 0: no limit.
+    pub max_requests_per_connection: u32,
     /// Active health checks, if any.
     pub health_check: Option<HealthCheck>,
     /// TLS for `https` endpoints.
@@ -526,6 +535,7 @@ impl Upstream {
             && self.eject_for == other.eject_for
             && self.eject_after_5xx == other.eject_after_5xx
             && self.health_check == other.health_check
+            && self.max_requests_per_connection == other.max_requests_per_connection
             && self.max_requests == other.max_requests
             && self.retry_on == other.retry_on
             && self.retry_on_reset == other.retry_on_reset

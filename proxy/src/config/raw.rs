@@ -173,6 +173,7 @@ pub struct RawUpstream {
     pub eject_for: Option<Text>,
     pub eject_after_5xx: Option<Text>,
     pub max_requests: Option<Text>,
+    pub max_requests_per_connection: Option<Text>,
     #[serde(default)]
     pub retry_on: Vec<Text>,
     pub per_try_timeout: Option<Text>,
@@ -209,6 +210,7 @@ pub struct RawTimeouts {
     pub request: Option<Text>,
     pub read: Option<Text>,
     pub idle: Option<Text>,
+    pub lifetime: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -106,6 +106,8 @@ pub struct H1Conn {
     /// keeps each response's map for the connection's next request: the
     /// allocations go round instead of being made twice per request.
     spare: HeaderMap,
+    /// Its age and use, for the pool's reuse limits.
+    pub worn: super::pool::Worn,
 }
 
 /// Why an exchange failed.
@@ -133,6 +135,7 @@ impl H1Conn {
             head: Vec::new(),
             read_size: FIRST_READ,
             spare: HeaderMap::new(),
+            worn: super::pool::Worn::new(),
         })
     }
 

@@ -82,6 +82,71 @@ struct Idle {
     conn: IdleConn,
     /// When it was parked, by [`coarse_now`].
     since: Duration,
+    worn: Worn,
+}
+
+/// How long and for how many requests a connection is reused (nginx's
+/// `keepalive_time` and `keepalive_requests`): past either, it is closed
+/// once its request is done. Connections through a ClusterIP Service stay
+/// on the pod kube-proxy picked when they were made; without an end,
+/// pods that come up later get none of the pool's traffic.
+#[derive(Clone, Copy, Default)]
+pub struct Reuse {
+    /// 0: no limit.
+    max_requests: u32,
+    /// Zero: no limit.
+    max_age: Duration,
+}
+
+impl Reuse {
+    /// The limits `spec` sets.
+    pub fn of(spec: &Upstream) -> Reuse {
+        Reuse {
+            max_requests: spec.max_requests_per_connection,
+            max_age: spec.timeouts.lifetime,
+        }
+    }
+
+    /// Whether a connection worn as `worn` is to be closed rather than
+    /// used again (`now` by [`coarse_now`]).
+    fn spent(&self, worn: &Worn, now: Duration) -> bool {
+        (self.max_requests != 0 && worn.requests >= self.max_requests)
+            || (!self.max_age.is_zero()
+                && now.saturating_sub(Duration::from_millis(worn.born_ms)) >= self.max_age)
+    }
+}
+
+/// A connection's age and use, as [`Reuse`] counts them.
+#[derive(Clone, Copy, Debug)]
+pub struct Worn {
+    /// When it was dialled, by [`coarse_now`], in milliseconds (not a
+    /// `Duration`, which would make every HTTP/1.1 response's lease 8
+    /// bytes larger).
+    born_ms: u64,
+    /// Requests it was checked out for.
+    requests: u32,
+}
+
+impl Worn {
+    /// A connection dialled now.
+    pub fn new() -> Worn {
+        Worn {
+            born_ms: coarse_now().as_millis() as u64,
+            requests: 0,
+        }
+    }
+
+    /// Counts one more request.
+    fn used(mut self) -> Worn {
+        self.requests = self.requests.saturating_add(1);
+        self
+    }
+}
+
+impl Default for Worn {
+    fn default() -> Worn {
+        Worn::new()
+    }
 }
 
 /// The coarse monotonic clock: a few milliseconds of resolution, plenty
@@ -106,24 +171,42 @@ pub(crate) fn coarse_now() -> Duration {
 #[derive(Default)]
 pub struct Slot {
     idle: Mutex<Vec<Idle>>,
-    h2: Mutex<Option<http2::SendRequest<Body>>>,
+    /// The shared HTTP/2 connection, and its wear.
+    h2: Mutex<Option<(http2::SendRequest<Body>, Worn)>>,
+    reuse: Reuse,
 }
 
 impl Slot {
-    fn put(&self, conn: IdleConn) {
+    /// An empty slot whose connections are reused as `reuse` allows.
+    pub fn new(reuse: Reuse) -> Slot {
+        Slot {
+            reuse,
+            ..Slot::default()
+        }
+    }
+
+    /// Parks a connection whose exchange is over, or closes it (by
+    /// dropping it) when it is spent.
+    fn put(&self, conn: IdleConn, worn: Worn) {
+        let now = coarse_now();
+        if self.reuse.spent(&worn, now) {
+            return;
+        }
         if let Ok(mut idle) = self.idle.lock()
             && idle.len() < MAX_IDLE_PER_ENDPOINT
         {
             idle.push(Idle {
                 conn,
-                since: coarse_now(),
+                since: now,
+                worn,
             });
         }
     }
 
     /// Returns a bare connection whose last response was read whole.
     pub fn put_h1(&self, conn: Box<H1Conn>) {
-        self.put(IdleConn::Bare(conn));
+        let worn = conn.worn;
+        self.put(IdleConn::Bare(conn), worn);
     }
 
     /// Idle HTTP/1.1 connections parked here.
@@ -148,6 +231,7 @@ impl Slot {
 pub struct Lease {
     sender: http1::SendRequest<Body>,
     slot: Arc<Slot>,
+    worn: Worn,
 }
 
 impl Lease {
@@ -156,7 +240,7 @@ impl Lease {
         if self.sender.is_closed() {
             return;
         }
-        self.slot.put(IdleConn::Hyper(self.sender));
+        self.slot.put(IdleConn::Hyper(self.sender), self.worn);
     }
 }
 
@@ -170,6 +254,7 @@ pub struct ConnPool {
     server_name: Option<ServerName<'static>>,
     connect_timeout: Duration,
     idle_timeout: Duration,
+    reuse: Reuse,
     http2: bool,
 }
 
@@ -203,13 +288,15 @@ impl ConnPool {
             .server_name
             .as_ref()
             .and_then(|n| ServerName::try_from(n.clone()).ok());
+        let reuse = Reuse::of(spec);
         ConnPool {
-            fixed: (0..fixed).map(|_| Arc::new(Slot::default())).collect(),
+            fixed: (0..fixed).map(|_| Arc::new(Slot::new(reuse))).collect(),
             dynamic: Mutex::new(HashMap::new()),
             tls: TlsConnector::from(Arc::new(tls)),
             server_name,
             connect_timeout: spec.timeouts.connect,
             idle_timeout: spec.timeouts.idle,
+            reuse,
             http2: spec.http2,
         }
     }
@@ -233,13 +320,16 @@ impl ConnPool {
                         Arc::strong_count(s) > 1 || s.idle.lock().is_ok_and(|i| !i.is_empty())
                     });
                 }
-                map.entry(key).or_default().clone()
+                map.entry(key)
+                    .or_insert_with(|| Arc::new(Slot::new(self.reuse)))
+                    .clone()
             }
         }
     }
 
-    /// An idle HTTP/1.1 connection of `slot` that is ready for a request.
-    fn idle_h1(&self, slot: &Slot) -> Option<IdleConn> {
+    /// An idle HTTP/1.1 connection of `slot` that is ready for a request,
+    /// and its wear.
+    fn idle_h1(&self, slot: &Slot) -> Option<(IdleConn, Worn)> {
         let mut idle = slot.idle.lock().unwrap_or_else(|p| p.into_inner());
         let now = coarse_now();
         // The oldest are first: drop those idle too long.
@@ -251,6 +341,10 @@ impl ConnPool {
         let mut busy = Vec::new();
         let mut found = None;
         while let Some(mut c) = idle.pop() {
+            // It may have grown too old while parked.
+            if slot.reuse.spent(&c.worn, now) {
+                continue;
+            }
             let usable = match &mut c.conn {
                 IdleConn::Hyper(sender) if sender.is_closed() => continue,
                 IdleConn::Hyper(sender) => sender.is_ready(),
@@ -262,7 +356,7 @@ impl ConnPool {
                 }
             };
             if usable {
-                found = Some(c.conn);
+                found = Some((c.conn, c.worn));
                 break;
             }
             busy.push(c);
@@ -283,17 +377,20 @@ impl ConnPool {
     ) -> Result<(Conn, bool), ForwardError> {
         let slot = self.slot(dest);
         if self.http2 {
-            let shared = slot.h2.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            if let Some(s) = shared.filter(|s| !s.is_closed() && !fresh) {
+            if !fresh && let Some(s) = self.shared_h2(&slot) {
                 return Ok((Conn::H2(s), true));
             }
-        } else if !fresh && let Some(idle) = self.idle_h1(&slot) {
+        } else if !fresh && let Some((idle, worn)) = self.idle_h1(&slot) {
+            let worn = worn.used();
             let conn = match idle {
-                IdleConn::Hyper(sender) => Conn::H1(Lease { sender, slot }),
-                IdleConn::Bare(conn) if in_task => Conn::InTask(conn, slot),
+                IdleConn::Hyper(sender) => Conn::H1(Lease { sender, slot, worn }),
+                IdleConn::Bare(mut conn) if in_task => {
+                    conn.worn = worn;
+                    Conn::InTask(conn, slot)
+                }
                 IdleConn::Bare(conn) => {
                     let sender = Box::pin(handshake_h1(conn.into_io())).await?;
-                    Conn::H1(Lease { sender, slot })
+                    Conn::H1(Lease { sender, slot, worn })
                 }
             };
             return Ok((conn, true));
@@ -302,16 +399,33 @@ impl ConnPool {
         // keeping it inline would make every request's future that large,
         // copied on every move, even when a pooled connection is reused.
         let (io, h2) = Box::pin(self.connect(dest.endpoint())).await?;
+        let worn = Worn::new().used();
         if h2 {
             let sender = Box::pin(handshake_h2(io)).await?;
-            *slot.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some(sender.clone());
+            *slot.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some((sender.clone(), worn));
             return Ok((Conn::H2(sender), false));
         }
         if in_task {
-            return Ok((Conn::InTask(H1Conn::new(io), slot), false));
+            let mut conn = H1Conn::new(io);
+            conn.worn = worn;
+            return Ok((Conn::InTask(conn, slot), false));
         }
         let sender = Box::pin(handshake_h1(io)).await?;
-        Ok((Conn::H1(Lease { sender, slot }), false))
+        Ok((Conn::H1(Lease { sender, slot, worn }), false))
+    }
+
+    /// The slot's HTTP/2 connection for one more request, unless it is
+    /// closed or spent (then it is let go: its streams in flight finish,
+    /// and it closes when the last is done).
+    fn shared_h2(&self, slot: &Slot) -> Option<http2::SendRequest<Body>> {
+        let mut h2 = slot.h2.lock().unwrap_or_else(|p| p.into_inner());
+        let (sender, worn) = h2.as_mut()?;
+        if sender.is_closed() || slot.reuse.spent(worn, coarse_now()) {
+            *h2 = None;
+            return None;
+        }
+        *worn = worn.used();
+        Some(sender.clone())
     }
 
     /// Dials `ep`: the stream, and whether it is to speak HTTP/2.
