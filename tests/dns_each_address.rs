@@ -132,6 +132,14 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     let before = spread(&client, &proxy, port, 9).await;
     let counts: Vec<_> = before.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
     assert_eq!(counts, [("a", 3), ("b", 3), ("c", 3)]);
+    let status = proxy.status().await;
+    let host = format!("pods.test:{port}");
+    assert_eq!(
+        status["config"]["discovered_endpoints"],
+        serde_json::json!([{ "upstream": "pods", "endpoints": [
+            format!("{host} (127.0.0.1)"), format!("{host} (127.0.0.2)"), format!("{host} (127.0.0.3)"),
+        ]}])
+    );
 
     // A pod goes away: its address leaves the rotation; the others keep
     // the connections they had.

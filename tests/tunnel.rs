@@ -177,9 +177,16 @@ impl TunnelServer {
         routes: &str,
         extra: &[&str],
     ) -> (ProxyProcess, tempfile::TempDir) {
-        let dir = policies(&format!(
-            "upstreams: [{{ name: api, endpoints: [\"{api_url}\"] }}]\nroutes:\n{routes}"
-        ));
+        let yaml =
+            format!("upstreams: [{{ name: api, endpoints: [\"{api_url}\"] }}]\nroutes:\n{routes}");
+        self.policy_client(&yaml, extra).await
+    }
+
+    /// A client for runtime `rt-a` whose routing core serves the policy
+    /// `yaml`, with `extra` arguments; the policy directory lives as long
+    /// as it.
+    async fn policy_client(&self, yaml: &str, extra: &[&str]) -> (ProxyProcess, tempfile::TempDir) {
+        let dir = policies(yaml);
         let path = dir.path().display().to_string();
         let mut args = extra.to_vec();
         args.extend(["--policies", &path]);
@@ -1433,6 +1440,85 @@ async fn a_public_request_keeps_one_id_from_the_edge_to_the_upstream() {
     assert!(line.contains("/traced"), "{line}");
     let line = client.wait_for_log(&logged).await;
     assert!(line.contains("/traced"), "{line}");
+}
+
+#[tokio::test]
+async fn a_public_requests_trace_starts_at_the_edge_and_goes_on_in_the_routing_core() {
+    let (collector, mut spans) = crate::tracing_otlp::collector().await;
+    let echo = upstream::echo("traced").await;
+    let any = "127.0.0.1:0".parse().unwrap();
+    let otlp = collector.url();
+    let edge = ["--otlp-endpoint", &otlp, "--trace-flush-ms", "50"];
+    let mut server = TunnelServer::start_in_with(tokens_dir(), any, any, &edge).await;
+    let yaml = format!(
+        r#"
+upstreams:
+  - {{ name: api, endpoints: ["{}"] }}
+  - {{ name: otel, endpoints: ["{otlp}"] }}
+routes:
+  - {{ name: api, match: {{ path_prefix: /api }}, upstream: api }}
+tracing: {{ upstream: otel, flush_every: 50ms, service_name: core }}
+"#,
+        echo.url()
+    );
+    let _client = server.policy_client(&yaml, &[]).await;
+
+    // A public client's own traceparent, sampled: not trusted at the edge
+    // (--trace-trust-incoming is off), which starts the trace itself.
+    let caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let req = server
+        .request("rt-a", "GET", "/api/things")
+        .header("traceparent", caller)
+        .body(body(Bytes::new()))
+        .unwrap();
+    let answer = client::send(&client::http1(), req).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let upstream_saw = answer.json()["headers"]["traceparent"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    let mut by_service = std::collections::HashMap::new();
+    for _ in 0..2 {
+        let (seen, span) = crate::tracing_otlp::next_span(&mut spans).await;
+        by_service.insert(seen["service"].as_str().unwrap().to_owned(), span);
+    }
+    let (edge, core) = (&by_service["portcullis-tunnel-server"], &by_service["core"]);
+    let trace = edge["traceId"].as_str().unwrap();
+    assert_ne!(
+        trace, "4bf92f3577b34da6a3ce929d0e0e4736",
+        "a public client picked the trace"
+    );
+    assert!(
+        edge.get("parentSpanId").is_none(),
+        "the edge's span is the root: {edge}"
+    );
+    // The routing core's span is the edge's child, in the same trace, and
+    // the upstream's parent is the routing core's span.
+    assert_eq!(core["traceId"], trace);
+    assert_eq!(core["parentSpanId"], edge["spanId"]);
+    let core_span = core["spanId"].as_str().unwrap();
+    assert_eq!(upstream_saw, format!("00-{trace}-{core_span}-01"));
+    assert_eq!(edge["name"], "GET");
+    assert_eq!(core["name"], "GET api");
+    let edge_attrs = edge["attributes"].to_string();
+    assert!(
+        edge_attrs.contains(&format!("rt-a.{DOMAIN}")),
+        "{edge_attrs}"
+    );
+    // The edge counts its spans, and logs the trace.
+    server
+        .process
+        .metrics_showing(&[r#"portcullis_trace_spans_total{outcome="exported"} 1"#.into()])
+        .await;
+    let line = server
+        .process
+        .wait_for_log("\"path\":\"/api/things\"")
+        .await;
+    assert!(
+        line.contains(&format!("\"trace_id\":\"{trace}\"")),
+        "{line}"
+    );
 }
 
 #[tokio::test]

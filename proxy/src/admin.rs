@@ -222,6 +222,14 @@ fn status_json(reloader: &Reloader) -> serde_json::Value {
             "loaded_at": rfc3339(s.loaded_at),
             "listeners": listeners,
             "upstreams": config.upstreams.iter().map(|u| &*u.name).collect::<Vec<_>>(),
+            // What `dns: each_address` hosts resolved to: the pods seen.
+            "discovered_endpoints": config.upstreams.iter().filter(|u| u.dns != crate::config::Dns::Connect).map(|u| serde_json::json!({
+                "upstream": &*u.name,
+                "endpoints": match &u.target {
+                    crate::config::Target::Endpoints(eps) => eps.iter().map(ToString::to_string).collect(),
+                    crate::config::Target::Template(_) => Vec::new(),
+                },
+            })).collect::<Vec<_>>(),
             "ejected_endpoints": pipeline.upstream_facts(|p| Some(p.ejected())).iter().flat_map(|(upstream, eps)| {
                 eps.iter().map(move |(endpoint, left)| serde_json::json!({
                     "upstream": &**upstream,
@@ -464,10 +472,7 @@ fn metrics(reloader: &Reloader) -> String {
         &mirrored,
     );
     if pipeline.config().tracing.is_some() {
-        let spans: Vec<_> = crate::otlp::totals()
-            .iter()
-            .map(|(outcome, n)| (format!("{{outcome=\"{outcome}\"}}"), *n as f64))
-            .collect();
+        let spans = crate::otlp::metric_samples();
         metric(
             "portcullis_trace_spans_total",
             "counter",

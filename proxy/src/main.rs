@@ -175,6 +175,31 @@ enum Command {
             requires = "public_rate_limit"
         )]
         public_rate_burst: u32,
+        /// Send a span per public request to this OpenTelemetry collector
+        /// (OTLP/HTTP: `http://otel-collector:4318`, spans POSTed to
+        /// /v1/traces), the trace's first; the runtime's routing core, with
+        /// its own `tracing`, records its span as a child of it.
+        #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+        otlp_endpoint: Option<String>,
+        /// Share of new traces recorded, 0 to 100 (decimals allowed).
+        #[arg(long, env = "TRACE_SAMPLE_PERCENT", default_value_t = 100.0)]
+        trace_sample_percent: f64,
+        /// The spans' service.name.
+        #[arg(
+            long,
+            env = "OTEL_SERVICE_NAME",
+            default_value = "portcullis-tunnel-server"
+        )]
+        trace_service_name: String,
+        /// Join the traceparent a public request brings (and follow its
+        /// sampled flag); without it every public request starts a trace,
+        /// so public clients cannot pick trace ids or force sampling.
+        #[arg(long, env = "TRACE_TRUST_INCOMING")]
+        trace_trust_incoming: bool,
+        /// The longest a span waits to go out, in milliseconds (512 go at
+        /// once); the OpenTelemetry SDKs' batch delay variable.
+        #[arg(long, env = "OTEL_BSP_SCHEDULE_DELAY", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
+        trace_flush_ms: u64,
     },
     /// The cluster side of a tunnel: dials out to the tunnel server and
     /// serves what comes through with the routing core.
@@ -335,6 +360,11 @@ fn main() -> ExitCode {
             peer_ca,
             public_rate_limit,
             public_rate_burst,
+            otlp_endpoint,
+            trace_sample_percent,
+            trace_service_name,
+            trace_trust_incoming,
+            trace_flush_ms,
         } => {
             let peers = if peers.is_empty() && peer_listen.is_none() {
                 if peer_cert.is_some() {
@@ -396,6 +426,16 @@ fn main() -> ExitCode {
                 max_connections,
                 peers,
                 public_rate_limit: public_rate_limit.map(|rate| (rate, public_rate_burst)),
+                // Set but empty: off, as the OpenTelemetry SDKs take it.
+                tracing: otlp_endpoint.filter(|e| !e.is_empty()).map(|endpoint| {
+                    portcullis::tunnel::server::TraceOptions {
+                        endpoint,
+                        sample_percent: trace_sample_percent,
+                        service_name: trace_service_name,
+                        trust_incoming: trace_trust_incoming,
+                        flush_every: std::time::Duration::from_millis(trace_flush_ms),
+                    }
+                }),
             };
             // The control plane (signals, tunnel accepts, admin); workers
             // run their own event loops.

@@ -55,6 +55,23 @@ pub struct Tracing {
     pub trust_incoming: bool,
 }
 
+impl Tracing {
+    /// The `threshold` of a sample share in percent (0 to 100; the caller
+    /// checks the range).
+    pub fn threshold_of(percent: f64) -> u128 {
+        // Out of 2^64, which 100% reaches: every draw falls below it.
+        (percent / 100.0 * 2f64.powi(64)) as u128
+    }
+}
+
+/// The spans total as `/metrics` lines, for a server that traces.
+pub fn metric_samples() -> Vec<(String, f64)> {
+    totals()
+        .iter()
+        .map(|(outcome, n)| (format!("{{outcome=\"{outcome}\"}}"), *n as f64))
+        .collect()
+}
+
 /// A request's trace context, and what its span needs when it is sampled;
 /// kept in its access-log record until the response ends.
 pub struct Recording {
@@ -84,6 +101,19 @@ struct Span {
     version: Version,
 }
 
+/// Where a request came from, as its trace and span take it.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival {
+    /// The connection's peer.
+    pub peer: IpAddr,
+    /// Whether its `X-Forwarded-For` names the client (a trusted proxy).
+    pub trust_forwarded: bool,
+    /// Over TLS.
+    pub https: bool,
+    /// Whether its `traceparent` is joined (else a trace starts here).
+    pub trust_traceparent: bool,
+}
+
 impl Recording {
     /// Joins or starts the request's trace (setting the `traceparent` the
     /// upstream gets); `pool` is the collector's, on this worker.
@@ -92,10 +122,10 @@ impl Recording {
         pool: &Arc<UpstreamPool>,
         headers: &mut HeaderMap,
         (authority, version): (Option<&http::uri::Authority>, Version),
-        conn: &crate::pipeline::ConnInfo,
+        from: Arrival,
     ) -> Recording {
         let context =
-            crate::trace_context::join(headers, tracing.threshold, tracing.trust_incoming);
+            crate::trace_context::join(headers, tracing.threshold, from.trust_traceparent);
         let span = context.sampled.then(|| Span {
             start_unix_nanos: unix_nanos(SystemTime::now()),
             pool: pool.clone(),
@@ -105,12 +135,8 @@ impl Recording {
                 Some(a) => HeaderValue::from_str(a.host()).ok(),
                 None => headers.get(header::HOST).cloned(),
             },
-            client: crate::rate_limit::client_of(
-                conn.client.ip(),
-                conn.listener.trust_forwarded_headers,
-                headers,
-            ),
-            https: conn.tls,
+            client: crate::rate_limit::client_of(from.peer, from.trust_forwarded, headers),
+            https: from.https,
             version,
         });
         Recording { context, span }
@@ -365,6 +391,7 @@ fn encode_span(out: &mut String, context: &TraceContext, span: &Span, log: &Acce
     out.push(',');
     let version = match span.version {
         Version::HTTP_2 => "2",
+        Version::HTTP_3 => "3",
         Version::HTTP_10 => "1.0",
         _ => "1.1",
     };

@@ -490,7 +490,13 @@ impl Pipeline {
             // An HTTP/1 request has none: nothing is cloned.
             let (authority, version) = (req.uri().authority().cloned(), req.version());
             let head = (authority.as_ref(), version);
-            crate::otlp::Recording::begin(tracing, pool, req.headers_mut(), head, conn)
+            let from = crate::otlp::Arrival {
+                peer: conn.client.ip(),
+                trust_forwarded: conn.listener.trust_forwarded_headers,
+                https: conn.tls,
+                trust_traceparent: tracing.trust_incoming,
+            };
+            crate::otlp::Recording::begin(tracing, pool, req.headers_mut(), head, from)
         });
         let mut log = AccessLog::start(
             req.method(),

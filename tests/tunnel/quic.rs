@@ -267,18 +267,16 @@ async fn trailers_cross_both_transports() {
     })
     .await;
     let server = TunnelServer::start_quic().await;
-    let dir = policies(&format!(
+    let yaml = format!(
         r#"
 upstreams: [{{ name: grpc, endpoints: ["{}"], http2: true }}]
 routes:
   - {{ name: grpc, match: {{ path_prefix: / }}, upstream: grpc }}
 "#,
         grpc.url()
-    ));
+    );
+    let (_ws, dir) = server.policy_client(&yaml, &[]).await;
     let path = dir.path().display().to_string();
-    let _ws = server
-        .client("rt-a", TOKENS[0].1, &["--policies", &path])
-        .await;
     let _quic = server
         .client(
             "rt-b",

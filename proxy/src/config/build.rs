@@ -1032,6 +1032,46 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
     })
 }
 
+/// An upstream with every setting at its default.
+fn plain_upstream(name: Arc<str>, target: Target, defined_at: Pos) -> Upstream {
+    Upstream {
+        name,
+        target,
+        balance: Balance::RoundRobin,
+        hash_on: HashOn::Client,
+        hash_cookie_ttl: None,
+        timeouts: DEFAULT_TIMEOUTS,
+        retries: DEFAULT_RETRIES,
+        eject_for: DEFAULT_EJECT_FOR,
+        eject_after_5xx: None,
+        retry_on: Vec::new(),
+        retry_on_reset: false,
+        per_try_timeout: None,
+        retry_budget: RetryBudget::default(),
+        max_requests: None,
+        max_requests_per_connection: DEFAULT_REQUESTS_PER_CONNECTION,
+        health_check: None,
+        tls: TlsSettings::default(),
+        http2: false,
+        preserve_host: false,
+        dns: Dns::Connect,
+        defined_at,
+    }
+}
+
+/// An upstream called `name` with every setting at its default, sending
+/// to `url` (`http://otel-collector:4318`): for a service a command-line
+/// flag names, as the tunnel server's OpenTelemetry collector.
+pub fn upstream_at(name: &str, url: &str) -> Result<Upstream, String> {
+    let ep = endpoint_url(url)?;
+    let at = Pos {
+        file: "command line".into(),
+        line: 0,
+        column: 0,
+    };
+    Ok(plain_upstream(name.into(), Target::Endpoints(vec![ep]), at))
+}
+
 /// An upstream's `dns` and `dns_refresh`.
 fn dns(ctx: &mut Ctx, u: &RawUpstream, target: Option<&Target>) -> Dns {
     let each = ctx.parse_or(&u.dns, false, |s| match s {
@@ -1297,7 +1337,6 @@ fn tracing_settings(
         }
         PathAndQuery::try_from(s).map_err(|e| format!("tracing path `{s}`: {e}"))
     });
-    // Out of 2^64, which 100% reaches: every draw falls below it.
     let threshold = ctx.parse_or(&t.sample_percent, 1u128 << 64, |s| {
         let percent = s
             .trim_end_matches('%')
@@ -1306,7 +1345,7 @@ fn tracing_settings(
             .ok()
             .filter(|p| (0.0..=100.0).contains(p))
             .ok_or_else(|| format!("sample_percent `{s}` is not a share from 0 to 100"))?;
-        Ok((percent / 100.0 * 2f64.powi(64)) as u128)
+        Ok(crate::otlp::Tracing::threshold_of(percent))
     });
     let service_name = ctx.parse_or(&t.service_name, Arc::from("portcullis"), |s| {
         if s.is_empty() {
@@ -1473,29 +1512,8 @@ fn route(
         if let Target::Template(tpl) = &target {
             check_params(ctx, tpl, &t.referenced, "url");
         }
-        upstreams.push(Arc::new(Upstream {
-            name: name.clone()?.into(),
-            target,
-            balance: Balance::RoundRobin,
-            hash_on: HashOn::Client,
-            hash_cookie_ttl: None,
-            timeouts: DEFAULT_TIMEOUTS,
-            retries: DEFAULT_RETRIES,
-            eject_for: DEFAULT_EJECT_FOR,
-            eject_after_5xx: None,
-            retry_on: Vec::new(),
-            retry_on_reset: false,
-            per_try_timeout: None,
-            retry_budget: RetryBudget::default(),
-            max_requests: None,
-            max_requests_per_connection: DEFAULT_REQUESTS_PER_CONNECTION,
-            health_check: None,
-            tls: TlsSettings::default(),
-            http2: false,
-            preserve_host: false,
-            dns: Dns::Connect,
-            defined_at: ctx.pos(&t.referenced),
-        }));
+        let pos = ctx.pos(&t.referenced);
+        upstreams.push(Arc::new(plain_upstream(name.clone()?.into(), target, pos)));
         Action::Forward(upstreams.len() - 1)
     } else if let Some(resp) = &r.respond {
         let status = ctx.parse(&resp.value.status, |s| {

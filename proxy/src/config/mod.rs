@@ -22,7 +22,7 @@ use http::uri::{Authority, Scheme};
 use http::{HeaderName, HeaderValue, Method, StatusCode};
 use rustls_pki_types::CertificateDer;
 
-pub use build::{DEFAULT_KEEPALIVE_TIMEOUT, MAX_PLUGIN_MEMORY};
+pub use build::{DEFAULT_KEEPALIVE_TIMEOUT, MAX_PLUGIN_MEMORY, upstream_at};
 pub use load::{
     Source, default_sources, load_dir, load_dir_with_env, load_partial, load_sources, read_dir,
     sort_errors,

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use http::header::{self, HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use hyper::client::conn::http2::SendRequest;
@@ -29,9 +30,10 @@ use super::tokens::{Refusal, Tokens, valid_runtime_id};
 use super::{Hello, Refused};
 use crate::balance::{Accepting, Balance, Handoff};
 use crate::body::{Body, ResponseBody};
-use crate::forward::Held;
+use crate::forward::{Held, UpstreamPool};
 use crate::head_deadline::{self, Ended, HeadClock, Watched};
 use crate::metrics::RouteStats;
+use crate::otlp::{Recording, Tracing};
 use crate::request_head;
 use crate::telemetry::AccessLog;
 use crate::tls_listen::{NotOpened, Opened, open};
@@ -84,6 +86,50 @@ pub struct ServerOptions {
     /// Public requests per client beyond which they are answered 429
     /// (`--public-rate-limit`, `COUNT/s|m|h`), and how many more at once.
     pub public_rate_limit: Option<(String, u32)>,
+    /// Spans of public requests for an OpenTelemetry collector.
+    pub tracing: Option<TraceOptions>,
+}
+
+/// Where the tunnel server's spans go and which requests make one (the
+/// routing core's `tracing`, from flags).
+#[derive(Debug, Clone)]
+pub struct TraceOptions {
+    /// The collector's OTLP/HTTP base URL (`http://otel-collector:4318`).
+    pub endpoint: String,
+    /// Share of new traces recorded, 0 to 100.
+    pub sample_percent: f64,
+    /// The spans' `service.name`.
+    pub service_name: String,
+    /// Join the `traceparent` a public request brings; off, every public
+    /// request starts a trace (a public client should not pick trace ids
+    /// or force sampling). A peer's request is always joined.
+    pub trust_incoming: bool,
+    /// The longest a span waits in its batch.
+    pub flush_every: Duration,
+}
+
+/// The collector's settings and pool, from `options`.
+fn tracing_from(options: &TraceOptions) -> anyhow::Result<(Arc<Tracing>, Arc<UpstreamPool>)> {
+    if !(0.0..=100.0).contains(&options.sample_percent) {
+        anyhow::bail!(
+            "--trace-sample-percent {}: a share from 0 to 100",
+            options.sample_percent
+        );
+    }
+    let spec = crate::config::upstream_at("otel-collector", &options.endpoint)
+        .map_err(|e| anyhow::anyhow!("--otlp-endpoint: {e}"))?;
+    let spec = Arc::new(spec);
+    let shared = crate::forward::shared_endpoints(&spec, None);
+    let pool = Arc::new(UpstreamPool::new(spec, shared, None));
+    let tracing = Tracing {
+        upstream: 0,
+        path: PathAndQuery::from_static("/v1/traces"),
+        threshold: Tracing::threshold_of(options.sample_percent),
+        service_name: options.service_name.as_str().into(),
+        flush_every: options.flush_every,
+        trust_incoming: options.trust_incoming,
+    };
+    Ok((Arc::new(tracing), pool))
 }
 
 /// One tunnel connection from a client.
@@ -359,6 +405,8 @@ struct Shared {
     peers: Option<Arc<super::peers::Peers>>,
     /// The public side's limit per client.
     rate_limit: Option<crate::rate_limit::RateLimit>,
+    /// Spans for a collector: its settings and pool.
+    tracing: Option<(Arc<Tracing>, Arc<UpstreamPool>)>,
 }
 
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
@@ -504,6 +552,7 @@ impl TunnelServer {
                 alt_svc,
                 peers,
                 rate_limit,
+                tracing: options.tracing.as_ref().map(tracing_from).transpose()?,
             }),
         })
     }
@@ -837,6 +886,10 @@ fn worker(
         }
         tracker.close();
         tracker.wait().await;
+        if shared.tracing.is_some() {
+            // The spans of this worker's last public requests.
+            crate::otlp::flush_and_wait().await;
+        }
         let _ = drained.send(());
         tunnel_tasks.close();
         tunnel_tasks.wait().await;
@@ -1386,12 +1439,31 @@ where
     B: http_body::Body + Into<Body>,
 {
     let start = std::time::Instant::now();
+    // The public edge: where a trace starts (or joins its client's),
+    // before anything else looks at the request.
+    let trace = shared.tracing.as_ref().map(|(tracing, pool)| {
+        let from = crate::otlp::Arrival {
+            peer: client.ip(),
+            // A peer's request names its client already.
+            trust_forwarded: origin == Origin::Public && shared.trust_forwarded_headers,
+            https: tls.is_some(),
+            trust_traceparent: tracing.trust_incoming || origin != Origin::Public,
+        };
+        let (authority, version) = (req.uri().authority().cloned(), req.version());
+        Recording::begin(
+            tracing,
+            pool,
+            req.headers_mut(),
+            (authority.as_ref(), version),
+            from,
+        )
+    });
     let mut log = AccessLog::start(
         req.method(),
         req.uri().path_and_query(),
         (client, worker),
         start,
-        false,
+        trace.as_ref().is_some_and(Recording::sampled),
     );
     // Every public request gets its id here, at the edge (a peer's
     // carries the one its public side gave it).
@@ -1405,6 +1477,7 @@ where
         if let Origin::Peer(from) = origin {
             log.route = Some(format!("from peer {from}").into());
         }
+        log.trace = trace.map(Box::new);
     }
     let over_tcp = req.version() < Version::HTTP_3;
     let mut stats = crate::metrics::no_runtime();
@@ -1875,6 +1948,15 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                             )
                         })
                         .collect::<Vec<_>>(),
+                );
+            }
+            if shared.tracing.is_some() {
+                metric(
+                    &mut out,
+                    "portcullis_trace_spans_total",
+                    "counter",
+                    "Spans for the collector (--otlp-endpoint): exported, failed (refused or not answered), dropped (too many exports in flight).",
+                    &crate::otlp::metric_samples(),
                 );
             }
             crate::metrics::render(&mut out);
