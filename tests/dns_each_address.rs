@@ -196,3 +196,36 @@ async fn an_http2_upstream_gets_a_connection_per_address() {
     // One multiplexed connection to each pod.
     assert!(seen.values().all(|(_, conns)| conns.len() == 1), "{seen:?}");
 }
+
+#[tokio::test]
+async fn a_reload_that_adds_each_address_spreads_at_once_and_follows_changes() {
+    let (port, _pods) = pods(2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts");
+    write_hosts(&hosts, &["127.0.0.1", "127.0.0.2"]);
+    // Reloaded to look the host up at connect time: one pod gets all.
+    let mut proxy = proxy(dir.path(), port, "", 2).await;
+    let policy = dir.path().join("policies/policy.yaml");
+    let each = std::fs::read_to_string(&policy).unwrap();
+    let connect = each.replace("dns: each_address", "dns: connect");
+    let connect = connect.replace("dns_refresh: 50ms", "");
+    std::fs::write(&policy, &connect).unwrap();
+    proxy.signal("HUP");
+    proxy.wait_for_log("reload: configuration applied").await;
+    let client = client::http1();
+    let one = spread(&client, &proxy, port, 4).await;
+    assert_eq!(one.len(), 1, "{one:?}");
+
+    // A reload back to each_address: both pods from its first request.
+    std::fs::write(&policy, &each).unwrap();
+    proxy.signal("HUP");
+    proxy.wait_for_log("reload: configuration applied").await;
+    let both = spread(&client, &proxy, port, 4).await;
+    let counts: Vec<_> = both.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
+    assert_eq!(counts, [("a", 2), ("b", 2)]);
+    // And its host is looked up again from then on.
+    write_hosts(&hosts, &["127.0.0.2"]);
+    proxy.metrics_showing(&endpoints_gauge(1)).await;
+    let left = spread(&client, &proxy, port, 2).await;
+    assert_eq!(left.keys().collect::<Vec<_>>(), ["b"]);
+}

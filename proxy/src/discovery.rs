@@ -35,10 +35,6 @@ use crate::server::Control;
 /// resolver alone may retry for longer).
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How often the refresher wakes at most when no upstream asks for sooner:
-/// a reload that adds an `each_address` upstream is seen this quickly.
-const MAX_TICK: Duration = Duration::from_secs(1);
-
 /// A host and port to look up.
 pub type HostPort = (String, u16);
 
@@ -49,6 +45,9 @@ pub struct AddressBook {
     known: Mutex<HashMap<HostPort, Vec<SocketAddr>>>,
     /// Hosts whose last lookup failed, so an outage is logged once.
     failing: Mutex<HashSet<HostPort>>,
+    /// Told of every configuration applied, so the refresher, asleep while
+    /// no upstream looks hosts up, sees one that does.
+    applied: Arc<tokio::sync::Notify>,
 }
 
 /// The host and port `ep` connects to, when the host is a name (an IP
@@ -177,6 +176,11 @@ impl AddressBook {
         true
     }
 
+    /// Wakes the refresher: a new configuration is being served.
+    pub fn config_applied(&self) {
+        self.applied.notify_one();
+    }
+
     /// Forgets hosts no upstream of `config` looks up any more.
     pub fn retain(&self, hosts: &HashMap<HostPort, Duration>) {
         self.known().retain(|hp, _| hosts.contains_key(hp));
@@ -293,16 +297,28 @@ pub async fn refresh(control: Weak<Control>, stop: CancellationToken) {
             if !due.is_empty() && control.addresses().look_up(due, &config).await {
                 control.refresh_addresses();
             }
-            hosts
-                .values()
-                .copied()
-                .min()
-                .unwrap_or(MAX_TICK)
-                .min(MAX_TICK)
+            hosts.values().copied().min()
         };
-        tokio::select! {
-            _ = tokio::time::sleep(tick) => {}
-            _ = stop.cancelled() => return,
+        match tick {
+            Some(tick) => tokio::select! {
+                _ = tokio::time::sleep(tick) => {}
+                _ = stop.cancelled() => return,
+            },
+            // Nothing to look up: asleep until a configuration is applied
+            // (no timer ticking in every proxy without such upstreams).
+            None => {
+                let Some(control) = control.upgrade() else {
+                    return;
+                };
+                // Not holding the server while asleep (a permit kept by
+                // `notify_one` loses no wake-up).
+                let applied = control.addresses().applied.clone();
+                drop(control);
+                tokio::select! {
+                    _ = applied.notified() => {}
+                    _ = stop.cancelled() => return,
+                }
+            }
         }
     }
 }

@@ -441,6 +441,7 @@ impl Control {
             Some(&previous),
         )));
         drop(previous);
+        self.addresses.config_applied();
 
         let mut changes = ListenerChanges::default();
         let mut kept = Vec::with_capacity(config.listeners.len());
