@@ -135,7 +135,7 @@ impl H1Conn {
             head: Vec::new(),
             read_size: FIRST_READ,
             spare: HeaderMap::new(),
-            worn: super::pool::Worn::new(),
+            worn: super::pool::Worn::default(),
         })
     }
 

@@ -148,7 +148,7 @@ impl Drop for Admitted {
 pub struct Held {
     in_flight: Option<InFlight>,
     admitted: Option<Admitted>,
-    lease: Option<Lease>,
+    lease: Option<Box<Lease>>,
     /// The upstream's read timeout in milliseconds (zero: none); not a
     /// `Duration`, which would make every response's `Held` 16 bytes
     /// larger.

@@ -36,8 +36,10 @@ const MAX_IDLE_PER_ENDPOINT: usize = 512;
 
 /// A connection checked out for one request.
 pub enum Conn {
-    /// An HTTP/1.1 connection used by this request alone.
-    H1(Lease),
+    /// An HTTP/1.1 connection used by this request alone (boxed: a
+    /// response holds it, and inline it would make every response's
+    /// `Held` larger, moved on every request, bodiless in-task ones too).
+    H1(Box<Lease>),
     /// A handle on a shared, multiplexed HTTP/2 connection.
     H2(http2::SendRequest<Body>),
     /// A bare HTTP/1.1 connection for an in-task exchange, and the slot it
@@ -62,7 +64,7 @@ impl Conn {
     }
 
     /// The lease to keep until the response body ends (HTTP/1.1 only).
-    pub fn into_lease(self) -> Option<Lease> {
+    pub fn into_lease(self) -> Option<Box<Lease>> {
         match self {
             Conn::H1(lease) => Some(lease),
             Conn::H2(_) | Conn::InTask(..) => None,
@@ -72,17 +74,25 @@ impl Conn {
 
 /// An idle HTTP/1.1 connection.
 enum IdleConn {
-    /// Driven by hyper.
-    Hyper(http1::SendRequest<Body>),
-    /// A bare stream.
+    /// Driven by hyper, and its wear.
+    Hyper(http1::SendRequest<Body>, Worn),
+    /// A bare stream (its wear inside).
     Bare(Box<H1Conn>),
+}
+
+impl IdleConn {
+    fn worn(&self) -> &Worn {
+        match self {
+            IdleConn::Hyper(_, worn) => worn,
+            IdleConn::Bare(conn) => &conn.worn,
+        }
+    }
 }
 
 struct Idle {
     conn: IdleConn,
     /// When it was parked, by [`coarse_now`].
     since: Duration,
-    worn: Worn,
 }
 
 /// How long and for how many requests a connection is reused (nginx's
@@ -107,45 +117,62 @@ impl Reuse {
         }
     }
 
-    /// Whether a connection worn as `worn` is to be closed rather than
-    /// used again (`now` by [`coarse_now`]).
-    fn spent(&self, worn: &Worn, now: Duration) -> bool {
-        (self.max_requests != 0 && worn.requests >= self.max_requests)
-            || (!self.max_age.is_zero()
-                && now.saturating_sub(Duration::from_millis(worn.born_ms)) >= self.max_age)
+    /// The wear of a connection dialled now, its first request counted.
+    fn fresh(&self) -> Worn {
+        let deadline_ms = if self.max_age.is_zero() {
+            u64::MAX
+        } else {
+            millis(coarse_now()).saturating_add(millis(self.max_age))
+        };
+        Worn {
+            deadline_ms,
+            left: match self.max_requests {
+                0 => u32::MAX,
+                n => n - 1,
+            },
+        }
     }
 }
 
-/// A connection's age and use, as [`Reuse`] counts them.
+/// A duration in whole milliseconds (plain integer work, unlike
+/// `as_millis`'s 128 bits).
+fn millis(d: Duration) -> u64 {
+    d.as_secs() * 1000 + u64::from(d.subsec_millis())
+}
+
+/// What is left of a connection's reuse: worked out when it is dialled,
+/// so the checks on every request are two integer compares.
 #[derive(Clone, Copy, Debug)]
 pub struct Worn {
-    /// When it was dialled, by [`coarse_now`], in milliseconds (not a
-    /// `Duration`, which would make every HTTP/1.1 response's lease 8
-    /// bytes larger).
-    born_ms: u64,
-    /// Requests it was checked out for.
-    requests: u32,
+    /// When it is too old to be used again, by [`coarse_now`] in
+    /// milliseconds (`u64::MAX`: never).
+    deadline_ms: u64,
+    /// Requests it may still be used for (`u32::MAX`: no limit).
+    left: u32,
 }
 
 impl Worn {
-    /// A connection dialled now.
-    pub fn new() -> Worn {
-        Worn {
-            born_ms: coarse_now().as_millis() as u64,
-            requests: 0,
-        }
+    /// Whether the connection is to be closed rather than used again
+    /// (`now_ms`: [`coarse_now`] in milliseconds).
+    fn spent(&self, now_ms: u64) -> bool {
+        self.left == 0 || now_ms >= self.deadline_ms
     }
 
     /// Counts one more request.
-    fn used(mut self) -> Worn {
-        self.requests = self.requests.saturating_add(1);
-        self
+    fn used(&mut self) {
+        if self.left != u32::MAX {
+            self.left -= 1;
+        }
     }
 }
 
 impl Default for Worn {
+    /// No limit (a connection made outside a pool).
     fn default() -> Worn {
-        Worn::new()
+        Worn {
+            deadline_ms: u64::MAX,
+            left: u32::MAX,
+        }
     }
 }
 
@@ -173,40 +200,26 @@ pub struct Slot {
     idle: Mutex<Vec<Idle>>,
     /// The shared HTTP/2 connection, and its wear.
     h2: Mutex<Option<(http2::SendRequest<Body>, Worn)>>,
-    reuse: Reuse,
 }
 
 impl Slot {
-    /// An empty slot whose connections are reused as `reuse` allows.
-    pub fn new(reuse: Reuse) -> Slot {
-        Slot {
-            reuse,
-            ..Slot::default()
-        }
-    }
-
     /// Parks a connection whose exchange is over, or closes it (by
     /// dropping it) when it is spent.
-    fn put(&self, conn: IdleConn, worn: Worn) {
+    fn put(&self, conn: IdleConn) {
         let now = coarse_now();
-        if self.reuse.spent(&worn, now) {
+        if conn.worn().spent(millis(now)) {
             return;
         }
         if let Ok(mut idle) = self.idle.lock()
             && idle.len() < MAX_IDLE_PER_ENDPOINT
         {
-            idle.push(Idle {
-                conn,
-                since: now,
-                worn,
-            });
+            idle.push(Idle { conn, since: now });
         }
     }
 
     /// Returns a bare connection whose last response was read whole.
     pub fn put_h1(&self, conn: Box<H1Conn>) {
-        let worn = conn.worn;
-        self.put(IdleConn::Bare(conn), worn);
+        self.put(IdleConn::Bare(conn));
     }
 
     /// Idle HTTP/1.1 connections parked here.
@@ -220,7 +233,7 @@ impl Slot {
     pub fn take_bare(&self) -> Option<Box<H1Conn>> {
         match self.idle.lock().ok()?.pop()?.conn {
             IdleConn::Bare(c) => Some(c),
-            IdleConn::Hyper(_) => None,
+            IdleConn::Hyper(..) => None,
         }
     }
 }
@@ -240,7 +253,7 @@ impl Lease {
         if self.sender.is_closed() {
             return;
         }
-        self.slot.put(IdleConn::Hyper(self.sender), self.worn);
+        self.slot.put(IdleConn::Hyper(self.sender, self.worn));
     }
 }
 
@@ -290,7 +303,7 @@ impl ConnPool {
             .and_then(|n| ServerName::try_from(n.clone()).ok());
         let reuse = Reuse::of(spec);
         ConnPool {
-            fixed: (0..fixed).map(|_| Arc::new(Slot::new(reuse))).collect(),
+            fixed: (0..fixed).map(|_| Arc::default()).collect(),
             dynamic: Mutex::new(HashMap::new()),
             tls: TlsConnector::from(Arc::new(tls)),
             server_name,
@@ -320,16 +333,13 @@ impl ConnPool {
                         Arc::strong_count(s) > 1 || s.idle.lock().is_ok_and(|i| !i.is_empty())
                     });
                 }
-                map.entry(key)
-                    .or_insert_with(|| Arc::new(Slot::new(self.reuse)))
-                    .clone()
+                map.entry(key).or_default().clone()
             }
         }
     }
 
-    /// An idle HTTP/1.1 connection of `slot` that is ready for a request,
-    /// and its wear.
-    fn idle_h1(&self, slot: &Slot) -> Option<(IdleConn, Worn)> {
+    /// An idle HTTP/1.1 connection of `slot` that is ready for a request.
+    fn idle_h1(&self, slot: &Slot) -> Option<IdleConn> {
         let mut idle = slot.idle.lock().unwrap_or_else(|p| p.into_inner());
         let now = coarse_now();
         // The oldest are first: drop those idle too long.
@@ -342,12 +352,12 @@ impl ConnPool {
         let mut found = None;
         while let Some(mut c) = idle.pop() {
             // It may have grown too old while parked.
-            if slot.reuse.spent(&c.worn, now) {
+            if c.conn.worn().spent(millis(now)) {
                 continue;
             }
             let usable = match &mut c.conn {
-                IdleConn::Hyper(sender) if sender.is_closed() => continue,
-                IdleConn::Hyper(sender) => sender.is_ready(),
+                IdleConn::Hyper(sender, _) if sender.is_closed() => continue,
+                IdleConn::Hyper(sender, _) => sender.is_ready(),
                 IdleConn::Bare(conn) => {
                     if !conn.is_reusable() {
                         continue;
@@ -356,7 +366,7 @@ impl ConnPool {
                 }
             };
             if usable {
-                found = Some((c.conn, c.worn));
+                found = Some(c.conn);
                 break;
             }
             busy.push(c);
@@ -380,17 +390,21 @@ impl ConnPool {
             if !fresh && let Some(s) = self.shared_h2(&slot) {
                 return Ok((Conn::H2(s), true));
             }
-        } else if !fresh && let Some((idle, worn)) = self.idle_h1(&slot) {
-            let worn = worn.used();
+        } else if !fresh && let Some(idle) = self.idle_h1(&slot) {
             let conn = match idle {
-                IdleConn::Hyper(sender) => Conn::H1(Lease { sender, slot, worn }),
+                IdleConn::Hyper(sender, mut worn) => {
+                    worn.used();
+                    Conn::H1(Box::new(Lease { sender, slot, worn }))
+                }
                 IdleConn::Bare(mut conn) if in_task => {
-                    conn.worn = worn;
+                    conn.worn.used();
                     Conn::InTask(conn, slot)
                 }
                 IdleConn::Bare(conn) => {
+                    let mut worn = conn.worn;
+                    worn.used();
                     let sender = Box::pin(handshake_h1(conn.into_io())).await?;
-                    Conn::H1(Lease { sender, slot, worn })
+                    Conn::H1(Box::new(Lease { sender, slot, worn }))
                 }
             };
             return Ok((conn, true));
@@ -399,7 +413,7 @@ impl ConnPool {
         // keeping it inline would make every request's future that large,
         // copied on every move, even when a pooled connection is reused.
         let (io, h2) = Box::pin(self.connect(dest.endpoint())).await?;
-        let worn = Worn::new().used();
+        let worn = self.reuse.fresh();
         if h2 {
             let sender = Box::pin(handshake_h2(io)).await?;
             *slot.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some((sender.clone(), worn));
@@ -411,7 +425,7 @@ impl ConnPool {
             return Ok((Conn::InTask(conn, slot), false));
         }
         let sender = Box::pin(handshake_h1(io)).await?;
-        Ok((Conn::H1(Lease { sender, slot, worn }), false))
+        Ok((Conn::H1(Box::new(Lease { sender, slot, worn })), false))
     }
 
     /// The slot's HTTP/2 connection for one more request, unless it is
@@ -420,11 +434,11 @@ impl ConnPool {
     fn shared_h2(&self, slot: &Slot) -> Option<http2::SendRequest<Body>> {
         let mut h2 = slot.h2.lock().unwrap_or_else(|p| p.into_inner());
         let (sender, worn) = h2.as_mut()?;
-        if sender.is_closed() || slot.reuse.spent(worn, coarse_now()) {
+        if sender.is_closed() || worn.spent(millis(coarse_now())) {
             *h2 = None;
             return None;
         }
-        *worn = worn.used();
+        worn.used();
         Some(sender.clone())
     }
 
