@@ -936,6 +936,95 @@ routes:
     assert_eq!(client::send(&client::http1(), req).await.status, 403);
 }
 
+#[tokio::test]
+async fn basic_auth_asks_for_credentials_and_passes_the_user_on() {
+    use base64::Engine as _;
+    let (app, hits) = upstream::counted_echo("app").await;
+    // `htpasswd -nbB alice s3cret` (cost 5) and `htpasswd -nbs bob hunter2`.
+    let users = "alice:$2y$05$PmaEhzIC7gk0i.vApT2PWO72KTz5zXcNK5vlbQ/Omzn0iGCuUWXgS\nbob:{SHA}87u9ZqY9S/F0eUBXjsPQEDUw4h0=\n";
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: basic, path: basic-auth.wasm }}]
+routes:
+  - name: ui
+    match: {{ path_prefix: /ui }}
+    upstream: app
+    plugins:
+      - use: basic
+        timeout: 200ms
+        config: {{ htpasswd: {{ from_file: htpasswd }}, realm: Argo, user_header: x-remote-user }}
+"#,
+            app.url()
+        ),
+        &["basic-auth"],
+    );
+    std::fs::write(dir.path().join("htpasswd"), users).unwrap();
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let get = |credentials: Option<&str>| {
+        let mut req = Request::get(proxy.url("/ui/x")).header("x-remote-user", "admin");
+        if let Some(c) = credentials {
+            let encoded = base64::engine::general_purpose::STANDARD.encode(c);
+            req = req.header("authorization", format!("Basic {encoded}"));
+        }
+        let req = req.body(body(Bytes::new())).unwrap();
+        async move { client::send(&client::http1(), req).await }
+    };
+    for refused in [
+        None,
+        Some("alice:wrong"),
+        Some("mallory:s3cret"),
+        Some("bob:s3cret"),
+    ] {
+        let answer = get(refused).await;
+        assert_eq!(answer.status, 401, "{refused:?}");
+        assert_eq!(
+            answer.header("www-authenticate"),
+            Some(r#"Basic realm="Argo", charset="UTF-8""#)
+        );
+    }
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        0,
+        "a refusal reached the upstream"
+    );
+    // Twice each: the second from what the instance remembers.
+    for (credentials, user) in [("alice:s3cret", "alice"), ("bob:hunter2", "bob")].repeat(2) {
+        let answer = get(Some(credentials)).await;
+        assert_eq!(answer.status, 200, "{credentials}");
+        let seen = answer.json();
+        // The client's own claim replaced, the password kept back.
+        assert_eq!(seen["headers"]["x-remote-user"], user);
+        assert!(seen["headers"].get("authorization").is_none(), "{seen}");
+    }
+    assert_eq!(hits.load(Ordering::SeqCst), 4);
+}
+
+#[test]
+fn check_refuses_htpasswd_lines_basic_auth_cannot_use() {
+    let dir = policy_dir(
+        r#"
+upstreams: [{ name: app, endpoints: ["http://127.0.0.1:9"] }]
+plugins: [{ name: basic, path: basic-auth.wasm }]
+routes:
+  - name: ui
+    match: { path_prefix: /ui }
+    upstream: app
+    plugins: [{ use: basic, config: { htpasswd: "carol:$apr1$x1y2z3$0123456789abcdefghijk." } }]
+"#,
+        &["basic-auth"],
+    );
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains("htpasswd line 1: MD5 hashes are not supported"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("htpasswd -nB USER"), "{stderr}");
+}
+
 /// Behind a TCP balancer (an AWS NLB) a listener with `proxy_protocol`
 /// takes the client's address from the PROXY header the balancer sends:
 /// `ip-allow` judges that address, the upstream sees it in

@@ -18,7 +18,7 @@ mkdir -p "$CARGO_TARGET_DIR"
 marker="$CARGO_TARGET_DIR/.portcullis-checkout"
 if [ "$(cat "$marker" 2>/dev/null)" != "$PWD" ]; then
   cargo clean -p portcullis >/dev/null 2>&1 || true
-  for crate in portcullis-sdk webhook-signature header-rules jwt-auth ip-allow client-cert-allow canary-route \
+  for crate in portcullis-sdk webhook-signature header-rules jwt-auth ip-allow basic-auth client-cert-allow canary-route \
       example-require-header fixture-loop-forever fixture-busy fixture-forward fixture-trap fixture-grow-memory fixture-sleep fixture-read-file fixture-contract-0-2-0; do
     cargo clean --manifest-path plugins/Cargo.toml -p "$crate" >/dev/null 2>&1 || true
     cargo clean --manifest-path plugins/Cargo.toml --target wasm32-wasip2 -p "$crate" >/dev/null 2>&1 || true
@@ -62,5 +62,5 @@ cargo test --locked --workspace
 # The SDK's and the plugins' own unit tests run natively (their logic and
 # the allocator's, not the bindings).
 cargo test --locked --manifest-path plugins/Cargo.toml --lib \
-  -p portcullis-sdk -p webhook-signature -p jwt-auth -p ip-allow -p canary-route \
+  -p portcullis-sdk -p webhook-signature -p jwt-auth -p ip-allow -p basic-auth -p canary-route \
   -p client-cert-allow
