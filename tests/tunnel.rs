@@ -1744,8 +1744,9 @@ listeners: [{ name: local, bind: "127.0.0.1:0" }]
 routes: [{ name: readyz, match: { path: /readyz }, health: ready }]
 "#,
     );
-    // No server yet: the client keeps dialling a closed port.
-    let tunnel_port = crate::support::closed_port();
+    // No server yet: the client keeps dialling a closed port (held, so no
+    // other test's connection takes it before the server binds it).
+    let (tunnel_port, _held) = crate::support::reserved_port();
     let path = dir.path().display().to_string();
     let args: Vec<String> = [
         "tunnel-client",

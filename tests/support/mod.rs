@@ -159,6 +159,28 @@ pub fn assert_check_errors(yaml: &str, expected: &[(usize, &str)]) {
     }
 }
 
+/// A loopback port nothing listens on, held until the guard is dropped:
+/// bound (with `SO_REUSEADDR`, as tokio binds listeners) and never
+/// listening, so connections to it are refused, the kernel gives it to
+/// no outgoing connection as its local port, and a server started on it
+/// later binds and listens beside the guard. A port only released (see
+/// [`closed_port`]) can be taken in between by any connection the other
+/// tests make.
+pub fn reserved_port() -> (u16, socket2::Socket) {
+    let socket =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    socket.set_reuse_address(true).expect("SO_REUSEADDR");
+    let any = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    socket.bind(&any.into()).expect("bind");
+    let port = socket
+        .local_addr()
+        .expect("addr")
+        .as_socket()
+        .expect("an IP address")
+        .port();
+    (port, socket)
+}
+
 /// A loopback port with nothing listening on it (bound, then released).
 pub fn closed_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
