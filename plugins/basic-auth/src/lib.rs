@@ -21,7 +21,9 @@
 //! remembered by a SHA-256 of the header's value (see [`Remembered`]), so
 //! a client pays once per plugin instance; refusals are never remembered
 //! (anyone can make those), so bound wrong guesses with the route's
-//! `rate_limit`, and give the plugin a `timeout` that fits the cost.
+//! `rate_limit`, and give the plugin a `timeout` that fits the cost. A
+//! user not on the list is checked against a decoy at the list's cost, so
+//! a refusal's time does not tell which users exist.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -183,6 +185,24 @@ impl Remembered {
 struct State {
     users: HashMap<String, Hash>,
     remembered: Remembered,
+    /// Checked against for a user not on the list, so a refusal takes as
+    /// long whether or not the user exists (the time would tell which
+    /// names are worth guessing passwords for).
+    decoy: Option<Hash>,
+}
+
+/// A bcrypt hash at the cost of the list's first bcrypt line (`None`
+/// without one: `{SHA}` checks take microseconds either way).
+pub fn decoy(users: &HashMap<String, Hash>) -> Option<Hash> {
+    let cost = users.values().find_map(|h| match h {
+        Hash::Bcrypt(text) => text.parse::<bcrypt::HashParts>().ok().map(|p| p.get_cost()),
+        Hash::Sha1(_) => None,
+    })?;
+    // A fixed salt: no random draw, the same work as a real line's check.
+    let parts = bcrypt::hash_with_salt("decoy", cost, *b"portcullis-decoy").ok()?;
+    Some(Hash::Bcrypt(
+        parts.format_for_version(bcrypt::Version::TwoY),
+    ))
 }
 
 thread_local! {
@@ -193,18 +213,28 @@ thread_local! {
 /// user's name when it passes.
 fn check(c: &Config, value: &str) -> Option<String> {
     STATE.with_borrow_mut(|state| {
-        let state = state.get_or_insert_with(|| State {
-            users: parse_htpasswd(&c.htpasswd).unwrap_or_default(),
-            remembered: Remembered {
-                capacity: c.cache_size,
-                passed: HashMap::new(),
-            },
+        let state = state.get_or_insert_with(|| {
+            let users = parse_htpasswd(&c.htpasswd).unwrap_or_default();
+            State {
+                decoy: decoy(&users),
+                users,
+                remembered: Remembered {
+                    capacity: c.cache_size,
+                    passed: HashMap::new(),
+                },
+            }
         });
         if let Some(user) = state.remembered.get(value) {
             return Some(user.to_owned());
         }
         let (user, password) = credentials(value)?;
-        if !state.users.get(&user)?.matches(&password) {
+        let Some(hash) = state.users.get(&user) else {
+            if let Some(decoy) = &state.decoy {
+                decoy.matches(&password);
+            }
+            return None;
+        };
+        if !hash.matches(&password) {
             return None;
         }
         state.remembered.insert(value, &user);
@@ -294,6 +324,19 @@ mod tests {
         assert!(!users["alice"].matches("s3cret "));
         assert!(users["bob"].matches("hunter2"));
         assert!(!users["bob"].matches("hunter3"));
+    }
+
+    #[test]
+    fn an_unknown_user_costs_a_check_at_the_lists_cost() {
+        let line = bcrypt::hash("s3cret", 6).unwrap();
+        let users = parse_htpasswd(&format!("alice:{line}")).unwrap();
+        let Some(Hash::Bcrypt(text)) = decoy(&users) else {
+            panic!("no decoy for a bcrypt list");
+        };
+        assert!(text.starts_with("$2y$06$"), "{text}");
+        assert!(Hash::Bcrypt(text).matches("decoy"));
+        let sha_only = parse_htpasswd("bob:{SHA}87u9ZqY9S/F0eUBXjsPQEDUw4h0=").unwrap();
+        assert_eq!(decoy(&sha_only), None);
     }
 
     #[test]
