@@ -229,3 +229,40 @@ async fn a_reload_that_adds_each_address_spreads_at_once_and_follows_changes() {
     let left = spread(&client, &proxy, port, 2).await;
     assert_eq!(left.keys().collect::<Vec<_>>(), ["b"]);
 }
+
+#[tokio::test]
+async fn each_address_is_health_checked_on_its_own() {
+    let (port, _pods) = pods(1).await;
+    // A second pod of the name that fails its health check.
+    let sick = SocketAddr::from(([127, 0, 0, 2], port));
+    let _sick = upstream::serve_at(
+        |req: http::Request<hyper::body::Incoming>| async move {
+            let status = if req.uri().path() == "/healthz" {
+                503
+            } else {
+                200
+            };
+            let mut resp = http::Response::new(upstream::full(r#"{"upstream":"sick"}"#));
+            *resp.status_mut() = http::StatusCode::from_u16(status).unwrap();
+            resp
+        },
+        sick,
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    write_hosts(&dir.path().join("hosts"), &["127.0.0.1", "127.0.0.2"]);
+    let check =
+        "    health_check: { path: /healthz, interval: 100ms, timeout: 100ms, unhealthy_after: 1 }";
+    let proxy = proxy(dir.path(), port, check, 2).await;
+    proxy
+        .metrics_showing(&[r#"portcullis_upstream_endpoints_unhealthy{upstream="pods"} 1"#.into()])
+        .await;
+    let status = proxy.status().await;
+    assert_eq!(
+        status["config"]["unhealthy_endpoints"],
+        serde_json::json!([{ "upstream": "pods", "endpoint": format!("pods.test:{port} (127.0.0.2)") }])
+    );
+    // The healthy address takes every request.
+    let seen = spread(&client::http1(), &proxy, port, 4).await;
+    assert_eq!(seen.keys().collect::<Vec<_>>(), ["a"]);
+}

@@ -60,7 +60,16 @@ where
 /// [`echo`] listening on `addr` (another loopback address: a second pod
 /// of one DNS name).
 pub async fn echo_at(name: &'static str, addr: SocketAddr) -> Upstream {
-    serve_with(echo_handler(name), None, addr).await
+    serve_at(echo_handler(name), addr).await
+}
+
+/// [`serve`] listening on `addr`.
+pub async fn serve_at<F, Fut>(handler: F, addr: SocketAddr) -> Upstream
+where
+    F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Response<RespBody>> + Send + 'static,
+{
+    serve_with(handler, None, addr).await
 }
 
 /// Like [`serve`], over TLS with `tls` (ALPN picks HTTP/1.1 or HTTP/2).
