@@ -139,7 +139,7 @@ plugin_policies() {
   mkdir -p "$1"
   cp plugins/dist/jwt-auth.wasm plugins/dist/example-require-header.wasm "$1/"
   cat > "$1/bench.yaml" <<YAML
-listeners: [{ name: http, bind: "127.0.0.1:$2" }]
+listeners: [{ name: http, bind: "127.0.0.1:$2", max_requests_per_connection: 1000000 }]
 upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$3"] }]
 plugins: [{ name: jwt, path: jwt-auth.wasm }, { name: key, path: example-require-header.wasm }]
 routes:

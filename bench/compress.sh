@@ -38,7 +38,7 @@ start_upstream "$UP_PORT"
 
 mkdir -p "$WORK/policies"
 cat > "$WORK/policies/bench.yaml" <<YAML
-listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT" }]
+listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT", max_requests_per_connection: 1000000 }]
 upstreams: [{ name: argo, endpoints: ["http://127.0.0.1:$UP_PORT"] }]
 routes:
   - { name: list, match: { path: /list.json }, upstream: argo, compress: { level: $LEVEL, brotli: $BROTLI } }

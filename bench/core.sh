@@ -85,10 +85,11 @@ CONF
 nginx -p "$WORK/chart" -c "$WORK/chart/nginx.conf" -g 'daemon off;' & PIDS+=($!)
 CHART_PID=$!
 
-# Portcullis with the same route.
+# Portcullis with the same route (and nginx's keepalive_requests above
+# for its client connections).
 mkdir -p "$WORK/policies"
 cat > "$WORK/policies/bench.yaml" <<YAML
-listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT" }]
+listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT", max_requests_per_connection: 1000000 }]
 upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP_PORT"] }]
 routes: [{ name: all, match: { path_prefix: / }, upstream: app }]
 YAML

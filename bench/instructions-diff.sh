@@ -27,7 +27,7 @@ UP_PORT=$(free_port); PC_PORT=$(free_port)
 start_upstream "$UP_PORT"
 mkdir -p "$WORK/policies"
 cat > "$WORK/policies/bench.yaml" <<YAML
-listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT" }]
+listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT", max_requests_per_connection: 1000000 }]
 upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP_PORT"] }]
 routes: [{ name: all, match: { path_prefix: / }, upstream: app }]
 YAML

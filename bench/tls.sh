@@ -80,7 +80,7 @@ NGINX_PID=$!
 
 mkdir -p "$WORK/policies"
 cat > "$WORK/policies/bench.yaml" <<YAML
-listeners: [{ name: https, bind: "127.0.0.1:$PC_PORT", tls: { cert: ../tls.crt, key: ../tls.key } }]
+listeners: [{ name: https, bind: "127.0.0.1:$PC_PORT", max_requests_per_connection: 1000000, tls: { cert: ../tls.crt, key: ../tls.key } }]
 upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP"] }]
 routes: [{ name: all, match: { path_prefix: / }, upstream: app }]
 YAML

@@ -231,3 +231,94 @@ routes:
     assert_eq!(lines_for("/failing"), 1, "a probe that fails: {logs:#?}");
     assert_eq!(lines_for("/loud"), 1, "{logs:#?}");
 }
+
+/// A proxy whose listener has `limits` and a route answering `done`.
+async fn limited(limits: &str) -> Proxy {
+    Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0", {limits} }}]
+routes: [{{ name: here, match: {{ path: /x }}, respond: {{ status: 200, body: done }} }}]
+"#
+    ))
+    .await
+}
+
+/// One GET on `conn`: the answer's head, read whole with its 4-byte body.
+async fn answer_head(conn: &mut tokio::net::TcpStream) -> String {
+    conn.write_all(b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !answer.ends_with(b"done") {
+        let n = conn.read(&mut buf).await.unwrap();
+        assert!(
+            n > 0,
+            "closed before the answer: {:?}",
+            String::from_utf8_lossy(&answer)
+        );
+        answer.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&answer).to_ascii_lowercase()
+}
+
+/// Whether the proxy closes `conn` (5 s at most).
+async fn closed(conn: &mut tokio::net::TcpStream) -> bool {
+    let mut buf = [0u8; 16];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(5), conn.read(&mut buf)).await,
+        Ok(Ok(0) | Err(_))
+    )
+}
+
+#[tokio::test]
+async fn a_client_connection_closes_after_its_max_requests() {
+    let proxy = limited("max_requests_per_connection: 3").await;
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    for _ in 0..2 {
+        let head = answer_head(&mut conn).await;
+        assert!(!head.contains("connection: close"), "{head}");
+    }
+    // The third answer says it is the last, and the connection ends.
+    let head = answer_head(&mut conn).await;
+    assert!(head.contains("connection: close"), "{head}");
+    assert!(closed(&mut conn).await);
+}
+
+#[tokio::test]
+async fn a_client_connection_closes_at_the_first_answer_after_its_lifetime() {
+    let proxy = limited("connection_lifetime: 200ms").await;
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = answer_head(&mut conn).await;
+    assert!(!head.contains("connection: close"), "{head}");
+    // Letting the connection age is the behaviour under test.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let head = answer_head(&mut conn).await;
+    assert!(head.contains("connection: close"), "{head}");
+    assert!(closed(&mut conn).await);
+}
+
+#[tokio::test]
+async fn an_http2_client_gets_a_goaway_after_its_max_requests() {
+    let proxy = limited("max_requests_per_connection: 2").await;
+    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let ended = tokio::spawn(conn);
+    for _ in 0..2 {
+        let req = Request::get(proxy.url("/x"))
+            .body(body(Bytes::new()))
+            .unwrap();
+        let resp = h2.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    // The proxy sends GOAWAY after the second answer: the client's
+    // connection ends by itself.
+    let end = tokio::time::timeout(Duration::from_secs(5), ended).await;
+    assert!(matches!(end, Ok(Ok(Ok(())))), "{end:?}");
+    assert!(h2.is_closed());
+}

@@ -11,9 +11,10 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use hyper_util::server::graceful::GracefulConnection;
 use tokio::sync::Notify;
@@ -55,6 +56,16 @@ impl Connections {
     /// Wraps a connection so that [`Connections::shutdown`] asks it to finish its
     /// current requests and close.
     pub fn watch<C: GracefulConnection>(&self, conn: C) -> Watched<C> {
+        self.watch_retiring(conn, None)
+    }
+
+    /// [`Connections::watch`], the connection also closing gracefully
+    /// once `retire` is due.
+    pub fn watch_retiring<C: GracefulConnection>(
+        &self,
+        conn: C,
+        retire: Option<Arc<Retire>>,
+    ) -> Watched<C> {
         let mut open = self.shared.open();
         let id = open.next_id;
         open.next_id += 1;
@@ -65,6 +76,7 @@ impl Connections {
             id,
             waker: None,
             shutting_down: false,
+            retire,
         }
     }
 
@@ -101,6 +113,7 @@ pin_project_lite::pin_project! {
         // The waker handed over, kept to notice a different one.
         waker: Option<Waker>,
         shutting_down: bool,
+        retire: Option<Arc<Retire>>,
     }
 
     impl<C> PinnedDrop for Watched<C> {
@@ -135,13 +148,76 @@ impl<C: GracefulConnection> Future for Watched<C> {
                 draining = this.shared.draining.load(Ordering::Acquire);
                 *this.waker = Some(waker);
             }
-            if draining {
+            if draining || this.retire.as_ref().is_some_and(|r| r.is_due()) {
                 *this.shutting_down = true;
                 this.conn.as_mut().graceful_shutdown();
             }
         }
         this.conn.poll(cx)
     }
+}
+
+/// A client connection's end by use: nginx's `keepalive_requests` and
+/// `keepalive_time`, Envoy's downstream `max_requests_per_connection` and
+/// `max_connection_duration`. Behind a TCP balancer that keeps client
+/// connections open for good, replicas added later would otherwise get
+/// none of them. The connection's service counts each request and says
+/// when the answer is the last: an HTTP/1.1 one then carries `Connection:
+/// close`, and for HTTP/2 the connection is marked due, which its
+/// [`Watched`] turns into a GOAWAY when it next writes (the answer's
+/// frames), in-flight streams finishing.
+pub struct Retire {
+    served: AtomicU32,
+    /// 0: no limit.
+    max_requests: u32,
+    /// By `coarse_now`, in milliseconds; `u64::MAX`: never.
+    deadline_ms: u64,
+    due: AtomicBool,
+}
+
+impl Retire {
+    /// Limits for a connection accepted now; `None` when there are none.
+    pub fn new(max_requests: u32, lifetime: Duration) -> Option<Arc<Retire>> {
+        if max_requests == 0 && lifetime.is_zero() {
+            return None;
+        }
+        let deadline_ms = if lifetime.is_zero() {
+            u64::MAX
+        } else {
+            millis(crate::forward::coarse_now()).saturating_add(millis(lifetime))
+        };
+        Some(Arc::new(Retire {
+            served: AtomicU32::new(0),
+            max_requests,
+            deadline_ms,
+            due: AtomicBool::new(false),
+        }))
+    }
+
+    /// Counts one request; true when its answer is to be the connection's
+    /// last.
+    pub fn served(&self) -> bool {
+        let n = self
+            .served
+            .fetch_add(1, Ordering::Relaxed)
+            .saturating_add(1);
+        (self.max_requests != 0 && n >= self.max_requests)
+            || millis(crate::forward::coarse_now()) >= self.deadline_ms
+    }
+
+    /// Closes the connection gracefully when it next writes (HTTP/2).
+    pub fn set_due(&self) {
+        self.due.store(true, Ordering::Relaxed);
+    }
+
+    fn is_due(&self) -> bool {
+        self.due.load(Ordering::Relaxed)
+    }
+}
+
+/// Whole milliseconds of `d`, in 64-bit integer work.
+fn millis(d: Duration) -> u64 {
+    d.as_secs() * 1000 + u64::from(d.subsec_millis())
 }
 
 #[cfg(test)]

@@ -880,6 +880,11 @@ fn serve_connection<S>(
     let service_conn = conn.clone();
     let clock = Arc::new(HeadClock::default());
     let service_clock = clock.clone();
+    let retire = crate::drain::Retire::new(
+        settings.spec.max_requests_per_connection,
+        settings.spec.connection_lifetime,
+    );
+    let service_retire = retire.clone();
     let service = service_fn(move |req: Request<Incoming>| {
         service_clock.request(req.version());
         // Each request takes the pipeline current at its arrival; a reload
@@ -888,8 +893,22 @@ fn serve_connection<S>(
         let pipeline = crate::pipeline::current(&pipeline);
         let conn = service_conn.clone();
         let clock = service_clock.clone();
+        let retire = service_retire.clone();
         async move {
+            let version = req.version();
             let mut resp = pipeline.handle(req, &conn).await;
+            if let Some(retire) = retire
+                && retire.served()
+            {
+                if version >= http::Version::HTTP_2 {
+                    retire.set_due();
+                } else if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+                    resp.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                }
+            }
             if resp.extensions().get::<crate::pipeline::Linger>().is_some() {
                 clock.linger();
             }
@@ -899,10 +918,11 @@ fn serve_connection<S>(
     });
     let builder = builder.clone();
     let io = TokioIo::new(Watched::new(stream, clock.clone()));
-    let served = connections.watch(
+    let served = connections.watch_retiring(
         builder
             .serve_connection_with_upgrades(io, service)
             .into_owned(),
+        retire,
     );
     tracker.spawn(async move {
         let limit = conn.listener.header_read_timeout;

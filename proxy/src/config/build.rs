@@ -471,6 +471,8 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
     });
     let header_read_timeout = ctx.duration(&l.header_read_timeout, DEFAULT_HEADER_READ_TIMEOUT);
     let keepalive_timeout = ctx.duration(&l.keepalive_timeout, DEFAULT_KEEPALIVE_TIMEOUT);
+    let max_requests_per_connection = requests_per_connection(ctx, &l.max_requests_per_connection);
+    let connection_lifetime = ctx.duration(&l.connection_lifetime, DEFAULT_TIMEOUTS.lifetime);
     let max_request_header_size =
         ctx.parse_or(&l.max_request_header_size, DEFAULT_MAX_HEADER_SIZE, |s| {
             let n = parse_size(s)?;
@@ -523,6 +525,8 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         max_connections,
         header_read_timeout,
         keepalive_timeout,
+        max_requests_per_connection,
+        connection_lifetime,
         max_request_header_size,
         trust_forwarded_headers,
         proxy_protocol,
@@ -968,17 +972,7 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         })
     });
     let dns = dns(ctx, u, target.as_ref());
-    let max_requests_per_connection = ctx.parse_or(
-        &u.max_requests_per_connection,
-        DEFAULT_REQUESTS_PER_CONNECTION,
-        |s| {
-            s.parse::<u32>().map_err(|_| {
-                format!(
-                    "max_requests_per_connection `{s}` is not a number of requests (0: no limit)"
-                )
-            })
-        },
-    );
+    let max_requests_per_connection = requests_per_connection(ctx, &u.max_requests_per_connection);
     if let (Some(t), Some(_), Some(target)) = (&u.eject_after_5xx, eject_after_5xx, &target) {
         let single = match target {
             // A host may have several addresses, each an endpoint.
@@ -1029,6 +1023,15 @@ fn upstream(ctx: &mut Ctx, raw: &Spanned<RawUpstream>) -> Option<Upstream> {
         preserve_host,
         dns,
         defined_at: ctx.pos(&raw.referenced),
+    })
+}
+
+/// A `max_requests_per_connection` (listener or upstream side).
+fn requests_per_connection(ctx: &mut Ctx, t: &Option<Text>) -> u32 {
+    ctx.parse_or(t, DEFAULT_REQUESTS_PER_CONNECTION, |s| {
+        s.parse::<u32>().map_err(|_| {
+            format!("max_requests_per_connection `{s}` is not a number of requests (0: no limit)")
+        })
     })
 }
 

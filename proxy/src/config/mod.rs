@@ -182,6 +182,14 @@ pub struct Listener {
     /// Time an idle keep-alive connection may wait for its next request
     /// after a response (a head it starts has `header_read_timeout`).
     pub keepalive_timeout: Duration,
+    /// Requests a client connection carries before it is closed (nginx's
+    /// `keepalive_requests`): the last HTTP/1.1 answer says `Connection:
+    /// close`, HTTP/2 gets a GOAWAY; 0: no limit.
+    pub max_requests_per_connection: u32,
+    /// How long a client connection is kept, from its accept, before the
+    /// next answer closes it the same way (nginx's `keepalive_time`,
+    /// Envoy's `max_connection_duration`); zero: no limit.
+    pub connection_lifetime: Duration,
     /// Largest request head (request line and headers) accepted; larger gets 431.
     pub max_request_header_size: usize,
     /// Keep `X-Forwarded-Proto`/`-Host` from the client (behind an ingress controller).

@@ -131,6 +131,8 @@ pub struct RawListener {
     pub max_connections: Option<Text>,
     pub header_read_timeout: Option<Text>,
     pub keepalive_timeout: Option<Text>,
+    pub max_requests_per_connection: Option<Text>,
+    pub connection_lifetime: Option<Text>,
     pub max_request_header_size: Option<Text>,
     pub trust_forwarded_headers: Option<Text>,
     pub proxy_protocol: Option<Text>,

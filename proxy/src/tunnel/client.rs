@@ -256,6 +256,9 @@ impl Dialer {
                 max_connections: usize::MAX,
                 header_read_timeout: Duration::from_secs(30),
                 keepalive_timeout: crate::config::DEFAULT_KEEPALIVE_TIMEOUT,
+                // The tunnel is one long-lived connection for everything.
+                max_requests_per_connection: 0,
+                connection_lifetime: Duration::ZERO,
                 max_request_header_size: 64 << 10,
                 // The tunnel server sets X-Forwarded-Proto and -Host.
                 trust_forwarded_headers: true,
