@@ -166,6 +166,7 @@ impl<C: GracefulConnection> Future for Watched<C> {
 /// close`, and for HTTP/2 the connection is marked due, which its
 /// [`Watched`] turns into a GOAWAY when it next writes (the answer's
 /// frames), in-flight streams finishing.
+#[derive(Debug)]
 pub struct Retire {
     served: AtomicU32,
     /// 0: no limit.

@@ -864,6 +864,10 @@ fn serve_connection<S>(
 ) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
+    let retire = crate::drain::Retire::new(
+        settings.spec.max_requests_per_connection,
+        settings.spec.connection_lifetime,
+    );
     let conn = Arc::new(ConnInfo {
         client,
         client_ip: crate::forward::client_ip_header(client.ip()),
@@ -874,17 +878,13 @@ fn serve_connection<S>(
         client_cert: tls.and_then(|t| t.client_cert),
         worker,
         socket: Some(socket),
+        retire: retire.clone(),
     });
     let builder = &settings.builder;
     let pipeline = pipeline.clone();
     let service_conn = conn.clone();
     let clock = Arc::new(HeadClock::default());
     let service_clock = clock.clone();
-    let retire = crate::drain::Retire::new(
-        settings.spec.max_requests_per_connection,
-        settings.spec.connection_lifetime,
-    );
-    let service_retire = retire.clone();
     let service = service_fn(move |req: Request<Incoming>| {
         service_clock.request(req.version());
         // Each request takes the pipeline current at its arrival; a reload
@@ -893,11 +893,10 @@ fn serve_connection<S>(
         let pipeline = crate::pipeline::current(&pipeline);
         let conn = service_conn.clone();
         let clock = service_clock.clone();
-        let retire = service_retire.clone();
         async move {
             let version = req.version();
             let mut resp = pipeline.handle(req, &conn).await;
-            if let Some(retire) = retire
+            if let Some(retire) = &conn.retire
                 && retire.served()
             {
                 if version >= http::Version::HTTP_2 {

@@ -664,6 +664,7 @@ async fn handle(
         client_cert: None,
         worker,
         socket: None,
+        retire: None,
     };
     let Some(protocol) = req.extensions_mut().remove::<hyper::ext::Protocol>() else {
         return pipeline.handle(req, &conn).await;
