@@ -12,6 +12,10 @@ if [ -z "${BENCH_NO_BUILD:-}" ]; then
   cargo build --release --locked -p portcullis
 fi
 BIN="$CARGO_TARGET_DIR/release/portcullis"
+# A tunnel server's public connections go on for the whole run, as the
+# nginx the benches compare with keeps its clients' (keepalive_requests
+# 1000000 below); the routing core's bench listeners say the same.
+export PORTCULLIS_PUBLIC_MAX_REQUESTS_PER_CONNECTION=0
 
 WORK=$(mktemp -d)
 PIDS=()

@@ -1522,6 +1522,38 @@ tracing: {{ upstream: otel, flush_every: 50ms, service_name: core }}
 }
 
 #[tokio::test]
+async fn a_public_connection_closes_after_its_max_requests() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let echo = upstream::echo("api").await;
+    let any = "127.0.0.1:0".parse().unwrap();
+    let limit = ["--public-max-requests-per-connection", "2"];
+    let server = TunnelServer::start_in_with(tokens_dir(), any, any, &limit).await;
+    let url = echo.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let mut conn = tokio::net::TcpStream::connect(server.public).await.unwrap();
+    let request = format!("GET /x HTTP/1.1\r\nhost: rt-a.{DOMAIN}\r\n\r\n");
+    for last in [false, true] {
+        conn.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 4096];
+        // The echo's JSON body ends the answer.
+        while !answer.ends_with(b"}") {
+            let n = conn.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&answer));
+            answer.extend_from_slice(&buf[..n]);
+        }
+        let text = String::from_utf8_lossy(&answer).to_ascii_lowercase();
+        assert!(text.starts_with("http/1.1 200"), "{text}");
+        assert_eq!(text.contains("connection: close"), last, "{text}");
+    }
+    let mut buf = [0u8; 16];
+    let end = tokio::time::timeout(std::time::Duration::from_secs(5), conn.read(&mut buf)).await;
+    assert!(matches!(end, Ok(Ok(0) | Err(_))), "{end:?}");
+}
+
+#[tokio::test]
 async fn a_second_client_takes_over_its_runtime_and_the_first_stops() {
     let first_up = upstream::serve(|_req| async { Response::new(full("first")) }).await;
     let second_up = upstream::serve(|_req| async { Response::new(full("second")) }).await;

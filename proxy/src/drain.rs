@@ -197,7 +197,7 @@ impl Retire {
 
     /// Counts one request; true when its answer is to be the connection's
     /// last.
-    pub fn served(&self) -> bool {
+    fn served(&self) -> bool {
         let n = self
             .served
             .fetch_add(1, Ordering::Relaxed)
@@ -206,9 +206,22 @@ impl Retire {
             || millis(crate::forward::coarse_now()) >= self.deadline_ms
     }
 
-    /// Closes the connection gracefully when it next writes (HTTP/2).
-    pub fn set_due(&self) {
-        self.due.store(true, Ordering::Relaxed);
+    /// Counts the request whose answer is `resp` (it came as `version`),
+    /// and when that answer is to be the connection's last, says so: an
+    /// HTTP/1 answer with `Connection: close` (not a 101, whose connection
+    /// goes on as another protocol), HTTP/2 by a GOAWAY once it is out.
+    pub fn count<B>(&self, version: http::Version, resp: &mut http::Response<B>) {
+        if !self.served() {
+            return;
+        }
+        if version >= http::Version::HTTP_2 {
+            self.due.store(true, Ordering::Relaxed);
+        } else if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+            resp.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+        }
     }
 
     fn is_due(&self) -> bool {

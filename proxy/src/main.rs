@@ -200,6 +200,21 @@ enum Command {
         /// once); the OpenTelemetry SDKs' batch delay variable.
         #[arg(long, env = "OTEL_BSP_SCHEDULE_DELAY", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
         trace_flush_ms: u64,
+        /// Requests a public connection carries before it is closed (the
+        /// last HTTP/1.1 answer says Connection: close, HTTP/2 gets a
+        /// GOAWAY), so clients a TCP balancer keeps on one replica move
+        /// on; nginx's keepalive_requests. 0: no limit.
+        #[arg(
+            long,
+            env = "PORTCULLIS_PUBLIC_MAX_REQUESTS_PER_CONNECTION",
+            default_value_t = 1000
+        )]
+        public_max_requests_per_connection: u32,
+        /// How long a public connection is kept from its accept before
+        /// the next answer closes it the same way (nginx's keepalive_time);
+        /// 0s: no limit.
+        #[arg(long, env = "PORTCULLIS_PUBLIC_CONNECTION_LIFETIME", default_value = "1h", value_parser = parse_duration)]
+        public_connection_lifetime: std::time::Duration,
     },
     /// The cluster side of a tunnel: dials out to the tunnel server and
     /// serves what comes through with the routing core.
@@ -365,6 +380,8 @@ fn main() -> ExitCode {
             trace_service_name,
             trace_trust_incoming,
             trace_flush_ms,
+            public_max_requests_per_connection,
+            public_connection_lifetime,
         } => {
             let peers = if peers.is_empty() && peer_listen.is_none() {
                 if peer_cert.is_some() {
@@ -436,6 +453,10 @@ fn main() -> ExitCode {
                         flush_every: std::time::Duration::from_millis(trace_flush_ms),
                     }
                 }),
+                public_connection_limits: (
+                    public_max_requests_per_connection,
+                    public_connection_lifetime,
+                ),
             };
             // The control plane (signals, tunnel accepts, admin); workers
             // run their own event loops.

@@ -896,17 +896,8 @@ fn serve_connection<S>(
         async move {
             let version = req.version();
             let mut resp = pipeline.handle(req, &conn).await;
-            if let Some(retire) = &conn.retire
-                && retire.served()
-            {
-                if version >= http::Version::HTTP_2 {
-                    retire.set_due();
-                } else if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
-                    resp.headers_mut().insert(
-                        http::header::CONNECTION,
-                        http::HeaderValue::from_static("close"),
-                    );
-                }
+            if let Some(retire) = &conn.retire {
+                retire.count(version, &mut resp);
             }
             if resp.extensions().get::<crate::pipeline::Linger>().is_some() {
                 clock.linger();

@@ -88,6 +88,10 @@ pub struct ServerOptions {
     pub public_rate_limit: Option<(String, u32)>,
     /// Spans of public requests for an OpenTelemetry collector.
     pub tracing: Option<TraceOptions>,
+    /// Requests a public connection carries before it is closed (0: no
+    /// limit), and how long it is kept from its accept (zero: no limit):
+    /// nginx's `keepalive_requests` and `keepalive_time`.
+    pub public_connection_limits: (u32, Duration),
 }
 
 /// Where the tunnel server's spans go and which requests make one (the
@@ -407,6 +411,8 @@ struct Shared {
     rate_limit: Option<crate::rate_limit::RateLimit>,
     /// Spans for a collector: its settings and pool.
     tracing: Option<(Arc<Tracing>, Arc<UpstreamPool>)>,
+    /// [`ServerOptions::public_connection_limits`].
+    public_connection_limits: (u32, Duration),
 }
 
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
@@ -553,6 +559,7 @@ impl TunnelServer {
                 peers,
                 rate_limit,
                 tracing: options.tracing.as_ref().map(tracing_from).transpose()?,
+                public_connection_limits: options.public_connection_limits,
             }),
         })
     }
@@ -1365,13 +1372,20 @@ impl Public {
         let worker = self.worker;
         let clock = Arc::new(HeadClock::default());
         let service_clock = clock.clone();
+        let (max_requests, lifetime) = self.shared.public_connection_limits;
+        let retire = crate::drain::Retire::new(max_requests, lifetime);
+        let service_retire = retire.clone();
         let service = service_fn(move |req: Request<Incoming>| {
             let version = req.version();
             service_clock.request(version);
             let clock = service_clock.clone();
             let public = public.clone();
+            let retire = service_retire.clone();
             async move {
                 let mut resp = public.respond(req, peer, tls).await;
+                if let Some(retire) = retire {
+                    retire.count(version, &mut resp);
+                }
                 // The routing core refused a body the client may still be
                 // sending: close after the answer, lingering, as the core
                 // does on its own listeners (`crate::linger`).
@@ -1388,13 +1402,14 @@ impl Public {
                 Ok::<_, Infallible>(resp)
             }
         });
-        let served = self.connections.watch(
+        let served = self.connections.watch_retiring(
             self.builder
                 .serve_connection_with_upgrades(
                     TokioIo::new(Watched::new(stream, clock.clone())),
                     service,
                 )
                 .into_owned(),
+            retire,
         );
         async move {
             match head_deadline::within(served, &clock, PUBLIC_HEADER_READ_TIMEOUT).await {
