@@ -19,6 +19,8 @@ use std::time::Duration;
 use hyper_util::server::graceful::GracefulConnection;
 use tokio::sync::Notify;
 
+use crate::forward::{coarse_now, millis};
+
 /// One set of connections (one listener's on one worker) and the signal
 /// that closes them.
 #[derive(Default, Clone)]
@@ -185,7 +187,7 @@ impl Retire {
         let deadline_ms = if lifetime.is_zero() {
             u64::MAX
         } else {
-            millis(crate::forward::coarse_now()).saturating_add(millis(lifetime))
+            millis(coarse_now()).saturating_add(millis(lifetime))
         };
         Some(Arc::new(Retire {
             served: AtomicU32::new(0),
@@ -203,7 +205,7 @@ impl Retire {
             .fetch_add(1, Ordering::Relaxed)
             .saturating_add(1);
         (self.max_requests != 0 && n >= self.max_requests)
-            || millis(crate::forward::coarse_now()) >= self.deadline_ms
+            || millis(coarse_now()) >= self.deadline_ms
     }
 
     /// Counts the request whose answer is `resp` (it came as `version`),
@@ -227,11 +229,6 @@ impl Retire {
     fn is_due(&self) -> bool {
         self.due.load(Ordering::Relaxed)
     }
-}
-
-/// Whole milliseconds of `d`, in 64-bit integer work.
-fn millis(d: Duration) -> u64 {
-    d.as_secs() * 1000 + u64::from(d.subsec_millis())
 }
 
 #[cfg(test)]

@@ -28,8 +28,8 @@ pub use headers::{
 };
 pub use tls::client_config as client_tls_config;
 
-pub(crate) use pool::coarse_now;
 use pool::{Conn, ConnPool, Dest, Lease};
+pub(crate) use pool::{coarse_now, millis};
 pub use retry::RetryCounts;
 
 use crate::body::{Body, BodyProgress};

@@ -135,8 +135,8 @@ impl Reuse {
 }
 
 /// A duration in whole milliseconds (plain integer work, unlike
-/// `as_millis`'s 128 bits).
-fn millis(d: Duration) -> u64 {
+/// `as_millis`'s 128 bits): deadlines on [`coarse_now`]'s clock.
+pub(crate) fn millis(d: Duration) -> u64 {
     d.as_secs() * 1000 + u64::from(d.subsec_millis())
 }
 
@@ -158,10 +158,10 @@ impl Worn {
         self.left == 0 || now_ms >= self.deadline_ms
     }
 
-    /// Counts one more request.
+    /// Counts one more request (only ever on one that is not spent).
     fn used(&mut self) {
         if self.left != u32::MAX {
-            self.left -= 1;
+            self.left = self.left.saturating_sub(1);
         }
     }
 }
