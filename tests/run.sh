@@ -57,6 +57,12 @@ if command -v c++ >/dev/null 2>&1; then
 else
   echo "warning: no C++ compiler; the fuzz targets are not linted" >&2
 fi
+# tests/dns_each_address.rs runs the proxy under util-linux's `unshare`
+# with an /etc/hosts of its own (mounted with `mount`): installed if
+# missing, as root, with apt-get.
+if ! { command -v unshare && command -v mount; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq util-linux mount >/dev/null
+fi
 echo "== test"
 cargo test --locked --workspace
 # The SDK's and the plugins' own unit tests run natively (their logic and
