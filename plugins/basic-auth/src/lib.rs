@@ -253,7 +253,7 @@ impl Plugin for BasicAuth {
             return Err("realm cannot hold `\"` or control characters".into());
         }
         if let Some(h) = &c.user_header
-            && (h.is_empty() || !h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'))
+            && !portcullis_sdk::is_header_name(h)
         {
             return Err(format!("user_header `{h}` is not a header name"));
         }

@@ -61,11 +61,10 @@ impl Config {
                 ));
             }
         }
-        if let Some(h) = &self.identity_header {
-            let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
-            if h.is_empty() || !h.bytes().all(token) {
-                return Err(format!("identity_header `{h}` is not a header name"));
-            }
+        if let Some(h) = &self.identity_header
+            && !portcullis_sdk::is_header_name(h)
+        {
+            return Err(format!("identity_header `{h}` is not a header name"));
         }
         Ok(())
     }

@@ -216,6 +216,13 @@ pub fn respond(status: u16, message: &str) -> Decision {
     })
 }
 
+/// Whether `name` can be a header name (an RFC 9110 token), for checking
+/// a config that names a header the plugin will set.
+pub fn is_header_name(name: &str) -> bool {
+    let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    !name.is_empty() && name.bytes().all(token)
+}
+
 /// A header from a name and a text value.
 pub fn header(name: &str, value: &str) -> Header {
     Header {
