@@ -1,8 +1,9 @@
 //! `dns: each_address`: a host with several addresses (a headless
 //! Service's pods) is balanced over each of them, and followed as they
-//! change. The proxy runs as a process that sees a file of the test's as
-//! /etc/hosts (a mount namespace of its own), so the system resolver
-//! answers with the addresses the test picks, as cluster DNS would.
+//! change. The proxy runs as a process that sees the test's files as
+//! /etc/hosts, /etc/resolv.conf and /etc/nsswitch.conf (a mount namespace
+//! of its own), so the system resolver answers with the addresses the
+//! test picks, as cluster DNS would, or fails, or says NXDOMAIN.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -80,6 +81,30 @@ async fn spread(
     seen
 }
 
+/// How the proxy's resolver answers a name missing from its /etc/hosts.
+#[derive(Clone, Copy)]
+enum Missing {
+    /// It asks DNS, which cannot be reached (a server address where
+    /// nothing listens): a failed lookup, as in a DNS outage.
+    DnsDown,
+    /// /etc/hosts is the only source: the name does not exist, as when
+    /// cluster DNS answers NXDOMAIN for a headless Service with no pods.
+    NoSuchName,
+}
+
+/// Writes the resolver configuration the proxy sees (in place, as
+/// [`write_hosts`]); glibc reads both files again when they change.
+fn write_resolver(dir: &Path, missing: Missing) {
+    let sources = match missing {
+        Missing::DnsDown => "hosts: files dns\n",
+        Missing::NoSuchName => "hosts: files\n",
+    };
+    std::fs::write(dir.join("nsswitch.conf"), sources).expect("write nsswitch.conf");
+    // Nothing listens on port 53 there: refused at once, no timeout.
+    let resolv = "nameserver 127.0.0.254\noptions timeout:1 attempts:1\n";
+    std::fs::write(dir.join("resolv.conf"), resolv).expect("write resolv.conf");
+}
+
 fn endpoints_gauge(n: usize) -> Vec<String> {
     vec![format!(
         r#"portcullis_upstream_endpoints{{upstream="pods"}} {n}"#
@@ -110,8 +135,15 @@ routes:
     )
     .unwrap();
     let args = ["serve", "--policies", policies.to_str().unwrap()].map(String::from);
+    if !dir.join("resolv.conf").exists() {
+        write_resolver(dir, Missing::DnsDown);
+    }
     let confine = Confine {
-        hosts: Some(dir.join("hosts")),
+        system_files: vec![
+            (dir.join("hosts"), "/etc/hosts"),
+            (dir.join("resolv.conf"), "/etc/resolv.conf"),
+            (dir.join("nsswitch.conf"), "/etc/nsswitch.conf"),
+        ],
         ..Confine::default()
     };
     let proxy = ProxyProcess::launch_confined(&args, &[], "listening", confine).await;
@@ -167,7 +199,29 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     let during = spread(&client, &proxy, port, 4).await;
     assert_eq!(during.keys().collect::<Vec<_>>(), ["a", "b"]);
 
+    // The name stops existing (the Service scaled to zero): its addresses
+    // are dropped, and requests get a prompt 502 naming the lookup
+    // instead of waiting on pods that are gone.
+    write_resolver(dir.path(), Missing::NoSuchName);
+    let line = proxy.wait_for_log("upstream host does not resolve").await;
+    assert!(line.contains("pods.test"), "{line}");
+    assert!(
+        line.contains(r#""dropped":"[\"127.0.0.1\", \"127.0.0.2\"]""#),
+        "{line}"
+    );
+    proxy.metrics_showing(&endpoints_gauge(1)).await;
+    let gone = client::get(&proxy.url("/hello")).await;
+    assert_eq!(gone.status, 502, "{:?}", gone.body);
+    assert_eq!(gone.json()["error"], "upstream unreachable");
+    // The lookup at connect time failed, not a dial to an old address.
+    proxy.wait_for_log("cannot resolve `pods.test`").await;
+    assert_eq!(
+        proxy.status().await["config"]["discovered_endpoints"][0]["endpoints"],
+        serde_json::json!([format!("pods.test:{port}")])
+    );
+
     // It answers again, with the pod back.
+    write_resolver(dir.path(), Missing::DnsDown);
     write_hosts(&hosts, &["127.0.0.3", "127.0.0.1", "127.0.0.2"]);
     proxy.wait_for_log("upstream host resolves again").await;
     proxy.metrics_showing(&endpoints_gauge(3)).await;

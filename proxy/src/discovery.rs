@@ -16,8 +16,12 @@
 //! stayed are kept (see `Pipeline::new`). The request path never looks
 //! anything up: an address is a plain endpoint there.
 //!
-//! A failed lookup keeps the last addresses: a DNS outage must not empty
-//! an upstream. A host never resolved stays one endpoint, looked up at
+//! A failed lookup (SERVFAIL, no answer) keeps the last addresses: a DNS
+//! outage must not empty an upstream. A name that no longer exists or has
+//! no address (NXDOMAIN: a headless Service scaled to zero) drops them, as
+//! Envoy's `STRICT_DNS` does: its pods are gone, and dialing their old
+//! addresses would wait out a connect timeout per request. A host without
+//! addresses, never resolved or dropped, is one endpoint looked up at
 //! connect time, so its requests get the usual 502 naming the lookup.
 
 use std::collections::{HashMap, HashSet};
@@ -29,6 +33,7 @@ use http::uri::Scheme;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, Dns, Endpoint, Target, Upstream};
+use crate::resolve::{self, LookupError};
 use crate::server::Control;
 
 /// The longest one lookup may take before it counts as failed (glibc's
@@ -94,13 +99,13 @@ impl AddressBook {
     /// changed. `upstreams` names who uses each host, for the logs.
     pub async fn look_up(&self, hosts: Vec<HostPort>, config: &Config) -> bool {
         let lookups = hosts.into_iter().map(|hp| async move {
-            let target = (hp.0.clone(), hp.1);
-            let found = tokio::time::timeout(LOOKUP_TIMEOUT, tokio::net::lookup_host(target)).await;
-            let found = match found {
-                Ok(Ok(addrs)) => Ok(addrs.collect()),
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(_) => Err(format!("no answer within {LOOKUP_TIMEOUT:?}")),
-            };
+            let found = tokio::time::timeout(LOOKUP_TIMEOUT, resolve::look_up(hp.0.clone(), hp.1))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(LookupError::Failed(format!(
+                        "no answer within {LOOKUP_TIMEOUT:?}"
+                    )))
+                });
             (hp, found)
         });
         let results = futures_util::future::join_all(lookups).await;
@@ -112,14 +117,19 @@ impl AddressBook {
     }
 
     /// Records one lookup's result; true when the host's addresses changed.
-    fn note(&self, hp: HostPort, found: Result<Vec<SocketAddr>, String>, config: &Config) -> bool {
+    fn note(
+        &self,
+        hp: HostPort,
+        found: Result<Vec<SocketAddr>, LookupError>,
+        config: &Config,
+    ) -> bool {
         let host = format!("{}:{}", hp.0, hp.1);
         let upstreams = users(config, &hp);
         let found = found.and_then(|mut addrs| {
             addrs.sort_unstable();
             addrs.dedup();
             if addrs.is_empty() {
-                Err("no address".to_owned())
+                Err(LookupError::NoSuchName)
             } else {
                 Ok(addrs)
             }
@@ -127,7 +137,23 @@ impl AddressBook {
         let mut failing = self.failing.lock().unwrap_or_else(|p| p.into_inner());
         let addrs = match found {
             Ok(addrs) => addrs,
-            Err(error) => {
+            Err(LookupError::NoSuchName) => {
+                let dropped = self.known().remove(&hp);
+                if failing.insert(hp) || dropped.is_some() {
+                    let dropped = dropped.unwrap_or_default();
+                    let ips: Vec<_> = dropped.iter().map(|a| a.ip().to_string()).collect();
+                    tracing::warn!(
+                        host,
+                        upstreams,
+                        dropped = ?ips,
+                        "upstream host does not resolve (no such name, or no address): \
+                         its addresses are dropped, and it is looked up at connect time"
+                    );
+                    return !dropped.is_empty();
+                }
+                return false;
+            }
+            Err(LookupError::Failed(error)) => {
                 if failing.insert(hp.clone()) {
                     let kept = self.known().get(&hp).map_or(0, Vec::len);
                     tracing::warn!(
@@ -335,6 +361,14 @@ mod tests {
         s.parse().unwrap()
     }
 
+    fn no_upstreams() -> Config {
+        let source = crate::config::Source {
+            name: "t.yaml".into(),
+            text: "upstreams: []".into(),
+        };
+        crate::config::load_sources(&[source], &|_| None).unwrap()
+    }
+
     #[test]
     fn each_known_address_is_an_endpoint_named_by_its_host() {
         let declared = [
@@ -379,21 +413,35 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_lookup_keeps_the_last_addresses_and_order_is_no_change() {
-        let source = crate::config::Source {
-            name: "t.yaml".into(),
-            text: "upstreams: []".into(),
-        };
-        let config = crate::config::load_sources(&[source], &|_| None).unwrap();
+        let config = no_upstreams();
         let book = AddressBook::default();
         let hp = ("svc".to_owned(), 80);
         let two = vec![addr("10.0.0.1:80"), addr("10.0.0.2:80")];
         let shuffled = vec![two[1], two[0], two[1]];
         assert!(book.note(hp.clone(), Ok(shuffled), &config));
         assert!(!book.note(hp.clone(), Ok(two.clone()), &config));
-        assert!(!book.note(hp.clone(), Err("SERVFAIL".into()), &config));
-        assert!(!book.note(hp.clone(), Ok(Vec::new()), &config));
+        let servfail = || Err(LookupError::Failed("SERVFAIL".into()));
+        assert!(!book.note(hp.clone(), servfail(), &config));
         assert_eq!(book.known().get(&hp), Some(&two));
         assert!(book.note(hp.clone(), Ok(vec![addr("10.0.0.2:80")]), &config));
         assert!(book.knows(&hp));
+    }
+
+    #[tokio::test]
+    async fn no_such_name_drops_the_addresses_once() {
+        let config = no_upstreams();
+        let book = AddressBook::default();
+        let hp = ("svc".to_owned(), 80);
+        assert!(book.note(hp.clone(), Ok(vec![addr("10.0.0.1:80")]), &config));
+        assert!(book.note(hp.clone(), Err(LookupError::NoSuchName), &config));
+        assert!(!book.knows(&hp));
+        // Still gone, or an empty answer: no change to swap in.
+        assert!(!book.note(hp.clone(), Err(LookupError::NoSuchName), &config));
+        assert!(!book.note(hp.clone(), Ok(Vec::new()), &config));
+        // A resolver failure now has nothing to keep.
+        let servfail = Err(LookupError::Failed("SERVFAIL".into()));
+        assert!(!book.note(hp.clone(), servfail, &config));
+        assert!(book.note(hp.clone(), Ok(vec![addr("10.0.0.3:80")]), &config));
+        assert_eq!(book.known().get(&hp), Some(&vec![addr("10.0.0.3:80")]));
     }
 }

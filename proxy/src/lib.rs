@@ -37,6 +37,7 @@ pub mod rate_limit;
 pub mod reload;
 pub mod request_head;
 pub mod request_id;
+pub mod resolve;
 pub mod router;
 pub mod server;
 pub mod shard;

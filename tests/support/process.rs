@@ -77,19 +77,25 @@ impl ProxyProcess {
         } else {
             &["--admin", "127.0.0.1:0"]
         };
-        let mut child = match &confine.hosts {
+        let mut child = if confine.system_files.is_empty() {
+            Command::new(super::binary())
+        } else {
             // A mount namespace of its own (in a user namespace, so no
-            // privilege is needed) where `hosts` is /etc/hosts: names
-            // with the addresses a test picks, for the system resolver.
-            Some(hosts) => {
-                let mut c = Command::new("unshare");
-                c.args(["--user", "--map-root-user", "--mount", "--"])
-                    .args(["sh", "-c", r#"mount --bind "$0" /etc/hosts && exec "$@""#])
-                    .arg(hosts)
-                    .arg(super::binary());
-                c
+            // privilege is needed) where the test's files stand in for
+            // system ones: /etc/hosts with the addresses a test picks,
+            // the resolver's configuration, for the system resolver.
+            let mut c = Command::new("unshare");
+            c.args(["--user", "--map-root-user", "--mount", "--"]).args([
+                "sh",
+                "-c",
+                r#"while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 1; shift 2; done; shift; exec "$@""#,
+                "sh",
+            ]);
+            for (ours, system) in &confine.system_files {
+                c.arg(ours).arg(system);
             }
-            None => Command::new(super::binary()),
+            c.arg("--").arg(super::binary());
+            c
         };
         child
             .args(args)
@@ -103,7 +109,7 @@ impl ProxyProcess {
             .kill_on_drop(true);
         if confine.address_space.is_some() || confine.cpu.is_some() {
             let limits = Confine {
-                hosts: None,
+                system_files: Vec::new(),
                 ..confine
             };
             // SAFETY: setrlimit and sched_setaffinity are async-signal-safe,
@@ -322,8 +328,10 @@ pub struct Confine {
     pub address_space: Option<u64>,
     /// The one CPU it may run on (`taskset -c`).
     pub cpu: Option<usize>,
-    /// A file it sees as /etc/hosts (edits to it show through).
-    pub hosts: Option<std::path::PathBuf>,
+    /// Files it sees in place of system ones, as (file, system path):
+    /// /etc/hosts, /etc/resolv.conf, /etc/nsswitch.conf (edits to a file
+    /// written in place show through).
+    pub system_files: Vec<(std::path::PathBuf, &'static str)>,
 }
 
 impl Confine {
