@@ -8,7 +8,7 @@ mod body_limit;
 mod check_cli;
 mod compression;
 mod default_routes;
-mod dns_each_address;
+mod dns;
 mod errors;
 mod health_check;
 mod lifecycle;

@@ -57,7 +57,7 @@ if command -v c++ >/dev/null 2>&1; then
 else
   echo "warning: no C++ compiler; the fuzz targets are not linted" >&2
 fi
-# tests/dns_each_address.rs runs the proxy under util-linux's `unshare`
+# tests/dns.rs runs the proxy under util-linux's `unshare`
 # with an /etc/hosts of its own (mounted with `mount`): installed if
 # missing, as root, with apt-get.
 if ! { command -v unshare && command -v mount; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

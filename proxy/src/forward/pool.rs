@@ -15,6 +15,7 @@
 //! hyper connection, which stays one.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -269,6 +270,9 @@ pub struct ConnPool {
     idle_timeout: Duration,
     reuse: Reuse,
     http2: bool,
+    /// Connections dialed by name: where in the name's addresses the
+    /// next dial starts.
+    dials: AtomicUsize,
 }
 
 /// Which slot a request uses.
@@ -311,6 +315,7 @@ impl ConnPool {
             idle_timeout: spec.timeouts.idle,
             reuse,
             http2: spec.http2,
+            dials: AtomicUsize::new(0),
         }
     }
 
@@ -454,7 +459,10 @@ impl ConnPool {
             let tcp = match ep.address {
                 // One of the host's addresses, looked up by `dns: each_address`.
                 Some(addr) => connect_to(addr).await.map_err(ForwardError::Unreachable)?,
-                None => dial(host, port).await?,
+                None => {
+                    let turn = self.dials.fetch_add(1, Ordering::Relaxed);
+                    dial(host, port, self.connect_timeout, turn).await?
+                }
             };
             if !https {
                 return Ok((Io::Tcp(tcp), self.http2));
@@ -540,22 +548,54 @@ where
     Ok(sender)
 }
 
+/// The least time one of a name's addresses gets before the next is
+/// tried, when the connect timeout has that much left (Go's dialer gives
+/// 2 s; a cluster network answers a SYN in well under a millisecond).
+const LEAST_PER_ADDRESS: Duration = Duration::from_secs(1);
+
 /// Resolves `host` now (so DNS changes are seen on every new connection)
-/// and connects to the first address that answers.
-async fn dial(host: &str, port: u16) -> Result<TcpStream, ForwardError> {
+/// and connects to the first of its addresses that answers, within
+/// `budget`.
+///
+/// Each dial (`turn`) starts one address further along, so a name with
+/// several addresses spreads connections over them, as nginx does with
+/// a name's addresses. An address that refuses passes on at once; one
+/// that answers nothing (a host gone, SYNs dropped) gets an equal share
+/// of the time left, at least [`LEAST_PER_ADDRESS`], before the next is
+/// tried, so it cannot use the whole connect timeout (Go's dialer splits
+/// it the same way).
+async fn dial(
+    host: &str,
+    port: u16,
+    budget: Duration,
+    turn: usize,
+) -> Result<TcpStream, ForwardError> {
+    let start = tokio::time::Instant::now();
     let bare = host.trim_start_matches('[').trim_end_matches(']');
-    let addrs: Vec<_> = match bare.parse::<std::net::IpAddr>() {
+    let mut addrs: Vec<_> = match bare.parse::<std::net::IpAddr>() {
         Ok(ip) => vec![std::net::SocketAddr::new(ip, port)],
         Err(_) => tokio::net::lookup_host((bare, port))
             .await
             .map_err(|e| ForwardError::Unreachable(format!("cannot resolve `{host}`: {e}")))?
             .collect(),
     };
+    let n = addrs.len();
+    if n > 1 {
+        addrs.rotate_left(turn % n);
+    }
     let mut last = None;
-    for addr in addrs {
-        match connect_to(addr).await {
-            Ok(s) => return Ok(s),
-            Err(e) => last = Some(e),
+    for (i, addr) in addrs.into_iter().enumerate() {
+        let left = budget.saturating_sub(start.elapsed());
+        let share = (left / (n - i) as u32).max(left.min(LEAST_PER_ADDRESS));
+        match tokio::time::timeout(share, connect_to(addr)).await {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(e)) => last = Some(e),
+            // The last address had all the time left: the connect timeout.
+            Err(_) if i + 1 == n => return Err(ForwardError::ConnectTimeout),
+            Err(_) => {
+                tracing::debug!(%addr, host, "no answer to connect; trying the next address");
+                last = Some(format!("connect to {addr}: no answer within {share:?}"));
+            }
         }
     }
     Err(ForwardError::Unreachable(last.unwrap_or_else(|| {

@@ -1,6 +1,7 @@
-//! `dns: each_address`: a host with several addresses (a headless
-//! Service's pods) is balanced over each of them, and followed as they
-//! change. The proxy runs as a process that sees the test's files as
+//! Hosts with several addresses (a headless Service's pods). With `dns:
+//! each_address` each is an endpoint, balanced over and followed as they
+//! change; with `dns: connect` new connections take them in turn and
+//! pass over the ones that do not answer. The proxy runs as a process that sees the test's files as
 //! /etc/hosts, /etc/resolv.conf and /etc/nsswitch.conf (a mount namespace
 //! of its own), so the system resolver answers with the addresses the
 //! test picks, as cluster DNS would, or fails, or says NXDOMAIN.
@@ -111,10 +112,13 @@ fn endpoints_gauge(n: usize) -> Vec<String> {
     )]
 }
 
-/// The proxy, on one route to upstream `pods` (`http://pods.test:PORT`,
-/// `dns: each_address` and `extra` settings), seeing `hosts` as
-/// /etc/hosts; started once the upstream lists `n` addresses.
-async fn proxy(dir: &Path, port: u16, extra: &str, n: usize) -> ProxyProcess {
+/// The settings of an `each_address` upstream the tests follow closely.
+const EACH: &str = "    dns: each_address\n    dns_refresh: 50ms";
+
+/// The proxy, on one route to upstream `pods` (`http://pods.test:PORT`
+/// with `settings`), seeing `hosts` as /etc/hosts; started once the
+/// upstream lists `n` endpoints.
+async fn proxy(dir: &Path, port: u16, settings: &str, n: usize) -> ProxyProcess {
     let policies = dir.join("policies");
     std::fs::create_dir(&policies).unwrap();
     std::fs::write(
@@ -125,9 +129,7 @@ listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
 upstreams:
   - name: pods
     endpoints: ["http://pods.test:{port}"]
-    dns: each_address
-    dns_refresh: 50ms
-{extra}
+{settings}
 routes:
   - {{ name: all, match: {{ path_prefix: / }}, upstream: pods }}
 "#
@@ -157,7 +159,7 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     let dir = tempfile::tempdir().unwrap();
     let hosts = dir.path().join("hosts");
     write_hosts(&hosts, &["127.0.0.1", "127.0.0.2", "127.0.0.3"]);
-    let mut proxy = proxy(dir.path(), port, "", 3).await;
+    let mut proxy = proxy(dir.path(), port, EACH, 3).await;
     let client = client::http1();
 
     // Round robin over the three addresses, from the first request on.
@@ -240,7 +242,7 @@ async fn an_http2_upstream_gets_a_connection_per_address() {
         &dir.path().join("hosts"),
         &["127.0.0.1", "127.0.0.2", "127.0.0.3"],
     );
-    let proxy = proxy(dir.path(), port, "    http2: true", 3).await;
+    let proxy = proxy(dir.path(), port, &format!("{EACH}\n    http2: true"), 3).await;
     let client = client::http1();
     let seen = spread(&client, &proxy, port, 6).await;
     let version = client::get(&proxy.url("/")).await.json()["version"].clone();
@@ -258,7 +260,7 @@ async fn a_reload_that_adds_each_address_spreads_at_once_and_follows_changes() {
     let hosts = dir.path().join("hosts");
     write_hosts(&hosts, &["127.0.0.1", "127.0.0.2"]);
     // Reloaded to look the host up at connect time: one pod gets all.
-    let mut proxy = proxy(dir.path(), port, "", 2).await;
+    let mut proxy = proxy(dir.path(), port, EACH, 2).await;
     let policy = dir.path().join("policies/policy.yaml");
     let each = std::fs::read_to_string(&policy).unwrap();
     let connect = each.replace("dns: each_address", "dns: connect");
@@ -307,7 +309,7 @@ async fn each_address_is_health_checked_on_its_own() {
     write_hosts(&dir.path().join("hosts"), &["127.0.0.1", "127.0.0.2"]);
     let check =
         "    health_check: { path: /healthz, interval: 100ms, timeout: 100ms, unhealthy_after: 1 }";
-    let proxy = proxy(dir.path(), port, check, 2).await;
+    let proxy = proxy(dir.path(), port, &format!("{EACH}\n{check}"), 2).await;
     proxy
         .metrics_showing(&[r#"portcullis_upstream_endpoints_unhealthy{upstream="pods"} 1"#.into()])
         .await;
@@ -319,4 +321,44 @@ async fn each_address_is_health_checked_on_its_own() {
     // The healthy address takes every request.
     let seen = spread(&client::http1(), &proxy, port, 4).await;
     assert_eq!(seen.keys().collect::<Vec<_>>(), ["a"]);
+}
+
+/// A listener on `addr` that answers no SYN: its accept queue (of one)
+/// is full and never accepted from, so the kernel drops new SYNs, as for
+/// a pod that is gone.
+fn black_hole(addr: SocketAddr) -> (socket2::Socket, std::net::TcpStream) {
+    let hole = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    hole.bind(&addr.into()).unwrap();
+    hole.listen(0).unwrap();
+    let filler = std::net::TcpStream::connect(addr).unwrap();
+    (hole, filler)
+}
+
+#[tokio::test]
+async fn dns_connect_spreads_new_connections_and_passes_over_dead_addresses() {
+    let (port, _pods) = pods(2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts");
+    // a, b, and an address where nothing listens (refused at once).
+    write_hosts(&hosts, &["127.0.0.1", "127.0.0.2", "127.0.0.3"]);
+    let _hole = black_hole(SocketAddr::from(([127, 0, 0, 4], port)));
+    // A new connection per request, so each request dials; a connect
+    // timeout of 2 s gives the first of two addresses 1 s.
+    let settings =
+        "    dns: connect\n    max_requests_per_connection: 1\n    timeouts: { connect: 2s }";
+    let proxy = proxy(dir.path(), port, settings, 1).await;
+    let client = client::http1();
+    let seen = spread(&client, &proxy, port, 6).await;
+    // Each dial starts one address further: both pods get connections,
+    // and the refused address costs nothing but a try.
+    assert_eq!(seen.keys().collect::<Vec<_>>(), ["a", "b"], "{seen:?}");
+    assert!(seen.values().all(|(n, _)| *n >= 2), "{seen:?}");
+
+    // The first of two addresses drops SYNs: requests that start there
+    // wait out its share of the connect timeout and go on to the next,
+    // instead of spending all of it and getting a 504.
+    write_hosts(&hosts, &["127.0.0.4", "127.0.0.1"]);
+    let seen = spread(&client, &proxy, port, 2).await;
+    assert_eq!(seen.keys().collect::<Vec<_>>(), ["a"], "{seen:?}");
+    assert_eq!(seen["a"].0, 2);
 }
