@@ -28,10 +28,15 @@ WARM = 200
 
 
 def requests(port, path, token, n):
-    """n GET requests on one keep-alive connection; each answer must be 200."""
+    """n GET requests on one keep-alive connection; each answer must be 200.
+    HEADERS in the environment adds header lines (separated by `;`), e.g.
+    a `traceparent` the client brings."""
+    extra = "".join(
+        f"{h.strip()}\r\n" for h in os.environ.get("HEADERS", "").split(";") if h.strip()
+    )
     req = (
         f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-        f"authorization: Bearer {token}\r\n\r\n"
+        f"authorization: Bearer {token}\r\n{extra}\r\n"
     ).encode()
     with socket.create_connection(("127.0.0.1", port)) as s:
         buf = b""

@@ -166,6 +166,12 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     let before = spread(&client, &proxy, port, 9).await;
     let counts: Vec<_> = before.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
     assert_eq!(counts, [("a", 3), ("b", 3), ("c", 3)]);
+    // The access lines say which pod answered each request.
+    let line = proxy.wait_for_log(r#""target":"access""#).await;
+    let line: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let endpoint = line["endpoint"].as_str().unwrap();
+    let pods = ["127.0.0.1", "127.0.0.2", "127.0.0.3"].map(|ip| format!("pods.test:{port} ({ip})"));
+    assert!(pods.iter().any(|p| p == endpoint), "{line}");
     let status = proxy.status().await;
     let host = format!("pods.test:{port}");
     assert_eq!(
@@ -217,6 +223,11 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     assert_eq!(gone.json()["error"], "upstream unreachable");
     // The lookup at connect time failed, not a dial to an old address.
     proxy.wait_for_log("cannot resolve `pods.test`").await;
+    // No endpoint answered, and the access line says so.
+    let line = proxy.wait_for_log(r#""status":502"#).await;
+    let line: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(line["endpoint"], "-", "{line}");
+    assert!(line.get("upstream_header_ms").is_none(), "{line}");
     assert_eq!(
         proxy.status().await["config"]["discovered_endpoints"][0]["endpoints"],
         serde_json::json!([format!("pods.test:{port}")])

@@ -210,19 +210,26 @@ async fn oversized_request_head_is_431_with_json() {
 async fn a_path_parameter_cannot_redirect_the_upstream_host() {
     let echo = upstream::echo("svc").await;
     let port = echo.addr.port();
-    let proxy = Proxy::start_yaml(&format!(
-        r#"
+    let mut proxy = crate::support::process::ProxyProcess::start(
+        &format!(
+            r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
 routes:
   - name: by-host
     match: {{ path: "/to/{{host}}/{{*rest}}" }}
     url: "http://{{host}}:{port}"
 "#
-    ))
+        ),
+        &[],
+    )
     .await;
     let ok = client::get(&proxy.url("/to/127.0.0.1/a/b")).await;
     assert_eq!(ok.status, 200);
     assert_eq!(ok.json()["path"], "/to/127.0.0.1/a/b");
+    // The access line names the host the template rendered.
+    let line = proxy.wait_for_log(r#""path":"/to/127.0.0.1/a/b""#).await;
+    let line: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(line["endpoint"], format!("127.0.0.1:{port}"), "{line}");
     let bad = client::get(&proxy.url("/to/evil.com%2f@127.0.0.1/a")).await;
     assert_eq!(bad.status, 400);
     assert_eq!(bad.json()["error"], "invalid path parameter");

@@ -77,7 +77,19 @@ async fn sigterm_drains_a_slow_in_flight_request_then_exits_zero() {
     assert_eq!(access[0]["status"], 200);
     assert_eq!(access[0]["route"], "slow");
     assert_eq!(access[0]["upstream"], "slow");
+    assert_eq!(access[0]["endpoint"], slow.addr.to_string());
     assert_eq!(access[0]["method"], "GET");
+    // The upstream held its answer until the drain had begun: its share
+    // is most of the request's time, and never more.
+    let (upstream_ms, total_ms) = (
+        access[0]["upstream_header_ms"].as_f64().unwrap(),
+        access[0]["duration_ms"].as_f64().unwrap(),
+    );
+    assert!(
+        upstream_ms > 0.0 && upstream_ms <= total_ms,
+        "{:#}",
+        access[0]
+    );
     // Cleartext: no TLS fields at all.
     assert!(access[0].get("tls").is_none(), "{:#}", access[0]);
     assert!(access[0].get("client_cert").is_none(), "{:#}", access[0]);

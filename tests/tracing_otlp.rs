@@ -173,6 +173,7 @@ async fn upstreams_join_the_callers_trace_and_spans_reach_the_collector() {
         ("http.response.status_code", "200"),
         ("portcullis.route", "app"),
         ("portcullis.upstream", "app"),
+        ("portcullis.endpoint", &app.addr.to_string()),
         ("portcullis.request_id", "req-1"),
     ] {
         assert_eq!(attrs.get(key), Some(&Value::from(want)), "{key} in {span}");

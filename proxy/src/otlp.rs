@@ -399,9 +399,11 @@ fn encode_span(out: &mut String, context: &TraceContext, span: &Span, log: &Acce
     out.push_str(r#",{"key":"http.response.status_code","value":{"intValue":""#);
     out.push_str(digits.format(log.status));
     out.push_str(r#""}}"#);
+    let endpoint = log.endpoint.as_ref().map(ToString::to_string);
     for (key, value) in [
         ("portcullis.route", log.route.as_deref()),
         ("portcullis.upstream", log.upstream.as_deref()),
+        ("portcullis.endpoint", endpoint.as_deref()),
         (
             "portcullis.request_id",
             log.request_id.as_ref().and_then(|v| v.to_str().ok()),

@@ -852,7 +852,14 @@ impl Pipeline {
                     affinity,
                 };
                 let watch = watchable(conn, parts.version);
-                match pool.send(out, &found.params, timeout, watch).await {
+                // Only a request that is logged reads the clock here.
+                let asked = log.is_some().then(Instant::now);
+                let sent = pool.send(out, &found.params, timeout, watch).await;
+                if let (Some(log), Some(asked), Ok((_, held))) = (log.as_mut(), asked, &sent) {
+                    log.upstream_header = Some(asked.elapsed());
+                    log.endpoint = answered_by(pool, held, &found.params);
+                }
+                match sent {
                     Ok((mut resp, held)) => {
                         if let Some(cookie) = set_cookie {
                             resp.headers_mut().append(header::SET_COOKIE, cookie);
@@ -919,6 +926,26 @@ impl Pipeline {
             resp = crate::compress::apply(settings, coding, head, resp);
         }
         (resp, forward::Held::default())
+    }
+}
+
+/// Which endpoint gave `held`'s answer, for the access line.
+fn answered_by(
+    pool: &forward::UpstreamPool,
+    held: &forward::Held,
+    params: &matchit::Params<'_, '_>,
+) -> Option<crate::telemetry::AnsweredBy> {
+    use crate::telemetry::AnsweredBy;
+    match (&pool.spec.target, held.endpoint()) {
+        (crate::config::Target::Endpoints(_), Some(i)) => {
+            Some(AnsweredBy::Endpoint(pool.spec.clone(), i))
+        }
+        (crate::config::Target::Template(t), _) => {
+            let url = t.render(|name| params.get(name)).ok()?;
+            let uri = http::Uri::try_from(url).ok()?;
+            Some(AnsweredBy::Rendered(uri.authority()?.as_str().to_owned()))
+        }
+        _ => None,
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use http::Method;
 use http::uri::PathAndQuery;
@@ -55,6 +55,14 @@ pub struct AccessLog {
     pub route: Option<Arc<str>>,
     /// Upstream name, when forwarded.
     pub upstream: Option<Arc<str>>,
+    /// The endpoint whose answer the client got (nginx's
+    /// `$upstream_addr`, Envoy's `%UPSTREAM_HOST%`): which pod, when a
+    /// host's addresses are endpoints.
+    pub endpoint: Option<AnsweredBy>,
+    /// From the first try until the upstream's response head, connecting
+    /// and retries included (nginx's `$upstream_header_time`): the
+    /// upstream's share of `duration`.
+    pub upstream_header: Option<Duration>,
     /// When the request head was received.
     pub start: Instant,
     /// Response body bytes sent.
@@ -96,6 +104,8 @@ impl AccessLog {
             status: 0,
             route: None,
             upstream: None,
+            endpoint: None,
+            upstream_header: None,
             start,
             bytes_sent: 0,
             aborted: false,
@@ -105,6 +115,28 @@ impl AccessLog {
             logging: crate::config::AccessLogging::All,
             trace: None,
         })
+    }
+}
+
+/// Which endpoint answered a request.
+#[derive(Debug)]
+pub enum AnsweredBy {
+    /// Endpoint `.1` of the upstream (shown as the endpoint shows itself:
+    /// `host:port`, and the address for one of a host's addresses).
+    Endpoint(Arc<crate::config::Upstream>, usize),
+    /// The authority a URL template rendered.
+    Rendered(String),
+}
+
+impl std::fmt::Display for AnsweredBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AnsweredBy::Endpoint(upstream, i) => match &upstream.target {
+                crate::config::Target::Endpoints(eps) if *i < eps.len() => eps[*i].fmt(f),
+                _ => f.write_str("-"),
+            },
+            AnsweredBy::Rendered(authority) => f.write_str(authority),
+        }
     }
 }
 
@@ -131,7 +163,10 @@ impl Drop for AccessLog {
             status = self.status,
             route = self.route.as_deref().unwrap_or("-"),
             upstream = self.upstream.as_deref().unwrap_or("-"),
+            endpoint = %self.endpoint.as_ref().map_or(&"-" as &dyn std::fmt::Display, |e| e),
             duration_ms,
+            // Absent when no upstream answered (a local answer, a 502).
+            upstream_header_ms = self.upstream_header.map(|d| d.as_micros() as f64 / 1000.0),
             bytes = self.bytes_sent,
             client = %self.client,
             worker = self.worker,

@@ -153,6 +153,10 @@ pub struct Held {
     /// `Duration`, which would make every response's `Held` 16 bytes
     /// larger.
     read_timeout_ms: u32,
+    /// Which of the upstream's endpoints answered, plus one (0: none, or
+    /// a URL template's), for the access line; it fits beside
+    /// `read_timeout_ms` at no size.
+    endpoint: u32,
 }
 
 impl Held {
@@ -166,6 +170,12 @@ impl Held {
     /// See [`Held::with_read_timeout`].
     pub fn read_timeout(&self) -> Duration {
         Duration::from_millis(self.read_timeout_ms.into())
+    }
+
+    /// The index of the endpoint that answered, in the upstream's
+    /// endpoints; `None` for a URL template's destination.
+    pub fn endpoint(&self) -> Option<usize> {
+        (self.endpoint as usize).checked_sub(1)
     }
 
     /// The response body was read to its end: the connection can serve
@@ -620,6 +630,7 @@ impl UpstreamPool {
             let retrying = retry::RetrySlot::new(&self.retries);
             // `eject_after_5xx`: how each try went counts for its endpoint.
             let count_answers = n > 1 && !template && self.ejections.counts_answers();
+            let answerer = |i: usize| if template { 0 } else { i as u32 + 1 };
             let answered = |i: usize, ep: &Endpoint, failed: Option<bool>| {
                 let Some(failed) = failed.filter(|_| count_answers) else {
                     return;
@@ -754,6 +765,7 @@ impl UpstreamPool {
                                         admitted: admitted.take(),
                                         lease: None,
                                         read_timeout_ms: 0,
+                                        endpoint: answerer(i),
                                     };
                                     return Ok((resp, held));
                                 }
@@ -841,6 +853,7 @@ impl UpstreamPool {
                                     admitted: admitted.take(),
                                     lease: conn.into_lease(),
                                     read_timeout_ms: 0,
+                                    endpoint: answerer(i),
                                 },
                             ));
                         }
