@@ -478,25 +478,96 @@ routes:
     assert_eq!(client::get(&proxy.url("/good")).await.status, 200);
 }
 
-#[test]
-fn a_plugin_that_imports_the_filesystem_is_refused_naming_the_import() {
+/// The filesystem and the network are linked (interpreters' standard
+/// libraries import them) with nothing behind them: a plugin that tries
+/// to read a file, list a directory, connect or look a name up is
+/// refused each time, and no connection arrives.
+#[tokio::test]
+async fn a_plugin_cannot_reach_files_or_the_network() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
     let dir = policy_dir(
-        r#"
-listeners: [{ name: http, bind: "127.0.0.1:0" }]
-upstreams: [{ name: u, endpoints: ["http://127.0.0.1:1"] }]
-plugins: [{ name: snoop, path: fixture-read-file.wasm }]
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+plugins: [{{ name: escape, path: fixture-escape.wasm }}]
 routes:
-  - { name: r, match: { path: /r }, upstream: u, plugins: [{ use: snoop }] }
+  - name: r
+    match: {{ path: /r }}
+    respond: {{ status: 204 }}
+    plugins: [{{ use: escape, config: {{ connect: "{}" }} }}]
 "#,
-        &["fixture-read-file"],
+            listener.local_addr().unwrap()
+        ),
+        &["fixture-escape"],
     );
-    let (ok, _, stderr) = crate::support::check(dir.path());
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let answer = client::get(&proxy.url("/r")).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let report = answer.json();
+    for attempt in ["file", "directory", "connect", "lookup"] {
+        let outcome = report[attempt]
+            .as_str()
+            .unwrap_or_else(|| panic!("{report}"));
+        assert!(outcome.starts_with("refused: "), "{attempt}: {report}");
+    }
+    // The attempts were over before the answer: a connection made would
+    // be waiting to be accepted.
+    let accepted = listener.accept();
+    assert!(
+        accepted
+            .as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock),
+        "{accepted:?}"
+    );
+}
+
+/// The contract is the WIT, not the Rust SDK: the Python example (built
+/// by componentize-py, CPython inside) checks its config for `check`,
+/// refuses and forwards, and counts, as a Rust plugin does.
+#[tokio::test]
+async fn a_plugin_written_in_python_runs_as_a_rust_one_does() {
+    let app = upstream::echo("app").await;
+    let yaml = |config: &str| {
+        format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: py, path: example-require-header-py.wasm }}]
+routes:
+  - {{ name: api, match: {{ path_prefix: /api }}, upstream: app, plugins: [{{ use: py, config: {config} }}] }}
+"#,
+            app.url()
+        )
+    };
+    let bad = policy_dir(&yaml("{ head: x-api-key }"), &["example-require-header-py"]);
+    let (ok, _, stderr) = crate::support::check(bad.path());
     assert!(!ok, "{stderr}");
     assert!(
-        stderr.contains("fixture-read-file.wasm cannot be linked")
-            && stderr.contains("wasi:filesystem/"),
+        stderr.contains("`header`: the name of the header to require") && stderr.contains("api"),
         "{stderr}"
     );
+
+    let good = policy_dir(
+        &yaml("{ header: x-api-key }"),
+        &["example-require-header-py"],
+    );
+    let proxy = crate::support::process::ProxyProcess::start_on(good.path(), &[]).await;
+    let refused = client::get(&proxy.url("/api/a")).await;
+    assert_eq!(refused.status, 403);
+    assert_eq!(refused.json()["error"], "missing header");
+    let req = Request::get(proxy.url("/api/b"))
+        .header("x-api-key", "k")
+        .body(body(""))
+        .unwrap();
+    let passed = client::send(&client::http1(), req).await;
+    assert_eq!(passed.status, 200, "{:?}", passed.body);
+    assert_eq!(passed.json()["path"], "/api/b");
+    proxy
+        .metrics_showing(&[
+            r#"portcullis_plugin_counter_total{plugin="py",name="refused"} 1"#.to_owned(),
+        ])
+        .await;
 }
 
 #[test]

@@ -35,7 +35,7 @@ pub struct ProxyProcess {
 
 impl ProxyProcess {
     /// Writes `yaml` as the only policy file and starts `portcullis serve`
-    /// on it with `args` added, waiting (20 s at most) until it listens.
+    /// on it with `args` added, waiting (90 s at most) until it listens.
     pub async fn start(yaml: &str, args: &[&str]) -> ProxyProcess {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("policy.yaml"), yaml).expect("write policy");
@@ -45,7 +45,7 @@ impl ProxyProcess {
     }
 
     /// Starts `portcullis serve --policies dir` with `args` added (and the
-    /// admin listener on a free port unless `args` name one), waiting (20 s
+    /// admin listener on a free port unless `args` name one), waiting (90 s
     /// at most) until it listens.
     pub async fn start_on(dir: &std::path::Path, args: &[&str]) -> ProxyProcess {
         let mut all = vec![
@@ -58,7 +58,7 @@ impl ProxyProcess {
     }
 
     /// Starts `portcullis` with `args` (plus the admin listener on a free
-    /// port unless `args` name one) and `env`, waiting (20 s at most) for
+    /// port unless `args` name one) and `env`, waiting (90 s at most) for
     /// the log line whose message is `ready`.
     pub async fn launch(args: &[String], env: &[(&str, String)], ready: &str) -> ProxyProcess {
         Self::launch_confined(args, env, ready, Confine::default()).await
@@ -131,7 +131,10 @@ impl ProxyProcess {
             }
         });
         let mut addrs = std::collections::HashMap::new();
-        let started = tokio::time::timeout(Duration::from_secs(20), async {
+        // Generous: a large plugin (CPython's 18 MB component) compiles
+        // for 10 s and more in a debug build on two busy cores. A process
+        // that exits ends the wait at once.
+        let started = tokio::time::timeout(Duration::from_secs(90), async {
             while let Some(line) = rx.recv().await {
                 let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
                     continue;

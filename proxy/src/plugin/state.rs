@@ -48,6 +48,11 @@ impl State {
             wasi: WasiCtx::builder()
                 .stdout(PluginOutput::stdout(plugin.clone()))
                 .stderr(PluginOutput::stderr(plugin.clone()))
+                // No network at all (the socket address check, which
+                // refuses every address by default, is never reached).
+                .allow_tcp(false)
+                .allow_udp(false)
+                .allow_ip_name_lookup(false)
                 .build(),
             plugin,
             table: ResourceTable::new(),

@@ -9,8 +9,12 @@
 //! already runs one. Nothing a plugin can reach ever needs to wait (stdout
 //! and stderr go to the log, stdin is empty), so here those functions run
 //! their operation once: done if it is ready, a trap if it would have had
-//! to wait. A plugin importing more than this set (files, sockets) does
-//! not link: `check` and a reload refuse it, naming the import.
+//! to wait. Files and sockets are linked with nothing behind them (no
+//! directory preopened, every network use refused), because interpreters'
+//! runtimes (CPython, as componentize-py builds it) import them whether or
+//! not the plugin touches them. A plugin importing more than this set
+//! (`wasi:http`, say) does not link: `check` and a reload refuse it,
+//! naming the import.
 
 use futures_util::FutureExt;
 use wasmtime::component::{Linker, Resource, ResourceTable};
@@ -48,7 +52,47 @@ pub fn add_to_linker<T: WasiView>(linker: &mut Linker<T>) -> wasmtime::Result<()
     random::random::add_to_linker::<T, WasiRandom>(l, <T as WasiRandomView>::random)?;
     random::insecure::add_to_linker::<T, WasiRandom>(l, <T as WasiRandomView>::random)?;
     random::insecure_seed::add_to_linker::<T, WasiRandom>(l, <T as WasiRandomView>::random)?;
+    add_empty_filesystem(l)?;
+    add_closed_sockets(l)?;
     Ok(())
+}
+
+/// `wasi:filesystem` with nothing in it: no directory is preopened, so
+/// `get-directories` is empty and no descriptor can ever exist for the
+/// other functions to act on. Interpreters' standard libraries (CPython,
+/// as componentize-py builds it) import the interface whether or not the
+/// plugin touches a file; linking it empty lets them load and keeps
+/// plugins without files. (None of it can block: every blocking function
+/// takes a descriptor.)
+fn add_empty_filesystem<T: WasiView>(l: &mut Linker<T>) -> wasmtime::Result<()> {
+    use wasmtime_wasi::filesystem::{WasiFilesystem, WasiFilesystemView};
+    wasmtime_wasi::p2::bindings::sync::filesystem::types::add_to_linker::<T, WasiFilesystem>(
+        l,
+        <T as WasiFilesystemView>::filesystem,
+    )?;
+    wasmtime_wasi::p2::bindings::filesystem::preopens::add_to_linker::<T, WasiFilesystem>(
+        l,
+        <T as WasiFilesystemView>::filesystem,
+    )
+}
+
+/// `wasi:sockets` with every use refused: the context allows no TCP, no
+/// UDP and no name lookup (`State::new`), so creating a socket or looking
+/// a name up fails with `access-denied`, and no socket ever exists for
+/// the functions that could wait. Linked for the same standard libraries
+/// as the filesystem.
+fn add_closed_sockets<T: WasiView>(l: &mut Linker<T>) -> wasmtime::Result<()> {
+    use wasmtime_wasi::p2::bindings::sockets as s;
+    use wasmtime_wasi::p2::bindings::sync::sockets as sync;
+    use wasmtime_wasi::sockets::{WasiSockets, WasiSocketsView};
+    let view = <T as WasiSocketsView>::sockets;
+    s::network::add_to_linker::<T, WasiSockets>(l, &Default::default(), view)?;
+    s::instance_network::add_to_linker::<T, WasiSockets>(l, view)?;
+    s::tcp_create_socket::add_to_linker::<T, WasiSockets>(l, view)?;
+    sync::udp_create_socket::add_to_linker::<T, WasiSockets>(l, view)?;
+    sync::tcp::add_to_linker::<T, WasiSockets>(l, view)?;
+    sync::udp::add_to_linker::<T, WasiSockets>(l, view)?;
+    sync::ip_name_lookup::add_to_linker::<T, WasiSockets>(l, view)
 }
 
 /// `wasi:io` over the instance's resource table, never waiting.
