@@ -854,13 +854,12 @@ impl Pipeline {
                 let watch = watchable(conn, parts.version);
                 // Only a request that is logged reads the clock here.
                 let asked = log.is_some().then(Instant::now);
-                let sent = pool.send(out, &found.params, timeout, watch).await;
-                if let (Some(log), Some(asked), Ok((_, held))) = (log.as_mut(), asked, &sent) {
-                    log.upstream_header = Some(asked.elapsed());
-                    log.endpoint = answered_by(pool, held, &found.params);
-                }
-                match sent {
+                match pool.send(out, &found.params, timeout, watch).await {
                     Ok((mut resp, held)) => {
+                        if let (Some(log), Some(asked)) = (log.as_mut(), asked) {
+                            log.upstream_header = Some(asked.elapsed());
+                            log.endpoint = answered_by(pool, &held, &found.params);
+                        }
                         if let Some(cookie) = set_cookie {
                             resp.headers_mut().append(header::SET_COOKIE, cookie);
                         }
