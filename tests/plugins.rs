@@ -433,16 +433,20 @@ async fn a_panicking_or_blocking_plugin_is_logged_with_its_name_and_cause() {
             r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
 upstreams: [{{ name: good, endpoints: ["{}"] }}]
-plugins: [{{ name: crashy, path: fixture-trap.wasm }}, {{ name: sleepy, path: fixture-sleep.wasm }}]
+plugins:
+  - {{ name: crashy, path: fixture-trap.wasm }}
+  - {{ name: sleepy, path: fixture-sleep.wasm }}
+  - {{ name: hoarder, path: fixture-hoard.wasm }}
 routes:
   - {{ name: trap, match: {{ path: /trap }}, upstream: good, plugins: [{{ use: crashy, timeout: 2s }}] }}
+  - {{ name: hoard, match: {{ path: /hoard }}, upstream: good, plugins: [{{ use: hoarder, timeout: 2s }}] }}
   - {{ name: sleep, match: {{ path: /sleep }}, upstream: good, plugins: [{{ use: sleepy, timeout: 2s }}] }}
   - {{ name: oob, match: {{ path: /oob }}, upstream: good, plugins: [{{ use: crashy, config: {{ how: out-of-bounds }} }}] }}
   - {{ name: good, match: {{ path: /good }}, upstream: good }}
 "#,
             good.url()
         ),
-        &["fixture-trap", "fixture-sleep"],
+        &["fixture-trap", "fixture-sleep", "fixture-hoard"],
     );
     let mut proxy = crate::support::process::ProxyProcess::start_on(dir.path(), &[]).await;
     let a = client::get(&proxy.url("/trap")).await;
@@ -475,6 +479,12 @@ routes:
         blocked.contains("sleepy") && blocked.contains("pollable"),
         "{blocked}"
     );
+    // A plugin that takes host handles and never gives them back is
+    // stopped at the table's cap (host memory its memory cap does not
+    // count), not after 50,000 of them.
+    assert_eq!(client::get(&proxy.url("/hoard")).await.status, 500);
+    let full = proxy.wait_for_log("hoarder").await;
+    assert!(full.contains("resource table has no free keys"), "{full}");
     assert_eq!(client::get(&proxy.url("/good")).await.status, 200);
 }
 

@@ -55,7 +55,7 @@ impl State {
                 .allow_ip_name_lookup(false)
                 .build(),
             plugin,
-            table: ResourceTable::new(),
+            table: handle_table(),
             limits: MemoryCap {
                 max: memory,
                 hit: false,
@@ -67,6 +67,20 @@ impl State {
             response_headers: http::HeaderMap::new(),
         }
     }
+}
+
+/// The most host handles (streams, pollables, sockets refused, ...) one
+/// instance may hold at once. Each is an entry in host memory, outside
+/// the instance's memory cap; wasmtime's default (a million) would let
+/// one plugin that never gives them back grow the proxy by tens of
+/// megabytes per instance. A plugin needs a handful at a time; past this
+/// the call that asks for more traps, and the instance is replaced.
+const MAX_HANDLES: usize = 1024;
+
+fn handle_table() -> ResourceTable {
+    let mut table = ResourceTable::new();
+    table.set_max_capacity(MAX_HANDLES);
+    table
 }
 
 impl WasiView for State {
