@@ -302,7 +302,7 @@ pin_project_lite::pin_project! {
     pub struct ResponseBody {
         #[pin]
         inner: Body,
-        log: Option<AccessLog>,
+        log: Option<Box<AccessLog>>,
         // Dropped after `log` (fields drop in order): the access-log line
         // is written first, the counters right after.
         counted: Option<metrics::Pending>,
@@ -338,7 +338,7 @@ impl ResponseBody {
     /// done.
     pub fn new(
         inner: Body,
-        log: Option<AccessLog>,
+        log: Option<Box<AccessLog>>,
         counted: Option<metrics::Pending>,
         mut held: Held,
     ) -> Self {

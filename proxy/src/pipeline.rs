@@ -556,7 +556,7 @@ impl Pipeline {
         &self,
         req: Request<Incoming>,
         conn: &ConnInfo,
-        (log, request_id): (&mut Option<AccessLog>, Option<&HeaderValue>),
+        (log, request_id): (&mut Option<Box<AccessLog>>, Option<&HeaderValue>),
         stats: &mut &'static metrics::RouteStats,
     ) -> (Response<Body>, forward::Held) {
         let (mut parts, body) = req.into_parts();

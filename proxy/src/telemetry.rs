@@ -87,33 +87,38 @@ pub struct AccessLog {
 impl AccessLog {
     /// A record for a request whose head arrived at `start`, or `None`
     /// when access logging is off and the record is not `needed` anyway
-    /// (a sampled request's span is made from it).
+    /// (a sampled request's span is made from it). Boxed: the record
+    /// rides in every response body, which hyper moves several times,
+    /// and a `None` of the record inline was moved whole each time, access
+    /// logging off or on.
     pub fn start(
         method: &Method,
         path: Option<&PathAndQuery>,
         (client, worker): (SocketAddr, usize),
         start: Instant,
         needed: bool,
-    ) -> Option<AccessLog> {
+    ) -> Option<Box<AccessLog>> {
         let wanted = needed || tracing::enabled!(target: ACCESS_TARGET, tracing::Level::INFO);
-        wanted.then(|| AccessLog {
-            method: method.clone(),
-            path: path.cloned(),
-            client,
-            worker,
-            status: 0,
-            route: None,
-            upstream: None,
-            endpoint: None,
-            upstream_header: None,
-            start,
-            bytes_sent: 0,
-            aborted: false,
-            request_id: None,
-            tls: None,
-            client_cert: None,
-            logging: crate::config::AccessLogging::All,
-            trace: None,
+        wanted.then(|| {
+            Box::new(AccessLog {
+                method: method.clone(),
+                path: path.cloned(),
+                client,
+                worker,
+                status: 0,
+                route: None,
+                upstream: None,
+                endpoint: None,
+                upstream_header: None,
+                start,
+                bytes_sent: 0,
+                aborted: false,
+                request_id: None,
+                tls: None,
+                client_cert: None,
+                logging: crate::config::AccessLogging::All,
+                trace: None,
+            })
         })
     }
 }
