@@ -38,8 +38,11 @@ fi
 
 echo "== plugins (wasm32-wasip2 components, used by the tests)"
 plugins/build.sh
-# The Python example (componentize-py from PyPI, python3-venv if missing).
+# The Python and JavaScript examples (componentize-py from PyPI, with
+# python3-venv if missing; componentize-js from npm, with nodejs and npm
+# if missing).
 plugins/examples/require-header-py/build.sh
+plugins/examples/require-header-js/build.sh
 echo "== format"
 cargo fmt --all -- --check
 cargo fmt --all --manifest-path plugins/Cargo.toml -- --check

@@ -427,6 +427,10 @@ impl Binding {
         if self.fresh {
             return;
         }
+        if instance.store.data().limits.mostly_used() {
+            tracing::debug!(plugin = %self.plugin, memory = self.memory, "plugin instance past three quarters of its memory cap; a fresh one takes its place");
+            return;
+        }
         let mut idle = self.idle[shard()].lock().unwrap_or_else(|p| p.into_inner());
         if idle.len() < MAX_IDLE {
             idle.push(instance);

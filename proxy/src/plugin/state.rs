@@ -59,6 +59,7 @@ impl State {
             limits: MemoryCap {
                 max: memory,
                 hit: false,
+                peak: 0,
             },
             deadline: CpuDeadline::new(timeout),
             request: None,
@@ -98,6 +99,20 @@ pub struct MemoryCap {
     max: usize,
     /// Growth was refused at least once.
     pub hit: bool,
+    /// The largest size a memory of the instance has grown to.
+    peak: usize,
+}
+
+impl MemoryCap {
+    /// Whether the instance has used most of its cap (three quarters):
+    /// it is then not reused. Runtimes with a garbage collector
+    /// (SpiderMonkey, as componentize-js builds it) grow their heap call
+    /// after call and collect late; reused, such an instance would sooner
+    /// or later run out in the middle of a request, which then fails. A
+    /// fresh instance costs an instantiation, once in many calls.
+    pub fn mostly_used(&self) -> bool {
+        self.peak > self.max / 4 * 3
+    }
 }
 
 impl wasmtime::ResourceLimiter for MemoryCap {
@@ -111,6 +126,7 @@ impl wasmtime::ResourceLimiter for MemoryCap {
             self.hit = true;
             return Ok(false);
         }
+        self.peak = self.peak.max(desired);
         Ok(true)
     }
 

@@ -1,0 +1,61 @@
+// The smallest useful policy, in JavaScript: refuse requests that lack a
+// header. The same plugin as examples/require-header (Rust) and
+// require-header-py, built by componentize-js against wit/policy.wit (see
+// build.sh). The world's exports are this module's exports, in camelCase;
+// `host` is imported from its WIT name; a thrown string is the `err` of a
+// `result`.
+
+import { requestHeader, count } from 'portcullis:policy/host@0.2.1';
+
+// The route's header, set once per instance by `configure`.
+let header = '';
+
+// The header name in a route's config; throws what is wrong (`portcullis
+// check` prints it with the route).
+function parse(config) {
+  let c;
+  try {
+    c = JSON.parse(config);
+  } catch (e) {
+    throw `config is not JSON: ${e.message}`;
+  }
+  if (typeof c?.header !== 'string' || c.header === '') {
+    throw '`header`: the name of the header to require';
+  }
+  return c.header.toLowerCase();
+}
+
+const utf8 = new TextEncoder();
+const keep = { remove: [], set: [], add: [] };
+
+// Only requests: the proxy skips onResponse.
+export function hooks() {
+  return { request: true, response: false };
+}
+
+export function validateConfig(config) {
+  parse(config);
+}
+
+export function configure(config) {
+  header = parse(config);
+}
+
+export function onRequest(body) {
+  if (requestHeader(header) !== undefined) {
+    return { tag: 'forward', val: { headers: keep } };
+  }
+  count('refused', 1n);
+  return {
+    tag: 'respond',
+    val: {
+      status: 403,
+      headers: [{ name: 'content-type', value: utf8.encode('application/json') }],
+      body: utf8.encode(JSON.stringify({ error: 'missing header' })),
+    },
+  };
+}
+
+export function onResponse(response) {
+  return keep;
+}
