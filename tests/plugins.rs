@@ -580,6 +580,15 @@ routes:
                 r#"portcullis_plugin_counter_total{{plugin="{name}",name="refused"}} 1"#
             )])
             .await;
+        // Instances are reused: a few hundred calls replace none (an
+        // image near the cap is no reason; growing toward it is).
+        let statuses = pipelined_to(proxy.addr, "/api/c", 500).await;
+        assert_eq!(
+            statuses.keys().collect::<Vec<_>>(),
+            ["200"],
+            "{file}: {statuses:?}"
+        );
+        assert_eq!(recycled(&proxy, name).await, 0, "{file}");
     }
 }
 
@@ -589,10 +598,19 @@ async fn pipelined(
     addr: std::net::SocketAddr,
     n: usize,
 ) -> std::collections::BTreeMap<String, usize> {
+    pipelined_to(addr, "/r", n).await
+}
+
+/// [`pipelined`], to `path`.
+async fn pipelined_to(
+    addr: std::net::SocketAddr,
+    path: &str,
+    n: usize,
+) -> std::collections::BTreeMap<String, usize> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     const BATCH: usize = 50;
-    let one = b"GET /r HTTP/1.1\r\nhost: t\r\nx-api-key: k\r\n\r\n";
-    let batch = one.repeat(BATCH);
+    let one = format!("GET {path} HTTP/1.1\r\nhost: t\r\nx-api-key: k\r\n\r\n");
+    let batch = one.repeat(BATCH).into_bytes();
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut statuses = std::collections::BTreeMap::new();
     let mut buf = Vec::new();
@@ -661,6 +679,19 @@ routes:
         assert_eq!(statuses.keys().collect::<Vec<_>>(), ["204"], "{statuses:?}");
     }
     assert_eq!(proxy.count_logs("ran out of memory"), 0);
+    // Replaced, and counted, now and then, not on every call.
+    let recycled = recycled(&proxy, "js").await;
+    assert!((1..1000).contains(&recycled), "recycled {recycled} times");
+}
+
+/// How many instances of `plugin` were put aside near their memory cap.
+async fn recycled(proxy: &crate::support::process::ProxyProcess, plugin: &str) -> u64 {
+    let text = client::get(&proxy.admin_url("/metrics")).await.body;
+    let line = format!(r#"portcullis_plugin_counter_total{{plugin="{plugin}",name="recycled"}} "#);
+    String::from_utf8_lossy(&text)
+        .lines()
+        .find_map(|l| l.strip_prefix(&line))
+        .map_or(0, |n| n.parse().unwrap())
 }
 
 #[test]

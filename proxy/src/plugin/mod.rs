@@ -401,7 +401,9 @@ impl Binding {
             .map_err(|e| setup(format!("{e:#}")))?
             .func();
         Self::arm(&mut store);
-        match policy.call_configure(&mut store, &self.config_json) {
+        let configured = policy.call_configure(&mut store, &self.config_json);
+        store.data_mut().limits.serving = true;
+        match configured {
             Ok(Ok(())) => Ok(Box::new(Instance {
                 store,
                 policy,
@@ -427,8 +429,13 @@ impl Binding {
         if self.fresh {
             return;
         }
-        if instance.store.data().limits.mostly_used() {
-            tracing::debug!(plugin = %self.plugin, memory = self.memory, "plugin instance past three quarters of its memory cap; a fresh one takes its place");
+        if instance.store.data().limits.cramped() {
+            tracing::debug!(plugin = %self.plugin, memory = self.memory, "plugin instance near its memory cap; a fresh one takes its place");
+            *state::counters()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry((self.plugin.clone(), "recycled".into()))
+                .or_default() += 1;
             return;
         }
         let mut idle = self.idle[shard()].lock().unwrap_or_else(|p| p.into_inner());

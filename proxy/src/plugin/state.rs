@@ -60,6 +60,8 @@ impl State {
                 max: memory,
                 hit: false,
                 peak: 0,
+                step: 0,
+                serving: false,
             },
             deadline: CpuDeadline::new(timeout),
             request: None,
@@ -101,30 +103,41 @@ pub struct MemoryCap {
     pub hit: bool,
     /// The largest size a memory of the instance has grown to.
     peak: usize,
+    /// The largest single growth since the instance began serving (its
+    /// image and `configure` not counted).
+    step: usize,
+    /// Counting `step`: set once the instance is configured.
+    pub serving: bool,
 }
 
 impl MemoryCap {
-    /// Whether the instance has used most of its cap (three quarters):
-    /// it is then not reused. Runtimes with a garbage collector
-    /// (SpiderMonkey, as componentize-js builds it) grow their heap call
-    /// after call and collect late; reused, such an instance would sooner
-    /// or later run out in the middle of a request, which then fails. A
-    /// fresh instance costs an instantiation, once in many calls.
-    pub fn mostly_used(&self) -> bool {
-        self.peak > self.max / 4 * 3
+    /// Whether the instance is too near its cap to be reused: less room
+    /// left than two of its largest growths while serving. Runtimes with
+    /// a garbage collector (SpiderMonkey, as componentize-js builds it)
+    /// grow their heap call after call, in steps, and collect late;
+    /// reused, such an instance would sooner or later run out in the
+    /// middle of a request, which then fails. A fresh instance costs an
+    /// instantiation, once in thousands of calls. An instance that does
+    /// not grow while serving (CPython counts references; most Rust
+    /// plugins) is never replaced, however near its cap its image is.
+    pub fn cramped(&self) -> bool {
+        self.max.saturating_sub(self.peak) < self.step.saturating_mul(2)
     }
 }
 
 impl wasmtime::ResourceLimiter for MemoryCap {
     fn memory_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
         if desired > self.max {
             self.hit = true;
             return Ok(false);
+        }
+        if self.serving {
+            self.step = self.step.max(desired.saturating_sub(current));
         }
         self.peak = self.peak.max(desired);
         Ok(true)
