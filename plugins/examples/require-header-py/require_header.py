@@ -8,7 +8,7 @@ against wit/policy.wit (see build.sh). The policy names it as any plugin:
       - name: api
         match: { path_prefix: /api }
         upstream: api
-        plugins: [{ use: require-header, config: { header: x-api-key } }]
+        plugins: [{ use: require-header, config: { header: x-api-key }, timeout: 50ms }]
 
 `componentize-py -d ../../../wit -w policy bindings .` writes the
 `wit_world` package this imports, for an editor to read; the build makes
