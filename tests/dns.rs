@@ -222,7 +222,8 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     assert_eq!(gone.status, 502, "{:?}", gone.body);
     assert_eq!(gone.json()["error"], "upstream unreachable");
     // The lookup at connect time failed, not a dial to an old address.
-    proxy.wait_for_log("cannot resolve `pods.test`").await;
+    let line = proxy.wait_for_log("cannot resolve `pods.test`").await;
+    assert!(line.contains("no such name"), "{line}");
     // No endpoint answered, and the access line says so.
     let line = proxy.wait_for_log(r#""status":502"#).await;
     let line: serde_json::Value = serde_json::from_str(&line).unwrap();

@@ -574,10 +574,11 @@ async fn dial(
     let bare = host.trim_start_matches('[').trim_end_matches(']');
     let mut addrs: Vec<_> = match bare.parse::<std::net::IpAddr>() {
         Ok(ip) => vec![std::net::SocketAddr::new(ip, port)],
-        Err(_) => tokio::net::lookup_host((bare, port))
+        // The same lookup as `dns: each_address`, so the error says
+        // whether the name does not exist or the resolver failed.
+        Err(_) => crate::resolve::look_up(bare.to_owned(), port)
             .await
-            .map_err(|e| ForwardError::Unreachable(format!("cannot resolve `{host}`: {e}")))?
-            .collect(),
+            .map_err(|e| ForwardError::Unreachable(format!("cannot resolve `{host}`: {e}")))?,
     };
     let n = addrs.len();
     if n > 1 {
