@@ -14,6 +14,7 @@ mod health_check;
 mod lifecycle;
 mod metrics;
 mod mirror;
+mod plugin_cache;
 mod plugins;
 mod rate_limit;
 mod reload;

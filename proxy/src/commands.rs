@@ -109,6 +109,9 @@ pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
     let config =
         load(options.policies.as_deref()).map_err(|e| anyhow::anyhow!("invalid policies:\n{e}"))?;
     let server = Server::bind(config, options.workers).await?;
+    // Files a previous run compiled for plugins the policies no longer
+    // name go now, not at the first reload.
+    crate::plugin::forget_unused(server.control().pipeline().config());
     let reloader = Arc::new(Reloader::new(
         options.policies.clone(),
         server.control().clone(),
@@ -155,6 +158,7 @@ pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
     };
     let dialer = Arc::new(Dialer::new(options.client.clone())?);
     let server = Server::bind_with(config, options.workers, false).await?;
+    crate::plugin::forget_unused(server.control().pipeline().config());
     let control = server.control().clone();
     // Ready means requests can come through: a tunnel the server pings.
     let gate = dialer.clone();

@@ -58,6 +58,12 @@ enum Command {
         /// (events can be lost); `0s` turns the check off.
         #[arg(long, env = "PORTCULLIS_WATCH_POLL", default_value = "10s", value_parser = parse_duration)]
         watch_poll: Duration,
+        /// Keep compiled plugins in this directory (made if missing; an
+        /// emptyDir volume in Kubernetes), so a restart loads their machine
+        /// code instead of compiling them again (seconds for a Python or
+        /// JavaScript plugin). Without it, plugins compile at every start.
+        #[arg(long, env = "PORTCULLIS_PLUGIN_CACHE")]
+        plugin_cache: Option<PathBuf>,
     },
     /// The public side of outbound tunnels: forwards requests for
     /// `<runtime-id>.<domain>` through that runtime's tunnel.
@@ -272,6 +278,12 @@ enum Command {
         /// Admin listener (status, metrics, reload); `off` turns it off.
         #[arg(long, env = "PORTCULLIS_ADMIN", default_value = "127.0.0.1:9901", value_parser = parse_admin)]
         admin: Admin,
+        /// Keep compiled plugins in this directory (made if missing; an
+        /// emptyDir volume in Kubernetes), so a restart loads their machine
+        /// code instead of compiling them again (seconds for a Python or
+        /// JavaScript plugin). Without it, plugins compile at every start.
+        #[arg(long, env = "PORTCULLIS_PLUGIN_CACHE")]
+        plugin_cache: Option<PathBuf>,
     },
     /// Read a token on stdin and print its hash for the tokens file.
     HashToken,
@@ -475,7 +487,11 @@ fn main() -> ExitCode {
             workers,
             grace_period,
             admin,
+            plugin_cache,
         } => {
+            if let Some(dir) = plugin_cache {
+                portcullis::plugin::use_disk_cache(dir);
+            }
             use portcullis::tunnel::client::{ClientOptions, Target, Token};
             let token = match (token_file, std::env::var("PORTCULLIS_TOKEN")) {
                 (Some(file), _) => Token::File(file),
@@ -527,7 +543,11 @@ fn main() -> ExitCode {
             watch,
             watch_debounce,
             watch_poll,
+            plugin_cache,
         } => {
+            if let Some(dir) = plugin_cache {
+                portcullis::plugin::use_disk_cache(dir);
+            }
             let workers = workers.unwrap_or_else(portcullis::server::default_workers);
             let drain = portcullis::server::Drain {
                 delay: shutdown_delay,

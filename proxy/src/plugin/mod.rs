@@ -17,6 +17,7 @@
 
 mod bindings;
 mod cpu_deadline;
+mod disk_cache;
 mod file_kind;
 mod header_call;
 mod lift;
@@ -153,9 +154,19 @@ pub struct PluginHost {
     engine: Engine,
     linker: Linker<State>,
     compiled: Mutex<HashMap<[u8; 32], Component>>,
+    /// Compiled code kept across restarts (`--plugin-cache`).
+    disk: Option<disk_cache::DiskCache>,
 }
 
 static HOST: OnceLock<Result<PluginHost, String>> = OnceLock::new();
+/// Where compiled plugins are kept on disk, when the operator said.
+static DISK_CACHE: OnceLock<std::path::PathBuf> = OnceLock::new();
+
+/// Keeps compiled plugins in `dir` across restarts (`--plugin-cache`).
+/// Call before the first plugin is compiled; later calls change nothing.
+pub fn use_disk_cache(dir: std::path::PathBuf) {
+    let _ = DISK_CACHE.set(dir);
+}
 
 /// Drops compiled modules the active `config` no longer uses, so a proxy
 /// reloaded with new plugin versions many times does not keep every
@@ -166,6 +177,17 @@ pub fn forget_unused(config: &Config) {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .retain(|hash, _| config.plugins.iter().any(|m| &m.sha256 == hash));
+        if let Some(disk) = &host.disk {
+            let keep: Vec<[u8; 32]> = config.plugins.iter().map(|m| m.sha256).collect();
+            let removed = disk.retain(&keep);
+            if removed > 0 {
+                tracing::info!(
+                    dir = %disk.dir().display(),
+                    removed,
+                    "removed compiled plugins no policy uses from the plugin cache"
+                );
+            }
+        }
     }
 }
 
@@ -265,10 +287,20 @@ impl PluginHost {
                     std::thread::sleep(TICK);
                 }
             })?;
+        // A cache that cannot be used is no reason not to serve: plugins
+        // are compiled as without one, and the log says why.
+        let disk = DISK_CACHE.get().and_then(|dir| {
+            disk_cache::DiskCache::open(dir, &engine)
+                .inspect_err(|e| {
+                    tracing::warn!(error = %e, "not using the plugin cache; compiling plugins at each start")
+                })
+                .ok()
+        });
         Ok(PluginHost {
             engine,
             linker,
             compiled: Mutex::new(HashMap::new()),
+            disk,
         })
     }
 
@@ -283,6 +315,49 @@ impl PluginHost {
         {
             return Ok(c.clone());
         }
+        let component = match self.cached(module) {
+            Some(component) => component,
+            None => self.compile_and_keep(module)?,
+        };
+        self.compiled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(module.sha256, component.clone());
+        Ok(component)
+    }
+}
+
+impl PluginHost {
+    /// The module's compiled code from the disk cache, if there is one and
+    /// it holds a sound file for the module.
+    fn cached(&self, module: &PluginModule) -> Option<Component> {
+        let disk = self.disk.as_ref()?;
+        let started = std::time::Instant::now();
+        match disk.load(&self.engine, &module.sha256) {
+            Ok(Some(component)) => {
+                tracing::info!(
+                    plugin = %module.path.display(),
+                    ms = started.elapsed().as_millis() as u64,
+                    "plugin loaded from the plugin cache"
+                );
+                Some(component)
+            }
+            Ok(None) => None,
+            Err(why) => {
+                tracing::warn!(
+                    plugin = %module.path.display(),
+                    error = %why,
+                    "not using the cached compiled plugin; compiling it again"
+                );
+                None
+            }
+        }
+    }
+
+    /// Compiles the module, and keeps the code in the disk cache if there
+    /// is one.
+    fn compile_and_keep(&self, module: &PluginModule) -> Result<Component, String> {
+        let started = std::time::Instant::now();
         let component = Component::new(&self.engine, &module.bytes).map_err(|e| {
             format!(
                 "plugin {}: {}",
@@ -290,10 +365,26 @@ impl PluginHost {
                 file_kind::explain(&module.bytes, &e)
             )
         })?;
-        self.compiled
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(module.sha256, component.clone());
+        let ms = started.elapsed().as_millis() as u64;
+        match self
+            .disk
+            .as_ref()
+            .map(|d| d.store(&module.sha256, &component))
+        {
+            None => tracing::info!(plugin = %module.path.display(), ms, "plugin compiled"),
+            Some(Ok(file)) => tracing::info!(
+                plugin = %module.path.display(),
+                ms,
+                file = %file.display(),
+                "plugin compiled and kept in the plugin cache"
+            ),
+            Some(Err(why)) => tracing::warn!(
+                plugin = %module.path.display(),
+                ms,
+                error = %why,
+                "plugin compiled; cannot keep it in the plugin cache"
+            ),
+        }
         Ok(component)
     }
 }

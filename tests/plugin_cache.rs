@@ -1,0 +1,189 @@
+//! `--plugin-cache`: compiled plugins kept on disk across restarts, files
+//! that cannot be trusted refused, files no policy uses removed.
+
+use std::path::{Path, PathBuf};
+
+use crate::support::client;
+use crate::support::configmap::ConfigMap;
+use crate::support::plugin_file;
+use crate::support::process::ProxyProcess;
+use crate::support::upstream;
+
+/// Policies with one route whose plugin (`gate.wasm`) requires `x-key`.
+fn policy(app: &str) -> String {
+    format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{app}"] }}]
+plugins: [{{ name: gate, path: gate.wasm }}]
+routes:
+  - {{ name: api, match: {{ path_prefix: /api }}, upstream: app, plugins: [{{ use: gate, config: {{ header: x-key }} }}] }}
+"#
+    )
+}
+
+/// An upstream, and a ConfigMap with [`policy`] for it and
+/// `example-require-header` as `gate.wasm`.
+async fn gated() -> (upstream::Upstream, ConfigMap) {
+    let app = upstream::echo("app").await;
+    let yaml = policy(&app.url());
+    let gate = std::fs::read(plugin_file("example-require-header")).expect("plugin");
+    let map = ConfigMap::new(&[("policy.yaml", yaml.as_bytes()), ("gate.wasm", &gate)]);
+    (app, map)
+}
+
+/// The `*.cwasm` files in `dir`.
+fn cached_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "cwasm"))
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    files
+}
+
+/// Starts the proxy on `map` with the cache in `cache`.
+async fn start(map: &ConfigMap, cache: &Path) -> ProxyProcess {
+    ProxyProcess::start_on(
+        map.path(),
+        &["--plugin-cache", cache.to_str().expect("utf-8 path")],
+    )
+    .await
+}
+
+/// Stops the proxy as Kubernetes does, and waits for it to exit.
+async fn stop(mut proxy: ProxyProcess) {
+    proxy.signal("TERM");
+    assert!(
+        proxy
+            .wait_exit(std::time::Duration::from_secs(10))
+            .await
+            .success()
+    );
+}
+
+/// The plugin on `/api` answers as `example-require-header` does: 403
+/// without the header, the upstream with it.
+async fn assert_gate_runs(proxy: &ProxyProcess) {
+    assert_eq!(client::get(&proxy.url("/api/a")).await.status, 403);
+    let keyed = hyper::Request::get(proxy.url("/api/a"))
+        .header("x-key", "1")
+        .body(client::body(bytes::Bytes::new()))
+        .expect("request");
+    assert_eq!(client::send(&client::http1(), keyed).await.status, 200);
+}
+
+#[tokio::test]
+async fn a_restart_loads_compiled_plugins_from_the_cache() {
+    let (_app, map) = gated().await;
+    let scratch = tempfile::tempdir().expect("tempdir");
+    // A directory that is not there yet: the proxy makes it.
+    let cache = scratch.path().join("plugin-cache");
+
+    // First start: compiled, and the code written to the cache.
+    let proxy = start(&map, &cache).await;
+    let kept = proxy.find_log("plugin compiled and kept in the plugin cache");
+    assert!(kept.contains("gate.wasm"), "{kept}");
+    assert_gate_runs(&proxy).await;
+    stop(proxy).await;
+    let files = cached_files(&cache);
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert!(kept.contains(&files[0].display().to_string()), "{kept}");
+
+    // Second start: loaded, not compiled; and the loaded code runs.
+    let proxy = start(&map, &cache).await;
+    let loaded = proxy.find_log("plugin loaded from the plugin cache");
+    assert!(loaded.contains("gate.wasm"), "{loaded}");
+    assert_eq!(proxy.count_logs("plugin compiled"), 0);
+    assert_gate_runs(&proxy).await;
+    stop(proxy).await;
+
+    // A damaged file is refused, named, compiled again and replaced.
+    let mut bytes = std::fs::read(&files[0]).expect("read");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&files[0], &bytes).expect("damage");
+    let proxy = start(&map, &cache).await;
+    let refused = proxy.find_log("not using the cached compiled plugin");
+    assert!(
+        refused.contains("damaged") && refused.contains(&files[0].display().to_string()),
+        "{refused}"
+    );
+    proxy.find_log("plugin compiled and kept in the plugin cache");
+    assert_gate_runs(&proxy).await;
+    stop(proxy).await;
+    let proxy = start(&map, &cache).await;
+    proxy.find_log("plugin loaded from the plugin cache");
+    stop(proxy).await;
+}
+
+#[tokio::test]
+async fn files_other_users_could_have_written_are_not_loaded() {
+    use std::os::unix::fs::PermissionsExt;
+    let (_app, map) = gated().await;
+    let cache = tempfile::tempdir().expect("tempdir");
+    stop(start(&map, cache.path()).await).await;
+    let files = cached_files(cache.path());
+    assert_eq!(files.len(), 1, "{files:?}");
+    std::fs::set_permissions(&files[0], std::fs::Permissions::from_mode(0o662)).expect("chmod");
+
+    let proxy = start(&map, cache.path()).await;
+    let refused = proxy.find_log("not using the cached compiled plugin");
+    assert!(refused.contains("writable by other users"), "{refused}");
+    assert_eq!(proxy.count_logs("plugin loaded from the plugin cache"), 0);
+    assert_gate_runs(&proxy).await;
+    stop(proxy).await;
+    // Written anew, as this user's alone.
+    let mode = std::fs::metadata(&files[0])
+        .expect("meta")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+}
+
+#[tokio::test]
+async fn a_reload_removes_the_code_of_plugins_no_policy_uses() {
+    let (app, mut map) = gated().await;
+    let yaml = policy(&app.url());
+    let trap = std::fs::read(plugin_file("fixture-trap")).expect("plugin");
+    let cache = tempfile::tempdir().expect("tempdir");
+    // Left alone: not a file the cache wrote.
+    std::fs::write(cache.path().join("README"), "mine").expect("write");
+    let mut proxy = start(&map, cache.path()).await;
+    let before = cached_files(cache.path());
+    assert_eq!(before.len(), 1, "{before:?}");
+
+    map.update(&[("policy.yaml", yaml.as_bytes()), ("gate.wasm", &trap)]);
+    proxy.wait_for_log("reload: configuration applied").await;
+    assert_eq!(client::get(&proxy.url("/api/a")).await.status, 500);
+    let after = cached_files(cache.path());
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_ne!(
+        after, before,
+        "the old module's code is gone, the new one's kept"
+    );
+    assert!(cache.path().join("README").exists());
+    proxy.find_log("removed compiled plugins no policy uses from the plugin cache");
+    stop(proxy).await;
+}
+
+#[tokio::test]
+async fn a_cache_that_cannot_be_used_only_costs_the_compile() {
+    let (_app, map) = gated().await;
+    let scratch = tempfile::tempdir().expect("tempdir");
+    // A file where the directory should be.
+    let cache = scratch.path().join("cache");
+    std::fs::write(&cache, "not a directory").expect("write");
+
+    let proxy = start(&map, &cache).await;
+    let warned = proxy.find_log("not using the plugin cache");
+    assert!(warned.contains(&cache.display().to_string()), "{warned}");
+    proxy.find_log("plugin compiled");
+    assert_gate_runs(&proxy).await;
+    stop(proxy).await;
+}
