@@ -687,6 +687,84 @@ routes:
     assert!((1..1000).contains(&recycled), "recycled {recycled} times");
 }
 
+/// The `/metrics` value of `name{labels}`, if the line is there.
+async fn metric_value(
+    proxy: &crate::support::process::ProxyProcess,
+    name: &str,
+    labels: &str,
+) -> Option<f64> {
+    let text = client::get(&proxy.admin_url("/metrics")).await.body;
+    let line = format!("{name}{{{labels}}} ");
+    let text = String::from_utf8_lossy(&text);
+    let found: Vec<f64> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(&line))
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert!(found.len() <= 1, "{name}{{{labels}}} twice:\n{text}");
+    found.first().copied()
+}
+
+#[tokio::test]
+async fn metrics_show_how_near_each_plugin_is_to_its_memory_cap() {
+    // Three uses, capped at 8, 6 and 4 MiB; the hog grows until refused.
+    const POLICY: &str = r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+upstreams: [{ name: app, endpoints: ["APP"] }]
+plugins:
+  - { name: gate, path: example-require-header.wasm }
+  - { name: hog, path: fixture-grow-memory.wasm }
+  - { name: rules, path: header-rules.wasm }
+global_plugins: [{ use: rules, config: { response: { set: { x-seen: "1" } } }, memory: 4MiB }]
+routes:
+  - { name: api, match: { path: /api }, upstream: app, plugins: [{ use: gate, config: { header: x-key }, memory: 8MiB }] }
+  - { name: hog, match: { path: /hog }, upstream: app, plugins: [{ use: hog, memory: 6MiB, timeout: 2s }] }
+"#;
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &POLICY.replace("APP", &app.url()),
+        &[
+            "example-require-header",
+            "fixture-grow-memory",
+            "header-rules",
+        ],
+    );
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let peak =
+        |labels: &'static str| metric_value(&proxy, "portcullis_plugin_memory_peak_bytes", labels);
+    let limit =
+        |labels: &'static str| metric_value(&proxy, "portcullis_plugin_memory_limit_bytes", labels);
+    const MIB: f64 = 1024.0 * 1024.0;
+
+    // Each use once, the global one under route "", with its cap; the
+    // instance each use made when the policies loaded already counts.
+    for (labels, cap) in [
+        (r#"plugin="gate",route="api""#, 8.0),
+        (r#"plugin="hog",route="hog""#, 6.0),
+        (r#"plugin="rules",route="""#, 4.0),
+    ] {
+        assert_eq!(limit(labels).await, Some(cap * MIB), "{labels}");
+        let at_load = peak(labels).await.expect(labels);
+        assert!(at_load > 0.0 && at_load < cap * MIB, "{labels}: {at_load}");
+    }
+    let hog_at_load = peak(r#"plugin="hog",route="hog""#).await.unwrap();
+
+    // The hog grows to its cap and is refused: its peak is near the cap,
+    // never past it; the others stay where they were.
+    let gate_before = peak(r#"plugin="gate",route="api""#).await.unwrap();
+    assert_eq!(client::get(&proxy.url("/hog")).await.status, 500);
+    let hog = peak(r#"plugin="hog",route="hog""#).await.unwrap();
+    assert!(
+        hog > hog_at_load && hog > 4.0 * MIB && hog <= 6.0 * MIB,
+        "hog peaked at {hog} (at load {hog_at_load})"
+    );
+    assert_eq!(client::get(&proxy.url("/api")).await.status, 403);
+    assert_eq!(
+        peak(r#"plugin="gate",route="api""#).await.unwrap(),
+        gate_before
+    );
+}
+
 /// How many instances of `plugin` were put aside near their memory cap.
 async fn recycled(proxy: &crate::support::process::ProxyProcess, plugin: &str) -> u64 {
     let text = client::get(&proxy.admin_url("/metrics")).await.body;

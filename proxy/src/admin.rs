@@ -510,6 +510,38 @@ fn metrics(reloader: &Reloader) -> String {
         "Counters plugins keep through host.count, and each plugin's failures (name=\"failures\").",
         &counters,
     );
+    // Each binding once: the global chain's are in every route's chain.
+    let mut bindings: Vec<&Arc<crate::plugin::Binding>> = Vec::new();
+    for chain in &pipeline.chains().routes {
+        for b in chain.iter() {
+            if !bindings.iter().any(|seen| Arc::ptr_eq(seen, b)) {
+                bindings.push(b);
+            }
+        }
+    }
+    let (mut peaks, mut caps) = (Vec::new(), Vec::new());
+    for b in bindings {
+        let (route, peak, cap) = b.memory_use();
+        let labels = format!(
+            "{{plugin=\"{}\",route=\"{}\"}}",
+            label(&b.plugin),
+            label(route.unwrap_or(""))
+        );
+        peaks.push((labels.clone(), peak as f64));
+        caps.push((labels, cap as f64));
+    }
+    metric(
+        "portcullis_plugin_memory_peak_bytes",
+        "gauge",
+        "The largest memory an instance of the plugin has reached on the route (route=\"\": the global chain) since the configuration was loaded; compare with portcullis_plugin_memory_limit_bytes.",
+        &peaks,
+    );
+    metric(
+        "portcullis_plugin_memory_limit_bytes",
+        "gauge",
+        "The plugin's memory cap per instance on the route (its `memory`).",
+        &caps,
+    );
     if let Some(tunnels) = control.shared().tunnels() {
         // Per server, in the order given: the tunnels kept, and those up.
         let mut per_server: Vec<(String, usize, usize)> = Vec::new();

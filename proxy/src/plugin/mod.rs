@@ -421,6 +421,10 @@ pub struct Binding {
     idle: [Shard; SHARDS],
     /// The config's route names by index, for `current-route`.
     route_names: Arc<[Arc<str>]>,
+    /// The route the binding is on; `None` for the global chain.
+    route: Option<Arc<str>>,
+    /// The largest memory any of its instances has reached, in bytes.
+    memory_peak: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl std::fmt::Debug for Binding {
@@ -432,6 +436,17 @@ impl std::fmt::Debug for Binding {
 }
 
 impl Binding {
+    /// The route the binding is on (`None`: the global chain), the
+    /// largest memory one of its instances has reached (its image and
+    /// `configure` included), and its cap, in bytes.
+    pub fn memory_use(&self) -> (Option<&str>, usize, usize) {
+        (
+            self.route.as_deref(),
+            self.memory_peak.load(std::sync::atomic::Ordering::Relaxed),
+            self.memory,
+        )
+    }
+
     /// Starts a call's deadline ([`cpu_deadline`]: the call's first tick
     /// reads its thread's CPU clock, later ones only if it runs on).
     fn arm(store: &mut Store<State>) {
@@ -476,6 +491,7 @@ impl Binding {
                 self.memory,
                 self.timeout,
                 self.route_names.clone(),
+                self.memory_peak.clone(),
             ),
         );
         store.limiter(|s| &mut s.limits);
@@ -708,6 +724,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
         let name = module.name.clone();
         let route_names = route_names.clone();
         let on = route.map_or_else(|| "the global chain".to_owned(), |r| format!("route `{r}`"));
+        let route: Option<Arc<str>> = route.map(Arc::from);
         async move {
             let Some(pre) = pre else { return Ok(None) };
             let mut binding = Binding {
@@ -722,6 +739,8 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                 fresh: u.fresh_instances,
                 idle: std::array::from_fn(|_| Shard::default()),
                 route_names,
+                route,
+                memory_peak: Default::default(),
             };
             let at = |message: String| ConfigError {
                 pos: u.defined_at.clone(),

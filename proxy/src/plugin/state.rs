@@ -1,6 +1,7 @@
 //! What each plugin instance's store holds, and the host functions.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use wasmtime::component::ResourceTable;
@@ -37,12 +38,14 @@ pub struct State {
 
 impl State {
     /// State for an instance of `plugin` capped at `memory` bytes, each
-    /// call at `timeout` of CPU time.
+    /// call at `timeout` of CPU time; `peak` is raised to the largest
+    /// memory the instance reaches.
     pub fn new(
         plugin: Arc<str>,
         memory: usize,
         timeout: std::time::Duration,
         route_names: Arc<[Arc<str>]>,
+        peak: Arc<AtomicUsize>,
     ) -> State {
         State {
             wasi: WasiCtx::builder()
@@ -62,6 +65,7 @@ impl State {
                 peak: 0,
                 step: 0,
                 serving: false,
+                shared_peak: peak,
             },
             deadline: CpuDeadline::new(timeout),
             request: None,
@@ -108,6 +112,10 @@ pub struct MemoryCap {
     step: usize,
     /// Counting `step`: set once the instance is configured.
     pub serving: bool,
+    /// The largest size any instance of the binding has reached (for
+    /// `/metrics`): raised on growth only, which is rare, so calls pay
+    /// nothing for it.
+    shared_peak: Arc<AtomicUsize>,
 }
 
 impl MemoryCap {
@@ -139,7 +147,10 @@ impl wasmtime::ResourceLimiter for MemoryCap {
         if self.serving {
             self.step = self.step.max(desired.saturating_sub(current));
         }
-        self.peak = self.peak.max(desired);
+        if desired > self.peak {
+            self.peak = desired;
+            self.shared_peak.fetch_max(desired, Ordering::Relaxed);
+        }
         Ok(true)
     }
 
