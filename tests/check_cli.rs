@@ -68,6 +68,7 @@ fn the_kubernetes_examples_use_flags_that_exist() {
         commands,
         [
             "serve",
+            "serve",
             "tunnel-client",
             "tunnel-server",
             "tunnel-client",
