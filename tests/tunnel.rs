@@ -440,6 +440,36 @@ routes:
     assert_eq!(refused.status, 401, "{:?}", refused.body);
 }
 
+/// The tunnel client keeps its routing core's compiled plugins in
+/// `--plugin-cache` as `serve` does, and a restarted client loads them.
+#[tokio::test]
+async fn a_restarted_tunnel_client_loads_its_plugins_from_the_cache() {
+    let dir = crate::support::policy_dir(
+        r#"
+plugins: [{ name: gate, path: example-require-header.wasm }]
+routes:
+  - { name: api, match: { path: /api }, respond: { status: 200, body: "in" }, plugins: [{ use: gate, config: { header: x-key } }] }
+"#,
+        &["example-require-header"],
+    );
+    let cache = tempfile::tempdir().expect("tempdir");
+    let server = TunnelServer::start().await;
+    let path = dir.path().display().to_string();
+    let cache_path = cache.path().display().to_string();
+    let args = ["--policies", &path, "--plugin-cache", &cache_path];
+    let first = server.client("rt-a", TOKENS[0].1, &args).await;
+    first.find_log("plugin compiled and kept in the plugin cache");
+    assert_eq!(server.get("rt-a", "/api").await.status, 403);
+    drop(first);
+    // The public side knows the first client's tunnels are gone.
+    server.wait_connections("rt-a", 0).await;
+
+    let second = server.client("rt-a", TOKENS[0].1, &args).await;
+    second.find_log("plugin loaded from the plugin cache");
+    assert_eq!(second.count_logs("plugin compiled"), 0);
+    assert_eq!(server.get("rt-a", "/api").await.status, 403);
+}
+
 #[tokio::test]
 async fn a_body_over_the_routes_limit_gets_413_through_the_tunnel() {
     let echo = upstream::echo("api").await;
