@@ -8,10 +8,12 @@ if ! command -v wrk >/dev/null || ! command -v nginx >/dev/null; then
   apt-get update -qq && apt-get install -y -qq wrk nginx-light >/dev/null
 fi
 # BENCH_NO_BUILD: the caller brings its binaries (instructions-diff.sh).
-if [ -z "${BENCH_NO_BUILD:-}" ]; then
+# PORTCULLIS_BIN: measure that binary (an older build, to compare) instead
+# of building this checkout.
+if [ -z "${BENCH_NO_BUILD:-}" ] && [ -z "${PORTCULLIS_BIN:-}" ]; then
   cargo build --release --locked -p portcullis
 fi
-BIN="$CARGO_TARGET_DIR/release/portcullis"
+BIN="${PORTCULLIS_BIN:-$CARGO_TARGET_DIR/release/portcullis}"
 # A tunnel server's public connections go on for the whole run, as the
 # nginx the benches compare with keeps its clients' (keepalive_requests
 # 1000000 below); the routing core's bench listeners say the same.
