@@ -147,28 +147,63 @@ async fn files_other_users_could_have_written_are_not_loaded() {
 }
 
 #[tokio::test]
-async fn a_reload_removes_the_code_of_plugins_no_policy_uses() {
+async fn the_cache_keeps_the_code_of_this_and_the_previous_configuration() {
     let (app, mut map) = gated().await;
     let yaml = policy(&app.url());
+    let gate = std::fs::read(plugin_file("example-require-header")).expect("plugin");
     let trap = std::fs::read(plugin_file("fixture-trap")).expect("plugin");
+    let hog = std::fs::read(plugin_file("fixture-grow-memory")).expect("plugin");
     let cache = tempfile::tempdir().expect("tempdir");
+    let swap = |map: &mut ConfigMap, module: &[u8]| {
+        map.update(&[("policy.yaml", yaml.as_bytes()), ("gate.wasm", module)]);
+    };
     // Left alone: not a file the cache wrote.
     std::fs::write(cache.path().join("README"), "mine").expect("write");
-    let mut proxy = start(&map, cache.path()).await;
-    let before = cached_files(cache.path());
-    assert_eq!(before.len(), 1, "{before:?}");
 
-    map.update(&[("policy.yaml", yaml.as_bytes()), ("gate.wasm", &trap)]);
+    let first = start(&map, cache.path()).await;
+    let g = cached_files(cache.path());
+    assert_eq!(g.len(), 1, "{g:?}");
+    stop(first).await;
+    // A file an earlier run kept for a module no policy names now.
+    let name = g[0].file_name().unwrap().to_str().unwrap();
+    let stale = cache
+        .path()
+        .join(format!("{}{}", "0".repeat(64), &name[64..]));
+    std::fs::copy(&g[0], &stale).expect("copy");
+    let mut proxy = start(&map, cache.path()).await;
+    proxy.find_log("plugin loaded from the plugin cache");
+    assert_eq!(cached_files(cache.path()), g, "removed at start: {stale:?}");
+
+    // A new version: its code and the one before are kept.
+    swap(&mut map, &trap);
     proxy.wait_for_log("reload: configuration applied").await;
     assert_eq!(client::get(&proxy.url("/api/a")).await.status, 500);
-    let after = cached_files(cache.path());
-    assert_eq!(after.len(), 1, "{after:?}");
-    assert_ne!(
-        after, before,
-        "the old module's code is gone, the new one's kept"
+    let gt = cached_files(cache.path());
+    assert_eq!(gt.len(), 2, "{gt:?}");
+    assert!(gt.contains(&g[0]));
+
+    // Rolled back: loaded from the cache, not compiled.
+    swap(&mut map, &gate);
+    proxy.wait_for_log("reload: configuration applied").await;
+    assert_gate_runs(&proxy).await;
+    assert_eq!(proxy.count_logs("plugin loaded from the plugin cache"), 2);
+    assert_eq!(cached_files(cache.path()), gt);
+
+    // Another version: the one two configurations back goes.
+    swap(&mut map, &hog);
+    proxy.wait_for_log("reload: configuration applied").await;
+    let gh = cached_files(cache.path());
+    assert_eq!(gh.len(), 2, "{gh:?}");
+    assert!(
+        gh.contains(&g[0]),
+        "the previous configuration's module stays"
     );
-    assert!(cache.path().join("README").exists());
+    assert!(
+        gh.iter().all(|f| gt.contains(f) == (f == &g[0])),
+        "{gh:?} {gt:?}"
+    );
     proxy.find_log("removed compiled plugins no policy uses from the plugin cache");
+    assert!(cache.path().join("README").exists());
     stop(proxy).await;
 }
 

@@ -156,6 +156,9 @@ pub struct PluginHost {
     compiled: Mutex<HashMap<[u8; 32], Component>>,
     /// Compiled code kept across restarts (`--plugin-cache`).
     disk: Option<disk_cache::DiskCache>,
+    /// The modules of the configuration before the active one (none at
+    /// start), whose files the disk cache keeps.
+    previous: Mutex<Vec<[u8; 32]>>,
 }
 
 static HOST: OnceLock<Result<PluginHost, String>> = OnceLock::new();
@@ -170,7 +173,9 @@ pub fn use_disk_cache(dir: std::path::PathBuf) {
 
 /// Drops compiled modules the active `config` no longer uses, so a proxy
 /// reloaded with new plugin versions many times does not keep every
-/// version's machine code.
+/// version's machine code. On disk, the modules of the configuration
+/// before stay too: rolling a bad plugin version back (the usual next
+/// reload) then loads its code instead of compiling it.
 pub fn forget_unused(config: &Config) {
     if let Some(Ok(host)) = HOST.get() {
         host.compiled
@@ -178,7 +183,11 @@ pub fn forget_unused(config: &Config) {
             .unwrap_or_else(|p| p.into_inner())
             .retain(|hash, _| config.plugins.iter().any(|m| &m.sha256 == hash));
         if let Some(disk) = &host.disk {
-            let keep: Vec<[u8; 32]> = config.plugins.iter().map(|m| m.sha256).collect();
+            let current: Vec<[u8; 32]> = config.plugins.iter().map(|m| m.sha256).collect();
+            let mut previous = host.previous.lock().unwrap_or_else(|p| p.into_inner());
+            let keep: Vec<[u8; 32]> = current.iter().chain(previous.iter()).copied().collect();
+            *previous = current;
+            drop(previous);
             let removed = disk.retain(&keep);
             if removed > 0 {
                 tracing::info!(
@@ -301,6 +310,7 @@ impl PluginHost {
             linker,
             compiled: Mutex::new(HashMap::new()),
             disk,
+            previous: Mutex::new(Vec::new()),
         })
     }
 
