@@ -248,6 +248,31 @@ mod tests {
     }
 
     #[test]
+    fn a_write_that_fails_says_where_and_leaves_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let engine = engine();
+        let path = dir.path().join("cache");
+        let cache = DiskCache::open(&path, &engine).expect("open");
+        let component = Component::new(&engine, EMPTY).expect("compile");
+        // The directory went away (an emptyDir wiped, a volume unmounted).
+        std::fs::remove_dir(&path).expect("remove");
+        let err = cache.store(&[9; 32], &component).expect_err("no directory");
+        assert!(
+            err.starts_with(&format!("cannot write {}", path.display())),
+            "{err}"
+        );
+        assert!(cache.load(&engine, &[9; 32]).expect("no file").is_none());
+        // A file in the way of the final name: the temporary one goes.
+        std::fs::create_dir(&path).expect("again");
+        std::fs::create_dir(cache.path_of(&[9; 32])).expect("in the way");
+        cache
+            .store(&[9; 32], &component)
+            .expect_err("a directory there");
+        let left: Vec<_> = std::fs::read_dir(&path).expect("list").flatten().collect();
+        assert_eq!(left.len(), 1, "{left:?}");
+    }
+
+    #[test]
     fn refuses_files_others_may_write() {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().expect("tempdir");
