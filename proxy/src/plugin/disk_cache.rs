@@ -114,17 +114,28 @@ impl DiskCache {
         let mut bytes = Vec::with_capacity(meta.len() as usize);
         file.read_to_end(&mut bytes)
             .map_err(|e| format!("cannot read {shown}: {e}"))?;
-        let Some(split) = bytes.len().checked_sub(32) else {
+        // The code, the module's digest, and a digest of both: a file
+        // renamed to another module's name (in a directory others may
+        // write, such as an emptyDir) names its own module.
+        let Some(split) = bytes.len().checked_sub(64) else {
             return Err(format!("{shown} is truncated"));
         };
-        let (code, digest) = bytes.split_at(split);
-        if Sha256::digest(code).as_slice() != digest {
+        let (signed, digest) = bytes.split_at(split + 32);
+        if Sha256::digest(signed).as_slice() != digest {
             return Err(format!("{shown} is damaged (its digest does not match)"));
         }
+        let (code, named) = signed.split_at(split);
+        if named != module {
+            return Err(format!(
+                "{shown} holds the code of another module ({})",
+                hex::encode(named)
+            ));
+        }
         // SAFETY: the bytes are what `store` wrote from
-        // `Component::serialize` for this engine: the file is this user's
-        // alone to write and its digest matches. wasmtime checks the
-        // header and the engine settings again.
+        // `Component::serialize` for this engine and this module: the
+        // file is this user's, no one else may write it, its digest
+        // matches and it names the module. wasmtime checks the header and
+        // the engine settings again.
         unsafe { Component::deserialize(engine, code) }
             .map(Some)
             .map_err(|e| format!("cannot load {shown}: {e:#}"))
@@ -137,7 +148,10 @@ impl DiskCache {
         let code = component
             .serialize()
             .map_err(|e| format!("cannot serialize the compiled plugin: {e:#}"))?;
-        let digest = Sha256::digest(&code);
+        let mut digest = Sha256::new();
+        digest.update(&code);
+        digest.update(module);
+        let digest = digest.finalize();
         let temp = self.dir.join(format!(
             ".{}.{}.tmp",
             hex::encode(&module[..8]),
@@ -150,6 +164,7 @@ impl DiskCache {
                 .mode(0o600)
                 .open(&temp)?;
             file.write_all(&code)?;
+            file.write_all(module)?;
             file.write_all(&digest)?;
             file.sync_data()?;
             std::fs::rename(&temp, &path)
@@ -176,15 +191,39 @@ impl DiskCache {
         for entry in entries.flatten() {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
-            if is_cache_file(name)
-                && !wanted.iter().any(|w| w == name)
-                && std::fs::remove_file(entry.path()).is_ok()
-            {
+            let unused = is_cache_file(name) && !wanted.iter().any(|w| w == name);
+            // A write cut short (the process killed mid-file) leaves its
+            // temporary file; one this old is no write in progress.
+            let abandoned = is_temp_file(name)
+                && entry
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > ABANDONED));
+            if (unused || abandoned) && std::fs::remove_file(entry.path()).is_ok() {
                 removed += 1;
             }
         }
         removed
     }
+}
+
+/// How old a temporary file must be to count as a write that was cut
+/// short (writing one takes well under a second).
+const ABANDONED: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Whether `name` has the shape of [`DiskCache::store`]'s temporary files:
+/// `.<16 hex>.<pid>.tmp`.
+fn is_temp_file(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) else {
+        return false;
+    };
+    let Some((module, pid)) = rest.split_once('.') else {
+        return false;
+    };
+    module.len() == 16
+        && module.bytes().all(|b| b.is_ascii_hexdigit())
+        && !pid.is_empty()
+        && pid.bytes().all(|b| b.is_ascii_digit())
 }
 
 /// Whether `name` has the shape of a file [`DiskCache::store`] writes:
@@ -214,6 +253,16 @@ mod tests {
 
     /// The smallest component there is: `(component)`.
     const EMPTY: &[u8] = b"\0asm\x0d\0\x01\0";
+
+    /// A cache in a new temporary directory, its engine, and the empty
+    /// component compiled.
+    fn fresh() -> (tempfile::TempDir, Engine, DiskCache, Component) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let engine = engine();
+        let cache = DiskCache::open(dir.path(), &engine).expect("open");
+        let component = Component::new(&engine, EMPTY).expect("compile");
+        (dir, engine, cache, component)
+    }
 
     #[test]
     fn stores_then_loads_and_refuses_damage() {
@@ -273,13 +322,24 @@ mod tests {
     }
 
     #[test]
+    fn a_file_renamed_to_another_modules_name_is_refused() {
+        let (_dir, engine, cache, component) = fresh();
+        let a = cache.store(&[0xa; 32], &component).expect("store");
+        std::fs::rename(&a, cache.path_of(&[0xb; 32])).expect("rename");
+        let err = cache
+            .load(&engine, &[0xb; 32])
+            .expect_err("another module's");
+        assert!(
+            err.contains("holds the code of another module (0a0a"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn refuses_files_others_may_write() {
         use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().expect("tempdir");
-        let engine = engine();
-        let cache = DiskCache::open(dir.path(), &engine).expect("open");
+        let (_dir, engine, cache, component) = fresh();
         let module = [1u8; 32];
-        let component = Component::new(&engine, EMPTY).expect("compile");
         let path = cache.store(&module, &component).expect("store");
         assert_eq!(
             std::fs::metadata(&path).expect("meta").permissions().mode() & 0o777,
@@ -292,10 +352,7 @@ mod tests {
 
     #[test]
     fn retain_removes_only_its_own_unused_files() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let engine = engine();
-        let cache = DiskCache::open(dir.path(), &engine).expect("open");
-        let component = Component::new(&engine, EMPTY).expect("compile");
+        let (dir, _engine, cache, component) = fresh();
         let kept = cache.store(&[1; 32], &component).expect("store");
         let dropped = cache.store(&[2; 32], &component).expect("store");
         // An older binary's file for the kept module, and a stranger.
@@ -308,9 +365,23 @@ mod tests {
         let stranger = dir.path().join("notes.txt");
         std::fs::write(&stranger, b"mine").expect("write");
 
-        assert_eq!(cache.retain(&[[1; 32]]), 2);
-        assert!(kept.exists());
-        assert!(!dropped.exists() && !older.exists());
+        // Temporary files: one a crashed write left an hour ago, one being
+        // written now.
+        let abandoned = dir.path().join(".0101010101010101.4242.tmp");
+        let fresh = dir.path().join(".0202020202020202.4243.tmp");
+        for t in [&abandoned, &fresh] {
+            std::fs::write(t, b"half").expect("write");
+        }
+        let hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        std::fs::File::options()
+            .write(true)
+            .open(&abandoned)
+            .and_then(|f| f.set_modified(hour_ago))
+            .expect("age it");
+
+        assert_eq!(cache.retain(&[[1; 32]]), 3);
+        assert!(kept.exists() && fresh.exists());
+        assert!(!dropped.exists() && !older.exists() && !abandoned.exists());
         assert!(stranger.exists());
     }
 
