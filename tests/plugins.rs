@@ -776,6 +776,39 @@ async fn recycled(proxy: &crate::support::process::ProxyProcess, plugin: &str) -
 }
 
 #[test]
+fn a_plugin_pin_is_checked_against_the_file() {
+    let actual = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(
+            std::fs::read(plugin_file("example-require-header")).unwrap(),
+        ))
+    };
+    let policy = |pin: &str| {
+        format!(
+            r#"
+plugins: [{{ name: gate, path: example-require-header.wasm, sha256: "{pin}" }}]
+routes: [{{ name: r, match: {{ path: /r }}, respond: {{ status: 204 }}, plugins: [{{ use: gate, config: {{ header: x }} }}] }}]
+"#
+        )
+    };
+    // The file's own digest, in either case, passes.
+    for pin in [actual.clone(), actual.to_uppercase()] {
+        let dir = policy_dir(&policy(&pin), &["example-require-header"]);
+        let (ok, _, stderr) = crate::support::check(dir.path());
+        assert!(ok, "{stderr}");
+    }
+    // Another file's digest: both named.
+    let other = "ab".repeat(32);
+    let dir = policy_dir(&policy(&other), &["example-require-header"]);
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains(&format!("has sha256 {actual}, but the policy pins {other}")),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn check_reports_plugin_problems_with_route_and_place() {
     let dir = policy_dir(
         r#"
@@ -811,8 +844,8 @@ routes:
     // file, an unknown plugin) and what the plugins that do load say of
     // their configs, each with file:line:column, in reading order.
     let needles = [
-        format!("{file}:6:59: plugin "),
-        "but the policy pins 00".to_string(),
+        format!("{file}:6:59: the pin `00` for plugin "),
+        "is not a sha256 (64 hex digits, as `sha256sum` prints them); the file's is ".to_string(),
         format!("{file}:7:5: plugin {dir}/junk.wasm: not a component of a format this proxy reads"),
         format!("{file}:8:27: cannot read plugin"),
         format!("{file}:13:15: plugin `sig` on route `empty-secret`"),

@@ -1825,6 +1825,21 @@ fn plugin_module(ctx: &mut Ctx, raw: &Spanned<RawPlugin>) -> Option<PluginModule
     if let Some(pin) = &p.sha256 {
         let expected = ctx.text(pin)?;
         let actual = hex::encode(sha256);
+        let shaped =
+            expected.trim().len() == 64 && expected.trim().bytes().all(|b| b.is_ascii_hexdigit());
+        if !shaped {
+            // A typo or a cut-off paste would otherwise read as a
+            // mismatch (and YAML turns an all-digit pin into a number).
+            ctx.err(
+                &pin.referenced,
+                format!(
+                    "the pin `{}` for plugin {} is not a sha256 (64 hex digits, as `sha256sum` prints them); the file's is {actual}",
+                    expected.trim(),
+                    path.display()
+                ),
+            );
+            return None;
+        }
         if !expected.trim().eq_ignore_ascii_case(&actual) {
             ctx.err(
                 &pin.referenced,
