@@ -741,3 +741,31 @@ routes:
         .metrics_showing(&[r#"portcullis_upstream_requests_in_flight{upstream="capped"} 0"#.into()])
         .await;
 }
+
+/// Values are used as written: YAML would read `0777` as the number 777
+/// and `1.10` as 1.1, and a header or body made from the number would
+/// silently differ from the policy file.
+#[tokio::test]
+async fn values_that_look_like_numbers_keep_their_text() {
+    const POLICY: &str = r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+upstreams: [{ name: app, endpoints: ["APP"] }]
+routes:
+  - { name: mode, match: { path: /mode }, respond: { status: 200, body: 0777, headers: { x-version: 1.10 } } }
+  - name: app
+    match: { path: /app }
+    upstream: app
+    request_headers: { add: { x-version: 1.10, x-id: 0x1F, x-flag: yes, x-big: 12345678901234567890123 } }
+"#;
+    let app = upstream::echo("app").await;
+    let proxy = Proxy::start_yaml(&POLICY.replace("APP", &app.url())).await;
+    let mode = client::get(&proxy.url("/mode")).await;
+    assert_eq!(mode.body, "0777");
+    assert_eq!(mode.header("x-version"), Some("1.10"));
+    let seen = client::get(&proxy.url("/app")).await.json();
+    let headers = &seen["headers"];
+    assert_eq!(headers["x-version"], "1.10", "{seen:#}");
+    assert_eq!(headers["x-id"], "0x1F", "{seen:#}");
+    assert_eq!(headers["x-flag"], "yes", "{seen:#}");
+    assert_eq!(headers["x-big"], "12345678901234567890123", "{seen:#}");
+}

@@ -10,8 +10,11 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
 use serde_saphyr::Spanned;
 
-/// Any YAML scalar (string, number or boolean) kept as its text, so that
-/// environment references expand the same way in every kind of value.
+/// Any YAML scalar (string, number or boolean) kept as its text, as
+/// written, so that environment references expand the same way in every
+/// kind of value and a value that looks like a number (`0777`, `1.10`, a
+/// digits-only token) is not rewritten by YAML's number rules. Read with
+/// `deserialize_str`, which hands plain scalars over as their source text.
 #[derive(Debug, Clone)]
 pub struct Scalar(pub String);
 
@@ -42,7 +45,7 @@ impl<'de> Deserialize<'de> for Scalar {
                 Ok(Scalar(v.to_string()))
             }
         }
-        d.deserialize_any(ScalarVisitor)
+        d.deserialize_str(ScalarVisitor)
     }
 }
 
