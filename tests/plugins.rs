@@ -775,6 +775,26 @@ async fn recycled(proxy: &crate::support::process::ProxyProcess, plugin: &str) -
         .map_or(0, |n| n.parse().unwrap())
 }
 
+/// A plugin's config is YAML data, so an unquoted `0123` is a number;
+/// the plugin's refusal says to quote it.
+#[test]
+fn a_number_where_a_plugin_wants_text_gets_a_hint() {
+    let dir = policy_dir(
+        r#"
+plugins: [{ name: sig, path: webhook-signature.wasm }]
+routes: [{ name: r, match: { path: /r }, respond: { status: 204 }, plugins: [{ use: sig, config: { provider: gitlab, secret: 0123 } }] }]
+"#,
+        &["webhook-signature"],
+    );
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains("invalid config at `secret`: invalid type:")
+            && stderr.contains("expected a string (YAML reads an unquoted number or true/false as such: quote the value)"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn a_plugin_pin_is_checked_against_the_file() {
     let actual = {

@@ -150,7 +150,21 @@ pub fn parse_config<T: serde::de::DeserializeOwned>(json: &str) -> Result<T, Str
     let plain = |e: &serde_json::Error| {
         let text = e.to_string();
         let at = format!(" at line {} column {}", e.line(), e.column());
-        text.strip_suffix(&at).unwrap_or(&text).to_owned()
+        let text = text.strip_suffix(&at).unwrap_or(&text);
+        // The config was YAML: an unquoted 0123, 1.10 or yes-like value
+        // arrived as a number or a boolean, where the user meant text.
+        let unquoted = [
+            "invalid type: integer",
+            "invalid type: floating point",
+            "invalid type: boolean",
+        ]
+        .iter()
+        .any(|t| text.starts_with(t));
+        if unquoted && text.ends_with("expected a string") {
+            format!("{text} (YAML reads an unquoted number or true/false as such: quote the value)")
+        } else {
+            text.to_owned()
+        }
     };
     let mut de = serde_json::Deserializer::from_str(json);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
@@ -421,7 +435,7 @@ mod tests {
         let err = parse_config::<Config>(r#"{"cors":{"allow_origins":["a",2]}}"#).unwrap_err();
         assert_eq!(
             err,
-            "invalid config at `cors.allow_origins[1]`: invalid type: integer `2`, expected a string"
+            "invalid config at `cors.allow_origins[1]`: invalid type: integer `2`, expected a string (YAML reads an unquoted number or true/false as such: quote the value)"
         );
         let err = parse_config::<Config>(r#"{"cors":{"allow_origin":[]}}"#).unwrap_err();
         assert!(
