@@ -222,3 +222,55 @@ async fn a_cache_that_cannot_be_used_only_costs_the_compile() {
     assert_gate_runs(&proxy).await;
     stop(proxy).await;
 }
+
+/// `check --plugin-cache` fills the cache and then loads from it: a file
+/// it loaded is left as it was, a damaged one is written again.
+#[tokio::test]
+async fn check_uses_the_cache_too() {
+    let (_app, map) = gated().await;
+    let cache = tempfile::tempdir().expect("tempdir");
+    let check = || {
+        let out = std::process::Command::new(crate::support::binary())
+            .args(["check", "--policies"])
+            .arg(map.path())
+            .arg("--plugin-cache")
+            .arg(cache.path())
+            .output()
+            .expect("run check");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    check();
+    let files = cached_files(cache.path());
+    assert_eq!(files.len(), 1, "{files:?}");
+    let written = std::fs::read(&files[0]).expect("read");
+    // Aged, so a rewrite would show in the time as well as the bytes.
+    let long_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    let age = |t| {
+        std::fs::File::options()
+            .write(true)
+            .open(&files[0])
+            .and_then(|f| f.set_modified(t))
+            .expect("set time");
+    };
+    age(long_ago);
+    check();
+    let modified = || {
+        std::fs::metadata(&files[0])
+            .and_then(|m| m.modified())
+            .expect("mtime")
+    };
+    assert_eq!(modified(), long_ago, "loaded, not written again");
+
+    let mut damaged = written;
+    let mid = damaged.len() / 2;
+    damaged[mid] ^= 1;
+    std::fs::write(&files[0], &damaged).expect("damage");
+    age(long_ago);
+    check();
+    assert_ne!(modified(), long_ago, "written again");
+    assert_ne!(std::fs::read(&files[0]).expect("read"), damaged);
+}

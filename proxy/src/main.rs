@@ -292,6 +292,11 @@ enum Command {
         /// Directory of *.yaml policy files; the built-in defaults when not given.
         #[arg(long, env = "PORTCULLIS_POLICIES")]
         policies: Option<PathBuf>,
+        /// Use (and fill) this plugin cache, as `serve --plugin-cache`
+        /// does: a pipeline that keeps the directory between runs checks
+        /// a Python or JavaScript plugin in milliseconds, not seconds.
+        #[arg(long, env = "PORTCULLIS_PLUGIN_CACHE")]
+        plugin_cache: Option<PathBuf>,
     },
 }
 
@@ -359,7 +364,15 @@ fn run_on<F: std::future::Future<Output = anyhow::Result<()>>>(
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Check { policies } => portcullis::commands::check(policies.as_deref()),
+        Command::Check {
+            policies,
+            plugin_cache,
+        } => {
+            if let Some(dir) = plugin_cache {
+                portcullis::plugin::use_disk_cache(dir);
+            }
+            portcullis::commands::check(policies.as_deref())
+        }
         Command::HashToken => portcullis::commands::hash_token(),
         Command::TunnelServer {
             public,
