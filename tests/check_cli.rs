@@ -436,3 +436,31 @@ upstreams:
         ],
     );
 }
+
+/// Values are read as written (see routing's numbers test), and switches
+/// take every spelling YAML has for true and false, as they did when YAML
+/// turned them into booleans first; anything else is named.
+#[test]
+fn switches_take_yamls_spellings_of_true_and_false() {
+    let policy = |switch: &str| {
+        format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0", request_id: on }}]
+upstreams: [{{ name: app, endpoints: ["http://127.0.0.1:9"], http2: no }}]
+routes:
+  - {{ name: r, match: {{ path: /r }}, upstream: app, websocket: {switch}, access_log: Off }}
+"#
+        )
+    };
+    for spelling in [
+        "true", "True", "TRUE", "yes", "Yes", "on", "y", "false", "No", "OFF", "n",
+    ] {
+        let dir = crate::support::policy_dir(&policy(spelling), &[]);
+        let (ok, _, stderr) = crate::support::check(dir.path());
+        assert!(ok, "{spelling}: {stderr}");
+    }
+    crate::support::assert_check_errors(
+        &policy("maybe"),
+        &[(5, "`maybe` is not a boolean; write true or false")],
+    );
+}

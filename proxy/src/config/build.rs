@@ -81,6 +81,22 @@ struct Ctx<'e> {
     unparsed: &'e [Arc<str>],
 }
 
+/// `s`, or `true`/`false` for any spelling YAML has for those (1.1's
+/// yes/no/on/off/y/n too, in any case). Values are read as written, so a
+/// switch written `websocket: yes` or `True` still reads as one, where a
+/// header value `yes` stays `yes`.
+fn boolean_word(s: &str) -> &str {
+    const TRUE: [&str; 4] = ["true", "yes", "on", "y"];
+    const FALSE: [&str; 4] = ["false", "no", "off", "n"];
+    if TRUE.iter().any(|w| s.eq_ignore_ascii_case(w)) {
+        "true"
+    } else if FALSE.iter().any(|w| s.eq_ignore_ascii_case(w)) {
+        "false"
+    } else {
+        s
+    }
+}
+
 impl Ctx<'_> {
     fn pos(&self, loc: &Location) -> Pos {
         Pos {
@@ -143,7 +159,7 @@ impl Ctx<'_> {
     }
 
     fn flag(&mut self, t: &Option<Text>, default: bool) -> bool {
-        self.parse_or(t, default, |s| match s {
+        self.parse_or(t, default, |s| match boolean_word(s) {
             "true" => Ok(true),
             "false" => Ok(false),
             _ => Err(format!("`{s}` is not a boolean; write true or false")),
@@ -155,7 +171,7 @@ impl Ctx<'_> {
     /// neither.
     fn switch(&mut self, t: &Option<Text>) -> Option<bool> {
         let Some(t) = t else { return Some(true) };
-        self.parse(t, |s| match s {
+        self.parse(t, |s| match boolean_word(s) {
             "" | "false" => Ok(false),
             "true" => Ok(true),
             _ => Err(format!(
@@ -486,9 +502,9 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         });
     let trust_forwarded_headers = ctx.flag(&l.trust_forwarded_headers, false);
     let proxy_protocol = ctx.flag(&l.proxy_protocol, false);
-    let request_id = ctx.parse_or(&l.request_id, RequestIds::Keep, |s| match s {
+    let request_id = ctx.parse_or(&l.request_id, RequestIds::Keep, |s| match boolean_word(s) {
         "keep" => Ok(RequestIds::Keep),
-        // YAML reads a bare `off` as false (and `on` as true).
+        // `on`, `off` and their kin are taken as the modes they suggest.
         "make" | "true" => Ok(RequestIds::Make),
         "off" | "false" => Ok(RequestIds::Off),
         _ => Err(format!(
@@ -501,7 +517,7 @@ fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<Listener> {
         .and_then(|t| listener_tls(ctx, t, name.as_deref().unwrap_or_default()));
     // `true` for the standard port, or the HTTPS listener's port.
     let redirect_https = l.redirect_https.as_ref().and_then(|t| {
-        ctx.parse(t, |s| match s {
+        ctx.parse(t, |s| match boolean_word(s) {
             "false" => Ok(None),
             "true" => Ok(Some(443)),
             _ => match s.parse::<u16>() {
@@ -1637,13 +1653,15 @@ fn route(
             n => Ok(n),
         })
     });
-    let access_log = ctx.parse_or(&r.access_log, AccessLogging::All, |s| match s {
-        "true" => Ok(AccessLogging::All),
-        "errors" => Ok(AccessLogging::Errors),
-        "false" => Ok(AccessLogging::Off),
-        _ => Err(format!(
-            "access_log `{s}`: true (every request), errors (status 400 and above) or false"
-        )),
+    let access_log = ctx.parse_or(&r.access_log, AccessLogging::All, |s| {
+        match boolean_word(s) {
+            "true" => Ok(AccessLogging::All),
+            "errors" => Ok(AccessLogging::Errors),
+            "false" => Ok(AccessLogging::Off),
+            _ => Err(format!(
+                "access_log `{s}`: true (every request), errors (status 400 and above) or false"
+            )),
+        }
     });
     let plugins = r
         .plugins
@@ -1752,17 +1770,20 @@ fn compression(ctx: &mut Ctx, raw: &Spanned<RawCompress>) -> Option<Compression>
             "`{s}` is not a gzip level; use 1 (fastest) to 9 (smallest)"
         )),
     });
-    let brotli = ctx.parse_or(&settings.brotli, Some(DEFAULT_BROTLI), |s| match s {
-        // YAML reads a bare `off` as false.
-        "false" | "off" => Ok(None),
-        "true" => Ok(Some(DEFAULT_BROTLI)),
-        _ => match s.parse::<u32>() {
-            Ok(n @ 0..=11) => Ok(Some(n)),
-            _ => Err(format!(
-                "`{s}` is not a brotli quality; use 0 (fastest) to 11 (smallest), or false"
-            )),
+    let brotli = ctx.parse_or(
+        &settings.brotli,
+        Some(DEFAULT_BROTLI),
+        |s| match boolean_word(s) {
+            "false" => Ok(None),
+            "true" => Ok(Some(DEFAULT_BROTLI)),
+            _ => match s.parse::<u32>() {
+                Ok(n @ 0..=11) => Ok(Some(n)),
+                _ => Err(format!(
+                    "`{s}` is not a brotli quality; use 0 (fastest) to 11 (smallest), or false"
+                )),
+            },
         },
-    });
+    );
     Some(Compression {
         types,
         min_size,
