@@ -335,9 +335,7 @@ impl PluginHost {
             .insert(module.sha256, component.clone());
         Ok(component)
     }
-}
 
-impl PluginHost {
     /// The module's compiled code from the disk cache, if there is one and
     /// it holds a sound file for the module.
     fn cached(&self, module: &PluginModule) -> Option<Component> {
