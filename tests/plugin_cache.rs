@@ -230,18 +230,10 @@ async fn check_uses_the_cache_too() {
     let (_app, map) = gated().await;
     let cache = tempfile::tempdir().expect("tempdir");
     let check = || {
-        let out = std::process::Command::new(crate::support::binary())
-            .args(["check", "--policies"])
-            .arg(map.path())
-            .arg("--plugin-cache")
-            .arg(cache.path())
-            .output()
-            .expect("run check");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let flag = std::ffi::OsStr::new("--plugin-cache");
+        let (ok, _, stderr) =
+            crate::support::check_with(map.path(), &[flag, cache.path().as_os_str()]);
+        assert!(ok, "{stderr}");
     };
     check();
     let files = cached_files(cache.path());

@@ -128,10 +128,16 @@ impl Drop for Proxy {
 /// Runs `portcullis check --policies dir`: whether it passed, its stdout
 /// and its stderr.
 pub fn check(dir: &std::path::Path) -> (bool, String, String) {
+    check_with(dir, &[])
+}
+
+/// [`check`] with `extra` arguments.
+pub fn check_with(dir: &std::path::Path, extra: &[&std::ffi::OsStr]) -> (bool, String, String) {
     let out = std::process::Command::new(binary())
         .arg("check")
         .arg("--policies")
         .arg(dir)
+        .args(extra)
         .output()
         .expect("run check");
     (
