@@ -47,6 +47,18 @@ fn cached_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// The `/metrics` lines for the plugin cache's outcomes since start.
+fn outcomes(loaded: u64, compiled: u64, refused: u64) -> Vec<String> {
+    [
+        ("loaded", loaded),
+        ("compiled", compiled),
+        ("refused", refused),
+    ]
+    .iter()
+    .map(|(o, n)| format!(r#"portcullis_plugin_cache_total{{outcome="{o}"}} {n}"#))
+    .collect()
+}
+
 /// Starts the proxy on `map` with the cache in `cache`.
 async fn start(map: &ConfigMap, cache: &Path) -> ProxyProcess {
     ProxyProcess::start_on(
@@ -90,6 +102,7 @@ async fn a_restart_loads_compiled_plugins_from_the_cache() {
     let kept = proxy.find_log("plugin compiled and kept in the plugin cache");
     assert!(kept.contains("gate.wasm"), "{kept}");
     assert_gate_runs(&proxy).await;
+    proxy.metrics_showing(&outcomes(0, 1, 0)).await;
     stop(proxy).await;
     let files = cached_files(&cache);
     assert_eq!(files.len(), 1, "{files:?}");
@@ -101,6 +114,7 @@ async fn a_restart_loads_compiled_plugins_from_the_cache() {
     assert!(loaded.contains("gate.wasm"), "{loaded}");
     assert_eq!(proxy.count_logs("plugin compiled"), 0);
     assert_gate_runs(&proxy).await;
+    proxy.metrics_showing(&outcomes(1, 0, 0)).await;
     stop(proxy).await;
 
     // A damaged file is refused, named, compiled again and replaced.
@@ -116,6 +130,7 @@ async fn a_restart_loads_compiled_plugins_from_the_cache() {
     );
     proxy.find_log("plugin compiled and kept in the plugin cache");
     assert_gate_runs(&proxy).await;
+    proxy.metrics_showing(&outcomes(0, 1, 1)).await;
     stop(proxy).await;
     let proxy = start(&map, &cache).await;
     proxy.find_log("plugin loaded from the plugin cache");

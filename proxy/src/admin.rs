@@ -510,6 +510,18 @@ fn metrics(reloader: &Reloader) -> String {
         "Counters plugins keep through host.count, and each plugin's failures (name=\"failures\").",
         &counters,
     );
+    if let Some([loaded, compiled, refused]) = crate::plugin::disk_cache_outcomes() {
+        metric(
+            "portcullis_plugin_cache_total",
+            "counter",
+            "Plugin modules since start, by how the plugin cache (--plugin-cache) served them: loaded from it, compiled (the file not there, or refused), refused (there, but damaged, another user's or another module's).",
+            &[
+                ("{outcome=\"loaded\"}".to_owned(), loaded as f64),
+                ("{outcome=\"compiled\"}".to_owned(), compiled as f64),
+                ("{outcome=\"refused\"}".to_owned(), refused as f64),
+            ],
+        );
+    }
     // Each binding once: the global chain's are in every route's chain.
     let mut bindings: Vec<&Arc<crate::plugin::Binding>> = Vec::new();
     for chain in &pipeline.chains().routes {

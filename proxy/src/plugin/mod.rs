@@ -159,7 +159,28 @@ pub struct PluginHost {
     /// The modules of the configuration before the active one (none at
     /// start), whose files the disk cache keeps.
     previous: Mutex<Vec<[u8; 32]>>,
+    /// Modules loaded from the disk cache, compiled, and found in it but
+    /// refused (damaged, another user's, another module's).
+    cache_outcomes: [std::sync::atomic::AtomicU64; 3],
 }
+
+/// How the disk cache served each module compiled since start: loaded,
+/// compiled (not there, or no cache), refused (there, but not loaded);
+/// `None` without `--plugin-cache` or before the first plugin.
+pub fn disk_cache_outcomes() -> Option<[u64; 3]> {
+    let host = HOST.get()?.as_ref().ok()?;
+    host.disk.as_ref()?;
+    Some(
+        host.cache_outcomes
+            .each_ref()
+            .map(|n| n.load(std::sync::atomic::Ordering::Relaxed)),
+    )
+}
+
+/// Indexes into `cache_outcomes`.
+const LOADED: usize = 0;
+const COMPILED: usize = 1;
+const REFUSED: usize = 2;
 
 static HOST: OnceLock<Result<PluginHost, String>> = OnceLock::new();
 /// Where compiled plugins are kept on disk, when the operator said.
@@ -311,6 +332,7 @@ impl PluginHost {
             compiled: Mutex::new(HashMap::new()),
             disk,
             previous: Mutex::new(Vec::new()),
+            cache_outcomes: Default::default(),
         })
     }
 
@@ -327,13 +349,20 @@ impl PluginHost {
         }
         let component = match self.cached(module) {
             Some(component) => component,
-            None => self.compile_and_keep(module)?,
+            None => {
+                self.count(COMPILED);
+                self.compile_and_keep(module)?
+            }
         };
         self.compiled
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(module.sha256, component.clone());
         Ok(component)
+    }
+
+    fn count(&self, outcome: usize) {
+        self.cache_outcomes[outcome].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The module's compiled code from the disk cache, if there is one and
@@ -348,10 +377,12 @@ impl PluginHost {
                     ms = started.elapsed().as_millis() as u64,
                     "plugin loaded from the plugin cache"
                 );
+                self.count(LOADED);
                 Some(component)
             }
             Ok(None) => None,
             Err(why) => {
+                self.count(REFUSED);
                 tracing::warn!(
                     plugin = %module.path.display(),
                     error = %why,
