@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::Path;
 
-use crate::support::client::{self, ReqBody};
+use crate::support::client;
 use crate::support::process::{Confine, ProxyProcess};
 use crate::support::upstream::{self, Upstream};
 
@@ -49,10 +49,7 @@ fn write_hosts(path: &Path, ips: &[&str]) {
 /// proxy worker takes them all), and tells, per pod that answered, how
 /// many it answered, and from which proxy connections (their ports).
 async fn spread(
-    client: &hyper_util::client::legacy::Client<
-        hyper_util::client::legacy::connect::HttpConnector,
-        ReqBody,
-    >,
+    client: &mut client::Connection,
     proxy: &ProxyProcess,
     port: u16,
     n: usize,
@@ -62,7 +59,7 @@ async fn spread(
         let req = http::Request::get(proxy.url("/hello"))
             .body(client::body(""))
             .unwrap();
-        let answer = client::send(client, req).await;
+        let answer = client.send(req).await;
         assert_eq!(answer.status, 200, "{:?}", answer.body);
         let v = answer.json();
         // The pod is named by its host, not by its address: in Host, or
@@ -160,10 +157,10 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     let hosts = dir.path().join("hosts");
     write_hosts(&hosts, &["127.0.0.1", "127.0.0.2", "127.0.0.3"]);
     let mut proxy = proxy(dir.path(), port, EACH, 3).await;
-    let client = client::http1();
+    let mut client = client::Connection::open(proxy.addr).await;
 
     // Round robin over the three addresses, from the first request on.
-    let before = spread(&client, &proxy, port, 9).await;
+    let before = spread(&mut client, &proxy, port, 9).await;
     let counts: Vec<_> = before.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
     assert_eq!(counts, [("a", 3), ("b", 3), ("c", 3)]);
     // The access lines say which pod answered each request.
@@ -188,7 +185,7 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     let line = proxy.find_log(r#"removed":"[\"127.0.0.3\"]"#);
     assert!(line.contains("upstream host's addresses changed"), "{line}");
     assert!(line.contains(r#""upstreams":"pods""#), "{line}");
-    let after = spread(&client, &proxy, port, 8).await;
+    let after = spread(&mut client, &proxy, port, 8).await;
     let counts: Vec<_> = after.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
     assert_eq!(counts, [("a", 4), ("b", 4)]);
     for pod in ["a", "b"] {
@@ -204,7 +201,7 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     write_hosts(&hosts, &[]);
     let line = proxy.wait_for_log("cannot look up an upstream host").await;
     assert!(line.contains("pods.test"), "{line}");
-    let during = spread(&client, &proxy, port, 4).await;
+    let during = spread(&mut client, &proxy, port, 4).await;
     assert_eq!(during.keys().collect::<Vec<_>>(), ["a", "b"]);
 
     // The name stops existing (the Service scaled to zero): its addresses
@@ -239,7 +236,7 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     write_hosts(&hosts, &["127.0.0.3", "127.0.0.1", "127.0.0.2"]);
     proxy.wait_for_log("upstream host resolves again").await;
     proxy.metrics_showing(&endpoints_gauge(3)).await;
-    let back = spread(&client, &proxy, port, 6).await;
+    let back = spread(&mut client, &proxy, port, 6).await;
     let counts: Vec<_> = back.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
     assert_eq!(counts, [("a", 2), ("b", 2), ("c", 2)]);
 }
@@ -255,8 +252,8 @@ async fn an_http2_upstream_gets_a_connection_per_address() {
         &["127.0.0.1", "127.0.0.2", "127.0.0.3"],
     );
     let proxy = proxy(dir.path(), port, &format!("{EACH}\n    http2: true"), 3).await;
-    let client = client::http1();
-    let seen = spread(&client, &proxy, port, 6).await;
+    let mut client = client::Connection::open(proxy.addr).await;
+    let seen = spread(&mut client, &proxy, port, 6).await;
     let version = client::get(&proxy.url("/")).await.json()["version"].clone();
     assert_eq!(version, "HTTP/2.0");
     let counts: Vec<_> = seen.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
@@ -280,21 +277,21 @@ async fn a_reload_that_adds_each_address_spreads_at_once_and_follows_changes() {
     std::fs::write(&policy, &connect).unwrap();
     proxy.signal("HUP");
     proxy.wait_for_log("reload: configuration applied").await;
-    let client = client::http1();
-    let one = spread(&client, &proxy, port, 4).await;
+    let mut client = client::Connection::open(proxy.addr).await;
+    let one = spread(&mut client, &proxy, port, 4).await;
     assert_eq!(one.len(), 1, "{one:?}");
 
     // A reload back to each_address: both pods from its first request.
     std::fs::write(&policy, &each).unwrap();
     proxy.signal("HUP");
     proxy.wait_for_log("reload: configuration applied").await;
-    let both = spread(&client, &proxy, port, 4).await;
+    let both = spread(&mut client, &proxy, port, 4).await;
     let counts: Vec<_> = both.iter().map(|(n, (c, _))| (n.as_str(), *c)).collect();
     assert_eq!(counts, [("a", 2), ("b", 2)]);
     // And its host is looked up again from then on.
     write_hosts(&hosts, &["127.0.0.2"]);
     proxy.metrics_showing(&endpoints_gauge(1)).await;
-    let left = spread(&client, &proxy, port, 2).await;
+    let left = spread(&mut client, &proxy, port, 2).await;
     assert_eq!(left.keys().collect::<Vec<_>>(), ["b"]);
 }
 
@@ -331,7 +328,13 @@ async fn each_address_is_health_checked_on_its_own() {
         serde_json::json!([{ "upstream": "pods", "endpoint": format!("pods.test:{port} (127.0.0.2)") }])
     );
     // The healthy address takes every request.
-    let seen = spread(&client::http1(), &proxy, port, 4).await;
+    let seen = spread(
+        &mut client::Connection::open(proxy.addr).await,
+        &proxy,
+        port,
+        4,
+    )
+    .await;
     assert_eq!(seen.keys().collect::<Vec<_>>(), ["a"]);
 }
 
@@ -359,8 +362,8 @@ async fn dns_connect_spreads_new_connections_and_passes_over_dead_addresses() {
     let settings =
         "    dns: connect\n    max_requests_per_connection: 1\n    timeouts: { connect: 2s }";
     let proxy = proxy(dir.path(), port, settings, 1).await;
-    let client = client::http1();
-    let seen = spread(&client, &proxy, port, 6).await;
+    let mut client = client::Connection::open(proxy.addr).await;
+    let seen = spread(&mut client, &proxy, port, 6).await;
     // Each dial starts one address further: both pods get connections,
     // and the refused address costs nothing but a try.
     assert_eq!(seen.keys().collect::<Vec<_>>(), ["a", "b"], "{seen:?}");
@@ -370,7 +373,7 @@ async fn dns_connect_spreads_new_connections_and_passes_over_dead_addresses() {
     // wait out its share of the connect timeout and go on to the next,
     // instead of spending all of it and getting a 504.
     write_hosts(&hosts, &["127.0.0.4", "127.0.0.1"]);
-    let seen = spread(&client, &proxy, port, 2).await;
+    let seen = spread(&mut client, &proxy, port, 2).await;
     assert_eq!(seen.keys().collect::<Vec<_>>(), ["a"], "{seen:?}");
     assert_eq!(seen["a"].0, 2);
 }

@@ -343,10 +343,10 @@ routes:
 
     // Two endpoints, one stuck: every GET gets the other's answer. (One
     // connection: one worker's round robin.)
-    let http = client::http1();
+    let mut http = client::Connection::open(proxy.addr).await;
     for _ in 0..4 {
         let req = Request::get(proxy.url("/pair/stuck-only"));
-        let a = client::send(&http, req.body(body("")).unwrap()).await;
+        let a = http.send(req.body(body("")).unwrap()).await;
         assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"quick"[..]));
     }
     assert_eq!(stuck_hits.load(Ordering::SeqCst), 2);

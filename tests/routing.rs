@@ -468,10 +468,10 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: e }}]
     .await;
     // One connection: one worker's round robin, whose cycle of four sends
     // three to the heavy endpoint and one to the light.
-    let http = client::http1();
+    let mut http = client::Connection::open(proxy.addr).await;
     for _ in 0..40 {
         let req = Request::get(proxy.url("/")).body(body("")).unwrap();
-        assert_eq!(client::send(&http, req).await.status, 200);
+        assert_eq!(http.send(req).await.status, 200);
     }
     use std::sync::atomic::Ordering;
     assert_eq!(
@@ -585,13 +585,13 @@ async fn upstream_connections_are_kept_alive_and_reused() {
     let proxy = forwarding_all_to(&e).await;
     // One keep-alive client connection lands on one worker, whose pool
     // should serve every request on one upstream connection.
-    let c = client::http1();
+    let mut c = client::Connection::open(proxy.addr).await;
     let mut peers = std::collections::HashSet::new();
     for i in 0..30 {
         let req = Request::get(proxy.url(&format!("/r{i}")))
             .body(body(Bytes::new()))
             .unwrap();
-        let a = client::send(&c, req).await;
+        let a = c.send(req).await;
         assert_eq!(a.status, 200);
         peers.insert(a.json()["peer"].as_str().unwrap().to_owned());
     }

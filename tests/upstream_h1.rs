@@ -150,13 +150,10 @@ fn keep(s: &str) -> Reply {
     Reply::Keep(s.as_bytes().to_vec())
 }
 
-/// GET `path` through `client` (one client keeps one connection to the
-/// proxy, so its requests share a worker and its upstream pool).
+/// `method` on `path` through `client` (one connection to the proxy, so
+/// its requests share a worker and its upstream pool).
 async fn get(
-    client: &hyper_util::client::legacy::Client<
-        hyper_util::client::legacy::connect::HttpConnector,
-        client::ReqBody,
-    >,
+    client: &mut client::Connection,
     proxy: &Proxy,
     method: &str,
     path: &str,
@@ -166,7 +163,7 @@ async fn get(
         .uri(proxy.url(path))
         .body(body(Bytes::new()))
         .unwrap();
-    client::send(client, req).await
+    client.send(req).await
 }
 
 #[tokio::test]
@@ -179,9 +176,9 @@ async fn chunked_bodies_with_extensions_and_trailers_arrive_whole_and_the_connec
     })
     .await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
-    let c = client::http1();
+    let mut c = client::Connection::open(proxy.addr).await;
     for _ in 0..3 {
-        let a = get(&c, &proxy, "GET", "/c").await;
+        let a = get(&mut c, &proxy, "GET", "/c").await;
         assert_eq!(a.status, 200);
         assert_eq!(&a.body[..], b"hello, world");
         assert_eq!(a.header("x-up"), Some("1"));
@@ -198,10 +195,10 @@ async fn chunked_bodies_with_extensions_and_trailers_arrive_whole_and_the_connec
 async fn content_length_bodies_keep_the_connection_and_the_request_head_is_as_sent() {
     let up = Scripted::start(|_, _| ok()).await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
-    let c = client::http1();
-    let a = get(&c, &proxy, "GET", "/a/b?q=1").await;
+    let mut c = client::Connection::open(proxy.addr).await;
+    let a = get(&mut c, &proxy, "GET", "/a/b?q=1").await;
     assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"ok"[..]));
-    let a = get(&c, &proxy, "POST", "/p").await;
+    let a = get(&mut c, &proxy, "POST", "/p").await;
     assert_eq!(a.status, 200);
     let seen = up.seen();
     assert_eq!(up.connections(), 1);
@@ -226,14 +223,14 @@ async fn a_connection_idle_longer_than_the_idle_timeout_is_not_reused() {
         .replace("retries: 0 }", "retries: 0, timeouts: { idle: 200ms } }");
     assert!(yaml.contains("idle: 200ms"), "{yaml}");
     let proxy = Proxy::start_yaml(&yaml).await;
-    let c = client::http1();
+    let mut c = client::Connection::open(proxy.addr).await;
     for _ in 0..2 {
-        assert_eq!(get(&c, &proxy, "GET", "/a").await.status, 200);
+        assert_eq!(get(&mut c, &proxy, "GET", "/a").await.status, 200);
     }
     assert_eq!(up.connections(), 1, "reused within the idle timeout");
     // Waiting out the idle timeout is the behaviour under test.
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    assert_eq!(get(&c, &proxy, "GET", "/a").await.status, 200);
+    assert_eq!(get(&mut c, &proxy, "GET", "/a").await.status, 200);
     assert_eq!(up.connections(), 2, "idle too long: a new connection");
 }
 
@@ -252,15 +249,15 @@ async fn ok_upstream_with(settings: &str) -> (Scripted, Proxy) {
 #[tokio::test]
 async fn a_connection_is_closed_after_its_max_requests() {
     let (up, proxy) = ok_upstream_with("max_requests_per_connection: 3").await;
-    let c = client::http1();
+    let mut c = client::Connection::open(proxy.addr).await;
     // Bodiless (exchanged in the request's task), then a body too large to
     // hold (hyper takes the connection over, and its count with it).
-    assert_eq!(get(&c, &proxy, "GET", "/1").await.status, 200);
+    assert_eq!(get(&mut c, &proxy, "GET", "/1").await.status, 200);
     let large = Bytes::from(vec![b'x'; 100 * 1024]);
     let req = Request::post(proxy.url("/2")).body(body(large)).unwrap();
-    assert_eq!(client::send(&c, req).await.status, 200);
+    assert_eq!(c.send(req).await.status, 200);
     for path in ["/3", "/4", "/5", "/6", "/7"] {
-        assert_eq!(get(&c, &proxy, "GET", path).await.status, 200);
+        assert_eq!(get(&mut c, &proxy, "GET", path).await.status, 200);
     }
     let per_conn: Vec<usize> = (0..up.connections())
         .map(|n| up.seen().iter().filter(|s| s.conn == n).count())
@@ -271,11 +268,11 @@ async fn a_connection_is_closed_after_its_max_requests() {
 #[tokio::test]
 async fn a_busy_connection_is_replaced_at_the_end_of_its_lifetime() {
     let (up, proxy) = ok_upstream_with("timeouts: { lifetime: 300ms }").await;
-    let c = client::http1();
+    let mut c = client::Connection::open(proxy.addr).await;
     // Never idle for long (the idle timeout is 90 s): only its age ends
     // the first connection. Letting time pass is the behaviour under test.
     for _ in 0..8 {
-        assert_eq!(get(&c, &proxy, "GET", "/a").await.status, 200);
+        assert_eq!(get(&mut c, &proxy, "GET", "/a").await.status, 200);
         tokio::time::sleep(std::time::Duration::from_millis(60)).await;
     }
     let first = up.seen().iter().filter(|s| s.conn == 0).count();
@@ -295,10 +292,10 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up }}]
         up.url()
     ))
     .await;
-    let c = client::http1();
+    let mut c = client::Connection::open(proxy.addr).await;
     let mut peers = Vec::new();
     for _ in 0..5 {
-        let answer = get(&c, &proxy, "GET", "/a").await;
+        let answer = get(&mut c, &proxy, "GET", "/a").await;
         assert_eq!(answer.json()["version"], "HTTP/2.0");
         peers.push(answer.json()["peer"].as_str().unwrap().to_owned());
     }
@@ -312,16 +309,19 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up }}]
 async fn requests_with_and_without_bodies_share_the_pooled_connections() {
     let up = Scripted::start(|_, _| ok()).await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
-    let c = client::http1();
+    let mut c = client::Connection::open(proxy.addr).await;
     // Bodiless; a small body (sent whole by the request's task); a body
     // too large to hold (streamed by hyper, which takes the pooled
     // connection over); bodiless again on the connection hyper now drives.
-    assert_eq!(get(&c, &proxy, "GET", "/1").await.status, 200);
-    assert_eq!(send_body(&c, &proxy, "POST", b"payload").await.status, 200);
+    assert_eq!(get(&mut c, &proxy, "GET", "/1").await.status, 200);
+    assert_eq!(
+        send_body(&mut c, &proxy, "POST", b"payload").await.status,
+        200
+    );
     let large = Bytes::from(vec![b'x'; 100 * 1024]);
     let req = Request::post(proxy.url("/3")).body(body(large)).unwrap();
-    assert_eq!(client::send(&c, req).await.status, 200);
-    assert_eq!(get(&c, &proxy, "GET", "/4").await.status, 200);
+    assert_eq!(c.send(req).await.status, 200);
+    assert_eq!(get(&mut c, &proxy, "GET", "/4").await.status, 200);
     let seen = up.seen();
     assert_eq!(seen.len(), 4);
     assert_eq!(seen[1].body, b"payload");
@@ -337,9 +337,9 @@ async fn a_body_until_close_is_passed_whole_and_the_connection_is_not_reused() {
     })
     .await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
-    let c = client::http1();
+    let mut c = client::Connection::open(proxy.addr).await;
     for _ in 0..2 {
-        let a = get(&c, &proxy, "GET", "/").await;
+        let a = get(&mut c, &proxy, "GET", "/").await;
         assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"all of it"[..]));
     }
     assert_eq!(up.connections(), 2);
@@ -356,10 +356,10 @@ async fn connection_close_and_http_1_0_answers_are_not_reused() {
     })
     .await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
-    let c = client::http1();
+    let mut c = client::Connection::open(proxy.addr).await;
     for (path, want) in [("/close", "a"), ("/old", "b"), ("/close", "a")] {
         assert_eq!(
-            &get(&c, &proxy, "GET", path).await.body[..],
+            &get(&mut c, &proxy, "GET", path).await.body[..],
             want.as_bytes()
         );
     }
@@ -387,15 +387,15 @@ async fn head_204_304_and_interim_answers_carry_no_body() {
     })
     .await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
-    let c = client::http1();
-    let a = get(&c, &proxy, "HEAD", "/h").await;
+    let mut c = client::Connection::open(proxy.addr).await;
+    let a = get(&mut c, &proxy, "HEAD", "/h").await;
     assert_eq!(a.status, 200);
     assert_eq!(a.header("content-length"), Some("1000"));
     assert!(a.body.is_empty());
-    assert_eq!(get(&c, &proxy, "GET", "/204").await.status, 204);
-    let a = get(&c, &proxy, "GET", "/304").await;
+    assert_eq!(get(&mut c, &proxy, "GET", "/204").await.status, 204);
+    let a = get(&mut c, &proxy, "GET", "/304").await;
     assert_eq!((a.status.as_u16(), a.header("etag")), (304, Some("\"x\"")));
-    let a = get(&c, &proxy, "GET", "/interim").await;
+    let a = get(&mut c, &proxy, "GET", "/interim").await;
     assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"final"[..]));
     assert_eq!(
         up.connections(),
@@ -415,15 +415,15 @@ async fn a_reused_connection_dropped_by_the_upstream_is_retried_for_idempotent_m
     })
     .await;
     let proxy = Proxy::start_yaml(&up.yaml()).await;
-    let c = client::http1();
-    assert_eq!(get(&c, &proxy, "GET", "/").await.status, 200);
+    let mut c = client::Connection::open(proxy.addr).await;
+    assert_eq!(get(&mut c, &proxy, "GET", "/").await.status, 200);
     // The GET finds its pooled connection dead after sending; it goes again
     // on a new connection and succeeds.
-    let a = get(&c, &proxy, "GET", "/").await;
+    let a = get(&mut c, &proxy, "GET", "/").await;
     assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"ok"[..]));
     assert_eq!(up.connections(), 2);
     // So does a PUT with a small body (held whole), body and all.
-    let a = send_body(&c, &proxy, "PUT", b"{\"v\":1}").await;
+    let a = send_body(&mut c, &proxy, "PUT", b"{\"v\":1}").await;
     assert_eq!((a.status.as_u16(), &a.body[..]), (200, &b"ok"[..]));
     let puts: Vec<Seen> = up
         .seen()
@@ -436,7 +436,7 @@ async fn a_reused_connection_dropped_by_the_upstream_is_retried_for_idempotent_m
         assert!(put.head.contains("content-length: 7\r\n"), "{}", put.head);
     }
     // A POST is not sent twice: the upstream may have acted on it.
-    let a = send_body(&c, &proxy, "POST", b"once").await;
+    let a = send_body(&mut c, &proxy, "POST", b"once").await;
     assert_eq!(a.status, 502);
     assert_eq!(a.json()["error"], "upstream connection failed");
     let posts = up
@@ -518,10 +518,7 @@ async fn assert_cut_short(proxy: &Proxy, path: &str) {
 
 /// Sends `method /` with `body` through `client`.
 async fn send_body(
-    client: &hyper_util::client::legacy::Client<
-        hyper_util::client::legacy::connect::HttpConnector,
-        client::ReqBody,
-    >,
+    client: &mut client::Connection,
     proxy: &Proxy,
     method: &str,
     body_bytes: &'static [u8],
@@ -531,7 +528,7 @@ async fn send_body(
         .uri(proxy.url("/"))
         .body(body(Bytes::from_static(body_bytes)))
         .unwrap();
-    client::send(client, req).await
+    client.send(req).await
 }
 
 #[tokio::test]

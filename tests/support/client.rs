@@ -277,3 +277,48 @@ pub fn streamed_post_with(
     let sent = tokio::spawn(async move { send(&http1(), req).await });
     (tx, sent)
 }
+
+/// One HTTP/1.1 connection, every request sent on it. The pooled client
+/// may open a second connection while the last answer's is still on its
+/// way back to the pool, and the proxy may give that one to another
+/// worker (with pools of its own): tests that count the proxy's upstream
+/// connections need one client connection for sure.
+pub struct Connection {
+    send: hyper::client::conn::http1::SendRequest<ReqBody>,
+}
+
+impl Connection {
+    /// Connects to `addr`; the connection lives as long as this value.
+    pub async fn open(addr: std::net::SocketAddr) -> Self {
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .expect("connect to the proxy");
+        let io = hyper_util::rt::TokioIo::new(tcp);
+        let (send, conn) = hyper::client::conn::http1::handshake(io)
+            .await
+            .expect("HTTP/1.1 handshake");
+        tokio::spawn(conn);
+        Self { send }
+    }
+
+    /// Sends `req` on this connection and collects the answer (20 s limit);
+    /// fails the test if the connection has closed. An absolute URI goes
+    /// as the pooled client sends it: the authority as `Host`, the path
+    /// and query as the request target.
+    pub async fn send(&mut self, mut req: Request<ReqBody>) -> Answer {
+        if let Some(authority) = req.uri().authority().cloned() {
+            let host = hyper::header::HeaderValue::from_str(authority.as_str()).expect("host");
+            req.headers_mut().entry(hyper::header::HOST).or_insert(host);
+            let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
+            *req.uri_mut() = target.parse().expect("request target");
+        }
+        let exchange = async {
+            self.send.ready().await.expect("connection still open");
+            self.send.send_request(req).await.expect("request")
+        };
+        let resp = tokio::time::timeout(Duration::from_secs(20), exchange)
+            .await
+            .expect("response within 20s");
+        collect(resp).await
+    }
+}
