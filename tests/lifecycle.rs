@@ -100,6 +100,148 @@ async fn sigterm_drains_a_slow_in_flight_request_then_exits_zero() {
     assert!(decimals <= 3, "duration_ms {ms}");
 }
 
+/// A policy directory with two plugins, each on a route: their
+/// compilation makes the start take a while, as in production.
+fn plugin_policies() -> tempfile::TempDir {
+    let yaml = policy("http://127.0.0.1:9").replace(
+        "routes:\n",
+        "plugins: [{ name: gate, path: gate.wasm }, { name: rules, path: rules.wasm }]\nroutes:\n  \
+         - { name: api, match: { path_prefix: /api }, upstream: slow, plugins: [{ use: gate, config: { header: x-key } }] }\n  \
+         - { name: edit, match: { path_prefix: /edit }, upstream: slow, plugins: [{ use: rules, config: { request: { set: { x-a: b } } } }] }\n",
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+    for (file, plugin) in [
+        ("gate.wasm", "example-require-header"),
+        ("rules.wasm", "header-rules"),
+    ] {
+        let code = std::fs::read(crate::support::plugin_file(plugin)).expect("plugin");
+        std::fs::write(dir.path().join(file), code).expect("write");
+    }
+    dir
+}
+
+/// `portcullis serve` spawned here rather than through ProxyProcess,
+/// whose log reader adds enough delay to miss the windows at start. Its
+/// log lines come from a thread, so a wait can give up.
+struct Starting {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    seen: String,
+}
+
+impl Starting {
+    fn serve(policies: &std::path::Path) -> Self {
+        let mut child = std::process::Command::new(crate::support::binary())
+            .args(["serve", "--admin", "off", "--policies"])
+            .arg(policies)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn portcullis");
+        let log = std::io::BufReader::new(child.stderr.take().expect("stderr"));
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufRead::lines(log) {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Starting {
+            child,
+            lines,
+            seen: String::new(),
+        }
+    }
+
+    /// Reads the log up to a line holding `text`, and returns it; fails if
+    /// the process ends first or 20 s pass.
+    fn read_until(&mut self, text: &str) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let line = match self.lines.recv_timeout(left) {
+                Ok(line) => line,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    let _ = self.child.kill();
+                    panic!("no {text:?} logged within 20 s: {}", self.seen)
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    panic!("exited before logging {text:?}: {}", self.seen)
+                }
+            };
+            self.seen.push_str(&line);
+            self.seen.push('\n');
+            if line.contains(text) {
+                return line;
+            }
+        }
+    }
+
+    fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, signal) }, 0);
+    }
+
+    /// Waits (20 s at most) for the exit, with the rest of the log.
+    fn finish(mut self) -> (std::process::ExitStatus, String) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while let Ok(line) = self
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+        {
+            self.seen.push_str(&line);
+            self.seen.push('\n');
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = self.child.kill();
+        }
+        let status = self.child.wait().expect("wait");
+        (status, self.seen)
+    }
+}
+
+/// A pod deleted as it starts: SIGTERM the moment the listeners are
+/// announced still drains and exits 0 (the handlers are in place before
+/// the policies load), not the kill of an unhandled signal.
+#[test]
+fn sigterm_right_after_start_is_a_clean_shutdown() {
+    // With a plugin: its engine start made the window wide enough to hit
+    // every time.
+    let dir = plugin_policies();
+    for attempt in 0..5 {
+        let mut proxy = Starting::serve(dir.path());
+        proxy.read_until("listening");
+        proxy.signal(libc::SIGTERM);
+        let (status, log) = proxy.finish();
+        assert!(status.success(), "attempt {attempt}: {status:?}\n{log}");
+        assert!(log.contains("SIGTERM received"), "attempt {attempt}: {log}");
+    }
+}
+
+/// A config reloader (or an operator) sending SIGHUP while the proxy
+/// still compiles its plugins: the signal is kept and reloads once the
+/// proxy serves, rather than ending the process (SIGHUP's default).
+#[test]
+fn sighup_while_the_plugins_compile_reloads_once_serving() {
+    let dir = plugin_policies();
+    let mut proxy = Starting::serve(dir.path());
+    // Sent when the first plugin is compiled, while the second compiles.
+    proxy.read_until("plugin compiled");
+    proxy.signal(libc::SIGHUP);
+    proxy.read_until("listening");
+    // The policies did not change: the reload finds them as they were.
+    let reload = proxy.read_until("reload: policies unchanged");
+    assert!(reload.contains("signal"), "{reload}");
+    proxy.signal(libc::SIGTERM);
+    let (status, log) = proxy.finish();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert_eq!(log.matches("plugin compiled").count(), 2, "{log}");
+}
+
 #[tokio::test]
 async fn slow_header_senders_are_cut_off() {
     let proxy = Proxy::start_yaml(

@@ -1630,6 +1630,32 @@ async fn sigterm_drains_the_client_then_it_exits() {
     assert!(status.success(), "exit status {status:?}");
 }
 
+/// An operator used to nginx sends the server SIGHUP to "reload": it has
+/// nothing to reload, and must not die of it with every tunnel.
+#[tokio::test]
+async fn sighup_to_the_server_is_logged_and_its_tunnels_stay() {
+    let echo = upstream::echo("kept").await;
+    let mut server = TunnelServer::start().await;
+    let url = echo.url();
+    let client = server
+        .client(
+            "rt-a",
+            TOKENS[0].1,
+            &["--upstream", &url, "--connections", "1"],
+        )
+        .await;
+    assert_eq!(server.get("rt-a", "/").await.status, 200);
+    server.process.signal("HUP");
+    server
+        .process
+        .wait_for_log("SIGHUP received; nothing to reload")
+        .await;
+    // Still the same process and the same tunnel.
+    assert_eq!(server.get("rt-a", "/").await.status, 200);
+    server.wait_connections("rt-a", 1).await;
+    assert_eq!(client.count_logs("tunnel connected"), 1);
+}
+
 #[tokio::test]
 async fn rotating_a_token_closes_tunnels_using_the_old_one_and_the_client_follows() {
     let echo = upstream::echo("rotated").await;

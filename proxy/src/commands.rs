@@ -106,6 +106,8 @@ pub struct ServeOptions {
 /// reloads the policies when they change, on SIGHUP and on the admin
 /// endpoint's request), then drains as `options.drain` says.
 pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
+    let stop = shutdown_signal();
+    let hangup = crate::reload::hangup_handler();
     let config =
         load(options.policies.as_deref()).map_err(|e| anyhow::anyhow!("invalid policies:\n{e}"))?;
     let server = Server::bind(config, options.workers).await?;
@@ -116,8 +118,8 @@ pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         options.policies.clone(),
         server.control().clone(),
     ));
-    let watching = control_plane(reloader, options.admin, options.watch).await?;
-    let served = server.run(shutdown_signal(), options.drain).await;
+    let watching = control_plane(reloader, options.admin, options.watch, hangup).await?;
+    let served = server.run(stop, options.drain).await;
     watching.abort();
     served?;
     Ok(())
@@ -144,6 +146,8 @@ pub struct TunnelClientOptions {
 /// with an error when another client takes over this runtime id.
 pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
     use crate::tunnel::client::{Dialer, Target, run_slot, upstream_policy};
+    let signalled = shutdown_signal();
+    let hangup = crate::reload::hangup_handler();
     let (config, reloader_source) = match &options.client.target {
         Target::Policies(dir) => (
             load(dir.as_deref()).map_err(|e| anyhow::anyhow!("invalid policies:\n{e}"))?,
@@ -173,7 +177,7 @@ pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
         Ok(dir) => Reloader::new(dir, control.clone()),
         Err(sources) => Reloader::with_sources(sources, control.clone()),
     });
-    let watching = control_plane(reloader, options.admin, options.watch).await?;
+    let watching = control_plane(reloader, options.admin, options.watch, hangup).await?;
     for slot in 0..dialer.slots() {
         let dialer = dialer.clone();
         control.spawn_on_worker(slot, move |ctx| Box::pin(run_slot(slot, dialer, ctx)));
@@ -181,7 +185,7 @@ pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
     let give_up = dialer.give_up.clone();
     let stop = async {
         tokio::select! {
-            _ = shutdown_signal() => {}
+            _ = signalled => {}
             _ = give_up.cancelled() => {}
         }
     };
@@ -199,13 +203,27 @@ pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
 
 /// `portcullis tunnel-server`: serves until SIGTERM/SIGINT.
 pub async fn tunnel_server(options: crate::tunnel::server::ServerOptions) -> anyhow::Result<()> {
+    let stop = shutdown_signal();
+    // Nothing to reload: the tokens file is read at each handshake and
+    // checked at each keep-alive. But SIGHUP's default action would end
+    // the process and drop every tunnel, for an operator used to sending
+    // it to reload (as to nginx): say so instead.
+    if let Some(mut hangup) = crate::reload::hangup_handler() {
+        tokio::spawn(async move {
+            while hangup.recv().await.is_some() {
+                tracing::info!(
+                    "SIGHUP received; nothing to reload (the tokens file is read at each handshake and checked at each keep-alive)"
+                );
+            }
+        });
+    }
     let server = crate::tunnel::server::TunnelServer::bind(&options).await?;
     if let Some(addr) = options.admin {
         server.serve_admin(addr).await.with_context(|| {
             format!("cannot bind the admin listener on {addr} (--admin off turns it off)")
         })?;
     }
-    server.run(shutdown_signal()).await
+    server.run(stop).await
 }
 
 /// `portcullis hash-token`: reads a token on stdin, prints its hash for
@@ -230,6 +248,7 @@ async fn control_plane(
     reloader: Arc<Reloader>,
     admin: Option<std::net::SocketAddr>,
     watch: WatchOptions,
+    hangup: Option<tokio::signal::unix::Signal>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     if let Some(addr) = admin {
         crate::admin::serve(addr, reloader.clone())
@@ -238,24 +257,34 @@ async fn control_plane(
                 format!("cannot bind the admin listener on {addr} (--admin off turns it off)")
             })?;
     }
-    let watch = crate::reload::watch(reloader, watch).await;
+    let watch = crate::reload::watch(reloader, watch, hangup).await;
     Ok(tokio::spawn(watch.run()))
 }
 
-/// Completes on the first SIGTERM or SIGINT.
-pub async fn shutdown_signal() {
+/// Completes on the first SIGTERM or SIGINT. The handlers are installed
+/// by this call, not when the future is first polled: a SIGTERM between
+/// the `listening` line and the server's run (a pod deleted as it
+/// starts) would otherwise kill the process without a drain.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
     use tokio::signal::unix::{SignalKind, signal};
     let term = signal(SignalKind::terminate()).context("installing the SIGTERM handler");
-    match term {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM received"),
-                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+    let int = signal(SignalKind::interrupt()).context("installing the SIGINT handler");
+    async move {
+        match (term, int) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM received"),
+                    _ = int.recv() => tracing::info!("SIGINT received"),
+                }
             }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "no SIGTERM handling; stopping on SIGINT only");
-            let _ = tokio::signal::ctrl_c().await;
+            (term, int) => {
+                let e = term.err().or(int.err()).map(|e| format!("{e:#}"));
+                tracing::warn!(
+                    error = e.as_deref(),
+                    "no signal handling; stopping when killed"
+                );
+                std::future::pending::<()>().await;
+            }
         }
     }
 }

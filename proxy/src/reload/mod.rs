@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-pub use watch::{Watch, WatchOptions, watch};
+pub use watch::{Watch, WatchOptions, hangup_handler, watch};
 
 use crate::config::Config;
 use crate::server::Control;

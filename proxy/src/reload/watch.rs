@@ -55,21 +55,32 @@ pub struct Watch {
     watched: HashSet<PathBuf>,
 }
 
-/// Registers the file watches and the SIGHUP handler for `reloader`, then
-/// checks the policies once: a change made between the first load and the
-/// watches being in place sent no event. Call before serving, so changes
-/// made as soon as the proxy listens are seen. SIGHUP is handled even
-/// without a policy directory, since its default action would end the
-/// process.
-pub async fn watch(reloader: Arc<Reloader>, options: WatchOptions) -> Watch {
+/// Installs the SIGHUP handler. Call it first thing: SIGHUP's default
+/// action ends the process, and a reload signal sent while the policies
+/// first load (plugins compiling can take seconds) must not kill it. A
+/// SIGHUP that arrives before the watch runs is kept, and reloads then.
+/// Handled even without a policy directory, for the same reason.
+pub fn hangup_handler() -> Option<tokio::signal::unix::Signal> {
     use tokio::signal::unix::{SignalKind, signal};
-    let hangup = match signal(SignalKind::hangup()) {
+    match signal(SignalKind::hangup()) {
         Ok(s) => Some(s),
         Err(e) => {
             tracing::warn!(error = %e, "cannot handle SIGHUP; reload through the admin endpoint");
             None
         }
-    };
+    }
+}
+
+/// Registers the file watches for `reloader` and takes over `hangup`
+/// (from [`hangup_handler`]), then checks the policies once: a change made
+/// between the first load and the watches being in place sent no event.
+/// Call before serving, so changes made as soon as the proxy listens are
+/// seen.
+pub async fn watch(
+    reloader: Arc<Reloader>,
+    options: WatchOptions,
+    hangup: Option<tokio::signal::unix::Signal>,
+) -> Watch {
     let (events_tx, events) = mpsc::unbounded_channel();
     let mut watcher = match reloader.dir() {
         Some(_) if options.events => start_watcher(events_tx),
