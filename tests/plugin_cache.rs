@@ -220,6 +220,20 @@ async fn the_cache_keeps_the_code_of_this_and_the_previous_configuration() {
     proxy.find_log("removed compiled plugins no policy uses from the plugin cache");
     assert!(cache.path().join("README").exists());
     stop(proxy).await;
+
+    // Restarted on policies that use no plugin (which never start the
+    // engine): the cache is emptied all the same.
+    let plain = yaml
+        .replace("plugins: [{ name: gate, path: gate.wasm }]\n", "")
+        .replace(", plugins: [{ use: gate, config: { header: x-key } }]", "");
+    map.update(&[("policy.yaml", plain.as_bytes())]);
+    let proxy = start(&map, cache.path()).await;
+    assert_eq!(client::get(&proxy.url("/api/a")).await.status, 200);
+    // Before the listeners are announced, so by now.
+    proxy.find_log("removed compiled plugins no policy uses from the plugin cache");
+    assert_eq!(cached_files(cache.path()), Vec::<PathBuf>::new());
+    assert!(cache.path().join("README").exists());
+    stop(proxy).await;
 }
 
 #[tokio::test]

@@ -180,31 +180,44 @@ impl DiskCache {
     /// other engines: an older binary's), leaving anything else in the
     /// directory alone. Returns how many it removed.
     pub fn retain(&self, keep: &[[u8; 32]]) -> usize {
-        let Ok(entries) = std::fs::read_dir(&self.dir) else {
-            return 0;
-        };
         let wanted: Vec<String> = keep
             .iter()
             .map(|m| format!("{}-{}{SUFFIX}", hex::encode(m), self.engine))
             .collect();
-        let mut removed = 0;
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            let unused = is_cache_file(name) && !wanted.iter().any(|w| w == name);
-            // A write cut short (the process killed mid-file) leaves its
-            // temporary file; one this old is no write in progress.
-            let abandoned = is_temp_file(name)
-                && entry
-                    .metadata()
-                    .and_then(|m| m.modified())
-                    .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > ABANDONED));
-            if (unused || abandoned) && std::fs::remove_file(entry.path()).is_ok() {
-                removed += 1;
-            }
-        }
-        removed
+        sweep(&self.dir, &wanted)
     }
+}
+
+/// Removes every compiled plugin in the cache `dir` (when the policies
+/// use none, and so no engine was made to tell this binary's files from
+/// others'), and abandoned temporary files; anything else stays.
+pub fn clear(dir: &Path) -> usize {
+    sweep(dir, &[])
+}
+
+/// Removes the cache files in `dir` not named in `wanted`, and temporary
+/// files a crash left. Returns how many it removed.
+fn sweep(dir: &Path, wanted: &[String]) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let unused = is_cache_file(name) && !wanted.iter().any(|w| w == name);
+        // A write cut short (the process killed mid-file) leaves its
+        // temporary file; one this old is no write in progress.
+        let abandoned = is_temp_file(name)
+            && entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > ABANDONED));
+        if (unused || abandoned) && std::fs::remove_file(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
 }
 
 /// How old a temporary file must be to count as a write that was cut

@@ -198,6 +198,22 @@ pub fn use_disk_cache(dir: std::path::PathBuf) {
 /// before stay too: rolling a bad plugin version back (the usual next
 /// reload) then loads its code instead of compiling it.
 pub fn forget_unused(config: &Config) {
+    // Policies without plugins never start the engine; a cache a run
+    // with plugins filled is emptied all the same.
+    if HOST.get().is_none()
+        && config.plugins.is_empty()
+        && let Some(dir) = DISK_CACHE.get()
+    {
+        let removed = disk_cache::clear(dir);
+        if removed > 0 {
+            tracing::info!(
+                dir = %dir.display(),
+                removed,
+                "removed compiled plugins no policy uses from the plugin cache"
+            );
+        }
+        return;
+    }
     if let Some(Ok(host)) = HOST.get() {
         host.compiled
             .lock()
