@@ -562,6 +562,15 @@ routes:
             stderr.contains(&format!("plugin `{name}` on route `api`: config refused: `header`: the name of the header to require")),
             "{file}: {stderr}"
         );
+        // YAML's types reach the plugin: a header name YAML read as a
+        // number is named, with the way out.
+        let number = policy_dir(&yaml("{ header: 123 }"), &[file]);
+        let (ok, _, stderr) = crate::support::check(number.path());
+        assert!(!ok, "{file}: {stderr}");
+        assert!(
+            stderr.contains("config refused: `header`: expected text, found 123 (YAML reads an unquoted number or true/false as such: quote the value)"),
+            "{file}: {stderr}"
+        );
 
         let good = policy_dir(&yaml("{ header: x-api-key }"), &[file]);
         let proxy = crate::support::process::ProxyProcess::start_on(good.path(), &[]).await;

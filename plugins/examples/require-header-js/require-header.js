@@ -19,6 +19,12 @@ function parse(config) {
   } catch (e) {
     throw `config is not JSON: ${e.message}`;
   }
+  // The policy is YAML: an unquoted 123 or yes arrives as a number or a
+  // boolean, which the author meant as text.
+  if (typeof c?.header === 'number' || typeof c?.header === 'boolean') {
+    throw `\`header\`: expected text, found ${JSON.stringify(c.header)} ` +
+      '(YAML reads an unquoted number or true/false as such: quote the value)';
+  }
   if (typeof c?.header !== 'string' || c.header === '') {
     throw '`header`: the name of the header to require';
   }

@@ -33,6 +33,11 @@ def parse(config: str) -> str:
     except ValueError as e:
         raise Err(f"config is not JSON: {e}")
     header = c.get("header") if isinstance(c, dict) else None
+    # The policy is YAML: an unquoted 123 or yes arrives as a number or a
+    # boolean, which the author meant as text.
+    if isinstance(header, (bool, int, float)):
+        raise Err(f"`header`: expected text, found {json.dumps(header)} "
+                  "(YAML reads an unquoted number or true/false as such: quote the value)")
     if not isinstance(header, str) or not header:
         raise Err("`header`: the name of the header to require")
     return header.lower()
