@@ -447,15 +447,18 @@ pub enum Framing {
 /// `Transfer-Encoding` overrides, so it cannot reach the client.
 fn framing(method: &Method, resp: &mut Response<()>) -> Result<Framing, ExchangeError> {
     let status = resp.status();
-    if *method == Method::HEAD
+    let bodiless = *method == Method::HEAD
         || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED
-    {
-        return Ok(Framing::Length(0));
-    }
+        || status == StatusCode::NOT_MODIFIED;
     let headers = resp.headers_mut();
     if headers.contains_key(header::TRANSFER_ENCODING) {
+        // Also without a body (RFC 9112 §6.3: a proxy removes it before
+        // forwarding): a HEAD answer's length is the GET's, which the
+        // coding says this one is not.
         headers.remove(header::CONTENT_LENGTH);
+        if bodiless {
+            return Ok(Framing::Length(0));
+        }
         let last = headers
             .get_all(header::TRANSFER_ENCODING)
             .iter()
@@ -467,6 +470,9 @@ fn framing(method: &Method, resp: &mut Response<()>) -> Result<Framing, Exchange
             Some(c) if c.eq_ignore_ascii_case("chunked") => Framing::Chunked,
             _ => Framing::UntilClose,
         });
+    }
+    if bodiless {
+        return Ok(Framing::Length(0));
     }
     let mut length = None;
     for value in headers.get_all(header::CONTENT_LENGTH) {
@@ -1007,6 +1013,20 @@ mod tests {
         .unwrap();
         assert_eq!(fr, Framing::Chunked);
         assert!(!resp.headers().contains_key(header::CONTENT_LENGTH));
+        // The same in answers without a body (found by the
+        // upstream_response fuzz target); a HEAD answer's own length stays.
+        let both = "HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n";
+        let (resp, fr) = parsed(both, &Method::HEAD).unwrap();
+        assert_eq!(fr, Framing::Length(0));
+        assert!(!resp.headers().contains_key(header::CONTENT_LENGTH));
+        let (resp, _) = parsed(&both.replace("200 OK", "304 Not Modified"), &get).unwrap();
+        assert!(!resp.headers().contains_key(header::CONTENT_LENGTH));
+        let (resp, _) = parsed(
+            "HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n",
+            &Method::HEAD,
+        )
+        .unwrap();
+        assert_eq!(resp.headers()[header::CONTENT_LENGTH], "9");
     }
 
     #[test]
