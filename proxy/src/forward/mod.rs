@@ -4,7 +4,7 @@
 
 mod affinity;
 mod ejection;
-mod h1;
+pub mod h1;
 mod headers;
 pub mod health;
 mod pool;
