@@ -27,3 +27,4 @@ mod tls_upstream;
 mod tracing_otlp;
 mod tunnel;
 mod upstream_h1;
+mod upstream_h1_vs_hyper;

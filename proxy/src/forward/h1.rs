@@ -450,8 +450,17 @@ fn framing(method: &Method, resp: &mut Response<()>) -> Result<Framing, Exchange
     let bodiless = *method == Method::HEAD
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
+    let version = resp.version();
     let headers = resp.headers_mut();
     if headers.contains_key(header::TRANSFER_ENCODING) {
+        // HTTP/1.0 has no transfer codings: RFC 9112 §6.1 says to treat
+        // such framing as faulty, as hyper's client does.
+        if version == Version::HTTP_10 {
+            return Err(ExchangeError::Failed(
+                "upstream sent an HTTP/1.0 response with Transfer-Encoding, whose framing cannot be trusted"
+                    .into(),
+            ));
+        }
         // Also without a body (RFC 9112 §6.3: a proxy removes it before
         // forwarding): a HEAD answer's length is the GET's, which the
         // coding says this one is not.

@@ -1,0 +1,383 @@
+//! The proxy's own HTTP/1.1 client (`forward::h1`) against hyper's, on
+//! the same bytes from an upstream: for each answer in the table, what a
+//! client gets through the proxy must be what hyper's client makes of the
+//! answer directly (the status, the end-to-end headers, the body, and
+//! whether it ended well), or a refusal where hyper refuses. Where the
+//! proxy differs on purpose, the table says how and why.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper::Request;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::support::Proxy;
+
+/// What a client made of one answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Seen {
+    /// No answer: hyper's error before a head, or the proxy's own 502.
+    Refused,
+    /// The connection ended without an answer (through the proxy).
+    Nothing,
+    Answer {
+        status: u16,
+        /// End-to-end headers, lower case, in order (framing and
+        /// connection headers left out: each hop has its own).
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+        /// The body ended as its framing said (not cut short).
+        whole: bool,
+    },
+}
+
+/// An upstream that answers `GET /N` with case N's bytes, then closes.
+async fn upstream() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                while !head.ends_with(b"\r\n\r\n") {
+                    let mut byte = [0u8; 1];
+                    match sock.read(&mut byte).await {
+                        Ok(1) => head.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                let head = String::from_utf8_lossy(&head).into_owned();
+                let n: usize = head
+                    .split(' ')
+                    .nth(1)
+                    .and_then(|t| t.trim_start_matches('/').parse().ok())
+                    .expect("GET /N");
+                let _ = sock.write_all(cases()[n].answer).await;
+                let _ = sock.shutdown().await;
+                // Read what else comes (nothing should) until the peer
+                // closes, so the close is a FIN and not a reset.
+                let mut rest = [0u8; 1024];
+                while matches!(sock.read(&mut rest).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    addr
+}
+
+/// Case N's request (to `/N`) on a fresh connection to `addr` with hyper's client, and what
+/// came of it.
+async fn send(addr: std::net::SocketAddr, n: usize, through_proxy: bool) -> Seen {
+    let exchange = async {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let io = hyper_util::rt::TokioIo::new(tcp);
+        // Limits well past both readers' own, so that they are what the
+        // cases compare.
+        let Ok((mut send, conn)) = hyper::client::conn::http1::Builder::new()
+            .max_headers(1000)
+            .max_buf_size(1 << 20)
+            .handshake(io)
+            .await
+        else {
+            return Seen::Refused;
+        };
+        tokio::spawn(conn);
+        let req = Request::builder()
+            .method(cases()[n].method)
+            .uri(format!("/{n}"))
+            .header("host", "upstream.test")
+            .body(Empty::<Bytes>::new())
+            .unwrap();
+        let resp = match send.send_request(req).await {
+            Ok(resp) => resp,
+            Err(_) if through_proxy => return Seen::Nothing,
+            Err(_) => return Seen::Refused,
+        };
+        let status = resp.status().as_u16();
+        let headers: Vec<(String, Vec<u8>)> = resp
+            .headers()
+            .iter()
+            .filter(|(name, _)| !HOP.contains(&name.as_str()))
+            .filter(|(name, _)| !(through_proxy && PROXY_ADDS.contains(&name.as_str())))
+            .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+            .collect();
+        let mut body = resp.into_body();
+        let mut bytes = Vec::new();
+        let whole = loop {
+            match body.frame().await {
+                None => break true,
+                Some(Err(_)) => break false,
+                Some(Ok(frame)) => {
+                    if let Some(data) = frame.data_ref() {
+                        bytes.extend_from_slice(data);
+                    }
+                }
+            }
+        };
+        if through_proxy && status == 502 && bytes.starts_with(b"{\"error\"") {
+            return Seen::Refused;
+        }
+        Seen::Answer {
+            status,
+            headers,
+            body: bytes,
+            whole,
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(10), exchange)
+        .await
+        .unwrap_or_else(|_| panic!("case {n}: no outcome within 10 s"))
+}
+
+/// Framing and connection headers: each hop sends its own.
+const HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "trailer",
+    "upgrade",
+    "proxy-connection",
+];
+
+/// What the proxy's server adds to an answer that lacks it.
+const PROXY_ADDS: &[&str] = &["date"];
+
+/// One upstream answer to a request with `method`, and how the proxy's
+/// outcome relates to hyper's.
+struct Case {
+    name: &'static str,
+    method: &'static str,
+    answer: &'static [u8],
+    expect: Expect,
+}
+
+const fn get(name: &'static str, answer: &'static [u8], expect: Expect) -> Case {
+    Case {
+        name,
+        method: "GET",
+        answer,
+        expect,
+    }
+}
+
+const fn head(name: &'static str, answer: &'static [u8], expect: Expect) -> Case {
+    Case {
+        name,
+        method: "HEAD",
+        answer,
+        expect,
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Expect {
+    /// What hyper makes of it.
+    Same,
+    /// hyper's answer cut short, or no answer at all: hyper's server
+    /// writes the head and the first body bytes together, so a body that
+    /// breaks within the bytes already read ends the client connection
+    /// before anything was sent. Either way a client cannot take it for
+    /// a whole answer (the access log marks it aborted).
+    CutShort,
+    /// Refused by the proxy (its 502) where hyper reads it.
+    Refused,
+    /// Passed whole by the proxy where hyper refuses it.
+    Whole,
+}
+
+const FIXED: &[Case] = &[
+    get("content-length", b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-a: 1\r\n\r\nhello", Expect::Same),
+    get("no reason phrase", b"HTTP/1.1 200\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("HTTP/1.0 until close", b"HTTP/1.0 200 OK\r\nx-a: 1\r\n\r\nuntil close", Expect::Same),
+    get("HTTP/1.1 until close", b"HTTP/1.1 200 OK\r\n\r\nuntil close", Expect::Same),
+    get("bare LF line ends", b"HTTP/1.1 200 OK\nx-a: 1\ncontent-length: 2\n\nok", Expect::Same),
+    get("obs-fold", b"HTTP/1.1 200 OK\r\nx-a: one\r\n two\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("space before the colon", b"HTTP/1.1 200 OK\r\nx-a : v\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("two equal lengths", b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("a length list", b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\n\r\nok", Expect::Same),
+    get("two different lengths", b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nok!", Expect::Same),
+    get("a signed length", b"HTTP/1.1 200 OK\r\ncontent-length: +2\r\n\r\nok", Expect::Same),
+    get("a length past u64", b"HTTP/1.1 200 OK\r\ncontent-length: 99999999999999999999\r\n\r\nok", Expect::Same),
+    get("a body shorter than its length", b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", Expect::CutShort),
+    get("chunked with an extension and trailers", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5;a=b\r\nhello\r\n0\r\nx-t: 1\r\n\r\n", Expect::Same),
+    get("chunk size with trailing spaces", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5  \r\nhello\r\n0\r\n\r\n", Expect::Same),
+    get("chunk size with leading zeros and capitals", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n000A\r\n0123456789\r\n0\r\n\r\n", Expect::Same),
+    get("chunk size past u64", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nfffffffffffffffff\r\nhello\r\n0\r\n\r\n", Expect::CutShort),
+    get("chunk data longer than its size", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nhello\r\n0\r\n\r\n", Expect::CutShort),
+    get("chunked cut before the last chunk", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n", Expect::CutShort),
+    get("chunk size not hex", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n", Expect::CutShort),
+    get("gzip then chunked", b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", Expect::Same),
+    get("chunked then gzip", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, gzip\r\n\r\n2\r\nok\r\n0\r\n\r\n", Expect::Same),
+    get("Chunked in capitals", b"HTTP/1.1 200 OK\r\ntransfer-encoding: Chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", Expect::Same),
+    get("transfer-encoding and content-length", b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", Expect::Same),
+    get("transfer-encoding in HTTP/1.0", b"HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", Expect::Same),
+    get("interim answers before the final one", b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("status 600", b"HTTP/1.1 600 Odd\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("status of two digits", b"HTTP/1.1 99 Odd\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("two spaces after the version", b"HTTP/1.1  200 OK\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("HTTP/1.2", b"HTTP/1.2 200 OK\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("HTTP/2.0 in an HTTP/1 head", b"HTTP/2.0 200 OK\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("not HTTP at all", b"SSH-2.0-OpenSSH_9.6\r\n", Expect::Same),
+    get("an empty header value", b"HTTP/1.1 200 OK\r\nx-a:\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("NUL in a header value", b"HTTP/1.1 200 OK\r\nx-a: a\0b\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("bare CR in a header value", b"HTTP/1.1 200 OK\r\nx-a: a\rb\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("a bad header name", b"HTTP/1.1 200 OK\r\nx(a): v\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("obs-text in a header value", b"HTTP/1.1 200 OK\r\nx-a: caf\xc3\xa9 \xff\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("204 with a length and a body", b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\nhello", Expect::Same),
+    get("304 with a length", b"HTTP/1.1 304 Not Modified\r\ncontent-length: 5\r\netag: \"e\"\r\n\r\n", Expect::Same),
+    get("set-cookie twice", b"HTTP/1.1 200 OK\r\nset-cookie: a=1\r\nset-cookie: b=2\r\ncontent-length: 2\r\n\r\nok", Expect::Same),
+    get("a head cut short", b"HTTP/1.1 200 OK\r\ncontent-len", Expect::Same),
+    get("nothing at all", b"", Expect::Same),
+    get(
+        "transfer-encoding twice",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+        Expect::Same,
+    ),
+    get(
+        "transfer-encoding identity",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: identity\r\n\r\nuntil close",
+        Expect::Same,
+    ),
+    // RFC 9112 allows a bare LF as a line end in the head; nginx takes it
+    // in chunk lines too, and so does the proxy (hyper does not).
+    get(
+        "bare LF in chunk lines",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\nhello\n0\n\n",
+        Expect::Whole,
+    ),
+    get(
+        "a quoted chunk extension",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5;a=\"b c\"\r\nhello\r\n0\r\n\r\n",
+        Expect::Same,
+    ),
+    get(
+        "whitespace around a value",
+        b"HTTP/1.1 200 OK\r\nx-a: \t v w \t\r\ncontent-length: 2 \r\n\r\nok",
+        Expect::Same,
+    ),
+    get(
+        "a lower-case version",
+        b"http/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+        Expect::Same,
+    ),
+    // A protocol switch no one asked for: the client did not ask either,
+    // and hyper would hand over the connection.
+    get(
+        "101 without an upgrade asked",
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
+        Expect::Refused,
+    ),
+    get(
+        "100 then the connection closes",
+        b"HTTP/1.1 100 Continue\r\n\r\n",
+        Expect::Same,
+    ),
+    get(
+        "bytes after a zero length",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\nextra",
+        Expect::Same,
+    ),
+    head(
+        "HEAD: a length and no body",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\nx-a: 1\r\n\r\n",
+        Expect::Same,
+    ),
+    head(
+        "HEAD: chunked and no body",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+        Expect::Same,
+    ),
+    head(
+        "HEAD: a body sent anyway",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello",
+        Expect::Same,
+    ),
+];
+
+/// The table, and the cases made by code: large heads and many fields.
+fn cases() -> &'static [Case] {
+    static ALL: std::sync::LazyLock<Vec<Case>> = std::sync::LazyLock::new(|| {
+        let made = |name, head: String, expect| {
+            let answer = format!("HTTP/1.1 200 OK\r\n{head}content-length: 2\r\n\r\nok");
+            get(
+                name,
+                Box::leak(answer.into_bytes().into_boxed_slice()),
+                expect,
+            )
+        };
+        let fields = |n: usize| (0..n).map(|i| format!("x-f{i}: {i}\r\n")).collect();
+        let mut all: Vec<Case> = FIXED
+            .iter()
+            .map(|c| Case {
+                name: c.name,
+                method: c.method,
+                answer: c.answer,
+                expect: c.expect,
+            })
+            .collect();
+        let big = |kib: usize| format!("x-big: {}\r\n", "a".repeat(kib << 10));
+        all.push(made("120 fields", fields(120), Expect::Same));
+        // More than the proxy takes (hyper's client: 100 by default).
+        all.push(made("130 fields", fields(130), Expect::Refused));
+        all.push(made("a head of 60 KiB", big(60), Expect::Same));
+        // Larger than the proxy takes (nginx: 4 or 8 KiB, its buffer).
+        all.push(made("a head of 70 KiB", big(70), Expect::Refused));
+        all
+    });
+    &ALL
+}
+
+#[tokio::test]
+async fn upstream_answers_reach_the_client_as_hyper_reads_them() {
+    let addr = upstream().await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: up, endpoints: ["http://{addr}"], retries: 0 }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up, timeout: 5s }}]
+"#
+    ))
+    .await;
+    let mut report = String::new();
+    for (n, case) in cases().iter().enumerate() {
+        let by_hyper = send(addr, n, false).await;
+        let through_proxy = send(proxy.addr, n, true).await;
+        let agrees = match case.expect {
+            Expect::Same => through_proxy == by_hyper,
+            Expect::Refused => {
+                assert!(
+                    matches!(by_hyper, Seen::Answer { whole: true, .. }),
+                    "{n} {}: hyper read {by_hyper:?}",
+                    case.name
+                );
+                through_proxy == Seen::Refused
+            }
+            Expect::Whole => {
+                assert!(
+                    !matches!(by_hyper, Seen::Answer { whole: true, .. }),
+                    "{n} {}: hyper read {by_hyper:?}",
+                    case.name
+                );
+                matches!(through_proxy, Seen::Answer { whole: true, .. })
+            }
+            Expect::CutShort => {
+                assert!(
+                    matches!(by_hyper, Seen::Answer { whole: false, .. }),
+                    "{n} {}: hyper read {by_hyper:?}",
+                    case.name
+                );
+                through_proxy == Seen::Nothing || through_proxy == by_hyper
+            }
+        };
+        if !agrees {
+            report.push_str(&format!(
+                "\n{n} {}:\n  hyper: {by_hyper:?}\n  proxy: {through_proxy:?}\n",
+                case.name
+            ));
+        }
+    }
+    assert!(report.is_empty(), "{report}");
+}
