@@ -492,6 +492,36 @@ async fn a_body_cut_short_by_the_upstream_is_cut_short_for_the_client() {
     assert_cut_short(&proxy, "/").await;
 }
 
+#[tokio::test]
+async fn a_body_the_upstream_breaks_is_logged_with_why() {
+    // The first chunk passes; the second's size is not hex.
+    let up = Scripted::start(|_, _| {
+        Reply::Close(
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\nmore\r\n"
+                .to_vec(),
+        )
+    })
+    .await;
+    let mut proxy = crate::support::process::ProxyProcess::start(&up.yaml(), &[]).await;
+    let got = client::raw(
+        proxy.addr,
+        b"GET /broken HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    // No whole answer: nothing, or a chunked body without its last chunk.
+    assert!(!got.ends_with("0\r\n\r\n"), "{got}");
+    let why = proxy
+        .wait_for_log("response cut: the upstream's body broke")
+        .await;
+    assert!(why.contains("invalid chunk size `zz`"), "{why}");
+    assert!(
+        why.contains("upstream") && why.contains(&up.addr.to_string()),
+        "{why}"
+    );
+    let access = proxy.wait_for_log(r#"/broken"#).await;
+    assert!(access.contains("aborted"), "{access}");
+}
+
 /// GET `path` must fail on the client's side: either no response at all
 /// (the proxy had not flushed the head when the body broke) or a body that
 /// ends in an error, never what looks like a whole response.

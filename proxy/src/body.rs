@@ -436,8 +436,18 @@ impl http_body::Body for ResponseBody {
         {
             log.bytes_sent += data.len() as u64;
         }
-        if let (Poll::Ready(Some(Err(_))), Some(log)) = (&polled, this.log.as_mut()) {
+        if let (Poll::Ready(Some(Err(e))), Some(log)) = (&polled, this.log.as_mut()) {
             log.aborted = true;
+            // The access line says `aborted`; this says why, as nginx's
+            // "upstream prematurely closed connection" does (a client that
+            // leaves stops the polling instead, and is not logged here).
+            tracing::warn!(
+                route = log.route.as_deref(),
+                upstream = log.upstream.as_deref(),
+                endpoint = log.endpoint.as_ref().map(tracing::field::display),
+                error = %e,
+                "response cut: the upstream's body broke"
+            );
         }
         polled
     }
