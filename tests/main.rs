@@ -28,3 +28,4 @@ mod tracing_otlp;
 mod tunnel;
 mod upstream_h1;
 mod upstream_h1_vs_hyper;
+mod upstream_paths_agree;
