@@ -17,6 +17,7 @@ use crate::support::client::{self, Answer, body};
 use crate::support::process::ProxyProcess;
 use crate::support::upstream::{self, RespBody, full};
 
+mod agree;
 mod peers;
 mod quic;
 

@@ -16,7 +16,7 @@ use crate::support::upstream;
 
 /// What the upstream echoed, without the framing headers (each path frames
 /// the body its own way) and the connection's own address.
-fn as_received(mut echoed: serde_json::Value) -> serde_json::Value {
+pub fn as_received(mut echoed: serde_json::Value) -> serde_json::Value {
     let headers = echoed["headers"].as_object_mut().expect("headers");
     headers.remove("content-length");
     headers.remove("transfer-encoding");
@@ -24,15 +24,15 @@ fn as_received(mut echoed: serde_json::Value) -> serde_json::Value {
     echoed
 }
 
-const PAYLOAD: &[u8] = b"{\"hello\":\"world\"}";
+pub const PAYLOAD: &[u8] = b"{\"hello\":\"world\"}";
 
 /// The payload with its length known: sent by the request's task.
-fn in_hand() -> ReqBody {
+pub fn in_hand() -> ReqBody {
     client::body(PAYLOAD)
 }
 
 /// The same bytes, of unknown length: chunked, streamed through hyper.
-fn streamed() -> ReqBody {
+pub fn streamed() -> ReqBody {
     let frames = [Ok::<_, std::io::Error>(Frame::data(Bytes::from_static(
         PAYLOAD,
     )))];
@@ -40,14 +40,14 @@ fn streamed() -> ReqBody {
 }
 
 /// One request's method, target and headers.
-struct Shape {
-    name: &'static str,
-    method: &'static str,
-    target: &'static str,
-    headers: &'static [(&'static str, &'static [u8])],
+pub struct Shape {
+    pub name: &'static str,
+    pub method: &'static str,
+    pub target: &'static str,
+    pub headers: &'static [(&'static str, &'static [u8])],
 }
 
-const SHAPES: &[Shape] = &[
+pub const SHAPES: &[Shape] = &[
     Shape {
         name: "plain POST",
         method: "POST",
@@ -134,6 +134,17 @@ const SHAPES: &[Shape] = &[
 
 /// `shape` with `body`, on a connection of its own, as the upstream saw it.
 async fn send(proxy: &Proxy, shape: &Shape, body: ReqBody) -> serde_json::Value {
+    send_to(proxy.addr, "agree.test", shape, body).await
+}
+
+/// `shape` with `body` to `addr` (with `host` unless the shape has its
+/// own), on a connection of its own, as the upstream echoed it.
+pub async fn send_to(
+    addr: std::net::SocketAddr,
+    host: &str,
+    shape: &Shape,
+    body: ReqBody,
+) -> serde_json::Value {
     let mut req = Request::builder()
         .method(shape.method)
         .uri(shape.target)
@@ -146,18 +157,16 @@ async fn send(proxy: &Proxy, shape: &Shape, body: ReqBody) -> serde_json::Value 
         );
     }
     if !req.headers().contains_key("host") {
-        req.headers_mut()
-            .insert("host", "agree.test".parse().unwrap());
+        req.headers_mut().insert("host", host.parse().unwrap());
     }
-    let answer = client::Connection::open(proxy.addr).await.send(req).await;
+    let answer = client::Connection::open(addr).await.send(req).await;
     assert_eq!(answer.status, 200, "{}: {:?}", shape.name, answer.body);
     answer.json()
 }
 
-#[tokio::test]
-async fn a_body_in_hand_and_a_streamed_one_reach_the_upstream_alike() {
-    let echo = upstream::echo("agree").await;
-    let proxy = Proxy::start_yaml(&format!(
+/// The routing core alone, every request to `echo`.
+pub async fn proxy_to(echo: &upstream::Upstream) -> Proxy {
+    Proxy::start_yaml(&format!(
         r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
 upstreams: [{{ name: echo, endpoints: ["{}"], retries: 0 }}]
@@ -165,7 +174,13 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: echo }}]
 "#,
         echo.url()
     ))
-    .await;
+    .await
+}
+
+#[tokio::test]
+async fn a_body_in_hand_and_a_streamed_one_reach_the_upstream_alike() {
+    let echo = upstream::echo("agree").await;
+    let proxy = proxy_to(&echo).await;
     let mut report = String::new();
     for shape in SHAPES {
         let by_task = send(&proxy, shape, in_hand()).await;

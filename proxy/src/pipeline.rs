@@ -794,9 +794,7 @@ impl Pipeline {
                 };
                 let mut headers = std::mem::take(&mut parts.headers);
                 let claimed = forward::remove_hop_by_hop(&mut headers, upgrade);
-                if parts.version == Version::HTTP_2 {
-                    forward::join_cookie_crumbs(&mut headers);
-                }
+                forward::join_cookie_crumbs(&mut headers);
                 // The key as the client sent it, before the forwarded
                 // headers are ours.
                 let (affinity, set_cookie) = match pool.affinity(

@@ -126,10 +126,14 @@ pub fn is_websocket_upgrade(headers: &HeaderMap) -> bool {
     has_token(header::UPGRADE, "websocket") && has_token(header::CONNECTION, "upgrade")
 }
 
-/// Joins an HTTP/2 request's cookie fields into one `Cookie` header.
-/// HTTP/2 clients may send each cookie as a field of its own (browsers
-/// do), and RFC 9113 8.2.3 has them joined with "; " before the request
-/// goes on over HTTP/1.1, where many servers read only one Cookie line.
+/// Joins a request's cookie fields into one `Cookie` header. HTTP/2
+/// clients may send each cookie as a field of its own (browsers do), and
+/// RFC 9113 8.2.3 has them joined with "; " before the request goes on
+/// over HTTP/1.1, where many servers read only one Cookie line. An
+/// HTTP/1.1 client should send one (RFC 6265 5.4); one that sends more
+/// gets the same join, so the upstream sees one form however the request
+/// came (directly, over HTTP/2, through a tunnel), as Envoy does. Joined
+/// with ", " as other repeated fields are, cookies would run together.
 pub fn join_cookie_crumbs(headers: &mut HeaderMap) {
     let mut crumbs = headers.get_all(header::COOKIE).iter();
     if crumbs.next().is_none() || crumbs.next().is_none() {
