@@ -15,7 +15,7 @@ use crate::support::Proxy;
 
 /// What a client made of one answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Seen {
+pub enum Seen {
     /// No answer: hyper's error before a head, or the proxy's own 502.
     Refused,
     /// The connection ended without an answer (through the proxy).
@@ -32,7 +32,7 @@ enum Seen {
 }
 
 /// An upstream that answers `GET /N` with case N's bytes, then closes.
-async fn upstream() -> std::net::SocketAddr {
+pub async fn upstream() -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -69,7 +69,17 @@ async fn upstream() -> std::net::SocketAddr {
 
 /// Case N's request (to `/N`) on a fresh connection to `addr` with hyper's client, and what
 /// came of it.
-async fn send(addr: std::net::SocketAddr, n: usize, through_proxy: bool) -> Seen {
+pub async fn send(addr: std::net::SocketAddr, n: usize, through_proxy: bool) -> Seen {
+    send_as(addr, "upstream.test", n, through_proxy).await
+}
+
+/// [`send`] with `host` as the Host.
+pub async fn send_as(
+    addr: std::net::SocketAddr,
+    host: &str,
+    n: usize,
+    through_proxy: bool,
+) -> Seen {
     let exchange = async {
         let tcp = TcpStream::connect(addr).await.unwrap();
         let io = hyper_util::rt::TokioIo::new(tcp);
@@ -87,7 +97,7 @@ async fn send(addr: std::net::SocketAddr, n: usize, through_proxy: bool) -> Seen
         let req = Request::builder()
             .method(cases()[n].method)
             .uri(format!("/{n}"))
-            .header("host", "upstream.test")
+            .header("host", host)
             .body(Empty::<Bytes>::new())
             .unwrap();
         let resp = match send.send_request(req).await {
@@ -147,11 +157,20 @@ const PROXY_ADDS: &[&str] = &["date"];
 
 /// One upstream answer to a request with `method`, and how the proxy's
 /// outcome relates to hyper's.
-struct Case {
-    name: &'static str,
+pub struct Case {
+    pub name: &'static str,
     method: &'static str,
     answer: &'static [u8],
     expect: Expect,
+}
+
+impl Case {
+    /// Whether the answer's body breaks: what a client gets then depends
+    /// on timing (no answer, a 502, or the answer cut short), never a
+    /// whole answer.
+    pub fn breaks(&self) -> bool {
+        matches!(self.expect, Expect::CutShort)
+    }
 }
 
 const fn get(name: &'static str, answer: &'static [u8], expect: Expect) -> Case {
@@ -298,7 +317,7 @@ const FIXED: &[Case] = &[
 ];
 
 /// The table, and the cases made by code: large heads and many fields.
-fn cases() -> &'static [Case] {
+pub fn cases() -> &'static [Case] {
     static ALL: std::sync::LazyLock<Vec<Case>> = std::sync::LazyLock::new(|| {
         let made = |name, head: String, expect| {
             let answer = format!("HTTP/1.1 200 OK\r\n{head}content-length: 2\r\n\r\nok");

@@ -878,6 +878,7 @@ impl Pipeline {
                         }
                         let (mut parts, body) = resp.into_parts();
                         let _ = forward::remove_hop_by_hop(&mut parts.headers, false);
+                        forward::single_content_length(&mut parts.headers);
                         if let Some(ctx) = plugins.as_mut()
                             && let Some(answer) = chain::on_response(ctx, route, &mut parts)
                         {

@@ -27,22 +27,31 @@ fn without_hop(mut seen: serde_json::Value) -> serde_json::Value {
     seen
 }
 
+/// The runtimes behind one server, both in front of `url`: `rt-a` over a
+/// WebSocket tunnel, `rt-b` over QUIC.
+async fn tunnels_to(url: &str) -> (TunnelServer, [ProxyProcess; 2]) {
+    let server = TunnelServer::start_quic().await;
+    let websocket = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", url])
+        .await;
+    let quic = server
+        .client(
+            "rt-b",
+            TOKENS[1].1,
+            &["--transport", "quic", "--upstream", url],
+        )
+        .await;
+    (server, [websocket, quic])
+}
+
+/// The runtimes [`tunnels_to`] starts, with their transports.
+const RUNTIMES: [(&str, &str); 2] = [("rt-a", "websocket"), ("rt-b", "quic")];
+
 #[tokio::test]
 async fn requests_cross_either_transport_as_they_reach_the_core_directly() {
     let echo = upstream::echo("agree").await;
     let direct = proxy_to(&echo).await;
-    let server = TunnelServer::start_quic().await;
-    let url = echo.url();
-    let _websocket = server
-        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
-        .await;
-    let _quic = server
-        .client(
-            "rt-b",
-            TOKENS[1].1,
-            &["--transport", "quic", "--upstream", &url],
-        )
-        .await;
+    let (server, _clients) = tunnels_to(&echo.url()).await;
     let bodies: [(&str, MakeBody); 2] = [("in hand", in_hand), ("streamed", streamed)];
     let mut report = String::new();
     // A Host of its own would not reach the runtime.
@@ -53,7 +62,7 @@ async fn requests_cross_either_transport_as_they_reach_the_core_directly() {
         for (how, body) in bodies {
             let direct = send_to(direct.addr, "agree.test", shape, body()).await;
             let want = without_hop(as_received(direct));
-            for (runtime, transport) in [("rt-a", "websocket"), ("rt-b", "quic")] {
+            for (runtime, transport) in RUNTIMES {
                 let host = format!("{runtime}.{DOMAIN}");
                 let crossed = send_to(server.public, &host, shape, body()).await;
                 let got = without_hop(as_received(crossed));
@@ -63,6 +72,51 @@ async fn requests_cross_either_transport_as_they_reach_the_core_directly() {
                         shape.name
                     ));
                 }
+            }
+        }
+    }
+    assert!(report.is_empty(), "{report}");
+}
+
+/// The other way: each upstream answer of the table in
+/// `upstream_h1_vs_hyper` reaches a public client through either tunnel
+/// as it reaches a client of the routing core directly (the tunnel server
+/// adds a `Date` only where the core would have).
+#[tokio::test]
+async fn answers_cross_either_transport_as_they_leave_the_core_directly() {
+    use crate::upstream_h1_vs_hyper::{Seen, cases, send_as, upstream};
+    let addr = upstream().await;
+    let url = format!("http://{addr}");
+    let direct = crate::support::Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: up, endpoints: ["{url}"], retries: 0 }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up, timeout: 5s }}]
+"#
+    ))
+    .await;
+    let (server, _clients) = tunnels_to(&url).await;
+    let mut report = String::new();
+    for (n, case) in cases().iter().enumerate() {
+        let want = send_as(direct.addr, "upstream.test", n, true).await;
+        for (runtime, transport) in RUNTIMES {
+            let host = format!("{runtime}.{DOMAIN}");
+            let mut got = send_as(server.public, &host, n, true).await;
+            // The id the tunnel server gives every public request.
+            if let Seen::Answer { headers, .. } = &mut got {
+                headers.retain(|(name, _)| name != "x-request-id");
+            }
+            let agrees = if case.breaks() {
+                let whole = |seen: &Seen| matches!(seen, Seen::Answer { whole: true, .. });
+                !whole(&want) && !whole(&got)
+            } else {
+                got == want
+            };
+            if !agrees {
+                report.push_str(&format!(
+                    "\n{n} {} ({transport}):\n  direct: {want:?}\n  tunnel: {got:?}\n",
+                    case.name
+                ));
             }
         }
     }

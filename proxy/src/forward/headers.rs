@@ -151,6 +151,34 @@ pub fn join_cookie_crumbs(headers: &mut HeaderMap) {
     }
 }
 
+/// Leaves one plain `Content-Length` in a response: an upstream's
+/// `42, 42` or two equal fields, which both readers (ours and hyper's)
+/// take as 42 (RFC 9110 8.6), go on as `42`. Passed as they came, an
+/// HTTP/2 client (a tunnel's stream among them) refuses the answer. The
+/// readers have refused unequal values already, so the first is the one.
+pub fn single_content_length(headers: &mut HeaderMap) {
+    let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
+    let Some(first) = values.next() else {
+        return;
+    };
+    if values.next().is_none() && first.as_bytes().iter().all(u8::is_ascii_digit) {
+        return;
+    }
+    let n = first
+        .to_str()
+        .ok()
+        .and_then(|v| v.split(',').next())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    match n {
+        Some(n) => {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+        }
+        None => {
+            headers.remove(header::CONTENT_LENGTH);
+        }
+    }
+}
+
 /// The last address in `X-Forwarded-For` (over all its fields): the
 /// client as the nearest proxy saw it, which that proxy appended. Earlier
 /// entries are the client's to make up. An entry with a port (Azure's
@@ -229,6 +257,27 @@ pub const CLIENT_CERT: HeaderName = HeaderName::from_static("x-forwarded-client-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_repeated_content_length_goes_on_as_one_plain_value() {
+        for (given, want) in [
+            (&["42, 42"][..], "42"),
+            (&["42", "42"][..], "42"),
+            (&[" 7 "][..], "7"),
+            (&["42"][..], "42"),
+        ] {
+            let mut h = HeaderMap::new();
+            for v in given {
+                h.append(header::CONTENT_LENGTH, v.parse().unwrap());
+            }
+            single_content_length(&mut h);
+            let all: Vec<_> = h.get_all(header::CONTENT_LENGTH).iter().collect();
+            assert_eq!(all, [want], "{given:?}");
+        }
+        let mut none = HeaderMap::new();
+        single_content_length(&mut none);
+        assert!(none.is_empty());
+    }
 
     #[test]
     fn the_last_forwarded_entry_is_the_nearest_proxys() {
