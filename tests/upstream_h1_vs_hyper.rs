@@ -3,7 +3,8 @@
 //! client gets through the proxy must be what hyper's client makes of the
 //! answer directly (the status, the end-to-end headers, the body, and
 //! whether it ended well), or a refusal where hyper refuses. Where the
-//! proxy differs on purpose, the table says how and why.
+//! proxy differs on purpose, the table says how and why. An HTTP/2
+//! client of the proxy must get what an HTTP/1.1 one does.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
@@ -67,8 +68,8 @@ pub async fn upstream() -> std::net::SocketAddr {
     addr
 }
 
-/// Case N's request (to `/N`) on a fresh connection to `addr` with hyper's client, and what
-/// came of it.
+/// Case N's request (to `/N`) on a fresh connection to `addr` with
+/// hyper's client, and what came of it.
 pub async fn send(addr: std::net::SocketAddr, n: usize, through_proxy: bool) -> Seen {
     send_as(addr, "upstream.test", n, through_proxy).await
 }
@@ -100,45 +101,77 @@ pub async fn send_as(
             .header("host", host)
             .body(Empty::<Bytes>::new())
             .unwrap();
-        let resp = match send.send_request(req).await {
-            Ok(resp) => resp,
-            Err(_) if through_proxy => return Seen::Nothing,
-            Err(_) => return Seen::Refused,
-        };
-        let status = resp.status().as_u16();
-        let headers: Vec<(String, Vec<u8>)> = resp
-            .headers()
-            .iter()
-            .filter(|(name, _)| !HOP.contains(&name.as_str()))
-            .filter(|(name, _)| !(through_proxy && PROXY_ADDS.contains(&name.as_str())))
-            .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
-            .collect();
-        let mut body = resp.into_body();
-        let mut bytes = Vec::new();
-        let whole = loop {
-            match body.frame().await {
-                None => break true,
-                Some(Err(_)) => break false,
-                Some(Ok(frame)) => {
-                    if let Some(data) = frame.data_ref() {
-                        bytes.extend_from_slice(data);
-                    }
-                }
-            }
-        };
-        if through_proxy && status == 502 && bytes.starts_with(b"{\"error\"") {
-            return Seen::Refused;
-        }
-        Seen::Answer {
-            status,
-            headers,
-            body: bytes,
-            whole,
+        match send.send_request(req).await {
+            Ok(resp) => read(resp, through_proxy).await,
+            Err(_) if through_proxy => Seen::Nothing,
+            Err(_) => Seen::Refused,
         }
     };
     tokio::time::timeout(std::time::Duration::from_secs(10), exchange)
         .await
         .unwrap_or_else(|_| panic!("case {n}: no outcome within 10 s"))
+}
+
+/// Case N's request through the proxy at `addr`, as an HTTP/2 client
+/// (prior knowledge) sends it.
+async fn send_h2c(addr: std::net::SocketAddr, n: usize) -> Seen {
+    let exchange = async {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let io = hyper_util::rt::TokioIo::new(tcp);
+        let (mut send, conn) =
+            hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                .max_header_list_size(1 << 20)
+                .handshake(io)
+                .await
+                .expect("HTTP/2 handshake with the proxy");
+        tokio::spawn(conn);
+        let req = Request::builder()
+            .method(cases()[n].method)
+            .uri(format!("http://upstream.test/{n}"))
+            .body(Empty::<Bytes>::new())
+            .unwrap();
+        match send.send_request(req).await {
+            Ok(resp) => read(resp, true).await,
+            Err(_) => Seen::Nothing,
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(10), exchange)
+        .await
+        .unwrap_or_else(|_| panic!("case {n} over HTTP/2: no outcome within 10 s"))
+}
+
+/// What a client makes of `resp`, read to its end.
+async fn read(resp: hyper::Response<hyper::body::Incoming>, through_proxy: bool) -> Seen {
+    let status = resp.status().as_u16();
+    let headers: Vec<(String, Vec<u8>)> = resp
+        .headers()
+        .iter()
+        .filter(|(name, _)| !HOP.contains(&name.as_str()))
+        .filter(|(name, _)| !(through_proxy && PROXY_ADDS.contains(&name.as_str())))
+        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+        .collect();
+    let mut body = resp.into_body();
+    let mut bytes = Vec::new();
+    let whole = loop {
+        match body.frame().await {
+            None => break true,
+            Some(Err(_)) => break false,
+            Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref() {
+                    bytes.extend_from_slice(data);
+                }
+            }
+        }
+    };
+    if through_proxy && status == 502 && bytes.starts_with(b"{\"error\"") {
+        return Seen::Refused;
+    }
+    Seen::Answer {
+        status,
+        headers,
+        body: bytes,
+        whole,
+    }
 }
 
 /// Framing and connection headers: each hop sends its own.
@@ -394,6 +427,19 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up, timeout: 5s }}
         if !agrees {
             report.push_str(&format!(
                 "\n{n} {}:\n  hyper: {by_hyper:?}\n  proxy: {through_proxy:?}\n",
+                case.name
+            ));
+        }
+        // An HTTP/2 client of the proxy gets what an HTTP/1.1 one gets.
+        let over_h2 = send_h2c(proxy.addr, n).await;
+        let same = if case.breaks() {
+            !matches!(over_h2, Seen::Answer { whole: true, .. })
+        } else {
+            over_h2 == through_proxy
+        };
+        if !same {
+            report.push_str(&format!(
+                "\n{n} {} over HTTP/2:\n  HTTP/1.1: {through_proxy:?}\n  HTTP/2:   {over_h2:?}\n",
                 case.name
             ));
         }
