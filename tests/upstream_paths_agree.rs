@@ -3,7 +3,8 @@
 //! task (`forward::h1`), a streamed one (chunked, or longer) by hyper's
 //! client. The upstream must not be able to tell which: the same request,
 //! sent once with its body as a length and once chunked, must arrive with
-//! the same method, target, headers (framing aside) and body.
+//! the same method, target, headers (framing aside) and body. And an
+//! HTTP/2 upstream must get what an HTTP/1.1 one gets.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, StreamBody};
@@ -166,10 +167,15 @@ pub async fn send_to(
 
 /// The routing core alone, every request to `echo`.
 pub async fn proxy_to(echo: &upstream::Upstream) -> Proxy {
+    proxy_with(echo, "").await
+}
+
+/// [`proxy_to`], the upstream with `settings` too (`, key: value`).
+async fn proxy_with(echo: &upstream::Upstream, settings: &str) -> Proxy {
     Proxy::start_yaml(&format!(
         r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
-upstreams: [{{ name: echo, endpoints: ["{}"], retries: 0 }}]
+upstreams: [{{ name: echo, endpoints: ["{}"], retries: 0{settings} }}]
 routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: echo }}]
 "#,
         echo.url()
@@ -203,6 +209,52 @@ async fn a_body_in_hand_and_a_streamed_one_reach_the_upstream_alike() {
         if task != hyper {
             report.push_str(&format!(
                 "\n{}:\n  in hand:  {task}\n  streamed: {hyper}\n",
+                shape.name
+            ));
+        }
+    }
+    assert!(report.is_empty(), "{report}");
+}
+
+/// An HTTP/2 upstream (`http2: true`) gets what an HTTP/1.1 one gets,
+/// but for what the protocol itself changes: the version, the target as
+/// a full URI, and the Host as `:authority`.
+#[tokio::test]
+async fn an_http2_upstream_gets_what_an_http1_one_gets() {
+    let echo = upstream::echo("agree").await;
+    let h1 = proxy_to(&echo).await;
+    let h2 = proxy_with(&echo, ", http2: true").await;
+    // The authority as each protocol carries it: HTTP/1.1's Host, or the
+    // full target's (HTTP/2's `:authority`), compared as one field.
+    let bare = |echoed: serde_json::Value| {
+        let mut seen = as_received(echoed);
+        let host = seen["headers"]
+            .as_object_mut()
+            .expect("headers")
+            .remove("host");
+        let fields = seen.as_object_mut().expect("echo");
+        let target = fields.remove("target").expect("target");
+        let authority = match fields.remove("version").expect("version").as_str() {
+            Some("HTTP/2.0") => target
+                .as_str()
+                .and_then(|t| t.parse::<hyper::Uri>().ok())
+                .and_then(|u| u.authority().map(|a| a.to_string()))
+                .map(serde_json::Value::from),
+            _ => host,
+        };
+        fields.insert("authority".into(), authority.unwrap_or_default());
+        seen
+    };
+    let mut report = String::new();
+    for shape in SHAPES {
+        let over_h1 = send(&h1, shape, in_hand()).await;
+        let over_h2 = send(&h2, shape, in_hand()).await;
+        assert_eq!(over_h2["version"], "HTTP/2.0", "{}", shape.name);
+        let (over_h1, over_h2) = (bare(over_h1), bare(over_h2));
+        assert!(over_h1["authority"].is_string(), "{}", shape.name);
+        if over_h1 != over_h2 {
+            report.push_str(&format!(
+                "\n{}:\n  HTTP/1.1: {over_h1}\n  HTTP/2:   {over_h2}\n",
                 shape.name
             ));
         }
