@@ -4,7 +4,9 @@
 //! answer directly (the status, the end-to-end headers, the body, and
 //! whether it ended well), or a refusal where hyper refuses. Where the
 //! proxy differs on purpose, the table says how and why. An HTTP/2
-//! client of the proxy must get what an HTTP/1.1 one does.
+//! client of the proxy must get what an HTTP/1.1 one does, and a request
+//! with a streamed body (whose answer hyper's client reads in the proxy)
+//! what one without a body does.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
@@ -81,6 +83,33 @@ pub async fn send_as(
     n: usize,
     through_proxy: bool,
 ) -> Seen {
+    let empty = Empty::<Bytes>::new()
+        .map_err(|never| match never {})
+        .boxed();
+    exchange(addr, host, n, through_proxy, cases()[n].method, empty).await
+}
+
+/// Case N's request through the proxy at `addr` as a POST with a body of
+/// unknown length: the proxy streams it through hyper's client, which
+/// then reads the answer, not the proxy's own reader.
+async fn send_streamed(addr: std::net::SocketAddr, n: usize) -> Seen {
+    let frames = [Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(
+        Bytes::from_static(b"streamed"),
+    ))];
+    let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames)).boxed();
+    exchange(addr, "upstream.test", n, true, "POST", body).await
+}
+
+type Body = http_body_util::combinators::BoxBody<Bytes, std::convert::Infallible>;
+
+async fn exchange(
+    addr: std::net::SocketAddr,
+    host: &str,
+    n: usize,
+    through_proxy: bool,
+    method: &str,
+    body: Body,
+) -> Seen {
     let exchange = async {
         let tcp = TcpStream::connect(addr).await.unwrap();
         let io = hyper_util::rt::TokioIo::new(tcp);
@@ -96,10 +125,10 @@ pub async fn send_as(
         };
         tokio::spawn(conn);
         let req = Request::builder()
-            .method(cases()[n].method)
+            .method(method)
             .uri(format!("/{n}"))
             .header("host", host)
-            .body(Empty::<Bytes>::new())
+            .body(body)
             .unwrap();
         match send.send_request(req).await {
             Ok(resp) => read(resp, through_proxy).await,
@@ -201,8 +230,19 @@ impl Case {
     /// Whether the answer's body breaks: what a client gets then depends
     /// on timing (no answer, a 502, or the answer cut short), never a
     /// whole answer.
-    pub fn breaks(&self) -> bool {
+    fn breaks(&self) -> bool {
         matches!(self.expect, Expect::CutShort)
+    }
+
+    /// Whether two ways of getting this answer came out alike: the same,
+    /// or neither whole when its body breaks.
+    pub fn alike(&self, one: &Seen, other: &Seen) -> bool {
+        let whole = |seen: &Seen| matches!(seen, Seen::Answer { whole: true, .. });
+        if self.breaks() {
+            !whole(one) && !whole(other)
+        } else {
+            one == other
+        }
     }
 }
 
@@ -236,8 +276,12 @@ enum Expect {
     CutShort,
     /// Refused by the proxy (its 502) where hyper reads it.
     Refused,
-    /// Passed whole by the proxy where hyper refuses it.
-    Whole,
+    /// A head larger than the proxy's own reader takes (64 KiB; nginx's
+    /// buffer is 4 or 8 KiB): refused as [`Expect::Refused`]. The answer
+    /// to a streamed request, read in the proxy by hyper's client, may
+    /// have a head up to that client's buffer (about 400 KiB), which also
+    /// bounds its writes of streamed uploads and is left as it is.
+    HeadTooLarge,
 }
 
 const FIXED: &[Case] = &[
@@ -293,12 +337,13 @@ const FIXED: &[Case] = &[
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: identity\r\n\r\nuntil close",
         Expect::Same,
     ),
-    // RFC 9112 allows a bare LF as a line end in the head; nginx takes it
-    // in chunk lines too, and so does the proxy (hyper does not).
+    // RFC 9112 lets a bare LF end a line of the head (2.2), not of
+    // chunked coding (7.1). nginx takes it there too; hyper, and so the
+    // proxy, do not (its two readers must agree: see the streamed check).
     get(
         "bare LF in chunk lines",
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\nhello\n0\n\n",
-        Expect::Whole,
+        Expect::CutShort,
     ),
     get(
         "a quoted chunk extension",
@@ -376,7 +421,7 @@ pub fn cases() -> &'static [Case] {
         all.push(made("130 fields", fields(130), Expect::Refused));
         all.push(made("a head of 60 KiB", big(60), Expect::Same));
         // Larger than the proxy takes (nginx: 4 or 8 KiB, its buffer).
-        all.push(made("a head of 70 KiB", big(70), Expect::Refused));
+        all.push(made("a head of 70 KiB", big(70), Expect::HeadTooLarge));
         all
     });
     &ALL
@@ -399,21 +444,13 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up, timeout: 5s }}
         let through_proxy = send(proxy.addr, n, true).await;
         let agrees = match case.expect {
             Expect::Same => through_proxy == by_hyper,
-            Expect::Refused => {
+            Expect::Refused | Expect::HeadTooLarge => {
                 assert!(
                     matches!(by_hyper, Seen::Answer { whole: true, .. }),
                     "{n} {}: hyper read {by_hyper:?}",
                     case.name
                 );
                 through_proxy == Seen::Refused
-            }
-            Expect::Whole => {
-                assert!(
-                    !matches!(by_hyper, Seen::Answer { whole: true, .. }),
-                    "{n} {}: hyper read {by_hyper:?}",
-                    case.name
-                );
-                matches!(through_proxy, Seen::Answer { whole: true, .. })
             }
             Expect::CutShort => {
                 assert!(
@@ -432,16 +469,22 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up, timeout: 5s }}
         }
         // An HTTP/2 client of the proxy gets what an HTTP/1.1 one gets.
         let over_h2 = send_h2c(proxy.addr, n).await;
-        let same = if case.breaks() {
-            !matches!(over_h2, Seen::Answer { whole: true, .. })
-        } else {
-            over_h2 == through_proxy
-        };
-        if !same {
+        if !case.alike(&over_h2, &through_proxy) {
             report.push_str(&format!(
                 "\n{n} {} over HTTP/2:\n  HTTP/1.1: {through_proxy:?}\n  HTTP/2:   {over_h2:?}\n",
                 case.name
             ));
+        }
+        // A streamed request body has hyper's client read the answer in
+        // the proxy: the same answer must come of it.
+        if case.method == "GET" && !matches!(case.expect, Expect::HeadTooLarge) {
+            let read_by_hyper = send_streamed(proxy.addr, n).await;
+            if !case.alike(&read_by_hyper, &through_proxy) {
+                report.push_str(&format!(
+                    "\n{n} {} after a streamed body:\n  own reader: {through_proxy:?}\n  hyper's:    {read_by_hyper:?}\n",
+                    case.name
+                ));
+            }
         }
     }
     assert!(report.is_empty(), "{report}");

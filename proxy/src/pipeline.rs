@@ -852,7 +852,20 @@ impl Pipeline {
                 let watch = watchable(conn, parts.version);
                 // Only a request that is logged reads the clock here.
                 let asked = log.is_some().then(Instant::now);
-                match pool.send(out, &found.params, timeout, watch).await {
+                let sent = pool.send(out, &found.params, timeout, watch).await;
+                // Only an upgrade the client asked for may switch protocols
+                // (the own reader refuses the rest itself; hyper's does not).
+                let sent = sent.and_then(|(resp, held)| {
+                    if resp.status() == StatusCode::SWITCHING_PROTOCOLS && client_upgrade.is_none()
+                    {
+                        Err(ForwardError::Failed(
+                            "upstream switched protocols without being asked".into(),
+                        ))
+                    } else {
+                        Ok((resp, held))
+                    }
+                });
+                match sent {
                     Ok((mut resp, held)) => {
                         if let (Some(log), Some(asked)) = (log.as_mut(), asked) {
                             log.upstream_header = Some(asked.elapsed());
@@ -877,8 +890,9 @@ impl Pipeline {
                             return (r, forward::Held::default());
                         }
                         let (mut parts, body) = resp.into_parts();
-                        let _ = forward::remove_hop_by_hop(&mut parts.headers, false);
+                        // Before the hop-by-hop pass takes Transfer-Encoding.
                         forward::single_content_length(&mut parts.headers);
+                        let _ = forward::remove_hop_by_hop(&mut parts.headers, false);
                         if let Some(ctx) = plugins.as_mut()
                             && let Some(answer) = chain::on_response(ctx, route, &mut parts)
                         {

@@ -33,8 +33,9 @@ use super::pool::Slot;
 /// Response heads larger than this are refused (nginx's default buffer for
 /// them is 4–8 KiB; this leaves room for big cookies).
 pub const MAX_HEAD: usize = 64 * 1024;
-/// Most header fields in a response head.
-const MAX_HEADERS: usize = 128;
+/// Most header fields in a response head (hyper's client, for streamed
+/// requests, is given the same).
+pub const MAX_HEADERS: usize = 128;
 /// The first read of a response; body reads grow from here when they fill it.
 const FIRST_READ: usize = 8 * 1024;
 /// The largest header map (in entries) kept for reuse by a connection.
@@ -654,16 +655,19 @@ impl H1Body {
     }
 }
 
-/// Takes one line (without its CRLF or LF) off the front of `buf`, if a
-/// whole line is there.
+/// Takes one line (without its CRLF) off the front of `buf`, if a whole
+/// line is there. A bare LF is refused: chunked coding's lines end in
+/// CRLF (RFC 9112 7.1; the leave to take a bare LF is for the head), and
+/// hyper's client, which reads the answers to streamed requests, refuses
+/// it too, so an answer does not pass or fail by the request's body.
 fn take_line(buf: &mut BytesMut) -> Result<Option<Bytes>, String> {
     match buf.iter().position(|&b| b == b'\n') {
         Some(i) => {
-            let mut line = buf.split_to(i + 1);
-            line.truncate(i);
-            if line.last() == Some(&b'\r') {
-                line.truncate(i - 1);
+            if i == 0 || buf[i - 1] != b'\r' {
+                return Err("chunk framing line ends in a bare LF".into());
             }
+            let mut line = buf.split_to(i + 1);
+            line.truncate(i - 1);
             Ok(Some(line.freeze()))
         }
         None if buf.len() > MAX_LINE => Err("chunk framing line too long".into()),

@@ -151,12 +151,19 @@ pub fn join_cookie_crumbs(headers: &mut HeaderMap) {
     }
 }
 
-/// Leaves one plain `Content-Length` in a response: an upstream's
-/// `42, 42` or two equal fields, which both readers (ours and hyper's)
-/// take as 42 (RFC 9110 8.6), go on as `42`. Passed as they came, an
-/// HTTP/2 client (a tunnel's stream among them) refuses the answer. The
-/// readers have refused unequal values already, so the first is the one.
+/// Leaves at most one plain `Content-Length` in a response, before the
+/// hop-by-hop pass. Beside a `Transfer-Encoding` it goes (RFC 9112 6.3:
+/// the coding frames the body; hyper's client leaves the field, and the
+/// client would wait for bytes that never come). An upstream's `42, 42`
+/// or two equal fields, which both readers (ours and hyper's) take as 42
+/// (RFC 9110 8.6), go on as `42`: passed as they came, an HTTP/2 client
+/// (a tunnel's stream among them) refuses the answer. The readers have
+/// refused unequal values already, so the first is the one.
 pub fn single_content_length(headers: &mut HeaderMap) {
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        headers.remove(header::CONTENT_LENGTH);
+        return;
+    }
     let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
     let Some(first) = values.next() else {
         return;
@@ -277,6 +284,11 @@ mod tests {
         let mut none = HeaderMap::new();
         single_content_length(&mut none);
         assert!(none.is_empty());
+        let mut coded = HeaderMap::new();
+        coded.insert(header::CONTENT_LENGTH, "100".parse().unwrap());
+        coded.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
+        single_content_length(&mut coded);
+        assert!(!coded.contains_key(header::CONTENT_LENGTH));
     }
 
     #[test]
