@@ -5,13 +5,21 @@ use crate::support::client;
 use crate::support::tls::TestPki;
 use crate::support::upstream;
 
+/// The proxy on `policy`, loaded from a directory that also holds the
+/// test CA as `ca.pem` (for `tls: { ca_file: ca.pem }`).
+async fn trusting_ca(pki: &TestPki, policy: &str) -> Proxy {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ca.pem"), &pki.ca_pem).unwrap();
+    std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
+    let config = portcullis::config::load_dir(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+    Proxy::start_config_for_test(config).await
+}
+
 #[tokio::test]
 async fn https_upstreams_verify_against_the_configured_ca() {
     let pki = TestPki::new();
     let h1 = upstream::echo_tls("h1", pki.server_config(&[b"http/1.1"])).await;
     let h2 = upstream::echo_tls("h2", pki.server_config(&[b"h2"])).await;
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("ca.pem"), &pki.ca_pem).unwrap();
     let policy = format!(
         r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
@@ -31,9 +39,7 @@ routes:
         p1 = h1.addr.port(),
         p2 = h2.addr.port()
     );
-    std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
-    let config = portcullis::config::load_dir(dir.path()).unwrap_or_else(|e| panic!("{e}"));
-    let proxy = Proxy::start_config_for_test(config).await;
+    let proxy = trusting_ca(&pki, &policy).await;
 
     let ok = client::get(&proxy.url("/trusted")).await;
     assert_eq!(ok.status, 200, "{:?}", ok.body);
@@ -129,4 +135,63 @@ routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: h2c }}]
     assert_eq!(a.status, 200, "{:?}", a.body);
     assert_eq!(a.body, "HTTP/2.0");
     assert_eq!(a.header("set-cookie"), Some(cookie.as_str()));
+}
+
+/// A streamed upload (written by hyper's client in the proxy) reaches a
+/// cleartext and an https HTTP/1.1 upstream whole and in order: frames of
+/// many sizes, from one byte to more than a socket buffer, each filled
+/// with its own bytes.
+#[tokio::test]
+async fn streamed_uploads_reach_http1_upstreams_whole_in_cleartext_and_tls() {
+    let pki = TestPki::new();
+    let plain = upstream::echo("plain").await;
+    let tls = upstream::echo_tls("tls", pki.server_config(&[b"http/1.1"])).await;
+    let policy = format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: plain, endpoints: ["http://127.0.0.1:{}"] }}
+  - {{ name: tls, endpoints: ["https://localhost:{}"], tls: {{ ca_file: ca.pem }} }}
+routes:
+  - {{ name: plain, match: {{ path: /plain }}, upstream: plain }}
+  - {{ name: tls, match: {{ path: /tls }}, upstream: tls }}
+"#,
+        plain.addr.port(),
+        tls.addr.port()
+    );
+    let proxy = trusting_ca(&pki, &policy).await;
+
+    let sizes: Vec<usize> = (0..120)
+        .map(|i| [1, 7, 100, 4096, 16_383, 65_536, 300_000][i % 7] + i)
+        .collect();
+    let frames: Vec<bytes::Bytes> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            (0..n)
+                .map(|j| (i * 31 + j * 7) as u8)
+                .collect::<Vec<u8>>()
+                .into()
+        })
+        .collect();
+    let whole: Vec<u8> = frames.iter().flat_map(|f| f.iter().copied()).collect();
+    for path in ["/plain", "/tls"] {
+        let stream = futures_util::stream::iter(
+            frames
+                .clone()
+                .into_iter()
+                .map(|f| Ok::<_, std::io::Error>(hyper::body::Frame::data(f))),
+        );
+        let req = hyper::Request::post(proxy.url(path))
+            .body(http_body_util::BodyExt::boxed(
+                http_body_util::StreamBody::new(stream),
+            ))
+            .unwrap();
+        let a = client::send(&client::http1(), req).await;
+        assert_eq!(a.status, 200, "{path}: {:?}", a.body);
+        let echoed = a.json();
+        assert_eq!(echoed["body_len"], whole.len(), "{path}");
+        assert_eq!(echoed["body_fnv"], upstream::fnv(&whole), "{path}");
+        assert_eq!(echoed["headers"]["transfer-encoding"], "chunked", "{path}");
+    }
 }
