@@ -1,0 +1,170 @@
+"""Large bodies through a proxy, for bench/bodies.sh.
+
+    bodies.py sink PORT MB       an upstream: reads every request body
+                                 (Content-Length or chunked) and answers its
+                                 size; GET or PUT to /big answers MB MiB
+    bodies.py client PORT MODE MB N
+                                 N transfers of MB MiB on one connection;
+                                 prints MB/s of each
+
+MODE: put (Content-Length upload), chunked (chunked upload, 1 MiB chunks),
+get (download), put-get (a 1 MiB upload, streamed through the proxy, then
+the download: the answer to a streamed request).
+
+Both ends use sendfile or recv_into a fixed buffer, so on loopback they move
+several GB/s (direct, client to sink): the proxy in between sets the pace.
+Each transfer is checked (status, and the byte count the sink read or the
+client got), so a proxy that loses bytes fails the run.
+"""
+
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+BUF = 1 << 20
+
+
+class Conn:
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = bytearray()
+        self.view = memoryview(bytearray(BUF))
+
+    def fill(self):
+        n = self.sock.recv_into(self.view)
+        if n == 0:
+            raise EOFError
+        self.buf.extend(self.view[:n])
+
+    def line(self):
+        while True:
+            i = self.buf.find(b"\r\n")
+            if i >= 0:
+                out = bytes(self.buf[:i])
+                del self.buf[: i + 2]
+                return out
+            self.fill()
+
+    def head(self):
+        while b"\r\n\r\n" not in self.buf:
+            self.fill()
+        i = self.buf.index(b"\r\n\r\n")
+        lines = bytes(self.buf[:i]).decode("latin-1").split("\r\n")
+        del self.buf[: i + 4]
+        fields = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            fields[name.strip().lower()] = value.strip()
+        return lines[0], fields
+
+    def skip(self, n):
+        take = min(n, len(self.buf))
+        del self.buf[:take]
+        n -= take
+        while n > 0:
+            got = self.sock.recv_into(self.view, min(n, BUF))
+            if got == 0:
+                raise EOFError
+            n -= got
+
+    def body(self, fields):
+        """Reads and drops a body; returns its length."""
+        if fields.get("transfer-encoding", "").lower() == "chunked":
+            read = 0
+            while True:
+                size = int(self.line().split(b";")[0], 16)
+                if size == 0:
+                    while self.line():
+                        pass
+                    return read
+                self.skip(size)
+                read += size
+                self.line()
+        n = int(fields.get("content-length", "0"))
+        self.skip(n)
+        return n
+
+
+def sink(port, mb):
+    big = tempfile.TemporaryFile()
+    big.truncate(mb << 20)
+
+    def serve(sock):
+        conn = Conn(sock)
+        try:
+            while True:
+                start, fields = conn.head()
+                read = conn.body(fields)
+                if start.split(" ")[1] == "/big":
+                    sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (mb << 20))
+                    sock.sendfile(big, 0, mb << 20)
+                else:
+                    answer = b"%d\n" % read
+                    sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer))
+        except (EOFError, ConnectionError):
+            sock.close()
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(64)
+    while True:
+        sock, _ = listener.accept()
+        threading.Thread(target=serve, args=(sock,), daemon=True).start()
+
+
+def client(port, mode, mb, n):
+    size = mb << 20
+    upload = tempfile.TemporaryFile()
+    upload.truncate(size if mode in ("put", "chunked") else BUF)
+    sock = socket.create_connection(("127.0.0.1", port))
+    conn = Conn(sock)
+    rates = []
+    for _ in range(n):
+        t = time.perf_counter()
+        if mode == "put":
+            sock.sendall(b"PUT /up HTTP/1.1\r\nhost: bench\r\ncontent-length: %d\r\n\r\n" % size)
+            sock.sendfile(upload, 0, size)
+        elif mode == "chunked":
+            sock.sendall(b"PUT /up HTTP/1.1\r\nhost: bench\r\ntransfer-encoding: chunked\r\n\r\n")
+            for off in range(0, size, BUF):
+                k = min(BUF, size - off)
+                sock.sendall(b"%x\r\n" % k)
+                sock.sendfile(upload, off, k)
+                sock.sendall(b"\r\n")
+            sock.sendall(b"0\r\n\r\n")
+        elif mode == "get":
+            sock.sendall(b"GET /big HTTP/1.1\r\nhost: bench\r\n\r\n")
+        elif mode == "put-get":
+            # The head first, the body after: the proxy has to stream it.
+            sock.sendall(b"PUT /big HTTP/1.1\r\nhost: bench\r\ncontent-length: %d\r\n\r\n" % BUF)
+            sock.sendfile(upload, 0, BUF)
+        else:
+            sys.exit(f"unknown mode {mode}")
+        start, fields = conn.head()
+        if not start.startswith("HTTP/1.1 200"):
+            sys.exit(f"{mode}: answered {start!r}")
+        if mode in ("put", "chunked"):
+            n = int(fields["content-length"])
+            while len(conn.buf) < n:
+                conn.fill()
+            got = int(conn.buf[:n])
+            del conn.buf[:n]
+            if got != size:
+                sys.exit(f"{mode}: the upstream read {got} bytes of {size}")
+        else:
+            got = conn.body(fields)
+            if got != size:
+                sys.exit(f"{mode}: got {got} bytes of {size}")
+        rates.append(size / (time.perf_counter() - t) / 1e6)
+    print(" ".join(f"{r:.0f}" for r in rates))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "sink":
+        sink(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        client(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
