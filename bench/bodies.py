@@ -33,8 +33,8 @@ class Conn:
         self.buf = bytearray()
         self.view = memoryview(bytearray(BUF))
 
-    def fill(self):
-        n = self.sock.recv_into(self.view)
+    def fill(self, most=BUF):
+        n = self.sock.recv_into(self.view, most)
         if n == 0:
             raise EOFError
         self.buf.extend(self.view[:n])
@@ -46,7 +46,9 @@ class Conn:
                 out = bytes(self.buf[:i])
                 del self.buf[: i + 2]
                 return out
-            self.fill()
+            # Small reads: a chunk-size line is followed by the chunk,
+            # which skip() reads without copying it here first.
+            self.fill(256)
 
     def head(self):
         while b"\r\n\r\n" not in self.buf:
