@@ -3,9 +3,10 @@
     bodies.py sink PORT MB       an upstream: reads every request body
                                  (Content-Length or chunked) and answers its
                                  size; GET or PUT to /big answers MB MiB
-    bodies.py client PORT MODE MB N
+    bodies.py client PORT MODE MB N [HOST [PATH]]
                                  N transfers of MB MiB on one connection;
-                                 prints MB/s of each
+                                 prints MB/s of each (uploads to PATH,
+                                 /up by default, with Host HOST, bench)
 
 MODE: put (Content-Length upload), chunked (chunked upload, 1 MiB chunks),
 get (download), put-get (a 1 MiB upload, streamed through the proxy, then
@@ -118,8 +119,9 @@ def sink(port, mb):
         threading.Thread(target=serve, args=(sock,), daemon=True).start()
 
 
-def client(port, mode, mb, n):
+def client(port, mode, mb, n, host="bench", path="/up"):
     size = mb << 20
+    up = b"PUT %s HTTP/1.1\r\nhost: %s\r\n" % (path.encode(), host.encode())
     upload = tempfile.TemporaryFile()
     upload.truncate(size if mode in ("put", "chunked") else BUF)
     sock = socket.create_connection(("127.0.0.1", port))
@@ -128,10 +130,10 @@ def client(port, mode, mb, n):
     for _ in range(n):
         t = time.perf_counter()
         if mode == "put":
-            sock.sendall(b"PUT /up HTTP/1.1\r\nhost: bench\r\ncontent-length: %d\r\n\r\n" % size)
+            sock.sendall(up + b"content-length: %d\r\n\r\n" % size)
             sock.sendfile(upload, 0, size)
         elif mode == "chunked":
-            sock.sendall(b"PUT /up HTTP/1.1\r\nhost: bench\r\ntransfer-encoding: chunked\r\n\r\n")
+            sock.sendall(up + b"transfer-encoding: chunked\r\n\r\n")
             for off in range(0, size, BUF):
                 k = min(BUF, size - off)
                 sock.sendall(b"%x\r\n" % k)
@@ -139,10 +141,10 @@ def client(port, mode, mb, n):
                 sock.sendall(b"\r\n")
             sock.sendall(b"0\r\n\r\n")
         elif mode == "get":
-            sock.sendall(b"GET /big HTTP/1.1\r\nhost: bench\r\n\r\n")
+            sock.sendall(b"GET /big HTTP/1.1\r\nhost: %s\r\n\r\n" % host.encode())
         elif mode == "put-get":
             # The head first, the body after: the proxy has to stream it.
-            sock.sendall(b"PUT /big HTTP/1.1\r\nhost: bench\r\ncontent-length: %d\r\n\r\n" % BUF)
+            sock.sendall(b"PUT /big HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n\r\n" % (host.encode(), BUF))
             sock.sendfile(upload, 0, BUF)
         else:
             sys.exit(f"unknown mode {mode}")
@@ -169,4 +171,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "sink":
         sink(int(sys.argv[2]), int(sys.argv[3]))
     else:
-        client(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        client(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:8])

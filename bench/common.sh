@@ -71,6 +71,11 @@ http {
     location = /big { alias $WORK/big.bin; }
     # A JSON document (bench/compress.sh writes it).
     location = /list.json { default_type application/json; alias $WORK/list.json; }
+$(if [ -n "${SINK_PORT:-}" ]; then
+  # Uploads, read whole before the answer by bench/bodies.py's sink
+  # (bench/tunnel.sh starts one on SINK_PORT).
+  echo "    location = /upload { client_max_body_size 0; proxy_request_buffering off; proxy_http_version 1.1; proxy_pass http://127.0.0.1:$SINK_PORT/up; }"
+fi)
   }
 }
 CONF

@@ -7,7 +7,9 @@
 # Both carry public traffic from a server-side listener through a tunnel
 # the client dialled out over TLS, to the same upstream (one nginx worker):
 #   requests/s  wrk -c$CONNECTIONS on a small body, keep-alive;
-#   throughput  one stream: curl downloads a BIG_MB file through the tunnel;
+#   throughput  one stream: curl downloads a BIG_MB file through the tunnel,
+#               then a client uploads BIG_MB (bench/bodies.py; nginx passes
+#               it to a sink that reads it whole before answering);
 #   idle memory the tunnel server's RSS growth per idle tunnel (IDLE tunnels:
 #               rathole services, Portcullis --connections).
 # rathole is a TCP-level tunnel (one data channel per public connection);
@@ -38,6 +40,8 @@ chmod a+rx "$WORK"; chmod a+r big.bin
 cd - >/dev/null
 
 UP=$(free_port); RH_CTL=$(free_port); RH_PUB=$(free_port); PC_TUN=$(free_port); PC_PUB=$(free_port)
+SINK_PORT=$(free_port)
+python3 bench/bodies.py sink "$SINK_PORT" 1 & PIDS+=($!)
 start_upstream "$UP"
 
 # rathole: one service through one TLS control channel.
@@ -87,6 +91,11 @@ download() {
   curl -s -o /dev/null -w '%{http_code} %{size_download} %{speed_download}\n' "$@" |
     awk -v want="$((BIG_MB << 20))" '$1 != 200 || $2 != want { print "download failed: " $0 > "/dev/stderr"; exit 1 } { printf "%.0f\n", $3 / 1048576 }'
 }
+# MiB/s of one upload of BIG_MB to the sink, Host $2 (bodies.py checks
+# that all of it arrived).
+upload() {
+  python3 bench/bodies.py client "$1" put "$BIG_MB" 1 "$2" /upload | awk '{ printf "%.0f\n", $1 * 1e6 / 1048576 }'
+}
 wait_ok() { for _ in $(seq 100); do curl -sf -o /dev/null "$@" && return 0; sleep 0.1; done; echo "not answering: $*" >&2; exit 1; }
 wait_ok "http://127.0.0.1:$RH_PUB/"
 wait_ok -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/"
@@ -94,6 +103,7 @@ wait_ok -H "Host: benchq.bench.test" "http://127.0.0.1:$PC_PUB/"
 
 : > "$WORK/rps.rh"; : > "$WORK/rps.pc"; : > "$WORK/rps.pq"
 : > "$WORK/mbps.rh"; : > "$WORK/mbps.pc"; : > "$WORK/mbps.pq"
+: > "$WORK/up.rh"; : > "$WORK/up.pc"; : > "$WORK/up.pq"
 for round in $(seq "$ROUNDS"); do
   wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" --latency "http://127.0.0.1:$RH_PUB/" | wrk_figures >> "$WORK/rps.rh"
   wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" --latency -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/" | wrk_figures >> "$WORK/rps.pc"
@@ -101,6 +111,9 @@ for round in $(seq "$ROUNDS"); do
   download "http://127.0.0.1:$RH_PUB/big" >> "$WORK/mbps.rh"
   download -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/big" >> "$WORK/mbps.pc"
   download -H "Host: benchq.bench.test" "http://127.0.0.1:$PC_PUB/big" >> "$WORK/mbps.pq"
+  upload "$RH_PUB" localhost >> "$WORK/up.rh"
+  upload "$PC_PUB" bench.bench.test >> "$WORK/up.pc"
+  upload "$PC_PUB" benchq.bench.test >> "$WORK/up.pq"
   echo "round $round done" >&2
 done
 
@@ -144,11 +157,14 @@ read -r pq_rps pq_p50 pq_p99 < <(median "$WORK/rps.pq" 1)
 rh_mb=$(sort -n "$WORK/mbps.rh" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)')
 pc_mb=$(sort -n "$WORK/mbps.pc" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)')
 pq_mb=$(sort -n "$WORK/mbps.pq" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)')
+rh_up=$(sort -n "$WORK/up.rh" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)')
+pc_up=$(sort -n "$WORK/up.pc" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)')
+pq_up=$(sort -n "$WORK/up.pq" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)')
 echo
-echo "TLS tunnels, wrk -t2 -c$CONNECTIONS -d${DURATION}s, one-stream download of $BIG_MB MiB, median of $ROUNDS rounds, $(nproc) cores"
-printf '%-16s %12s %10s %10s %14s %18s\n' tunnel "requests/s" "p50 (us)" "p99 (us)" "stream MiB/s" "idle KiB/tunnel"
-printf '%-16s %12s %10s %10s %14s %18s\n' rathole "$rh_rps" "$rh_p50" "$rh_p99" "$rh_mb" "$(( (RH_AFTER - RH_BEFORE) / IDLE ))"
-printf '%-16s %12s %10s %10s %14s %18s\n' portcullis "$pc_rps" "$pc_p50" "$pc_p99" "$pc_mb" "$(( (PC_AFTER - PC_BEFORE) / IDLE ))"
-printf '%-16s %12s %10s %10s %14s %18s\n' portcullis-quic "$pq_rps" "$pq_p50" "$pq_p99" "$pq_mb" "$(( (PQ_AFTER - PQ_BEFORE) / IDLE ))"
-awk -v a="$pc_rps" -v b="$rh_rps" -v c="$pc_mb" -v d="$rh_mb" 'BEGIN { printf "portcullis / rathole: requests/s %.2fx, stream throughput %.2fx\n", a / b, c / d }'
-awk -v a="$pq_rps" -v b="$pc_rps" -v c="$pq_mb" -v d="$pc_mb" 'BEGIN { printf "quic / websocket transport: requests/s %.2fx, stream throughput %.2fx\n", a / b, c / d }'
+echo "TLS tunnels, wrk -t2 -c$CONNECTIONS -d${DURATION}s, one-stream download and upload of $BIG_MB MiB, median of $ROUNDS rounds, $(nproc) cores"
+printf '%-16s %12s %10s %10s %14s %14s %18s\n' tunnel "requests/s" "p50 (us)" "p99 (us)" "down MiB/s" "up MiB/s" "idle KiB/tunnel"
+printf '%-16s %12s %10s %10s %14s %14s %18s\n' rathole "$rh_rps" "$rh_p50" "$rh_p99" "$rh_mb" "$rh_up" "$(( (RH_AFTER - RH_BEFORE) / IDLE ))"
+printf '%-16s %12s %10s %10s %14s %14s %18s\n' portcullis "$pc_rps" "$pc_p50" "$pc_p99" "$pc_mb" "$pc_up" "$(( (PC_AFTER - PC_BEFORE) / IDLE ))"
+printf '%-16s %12s %10s %10s %14s %14s %18s\n' portcullis-quic "$pq_rps" "$pq_p50" "$pq_p99" "$pq_mb" "$pq_up" "$(( (PQ_AFTER - PQ_BEFORE) / IDLE ))"
+awk -v a="$pc_rps" -v b="$rh_rps" -v c="$pc_mb" -v d="$rh_mb" -v e="$pc_up" -v f="$rh_up" 'BEGIN { printf "portcullis / rathole: requests/s %.2fx, download %.2fx, upload %.2fx\n", a / b, c / d, e / f }'
+awk -v a="$pq_rps" -v b="$pc_rps" -v c="$pq_mb" -v d="$pc_mb" -v e="$pq_up" -v f="$pc_up" 'BEGIN { printf "quic / websocket transport: requests/s %.2fx, download %.2fx, upload %.2fx\n", a / b, c / d, e / f }'
