@@ -68,7 +68,6 @@ YAML
 RUST_LOG=warn "$BIN" serve --admin off --workers "$WORKERS" --policies "$WORK/policies" & PIDS+=($!)
 PC_PID=$!
 
-wait_port() { for _ in $(seq 100); do curl -fsS "http://127.0.0.1:$1/" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "port $1 not ready" >&2; exit 1; }
 wait_port "$UP_PORT"; wait_port "$NGINX_PORT"; wait_port "$PC_PORT"
 
 MODES=(put chunked get put-get)
@@ -101,7 +100,6 @@ done
 echo
 echo "$TRANSFERS bodies of $MB MiB per way and proxy, one connection, $WORKERS workers each, median of $ROUNDS rounds, $(nproc) cores"
 printf "%-10s %12s %12s %8s %16s %16s %8s\n" way "nginx MB/s" "portcullis" ratio "nginx CPU/GiB" "portcullis" ratio
-col_median() { sort -n -k"$2" "$1" | awk -v n="$ROUNDS" -v c="$2" 'NR == int((n + 1) / 2) { print $c }'; }
 for m in "${MODES[@]}"; do
   NR_=$(col_median "$WORK/nginx-$m.txt" 1); PR=$(col_median "$WORK/portcullis-$m.txt" 1)
   NC=$(col_median "$WORK/nginx-$m.txt" 2); PC=$(col_median "$WORK/portcullis-$m.txt" 2)

@@ -124,6 +124,11 @@ wrk_figures() {
 
 # The median line of file $1 by column $2 (ROUNDS lines).
 median() { sort -n -k"${2:-1}" "$1" | awk -v n="$ROUNDS" 'NR == int((n+1)/2)'; }
+# Column $2 of that median line.
+col_median() { median "$1" "$2" | awk -v c="$2" '{print $c}'; }
+
+# Waits until http://127.0.0.1:$1/ answers 2xx; ends the run if it never does.
+wait_port() { for _ in $(seq 100); do curl -fsS "http://127.0.0.1:$1/" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "port $1 not ready" >&2; exit 1; }
 
 # An HS256 token for the secret `bench-secret`, valid for an hour.
 bench_token() {

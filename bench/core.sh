@@ -96,7 +96,6 @@ YAML
 RUST_LOG=warn "$BIN" serve --workers "$WORKERS" --policies "$WORK/policies" & PIDS+=($!)
 PC_PID=$!
 
-wait_port() { for _ in $(seq 100); do curl -fsS "http://127.0.0.1:$1/" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "port $1 not ready" >&2; exit 1; }
 wait_port "$UP_PORT"; wait_port "$NGINX_PORT"; wait_port "$CHART_PORT"; wait_port "$PC_PORT"
 
 # Prints "rps p50_us p99_us" for one wrk run.
@@ -126,7 +125,6 @@ echo "wrk -t$WRK_THREADS -c$CONNECTIONS -d${DURATION}s, $WORKERS workers each, m
 printf "%-12s %12s %10s %10s %12s %12s %14s\n" proxy "requests/s" "p50 (us)" "p99 (us)" "rps ratio" "p99 ratio" "CPU/req (us)"
 # Each column's own median: the round with the median requests/s can
 # have any p99 (one slow round in five decided the p99 ratio before).
-col_median() { median "$1" "$2" | awk -v c="$2" '{print $c}'; }
 P_RPS=$(col_median "$WORK/portcullis.txt" 1)
 P_P99=$(col_median "$WORK/portcullis.txt" 3)
 for n in "${NAMES[@]}"; do
