@@ -350,6 +350,47 @@ async fn a_head_past_hypers_buffer_gets_a_json_431() {
     assert_eq!(status_and_json(&answer).0, 431, "{answer:?}");
 }
 
+/// A head still arriving is refused as soon as it passes the bound (twice
+/// the listener's limit), not left to grow in hyper's read buffer, which
+/// is sized for bodies (256 KiB), until the header-read timeout.
+#[tokio::test]
+async fn a_head_that_stalls_past_the_bound_is_refused_without_waiting() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Far beyond the wait below: only the bound can answer in time.
+    let proxy = Proxy::start_yaml(
+        r#"
+listeners:
+  - { name: http, bind: "127.0.0.1:0", header_read_timeout: 10m, max_request_header_size: 16KiB }
+routes: [{ name: health, match: { path: /healthz }, health: live }]
+"#,
+    )
+    .await;
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let mut head = b"GET /healthz HTTP/1.1\r\nhost: a\r\nx-big: ".to_vec();
+    // Past the 32 KiB bound, well within the read buffer, and unfinished:
+    // the writing side stays open.
+    head.resize(100 * 1024, b'x');
+    conn.write_all(&head).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), conn.read_to_end(&mut answer))
+        .await
+        .expect("no answer: the head was left to grow")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    let (status, json) = status_and_json(&answer);
+    assert_eq!(status, 431, "{answer:?}");
+    assert_eq!(json["error"], "request head too large");
+    // Just under the bound is the listener's own limit's to refuse, with
+    // the proxy's 431 (the head reaches the service).
+    let mut head = b"GET /healthz HTTP/1.1\r\nhost: a\r\nconnection: close\r\nx-big: ".to_vec();
+    head.resize(30 * 1024, b'x');
+    head.extend_from_slice(b"\r\n\r\n");
+    let answer = client::raw(proxy.addr, &head).await;
+    let (status, json) = status_and_json(&answer);
+    assert_eq!(status, 431, "{answer:?}");
+    assert_eq!(json["error"], "request header too large");
+}
+
 /// The status code and JSON body of a raw HTTP/1.1 answer.
 fn status_and_json(answer: &str) -> (u16, serde_json::Value) {
     let status = answer

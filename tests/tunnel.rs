@@ -1227,6 +1227,30 @@ async fn large_heads_cross_the_tunnel_both_ways() {
     }
 }
 
+/// An HTTP/1.1 head on the public side is held to the bound HTTP/2's
+/// header list has (64 KiB), refused as soon as it passes it, even while
+/// it is still arriving.
+#[tokio::test]
+async fn a_public_http1_head_past_the_bound_is_refused_at_once() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let server = TunnelServer::start().await;
+    let mut conn = tokio::net::TcpStream::connect(server.public).await.unwrap();
+    let mut head = format!("GET / HTTP/1.1\r\nhost: rt-a.{DOMAIN}\r\nx-big: ").into_bytes();
+    head.resize(100 * 1024, b'x');
+    conn.write_all(&head).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), conn.read_to_end(&mut answer))
+        .await
+        .expect("closed")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 431 "), "{answer:?}");
+    assert!(
+        answer.ends_with(r#""error":"request head too large","route":null,"status":431}"#),
+        "{answer:?}"
+    );
+}
+
 /// A TCP relay in front of the tunnel endpoint that the test can cut.
 struct Relay {
     addr: SocketAddr,

@@ -21,6 +21,20 @@ use tokio::sync::Notify;
 
 use crate::forward::{coarse_now, millis};
 
+/// A connection that can be asked to finish its requests and close:
+/// hyper-util's (sealed, so not implementable here) and
+/// [`crate::h1_or_h2::Connection`].
+pub trait Graceful: Future {
+    /// Starts closing: requests in flight finish, no new ones are taken.
+    fn graceful_shutdown(self: Pin<&mut Self>);
+}
+
+impl<C: GracefulConnection> Graceful for C {
+    fn graceful_shutdown(self: Pin<&mut Self>) {
+        GracefulConnection::graceful_shutdown(self);
+    }
+}
+
 /// One set of connections (one listener's on one worker) and the signal
 /// that closes them.
 #[derive(Default, Clone)]
@@ -57,17 +71,13 @@ impl Connections {
 
     /// Wraps a connection so that [`Connections::shutdown`] asks it to finish its
     /// current requests and close.
-    pub fn watch<C: GracefulConnection>(&self, conn: C) -> Watched<C> {
+    pub fn watch<C: Graceful>(&self, conn: C) -> Watched<C> {
         self.watch_retiring(conn, None)
     }
 
     /// [`Connections::watch`], the connection also closing gracefully
     /// once `retire` is due.
-    pub fn watch_retiring<C: GracefulConnection>(
-        &self,
-        conn: C,
-        retire: Option<Arc<Retire>>,
-    ) -> Watched<C> {
+    pub fn watch_retiring<C: Graceful>(&self, conn: C, retire: Option<Arc<Retire>>) -> Watched<C> {
         let mut open = self.shared.open();
         let id = open.next_id;
         open.next_id += 1;
@@ -131,7 +141,7 @@ pin_project_lite::pin_project! {
     }
 }
 
-impl<C: GracefulConnection> Future for Watched<C> {
+impl<C: Graceful> Future for Watched<C> {
     type Output = C::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {

@@ -24,6 +24,7 @@ pub mod discovery;
 pub mod drain;
 pub mod forward;
 pub mod grpc_local;
+pub mod h1_or_h2;
 pub mod head_deadline;
 pub mod linger;
 pub mod metrics;

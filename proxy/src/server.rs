@@ -17,8 +17,7 @@ use arc_swap::ArcSwap;
 use hyper::Request;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::TokioTimer;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -28,6 +27,7 @@ use crate::balance::{Accepting, Balance, Counted, Handoff};
 use crate::client_watch::ClientSocket;
 use crate::config::{Config, Listener};
 use crate::drain::Connections;
+use crate::h1_or_h2;
 use crate::head_deadline::{self, Ended, HeadClock, Watched};
 use crate::pipeline::{ConnInfo, Pipeline, Shared};
 use crate::sockets::reuseport_socket;
@@ -88,7 +88,7 @@ pub struct ListenerSettings {
     /// changes the cap starts a new count; connections open at that time
     /// stay counted against the old one until they close.
     limit: Arc<Semaphore>,
-    builder: Arc<auto::Builder<TokioExecutor>>,
+    builder: Arc<h1_or_h2::Builder>,
 }
 
 impl ListenerSettings {
@@ -713,10 +713,10 @@ pub(crate) async fn timer_anchor() {
 const ANCHOR_PERIOD: Duration = Duration::from_millis(500);
 
 /// The HTTP server settings of a listener.
-fn http_builder(listener: &Listener) -> auto::Builder<TokioExecutor> {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
+fn http_builder(listener: &Listener) -> h1_or_h2::Builder {
+    let mut builder = h1_or_h2::Builder::new();
     builder
-        .http1()
+        .http1
         // One flattened write per response beats writev for small messages
         // (see the upstream side in forward/pool.rs).
         .writev(false)
@@ -732,11 +732,12 @@ fn http_builder(listener: &Listener) -> auto::Builder<TokioExecutor> {
         .header_read_timeout(listener.keepalive_timeout)
         // hyper's own limit is a backstop above ours: requests between the
         // two get the proxy's JSON 431 instead of hyper's bare one.
+        .max_header_size(listener.max_request_header_size * 2)
         .max_buf_size((listener.max_request_header_size * 2).max(16 * 1024));
     // hyper's default of 100 headers is parsed on the stack; setting any
     // other maximum costs a heap allocation per request.
     builder
-        .http2()
+        .http2
         .timer(TokioTimer::new())
         .max_header_list_size((listener.max_request_header_size * 2) as u32)
         .initial_stream_window_size(4 << 20)
@@ -906,14 +907,8 @@ fn serve_connection<S>(
             Ok::<_, Infallible>(resp)
         }
     });
-    let builder = builder.clone();
-    let io = TokioIo::new(Watched::new(stream, clock.clone()));
-    let served = connections.watch_retiring(
-        builder
-            .serve_connection_with_upgrades(io, service)
-            .into_owned(),
-        retire,
-    );
+    let io = Watched::new(stream, clock.clone());
+    let served = connections.watch_retiring(builder.serve(io, service), retire);
     tracker.spawn(async move {
         let limit = conn.listener.header_read_timeout;
         match head_deadline::within(served, &clock, limit).await {

@@ -19,8 +19,7 @@ use http::{Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use hyper::client::conn::http2::SendRequest;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_util::sync::CancellationToken;
@@ -1304,7 +1303,7 @@ async fn accept_public(
 /// What serving a public connection needs, one per worker.
 #[derive(Clone)]
 pub(super) struct Public {
-    builder: Arc<auto::Builder<TokioExecutor>>,
+    builder: Arc<crate::h1_or_h2::Builder>,
     connections: crate::drain::Connections,
     worker: usize,
     shared: Arc<Shared>,
@@ -1312,16 +1311,19 @@ pub(super) struct Public {
 
 impl Public {
     fn new(worker: usize, shared: Arc<Shared>) -> Public {
-        let mut builder = auto::Builder::new(TokioExecutor::new());
+        let mut builder = crate::h1_or_h2::Builder::new();
         builder
-            .http1()
+            .http1
             .timer(TokioTimer::new())
             // As the routing core's listeners (see `head_deadline`): hyper's
             // head clock runs between requests too, so it takes the keep-alive
             // timeout, and heads have the short one.
-            .header_read_timeout(crate::config::DEFAULT_KEEPALIVE_TIMEOUT);
+            .header_read_timeout(crate::config::DEFAULT_KEEPALIVE_TIMEOUT)
+            // The same bound as HTTP/2's (hyper's default was its ~400 KiB
+            // read buffer).
+            .max_header_size(super::MAX_PUBLIC_HEAD as usize);
         builder
-            .http2()
+            .http2
             .timer(TokioTimer::new())
             .max_header_list_size(super::MAX_PUBLIC_HEAD)
             .initial_stream_window_size(super::STREAM_WINDOW)
@@ -1404,11 +1406,7 @@ impl Public {
         });
         let served = self.connections.watch_retiring(
             self.builder
-                .serve_connection_with_upgrades(
-                    TokioIo::new(Watched::new(stream, clock.clone())),
-                    service,
-                )
-                .into_owned(),
+                .serve(Watched::new(stream, clock.clone()), service),
             retire,
         );
         async move {

@@ -1,0 +1,343 @@
+//! HTTP/1.1 and cleartext HTTP/2 on one port: the first bytes of a
+//! connection are compared with HTTP/2's connection preface, and the
+//! connection is served by hyper's own HTTP/1 or HTTP/2 connection.
+//!
+//! hyper-util's `auto` builder does the same, but it does not pass on
+//! hyper's `max_header_size`. Without that, the one bound on a request
+//! head is hyper's HTTP/1 read buffer (`max_buf_size`). That buffer also
+//! sets how much of a request body is read at once: kept small enough to
+//! bound heads, it made uploads cost up to half again as much CPU (see
+//! bench/HISTORY.md, "Large bodies"). With `max_header_size`, heads keep
+//! their bound and the buffer is sized for bodies.
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
+use hyper::service::HttpService;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// What opens every cleartext HTTP/2 connection (RFC 9113, 3.4).
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// A connection's error: hyper's, or the socket's while its first bytes
+/// were read.
+pub type ConnError = Box<dyn StdError + Send + Sync>;
+
+/// How both protocols are served.
+#[derive(Clone)]
+pub struct Builder {
+    /// HTTP/1.1 (and 1.0).
+    pub http1: http1::Builder,
+    /// Cleartext HTTP/2 (prior knowledge).
+    pub http2: http2::Builder<TokioExecutor>,
+}
+
+impl Builder {
+    /// Both protocols with hyper's defaults.
+    pub fn new() -> Builder {
+        Builder {
+            http1: http1::Builder::new(),
+            http2: http2::Builder::new(TokioExecutor::new()),
+        }
+    }
+
+    /// Serves `io` with `service` once its first bytes tell the protocol;
+    /// HTTP/1 upgrades (WebSocket) are allowed.
+    pub fn serve<I, S>(self: &Arc<Self>, io: I, service: S) -> Connection<I, S>
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        S: HttpService<Incoming>,
+    {
+        Connection {
+            state: State::Sniffing {
+                io: Some(io),
+                sniffed: Sniffed::default(),
+                builder: self.clone(),
+                service: Some(service),
+            },
+        }
+    }
+}
+
+impl Default for Builder {
+    fn default() -> Builder {
+        Builder::new()
+    }
+}
+
+/// The first bytes read from a connection, to be read again by hyper.
+#[derive(Default, Clone, Copy)]
+struct Sniffed {
+    bytes: [u8; PREFACE.len()],
+    /// How many were read.
+    len: u8,
+    /// How many of those were handed on again.
+    taken: u8,
+}
+
+impl Sniffed {
+    fn left(&self) -> &[u8] {
+        &self.bytes[self.taken as usize..self.len as usize]
+    }
+}
+
+/// A socket whose first bytes, read to tell the protocol, are read again.
+pub struct Rewind<I> {
+    sniffed: Sniffed,
+    io: I,
+}
+
+impl<I> Rewind<I> {
+    /// The socket.
+    pub fn get_ref(&self) -> &I {
+        &self.io
+    }
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Rewind<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let left = self.sniffed.left();
+        if left.is_empty() {
+            return Pin::new(&mut self.io).poll_read(cx, buf);
+        }
+        let n = left.len().min(buf.remaining());
+        buf.put_slice(&left[..n]);
+        self.sniffed.taken += n as u8;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Rewind<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+type Io<I> = TokioIo<Rewind<I>>;
+
+pin_project_lite::pin_project! {
+    /// A connection being served: a future that completes when it ends.
+    pub struct Connection<I, S>
+    where
+        S: HttpService<Incoming>,
+    {
+        #[pin]
+        state: State<I, S>,
+    }
+}
+
+pin_project_lite::pin_project! {
+    #[project = StateProj]
+    enum State<I, S>
+    where
+        S: HttpService<Incoming>,
+    {
+        /// Reading the first bytes.
+        Sniffing {
+            io: Option<I>,
+            sniffed: Sniffed,
+            builder: Arc<Builder>,
+            service: Option<S>,
+        },
+        H1 { #[pin] conn: http1::UpgradeableConnection<Io<I>, S> },
+        H2 { #[pin] conn: http2::Connection<Io<I>, S, TokioExecutor> },
+        /// Shut down before the protocol was known.
+        Closed,
+    }
+}
+
+impl<I, S, B> crate::drain::Graceful for Connection<I, S>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: HttpService<Incoming, ResBody = B>,
+    S::Error: Into<ConnError>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<ConnError>,
+    TokioExecutor: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
+{
+    /// Finishes the requests in flight and closes: HTTP/1 once the current
+    /// exchange is done, HTTP/2 with a GOAWAY; a connection still to send
+    /// its first bytes closes at once.
+    fn graceful_shutdown(self: Pin<&mut Self>) {
+        let mut state = self.project().state;
+        match state.as_mut().project() {
+            StateProj::Sniffing { .. } => state.set(State::Closed),
+            StateProj::H1 { conn } => conn.graceful_shutdown(),
+            StateProj::H2 { conn } => conn.graceful_shutdown(),
+            StateProj::Closed => {}
+        }
+    }
+}
+
+impl<I, S, B> Future for Connection<I, S>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: HttpService<Incoming, ResBody = B>,
+    S::Error: Into<ConnError>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<ConnError>,
+    TokioExecutor: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
+{
+    type Output = Result<(), ConnError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut state = self.project().state;
+        loop {
+            match state.as_mut().project() {
+                StateProj::Sniffing {
+                    io,
+                    sniffed,
+                    builder,
+                    service,
+                } => {
+                    let h2 = ready!(sniff(io.as_mut().expect("until served"), sniffed, cx))?;
+                    let io = TokioIo::new(Rewind {
+                        sniffed: *sniffed,
+                        io: io.take().expect("until served"),
+                    });
+                    let service = service.take().expect("until served");
+                    let next = if h2 {
+                        State::H2 {
+                            conn: builder.http2.serve_connection(io, service),
+                        }
+                    } else {
+                        State::H1 {
+                            conn: builder.http1.serve_connection(io, service).with_upgrades(),
+                        }
+                    };
+                    state.set(next);
+                }
+                StateProj::H1 { conn } => return conn.poll(cx).map_err(Into::into),
+                StateProj::H2 { conn } => return conn.poll(cx).map_err(Into::into),
+                StateProj::Closed => return Poll::Ready(Ok(())),
+            }
+        }
+    }
+}
+
+/// Reads until the bytes read differ from the preface (HTTP/1: `false`),
+/// or are all of it (HTTP/2: `true`), or the peer closes (then HTTP/1,
+/// whose server ends a connection closed before any byte quietly, and
+/// reports one closed mid-head).
+fn sniff<I: AsyncRead + Unpin>(
+    io: &mut I,
+    sniffed: &mut Sniffed,
+    cx: &mut Context<'_>,
+) -> Poll<std::io::Result<bool>> {
+    loop {
+        let len = sniffed.len as usize;
+        if len == PREFACE.len() {
+            return Poll::Ready(Ok(true));
+        }
+        let mut buf = ReadBuf::new(&mut sniffed.bytes[len..]);
+        ready!(Pin::new(&mut *io).poll_read(cx, &mut buf))?;
+        let n = buf.filled().len();
+        sniffed.len += n as u8;
+        if n == 0 || sniffed.bytes[len..len + n] != PREFACE[len..len + n] {
+            return Poll::Ready(Ok(false));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::drain::Graceful;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn sniffed(sent: &[&[u8]]) -> (bool, Vec<u8>) {
+        let (mut client, mut server) = tokio::io::duplex(1024);
+        let sends = async {
+            for part in sent {
+                client.write_all(part).await.unwrap();
+                // Each part arrives as its own read.
+                tokio::task::yield_now().await;
+            }
+            client.shutdown().await.unwrap();
+        };
+        let mut sniffed = Sniffed::default();
+        let (h2, ()) = tokio::join!(
+            std::future::poll_fn(|cx| sniff(&mut server, &mut sniffed, cx)),
+            sends
+        );
+        let mut rewound = Rewind {
+            sniffed,
+            io: server,
+        };
+        let mut all = Vec::new();
+        rewound.read_to_end(&mut all).await.unwrap();
+        (h2.unwrap(), all)
+    }
+
+    #[tokio::test]
+    async fn an_http1_head_is_told_at_its_first_byte_and_read_again_whole() {
+        let head: &[u8] = b"GET / HTTP/1.1\r\nhost: a\r\n\r\n";
+        assert_eq!(sniffed(&[head]).await, (false, head.to_vec()));
+        // `P` as HTTP/2's preface starts, then not.
+        let (h2, all) = sniffed(&[b"PRI", b" /x HTTP/1.1\r\n\r\n"]).await;
+        assert!(!h2);
+        assert_eq!(all, b"PRI /x HTTP/1.1\r\n\r\n");
+    }
+
+    #[tokio::test]
+    async fn the_preface_in_pieces_is_http2_and_what_follows_is_kept() {
+        let (h2, all) = sniffed(&[b"PRI * HT", b"TP/2.0\r\n\r\nSM\r\n\r\n\0\0\x12\x04"]).await;
+        assert!(h2);
+        assert_eq!(all, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\x12\x04");
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_closes_early_is_handed_to_http1_with_what_it_sent() {
+        assert_eq!(sniffed(&[]).await, (false, Vec::new()));
+        assert_eq!(sniffed(&[b"PRI *"]).await, (false, b"PRI *".to_vec()));
+    }
+
+    #[tokio::test]
+    async fn a_shutdown_before_the_first_byte_ends_the_connection_quietly() {
+        let (_client, server) = tokio::io::duplex(64);
+        let service = hyper::service::service_fn(|_req: http::Request<Incoming>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+        });
+        let mut conn = std::pin::pin!(Arc::new(Builder::new()).serve(server, service));
+        let polled = std::future::poll_fn(|cx| Poll::Ready(conn.as_mut().poll(cx))).await;
+        assert!(polled.is_pending(), "no byte yet: still sniffing");
+        conn.as_mut().graceful_shutdown();
+        assert!(conn.await.is_ok());
+    }
+}
