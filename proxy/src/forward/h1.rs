@@ -78,6 +78,26 @@ impl AsyncWrite for Io {
         }
     }
 
+    // hyper's client queues a streamed body's chunks behind the head and
+    // writes them in one call (forward/pool.rs): both sockets gather.
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Io::Tcp(s) => s.is_write_vectored(),
+            Io::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Io::Tcp(s) => Pin::new(s).poll_flush(cx),

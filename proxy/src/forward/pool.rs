@@ -533,13 +533,18 @@ where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (sender, conn) = http1::Builder::new()
-        // One flattened write beats writev for the small heads
-        // that dominate proxied traffic (measured: ~8% more
-        // requests/s, less kernel time).
-        .writev(false)
-        // As many fields as the in-task reader takes: an answer must not
-        // pass or fail by whether the request's body was streamed.
+        // Queued: each chunk of a streamed body goes out as it is, in one
+        // writev with the head or the chunk framing. Flattened, hyper
+        // copied every chunk into its write buffer: a third of the CPU
+        // of a chunked upload (bench/HISTORY.md, "Large bodies"). Small
+        // requests without a body take the proxy's own writer (h1.rs).
+        .writev(true)
+        // As many fields, and as large a head, as the in-task reader
+        // takes: an answer must not pass or fail by whether the request's
+        // body was streamed. (Its read buffer stays hyper's ~400 KiB: cut
+        // to 64 KiB, large answers came 13-25% slower.)
         .max_headers(super::h1::MAX_HEADERS)
+        .max_header_size(super::h1::MAX_HEAD)
         .handshake(TokioIo::new(io))
         .await
         .map_err(handshake_failed)?;
