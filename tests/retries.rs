@@ -86,9 +86,12 @@ routes:
         let req = Request::builder().method(method).uri(proxy.url(path));
         let req = match payload {
             ReqBodyKind::InHand => req.body(body("in hand")),
-            ReqBodyKind::Streamed => req.body(BodyExt::boxed(StreamBody::new(upstream::chunks(
-                128 * 1024,
-            )))),
+            // Small: a fast upload of 128 KiB would close the connection
+            // after it (see `HeadClock::grown`), and the next requests'
+            // round robin would start on another worker's count.
+            ReqBodyKind::Streamed => {
+                req.body(BodyExt::boxed(StreamBody::new(upstream::chunks(16 * 1024))))
+            }
         };
         client::send(&http, req.unwrap())
     };

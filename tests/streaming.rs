@@ -291,3 +291,83 @@ routes:
         "proxy memory grew by {growth_kib} KiB: bodies are being buffered"
     );
 }
+
+/// Reads one answer off `conn`: its head (lower-cased) and its body, by
+/// its `Content-Length`.
+async fn read_answer(conn: &mut tokio::net::TcpStream) -> (String, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let end = loop {
+        if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = tokio::time::timeout(Duration::from_secs(20), conn.read(&mut chunk))
+            .await
+            .expect("an answer")
+            .unwrap();
+        assert!(n > 0, "closed before an answer: {got:?}");
+        got.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&got[..end]).to_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("a content-length");
+    let mut body = got[end..].to_vec();
+    while body.len() < length {
+        let n = conn.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "closed within the body");
+        body.extend_from_slice(&chunk[..n]);
+    }
+    (head, body)
+}
+
+/// hyper keeps the read buffer a fast upload grew (to 256 KiB) for the
+/// connection's life: a connection that carried one closes after its
+/// answer, so an idle client does not hold it. Small requests keep theirs.
+#[tokio::test]
+async fn a_connection_that_carried_a_large_upload_closes_after_its_answer() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let echo = upstream::echo("sink").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: sink, endpoints: ["{}"] }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: sink }}]
+"#,
+        echo.url()
+    ))
+    .await;
+    let small = |n: usize| {
+        let mut raw =
+            format!("POST /s HTTP/1.1\r\nhost: a\r\ncontent-length: {n}\r\n\r\n").into_bytes();
+        raw.resize(raw.len() + n, b's');
+        raw
+    };
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    for _ in 0..3 {
+        conn.write_all(&small(4096)).await.unwrap();
+        let (head, body) = read_answer(&mut conn).await;
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(!head.contains("connection: close"), "{head}");
+        assert!(String::from_utf8_lossy(&body).contains("\"body_len\":4096"));
+    }
+
+    // 32 MiB written at once: the proxy's reads fill its buffer, which
+    // doubles each time up to its size.
+    const BIG: usize = 32 << 20;
+    let mut raw =
+        format!("PUT /b HTTP/1.1\r\nhost: a\r\ncontent-length: {BIG}\r\n\r\n").into_bytes();
+    raw.resize(raw.len() + BIG, b'b');
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    conn.write_all(&raw).await.unwrap();
+    let (head, body) = read_answer(&mut conn).await;
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(String::from_utf8_lossy(&body).contains(&format!("\"body_len\":{BIG}")));
+    assert!(head.contains("connection: close"), "{head}");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut rest)).await;
+    assert!(matches!(closed, Ok(Ok(0))), "{closed:?} {rest:?}");
+}

@@ -43,9 +43,11 @@ use crate::linger::Lingering;
 /// which the previous one ended is seen as a new head.
 ///
 /// It also keeps the status of the answer [`Watched`] gave in place of
-/// hyper's to a head hyper could not parse, for the access line.
+/// hyper's to a head hyper could not parse, for the access line; whether
+/// the connection is to linger; and whether hyper's read buffer grew
+/// large ([`HeadClock::grown`]).
 #[derive(Debug, Default)]
-pub struct HeadClock(AtomicU32, AtomicU16, AtomicBool);
+pub struct HeadClock(AtomicU32, AtomicU16, AtomicBool, AtomicBool);
 
 const PHASE: u32 = 0b11;
 /// No request yet: the first head is awaited from the accept.
@@ -132,6 +134,18 @@ impl HeadClock {
         self.2.store(true, Ordering::Relaxed);
     }
 
+    /// Whether hyper's read buffer for this connection has grown past
+    /// [`GROWN`]: a fast upload grows it up to the listener's read buffer
+    /// (256 KiB), and hyper keeps that for the connection's life, so an
+    /// idle keep-alive connection after a large upload held ~570 KiB where
+    /// one after small requests holds ~160 KiB (upstream side included).
+    /// The service closes such a connection after its answer (HTTP/1.1
+    /// `Connection: close`): the client's next request takes a new one,
+    /// a handshake, after an upload of 128 KiB or more.
+    pub fn grown(&self) -> bool {
+        self.3.load(Ordering::Relaxed)
+    }
+
     /// Notes bytes read from the client: a head has started when no
     /// request is being served. (Bytes read while one is are its body.)
     fn bytes_read(&self) {
@@ -153,6 +167,12 @@ impl HeadClock {
         }
     }
 }
+
+/// A read buffer larger than this marks the connection [`HeadClock::grown`].
+/// hyper's buffer starts at 8 KiB and doubles with each read that fills
+/// it; a body of about 128 KiB arriving faster than it is read already
+/// leaves it at 256 KiB (it was at most 128 KiB when capped at 64 KiB).
+pub const GROWN: usize = 128 * 1024;
 
 /// Drives `served` (a connection) to its end, unless a head it awaits
 /// takes longer than `limit`: the first from now, a later one from its
@@ -272,6 +292,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
+        // hyper offers the whole free space of its buffer.
+        if buf.remaining() > GROWN {
+            self.clock.3.store(true, Ordering::Relaxed);
+        }
         let before = buf.filled().len();
         let read = Pin::new(&mut self.io).poll_read(cx, buf);
         if buf.filled().len() > before {
@@ -474,6 +498,23 @@ mod tests {
             .unwrap();
         assert_eq!(&buf[..n], b"GET");
         assert!(clock.awaited().is_some(), "a head has started");
+    }
+
+    #[tokio::test]
+    async fn a_read_into_a_grown_buffer_marks_the_connection() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        let clock = Arc::new(HeadClock::default());
+        let (mut client, server) = tokio::io::duplex(1024);
+        let mut watched = Watched::new(server, clock.clone());
+        client.write_all(b"abcd").await.unwrap();
+        let mut small = vec![0u8; GROWN];
+        assert_eq!(watched.read(&mut small).await.unwrap(), 4);
+        assert!(!clock.grown(), "a buffer of {GROWN} bytes is not grown");
+        client.write_all(b"efgh").await.unwrap();
+        let mut large = vec![0u8; GROWN + 1];
+        assert_eq!(watched.read(&mut large).await.unwrap(), 4);
+        assert!(clock.grown());
     }
 
     #[tokio::test]
