@@ -595,6 +595,9 @@ routes:
     let a = client::send(&client::http1(), req).await;
     assert_eq!(a.status, 200);
     assert_eq!(a.json()["body_len"], SIZE);
+    // The public connection's read buffer grew for the upload: it closes
+    // after the answer, and the buffer with it.
+    assert_eq!(a.header("connection"), Some("close"));
 
     let req = server
         .request("rt-a", "GET", "/download")
