@@ -8,6 +8,12 @@
                                  prints MB/s of each (uploads to PATH,
                                  /up by default, with Host HOST, bench)
 
+    bodies.py idle PORT N MB PID...
+                                 N connections each upload MB MiB, then
+                                 stay open, idle; prints how much the
+                                 resident memory of PID... grew, per
+                                 connection (KiB)
+
 MODE: put (Content-Length upload), chunked (chunked upload, 1 MiB chunks),
 get (download), put-get (a 1 MiB upload, streamed through the proxy, then
 the download: the answer to a streamed request).
@@ -173,8 +179,38 @@ def client(port, mode, mb, n, host="bench", path="/up"):
     print(" ".join(f"{r:.0f}" for r in rates))
 
 
+def rss_kib(pids):
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/status") as f:
+            total += next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
+    return total
+
+
+def idle(port, n, mb, pids):
+    size = mb << 20
+    upload = tempfile.TemporaryFile()
+    upload.truncate(size)
+    before = rss_kib(pids)
+    conns = []
+    for _ in range(n):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"PUT /up HTTP/1.1\r\nhost: bench\r\ncontent-length: %d\r\n\r\n" % size)
+        sock.sendfile(upload, 0, size)
+        conn = Conn(sock)
+        start, fields = conn.head()
+        if not start.startswith("HTTP/1.1 200"):
+            sys.exit(f"idle: answered {start!r}")
+        conns.append(conn)
+    # Let the allocators settle (mimalloc frees pages after a delay).
+    time.sleep(1)
+    print(f"{(rss_kib(pids) - before) / n:.0f}")
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "sink":
+    if sys.argv[1] == "idle":
+        idle(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), [int(p) for p in sys.argv[5:]])
+    elif sys.argv[1] == "sink":
         sink(int(sys.argv[2]), int(sys.argv[3]))
     else:
         client(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:8])
