@@ -137,8 +137,8 @@ impl HeadClock {
     /// Whether hyper's read buffer for this connection has grown past
     /// [`GROWN`]: a fast upload grows it up to the listener's read buffer
     /// (256 KiB), and hyper keeps that for the connection's life, so an
-    /// idle keep-alive connection after a large upload held ~570 KiB where
-    /// one after small requests holds ~160 KiB (upstream side included).
+    /// idle keep-alive connection after a large upload held ~570 KiB of
+    /// the proxy's memory (~160 KiB when the buffer stopped at 64 KiB).
     /// The service closes such a connection after its answer (HTTP/1.1
     /// `Connection: close`): the client's next request takes a new one,
     /// a handshake, after an upload of 128 KiB or more.
