@@ -146,6 +146,21 @@ impl HeadClock {
         self.3.load(Ordering::Relaxed)
     }
 
+    /// Makes `resp` the connection's last answer when the read buffer has
+    /// [`grown`](HeadClock::grown) (HTTP/1 only: an HTTP/2 connection's
+    /// buffers are the h2 codec's).
+    pub fn close_if_grown<B>(&self, version: Version, resp: &mut http::Response<B>) {
+        if version < Version::HTTP_2
+            && self.grown()
+            && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS
+        {
+            resp.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+        }
+    }
+
     /// Notes bytes read from the client: a head has started when no
     /// request is being served. (Bytes read while one is are its body.)
     fn bytes_read(&self) {

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use http::{HeaderValue, StatusCode, Version, header};
 use hyper::Request;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -910,14 +909,7 @@ fn serve_connection<S>(
             if let Some(retire) = &conn.retire {
                 retire.count(version, &mut resp);
             }
-            if version < Version::HTTP_2
-                && clock.grown()
-                && resp.status() != StatusCode::SWITCHING_PROTOCOLS
-            {
-                // Its read buffer goes with it (see `HeadClock::grown`).
-                resp.headers_mut()
-                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            }
+            clock.close_if_grown(version, &mut resp);
             if resp.extensions().get::<crate::pipeline::Linger>().is_some() {
                 clock.linger();
             }

@@ -1399,16 +1399,10 @@ impl Public {
                         http::HeaderValue::from_static("close"),
                     );
                     clock.linger();
-                } else if version < http::Version::HTTP_2
-                    && clock.grown()
-                    && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS
-                {
+                } else {
                     // As on the routing core's listeners: the read buffer
                     // an upload grew goes with the connection.
-                    resp.headers_mut().insert(
-                        http::header::CONNECTION,
-                        http::HeaderValue::from_static("close"),
-                    );
+                    clock.close_if_grown(version, &mut resp);
                 }
                 resp.body_mut().set_ended(Ended::new(clock));
                 Ok::<_, Infallible>(resp)
