@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
+use futures_util::FutureExt;
 use http::header::{self, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri, Version};
@@ -1255,10 +1256,7 @@ async fn accept_public(
         let _ = stream.set_nodelay(true);
         if tls.is_none() && !public.shared.proxy_protocol {
             let served = public.serve(stream, peer, None);
-            tracker.spawn(async move {
-                served.await;
-                drop((permit, counted));
-            });
+            tracker.spawn(served.map(move |()| drop((permit, counted))));
             continue;
         }
         // The PROXY header and the handshake are read in the connection's
@@ -1383,7 +1381,9 @@ impl Public {
             let clock = service_clock.clone();
             let public = public.clone();
             let retire = service_retire.clone();
-            async move {
+            // Boxed, as on the routing core's listeners: hyper keeps a box
+            // the size of this future (~8 KiB) for the connection's life.
+            Box::pin(async move {
                 let mut resp = public.respond(req, peer, tls).await;
                 if let Some(retire) = retire {
                     retire.count(version, &mut resp);
@@ -1406,25 +1406,26 @@ impl Public {
                 }
                 resp.body_mut().set_ended(Ended::new(clock));
                 Ok::<_, Infallible>(resp)
-            }
+            })
         });
         let served = self.connections.watch_retiring(
             self.builder
                 .serve(Watched::new(stream, clock.clone()), service),
             retire,
         );
-        async move {
-            match head_deadline::within(served, &clock, PUBLIC_HEADER_READ_TIMEOUT).await {
-                Some(Ok(())) => {}
-                Some(Err(e)) => {
-                    crate::metrics::connection_error("public", &*e);
-                    if let Some(e) = crate::unparsed_head::refused(&*e) {
-                        crate::unparsed_head::log("public", peer, worker, clock.refused(), e);
-                    }
+        // A combinator, not an async block: one would hold the connection
+        // twice (see `head_deadline::Within`).
+        let served = head_deadline::within(served, clock.clone(), PUBLIC_HEADER_READ_TIMEOUT);
+        served.map(move |outcome| match outcome {
+            Some(Ok(())) => {}
+            Some(Err(e)) => {
+                crate::metrics::connection_error("public", &*e);
+                if let Some(e) = crate::unparsed_head::refused(&*e) {
+                    crate::unparsed_head::log("public", peer, worker, clock.refused(), e);
                 }
-                None => crate::metrics::connection_timed_out("public"),
             }
-        }
+            None => crate::metrics::connection_timed_out("public"),
+        })
     }
 }
 
