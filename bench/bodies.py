@@ -9,8 +9,10 @@
                                  /up by default, with Host HOST, bench)
 
     bodies.py idle PORT N MB PID...
-                                 N connections each upload MB MiB, then
-                                 stay open, idle; prints how much the
+                                 N connections each upload MB MiB (0: a
+                                 bodiless request; Host $IDLE_HOST, bench;
+                                 over TLS, unverified, if $IDLE_TLS is 1),
+                                 then stay open, idle; prints how much the
                                  resident memory of PID... grew, per
                                  connection (KiB)
 
@@ -26,6 +28,7 @@ client got), so a proxy that loses bytes fails the run.
 
 import os
 import socket
+import ssl
 import sys
 import tempfile
 import threading
@@ -189,14 +192,23 @@ def rss_kib(pids):
 
 def idle(port, n, mb, pids):
     size = mb << 20
+    host = os.environ.get("IDLE_HOST", "bench").encode()
+    tls = None
+    if os.environ.get("IDLE_TLS") == "1":
+        tls = ssl.create_default_context()
+        tls.check_hostname = False
+        tls.verify_mode = ssl.CERT_NONE
     upload = tempfile.TemporaryFile()
     upload.truncate(size)
     before = rss_kib(pids)
     conns = []
     for _ in range(n):
         sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(b"PUT /up HTTP/1.1\r\nhost: bench\r\ncontent-length: %d\r\n\r\n" % size)
-        sock.sendfile(upload, 0, size)
+        if tls:
+            sock = tls.wrap_socket(sock, server_hostname="localhost")
+        sock.sendall(b"PUT /up HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n\r\n" % (host, size))
+        if size:
+            sock.sendfile(upload, 0, size)
         conn = Conn(sock)
         start, fields = conn.head()
         if not start.startswith("HTTP/1.1 200"):

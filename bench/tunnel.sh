@@ -11,7 +11,8 @@
 #               then a client uploads BIG_MB (bench/bodies.py; nginx passes
 #               it to a sink that reads it whole before answering);
 #   idle memory the tunnel server's RSS growth per idle tunnel (IDLE tunnels:
-#               rathole services, Portcullis --connections).
+#               rathole services, Portcullis --connections), and both
+#               ends' per idle public keep-alive connection (IDLE_PUBLIC).
 # rathole is a TCP-level tunnel (one data channel per public connection);
 # Portcullis is HTTP-aware (routing core on the client), measured over both
 # its transports: HTTP/2 streams over a WebSocket (the default), and QUIC
@@ -25,6 +26,7 @@ ROUNDS=${ROUNDS:-3}
 CONNECTIONS=${CONNECTIONS:-64}
 BIG_MB=${BIG_MB:-512}
 IDLE=${IDLE:-200}
+IDLE_PUBLIC=${IDLE_PUBLIC:-1000}
 # shellcheck source=bench/common.sh
 . bench/common.sh
 command -v rathole >/dev/null || cargo install rathole
@@ -69,9 +71,9 @@ hostname = "localhost"
 token = "bench-token"
 local_addr = "127.0.0.1:$UP"
 CONF
-rathole --server "$WORK/rh-server.toml" & PIDS+=($!)
+rathole --server "$WORK/rh-server.toml" & PIDS+=($!); RH_S=$!
 sleep 0.5
-rathole --client "$WORK/rh-client.toml" & PIDS+=($!)
+rathole --client "$WORK/rh-client.toml" & PIDS+=($!); RH_C=$!
 
 # Portcullis: tunnel server with TLS, client fronting the same upstream.
 # The runtime `bench` dials over WebSocket, `benchq` over QUIC.
@@ -79,10 +81,10 @@ hash=$(printf bench-token | "$BIN" hash-token)
 printf 'bench: %s\nbenchq: %s\n' "$hash" "$hash" > "$WORK/tokens.yaml"
 "$BIN" tunnel-server --public "127.0.0.1:$PC_PUB" --tunnel-listen "127.0.0.1:$PC_TUN" \
   --domain bench.test --tokens "$WORK/tokens.yaml" --cert "$WORK/leaf.pem" --key "$WORK/leaf.key" \
-  --tunnel-quic --admin off & PIDS+=($!)
+  --tunnel-quic --admin off & PIDS+=($!); PC_S=$!
 sleep 0.5
 PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PC_TUN" --ca "$WORK/ca.pem" \
-  --runtime-id bench --upstream "http://127.0.0.1:$UP" --admin off & PIDS+=($!)
+  --runtime-id bench --upstream "http://127.0.0.1:$UP" --admin off & PIDS+=($!); PC_C=$!
 PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PC_TUN" --ca "$WORK/ca.pem" \
   --runtime-id benchq --transport quic --upstream "http://127.0.0.1:$UP" --admin off & PIDS+=($!)
 
@@ -100,6 +102,14 @@ wait_ok() { for _ in $(seq 100); do curl -sf -o /dev/null "$@" && return 0; slee
 wait_ok "http://127.0.0.1:$RH_PUB/"
 wait_ok -H "Host: bench.bench.test" "http://127.0.0.1:$PC_PUB/"
 wait_ok -H "Host: benchq.bench.test" "http://127.0.0.1:$PC_PUB/"
+
+# Idle public connections, first, while both tunnels are fresh: each makes
+# one request and stays open; the growth of both ends' resident memory
+# (server and client) per connection. rathole holds a data channel per
+# public connection; Portcullis holds the public connection on the server
+# and nothing on the client once the request's stream ends.
+RH_IDLE=$(python3 bench/bodies.py idle "$RH_PUB" "$IDLE_PUBLIC" 0 "$RH_S" "$RH_C")
+PC_IDLE=$(IDLE_HOST=bench.bench.test python3 bench/bodies.py idle "$PC_PUB" "$IDLE_PUBLIC" 0 "$PC_S" "$PC_C")
 
 : > "$WORK/rps.rh"; : > "$WORK/rps.pc"; : > "$WORK/rps.pq"
 : > "$WORK/mbps.rh"; : > "$WORK/mbps.pc"; : > "$WORK/mbps.pq"
@@ -168,3 +178,4 @@ printf '%-16s %12s %10s %10s %14s %14s %18s\n' portcullis "$pc_rps" "$pc_p50" "$
 printf '%-16s %12s %10s %10s %14s %14s %18s\n' portcullis-quic "$pq_rps" "$pq_p50" "$pq_p99" "$pq_mb" "$pq_up" "$(( (PQ_AFTER - PQ_BEFORE) / IDLE ))"
 awk -v a="$pc_rps" -v b="$rh_rps" -v c="$pc_mb" -v d="$rh_mb" -v e="$pc_up" -v f="$rh_up" 'BEGIN { printf "portcullis / rathole: requests/s %.2fx, download %.2fx, upload %.2fx\n", a / b, c / d, e / f }'
 awk -v a="$pq_rps" -v b="$pc_rps" -v c="$pq_mb" -v d="$pc_mb" -v e="$pq_up" -v f="$pc_up" 'BEGIN { printf "quic / websocket transport: requests/s %.2fx, download %.2fx, upload %.2fx\n", a / b, c / d, e / f }'
+echo "idle public keep-alive connections ($IDLE_PUBLIC, one request each), RSS growth per connection, server + client: rathole $RH_IDLE KiB, portcullis $PC_IDLE KiB"

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Memory held by idle keep-alive client connections, nginx against
+# Portcullis as reverse proxies, over HTTP and over HTTPS.
+#
+#   bench/idle.sh                      # CONNS=2000
+#
+# For each protocol, fresh proxies (two workers each) in turn: CONNS client
+# connections each make one request (bench/bodies.py idle) and stay open;
+# the figure is the growth of the proxy's resident memory (all its
+# processes) per connection, a second after the last one was answered.
+# Kernel socket buffers are not in it, for either. A fresh process each
+# time: memory an allocator kept from earlier connections would hide the
+# cost of new ones. The upstream is one nginx worker answering a small
+# body. Needs nginx (installed if missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CONNS=${CONNS:-2000}
+WORKERS=${WORKERS:-$(nproc)}
+# shellcheck source=bench/common.sh
+. bench/common.sh
+UP=$(free_port)
+start_upstream "$UP"
+wait_port "$UP"
+make_pki localhost
+chmod a+rx "$WORK"; chmod a+r "$WORK/leaf.key"
+
+# One fresh nginx on port $2, TLS when $1 is https; its master's pid in STARTED.
+start_nginx() {
+  local dir="$WORK/nginx-$1" listen="127.0.0.1:$2" tls=""
+  mkdir -p "$dir"
+  if [ "$1" = https ]; then
+    listen="$listen ssl"
+    tls="ssl_certificate $WORK/leaf.pem; ssl_certificate_key $WORK/leaf.key; ssl_session_cache shared:SSL:10m;"
+  fi
+  cat > "$dir/nginx.conf" <<CONF
+worker_processes $WORKERS;
+pid $dir/nginx.pid;
+error_log $dir/error.log;
+worker_rlimit_nofile 20000;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  keepalive_timeout 600s;
+  upstream app { server 127.0.0.1:$UP; keepalive 64; }
+  server {
+    listen $listen;
+    $tls
+    location / {
+      proxy_pass http://app;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+}
+CONF
+  nginx -p "$dir" -c "$dir/nginx.conf" -g 'daemon off;' >/dev/null 2>&1 &
+  STARTED=$!; PIDS+=("$STARTED")
+}
+
+# One fresh Portcullis on port $2, TLS when $1 is https; its pid in STARTED.
+start_portcullis() {
+  local dir="$WORK/pc-$1" tls=""
+  mkdir -p "$dir"
+  [ "$1" = https ] && tls=", tls: { cert: $WORK/leaf.pem, key: $WORK/leaf.key }"
+  cat > "$dir/bench.yaml" <<YAML
+listeners: [{ name: l, bind: "127.0.0.1:$2", max_requests_per_connection: 1000000$tls }]
+upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP"] }]
+routes: [{ name: all, match: { path_prefix: / }, upstream: app }]
+YAML
+  RUST_LOG=warn PORTCULLIS_MAX_CONNECTIONS=$((CONNS * 2)) "$BIN" serve --admin off \
+    --workers "$WORKERS" --policies "$dir" >/dev/null 2>&1 &
+  STARTED=$!; PIDS+=("$STARTED")
+}
+
+# KiB per idle connection through a fresh proxy $2 over protocol $1, in
+# the file $WORK/$1-$2.
+measure() {
+  local port pid pids
+  port=$(free_port)
+  "start_$2" "$1" "$port"
+  pid=$STARTED
+  for _ in $(seq 100); do curl -fsk -o /dev/null "$1://localhost:$port/" && break; sleep 0.1; done
+  pids="$pid $(pgrep -P "$pid" | xargs || true)"
+  # shellcheck disable=SC2086
+  IDLE_TLS=$([ "$1" = https ] && echo 1 || echo 0) python3 bench/bodies.py idle "$port" "$CONNS" 0 $pids > "$WORK/$1-$2"
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+
+echo "$CONNS idle keep-alive connections, one request each, $WORKERS workers: RSS growth per connection"
+printf '%-6s %12s %12s %8s\n' proto nginx portcullis ratio
+for proto in http https; do
+  measure "$proto" nginx; measure "$proto" portcullis
+  n=$(cat "$WORK/$proto-nginx"); p=$(cat "$WORK/$proto-portcullis")
+  awk -v t="$proto" -v n="$n" -v p="$p" 'BEGIN { printf "%-6s %9s KiB %9s KiB %7.1fx\n", t, n, p, p / (n > 0 ? n : 1) }'
+done
