@@ -91,6 +91,8 @@ impl Sniffed {
 pub struct Rewind<I> {
     sniffed: Sniffed,
     io: I,
+    /// An error met reading on past the sniffed bytes, for the next read.
+    failed: Option<std::io::Error>,
 }
 
 impl<I> Rewind<I> {
@@ -106,13 +108,36 @@ impl<I: AsyncRead + Unpin> AsyncRead for Rewind<I> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        let left = self.sniffed.left();
-        if left.is_empty() {
+        // Every read of the connection's life passes here: two byte
+        // compares and a null check, the replay out of line.
+        if self.sniffed.taken == self.sniffed.len && self.failed.is_none() {
             return Pin::new(&mut self.io).poll_read(cx, buf);
         }
+        self.replay(cx, buf)
+    }
+}
+
+impl<I: AsyncRead + Unpin> Rewind<I> {
+    #[cold]
+    fn replay(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        if let Some(e) = self.failed.take() {
+            return Poll::Ready(Err(e));
+        }
+        let left = self.sniffed.left();
         let n = left.len().min(buf.remaining());
         buf.put_slice(&left[..n]);
         self.sniffed.taken += n as u8;
+        // Read on into the same buffer: handed only the sniffed bytes (at
+        // most 24), hyper would find the head incomplete and, to read the
+        // rest, grow its 8 KiB buffer to 16 KiB, kept for the connection's
+        // life.
+        if self.sniffed.left().is_empty() && buf.remaining() > 0 {
+            let filled = buf.filled().len();
+            if let Poll::Ready(Err(e)) = Pin::new(&mut self.io).poll_read(cx, buf) {
+                debug_assert_eq!(buf.filled().len(), filled);
+                self.failed = Some(e);
+            }
+        }
         Poll::Ready(Ok(()))
     }
 }
@@ -230,6 +255,7 @@ where
                     let io = TokioIo::new(Rewind {
                         sniffed: *sniffed,
                         io: io.take().expect("until served"),
+                        failed: None,
                     });
                     let service = service.take().expect("until served");
                     let next = if h2 {
@@ -299,6 +325,7 @@ mod tests {
         let mut rewound = Rewind {
             sniffed,
             io: server,
+            failed: None,
         };
         let mut all = Vec::new();
         rewound.read_to_end(&mut all).await.unwrap();
@@ -339,5 +366,99 @@ mod tests {
         assert!(polled.is_pending(), "no byte yet: still sniffing");
         conn.as_mut().graceful_shutdown();
         assert!(conn.await.is_ok());
+    }
+
+    /// A socket's read half that records the most free space a reader
+    /// offered it.
+    struct Offered<I> {
+        io: I,
+        most: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl<I: AsyncRead + Unpin> AsyncRead for Offered<I> {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            let offered = buf.remaining();
+            self.most
+                .fetch_max(offered, std::sync::atomic::Ordering::Relaxed);
+            Pin::new(&mut self.io).poll_read(cx, buf)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_head_sent_whole_is_read_whole_and_hypers_buffer_keeps_its_first_size() {
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (read, write) = tokio::io::split(server);
+        let read = Offered {
+            io: read,
+            most: most.clone(),
+        };
+        let io = tokio::io::join(read, write);
+        let service = hyper::service::service_fn(|_req: http::Request<Incoming>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::from("ok")))
+        });
+        let served = tokio::spawn(Arc::new(Builder::new()).serve(io, service));
+        for path in ["/first/request/on/the/connection", "/second"] {
+            let head = format!("GET {path} HTTP/1.1\r\nhost: a\r\n\r\n");
+            client.write_all(head.as_bytes()).await.unwrap();
+            let mut answer = Vec::new();
+            while !answer.ends_with(b"ok") {
+                let mut chunk = [0; 256];
+                let n = client.read(&mut chunk).await.unwrap();
+                assert!(n > 0, "closed after {answer:?}");
+                answer.extend_from_slice(&chunk[..n]);
+            }
+            assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+        }
+        // Had the first read brought the sniffed bytes alone, hyper would
+        // have grown its buffer to read the rest, and kept it.
+        let most = most.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(most <= 8192, "hyper offered {most} bytes");
+        drop(client);
+        assert!(served.await.unwrap().is_ok());
+    }
+
+    /// Yields its parts one read at a time, then fails once, then ends:
+    /// an error dropped would be seen as an end.
+    struct ThenFails(Vec<&'static [u8]>, bool);
+
+    impl AsyncRead for ThenFails {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            if self.0.is_empty() {
+                if std::mem::replace(&mut self.1, true) {
+                    return Poll::Ready(Ok(()));
+                }
+                return Poll::Ready(Err(std::io::ErrorKind::ConnectionReset.into()));
+            }
+            buf.put_slice(self.0.remove(0));
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn an_error_met_reading_past_the_sniffed_bytes_comes_with_the_next_read() {
+        let mut io = ThenFails(vec![b"GET "], false);
+        let mut sniffed = Sniffed::default();
+        let h2 = std::future::poll_fn(|cx| sniff(&mut io, &mut sniffed, cx)).await;
+        assert!(!h2.unwrap());
+        let mut rewound = Rewind {
+            sniffed,
+            io,
+            failed: None,
+        };
+        let mut buf = [0; 64];
+        assert_eq!(rewound.read(&mut buf).await.unwrap(), 4);
+        assert_eq!(&buf[..4], b"GET ");
+        let e = rewound.read(&mut buf).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset);
+        assert_eq!(rewound.read(&mut buf).await.unwrap(), 0);
     }
 }
