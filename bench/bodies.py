@@ -11,7 +11,8 @@
     bodies.py idle PORT N MB PID...
                                  N connections each upload MB MiB (0: a
                                  bodiless request; Host $IDLE_HOST, bench;
-                                 over TLS, unverified, if $IDLE_TLS is 1),
+                                 over TLS, unverified, if $IDLE_TLS is 1;
+                                 a GET over HTTP/2 on TLS if it is h2),
                                  then stay open, idle; prints how much the
                                  resident memory of PID... grew, per
                                  connection (KiB)
@@ -190,14 +191,52 @@ def rss_kib(pids):
     return total
 
 
+def h2_get(sock, host):
+    """One GET / over HTTP/2 (ALPN h2): the least of the protocol, HPACK
+    literals only; the connection then stays open."""
+
+    def frame(kind, flags, stream, payload=b""):
+        return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+    # :method GET, :scheme https (static table), :path and :authority as
+    # literals without indexing on static names.
+    block = b"\x82\x87\x04\x01/\x01" + bytes([len(host)]) + host
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0) + frame(1, 0x5, 1, block))
+    buf = b""
+    status = None
+    while True:
+        while len(buf) < 9 or len(buf) < 9 + int.from_bytes(buf[:3], "big"):
+            more = sock.recv(65536)
+            if not more:
+                sys.exit("idle: HTTP/2 connection closed")
+            buf += more
+        length = int.from_bytes(buf[:3], "big")
+        kind, flags, stream = buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+        payload, buf = buf[9 : 9 + length], buf[9 + length :]
+        if kind == 4 and not flags & 1:
+            sock.sendall(frame(4, 1, 0))
+        elif kind == 7:
+            sys.exit("idle: HTTP/2 GOAWAY")
+        elif stream == 1 and kind == 1:
+            # 0x88: :status 200 from the static table.
+            status = payload[:1]
+        if stream == 1 and kind in (0, 1) and flags & 1:
+            if status != b"\x88":
+                sys.exit(f"idle: HTTP/2 answer starts {status!r}")
+            return
+
+
 def idle(port, n, mb, pids):
     size = mb << 20
     host = os.environ.get("IDLE_HOST", "bench").encode()
     tls = None
-    if os.environ.get("IDLE_TLS") == "1":
+    h2 = os.environ.get("IDLE_TLS") == "h2"
+    if os.environ.get("IDLE_TLS") in ("1", "h2"):
         tls = ssl.create_default_context()
         tls.check_hostname = False
         tls.verify_mode = ssl.CERT_NONE
+        if h2:
+            tls.set_alpn_protocols(["h2"])
     upload = tempfile.TemporaryFile()
     upload.truncate(size)
     before = rss_kib(pids)
@@ -206,6 +245,12 @@ def idle(port, n, mb, pids):
         sock = socket.create_connection(("127.0.0.1", port))
         if tls:
             sock = tls.wrap_socket(sock, server_hostname="localhost")
+        if h2:
+            if sock.selected_alpn_protocol() != "h2":
+                sys.exit("idle: the server did not choose h2")
+            h2_get(sock, host)
+            conns.append(sock)
+            continue
         sock.sendall(b"PUT /up HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n\r\n" % (host, size))
         if size:
             sock.sendfile(upload, 0, size)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Memory held by idle keep-alive client connections, nginx against
-# Portcullis as reverse proxies, over HTTP and over HTTPS.
+# Portcullis as reverse proxies, over HTTP, HTTPS, and HTTP/2 on TLS (as
+# browsers connect).
 #
 #   bench/idle.sh                      # CONNS=2000
 #
@@ -25,12 +26,14 @@ wait_port "$UP"
 make_pki localhost
 chmod a+rx "$WORK"; chmod a+r "$WORK/leaf.key"
 
-# One fresh nginx on port $2, TLS when $1 is https; its master's pid in STARTED.
+# One fresh nginx on port $2: TLS unless $1 is http, and HTTP/2 when it is h2;
+# its master's pid in STARTED.
 start_nginx() {
   local dir="$WORK/nginx-$1" listen="127.0.0.1:$2" tls=""
   mkdir -p "$dir"
-  if [ "$1" = https ]; then
+  if [ "$1" != http ]; then
     listen="$listen ssl"
+    [ "$1" = h2 ] && listen="$listen http2"
     tls="ssl_certificate $WORK/leaf.pem; ssl_certificate_key $WORK/leaf.key; ssl_session_cache shared:SSL:10m;"
   fi
   cat > "$dir/nginx.conf" <<CONF
@@ -59,11 +62,12 @@ CONF
   STARTED=$!; PIDS+=("$STARTED")
 }
 
-# One fresh Portcullis on port $2, TLS when $1 is https; its pid in STARTED.
+# One fresh Portcullis on port $2, TLS (ALPN h2 and http/1.1) unless $1 is
+# http; its pid in STARTED.
 start_portcullis() {
   local dir="$WORK/pc-$1" tls=""
   mkdir -p "$dir"
-  [ "$1" = https ] && tls=", tls: { cert: $WORK/leaf.pem, key: $WORK/leaf.key }"
+  [ "$1" != http ] && tls=", tls: { cert: $WORK/leaf.pem, key: $WORK/leaf.key }"
   cat > "$dir/bench.yaml" <<YAML
 listeners: [{ name: l, bind: "127.0.0.1:$2", max_requests_per_connection: 1000000$tls }]
 upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP"] }]
@@ -81,16 +85,19 @@ measure() {
   port=$(free_port)
   "start_$2" "$1" "$port"
   pid=$STARTED
-  for _ in $(seq 100); do curl -fsk -o /dev/null "$1://localhost:$port/" && break; sleep 0.1; done
+  local scheme=https tls=$1
+  [ "$1" = http ] && scheme=http tls=0
+  [ "$1" = https ] && tls=1
+  for _ in $(seq 100); do curl -fsk -o /dev/null "$scheme://localhost:$port/" && break; sleep 0.1; done
   pids="$pid $(pgrep -P "$pid" | xargs || true)"
   # shellcheck disable=SC2086
-  IDLE_TLS=$([ "$1" = https ] && echo 1 || echo 0) python3 bench/bodies.py idle "$port" "$CONNS" 0 $pids > "$WORK/$1-$2"
+  IDLE_TLS=$tls python3 bench/bodies.py idle "$port" "$CONNS" 0 $pids > "$WORK/$1-$2"
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
 echo "$CONNS idle keep-alive connections, one request each, $WORKERS workers: RSS growth per connection"
 printf '%-6s %12s %12s %8s\n' proto nginx portcullis ratio
-for proto in http https; do
+for proto in http https h2; do
   measure "$proto" nginx; measure "$proto" portcullis
   n=$(cat "$WORK/$proto-nginx"); p=$(cat "$WORK/$proto-portcullis")
   awk -v t="$proto" -v n="$n" -v p="$p" 'BEGIN { printf "%-6s %9s KiB %9s KiB %7.1fx\n", t, n, p, p / (n > 0 ? n : 1) }'
