@@ -1381,8 +1381,11 @@ impl Public {
             let clock = service_clock.clone();
             let public = public.clone();
             let retire = service_retire.clone();
-            // Boxed, as on the routing core's listeners: hyper keeps a box
-            // the size of this future (~8 KiB) for the connection's life.
+            // Boxed, unlike on the routing core's listeners: hyper keeps a
+            // box the size of this future (~8 KiB) for the connection's
+            // life, and this side faces the internet's idle clients; the
+            // copy into a box per request is little beside a tunnel's
+            // crossing.
             Box::pin(async move {
                 let mut resp = public.respond(req, peer, tls).await;
                 if let Some(retire) = retire {
