@@ -127,6 +127,11 @@ enum Command {
         /// --cert).
         #[arg(long, env = "PORTCULLIS_TUNNEL_QUIC", requires = "cert")]
         tunnel_quic: bool,
+        /// How the server sends on QUIC (tunnels' uploads, HTTP/3
+        /// answers): `cubic`, or `bbr`, which keeps its rate through
+        /// random loss (experimental in quinn; see the README).
+        #[arg(long, env = "PORTCULLIS_QUIC_CONGESTION", default_value = "cubic", value_parser = portcullis::tunnel::quic::Congestion::parse)]
+        quic_congestion: portcullis::tunnel::quic::Congestion,
         /// Admin listener (connected runtimes, metrics); `off` turns it off.
         #[arg(long, env = "PORTCULLIS_ADMIN", default_value = "127.0.0.1:9901", value_parser = parse_admin)]
         admin: Admin,
@@ -266,6 +271,11 @@ enum Command {
         /// QUIC again.
         #[arg(long, env = "PORTCULLIS_QUIC_RETRY_AFTER", default_value = "10m", value_parser = parse_duration)]
         quic_retry_after: Duration,
+        /// How QUIC tunnels send answers (downloads): `cubic`, or `bbr`,
+        /// which keeps its rate through random loss (experimental in
+        /// quinn; see the README).
+        #[arg(long, env = "PORTCULLIS_QUIC_CONGESTION", default_value = "cubic", value_parser = portcullis::tunnel::quic::Congestion::parse)]
+        quic_congestion: portcullis::tunnel::quic::Congestion,
         /// Extra CA certificate (PEM) trusted for the server.
         #[arg(long, env = "PORTCULLIS_CA")]
         ca: Option<PathBuf>,
@@ -389,6 +399,7 @@ fn main() -> ExitCode {
             cert,
             key,
             tunnel_quic,
+            quic_congestion,
             admin,
             workers,
             max_connections,
@@ -463,6 +474,7 @@ fn main() -> ExitCode {
                 tokens,
                 tls: cert.zip(key),
                 tunnel_quic,
+                quic_congestion,
                 admin: admin.0,
                 workers: workers.unwrap_or_else(portcullis::server::default_workers),
                 max_connections,
@@ -496,6 +508,7 @@ fn main() -> ExitCode {
             connections,
             transport,
             quic_retry_after,
+            quic_congestion,
             ca,
             workers,
             grace_period,
@@ -535,6 +548,7 @@ fn main() -> ExitCode {
                     connections,
                     transport,
                     quic_retry_after,
+                    quic_congestion,
                     ca,
                 },
                 workers: workers.unwrap_or_else(portcullis::server::default_workers),

@@ -71,10 +71,9 @@ async fn public_requests_cross_a_quic_tunnel() {
         .await;
     server.wait_connections("rt-a", 2).await;
     assert_eq!(transports(&server, "rt-a").await, ["quic", "quic"]);
-    assert_eq!(
-        server.process.status().await["tunnel_endpoint"]["quic"],
-        true
-    );
+    let status = server.process.status().await;
+    assert_eq!(status["tunnel_endpoint"]["quic"], true);
+    assert_eq!(status["quic_congestion"], "cubic");
 
     let e = server.streamed_post_with_forwarding_headers("rt-a").await;
     // The tunnel hop's TE is not passed on either.
@@ -92,6 +91,45 @@ async fn public_requests_cross_a_quic_tunnel() {
     let missing = server.get("rt-a", "/nowhere").await;
     assert_eq!(missing.status, 404);
     assert_eq!(missing.json()["error"], "no route");
+}
+
+#[tokio::test]
+async fn quic_tunnels_run_with_bbr_on_both_ends_when_asked() {
+    let echo = upstream::echo("api").await;
+    let server = TunnelServer::start_with_tls(&["--tunnel-quic", "--quic-congestion", "bbr"]).await;
+    assert_eq!(server.process.status().await["quic_congestion"], "bbr");
+    let _client = server
+        .client(
+            "rt-a",
+            TOKENS[0].1,
+            &quic_upstream(&echo.url(), &["--quic-congestion", "bbr"]),
+        )
+        .await;
+    server.wait_connections("rt-a", 2).await;
+    assert_eq!(transports(&server, "rt-a").await, ["quic", "quic"]);
+    // A megabyte up, sent by the server's BBR, and the echo of what came
+    // back by the client's.
+    server.streamed_post_with_forwarding_headers("rt-a").await;
+
+    // Anything else is refused at the start, naming what is taken.
+    let refused = std::process::Command::new(crate::support::binary())
+        .args([
+            "tunnel-client",
+            "--server",
+            &server.url,
+            "--runtime-id",
+            "rt-a",
+        ])
+        .args(["--transport", "quic", "--quic-congestion", "reno"])
+        .env("PORTCULLIS_TOKEN", TOKENS[0].1)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("--quic-congestion") && stderr.contains("give cubic or bbr"),
+        "{stderr}"
+    );
 }
 
 #[tokio::test]

@@ -115,6 +115,8 @@ pub struct ClientOptions {
     /// does not pin WebSocket until the client restarts, and one that
     /// stays blocked costs one slow dial per period.
     pub quic_retry_after: Duration,
+    /// How QUIC tunnels send (requests' answers: downloads).
+    pub quic_congestion: super::quic::Congestion,
     /// Extra CA certificate (PEM) to trust for the server.
     pub ca: Option<PathBuf>,
 }
@@ -233,11 +235,14 @@ impl Dialer {
             }
             (Transport::Quic, Some(config)) => (
                 None,
-                Some(super::quic::client_config(config).map_err(anyhow::Error::msg)?),
+                Some(
+                    super::quic::client_config(config, options.quic_congestion)
+                        .map_err(anyhow::Error::msg)?,
+                ),
             ),
             (Transport::Auto, Some(mut config)) => {
-                let quic =
-                    super::quic::client_config(config.clone()).map_err(anyhow::Error::msg)?;
+                let quic = super::quic::client_config(config.clone(), options.quic_congestion)
+                    .map_err(anyhow::Error::msg)?;
                 config.alpn_protocols = vec![b"http/1.1".to_vec()];
                 (
                     Some(tokio_rustls::TlsConnector::from(Arc::new(config))),

@@ -28,12 +28,15 @@ type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;
 
 /// The QUIC settings for the public side: TLS 1.3 only (QUIC has no
 /// other), ALPN `h3`, the certificate files re-read on change as the
-/// HTTPS side's are; idle connections close after the keep-alive timeout.
+/// HTTPS side's are; idle connections close after the keep-alive timeout;
+/// answers sent with the server's congestion control.
 pub fn server_config(
     cert: &std::path::Path,
     key: &std::path::Path,
+    congestion: super::quic::Congestion,
 ) -> anyhow::Result<quinn::ServerConfig> {
     let mut transport = quinn::TransportConfig::default();
+    congestion.apply(&mut transport);
     transport.max_idle_timeout(Some(crate::config::DEFAULT_KEEPALIVE_TIMEOUT.try_into()?));
     super::quic::server_config(cert, key, b"h3", transport)
 }

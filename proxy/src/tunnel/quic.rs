@@ -55,12 +55,63 @@ const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
 /// their 502. Three pings (each retransmitted when lost) fit in it.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// QUIC settings for both ends: HTTP/2's windows, and pings that keep an
-/// idle connection (and the NAT mappings on its path) alive.
-/// `peer_streams` is how many request streams the peer may have open at
-/// once.
-fn transport(peer_streams: u32) -> quinn::TransportConfig {
+/// How a QUIC sender of this process paces itself (`--quic-congestion`):
+/// each end picks its own, for what it sends (the tunnel client for
+/// downloads, the server for uploads and, with `--http3`, its public
+/// answers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Congestion {
+    /// CUBIC (RFC 9438), quinn's default and TCP's on most Linux hosts:
+    /// every loss is taken for congestion and cuts the window by 30%, so
+    /// random loss (a radio link, a lossy peering) caps a stream at
+    /// about what TCP CUBIC gets there.
+    #[default]
+    Cubic,
+    /// BBR: sends at the bandwidth and round trip it measures and does
+    /// not back off for a loss alone, so a stream keeps the link's rate
+    /// through random loss (`bench/lossy.sh`). quinn marks its BBR
+    /// experimental, and like TCP's BBRv1 it fills queues more and
+    /// yields less to CUBIC flows sharing a congested bottleneck.
+    Bbr,
+}
+
+impl Congestion {
+    /// `cubic` or `bbr`, as the flag takes it.
+    pub fn parse(name: &str) -> Result<Congestion, String> {
+        match name {
+            "cubic" => Ok(Congestion::Cubic),
+            "bbr" => Ok(Congestion::Bbr),
+            other => Err(format!(
+                "`{other}` is not a QUIC congestion control: give cubic or bbr"
+            )),
+        }
+    }
+
+    /// The name the flag and `/status` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Congestion::Cubic => "cubic",
+            Congestion::Bbr => "bbr",
+        }
+    }
+
+    /// Sets it on `transport`.
+    pub fn apply(self, transport: &mut quinn::TransportConfig) {
+        let factory: Arc<dyn quinn::congestion::ControllerFactory + Send + Sync> = match self {
+            Congestion::Cubic => Arc::new(quinn::congestion::CubicConfig::default()),
+            Congestion::Bbr => Arc::new(quinn::congestion::BbrConfig::default()),
+        };
+        transport.congestion_controller_factory(factory);
+    }
+}
+
+/// QUIC settings for both ends: HTTP/2's windows, pings that keep an
+/// idle connection (and the NAT mappings on its path) alive, and the
+/// congestion control asked for. `peer_streams` is how many request
+/// streams the peer may have open at once.
+fn transport(peer_streams: u32, congestion: Congestion) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
+    congestion.apply(&mut t);
     t.max_idle_timeout(IDLE_TIMEOUT.try_into().ok())
         .keep_alive_interval(Some(KEEPALIVE_INTERVAL))
         .stream_receive_window(super::STREAM_WINDOW.into())
@@ -100,18 +151,22 @@ pub fn server_config(
 pub fn tunnel_server_config(
     cert: &std::path::Path,
     key: &std::path::Path,
+    congestion: Congestion,
 ) -> anyhow::Result<quinn::ServerConfig> {
-    server_config(cert, key, ALPN, transport(1))
+    server_config(cert, key, ALPN, transport(1, congestion))
 }
 
 /// The tunnel client's QUIC settings, from the TLS settings it trusts the
 /// server with.
-pub fn client_config(mut tls: rustls::ClientConfig) -> Result<quinn::ClientConfig, String> {
+pub fn client_config(
+    mut tls: rustls::ClientConfig,
+    congestion: Congestion,
+) -> Result<quinn::ClientConfig, String> {
     tls.alpn_protocols = vec![ALPN.to_vec()];
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)
         .map_err(|e| format!("QUIC needs TLS 1.3: {e}"))?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-    config.transport_config(Arc::new(transport(MAX_STREAMS)));
+    config.transport_config(Arc::new(transport(MAX_STREAMS, congestion)));
     Ok(config)
 }
 
@@ -519,5 +574,59 @@ mod tests {
         assert!(other.err().expect("refused").contains("/other"));
         let garbage = parse_hello(b"\x16\x03\x01garbage\r\n\r\n");
         assert!(garbage.err().expect("refused").starts_with("not a hello"));
+    }
+
+    #[test]
+    fn congestion_controls_are_named_as_the_flag_takes_them() {
+        for congestion in [Congestion::Cubic, Congestion::Bbr] {
+            assert_eq!(Congestion::parse(congestion.name()), Ok(congestion));
+        }
+        let refused = Congestion::parse("reno").unwrap_err();
+        assert!(
+            refused.contains("`reno`") && refused.contains("cubic or bbr"),
+            "{refused}"
+        );
+    }
+
+    /// A tunnel client's and a tunnel server's connection, one QUIC
+    /// connection over loopback, both ends set up with `congestion`.
+    async fn connected(congestion: Congestion) -> [quinn::Connection; 2] {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        std::fs::write(&cert_path, cert.pem()).unwrap();
+        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+        let server_config = tunnel_server_config(&cert_path, &key_path, congestion).unwrap();
+        let server = quinn::Endpoint::server(server_config, ([127, 0, 0, 1], 0).into()).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(cert.der().clone()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let mut client = quinn::Endpoint::client(([127, 0, 0, 1], 0).into()).unwrap();
+        client.set_default_client_config(client_config(tls, congestion).unwrap());
+        let to = server.local_addr().unwrap();
+        let (dialed, accepted) = tokio::join!(
+            async { client.connect(to, "localhost").unwrap().await.unwrap() },
+            async { server.accept().await.unwrap().await.unwrap() },
+        );
+        [dialed, accepted]
+    }
+
+    #[tokio::test]
+    async fn both_ends_send_with_the_congestion_control_asked_for() {
+        use quinn::congestion::{Bbr, Cubic};
+        for (congestion, bbr) in [(Congestion::Cubic, false), (Congestion::Bbr, true)] {
+            for conn in connected(congestion).await {
+                let controller = conn.congestion_state().into_any();
+                assert_eq!(controller.is::<Bbr>(), bbr, "{congestion:?}");
+                assert_eq!(controller.is::<Cubic>(), !bbr, "{congestion:?}");
+            }
+        }
     }
 }

@@ -73,6 +73,8 @@ pub struct ServerOptions {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// Take QUIC tunnels too, on the tunnel port's UDP twin (needs `tls`).
     pub tunnel_quic: bool,
+    /// How this server sends on its QUIC connections (tunnels, HTTP/3).
+    pub quic_congestion: super::quic::Congestion,
     /// Admin listener; `None` turns it off.
     pub admin: Option<SocketAddr>,
     /// Worker threads, each with its own event loop.
@@ -403,6 +405,8 @@ struct Shared {
     tunnel_proxy_protocol: bool,
     /// QUIC tunnels are taken.
     tunnel_quic: bool,
+    /// How QUIC connections (tunnels, HTTP/3) send.
+    quic_congestion: super::quic::Congestion,
     /// `Alt-Svc` for HTTPS responses when HTTP/3 is served.
     alt_svc: Option<HeaderValue>,
     /// The other replicas (`--peers`).
@@ -428,14 +432,15 @@ const PLAIN_ON_HTTPS: &str = concat!(
 );
 
 /// When `on`, the UDP socket on `addr` (the TCP listener's twin) and the
-/// QUIC settings `config` makes from the certificate pair in `tls`, for
-/// `what`; without a pair, `needs` says which flags are missing.
+/// QUIC settings `config` makes from the certificate pair in `tls` and
+/// the congestion control, for `what`; without a pair, `needs` says
+/// which flags are missing.
 fn quic_socket(
-    (on, tls): (bool, &Option<(PathBuf, PathBuf)>),
+    (on, tls, congestion): (bool, &Option<(PathBuf, PathBuf)>, super::quic::Congestion),
     addr: SocketAddr,
     what: &str,
     needs: &str,
-    config: fn(&Path, &Path) -> anyhow::Result<quinn::ServerConfig>,
+    config: fn(&Path, &Path, super::quic::Congestion) -> anyhow::Result<quinn::ServerConfig>,
 ) -> anyhow::Result<Option<(std::net::UdpSocket, quinn::ServerConfig)>> {
     use anyhow::Context;
     match (on, tls) {
@@ -444,7 +449,7 @@ fn quic_socket(
         (true, Some((cert, key))) => {
             let socket = std::net::UdpSocket::bind(addr)
                 .with_context(|| format!("cannot bind UDP {addr} for {what}"))?;
-            Ok(Some((socket, config(cert, key)?)))
+            Ok(Some((socket, config(cert, key, congestion)?)))
         }
     }
 }
@@ -478,7 +483,7 @@ impl TunnelServer {
             .await
             .with_context(|| format!("cannot bind the tunnel listener on {}", options.tunnel))?;
         let h3 = quic_socket(
-            (options.http3, &options.public_tls),
+            (options.http3, &options.public_tls, options.quic_congestion),
             public_addr,
             "HTTP/3",
             "--http3 needs --public-cert and --public-key",
@@ -486,7 +491,7 @@ impl TunnelServer {
         )?;
         let tunnel_addr = tunnel.local_addr()?;
         let tunnel_quic = quic_socket(
-            (options.tunnel_quic, &options.tls),
+            (options.tunnel_quic, &options.tls, options.quic_congestion),
             tunnel_addr,
             "QUIC tunnels",
             "--tunnel-quic needs --cert and --key",
@@ -555,6 +560,7 @@ impl TunnelServer {
                 proxy_protocol: options.proxy_protocol,
                 tunnel_proxy_protocol: options.tunnel_proxy_protocol,
                 tunnel_quic: options.tunnel_quic,
+                quic_congestion: options.quic_congestion,
                 alt_svc,
                 peers,
                 rate_limit,
@@ -1881,6 +1887,7 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                     "proxy_protocol": shared.tunnel_proxy_protocol,
                     "quic": shared.tunnel_quic,
                 },
+                "quic_congestion": shared.quic_congestion.name(),
                 "instance": shared.peers.as_ref().map(|p| p.instance.clone()),
                 "peers": shared.peers.as_ref().map(|p| p.snapshot()),
                 "runtimes": runtimes.iter().map(|r| serde_json::json!({
