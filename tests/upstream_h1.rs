@@ -20,6 +20,8 @@ enum Reply {
     Keep(Vec<u8>),
     /// Write these bytes, then close.
     Close(Vec<u8>),
+    /// Write the first bytes, then, once notified, the second, and close.
+    Then(Vec<u8>, Arc<tokio::sync::Notify>, Vec<u8>),
 }
 
 /// One request as the upstream saw it.
@@ -135,6 +137,13 @@ where
             }
             Reply::Close(bytes) => {
                 let _ = sock.write_all(&bytes).await;
+                return;
+            }
+            Reply::Then(first, go, rest) => {
+                if sock.write_all(&first).await.is_ok() {
+                    go.notified().await;
+                    let _ = sock.write_all(&rest).await;
+                }
                 return;
             }
         }
@@ -462,24 +471,38 @@ async fn broken_answers_are_502_and_the_proxy_keeps_serving() {
             }
             "/huge-head" => Reply::Close(big.clone().into_bytes()),
             "/switch" => Reply::Close(b"HTTP/1.1 101 Switching Protocols\r\n\r\n".to_vec()),
+            // Broken in what comes with the head: nothing has gone to
+            // the client yet.
             "/bad-chunk" => Reply::Close(
                 b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n".to_vec(),
+            ),
+            "/bad-second-chunk" => Reply::Close(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n-1\r\n".to_vec(),
+            ),
+            "/long-chunk" => Reply::Close(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nokay\r\n".to_vec(),
             ),
             _ => ok(),
         }
     })
     .await;
-    let proxy = Proxy::start_yaml(&up.yaml()).await;
-    for path in ["/garbage", "/bad-length", "/huge-head", "/switch"] {
+    let mut proxy = crate::support::process::ProxyProcess::start(&up.yaml(), &[]).await;
+    for path in [
+        "/garbage",
+        "/bad-length",
+        "/huge-head",
+        "/switch",
+        "/bad-chunk",
+        "/bad-second-chunk",
+        "/long-chunk",
+    ] {
         let a = client::get(&proxy.url(path)).await;
         assert_eq!(a.status, 502, "{path}");
         assert_eq!(a.json()["error"], "upstream connection failed", "{path}");
         assert_eq!(client::get(&proxy.url("/fine")).await.status, 200);
     }
-    // A body that breaks after the head was accepted cannot become a 502:
-    // the client sees the response cut short, and the next request is served.
-    assert_cut_short(&proxy, "/bad-chunk").await;
-    assert_eq!(client::get(&proxy.url("/fine")).await.status, 200);
+    let why = proxy.wait_for_log("invalid chunk size `-1`").await;
+    assert!(why.contains("upstream response body"), "{why}");
 }
 
 #[tokio::test]
@@ -494,21 +517,39 @@ async fn a_body_cut_short_by_the_upstream_is_cut_short_for_the_client() {
 
 #[tokio::test]
 async fn a_body_the_upstream_breaks_is_logged_with_why() {
-    // The first chunk passes; the second's size is not hex.
-    let up = Scripted::start(|_, _| {
-        Reply::Close(
-            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\nmore\r\n"
-                .to_vec(),
+    // The first chunk passes and reaches the client; then the second's
+    // size is not hex. The answer has begun, so it can only be cut short.
+    let go = Arc::new(tokio::sync::Notify::new());
+    let upstream_go = go.clone();
+    let up = Scripted::start(move |_, _| {
+        Reply::Then(
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n".to_vec(),
+            upstream_go.clone(),
+            b"zz\r\nmore\r\n".to_vec(),
         )
     })
     .await;
     let mut proxy = crate::support::process::ProxyProcess::start(&up.yaml(), &[]).await;
-    let got = client::raw(
-        proxy.addr,
-        b"GET /broken HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
-    )
-    .await;
-    // No whole answer: nothing, or a chunked body without its last chunk.
+    let mut conn = TcpStream::connect(proxy.addr).await.unwrap();
+    conn.write_all(b"GET /broken HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("hello") {
+        let mut chunk = [0u8; 1024];
+        let n = conn.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "closed before the first chunk: {got:?}");
+        got.extend_from_slice(&chunk[..n]);
+    }
+    assert!(got.starts_with(b"HTTP/1.1 200 OK\r\n"), "{got:?}");
+    go.notify_one();
+    let read_rest = conn.read_to_end(&mut got);
+    tokio::time::timeout(std::time::Duration::from_secs(10), read_rest)
+        .await
+        .expect("the proxy did not close the connection")
+        .unwrap();
+    let got = String::from_utf8_lossy(&got);
+    // Not a whole answer: the chunked body lacks its last chunk.
     assert!(!got.ends_with("0\r\n\r\n"), "{got}");
     let why = proxy
         .wait_for_log("response cut: the upstream's body broke")

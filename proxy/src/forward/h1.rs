@@ -281,6 +281,15 @@ impl H1Conn {
                         continue;
                     }
                     let framing = framing(method, &mut resp)?;
+                    // A chunked body already broken in what came with the
+                    // head is a 502 while nothing has gone to the client;
+                    // once streamed it could only be cut short, and the
+                    // client would get no answer at all.
+                    if framing == Framing::Chunked {
+                        sound_chunks(&self.buf).map_err(|e| {
+                            ExchangeError::Failed(format!("upstream response body: {e}"))
+                        })?;
+                    }
                     return Ok((resp, framing));
                 }
                 if self.buf.len() >= MAX_HEAD {
@@ -681,18 +690,49 @@ impl H1Body {
 /// hyper's client, which reads the answers to streamed requests, refuses
 /// it too, so an answer does not pass or fail by the request's body.
 fn take_line(buf: &mut BytesMut) -> Result<Option<Bytes>, String> {
+    Ok(line_end(buf)?.map(|i| {
+        let mut line = buf.split_to(i + 2);
+        line.truncate(i);
+        line.freeze()
+    }))
+}
+
+/// Where the CR of the first line's CRLF is in `buf`, if a whole line is
+/// there ([`take_line`]'s rules).
+fn line_end(buf: &[u8]) -> Result<Option<usize>, String> {
     match buf.iter().position(|&b| b == b'\n') {
-        Some(i) => {
-            if i == 0 || buf[i - 1] != b'\r' {
-                return Err("chunk framing line ends in a bare LF".into());
-            }
-            let mut line = buf.split_to(i + 1);
-            line.truncate(i - 1);
-            Ok(Some(line.freeze()))
+        Some(i) if i == 0 || buf[i - 1] != b'\r' => {
+            Err("chunk framing line ends in a bare LF".into())
         }
+        Some(i) => Ok(Some(i - 1)),
         None if buf.len() > MAX_LINE => Err("chunk framing line too long".into()),
         None => Ok(None),
     }
+}
+
+/// Checks the chunked framing in `buf`, the start of a body, as far as
+/// it goes, without taking anything: the body reader reads it again as
+/// it streams.
+fn sound_chunks(mut buf: &[u8]) -> Result<(), String> {
+    while let Some(end) = line_end(buf)? {
+        let size = chunk_size(&buf[..end])?;
+        if size == 0 {
+            // Trailers are the body reader's.
+            return Ok(());
+        }
+        let Some(after) = usize::try_from(size)
+            .ok()
+            .and_then(|n| buf.get(end + 2 + n..))
+        else {
+            return Ok(());
+        };
+        buf = match after {
+            [b'\r', b'\n', rest @ ..] => rest,
+            [] | [b'\r'] => return Ok(()),
+            _ => return Err("chunk data longer than its size".into()),
+        };
+    }
+    Ok(())
 }
 
 /// The size in a chunk-size line (`1a3f` or `1a3f;ext=value`).
@@ -916,6 +956,26 @@ mod tests {
             parked.buf.capacity()
         );
         assert_eq!(parked.read_size, FIRST_READ);
+    }
+
+    #[test]
+    fn chunked_framing_is_checked_as_far_as_it_has_come() {
+        for whole_so_far in [
+            &b""[..],
+            b"5",
+            b"5\r\nhel",
+            b"5\r\nhello",
+            b"5\r\nhello\r",
+            b"5\r\nhello\r\n3;x=y\r\nabc\r\n0\r\n",
+            b"5\r\nhello\r\n0\r\nnot: checked here\r\n",
+        ] {
+            assert_eq!(sound_chunks(whole_so_far), Ok(()), "{whole_so_far:?}");
+        }
+        let broken = |b: &[u8]| sound_chunks(b).unwrap_err();
+        assert!(broken(b"5\r\nhello\r\nzz\r\nmore").contains("invalid chunk size `zz`"));
+        assert!(broken(b"5\r\nhello!\r\n").contains("longer than its size"));
+        assert!(broken(b"5\nhello").contains("bare LF"));
+        assert!(broken(&[b'1'; MAX_LINE + 1]).contains("too long"));
     }
 
     #[test]
