@@ -41,6 +41,40 @@ make_pki() {
   )
 }
 
+# rathole's configs for one service through one TLS control channel, in
+# $WORK (rh-server.toml, rh-client.toml, and identity.pfx from
+# make_pki's leaf): the server binds its control channel on $1 and the
+# service's public side on $2; the client dials $3 (host:port), checks
+# the server's certificate for host $4 and forwards to $5.
+rathole_configs() {
+  openssl pkcs12 -export -out "$WORK/identity.pfx" -inkey "$WORK/leaf.key" -in "$WORK/leaf.pem" \
+    -certfile "$WORK/ca.pem" -passout pass:bench
+  cat > "$WORK/rh-server.toml" <<CONF
+[server]
+bind_addr = "$1"
+[server.transport]
+type = "tls"
+[server.transport.tls]
+pkcs12 = "$WORK/identity.pfx"
+pkcs12_password = "bench"
+[server.services.web]
+token = "bench-token"
+bind_addr = "$2"
+CONF
+  cat > "$WORK/rh-client.toml" <<CONF
+[client]
+remote_addr = "$3"
+[client.transport]
+type = "tls"
+[client.transport.tls]
+trusted_root = "$WORK/ca.pem"
+hostname = "$4"
+[client.services.web]
+token = "bench-token"
+local_addr = "$5"
+CONF
+}
+
 free_port() { free_ports 1; }
 # $1 distinct free ports, one per line. All are held until all are chosen:
 # separate calls of free_port may be handed the same port twice (for 200
@@ -53,7 +87,8 @@ print("\n".join(str(s.getsockname()[1]) for s in socks))' "$1"
 }
 
 # The upstream on $1: one nginx worker answering a small fixed body (and
-# serving $WORK/big.bin at /big and $WORK/list.json when they exist).
+# serving $WORK/big.bin at /big and $WORK/list.json when they exist); in
+# the network namespace UP_NETNS when set (bench/lossy.sh).
 start_upstream() {
   mkdir -p "$WORK/up"
   cat > "$WORK/up/nginx.conf" <<CONF
@@ -79,7 +114,9 @@ fi)
   }
 }
 CONF
-  nginx -p "$WORK/up" -c "$WORK/up/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+  local run=()
+  [ -z "${UP_NETNS:-}" ] || run=(ip netns exec "$UP_NETNS")
+  "${run[@]}" nginx -p "$WORK/up" -c "$WORK/up/nginx.conf" -g 'daemon off;' & PIDS+=($!)
   UP_PID=$!
 }
 

@@ -35,7 +35,6 @@ export RUST_LOG=warn
 # A private CA and a leaf for localhost; rathole's server wants PKCS#12.
 make_pki localhost
 cd "$WORK"
-openssl pkcs12 -export -out identity.pfx -inkey leaf.key -in leaf.pem -certfile ca.pem -passout pass:bench
 head -c "$((BIG_MB << 20))" /dev/zero > big.bin
 # nginx's workers drop root: let them read the file.
 chmod a+rx "$WORK"; chmod a+r big.bin
@@ -47,30 +46,7 @@ python3 bench/bodies.py sink "$SINK_PORT" 1 & PIDS+=($!)
 start_upstream "$UP"
 
 # rathole: one service through one TLS control channel.
-cat > "$WORK/rh-server.toml" <<CONF
-[server]
-bind_addr = "127.0.0.1:$RH_CTL"
-[server.transport]
-type = "tls"
-[server.transport.tls]
-pkcs12 = "$WORK/identity.pfx"
-pkcs12_password = "bench"
-[server.services.web]
-token = "bench-token"
-bind_addr = "127.0.0.1:$RH_PUB"
-CONF
-cat > "$WORK/rh-client.toml" <<CONF
-[client]
-remote_addr = "localhost:$RH_CTL"
-[client.transport]
-type = "tls"
-[client.transport.tls]
-trusted_root = "$WORK/ca.pem"
-hostname = "localhost"
-[client.services.web]
-token = "bench-token"
-local_addr = "127.0.0.1:$UP"
-CONF
+rathole_configs "127.0.0.1:$RH_CTL" "127.0.0.1:$RH_PUB" "localhost:$RH_CTL" localhost "127.0.0.1:$UP"
 rathole --server "$WORK/rh-server.toml" & PIDS+=($!); RH_S=$!
 sleep 0.5
 rathole --client "$WORK/rh-client.toml" & PIDS+=($!); RH_C=$!
