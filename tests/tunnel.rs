@@ -353,6 +353,22 @@ impl TunnelServer {
     }
 
     /// Waits until the server lists `runtime` with `connections` tunnels.
+    /// Waits until `runtime`'s tunnels carry `n` requests between them.
+    async fn wait_active(&self, runtime: &str, n: u64) {
+        self.process
+            .wait_status(&format!("{n} requests in {runtime}'s tunnels"), |s| {
+                let active: u64 = s["runtimes"]
+                    .as_array()
+                    .and_then(|r| r.iter().find(|r| r["id"] == runtime))
+                    .and_then(|r| r["tunnels"].as_array())
+                    .map_or(0, |t| {
+                        t.iter().filter_map(|t| t["active_requests"].as_u64()).sum()
+                    });
+                active == n
+            })
+            .await;
+    }
+
     async fn wait_connections(&self, runtime: &str, connections: usize) {
         self.process
             .wait_status(&format!("{runtime} with {connections} tunnels"), |s| {
@@ -1261,6 +1277,9 @@ struct Relay {
     current: Arc<std::sync::Mutex<tokio_util::sync::CancellationToken>>,
     /// Set before a cut: keep the server's side open (half-open tunnel).
     half_open: Arc<std::sync::atomic::AtomicBool>,
+    /// While true, what the server sends is held, and passed on in one
+    /// write when it turns false ([`Relay::hold`]).
+    held: Arc<tokio::sync::watch::Sender<bool>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -1274,25 +1293,34 @@ impl Relay {
         let tokens = current.clone();
         let half_open = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let half = half_open.clone();
+        let held = Arc::new(tokio::sync::watch::Sender::new(false));
+        let hold = held.clone();
         let task = tokio::spawn(async move {
             loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
+                let Ok((inbound, _)) = listener.accept().await else {
                     continue;
                 };
                 let cut = tokens.lock().unwrap().clone();
-                let half = half.clone();
+                let (half, held) = (half.clone(), hold.subscribe());
                 tokio::spawn(async move {
-                    let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await else {
+                    let Ok(outbound) = tokio::net::TcpStream::connect(to).await else {
                         return;
                     };
+                    let (mut client_rd, mut client_wr) = inbound.into_split();
+                    let (mut server_rd, mut server_wr) = outbound.into_split();
                     tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = async {
+                            tokio::join!(
+                                tokio::io::copy(&mut client_rd, &mut server_wr),
+                                copy_unless_held(&mut server_rd, &mut client_wr, held),
+                            )
+                        } => {}
                         // Dropping both sockets: the tunnel is gone, mid-stream.
                         _ = cut.cancelled() => {
                             if half.load(std::sync::atomic::Ordering::SeqCst) {
                                 // The client's side goes; the server's stays
                                 // open and silent, as after a lost route.
-                                drop(inbound);
+                                drop((client_rd, client_wr));
                                 std::future::pending::<()>().await;
                             }
                         }
@@ -1304,6 +1332,7 @@ impl Relay {
             addr,
             current,
             half_open,
+            held,
             task,
         }
     }
@@ -1316,11 +1345,56 @@ impl Relay {
         self.cut();
     }
 
+    /// Holds what the server sends from now on, until [`Relay::release`].
+    fn hold(&self) {
+        self.held.send_replace(true);
+    }
+
+    /// Passes on what was held, in one write per connection (the client
+    /// reads it all at once), and relays as before.
+    fn release(&self) {
+        self.held.send_replace(false);
+    }
+
     /// Cuts every relayed connection; later ones are relayed normally.
     fn cut(&self) {
         let mut current = self.current.lock().unwrap();
         current.cancel();
         *current = tokio_util::sync::CancellationToken::new();
+    }
+}
+
+/// Copies `from` to `to` until `from` ends, keeping what comes while
+/// `held` says so and writing it all at once when it stops.
+async fn copy_unless_held(
+    from: &mut tokio::net::tcp::OwnedReadHalf,
+    to: &mut tokio::net::tcp::OwnedWriteHalf,
+    mut held: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut kept = Vec::new();
+    loop {
+        tokio::select! {
+            read = from.read(&mut buf) => {
+                let n = match read {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                if *held.borrow() {
+                    kept.extend_from_slice(&buf[..n]);
+                } else if to.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+            Ok(()) = held.changed() => {
+                if !*held.borrow() && !kept.is_empty() {
+                    if to.write_all(&kept).await.is_err() {
+                        return;
+                    }
+                    kept.clear();
+                }
+            }
+        }
     }
 }
 
@@ -1340,6 +1414,55 @@ fn assert_lost_with_reason(line: &str) {
         "{line}"
     );
     assert!(v["up_for_s"].is_u64(), "{line}");
+}
+
+#[tokio::test]
+async fn public_clients_that_leave_at_once_do_not_take_the_tunnel_down() {
+    let (up, mut arrived, release) = upstream::holding().await;
+    let server = TunnelServer::start().await;
+    let relay = Relay::start(server.tunnel).await;
+    let client = server.relayed_client(&relay, &up.url()).await;
+    let in_flight = server.slow_in_flight("rt-a", &mut arrived).await;
+
+    // A hundred public requests are cancelled at once (a page closed, a
+    // balancer's timeout, a load test ending): the server opens a stream
+    // for each and resets it. Across a WAN the
+    // client reads a stream's opening and its reset together, before it
+    // has taken the stream, which the relay makes certain by holding
+    // what the server sends until all are reset. h2 takes more than 20
+    // such streams for a rapid-reset attack and ends the connection,
+    // unless told to expect them.
+    relay.hold();
+    const LEAVING: u64 = 100;
+    let public = tokio::net::TcpStream::connect(server.public).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(public),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let mut leaving = tokio::task::JoinSet::new();
+    for _ in 0..LEAVING {
+        let mut sender = sender.clone();
+        let req = Request::get(format!("http://rt-a.{DOMAIN}/leaving"))
+            .body(http_body_util::Empty::<Bytes>::new())
+            .unwrap();
+        leaving.spawn(async move { sender.send_request(req).await });
+    }
+    server.wait_active("rt-a", LEAVING + 1).await;
+    // Each request's future dropped: the client resets its stream.
+    leaving.abort_all();
+    server.wait_active("rt-a", 1).await;
+    relay.release();
+    // Once a request made after them has crossed, the client has read
+    // every reset before it.
+    assert_eq!(server.get("rt-a", "/after").await.status, 200);
+
+    release.notify_one();
+    let held = in_flight.await.unwrap();
+    assert_eq!(held.status, 200, "{:?}", held.body);
+    assert_eq!(client.count_logs("tunnel lost"), 0);
 }
 
 #[tokio::test]

@@ -522,7 +522,8 @@ async fn serve(
         .timer(TokioTimer::new())
         .initial_stream_window_size(super::STREAM_WINDOW)
         .initial_connection_window_size(super::CONNECTION_WINDOW)
-        .max_concurrent_streams(4096)
+        .max_concurrent_streams(super::MAX_TUNNELED_STREAMS)
+        .max_pending_accept_reset_streams(super::MAX_TUNNELED_STREAMS as usize)
         .max_header_list_size(super::MAX_TUNNELED_HEAD)
         // WebSocket upgrades arrive as extended CONNECT (RFC 8441).
         .enable_connect_protocol()

@@ -118,6 +118,20 @@ pub const MAX_PUBLIC_HEAD: u32 = 64 << 10;
 /// above what the routing core takes from its upstreams. Both ends are
 /// authenticated to each other.
 pub const MAX_TUNNELED_HEAD: u32 = 1 << 20;
+/// Requests one tunnel carries at once (its HTTP/2 streams, or QUIC's).
+///
+/// A tunnel's HTTP/2 server (and a peer link's, with its own bound) also
+/// bears as many streams the peer opened and reset before they were
+/// taken: h2's default is 20, beyond which it takes the peer for a
+/// rapid-reset attacker (CVE-2023-44487) and ends the connection. Here
+/// the peer is a tunnel server, which resets a stream for every public
+/// request whose client leaves (a page closed, a balancer's timeout, a
+/// load test ending), and across a WAN a stream's opening and its reset
+/// arrive together: a burst of such requests ended the tunnel and every
+/// request on it. All the streams in flight may be cancelled together,
+/// and no more can be opened to be reset.
+pub const MAX_TUNNELED_STREAMS: u32 = 4096;
+
 /// How often each side pings the other.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// How long a ping may go unanswered before the tunnel counts as dead.

@@ -46,6 +46,9 @@ use crate::body::Body;
 pub const PEER_TOKEN: &str = "x-portcullis-peer-token";
 /// How often each peer is asked for its runtimes.
 const POLL: Duration = Duration::from_secs(1);
+/// Requests a peer link carries at once: hyper's default, stated because
+/// the bound on streams reset before they were taken follows it.
+const PEER_STREAMS: u32 = 200;
 /// How long a poll (name resolution, connect, answer) may take.
 const POLL_TIMEOUT: Duration = Duration::from_secs(2);
 /// The largest runtimes list taken from a peer (about 100,000 ids).
@@ -688,6 +691,10 @@ pub(super) async fn listen<F, Fut>(
         .enable_connect_protocol()
         .initial_stream_window_size(super::STREAM_WINDOW)
         .initial_connection_window_size(super::CONNECTION_WINDOW)
+        .max_concurrent_streams(PEER_STREAMS)
+        // See `MAX_TUNNELED_STREAMS`: a peer resets a stream for every
+        // public request it forwarded whose client left.
+        .max_pending_accept_reset_streams(PEER_STREAMS as usize)
         .max_header_list_size(super::MAX_TUNNELED_HEAD)
         .keep_alive_interval(super::KEEPALIVE_INTERVAL)
         .keep_alive_timeout(super::KEEPALIVE_TIMEOUT);

@@ -43,7 +43,7 @@ const MAX_HELLO: usize = 16 << 10;
 const MAX_FIELDS: usize = 256;
 
 /// Requests a tunnel carries at once; more wait for a stream.
-const MAX_STREAMS: u32 = 4096;
+const MAX_STREAMS: u32 = super::MAX_TUNNELED_STREAMS;
 
 /// How often each end sends a QUIC PING when nothing else is sent.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);

@@ -168,6 +168,24 @@ enum Sender {
     Quic(super::quic::ServerTunnel),
 }
 
+/// A request counted in its tunnel's `active` while it waits for its
+/// answer: a guard, because a request whose public client leaves is
+/// dropped in that wait and must stop counting too.
+struct Active<'a>(&'a AtomicUsize);
+
+impl<'a> Active<'a> {
+    fn count(active: &'a AtomicUsize) -> Active<'a> {
+        active.fetch_add(1, Ordering::Relaxed);
+        Active(active)
+    }
+}
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl Sender {
     fn is_closed(&self) -> bool {
         match self {
@@ -1764,10 +1782,8 @@ where
     let mut req = Request::from_parts(parts, body);
     let result = match &target {
         Target::Tunnel(tunnel) => {
-            tunnel.active.fetch_add(1, Ordering::Relaxed);
-            let result = tunnel.sender.send(req).await;
-            tunnel.active.fetch_sub(1, Ordering::Relaxed);
-            result
+            let _counted = Active::count(&tunnel.active);
+            tunnel.sender.send(req).await
         }
         Target::Peers(holders) => {
             let Some(peers) = &shared.peers else {
