@@ -26,6 +26,18 @@ async fn quic_client(server: &TunnelServer, upstream: &str, connections: usize) 
         .await
 }
 
+/// Runs the binary with `args` (and a token), which must refuse to
+/// start; what it printed.
+fn refused_at_start(args: &[impl AsRef<std::ffi::OsStr>]) -> String {
+    let refused = std::process::Command::new(crate::support::binary())
+        .args(args)
+        .env("PORTCULLIS_TOKEN", TOKENS[0].1)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    String::from_utf8_lossy(&refused.stderr).into_owned()
+}
+
 /// The transports the server lists for `runtime`'s tunnels.
 async fn transports(server: &TunnelServer, runtime: &str) -> Vec<String> {
     let status = server.process.status().await;
@@ -112,20 +124,17 @@ async fn quic_tunnels_run_with_bbr_on_both_ends_when_asked() {
     server.streamed_post_with_forwarding_headers("rt-a").await;
 
     // Anything else is refused at the start, naming what is taken.
-    let refused = std::process::Command::new(crate::support::binary())
-        .args([
-            "tunnel-client",
-            "--server",
-            &server.url,
-            "--runtime-id",
-            "rt-a",
-        ])
-        .args(["--transport", "quic", "--quic-congestion", "reno"])
-        .env("PORTCULLIS_TOKEN", TOKENS[0].1)
-        .output()
-        .unwrap();
-    assert!(!refused.status.success());
-    let stderr = String::from_utf8_lossy(&refused.stderr);
+    let stderr = refused_at_start(&[
+        "tunnel-client",
+        "--server",
+        &server.url,
+        "--runtime-id",
+        "rt-a",
+        "--transport",
+        "quic",
+        "--quic-congestion",
+        "reno",
+    ]);
     assert!(
         stderr.contains("--quic-congestion") && stderr.contains("give cubic or bbr"),
         "{stderr}"
@@ -246,13 +255,7 @@ async fn bad_quic_tunnels_are_refused_with_the_reason() {
     // QUIC needs TLS: a ws:// server is refused at the start.
     let mut plain = bad_args.clone();
     plain[2] = format!("ws://{}", server.tunnel);
-    let refused = std::process::Command::new(crate::support::binary())
-        .args(&plain)
-        .env("PORTCULLIS_TOKEN", TOKENS[0].1)
-        .output()
-        .unwrap();
-    assert!(!refused.status.success());
-    let stderr = String::from_utf8_lossy(&refused.stderr);
+    let stderr = refused_at_start(&plain);
     assert!(
         stderr.contains("--transport quic needs a wss:// server"),
         "{stderr}"
