@@ -1465,6 +1465,28 @@ async fn public_clients_that_leave_at_once_do_not_take_the_tunnel_down() {
     assert_eq!(client.count_logs("tunnel lost"), 0);
 }
 
+/// A public client that leaves over HTTP/3 ends its request in the
+/// tunnel too: the server stops counting it (and resets its stream).
+#[tokio::test]
+async fn an_http3_client_that_leaves_ends_its_request_in_the_tunnel() {
+    let (up, mut arrived, _release) = upstream::holding().await;
+    let (server, pki) = TunnelServer::start_https(&["--http3"]).await;
+    let url = up.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let host = format!("rt-a.{DOMAIN}");
+    let waiting = crate::support::tls::h3_send(server.public, &host, &pki.ca_pem, "/slow")
+        .await
+        .expect("HTTP/3 request sent");
+    tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+        .await
+        .expect("request reached the upstream");
+    server.wait_active("rt-a", 1).await;
+    waiting.leave();
+    server.wait_active("rt-a", 0).await;
+}
+
 #[tokio::test]
 async fn a_cut_tunnel_fails_in_flight_requests_promptly_and_the_client_reconnects() {
     let (up, mut arrived, _release) = upstream::holding().await;

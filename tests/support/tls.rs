@@ -354,6 +354,50 @@ async fn h3_connect(
     Ok((endpoint, driver, sender))
 }
 
+/// An HTTP/3 request sent and left waiting for its answer.
+pub struct H3Waiting {
+    endpoint: quinn::Endpoint,
+    driving: tokio::task::JoinHandle<h3::error::ConnectionError>,
+    // Held: h3 closes a connection once its last sender goes.
+    _sender: h3::client::SendRequest<h3_quinn::OpenStreams, bytes::Bytes>,
+    _stream: h3::client::RequestStream<h3_quinn::BidiStream<bytes::Bytes>, bytes::Bytes>,
+}
+
+impl H3Waiting {
+    /// The client goes away: its QUIC connection closed, the request
+    /// unanswered.
+    pub fn leave(self) {
+        self.endpoint.close(0u32.into(), b"gone");
+        self.driving.abort();
+    }
+}
+
+/// Sends a GET for `path` over a new HTTP/3 connection (as
+/// [`h3_request`] does) and does not wait for the answer.
+pub async fn h3_send(
+    addr: std::net::SocketAddr,
+    host: &str,
+    ca_pem: &str,
+    path: &str,
+) -> Result<H3Waiting, String> {
+    let (endpoint, mut driver, mut sender) = h3_connect(addr, host, ca_pem).await?;
+    let driving =
+        tokio::spawn(
+            async move { futures_util::future::poll_fn(|cx| driver.poll_close(cx)).await },
+        );
+    let req = http::Request::get(format!("https://{host}{path}"))
+        .body(())
+        .expect("request");
+    let mut stream = sender.send_request(req).await.map_err(|e| e.to_string())?;
+    stream.finish().await.map_err(|e| e.to_string())?;
+    Ok(H3Waiting {
+        endpoint,
+        driving,
+        _sender: sender,
+        _stream: stream,
+    })
+}
+
 /// Opens an HTTP/3 connection and sends nothing: how long the server
 /// keeps it (60 s limit).
 pub async fn h3_idle(

@@ -145,6 +145,8 @@ async fn connection(
     // This connection's requests: dropping `h3` closes the connection, so
     // at shutdown it is kept until they are done.
     let requests = TaskTracker::new();
+    // Cancelled when the connection is lost or closed under its requests.
+    let gone = CancellationToken::new();
     let mut first = Some(tokio::time::Instant::now() + FIRST_REQUEST_TIMEOUT);
     loop {
         let next = tokio::select! {
@@ -166,10 +168,17 @@ async fn connection(
         match next {
             Ok(Some(resolver)) => {
                 first = None;
-                tracker.spawn(requests.track_future(request(resolver, peer, public.clone())));
+                let answer = request(resolver, peer, public.clone(), gone.clone());
+                tracker.spawn(requests.track_future(answer));
             }
+            // A GOAWAY: the requests already sent are still answered.
             Ok(None) => return,
             Err(e) => {
+                // Nothing can be answered on a connection that is gone:
+                // requests still waiting stop, and with them their tunnel
+                // streams and the runtime's work, as when an HTTP/1.1 or
+                // HTTP/2 client leaves.
+                gone.cancel();
                 if !e.is_h3_no_error() {
                     tracing::debug!(peer = %peer, error = %e, "HTTP/3 connection ended");
                 }
@@ -179,8 +188,14 @@ async fn connection(
     }
 }
 
-/// One HTTP/3 request, answered through the runtime's tunnel.
-async fn request(resolver: Resolver, peer: SocketAddr, public: super::server::Public) {
+/// One HTTP/3 request, answered through the runtime's tunnel unless its
+/// connection is `gone` first.
+async fn request(
+    resolver: Resolver,
+    peer: SocketAddr,
+    public: super::server::Public,
+    gone: CancellationToken,
+) {
     let (req, stream) = match resolver.resolve_request().await {
         Ok(pair) => pair,
         Err(e) => {
@@ -191,9 +206,10 @@ async fn request(resolver: Resolver, peer: SocketAddr, public: super::server::Pu
     let (mut send, recv) = stream.split();
     let req = req.map(|()| Body::boxed(RequestBody::new(recv)));
     // QUIC is TLS 1.3 only.
-    let resp = public
-        .respond(req, peer, Some(rustls::ProtocolVersion::TLSv1_3))
-        .await;
+    let resp = tokio::select! {
+        resp = public.respond(req, peer, Some(rustls::ProtocolVersion::TLSv1_3)) => resp,
+        _ = gone.cancelled() => return,
+    };
     let (parts, body) = resp.into_parts();
     if send
         .send_response(http::Response::from_parts(parts, ()))
