@@ -195,3 +195,68 @@ routes:
         assert_eq!(echoed["headers"]["transfer-encoding"], "chunked", "{path}");
     }
 }
+
+/// A burst of requests to an HTTP/2 upstream with no connection yet (at
+/// start, after it restarted) shares the one connection made for the
+/// first of them, as Envoy's and hyper's pools do, instead of opening one
+/// each and keeping the last.
+#[tokio::test]
+async fn a_burst_to_a_cold_http2_upstream_shares_one_connection() {
+    let up = upstream::echo("h2").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: up, endpoints: ["{}"], http2: true }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up }}]
+"#,
+        up.url()
+    ))
+    .await;
+    let mut peers = std::collections::BTreeSet::new();
+    for answer in h2_burst(&proxy, 50).await {
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        assert_eq!(answer.json()["version"], "HTTP/2.0");
+        peers.insert(answer.json()["peer"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(peers.len(), 1, "{peers:?}");
+}
+
+/// Requests that waited on a dial to an HTTP/2 upstream that failed get
+/// its answer (here a 504: the TLS handshake never ends) at the same
+/// time, from that one dial: they do not each dial again after it, one
+/// connect timeout after another.
+#[tokio::test]
+async fn requests_waiting_on_a_failed_http2_dial_share_its_failure() {
+    let hung = upstream::silent().await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - name: hung
+    endpoints: ["https://127.0.0.1:{}"]
+    http2: true
+    retries: 0
+    timeouts: {{ connect: 1s }}
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: hung }}]
+"#,
+        hung.addr.port()
+    ))
+    .await;
+    for answer in h2_burst(&proxy, 10).await {
+        assert_eq!(answer.status, 504, "{:?}", answer.body);
+    }
+    assert_eq!(hung.connections(), 1);
+}
+
+/// `n` GETs at once on one HTTP/2 connection to the proxy (so one worker,
+/// and one pool, takes them all).
+async fn h2_burst(proxy: &Proxy, n: usize) -> Vec<client::Answer> {
+    let h2 = client::h2c();
+    let burst = (0..n).map(|i| {
+        let req = hyper::Request::get(proxy.url(&format!("/{i}")))
+            .body(client::body(bytes::Bytes::new()))
+            .unwrap();
+        client::send(&h2, req)
+    });
+    futures_util::future::join_all(burst).await
+}

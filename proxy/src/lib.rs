@@ -42,6 +42,7 @@ pub mod resolve;
 pub mod router;
 pub mod server;
 pub mod shard;
+pub mod shared_dial;
 pub mod sockets;
 pub mod tee;
 pub mod telemetry;

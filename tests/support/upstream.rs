@@ -321,6 +321,45 @@ pub async fn never_answering() -> NeverAnswering {
     }
 }
 
+/// An address that takes connections and says nothing on them (a
+/// process that hangs; a TLS handshake there never ends), counting them.
+pub struct Silent {
+    /// Its address.
+    pub addr: SocketAddr,
+    taken: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Silent {
+    /// Connections taken so far.
+    pub fn connections(&self) -> usize {
+        self.taken.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Silent {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts a [`Silent`] address.
+pub async fn silent() -> Silent {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let taken = Arc::new(AtomicUsize::new(0));
+    let count = taken.clone();
+    let task = tokio::spawn(async move {
+        // Kept open, unread, until the test ends.
+        let mut open = Vec::new();
+        while let Ok((sock, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            open.push(sock);
+        }
+    });
+    Silent { addr, taken, task }
+}
+
 /// An upstream that holds each request for `/slow` until released (one
 /// per `notify_one`, all waiting with `notify_waiters`), telling the test
 /// when one arrives; other paths are answered at once. Answers say

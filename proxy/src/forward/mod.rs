@@ -37,7 +37,7 @@ use crate::client_watch::{self, ClientSocket, Cut};
 use crate::config::{Balance, Endpoint, HashOn, Target, Upstream};
 
 /// Why a request could not be forwarded; each maps to one status code.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ForwardError {
     /// TCP or TLS connection to the upstream failed (refused, DNS, handshake).
     #[error("upstream unreachable: {0}")]

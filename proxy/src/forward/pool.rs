@@ -201,6 +201,8 @@ pub struct Slot {
     idle: Mutex<Vec<Idle>>,
     /// The shared HTTP/2 connection, and its wear.
     h2: Mutex<Option<(http2::SendRequest<Body>, Worn)>>,
+    /// One HTTP/2 dial at a time, its failure shared with those waiting.
+    h2_dial: crate::shared_dial::SharedDial<ForwardError>,
 }
 
 impl Slot {
@@ -395,6 +397,9 @@ impl ConnPool {
             if !fresh && let Some(s) = self.shared_h2(&slot) {
                 return Ok((Conn::H2(s), true));
             }
+            // Boxed, as dialling below: kept out of every request's future.
+            let (sender, reused) = Box::pin(self.checkout_h2(dest, &slot, fresh)).await?;
+            return Ok((Conn::H2(sender), reused));
         } else if !fresh && let Some(idle) = self.idle_h1(&slot) {
             let conn = match idle {
                 IdleConn::Hyper(sender, mut worn) => {
@@ -417,13 +422,8 @@ impl ConnPool {
         // Boxed: dialing (DNS, TCP, TLS, handshake) is a large future, and
         // keeping it inline would make every request's future that large,
         // copied on every move, even when a pooled connection is reused.
-        let (io, h2) = Box::pin(self.connect(dest.endpoint())).await?;
+        let (io, _) = Box::pin(self.connect(dest.endpoint())).await?;
         let worn = self.reuse.fresh();
-        if h2 {
-            let sender = Box::pin(handshake_h2(io)).await?;
-            *slot.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some((sender.clone(), worn));
-            return Ok((Conn::H2(sender), false));
-        }
         if in_task {
             let mut conn = H1Conn::new(io);
             conn.worn = worn;
@@ -431,6 +431,36 @@ impl ConnPool {
         }
         let sender = Box::pin(handshake_h1(io)).await?;
         Ok((Conn::H1(Box::new(Lease { sender, slot, worn })), false))
+    }
+
+    /// The slot's HTTP/2 connection once a dial in progress is over, or a
+    /// new one (`fresh`: a new one, whatever the slot has).
+    async fn checkout_h2(
+        &self,
+        dest: &Dest<'_>,
+        slot: &Slot,
+        fresh: bool,
+    ) -> Result<(http2::SendRequest<Body>, bool), ForwardError> {
+        if fresh {
+            return Ok((self.dial_h2(dest, slot).await?, false));
+        }
+        let dial = || async { self.dial_h2(dest, slot).await.map(|s| (s, false)) };
+        let reuse = || self.shared_h2(slot).map(|s| (s, true));
+        slot.h2_dial.get(reuse, dial).await
+    }
+
+    /// A new HTTP/2 connection for `dest`, which becomes the slot's shared
+    /// one.
+    async fn dial_h2(
+        &self,
+        dest: &Dest<'_>,
+        slot: &Slot,
+    ) -> Result<http2::SendRequest<Body>, ForwardError> {
+        let (io, _) = Box::pin(self.connect(dest.endpoint())).await?;
+        let worn = self.reuse.fresh();
+        let sender = Box::pin(handshake_h2(io)).await?;
+        *slot.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some((sender.clone(), worn));
+        Ok(sender)
     }
 
     /// The slot's HTTP/2 connection for one more request, unless it is
