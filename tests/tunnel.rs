@@ -352,6 +352,37 @@ impl TunnelServer {
         assert_eq!(again.body, "done /fast");
     }
 
+    /// A public HTTP/2 connection to the server.
+    async fn h2(&self) -> hyper::client::conn::http2::SendRequest<http_body_util::Empty<Bytes>> {
+        let public = tokio::net::TcpStream::connect(self.public).await.unwrap();
+        let (sender, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(public),
+        )
+        .await
+        .unwrap();
+        tokio::spawn(conn);
+        sender
+    }
+
+    /// Sends `n` requests for `runtime` (`/h2/0` ...) on `sender`, each on
+    /// a task of its own: aborting one resets its stream.
+    fn h2_requests(
+        sender: &hyper::client::conn::http2::SendRequest<http_body_util::Empty<Bytes>>,
+        runtime: &str,
+        n: u64,
+    ) -> tokio::task::JoinSet<hyper::Result<hyper::Response<hyper::body::Incoming>>> {
+        let mut requests = tokio::task::JoinSet::new();
+        for i in 0..n {
+            let mut sender = sender.clone();
+            let req = Request::get(format!("http://{runtime}.{DOMAIN}/h2/{i}"))
+                .body(http_body_util::Empty::<Bytes>::new())
+                .unwrap();
+            requests.spawn(async move { sender.send_request(req).await });
+        }
+        requests
+    }
+
     /// Waits until the server lists `runtime` with `connections` tunnels.
     /// Waits until `runtime`'s tunnels carry `n` requests between them.
     async fn wait_active(&self, runtime: &str, n: u64) {
@@ -1280,6 +1311,9 @@ struct Relay {
     /// While true, what the server sends is held, and passed on in one
     /// write when it turns false ([`Relay::hold`]).
     held: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Connections taken and left silent since [`Relay::black_hole`]
+    /// (`None` before).
+    black_holed: Arc<std::sync::Mutex<Option<usize>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -1295,11 +1329,20 @@ impl Relay {
         let half = half_open.clone();
         let held = Arc::new(tokio::sync::watch::Sender::new(false));
         let hold = held.clone();
+        let black_holed = Arc::new(std::sync::Mutex::new(None));
+        let silent = black_holed.clone();
         let task = tokio::spawn(async move {
+            // Kept open, unread, until the relay goes.
+            let mut unanswered = Vec::new();
             loop {
                 let Ok((inbound, _)) = listener.accept().await else {
                     continue;
                 };
+                if let Some(taken) = silent.lock().unwrap().as_mut() {
+                    *taken += 1;
+                    unanswered.push(inbound);
+                    continue;
+                }
                 let cut = tokens.lock().unwrap().clone();
                 let (half, held) = (half.clone(), hold.subscribe());
                 tokio::spawn(async move {
@@ -1333,8 +1376,21 @@ impl Relay {
             current,
             half_open,
             held,
+            black_holed,
             task,
         }
+    }
+
+    /// From now on, takes new connections and leaves them silent (a
+    /// process that hangs, a path that drops what follows the TCP
+    /// handshake); those relayed so far go on.
+    fn black_hole(&self) {
+        *self.black_holed.lock().unwrap() = Some(0);
+    }
+
+    /// Connections taken since [`Relay::black_hole`].
+    fn black_holed(&self) -> usize {
+        self.black_holed.lock().unwrap().unwrap_or(0)
     }
 
     /// Cuts the client's side of every relayed connection and leaves the
@@ -1434,22 +1490,7 @@ async fn public_clients_that_leave_at_once_do_not_take_the_tunnel_down() {
     // unless told to expect them.
     relay.hold();
     const LEAVING: u64 = 100;
-    let public = tokio::net::TcpStream::connect(server.public).await.unwrap();
-    let (sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(public),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
-    let mut leaving = tokio::task::JoinSet::new();
-    for _ in 0..LEAVING {
-        let mut sender = sender.clone();
-        let req = Request::get(format!("http://rt-a.{DOMAIN}/leaving"))
-            .body(http_body_util::Empty::<Bytes>::new())
-            .unwrap();
-        leaving.spawn(async move { sender.send_request(req).await });
-    }
+    let mut leaving = TunnelServer::h2_requests(&server.h2().await, "rt-a", LEAVING);
     server.wait_active("rt-a", LEAVING + 1).await;
     // Each request's future dropped: the client resets its stream.
     leaving.abort_all();

@@ -19,6 +19,81 @@ async fn replica(extra: &[&str]) -> TunnelServer {
     TunnelServer::start_in_with(tokens_dir(), any, any, extra).await
 }
 
+/// Peer certificates from one CA, written into `dir`: B's (the listener)
+/// naming `localhost`, A's (the dialler) another name. Returns both
+/// identities and each side's `--peer-cert/-key/-ca` arguments.
+fn peer_tls(
+    dir: &std::path::Path,
+) -> (
+    crate::support::tls::TestPki,
+    crate::support::tls::TestPki,
+    Vec<String>,
+    Vec<String>,
+) {
+    let pki = crate::support::tls::TestPki::for_names(&["localhost"]);
+    let a_pki = pki.renewed(&["tunnel-a.example"]);
+    let path = |f: &str| dir.join(f).display().to_string();
+    std::fs::write(dir.join("ca.crt"), &pki.ca_pem).unwrap();
+    let args = |name: &str, who: &crate::support::tls::TestPki| {
+        let (cert, key) = (format!("{name}.crt"), format!("{name}.key"));
+        std::fs::write(dir.join(&cert), &who.leaf_pem).unwrap();
+        std::fs::write(dir.join(&key), &who.leaf_key_pem).unwrap();
+        [
+            "--peer-cert",
+            &path(&cert),
+            "--peer-key",
+            &path(&key),
+            "--peer-ca",
+            &path("ca.crt"),
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    };
+    let (b, a) = (args("b", &pki), args("a", &a_pki));
+    (pki, a_pki, b, a)
+}
+
+/// Borrowed arguments, to join with others.
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
+/// Replica A with peer certificates (`a_tls`), listing its peer as
+/// `localhost:port` (the name B's certificate carries); returned once
+/// that peer is up over TLS, holding one runtime.
+async fn listing_by_name(port: u16, token: &str, a_tls: &[String]) -> TunnelServer {
+    let by_name = format!("localhost:{port}");
+    let peers = ["--peers", &by_name, "--peer-token-file", token];
+    let a = replica(&[&peers[..], &strs(a_tls)].concat()).await;
+    a.process
+        .wait_status("peer B up over TLS with its runtime", |s| {
+            s["peers"]
+                .as_array()
+                .is_some_and(|peers| peers.iter().any(|p| p["up"] == true && p["runtimes"] == 1))
+        })
+        .await;
+    a
+}
+
+/// Replica B, listening for peers, holding rt-a's tunnel (to `upstream`),
+/// and replica A listing B as its peer; returned once A has seen that B
+/// holds it (with rt-a's client, to keep).
+async fn holding_for_a_peer(
+    upstream: &str,
+    token: &str,
+) -> (TunnelServer, TunnelServer, ProxyProcess) {
+    let b = replica(&["--peer-listen", "127.0.0.1:0", "--peer-token-file", token]).await;
+    let b_peer = b.process.addrs["peer listening"].to_string();
+    let a = replica(&["--peers", &b_peer, "--peer-token-file", token]).await;
+    let client = b
+        .client("rt-a", TOKENS[0].1, &["--upstream", upstream])
+        .await;
+    a.process
+        .wait_status("peer B holding rt-a", |s| s["peers"][0]["runtimes"] == 1)
+        .await;
+    (a, b, client)
+}
+
 /// `/runtimes` on a peer listener, with `token` (none when `None`).
 async fn ask_peer(peer: SocketAddr, token: Option<&str>) -> Answer {
     let mut req = Request::get(format!("http://{peer}/runtimes"));
@@ -249,14 +324,7 @@ async fn a_missing_or_short_peer_token_is_refused_at_start() {
 async fn a_stopping_peer_finishes_the_requests_forwarded_to_it() {
     let (up, mut arrived, release) = upstream::holding().await;
     let (_token_dir, token) = peer_token_file();
-    let mut b = replica(&["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token]).await;
-    let b_peer = b.process.addrs["peer listening"];
-    let a = replica(&["--peers", &b_peer.to_string(), "--peer-token-file", &token]).await;
-    let url = up.url();
-    let _client = b.client("rt-a", TOKENS[0].1, &["--upstream", &url]).await;
-    a.process
-        .wait_status("peer B holding rt-a", |s| s["peers"][0]["runtimes"] == 1)
-        .await;
+    let (a, mut b, _client) = holding_for_a_peer(&up.url(), &token).await;
     let in_flight = a.slow_in_flight("rt-a", &mut arrived).await;
     b.process.signal("TERM");
     b.process.wait_for_log("shutting down").await;
@@ -266,6 +334,119 @@ async fn a_stopping_peer_finishes_the_requests_forwarded_to_it() {
     assert_eq!(answer.body, "done /slow");
     let status = b.process.wait_exit(Duration::from_secs(20)).await;
     assert!(status.success(), "{status:?}");
+}
+
+/// A burst of public requests for a peer's runtime shares one connection
+/// to the peer, made for the first of them (one per worker), not a dial
+/// (and a TLS handshake) each. And when they are cancelled at once (a
+/// page closed, a balancer's timeout, a load test ending) the link stays
+/// up: the forwarding replica resets a stream on it for each, and when
+/// the peer reads their openings and resets together (across a WAN; here
+/// the peer is stopped while they are sent) h2 would take more than 20
+/// for a rapid-reset attack and end the link, with every request on it,
+/// unless told to expect them.
+#[tokio::test]
+async fn bursts_of_requests_share_the_peer_link_and_cancelling_them_leaves_it_up() {
+    let (up, mut arrived, release) = upstream::holding().await;
+    let (_token_dir, token) = peer_token_file();
+    let (a, mut b, _client) = holding_for_a_peer(&up.url(), &token).await;
+
+    // Fifty at once on a link not yet dialled: B sees them all come from
+    // one connection.
+    const BURST: u64 = 50;
+    let mut burst = TunnelServer::h2_requests(&a.h2().await, "rt-a", BURST);
+    while let Some(answer) = burst.join_next().await {
+        assert_eq!(answer.unwrap().unwrap().status(), 200);
+    }
+    let mut links = std::collections::BTreeSet::new();
+    for _ in 0..BURST {
+        let line = b.process.wait_for_log("\"/h2/").await;
+        let v: serde_json::Value = serde_json::from_str(&line).expect("a JSON log line");
+        links.insert(v["route"].as_str().unwrap_or_default().to_owned());
+    }
+    assert_eq!(links.len(), 1, "{links:?}");
+
+    // A request held by the upstream, then a hundred on the same public
+    // connection (so the same worker's link) cancelled while B reads
+    // nothing.
+    let public = a.h2().await;
+    let mut held = public.clone();
+    let in_flight = tokio::spawn(async move {
+        let req = Request::get(format!("http://rt-a.{DOMAIN}/slow"))
+            .body(http_body_util::Empty::<Bytes>::new())
+            .unwrap();
+        let resp = held.send_request(req).await.unwrap();
+        let status = resp.status();
+        (status, resp.into_body().collect().await.unwrap().to_bytes())
+    });
+    tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+        .await
+        .expect("request reached the upstream");
+    let waiting_on_b = |n: u64| {
+        let what = format!("{n} requests waiting on peer B");
+        let a = &a.process;
+        async move {
+            a.wait_status(&what, |s| s["peers"][0]["active_requests"] == n)
+                .await
+        }
+    };
+    waiting_on_b(1).await;
+    const LEAVING: u64 = 100;
+    b.process.signal("STOP");
+    let leaving = TunnelServer::h2_requests(&public, "rt-a", LEAVING);
+    waiting_on_b(LEAVING + 1).await;
+    drop(leaving);
+    waiting_on_b(1).await;
+    b.process.signal("CONT");
+
+    // Once a request made after them has crossed, B has read every reset
+    // before it; the held request is still on the link.
+    let mut after = public.clone();
+    let req = Request::get(format!("http://rt-a.{DOMAIN}/after"))
+        .body(http_body_util::Empty::<Bytes>::new())
+        .unwrap();
+    let answer = after.send_request(req).await.expect("answered");
+    assert_eq!(answer.status(), 200);
+    release.notify_one();
+    let (status, body) = in_flight.await.unwrap();
+    assert_eq!(status, 200, "{body:?}");
+    assert_eq!(body, "done /slow");
+    a.process
+        .metrics_showing(&[format!(
+            "portcullis_tunnel_peer_active_requests{{peer=\"{}\"}} 0",
+            b.process.addrs["peer listening"]
+        )])
+        .await;
+}
+
+/// Requests that waited on a dial to the peer that failed get its error:
+/// they do not each dial again in turn, which against a peer that hangs
+/// in the TLS handshake (2 s each) would hold the last of a burst for
+/// the whole queue's time.
+#[tokio::test]
+async fn requests_waiting_on_a_failed_dial_to_a_peer_share_its_failure() {
+    let echo = upstream::echo("behind-b").await;
+    let (token_dir, token) = peer_token_file();
+    let (_, _, b_tls, a_tls) = peer_tls(token_dir.path());
+    let listen = ["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token];
+    let b = replica(&[&listen[..], &strs(&b_tls)].concat()).await;
+    let relay = super::Relay::start(b.process.addrs["peer listening"]).await;
+    let _rt = b
+        .client("rt-a", TOKENS[0].1, &["--upstream", &echo.url()])
+        .await;
+    let mut a = listing_by_name(relay.addr.port(), &token, &a_tls).await;
+
+    // From now on B takes connections and says nothing (a process that
+    // hangs); A's polls go on over the connection it has.
+    relay.black_hole();
+    const BURST: u64 = 10;
+    let mut burst = TunnelServer::h2_requests(&a.h2().await, "rt-a", BURST);
+    while let Some(answer) = burst.join_next().await {
+        let answer = answer.unwrap().unwrap();
+        assert_eq!(answer.status(), 503);
+    }
+    assert_eq!(relay.black_holed(), 1);
+    a.process.wait_for_log("TLS handshake timed out").await;
 }
 
 /// Peers across a network they do not trust speak mutual TLS
@@ -281,40 +462,11 @@ async fn peers_with_certificates_speak_mutual_tls() {
     let (token_dir, token) = peer_token_file();
     // B's certificate names only `localhost`; A presents its own from the
     // same CA.
-    let pki = TestPki::for_names(&["localhost"]);
-    let a_pki = pki.renewed(&["tunnel-a.example"]);
-    let files = |name: &str, who: &TestPki| {
-        let (cert, key) = (format!("{name}.crt"), format!("{name}.key"));
-        std::fs::write(token_dir.path().join(&cert), &who.leaf_pem).unwrap();
-        std::fs::write(token_dir.path().join(&key), &who.leaf_key_pem).unwrap();
-        let path = |f: &str| token_dir.path().join(f).display().to_string();
-        [path(&cert), path(&key)]
-    };
-    std::fs::write(token_dir.path().join("ca.crt"), &pki.ca_pem).unwrap();
-    let ca = token_dir.path().join("ca.crt").display().to_string();
-    let [b_cert, b_key] = files("b", &pki);
-    let [a_cert, a_key] = files("a", &a_pki);
-    let b_tls = [
-        "--peer-cert",
-        &b_cert,
-        "--peer-key",
-        &b_key,
-        "--peer-ca",
-        &ca,
-    ];
-    let a_tls = [
-        "--peer-cert",
-        &a_cert,
-        "--peer-key",
-        &a_key,
-        "--peer-ca",
-        &ca,
-    ];
-
+    let (pki, a_pki, b_tls, a_tls) = peer_tls(token_dir.path());
     let mut b = replica(
         &[
             &["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token][..],
-            &b_tls,
+            &strs(&b_tls),
         ]
         .concat(),
     )
@@ -324,22 +476,7 @@ async fn peers_with_certificates_speak_mutual_tls() {
         .client("rt-a", TOKENS[0].1, &["--upstream", &echo.url()])
         .await;
     // Listed by the name its certificate carries: up, and forwarded to.
-    let by_name = format!("localhost:{}", b_peer.port());
-    let a = replica(
-        &[
-            &["--peers", &by_name, "--peer-token-file", &token][..],
-            &a_tls,
-        ]
-        .concat(),
-    )
-    .await;
-    a.process
-        .wait_status("peer B up over TLS with its runtime", |s| {
-            s["peers"]
-                .as_array()
-                .is_some_and(|peers| peers.iter().any(|p| p["up"] == true && p["runtimes"] == 1))
-        })
-        .await;
+    let a = listing_by_name(b_peer.port(), &token, &a_tls).await;
     let answer = a.get("rt-a", "/over-tls").await;
     assert_eq!(answer.status, 200, "{:?}", answer.body);
     assert_eq!(answer.json()["upstream"], "behind-b");
@@ -351,7 +488,7 @@ async fn peers_with_certificates_speak_mutual_tls() {
     let wrong = replica(
         &[
             &["--peers", &by_address, "--peer-token-file", &token][..],
-            &a_tls,
+            &strs(&a_tls),
         ]
         .concat(),
     )

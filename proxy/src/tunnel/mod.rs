@@ -30,6 +30,7 @@ pub mod tokens;
 pub mod websocket;
 pub mod ws_io;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -131,6 +132,25 @@ pub const MAX_TUNNELED_HEAD: u32 = 1 << 20;
 /// request on it. All the streams in flight may be cancelled together,
 /// and no more can be opened to be reset.
 pub const MAX_TUNNELED_STREAMS: u32 = 4096;
+
+/// A request counted in a tunnel's (or a peer link's) gauge of requests
+/// in flight while it waits for its answer: a guard, because a request
+/// whose public client leaves is dropped in that wait and must stop
+/// counting too.
+struct Active<'a>(&'a AtomicUsize);
+
+impl<'a> Active<'a> {
+    fn count(active: &'a AtomicUsize) -> Active<'a> {
+        active.fetch_add(1, Ordering::Relaxed);
+        Active(active)
+    }
+}
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// How often each side pings the other.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);

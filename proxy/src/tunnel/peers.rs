@@ -207,6 +207,8 @@ pub struct PeerStatus {
     /// Public requests this server has passed to it: many mean clients
     /// that do not dial this server (or cannot reach it).
     pub forwarded: u64,
+    /// Of those, the ones waiting for its answer now.
+    pub active_requests: usize,
 }
 
 fn digest(token: &[u8]) -> [u8; 32] {
@@ -307,6 +309,11 @@ impl Peers {
                 since: p.seen.as_ref().map(|s| crate::admin::rfc3339(s.since)),
                 error: p.error.clone(),
                 forwarded: p.links.iter().map(|l| l.sent.load(Ordering::Relaxed)).sum(),
+                active_requests: p
+                    .links
+                    .iter()
+                    .map(|l| l.active.load(Ordering::Relaxed))
+                    .sum(),
             })
             .collect();
         out.sort_by(|a, b| a.address.cmp(&b.address));
@@ -561,8 +568,12 @@ pub(super) struct Link {
     pub addr: SocketAddr,
     tls: Option<LinkTls>,
     sender: Mutex<Option<SendRequest<Body>>>,
+    /// One dial at a time, its failure shared with those waiting on it.
+    dialling: crate::shared_dial::SharedDial<String>,
     /// Requests forwarded on it (polls not counted).
     sent: AtomicU64,
+    /// Forwarded requests waiting for the peer's answer head.
+    active: AtomicUsize,
 }
 
 impl Link {
@@ -571,37 +582,53 @@ impl Link {
             addr,
             tls,
             sender: Mutex::new(None),
+            dialling: Default::default(),
             sent: AtomicU64::new(0),
+            active: AtomicUsize::new(0),
         }
     }
 
-    async fn sender(&self) -> Result<SendRequest<Body>, String> {
-        if let Some(s) = self
-            .sender
+    /// The link's connection, if it has one that is still open.
+    fn open(&self) -> Option<SendRequest<Body>> {
+        self.sender
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
             .filter(|s| !s.is_closed())
-        {
-            return Ok(s.clone());
+            .cloned()
+    }
+
+    /// The link's connection, dialled now if it has none (one dial for
+    /// the requests that find it missing together: see `SharedDial`).
+    async fn sender(&self) -> Result<SendRequest<Body>, String> {
+        if let Some(s) = self.open() {
+            return Ok(s);
         }
+        let dial = || async {
+            let send = self.dial().await?;
+            *self.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(send.clone());
+            Ok(send)
+        };
+        self.dialling.get(|| self.open(), dial).await
+    }
+
+    /// A new connection to the peer: TCP, TLS when peers speak it, HTTP/2.
+    async fn dial(&self) -> Result<SendRequest<Body>, String> {
         let tcp = tokio::time::timeout(POLL_TIMEOUT, TcpStream::connect(self.addr))
             .await
             .map_err(|_| "connect timed out".to_owned())?
             .map_err(|e| format!("connect: {e}"))?;
         let _ = tcp.set_nodelay(true);
-        let send = match &self.tls {
-            None => self.h2(tcp).await?,
+        match &self.tls {
+            None => self.h2(tcp).await,
             Some((connector, name)) => {
                 let tls = tokio::time::timeout(POLL_TIMEOUT, connector.connect(name.clone(), tcp))
                     .await
                     .map_err(|_| "TLS handshake timed out".to_owned())?
                     .map_err(|e| format!("TLS handshake: {e}"))?;
-                self.h2(tls).await?
+                self.h2(tls).await
             }
-        };
-        *self.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(send.clone());
-        Ok(send)
+        }
     }
 
     /// HTTP/2 on a connection to the peer, driven by a task of its own.
@@ -641,6 +668,7 @@ impl Link {
         req: Request<Body>,
     ) -> Result<Response<Incoming>, String> {
         self.sent.fetch_add(1, Ordering::Relaxed);
+        let _counted = super::Active::count(&self.active);
         sender
             .send_request(req)
             .await

@@ -168,24 +168,6 @@ enum Sender {
     Quic(super::quic::ServerTunnel),
 }
 
-/// A request counted in its tunnel's `active` while it waits for its
-/// answer: a guard, because a request whose public client leaves is
-/// dropped in that wait and must stop counting too.
-struct Active<'a>(&'a AtomicUsize);
-
-impl<'a> Active<'a> {
-    fn count(active: &'a AtomicUsize) -> Active<'a> {
-        active.fetch_add(1, Ordering::Relaxed);
-        Active(active)
-    }
-}
-
-impl Drop for Active<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
 impl Sender {
     fn is_closed(&self) -> bool {
         match self {
@@ -1782,7 +1764,7 @@ where
     let mut req = Request::from_parts(parts, body);
     let result = match &target {
         Target::Tunnel(tunnel) => {
-            let _counted = Active::count(&tunnel.active);
+            let _counted = super::Active::count(&tunnel.active);
             tunnel.sender.send(req).await
         }
         Target::Peers(holders) => {
@@ -1977,21 +1959,26 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                         ("{state=\"down\"}".to_owned(), count(false)),
                     ],
                 );
+                let per_peer = |value: &dyn Fn(&super::peers::PeerStatus) -> f64| {
+                    peers
+                        .iter()
+                        .filter(|p| !p.itself)
+                        .map(|p| (format!("{{peer=\"{}\"}}", label(&p.address)), value(p)))
+                        .collect::<Vec<_>>()
+                };
                 metric(
                     &mut out,
                     "portcullis_tunnel_peer_forwarded_total",
                     "counter",
                     "Public requests passed to a peer holding the runtime's tunnel.",
-                    &peers
-                        .iter()
-                        .filter(|p| !p.itself)
-                        .map(|p| {
-                            (
-                                format!("{{peer=\"{}\"}}", label(&p.address)),
-                                p.forwarded as f64,
-                            )
-                        })
-                        .collect::<Vec<_>>(),
+                    &per_peer(&|p| p.forwarded as f64),
+                );
+                metric(
+                    &mut out,
+                    "portcullis_tunnel_peer_active_requests",
+                    "gauge",
+                    "Public requests passed to a peer and waiting for its answer.",
+                    &per_peer(&|p| p.active_requests as f64),
                 );
             }
             if shared.tracing.is_some() {
