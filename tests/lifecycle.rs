@@ -476,3 +476,114 @@ async fn an_http2_client_gets_a_goaway_after_its_max_requests() {
     assert!(matches!(end, Ok(Ok(Ok(())))), "{end:?}");
     assert!(h2.is_closed());
 }
+
+/// An ingress that speaks HTTP/2 to its backends carries many users'
+/// requests on one connection and resets a stream for each user who
+/// leaves. When a burst of openings and their resets reaches the proxy in
+/// one read (users leaving together, a balancer's timeouts, a load test
+/// ending), h2's guard against rapid-reset attacks, 20 such streams by
+/// default, ended the connection and every request on it. The bytes are
+/// written by hand so the burst arrives in one write, as it does then.
+#[tokio::test]
+async fn an_http2_ingress_that_cancels_a_burst_keeps_its_connection() {
+    let (up, mut arrived, release) = upstream::holding().await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: up, endpoints: ["{}"] }}]
+routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up }}]
+"#,
+        up.url()
+    ))
+    .await;
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(h2_frame(4, 0, 0, &[]));
+    hello.extend(h2_get(1, "/slow"));
+    conn.write_all(&hello).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+        .await
+        .expect("the held request reached the upstream");
+
+    const LEAVING: u32 = 100;
+    let mut burst = Vec::new();
+    for n in 0..LEAVING {
+        let stream = 3 + 2 * n;
+        burst.extend(h2_get(stream, "/gone"));
+        // RST_STREAM, CANCEL.
+        burst.extend(h2_frame(3, 0, stream, &8u32.to_be_bytes()));
+    }
+    let after = 3 + 2 * LEAVING;
+    burst.extend(h2_get(after, "/after"));
+    conn.write_all(&burst).await.unwrap();
+    assert_eq!(
+        h2_answer(&mut conn, after).await,
+        (200, b"done /after".to_vec())
+    );
+
+    // The request held all along is still answered on that connection.
+    release.notify_one();
+    assert_eq!(h2_answer(&mut conn, 1).await, (200, b"done /slow".to_vec()));
+}
+
+/// An HTTP/2 frame of `kind` with `flags` on `stream`.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut frame = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    frame.extend([kind, flags]);
+    frame.extend(stream.to_be_bytes());
+    frame.extend(payload);
+    frame
+}
+
+/// A GET for `path` on `stream`, whole in one HEADERS frame: HPACK's
+/// static entries for `:method GET` and `:scheme http`, then `:path` and
+/// `:authority` as literals with indexed names.
+fn h2_get(stream: u32, path: &str) -> Vec<u8> {
+    let mut block = vec![0x82, 0x86];
+    for (name, value) in [(4u8, path), (1, "a")] {
+        block.extend([name, value.len() as u8]);
+        block.extend(value.as_bytes());
+    }
+    // END_STREAM | END_HEADERS.
+    h2_frame(1, 0x5, stream, &block)
+}
+
+/// Reads frames until `stream`'s answer has ended: its status (200 when
+/// the head starts with HPACK's static `:status 200`) and body. Panics on
+/// GOAWAY or a reset of the stream. The server's SETTINGS are acknowledged.
+async fn h2_answer(conn: &mut tokio::net::TcpStream, stream: u32) -> (u16, Vec<u8>) {
+    let (mut status, mut body) = (0, Vec::new());
+    loop {
+        let mut head = [0u8; 9];
+        tokio::time::timeout(Duration::from_secs(10), conn.read_exact(&mut head))
+            .await
+            .expect("a frame within 10s")
+            .expect("the connection stays open");
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let (kind, flags) = (head[3], head[4]);
+        let on = u32::from_be_bytes(head[5..9].try_into().unwrap()) & 0x7fff_ffff;
+        let mut payload = vec![0u8; len];
+        conn.read_exact(&mut payload).await.unwrap();
+        match kind {
+            7 => panic!(
+                "GOAWAY, error code {}",
+                u32::from_be_bytes(payload[4..8].try_into().unwrap())
+            ),
+            3 if on == stream => panic!("stream {stream} reset"),
+            4 if flags & 1 == 0 => conn.write_all(&h2_frame(4, 1, 0, &[])).await.unwrap(),
+            1 if on == stream => {
+                status = if payload.first() == Some(&0x88) {
+                    200
+                } else {
+                    0
+                };
+            }
+            0 if on == stream => body.extend(&payload),
+            _ => {}
+        }
+        // END_STREAM on HEADERS or DATA.
+        if on == stream && matches!(kind, 0 | 1) && flags & 1 != 0 {
+            return (status, body);
+        }
+    }
+}

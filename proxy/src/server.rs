@@ -745,10 +745,28 @@ fn http_builder(listener: &Listener) -> h1_or_h2::Builder {
         .max_header_list_size((listener.max_request_header_size * 2) as u32)
         .initial_stream_window_size(4 << 20)
         .initial_connection_window_size(8 << 20)
-        .max_concurrent_streams(1024)
+        .max_concurrent_streams(MAX_STREAMS)
+        .max_pending_accept_reset_streams(MAX_STREAMS as usize)
         .keep_alive_interval(Some(Duration::from_secs(30)));
     builder
 }
+
+/// Requests one HTTP/2 client connection carries at once.
+///
+/// As many streams opened and reset before the listener took them are
+/// borne on a connection. h2's default is 20, beyond which it takes the
+/// client for a rapid-reset attacker (CVE-2023-44487) and ends the
+/// connection with every request on it. But an ingress that speaks
+/// HTTP/2 to its backends carries many users on one connection and
+/// resets a stream for each user who leaves, and a burst of those (users
+/// leaving together, a balancer's timeouts, a load test ending) reaches
+/// the proxy in one read when it is busy (nginx 1.22 goes on answering
+/// after a burst of 100 in one read). Such streams still reach the
+/// pipeline (hyper calls the service, and drops its future at the first
+/// wait), so a burst costs what as many requests cancelled in flight
+/// cost, which the concurrency limit allows anyway; the queue of them
+/// stays bounded, which is what h2's limit is for.
+const MAX_STREAMS: u32 = 1024;
 
 /// The most an HTTP/1 connection reads from its client at once. At
 /// 64 KiB (when it also bounded heads), uploads took 29% more CPU, and
