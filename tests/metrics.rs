@@ -217,3 +217,62 @@ async fn read_response(sock: &mut TcpStream) -> String {
     let n = sock.read(&mut buf).await.unwrap();
     String::from_utf8_lossy(&buf[..n]).into_owned()
 }
+
+/// A client that leaves before its answer counts as nginx's 499 ("client
+/// closed request") in the access log and the metrics, whether it closes
+/// an HTTP/1.1 connection or resets an HTTP/2 stream.
+#[tokio::test]
+async fn a_client_that_leaves_before_its_answer_counts_as_499() {
+    let (up, mut arrived, _release) = upstream::holding().await;
+    let mut proxy = ProxyProcess::start(
+        &format!(
+            r#"
+listeners: [{{ name: main, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: held, endpoints: ["{}"] }}]
+routes: [{{ name: held, match: {{ path: /slow }}, upstream: held }}]
+"#,
+            up.url()
+        ),
+        &[],
+    )
+    .await;
+    let addr = proxy.addr;
+    let arrival = async |arrived: &mut tokio::sync::mpsc::UnboundedReceiver<()>| {
+        tokio::time::timeout(Duration::from_secs(10), arrived.recv())
+            .await
+            .expect("the request reached the upstream")
+    };
+
+    // HTTP/2: the request's future dropped, its stream reset.
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = hyper::Request::get(format!("http://{addr}/slow"))
+        .body(client::body(bytes::Bytes::new()))
+        .unwrap();
+    let waiting = tokio::spawn(h2.send_request(req));
+    arrival(&mut arrived).await;
+    waiting.abort();
+    let line = proxy.wait_for_log("\"/slow\"").await;
+    assert!(line.contains("\"status\":499"), "{line}");
+
+    // HTTP/1.1: the connection closed.
+    let mut http1 = TcpStream::connect(addr).await.unwrap();
+    http1
+        .write_all(b"GET /slow HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    arrival(&mut arrived).await;
+    drop(http1);
+    let line = proxy.wait_for_log("\"/slow\"").await;
+    assert!(line.contains("\"status\":499"), "{line}");
+
+    proxy
+        .metrics_showing(&[r#"portcullis_requests_total{route="held",code="499"} 2"#.into()])
+        .await;
+}

@@ -1507,7 +1507,8 @@ async fn public_clients_that_leave_at_once_do_not_take_the_tunnel_down() {
 }
 
 /// A public client that leaves over HTTP/3 ends its request in the
-/// tunnel too: the server stops counting it (and resets its stream).
+/// tunnel too: the server stops counting it (and resets its stream), and
+/// counts it as nginx's 499.
 #[tokio::test]
 async fn an_http3_client_that_leaves_ends_its_request_in_the_tunnel() {
     let (up, mut arrived, _release) = upstream::holding().await;
@@ -1526,6 +1527,12 @@ async fn an_http3_client_that_leaves_ends_its_request_in_the_tunnel() {
     server.wait_active("rt-a", 1).await;
     waiting.leave();
     server.wait_active("rt-a", 0).await;
+    server
+        .process
+        .metrics_showing(&[
+            r#"portcullis_tunnel_requests_total{runtime="rt-a",code="499"} 1"#.into(),
+        ])
+        .await;
 }
 
 #[tokio::test]

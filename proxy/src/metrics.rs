@@ -231,8 +231,9 @@ pub fn count_connection_error(listener: &str, reason: &'static str) {
     *reasons.entry(reason).or_default() += 1;
 }
 
-/// A response being sent: counted when dropped, that is when its body has
-/// been sent or the client went away, like the access log.
+/// A request being answered: counted when dropped, that is when its
+/// response body has been sent or the client went away, like the access
+/// log.
 pub struct Pending {
     /// The route's counters.
     pub stats: &'static RouteStats,
@@ -241,6 +242,26 @@ pub struct Pending {
     /// When the request head arrived.
     pub start: Instant,
 }
+
+impl Pending {
+    /// A request whose head arrived at `start`, counted under `stats` (the
+    /// route sets its own once matched) and as 499 unless its answer's
+    /// status is set: a request dropped while it waits (its HTTP/2 stream
+    /// reset, its tunnel stream reset by a public client that left) is
+    /// nginx's "client closed request", as an HTTP/1 client noticed
+    /// leaving is.
+    pub fn unanswered(stats: &'static RouteStats, start: Instant) -> Pending {
+        Pending {
+            stats,
+            status: CLIENT_CLOSED_REQUEST,
+            start,
+        }
+    }
+}
+
+/// nginx's code for a client that left before its answer: logged and
+/// counted, never sent.
+pub const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 impl Drop for Pending {
     fn drop(&mut self) {

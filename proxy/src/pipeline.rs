@@ -520,12 +520,17 @@ impl Pipeline {
             log.client_cert = conn.client_cert.clone();
             log.trace = trace.map(Box::new);
         }
-        let mut stats = metrics::unrouted();
+        let mut counted = metrics::Pending::unanswered(metrics::unrouted(), start);
         // Read before the request is taken apart; a GET never looks.
         let grpc = crate::grpc_local::is_grpc(req.method(), req.headers())
             .then(|| req.headers().get(header::CONTENT_TYPE).cloned());
         let (resp, held) = self
-            .route_and_serve(req, conn, (&mut log, request_id.as_ref()), &mut stats)
+            .route_and_serve(
+                req,
+                conn,
+                (&mut log, request_id.as_ref()),
+                &mut counted.stats,
+            )
             .await;
         let status = resp.status().as_u16();
         // Logged and counted with the HTTP status chosen; answered in
@@ -537,11 +542,7 @@ impl Pipeline {
         if let Some(log) = log.as_mut() {
             log.status = status;
         }
-        let counted = metrics::Pending {
-            stats,
-            status,
-            start,
-        };
+        counted.status = status;
         let (mut parts, body) = resp.into_parts();
         if made && let Some(id) = request_id {
             crate::request_id::answer_with(&mut parts.headers, id);

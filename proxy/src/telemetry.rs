@@ -105,7 +105,10 @@ impl AccessLog {
                 path: path.cloned(),
                 client,
                 worker,
-                status: 0,
+                // Until the answer's is set: a record dropped before
+                // that is a request whose client left (see
+                // `metrics::Pending::unanswered`).
+                status: crate::metrics::CLIENT_CLOSED_REQUEST,
                 route: None,
                 upstream: None,
                 endpoint: None,

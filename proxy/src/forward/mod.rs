@@ -85,9 +85,8 @@ impl ForwardError {
             ForwardError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             // nginx's "client closed request": never sent, but logged and
             // counted.
-            ForwardError::ClientGone => {
-                StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST)
-            }
+            ForwardError::ClientGone => StatusCode::from_u16(crate::metrics::CLIENT_CLOSED_REQUEST)
+                .unwrap_or(StatusCode::BAD_REQUEST),
         }
     }
 

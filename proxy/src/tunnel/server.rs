@@ -1507,9 +1507,14 @@ where
         log.trace = trace.map(Box::new);
     }
     let over_tcp = req.version() < Version::HTTP_3;
-    let mut stats = crate::metrics::no_runtime();
+    // The public side counts the request, not a peer that serves it for
+    // the public side of another replica.
+    let mut counted = (origin == Origin::Public)
+        .then(|| crate::metrics::Pending::unanswered(crate::metrics::no_runtime(), start));
+    let mut uncounted = crate::metrics::no_runtime();
+    let stats = counted.as_mut().map_or(&mut uncounted, |c| &mut c.stats);
     let mut via = None;
-    let mut resp = forward(req, client, worker, shared, origin, (&mut stats, &mut via)).await;
+    let mut resp = forward(req, client, worker, shared, origin, (stats, &mut via)).await;
     if origin == Origin::Public
         && over_tcp
         && let Some(alt_svc) = &shared.alt_svc
@@ -1525,11 +1530,9 @@ where
         }
         log
     });
-    let counted = (origin == Origin::Public).then_some(crate::metrics::Pending {
-        stats,
-        status,
-        start,
-    });
+    if let Some(counted) = counted.as_mut() {
+        counted.status = status;
+    }
     resp.map(|body| ResponseBody::new(body, log, counted, Held::default()))
 }
 
