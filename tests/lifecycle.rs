@@ -486,11 +486,19 @@ async fn an_http2_client_gets_a_goaway_after_its_max_requests() {
 /// written by hand so the burst arrives in one write, as it does then.
 #[tokio::test]
 async fn an_http2_ingress_that_cancels_a_burst_keeps_its_connection() {
+    // An HTTP/2 upstream (a gRPC service) shares one connection among the
+    // requests too, and bears h2's default of 20 itself.
+    for http2 in [false, true] {
+        cancel_a_burst(http2).await;
+    }
+}
+
+async fn cancel_a_burst(http2: bool) {
     let (up, mut arrived, release) = upstream::holding().await;
     let proxy = Proxy::start_yaml(&format!(
         r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
-upstreams: [{{ name: up, endpoints: ["{}"] }}]
+upstreams: [{{ name: up, endpoints: ["{}"], http2: {http2} }}]
 routes: [{{ name: all, match: {{ path_prefix: / }}, upstream: up }}]
 "#,
         up.url()
