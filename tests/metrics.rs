@@ -220,7 +220,8 @@ async fn read_response(sock: &mut TcpStream) -> String {
 
 /// A client that leaves before its answer counts as nginx's 499 ("client
 /// closed request") in the access log and the metrics, whether it closes
-/// an HTTP/1.1 connection or resets an HTTP/2 stream.
+/// an HTTP/1.1 connection or resets an HTTP/2 stream, and is no upstream
+/// failure.
 #[tokio::test]
 async fn a_client_that_leaves_before_its_answer_counts_as_499() {
     let (up, mut arrived, _release) = upstream::holding().await;
@@ -271,6 +272,8 @@ routes: [{{ name: held, match: {{ path: /slow }}, upstream: held }}]
     drop(http1);
     let line = proxy.wait_for_log("\"/slow\"").await;
     assert!(line.contains("\"status\":499"), "{line}");
+    // Nothing failed upstream; no warning says so.
+    assert_eq!(proxy.count_logs("upstream request failed"), 0);
 
     proxy
         .metrics_showing(&[r#"portcullis_requests_total{route="held",code="499"} 2"#.into()])

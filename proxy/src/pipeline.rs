@@ -978,6 +978,11 @@ fn log_forward_error(
         ForwardError::Overloaded(_) => {
             tracing::debug!(route = %route.name, upstream, request_id, error = %e, "upstream overloaded")
         }
+        // Not the upstream's failure: the access line's 499 says it, as
+        // it does for an HTTP/2 client's reset, which logs nothing else.
+        ForwardError::ClientGone => {
+            tracing::debug!(route = %route.name, upstream, request_id, error = %e, "client left before the answer")
+        }
         ForwardError::RequestBody(_)
         | ForwardError::RequestBodyTimeout(_)
         | ForwardError::BodyTooLarge => {
