@@ -775,3 +775,48 @@ routes:
     assert_eq!(headers["x-flag"], "yes", "{seen:#}");
     assert_eq!(headers["x-big"], "12345678901234567890123", "{seen:#}");
 }
+
+/// A HEAD request gets the head a GET gets, its length included, and no
+/// body, over HTTP/2 as over HTTP/1.1, for the proxy's own answers too: a
+/// body sent with an HTTP/2 HEAD answer is a protocol error the client
+/// turns into a reset (hyper drops it only over HTTP/1.1).
+#[tokio::test]
+async fn head_requests_get_the_get_head_without_a_body_over_both_versions() {
+    let up = upstream::echo("up").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: up, endpoints: ["{}"] }}]
+routes:
+  - {{ name: local, match: {{ path: /local }}, respond: {{ status: 200, body: hello }} }}
+  - {{ name: live, match: {{ path: /healthz }}, health: live }}
+  - {{ name: up, match: {{ path: /up }}, upstream: up }}
+"#,
+        up.url()
+    ))
+    .await;
+    for (version, client) in [("HTTP/1.1", client::http1()), ("HTTP/2", client::h2c())] {
+        for path in ["/local", "/healthz", "/nope", "/up"] {
+            let req = |method: &str| {
+                Request::builder()
+                    .method(method)
+                    .uri(proxy.url(path))
+                    .body(body(Bytes::new()))
+                    .unwrap()
+            };
+            let get = client::send(&client, req("GET")).await;
+            let head = client::send(&client, req("HEAD")).await;
+            let what = format!("HEAD {path} over {version}");
+            assert_eq!(head.status, get.status, "{what}");
+            assert!(head.body.is_empty(), "{what}: {:?}", head.body);
+            if path != "/up" {
+                // The echo's body names the method; its length differs.
+                assert_eq!(
+                    head.header("content-length"),
+                    Some(get.body.len().to_string().as_str()),
+                    "{what}"
+                );
+            }
+        }
+    }
+}

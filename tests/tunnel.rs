@@ -2280,3 +2280,36 @@ fn server_command(dir: &tempfile::TempDir) -> std::process::Command {
     ]);
     command
 }
+
+/// A public HEAD over HTTP/2 gets a bodiless answer, whether the runtime's
+/// routing core answers it through the tunnel or the server answers it
+/// itself (a runtime it does not know): a body there is a protocol error
+/// that the client turns into a reset.
+#[tokio::test]
+async fn a_public_http2_head_gets_a_bodiless_answer() {
+    let echo = upstream::echo("single").await;
+    let server = TunnelServer::start().await;
+    let url = echo.url();
+    let _client = server
+        .client("rt-b", TOKENS[1].1, &["--upstream", &url])
+        .await;
+    let h2 = server.h2().await;
+    for (runtime, status) in [("rt-b", 200), ("nobody", 502)] {
+        let send = async |method: &str| {
+            let req = Request::builder()
+                .method(method)
+                .uri(format!("http://{runtime}.{DOMAIN}/any"))
+                .body(http_body_util::Empty::<Bytes>::new())
+                .unwrap();
+            let resp = h2.clone().send_request(req).await.expect("answered");
+            let status = resp.status().as_u16();
+            let body = resp.into_body().collect().await.expect("a whole body");
+            (status, body.to_bytes())
+        };
+        let (get, got) = send("GET").await;
+        let (head, headed) = send("HEAD").await;
+        assert_eq!((get, head), (status, status), "{runtime}");
+        assert!(!got.is_empty());
+        assert!(headed.is_empty(), "{runtime}: {headed:?}");
+    }
+}

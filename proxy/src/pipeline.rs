@@ -278,6 +278,28 @@ pub fn json_error(
     resp
 }
 
+/// The answer to a HEAD request: the head GET would get, without the
+/// body. hyper drops the body itself over HTTP/1.1, but over HTTP/2 (and
+/// h3 over HTTP/3) it sends what it is given, and DATA on a HEAD answer
+/// is a protocol error that the client's stack turns into a reset: every
+/// HTTP/2 HEAD the proxy answered itself (a health probe, a local answer,
+/// its JSON errors) failed so. The length the body had stays declared,
+/// as for GET; an upstream's answer, bodiless already, is left as it is.
+pub fn head_answer(resp: Response<Body>) -> Response<Body> {
+    use http_body::Body as _;
+    if resp.body().is_end_stream() {
+        return resp;
+    }
+    let (mut parts, body) = resp.into_parts();
+    if let Some(len) = body.size_hint().exact() {
+        parts
+            .headers
+            .entry(header::CONTENT_LENGTH)
+            .or_insert_with(|| HeaderValue::from(len));
+    }
+    Response::from_parts(parts, Body::empty())
+}
+
 /// A small JSON answer the proxy makes itself (never cached).
 pub fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<Body> {
     let mut resp = Response::new(Body::full(body.to_string()));
@@ -521,6 +543,7 @@ impl Pipeline {
             log.trace = trace.map(Box::new);
         }
         let mut counted = metrics::Pending::unanswered(metrics::unrouted(), start);
+        let head = req.method() == Method::HEAD;
         // Read before the request is taken apart; a GET never looks.
         let grpc = crate::grpc_local::is_grpc(req.method(), req.headers())
             .then(|| req.headers().get(header::CONTENT_TYPE).cloned());
@@ -537,6 +560,7 @@ impl Pipeline {
         // gRPC's terms.
         let resp = match grpc {
             Some(content_type) => crate::grpc_local::answer(resp, content_type),
+            None if head => head_answer(resp),
             None => resp,
         };
         if let Some(log) = log.as_mut() {

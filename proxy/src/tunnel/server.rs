@@ -1507,6 +1507,7 @@ where
         log.trace = trace.map(Box::new);
     }
     let over_tcp = req.version() < Version::HTTP_3;
+    let head = req.method() == http::Method::HEAD;
     // The public side counts the request, not a peer that serves it for
     // the public side of another replica.
     let mut counted = (origin == Origin::Public)
@@ -1515,6 +1516,9 @@ where
     let stats = counted.as_mut().map_or(&mut uncounted, |c| &mut c.stats);
     let mut via = None;
     let mut resp = forward(req, client, worker, shared, origin, (stats, &mut via)).await;
+    if head {
+        resp = crate::pipeline::head_answer(resp);
+    }
     if origin == Origin::Public
         && over_tcp
         && let Some(alt_svc) = &shared.alt_svc
