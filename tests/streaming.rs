@@ -95,6 +95,66 @@ async fn sse_events_arrive_one_by_one_before_the_upstream_finishes() {
     assert_eq!(&rest[..], b"event: status\ndata: two\n\n");
 }
 
+/// The access line says whether the client got the whole response:
+/// `aborted` when an HTTP/2 client resets its stream mid-response (as when
+/// an HTTP/1 client leaves, or the upstream's body breaks), not for a
+/// response that ended, nor for a HEAD answer, whose body is never sent.
+#[tokio::test]
+async fn a_response_its_http2_client_resets_midway_is_logged_aborted() {
+    // Never released: the stream stays open after its first event.
+    let held = Arc::new(Notify::new());
+    let events = sse_upstream(held.clone()).await;
+    let echo = upstream::echo("whole").await;
+    let mut proxy = ProxyProcess::start(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: events, endpoints: ["{}"] }}
+  - {{ name: echo, endpoints: ["{}"] }}
+routes:
+  - {{ name: events, match: {{ path: /events }}, upstream: events }}
+  - {{ name: whole, match: {{ path: /whole }}, upstream: echo }}
+  - {{ name: local, match: {{ path: /local }}, respond: {{ status: 200, body: hello }} }}
+"#,
+            events.url(),
+            echo.url()
+        ),
+        &[],
+    )
+    .await;
+    let h2 = client::h2c();
+    let base = proxy.url("");
+    let req = |method: &str, path: &str| {
+        Request::builder()
+            .method(method)
+            .uri(format!("{base}{path}"))
+            .body(body(Bytes::new()))
+            .unwrap()
+    };
+    let access = async |proxy: &mut ProxyProcess, path: &str| {
+        let line = proxy.wait_for_log(&format!("\"path\":\"{path}\"")).await;
+        let v: serde_json::Value = serde_json::from_str(&line).expect("a JSON log line");
+        (v["status"].as_u64(), v["aborted"].as_bool())
+    };
+
+    let resp = h2.request(req("GET", "/events")).await.unwrap();
+    let mut events = resp.into_body();
+    let first = tokio::time::timeout(Duration::from_secs(10), events.frame())
+        .await
+        .expect("first event in time");
+    assert!(first.is_some_and(|f| f.is_ok()));
+    // Dropping the body resets the stream.
+    drop(events);
+    assert_eq!(access(&mut proxy, "/events").await, (Some(200), Some(true)));
+
+    assert_eq!(client::send(&h2, req("GET", "/whole")).await.status, 200);
+    assert_eq!(access(&mut proxy, "/whole").await, (Some(200), Some(false)));
+    assert_eq!(client::send(&h2, req("HEAD", "/local")).await.status, 200);
+    assert_eq!(access(&mut proxy, "/local").await, (Some(200), Some(false)));
+    drop(held);
+}
+
 /// An upstream that starts a response and then sends nothing is cut at its
 /// read timeout (nginx's `proxy_read_timeout`), rather than holding the
 /// client and the upstream connection forever.

@@ -338,12 +338,18 @@ impl ResponseBody {
     /// done.
     pub fn new(
         inner: Body,
-        log: Option<Box<AccessLog>>,
+        mut log: Option<Box<AccessLog>>,
         counted: Option<metrics::Pending>,
         mut held: Held,
     ) -> Self {
         if inner.is_end_stream() {
             held.finish();
+        }
+        if let Some(log) = log.as_mut() {
+            // Until the body ends: one dropped before that (its HTTP/2
+            // client reset the stream mid-response) was cut short, as
+            // one that broke or whose HTTP/1 client left was.
+            log.aborted = !inner.is_end_stream();
         }
         ResponseBody {
             inner,
@@ -426,10 +432,16 @@ impl http_body::Body for ResponseBody {
         } else if let Some(waits) = this.waits.as_mut() {
             *waits.as_mut().project().waiting = false;
         }
-        match &polled {
-            Poll::Ready(None) => this.held.finish(),
-            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.held.finish(),
-            _ => {}
+        let ended = match &polled {
+            Poll::Ready(None) => true,
+            Poll::Ready(Some(Ok(_))) => this.inner.is_end_stream(),
+            _ => false,
+        };
+        if ended {
+            this.held.finish();
+            if let Some(log) = this.log.as_mut() {
+                log.aborted = false;
+            }
         }
         if let (Poll::Ready(Some(Ok(frame))), Some(log)) = (&polled, this.log.as_mut())
             && let Some(data) = frame.data_ref()

@@ -67,7 +67,8 @@ pub struct AccessLog {
     pub start: Instant,
     /// Response body bytes sent.
     pub bytes_sent: u64,
-    /// The response body ended in an error (upstream reset mid-body).
+    /// The response body did not end: it broke (an upstream reset
+    /// mid-body), or its client left before its end.
     pub aborted: bool,
     /// The request's `X-Request-Id`.
     pub request_id: Option<http::HeaderValue>,
