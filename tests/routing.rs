@@ -820,3 +820,30 @@ routes:
         }
     }
 }
+
+/// A 204 or 304 the proxy answers itself goes out without a body even
+/// when the policy gives it one, over HTTP/2 as over HTTP/1.1: DATA on
+/// such an answer is a protocol error the client turns into a reset.
+#[tokio::test]
+async fn a_local_204_or_304_goes_out_without_its_body_over_both_versions() {
+    let proxy = Proxy::start_yaml(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+routes:
+  - { name: none, match: { path: /none }, respond: { status: 204, body: hello } }
+  - { name: same, match: { path: /same }, respond: { status: 304, body: hello } }
+"#,
+    )
+    .await;
+    for (version, client) in [("HTTP/1.1", client::http1()), ("HTTP/2", client::h2c())] {
+        for (path, status) in [("/none", 204), ("/same", 304)] {
+            let req = Request::get(proxy.url(path))
+                .body(body(Bytes::new()))
+                .unwrap();
+            let answer = client::send(&client, req).await;
+            let what = format!("GET {path} over {version}");
+            assert_eq!(answer.status, status, "{what}");
+            assert!(answer.body.is_empty(), "{what}: {:?}", answer.body);
+        }
+    }
+}

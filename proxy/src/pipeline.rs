@@ -278,20 +278,24 @@ pub fn json_error(
     resp
 }
 
-/// The answer to a HEAD request: the head GET would get, without the
-/// body. hyper drops the body itself over HTTP/1.1, but over HTTP/2 (and
-/// h3 over HTTP/3) it sends what it is given, and DATA on a HEAD answer
-/// is a protocol error that the client's stack turns into a reset: every
-/// HTTP/2 HEAD the proxy answered itself (a health probe, a local answer,
-/// its JSON errors) failed so. The length the body had stays declared,
-/// as for GET; an upstream's answer, bodiless already, is left as it is.
-pub fn head_answer(resp: Response<Body>) -> Response<Body> {
+/// An answer that must have no body — to a HEAD request (`head`), or a
+/// 204 or 304 — without one. hyper drops such a body itself over
+/// HTTP/1.1, but over HTTP/2 (and h3 over HTTP/3) it sends what it is
+/// given, and DATA there is a protocol error that the client's stack
+/// turns into a reset: every HTTP/2 HEAD the proxy answered itself (a
+/// health probe, a local answer, its JSON errors) failed so, as did a
+/// local or plugin answer of 204 or 304 with a body. A HEAD answer keeps
+/// the length the body had declared, as for GET. An upstream's answer,
+/// bodiless already, is left as it is.
+pub fn bodiless_answer(resp: Response<Body>, head: bool) -> Response<Body> {
     use http_body::Body as _;
-    if resp.body().is_end_stream() {
+    let status = resp.status();
+    let never = status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    if !(head || never) || resp.body().is_end_stream() {
         return resp;
     }
     let (mut parts, body) = resp.into_parts();
-    if let Some(len) = body.size_hint().exact() {
+    if !never && let Some(len) = body.size_hint().exact() {
         parts
             .headers
             .entry(header::CONTENT_LENGTH)
@@ -560,8 +564,7 @@ impl Pipeline {
         // gRPC's terms.
         let resp = match grpc {
             Some(content_type) => crate::grpc_local::answer(resp, content_type),
-            None if head => head_answer(resp),
-            None => resp,
+            None => bodiless_answer(resp, head),
         };
         if let Some(log) = log.as_mut() {
             log.status = status;

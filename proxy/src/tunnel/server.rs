@@ -1516,9 +1516,7 @@ where
     let stats = counted.as_mut().map_or(&mut uncounted, |c| &mut c.stats);
     let mut via = None;
     let mut resp = forward(req, client, worker, shared, origin, (stats, &mut via)).await;
-    if head {
-        resp = crate::pipeline::head_answer(resp);
-    }
+    resp = crate::pipeline::bodiless_answer(resp, head);
     if origin == Origin::Public
         && over_tcp
         && let Some(alt_svc) = &shared.alt_svc
