@@ -545,14 +545,21 @@ async fn a_body_over_the_routes_limit_gets_413_through_the_tunnel() {
     assert_eq!(answer.json()["body_len"], 1000);
 }
 
-#[tokio::test]
-async fn upstream_mode_fronts_one_service() {
+/// A tunnel server, and runtime `rt-b`'s client in upstream mode in front
+/// of an echo upstream named `single` (kept with them).
+async fn fronting_an_echo() -> (upstream::Upstream, TunnelServer, ProxyProcess) {
     let echo = upstream::echo("single").await;
     let server = TunnelServer::start().await;
     let url = echo.url();
-    let _client = server
+    let client = server
         .client("rt-b", TOKENS[1].1, &["--upstream", &url])
         .await;
+    (echo, server, client)
+}
+
+#[tokio::test]
+async fn upstream_mode_fronts_one_service() {
+    let (_echo, server, _client) = fronting_an_echo().await;
     let a = server.get("rt-b", "/any/path?q=1").await;
     assert_eq!(a.status, 200);
     assert_eq!(a.json()["upstream"], "single");
@@ -2287,12 +2294,7 @@ fn server_command(dir: &tempfile::TempDir) -> std::process::Command {
 /// that the client turns into a reset.
 #[tokio::test]
 async fn a_public_http2_head_gets_a_bodiless_answer() {
-    let echo = upstream::echo("single").await;
-    let server = TunnelServer::start().await;
-    let url = echo.url();
-    let _client = server
-        .client("rt-b", TOKENS[1].1, &["--upstream", &url])
-        .await;
+    let (_echo, server, _client) = fronting_an_echo().await;
     let h2 = server.h2().await;
     for (runtime, status) in [("rt-b", 200), ("nobody", 502)] {
         let send = async |method: &str| {
