@@ -595,3 +595,41 @@ async fn h2_answer(conn: &mut tokio::net::TcpStream, stream: u32) -> (u16, Vec<u
         }
     }
 }
+
+/// A second `serve` on an address the first one holds refuses to start,
+/// naming it (its sockets could otherwise join the first's and take half
+/// the traffic unseen); once the first has exited, a restart binds the
+/// same address at once, its connections in TIME_WAIT notwithstanding.
+#[tokio::test]
+async fn a_second_serve_on_a_held_address_refuses_to_start() {
+    let up = upstream::echo("first").await;
+    let mut first = ProxyProcess::start(&policy(&up.url()), &[]).await;
+    let held = first.addr;
+    // A served request leaves connections to close (TIME_WAIT) behind.
+    assert_eq!(client::get(&first.url("/readyz")).await.status, 200);
+    let on_held = policy(&up.url()).replace("127.0.0.1:0", &held.to_string());
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("policy.yaml"), &on_held).expect("write policy");
+    let second = tokio::process::Command::new(crate::support::binary())
+        .args(["serve", "--admin", "off", "--policies"])
+        .arg(dir.path())
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let second = tokio::time::timeout(Duration::from_secs(60), second)
+        .await
+        .expect("the second serve exits")
+        .expect("run portcullis");
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success(), "it started: {stderr}");
+    assert!(stderr.contains(&held.to_string()), "{stderr}");
+    assert!(stderr.contains("another process is listening"), "{stderr}");
+    // The first still has all of the traffic.
+    assert_eq!(client::get(&first.url("/readyz")).await.status, 200);
+
+    first.signal("TERM");
+    assert!(first.wait_exit(Duration::from_secs(20)).await.success());
+    let restarted = ProxyProcess::start_on(dir.path(), &[]).await;
+    assert_eq!(restarted.addr, held);
+    assert_eq!(client::get(&restarted.url("/readyz")).await.status, 200);
+}

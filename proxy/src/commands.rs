@@ -138,11 +138,13 @@ pub struct TunnelClientOptions {
     pub admin: Option<std::net::SocketAddr>,
     /// When the policies are reloaded.
     pub watch: WatchOptions,
+    /// Whether the policies' listeners are opened too (`--open-listeners`).
+    pub listen: bool,
 }
 
 /// `portcullis tunnel-client`: the routing core (policies, plugins, hot
-/// reload, and any listeners the policies define) fed by tunnel
-/// connections to the server. Ends on SIGTERM/SIGINT after draining, or
+/// reload, and with `listen` the listeners the policies define) fed by
+/// tunnel connections to the server. Ends on SIGTERM/SIGINT after draining, or
 /// with an error when another client takes over this runtime id.
 pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
     use crate::tunnel::client::{Dialer, Target, run_slot, upstream_policy};
@@ -161,7 +163,12 @@ pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
         }
     };
     let dialer = Arc::new(Dialer::new(options.client.clone())?);
-    let server = Server::bind_with(config, options.workers, false).await?;
+    let listeners = if options.listen {
+        crate::server::Listeners::Optional
+    } else {
+        crate::server::Listeners::Closed
+    };
+    let server = Server::bind_with(config, options.workers, listeners).await?;
     crate::plugin::forget_unused(server.control().pipeline().config());
     let control = server.control().clone();
     // Ready means requests can come through: a tunnel the server pings.

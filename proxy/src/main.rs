@@ -256,6 +256,12 @@ enum Command {
         /// Send everything to this one upstream URL instead.
         #[arg(long, env = "PORTCULLIS_UPSTREAM")]
         upstream: Option<String>,
+        /// Also open the listeners the policies define. Off by default:
+        /// requests arrive through the tunnel alone, so nothing that can
+        /// reach this pod gets past the tunnel server (the default
+        /// policies' listener trusts X-Forwarded-* headers).
+        #[arg(long, env = "PORTCULLIS_OPEN_LISTENERS")]
+        open_listeners: bool,
         /// Tunnel connections kept open to each server.
         #[arg(long, env = "PORTCULLIS_CONNECTIONS", default_value_t = 2)]
         connections: usize,
@@ -513,6 +519,7 @@ fn main() -> ExitCode {
             workers,
             grace_period,
             admin,
+            open_listeners,
             plugin_cache,
         } => {
             if let Some(dir) = plugin_cache {
@@ -558,6 +565,7 @@ fn main() -> ExitCode {
                 },
                 admin: admin.0,
                 watch: portcullis::reload::WatchOptions::default(),
+                listen: open_listeners,
             };
             run(|| portcullis::commands::tunnel_client(options))
         }

@@ -31,7 +31,6 @@ use crate::drain::Connections;
 use crate::h1_or_h2;
 use crate::head_deadline::{self, Ended, HeadClock, Watched};
 use crate::pipeline::{ConnInfo, Pipeline, Shared};
-use crate::sockets::reuseport_socket;
 use crate::tls_listen::{NotOpened, Opened};
 
 /// Why the server could not start.
@@ -167,8 +166,8 @@ pub struct Control {
     listeners: std::sync::Mutex<Vec<ActiveListener>>,
     to_workers: Vec<mpsc::UnboundedSender<WorkerCommand>>,
     stop_accepting: CancellationToken,
-    /// A tunnel client may serve without listeners of its own.
-    require_listeners: bool,
+    /// Which of the policies' listeners are opened.
+    opens: Listeners,
     /// The addresses of `dns: each_address` upstreams' hosts.
     addresses: crate::discovery::AddressBook,
 }
@@ -192,6 +191,29 @@ pub struct ListenerStatus {
 /// A certificate file and when the certificate in it expires (seconds
 /// since the epoch; `None` when it cannot be read).
 pub type CertExpiry = (std::path::PathBuf, Option<i64>);
+
+/// Which of the policies' listeners a server opens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listeners {
+    /// All of them, and there must be one (`serve`).
+    Required,
+    /// All of them, if any (`tunnel-client --open-listeners`).
+    Optional,
+    /// None: requests arrive through the tunnel alone (`tunnel-client`),
+    /// so nothing that can reach the pod gets past the tunnel server.
+    Closed,
+}
+
+impl Listeners {
+    /// The listeners of `config` to open.
+    fn opened(self, config: &Config) -> Result<&[Listener], ServeError> {
+        match self {
+            Listeners::Required if config.listeners.is_empty() => Err(ServeError::NoListeners),
+            Listeners::Required | Listeners::Optional => Ok(&config.listeners),
+            Listeners::Closed => Ok(&[]),
+        }
+    }
+}
 
 /// A server with its listeners bound, ready to run.
 pub struct Server {
@@ -217,36 +239,27 @@ fn bind_sockets(
         addr: l.bind,
         error,
     };
-    let first = reuseport_socket(l.bind).map_err(bind_err)?;
-    let addr = first.local_addr().map_err(bind_err)?;
-    let mut sockets = vec![first];
-    for _ in 1..workers {
-        sockets.push(reuseport_socket(addr).map_err(bind_err)?);
-    }
-    Ok((addr, sockets))
+    crate::sockets::worker_sockets(l.bind, workers).map_err(bind_err)
 }
 
 impl Server {
     /// Binds every listener of `config` for `workers` worker threads. Once
     /// this returns, `/readyz` is 200.
     pub async fn bind(config: Config, workers: usize) -> Result<Server, ServeError> {
-        Self::bind_with(config, workers, true).await
+        Self::bind_with(config, workers, Listeners::Required).await
     }
 
-    /// [`Server::bind`], allowing a config without listeners when
-    /// `require_listeners` is false (the tunnel client's requests arrive
-    /// through the tunnel).
+    /// [`Server::bind`], opening the policies' listeners as `listeners`
+    /// says (the tunnel client's requests arrive through the tunnel).
     pub async fn bind_with(
         config: Config,
         workers: usize,
-        require_listeners: bool,
+        listeners: Listeners,
     ) -> Result<Server, ServeError> {
-        if require_listeners && config.listeners.is_empty() {
-            return Err(ServeError::NoListeners);
-        }
+        let specs = listeners.opened(&config)?;
         let workers = workers.max(1);
-        let mut bound = Vec::with_capacity(config.listeners.len());
-        for l in &config.listeners {
+        let mut bound = Vec::with_capacity(specs.len());
+        for l in specs {
             bound.push(bind_sockets(l, workers)?);
         }
         let chains = crate::plugin::prepare(&config)
@@ -274,12 +287,12 @@ impl Server {
             listeners: std::sync::Mutex::new(Vec::new()),
             to_workers,
             stop_accepting: CancellationToken::new(),
-            require_listeners,
+            opens: listeners,
             addresses,
         });
         {
             let mut active = control.active();
-            for (spec, (addr, sockets)) in config.listeners.iter().zip(bound) {
+            for (spec, (addr, sockets)) in listeners.opened(&config)?.iter().zip(bound) {
                 active.push(control.start_listener(spec, addr, sockets));
             }
         }
@@ -415,12 +428,9 @@ impl Control {
         config: Config,
         chains: crate::plugin::Chains,
     ) -> Result<ListenerChanges, ServeError> {
-        if self.require_listeners && config.listeners.is_empty() {
-            return Err(ServeError::NoListeners);
-        }
         let mut active = self.active();
         let mut fresh = Vec::new();
-        for spec in &config.listeners {
+        for spec in self.opens.opened(&config)? {
             if !active
                 .iter()
                 .any(|a| a.name == spec.name && a.bind == spec.bind)

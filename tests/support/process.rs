@@ -301,6 +301,39 @@ impl ProxyProcess {
         per_worker
     }
 
+    /// The ports of the TCP sockets this process listens on, from
+    /// /proc: its socket inodes matched against the kernel's tables.
+    pub fn listening_tcp_ports(&self) -> Vec<u16> {
+        let pid = self.pid();
+        let inodes: std::collections::HashSet<String> =
+            std::fs::read_dir(format!("/proc/{pid}/fd"))
+                .expect("the process's descriptors")
+                .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+                .filter_map(|link| {
+                    let link = link.to_string_lossy().into_owned();
+                    let inode = link.strip_prefix("socket:[")?.strip_suffix(']')?;
+                    Some(inode.to_owned())
+                })
+                .collect();
+        let mut ports = Vec::new();
+        for table in ["tcp", "tcp6"] {
+            let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}"))
+                .expect("the kernel's TCP table");
+            for row in text.lines().skip(1) {
+                let cols: Vec<&str> = row.split_whitespace().collect();
+                // local_address is cols[1] (`ADDR:PORT`, hex), st cols[3]
+                // (0A: LISTEN), inode cols[9].
+                if cols.len() > 9 && cols[3] == "0A" && inodes.contains(cols[9]) {
+                    let port = cols[1].rsplit(':').next().expect("a port");
+                    ports.push(u16::from_str_radix(port, 16).expect("a hex port"));
+                }
+            }
+        }
+        ports.sort_unstable();
+        ports.dedup();
+        ports
+    }
+
     /// Waits for a log line containing `needle` (20 s at most).
     pub async fn wait_for_log(&mut self, needle: &str) -> String {
         tokio::time::timeout(Duration::from_secs(20), async {

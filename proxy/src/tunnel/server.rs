@@ -473,12 +473,8 @@ impl TunnelServer {
         anyhow::ensure!(!domain.is_empty(), "--domain is empty");
         let workers = options.workers.max(1);
         let public_err = || format!("cannot bind the public listener on {}", options.public);
-        let first = crate::sockets::reuseport_socket(options.public).with_context(public_err)?;
-        let public_addr = first.local_addr()?;
-        let mut public = vec![first];
-        for _ in 1..workers {
-            public.push(crate::sockets::reuseport_socket(public_addr).with_context(public_err)?);
-        }
+        let (public_addr, public) =
+            crate::sockets::worker_sockets(options.public, workers).with_context(public_err)?;
         let tunnel = TcpListener::bind(options.tunnel)
             .await
             .with_context(|| format!("cannot bind the tunnel listener on {}", options.tunnel))?;
@@ -526,13 +522,8 @@ impl TunnelServer {
         let mut peer_listeners = Vec::new();
         if let Some(addr) = options.peers.as_ref().and_then(|p| p.listen) {
             let peer_err = || format!("cannot bind the peer listener on {addr}");
-            let first = crate::sockets::reuseport_socket(addr).with_context(peer_err)?;
-            let bound = first.local_addr()?;
-            peer_listeners.push(first);
-            for _ in 1..workers {
-                peer_listeners
-                    .push(crate::sockets::reuseport_socket(bound).with_context(peer_err)?);
-            }
+            (_, peer_listeners) =
+                crate::sockets::worker_sockets(addr, workers).with_context(peer_err)?;
         }
         let alt_svc = h3.as_ref().map(|_| {
             let port = options.http3_advertised_port.unwrap_or(public_addr.port());
