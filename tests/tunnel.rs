@@ -1103,6 +1103,76 @@ async fn the_public_side_serves_http3_and_advertises_it() {
     );
 }
 
+/// A GET over a new HTTP/3 connection to the public side at `addr`.
+async fn h3_get(addr: SocketAddr, host: &str, ca_pem: &str, path: &str) -> Answer {
+    crate::support::tls::h3_request(addr, host, ca_pem, "GET", path, Bytes::new())
+        .await
+        .expect("HTTP/3 exchange")
+}
+
+/// An upstream that answers the first request on each connection, keeps
+/// it alive, and closes it as the next request arrives (as one whose
+/// keep-alive timeout fires just then); it counts the connections.
+async fn closing_reused_connections() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let mut answered = false;
+                while let Ok(n) = conn.read(&mut chunk).await {
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        if answered {
+                            return;
+                        }
+                        answered = true;
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if conn.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+/// A bodiless HTTP/3 request is whole in hand, as over HTTP/1.1 and
+/// HTTP/2: a GET that meets a pooled upstream connection closing under
+/// it goes again on a new connection, and every one succeeds.
+#[tokio::test]
+async fn http3_gets_are_retried_when_a_pooled_upstream_connection_closes() {
+    let (up, accepted) = closing_reused_connections().await;
+    let (server, pki) = TunnelServer::start_https(&["--http3"]).await;
+    let url = format!("http://{up}");
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url, "--workers", "1"])
+        .await;
+    let host = format!("rt-a.{DOMAIN}");
+    for i in 0..8 {
+        let path = format!("/get-{i}");
+        let a = h3_get(server.public, &host, &pki.ca_pem, &path).await;
+        assert_eq!(
+            (a.status.as_u16(), &a.body[..]),
+            (200, &b"ok"[..]),
+            "{path}"
+        );
+    }
+    // The pooled connections were met closing, and replaced.
+    assert!(accepted.load(std::sync::atomic::Ordering::SeqCst) >= 8);
+}
+
 /// Errors from the runtime's side come back over HTTP/3 as they are, and
 /// a connection that sends no request is closed after 10 s, as a TCP one
 /// that sends no head.
@@ -2052,6 +2122,25 @@ impl TestKeyOnly {
     }
 }
 
+/// The tunnel client serves the tunnel only: on the default policies
+/// (whose listener, on 0.0.0.0:8080, trusts X-Forwarded-*) it opens no
+/// TCP listener but its admin, so nothing that reaches the pod gets past
+/// the tunnel server; the policies' routes still answer through the
+/// tunnel. (`--open-listeners` opens them: see the readiness test.)
+#[tokio::test]
+async fn the_tunnel_client_opens_no_listener_of_its_policies() {
+    let server = TunnelServer::start().await;
+    let client = server.client("rt-a", TOKENS[0].1, &[]).await;
+    let admin = client.admin.expect("admin listener").port();
+    assert_eq!(client.listening_tcp_ports(), [admin]);
+    let status = client.status().await;
+    let listeners = &status["config"]["listeners"];
+    assert_eq!(listeners.as_array().map(Vec::len), Some(0), "{listeners}");
+    // The default policies' /healthz, answered through the tunnel.
+    let healthz = server.get("rt-a", "/healthz").await;
+    assert_eq!(healthz.status, 200, "{:?}", healthz.body);
+}
+
 #[tokio::test]
 async fn the_client_is_ready_only_while_a_tunnel_carries_pings() {
     let dir = policies(
@@ -2072,6 +2161,7 @@ routes: [{ name: readyz, match: { path: /readyz }, health: ready }]
         "rt-a",
         "--policies",
         &path,
+        "--open-listeners",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -2185,16 +2275,7 @@ async fn public_http3_connections_are_spread_over_the_workers() {
     let host = format!("rt-a.{DOMAIN}");
     for i in 0..4 {
         let path = format!("/who?h3c={i}");
-        let answer = crate::support::tls::h3_request(
-            server.public,
-            &host,
-            &pki.ca_pem,
-            "GET",
-            &path,
-            Bytes::new(),
-        )
-        .await
-        .expect("HTTP/3 exchange");
+        let answer = h3_get(server.public, &host, &pki.ca_pem, &path).await;
         assert_eq!(answer.status, 200);
         assert_eq!(answer.body, "here");
         server.process.wait_for_log(&format!("h3c={i}\"")).await;
