@@ -176,3 +176,114 @@ routes:
         ],
     );
 }
+
+/// What an upstream saw of a request: its head arriving, then its body
+/// read to the end (`Some(len)`) or cut (`None`).
+#[derive(Debug, PartialEq)]
+enum Seen {
+    Arrived,
+    Body(Option<usize>),
+}
+
+/// An upstream that reports each request's arrival and how its body
+/// ended, on one channel whichever endpoint it is.
+async fn reporting_upstream(tx: tokio::sync::mpsc::UnboundedSender<Seen>) -> Upstream {
+    upstream::serve(move |req: Request<hyper::body::Incoming>| {
+        let tx = tx.clone();
+        async move {
+            let _ = tx.send(Seen::Arrived);
+            let read = req.into_body().collect().await.ok();
+            let len = read.map(|b| b.to_bytes().len());
+            let _ = tx.send(Seen::Body(len));
+            Response::new(upstream::full(len.map_or("cut".into(), |n| n.to_string())))
+        }
+    })
+    .await
+}
+
+/// A client whose chunked body breaks its framing (a chunk size line
+/// `zz`, a chunk longer than it said) sent the bad bytes: it gets a 400,
+/// the upstream, which had the head and the start of the body, sees the
+/// request cut rather than completed, and nothing counts against the
+/// upstream: no 502 for the route, no failed answer for the endpoint
+/// (one failure would eject it here).
+#[tokio::test]
+async fn a_malformed_chunked_body_is_the_clients_400_not_the_upstreams_failure() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tx, mut seen) = unbounded_channel();
+    let (a, b) = (
+        reporting_upstream(tx.clone()).await,
+        reporting_upstream(tx).await,
+    );
+    let proxy = crate::support::process::ProxyProcess::start(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: app, endpoints: ["{0}", "{1}"], eject_after_5xx: 1, eject_for: 60s }}
+  - {{ name: app-h2, endpoints: ["{0}", "{1}"], http2: true, eject_after_5xx: 1, eject_for: 60s }}
+routes:
+  - {{ name: up, match: {{ path: /up }}, upstream: app }}
+  - {{ name: up-h2, match: {{ path: /up-h2 }}, upstream: app-h2 }}
+"#,
+            a.url(),
+            b.url()
+        ),
+        &["--workers", "1"],
+    )
+    .await;
+    let cases: [(&str, &[u8]); 3] = [
+        ("/up", b"zz\r\n"),
+        ("/up", b"3\r\nabcdef\r\n0\r\n\r\n"),
+        ("/up-h2", b"zz\r\n"),
+    ];
+    for (path, bad) in cases {
+        let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"
+        );
+        conn.write_all(head.as_bytes()).await.unwrap();
+        let arrived = tokio::time::timeout(Duration::from_secs(10), seen.recv()).await;
+        assert_eq!(
+            arrived.expect("the head reached the upstream"),
+            Some(Seen::Arrived)
+        );
+        conn.write_all(bad).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut answer))
+            .await
+            .expect("the proxy answers and closes")
+            .expect("read");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.starts_with("HTTP/1.1 400 "),
+            "{path} {bad:?}: {answer}"
+        );
+        assert!(
+            answer.contains(r#""error":"request body could not be read""#),
+            "{answer}"
+        );
+        let ended = tokio::time::timeout(Duration::from_secs(10), seen.recv()).await;
+        assert_eq!(
+            ended.expect("the upstream's read ended"),
+            Some(Seen::Body(None)),
+            "{path} {bad:?}: the upstream's request was not cut"
+        );
+    }
+    // Both endpoints of both upstreams still in the rotation, and the
+    // answers counted as the client's.
+    let status = proxy.status().await;
+    let out = &status["config"]["ejected_endpoints"];
+    assert_eq!(out.as_array().map(Vec::len), Some(0), "{out}");
+    let metrics = proxy
+        .metrics_showing(&[
+            r#"portcullis_requests_total{route="up",code="400"} 2"#.into(),
+            r#"portcullis_requests_total{route="up-h2",code="400"} 1"#.into(),
+        ])
+        .await;
+    assert!(!metrics.contains(r#"code="502""#), "{metrics}");
+    for _ in 0..4 {
+        let ok = client::call("POST", &proxy.url("/up")).await;
+        assert_eq!(ok.status, 200);
+    }
+}

@@ -151,6 +151,8 @@ pub struct BodyProgress {
     done: AtomicBool,
     /// Whether the body went over its route's limit.
     too_large: AtomicBool,
+    /// Whether the client's body broke its framing (a bad chunk).
+    malformed: AtomicBool,
     /// Whether the body was last found waiting on the client (rather
     /// than not asked for: an upstream that stopped reading it).
     waiting: AtomicBool,
@@ -162,6 +164,7 @@ impl BodyProgress {
             last_ms: AtomicU64::new(coarse_ms()),
             done: AtomicBool::new(false),
             too_large: AtomicBool::new(false),
+            malformed: AtomicBool::new(false),
             waiting: AtomicBool::new(false),
         }
     }
@@ -194,11 +197,35 @@ impl BodyProgress {
         self.too_large.load(Ordering::Relaxed)
     }
 
+    /// Whether the client's body broke its framing (a bad chunk size
+    /// line, a chunk of the wrong length): the client's fault, a 400,
+    /// whatever the upstream side reported.
+    pub fn malformed(&self) -> bool {
+        self.malformed.load(Ordering::Relaxed)
+    }
+
     /// Whether the rest of the body is awaited from the client (not done,
     /// and last polled in vain).
     pub fn waiting_on_client(&self) -> bool {
         !self.done() && self.waiting.load(Ordering::Relaxed)
     }
+}
+
+/// Whether a client's body error is bytes that break the framing, as
+/// hyper's decoder reports them (`InvalidInput`, `InvalidData`), rather
+/// than a connection that ended early.
+fn is_malformed(e: &hyper::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(inner) = source {
+        if let Some(io) = inner.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::InvalidInput | std::io::ErrorKind::InvalidData
+            );
+        }
+        source = inner.source();
+    }
+    false
 }
 
 fn coarse_ms() -> u64 {
@@ -261,7 +288,12 @@ impl http_body::Body for Body {
                         }
                     }
                     Poll::Pending => progress.waiting.store(true, Ordering::Relaxed),
-                    Poll::Ready(Some(Err(_))) => *tee = None,
+                    Poll::Ready(Some(Err(e))) => {
+                        *tee = None;
+                        if is_malformed(e) {
+                            progress.malformed.store(true, Ordering::Relaxed);
+                        }
+                    }
                 }
                 polled.map_err(Into::into)
             }

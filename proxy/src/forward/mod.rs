@@ -634,6 +634,14 @@ impl UpstreamPool {
                 let Some(failed) = failed.filter(|_| count_answers) else {
                     return;
                 };
+                // A body the client broke, or one cut for its size, ends
+                // the exchange however the upstream side reports it.
+                if progress
+                    .as_deref()
+                    .is_some_and(|p| p.malformed() || p.too_large())
+                {
+                    return;
+                }
                 if self.ejections.answered(i, failed) {
                     tracing::warn!(upstream = %self.spec.name, endpoint = %ep, eject_after_5xx = self.spec.eject_after_5xx, eject_for = ?self.spec.eject_for, "endpoint out of the rotation after failed answers in a row");
                 }
@@ -901,6 +909,14 @@ impl UpstreamPool {
         match result {
             Err(_) if progress.as_deref().is_some_and(BodyProgress::too_large) => {
                 Err(ForwardError::BodyTooLarge)
+            }
+            // Likewise a body the client broke is the client's 400; the
+            // upstream got a cut body (hyper aborts the request) and no
+            // failure counts against it.
+            Err(ForwardError::Failed(e))
+                if progress.as_deref().is_some_and(BodyProgress::malformed) =>
+            {
+                Err(ForwardError::RequestBody(e))
             }
             r => r,
         }
