@@ -1805,3 +1805,81 @@ routes: [{{ name: any, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ 
         "0.2.0 /some/path here"
     );
 }
+
+/// A plugin's error answer takes the shape of the proxy's own errors when
+/// it gives no body, or the SDK's `{"error": ...}` alone (the webhook
+/// plugin's 401): `error`, `status`, `route`, `plugin`, and the request
+/// id the listener makes, as a 404 of the proxy's own has. A body of the
+/// plugin's own, and a bodiless success, go as they are.
+#[tokio::test]
+async fn a_plugins_error_answer_has_the_shape_of_the_proxys_errors() {
+    let dir = policy_dir(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0", request_id: make }]
+plugins:
+  - { name: fixed, path: fixture-forward.wasm }
+  - { name: sig, path: webhook-signature.wasm }
+routes:
+  - { name: bodiless, match: { path: /bodiless }, respond: { status: 200 }, plugins: [{ use: fixed, config: { respond: { status: 403 } } }] }
+  - name: sdk
+    match: { path: /sdk }
+    respond: { status: 200 }
+    plugins: [{ use: fixed, config: { respond: { status: 401, body: '{"error":"nope"}', content_type: application/json } } }]
+  - { name: own, match: { path: /own }, respond: { status: 200 }, plugins: [{ use: fixed, config: { respond: { status: 418, body: "short and stout", content_type: text/plain } } }] }
+  - { name: empty-ok, match: { path: /empty-ok }, respond: { status: 200 }, plugins: [{ use: fixed, config: { respond: { status: 204 } } }] }
+  - { name: hooks, match: { path: /hooks }, respond: { status: 200 }, plugins: [{ use: sig, config: { provider: gitlab, secret: s } }] }
+"#,
+        &["fixture-forward", "webhook-signature"],
+    );
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let ours = client::get(&proxy.url("/nowhere")).await;
+    assert_eq!(ours.status, 404);
+    assert!(ours.header("x-request-id").is_some());
+    let shape = |a: &Answer, status: u16, route: &str, plugin: &str, error: &str| {
+        assert_eq!(a.status, status, "{route}: {:?}", a.body);
+        assert_eq!(
+            a.header("content-type"),
+            Some("application/json"),
+            "{route}"
+        );
+        assert_eq!(
+            a.json(),
+            serde_json::json!({ "error": error, "status": status, "route": route, "plugin": plugin }),
+            "{route}"
+        );
+        assert!(a.header("x-request-id").is_some(), "{route}: no request id");
+        assert_eq!(
+            a.headers.get_all("content-type").iter().count(),
+            1,
+            "{route}"
+        );
+    };
+    shape(
+        &client::get(&proxy.url("/bodiless")).await,
+        403,
+        "bodiless",
+        "fixed",
+        "forbidden",
+    );
+    shape(
+        &client::get(&proxy.url("/sdk")).await,
+        401,
+        "sdk",
+        "fixed",
+        "nope",
+    );
+    shape(
+        &client::call("POST", &proxy.url("/hooks")).await,
+        401,
+        "hooks",
+        "sig",
+        "invalid webhook signature",
+    );
+    let own = client::get(&proxy.url("/own")).await;
+    assert_eq!(own.status, 418);
+    assert_eq!(&own.body[..], b"short and stout");
+    assert_eq!(own.header("content-type"), Some("text/plain"));
+    let empty = client::get(&proxy.url("/empty-ok")).await;
+    assert_eq!(empty.status, 204);
+    assert!(empty.body.is_empty());
+}

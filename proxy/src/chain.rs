@@ -20,7 +20,9 @@ use http_body_util::BodyExt;
 use crate::body::Body;
 use crate::config::{Config, FailMode, Route};
 use crate::pipeline::ConnInfo;
-use crate::plugin::{self, Binding, Decision, Hooks, PluginError, RequestFacts, ResponseHead};
+use crate::plugin::{
+    self, Binding, Decision, Hooks, LocalResponse, PluginError, RequestFacts, ResponseHead,
+};
 
 /// What the request hooks decided.
 pub enum RequestOutcome<'a> {
@@ -302,14 +304,14 @@ fn after_call(
             // Later plugins read the request as edited.
             plugin::apply_edits(headers, &f.headers, &binding.plugin);
             if let Some(p) = f.path {
-                match PathAndQuery::try_from(p.as_str()) {
-                    Ok(pq) if p.starts_with('/') => {
+                match plugin_path(&p) {
+                    Some(pq) => {
                         if let Some(f) = progress.facts.as_mut() {
                             f.rewritten = Some(pq.clone());
                         }
                         progress.path = Some(pq);
                     }
-                    _ => {
+                    None => {
                         tracing::warn!(plugin = %binding.plugin, route = %route.name, path = %p, "plugin set an invalid path");
                         return Flow::Answer(misbehaved(
                             binding,
@@ -334,24 +336,76 @@ fn after_call(
             }
             Flow::Next
         }
-        Ok(Decision::Respond(local)) => {
-            let mut resp = Response::new(Body::full(local.body));
-            *resp.status_mut() =
-                StatusCode::from_u16(local.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            let edits = plugin::HeaderEdits {
-                remove: Vec::new(),
-                set: Vec::new(),
-                add: local.headers,
-            };
-            plugin::apply_edits(resp.headers_mut(), &edits, &binding.plugin);
-            Flow::Answer(resp)
-        }
+        Ok(Decision::Respond(local)) => Flow::Answer(local_answer(binding, route, local)),
         Ok(Decision::ReadBody(max)) => Flow::WantsBody(max),
         Err(e) => match fail(binding, route, &e) {
             Some(resp) => Flow::Answer(resp),
             None => Flow::Next,
         },
     }
+}
+
+/// A plugin's own answer. An error answer (4xx, 5xx) with no body, or
+/// with the SDK's `{"error": message}` alone, gets the shape of the
+/// proxy's own errors (`error`, `status`, `route`, `plugin`, and gRPC's
+/// terms for a gRPC client), so clients parse one shape whoever refused
+/// them; any other body is the plugin's and goes as it is.
+fn local_answer(binding: &Binding, route: &Route, local: LocalResponse) -> Response<Body> {
+    let status = StatusCode::from_u16(local.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut resp = match error_message(status, &local.body) {
+        Some(message) => json_error(status, &message, route, Some(&binding.plugin)),
+        None => {
+            let mut resp = Response::new(Body::full(local.body));
+            *resp.status_mut() = status;
+            resp
+        }
+    };
+    let framing = |h: &plugin::Header| {
+        h.name.eq_ignore_ascii_case("content-type") || h.name.eq_ignore_ascii_case("content-length")
+    };
+    let ours = resp.headers().contains_key(header::CONTENT_TYPE);
+    let edits = plugin::HeaderEdits {
+        remove: Vec::new(),
+        set: Vec::new(),
+        add: local
+            .headers
+            .into_iter()
+            .filter(|h| !(ours && framing(h)))
+            .collect(),
+    };
+    plugin::apply_edits(resp.headers_mut(), &edits, &binding.plugin);
+    resp
+}
+
+/// The path a plugin set, when it can be sent: origin form (`/...`,
+/// with a query perhaps), nothing a request target may not hold.
+pub fn plugin_path(path: &str) -> Option<PathAndQuery> {
+    let pq = PathAndQuery::try_from(path).ok()?;
+    path.starts_with('/').then_some(pq)
+}
+
+/// The message of a plugin's error answer that takes the proxy's error
+/// shape (see [`local_answer`]); `None` for any other answer.
+pub fn error_message(status: StatusCode, body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct SdkError {
+        error: String,
+    }
+    if !(status.is_client_error() || status.is_server_error()) {
+        return None;
+    }
+    if body.is_empty() {
+        let reason = status.canonical_reason().unwrap_or("error");
+        return Some(reason.to_ascii_lowercase());
+    }
+    // The SDK's bodies are a few dozen bytes: a large one is the plugin's own.
+    if body.len() > 1024 || body.first() != Some(&b'{') {
+        return None;
+    }
+    serde_json::from_slice::<SdkError>(body)
+        .ok()
+        .map(|e| e.error)
 }
 
 /// The 500 for a plugin that answered something the proxy cannot carry out.

@@ -219,7 +219,9 @@ pub fn read_body(max: u32) -> Decision {
     Decision::ReadBody(max)
 }
 
-/// Answer with a small JSON error body: `{"error": message}`.
+/// Answer with a small JSON error body: `{"error": message}`, which the
+/// proxy gives the shape of its own errors (adding `status`, `route` and
+/// `plugin`) for an error status.
 pub fn respond(status: u16, message: &str) -> Decision {
     Decision::Respond(LocalResponse {
         status,
