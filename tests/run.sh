@@ -50,10 +50,9 @@ cargo fmt --all --manifest-path proxy/fuzz/Cargo.toml -- --check
 echo "== lint"
 cargo clippy --locked --all-targets -- -D warnings
 cargo clippy --locked --manifest-path plugins/Cargo.toml --target wasm32-wasip2 -- -D warnings
-# The fuzz targets are run with nightly by hand (README, Fuzzing); linting
-# them here on stable keeps them building as the library changes. Their
-# libFuzzer is C++, built even to lint: a C++ compiler, installed if
-# missing (as root, with apt-get).
+# The fuzz targets run on nightly below (tests/fuzz.sh); linting them
+# on stable keeps them clean too. Their libFuzzer is C++, built even to
+# lint: a C++ compiler, installed if missing (as root, with apt-get).
 if ! command -v c++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq g++ >/dev/null
 fi
@@ -68,6 +67,11 @@ fi
 if ! { command -v unshare && command -v mount; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq util-linux mount >/dev/null
 fi
+# Every fuzz target for 30 s from its committed corpus (nightly and
+# cargo-fuzz installed when missing; instrumented build in a target
+# directory of its own).
+echo "== fuzz"
+tests/fuzz.sh
 echo "== test"
 cargo test --locked --workspace
 # The SDK's and the plugins' own unit tests run natively (their logic and

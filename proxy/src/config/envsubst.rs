@@ -4,8 +4,27 @@
 //! `${EVENTSOURCE_URL:-http://{name}.svc}`) and nested references, so the
 //! closing brace is found by counting depth. `$$` is a literal `$`.
 
+/// How deep references may nest in defaults: each level is a call deeper
+/// (and a scan of what is left), so a value with thousands of `${A:-`
+/// would otherwise overflow the stack of a reload.
+const MAX_DEPTH: usize = 16;
+
 /// Expands every reference in `input`, looking names up with `lookup`.
 pub fn expand(input: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+    expand_at(input, lookup, 0)
+}
+
+fn expand_at(
+    input: &str,
+    lookup: &dyn Fn(&str) -> Option<String>,
+    depth: usize,
+) -> Result<String, String> {
+    if depth > MAX_DEPTH {
+        return Err(format!(
+            "`${{` references nested more than {MAX_DEPTH} deep in `{}`",
+            input.chars().take(80).collect::<String>()
+        ));
+    }
     if !input.contains('$') {
         return Ok(input.to_owned());
     }
@@ -20,7 +39,7 @@ pub fn expand(input: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<St
         } else if let Some(body_and_tail) = after.strip_prefix('{') {
             let end = closing_brace(body_and_tail)
                 .ok_or_else(|| format!("unterminated `${{` in `{input}`"))?;
-            out.push_str(&reference(&body_and_tail[..end], lookup)?);
+            out.push_str(&reference(&body_and_tail[..end], lookup, depth)?);
             rest = &body_and_tail[end + 1..];
         } else {
             out.push('$');
@@ -45,7 +64,11 @@ fn closing_brace(s: &str) -> Option<usize> {
     None
 }
 
-fn reference(body: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+fn reference(
+    body: &str,
+    lookup: &dyn Fn(&str) -> Option<String>,
+    depth: usize,
+) -> Result<String, String> {
     // `${NAME:+word}`: word when NAME is set and not empty, else nothing —
     // for switches such as `enabled: "${WEBHOOK_SECRET:+true}"`.
     let plus = body.find(":+");
@@ -53,7 +76,7 @@ fn reference(body: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<Stri
         let name = &body[..i];
         check_name(name, body)?;
         return match lookup(name) {
-            Some(v) if !v.is_empty() => expand(&body[i + 2..], lookup),
+            Some(v) if !v.is_empty() => expand_at(&body[i + 2..], lookup, depth + 1),
             _ => Ok(String::new()),
         };
     }
@@ -64,9 +87,9 @@ fn reference(body: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<Stri
     check_name(name, body)?;
     match (lookup(name), default) {
         // Like the shell's `:-`, an empty variable also takes the default.
-        (Some(v), Some(d)) if v.is_empty() => expand(d, lookup),
+        (Some(v), Some(d)) if v.is_empty() => expand_at(d, lookup, depth + 1),
         (Some(v), _) => Ok(v),
-        (None, Some(d)) => expand(d, lookup),
+        (None, Some(d)) => expand_at(d, lookup, depth + 1),
         (None, None) => Err(format!(
             "environment variable `{name}` is not set; set it or give a default as ${{{name}:-value}}"
         )),
@@ -147,5 +170,16 @@ mod tests {
         assert!(expand("${HOST", &env).is_err());
         assert!(expand("${1BAD}", &env).is_err());
         assert!(expand("${}", &env).is_err());
+    }
+
+    #[test]
+    fn references_nested_deeper_than_the_limit_are_an_error_not_a_crash() {
+        let deep = |n: usize| format!("{}x{}", "${A:-".repeat(n), "}".repeat(n));
+        assert_eq!(
+            expand(&deep(super::MAX_DEPTH), &|_| None).as_deref(),
+            Ok("x")
+        );
+        let e = expand(&deep(100_000), &|_| None).expect_err("nested 100,000 deep");
+        assert!(e.contains("nested more than 16 deep"), "{e}");
     }
 }

@@ -6,7 +6,7 @@
 //! first, so `portcullis check` can list them together.
 
 mod build;
-mod envsubst;
+pub mod envsubst;
 mod load;
 mod raw;
 pub mod template;

@@ -355,8 +355,9 @@ async fn read_head(recv: &mut quinn::RecvStream) -> Result<Vec<u8>, String> {
     Ok(head)
 }
 
-/// The [`Hello`] in a control-stream request head.
-fn parse_hello(head: &[u8]) -> Result<Hello, String> {
+/// The [`Hello`] in a control-stream request head (any bytes a peer on
+/// the UDP port sends: fuzzed).
+pub fn parse_hello(head: &[u8]) -> Result<Hello, String> {
     let mut fields = [httparse::EMPTY_HEADER; 32];
     let mut req = httparse::Request::new(&mut fields);
     match req.parse(head) {

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Runs every fuzz target in proxy/fuzz for FUZZ_SECONDS each (30 by
+# default), from its committed corpus (proxy/fuzz/corpus/<target>), with
+# cargo-fuzz on a pinned nightly: both installed when missing. What a run
+# finds new goes to a scratch directory, not into the checkout; a crash or
+# a failed check stops the run with libFuzzer's report and the input
+# (proxy/fuzz/artifacts/<target>/).
+#
+#   tests/fuzz.sh                  # every target
+#   FUZZ_SECONDS=300 tests/fuzz.sh policy der
+set -euo pipefail
+cd "$(dirname "$0")/../proxy"
+
+# The nightly of the pinned stable's cycle (rust-toolchain.toml), so both
+# read the code alike; cargo-fuzz at a known version.
+NIGHTLY=nightly-2026-05-20
+CARGO_FUZZ_VERSION=0.13.2
+SECONDS_EACH="${FUZZ_SECONDS:-30}"
+# Instrumented builds go beside the main target directory, not into it:
+# every dependency is built again with coverage counters.
+export CARGO_TARGET_DIR="${CARGO_FUZZ_TARGET_DIR:-${CARGO_TARGET_DIR:-/tmp/portcullis-target}-fuzz}"
+
+rustup toolchain list | grep -q "^$NIGHTLY" || rustup toolchain install --profile minimal "$NIGHTLY"
+if ! cargo fuzz --version 2>/dev/null | grep -q "$CARGO_FUZZ_VERSION"; then
+  cargo +"$NIGHTLY" install --locked "cargo-fuzz@$CARGO_FUZZ_VERSION"
+fi
+
+targets=("$@")
+if [ ${#targets[@]} -eq 0 ]; then
+  mapfile -t targets < <(cargo +"$NIGHTLY" fuzz list)
+fi
+# No sanitizer: the parsers are safe Rust, where AddressSanitizer finds
+# nothing the bounds checks do not, at twice the build and run time.
+# Debug assertions on: an overflowing length is a finding.
+flags=(--sanitizer none --debug-assertions)
+cargo +"$NIGHTLY" fuzz build "${flags[@]}"
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+for target in "${targets[@]}"; do
+  echo "== fuzz $target (${SECONDS_EACH}s)"
+  mkdir -p "$scratch/$target"
+  # -timeout: one input taking 10 s is a hang; the corpus is read, never
+  # written (new inputs go to the scratch directory named first).
+  log="$scratch/$target.log"
+  if ! cargo +"$NIGHTLY" fuzz run "${flags[@]}" "$target" "$scratch/$target" "fuzz/corpus/$target" -- \
+      -max_total_time="$SECONDS_EACH" -timeout=10 -rss_limit_mb=4096 >"$log" 2>&1; then
+    tail -n 80 "$log"
+    echo "fuzz target $target failed (input in proxy/fuzz/artifacts/$target/)" >&2
+    exit 1
+  fi
+  # libFuzzer's first and last status lines: inputs run, coverage, corpus.
+  grep -E "^#[0-9]+ +INITED|^Done [0-9]+ runs" "$log" || true
+  grep -E "^#[0-9]+ " "$log" | tail -n 1 || true
+done
+echo "fuzz: ${#targets[@]} targets ran ${SECONDS_EACH}s each without a crash"
