@@ -77,6 +77,51 @@ fn the_kubernetes_examples_use_flags_that_exist() {
     );
 }
 
+/// `serve`, `tunnel-server` and `tunnel-client` started on one host (the
+/// tunnel walk-through, tried locally) each get their admin listener:
+/// their defaults, as `--help` shows them, are three different ports.
+#[test]
+fn the_three_commands_default_their_admin_listeners_apart() {
+    let admin_default = |command: &str| {
+        let out = Command::new(binary())
+            .args([command, "--help"])
+            .env_remove("PORTCULLIS_ADMIN")
+            .output()
+            .expect("run portcullis");
+        assert!(out.status.success(), "{command} --help");
+        let help = String::from_utf8_lossy(&out.stdout).into_owned();
+        let from = help.find("--admin").expect("an --admin flag");
+        help[from..]
+            .split("[default: ")
+            .nth(1)
+            .and_then(|d| d.split(']').next())
+            .expect("a default")
+            .to_owned()
+    };
+    let defaults = ["serve", "tunnel-server", "tunnel-client"].map(admin_default);
+    assert_eq!(
+        defaults,
+        ["127.0.0.1:9901", "127.0.0.1:9902", "127.0.0.1:9903"]
+    );
+}
+
+/// Each command's `--help` ends with an example of itself.
+#[test]
+fn every_commands_help_shows_an_example() {
+    for command in ["serve", "tunnel-server", "tunnel-client", "hash-token", "check"] {
+        let out = Command::new(binary())
+            .args([command, "--help"])
+            .output()
+            .expect("run portcullis");
+        let help = String::from_utf8_lossy(&out.stdout);
+        let example = help.split("Example:").nth(1).unwrap_or_default();
+        assert!(
+            example.contains(&format!("portcullis {command}")),
+            "{command}: {help}"
+        );
+    }
+}
+
 #[test]
 fn every_error_is_reported_with_file_line_and_column() {
     let dir = tempfile::tempdir().unwrap();

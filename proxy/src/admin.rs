@@ -1,4 +1,5 @@
-//! The admin listener (`127.0.0.1:9901` by default, like Envoy's): status
+//! The admin listener (`127.0.0.1:9901` by default for `serve`, like
+//! Envoy's; 9902 for `tunnel-server`, 9903 for `tunnel-client`): status
 //! of the configuration and its reloads, Prometheus metrics, and a reload
 //! on demand. It is separate from the traffic listeners so it is never
 //! exposed with them.

@@ -29,6 +29,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve the routing core on the policies' listeners.
+    #[command(after_help = "Example:\n  \
+        portcullis serve --policies ./policies --admin 127.0.0.1:9901\n  \
+        curl localhost:8080/healthz")]
     Serve {
         /// Directory of *.yaml policy files (a mounted ConfigMap); the
         /// built-in default policies when not given.
@@ -67,6 +70,10 @@ enum Command {
     },
     /// The public side of outbound tunnels: forwards requests for
     /// `<runtime-id>.<domain>` through that runtime's tunnel.
+    #[command(after_help = "Example:\n  \
+        echo \"rt-a: $(portcullis hash-token < token)\" > tokens.yaml\n  \
+        portcullis tunnel-server --public 0.0.0.0:80 --tunnel-listen 0.0.0.0:443 \\\n    \
+        --domain tunnel.example.com --tokens tokens.yaml --cert tls.crt --key tls.key")]
     TunnelServer {
         /// Public listener (HTTPS with --public-cert and --public-key,
         /// plain HTTP without).
@@ -133,7 +140,9 @@ enum Command {
         #[arg(long, env = "PORTCULLIS_QUIC_CONGESTION", default_value = "cubic", value_parser = portcullis::tunnel::quic::Congestion::parse)]
         quic_congestion: portcullis::tunnel::quic::Congestion,
         /// Admin listener (connected runtimes, metrics); `off` turns it off.
-        #[arg(long, env = "PORTCULLIS_ADMIN", default_value = "127.0.0.1:9901", value_parser = parse_admin)]
+        /// 9902, not serve's 9901: a server, a client and a routing core
+        /// started on one host (a local try) do not collide.
+        #[arg(long, env = "PORTCULLIS_ADMIN", default_value = "127.0.0.1:9902", value_parser = parse_admin)]
         admin: Admin,
         /// Worker threads (each with its own event loop); default: one per CPU.
         #[arg(long, env = "PORTCULLIS_WORKERS")]
@@ -229,6 +238,9 @@ enum Command {
     },
     /// The cluster side of a tunnel: dials out to the tunnel server and
     /// serves what comes through with the routing core.
+    #[command(after_help = "Example:\n  \
+        portcullis tunnel-client --server wss://tunnel.example.com --runtime-id rt-a \\\n    \
+        --token-file /var/run/secrets/tunnel/token --policies /etc/portcullis/policies")]
     TunnelClient {
         /// Tunnel server URL: `wss://host[:port]` (`ws://` for testing).
         /// Repeat it (or give a comma-separated list) to keep tunnels to
@@ -292,7 +304,8 @@ enum Command {
         #[arg(long, env = "PORTCULLIS_GRACE_PERIOD", default_value = "30s", value_parser = parse_duration)]
         grace_period: Duration,
         /// Admin listener (status, metrics, reload); `off` turns it off.
-        #[arg(long, env = "PORTCULLIS_ADMIN", default_value = "127.0.0.1:9901", value_parser = parse_admin)]
+        /// 9903: apart from serve's 9901 and tunnel-server's 9902.
+        #[arg(long, env = "PORTCULLIS_ADMIN", default_value = "127.0.0.1:9903", value_parser = parse_admin)]
         admin: Admin,
         /// Keep compiled plugins in this directory (made if missing; an
         /// emptyDir volume in Kubernetes), so a restart loads their machine
@@ -302,8 +315,12 @@ enum Command {
         plugin_cache: Option<PathBuf>,
     },
     /// Read a token on stdin and print its hash for the tokens file.
+    #[command(after_help = "Example:\n  \
+        head -c 32 /dev/urandom | base64 > token\n  \
+        echo \"rt-a: $(portcullis hash-token < token)\" >> tokens.yaml")]
     HashToken,
     /// Validate policies without serving; prints `file:line:column: message` per error.
+    #[command(after_help = "Example:\n  portcullis check --policies ./policies")]
     Check {
         /// Directory of *.yaml policy files; the built-in defaults when not given.
         #[arg(long, env = "PORTCULLIS_POLICIES")]
