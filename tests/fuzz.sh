@@ -48,8 +48,8 @@ for target in "${targets[@]}"; do
     echo "fuzz target $target failed (input in proxy/fuzz/artifacts/$target/)" >&2
     exit 1
   fi
-  # libFuzzer's first and last status lines: inputs run, coverage, corpus.
-  grep -E "^#[0-9]+ +INITED|^Done [0-9]+ runs" "$log" || true
-  grep -E "^#[0-9]+ " "$log" | tail -n 1 || true
+  # libFuzzer's status at the start and at the end (inputs run, coverage
+  # in edges, corpus size), and its count of runs.
+  grep -E "^#[0-9]+[[:space:]]+(INITED|DONE)|^Done [0-9]+ runs" "$log" || true
 done
 echo "fuzz: ${#targets[@]} targets ran ${SECONDS_EACH}s each without a crash"
