@@ -108,7 +108,13 @@ fn the_three_commands_default_their_admin_listeners_apart() {
 /// Each command's `--help` ends with an example of itself.
 #[test]
 fn every_commands_help_shows_an_example() {
-    for command in ["serve", "tunnel-server", "tunnel-client", "hash-token", "check"] {
+    for command in [
+        "serve",
+        "tunnel-server",
+        "tunnel-client",
+        "hash-token",
+        "check",
+    ] {
         let out = Command::new(binary())
             .args([command, "--help"])
             .output()
