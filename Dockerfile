@@ -9,7 +9,7 @@ RUN plugins/build.sh \
  && cargo build --release --locked -p portcullis \
  && install -D target/release/portcullis /out/portcullis \
  && mkdir -p /out/policies /out/plugins \
- && cp policies/*.yaml policies/*.wasm /out/policies/ \
+ && cp policies/*.yaml /out/policies/ \
  && cp plugins/dist/*.wasm /out/plugins/ \
  && rm /out/plugins/fixture-*.wasm
 
@@ -18,8 +18,9 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /out/portcullis /usr/local/bin/portcullis
-# The default policies with the plugin they use beside them; the other
-# standard plugins for policies of your own.
+# The default policies (their plugin is built in, as every standard
+# plugin is: `builtin:NAME`); the standard plugins as files too, for
+# policies that pin or copy them.
 COPY --from=build /out/policies /etc/portcullis/policies
 COPY --from=build /out/plugins /usr/share/portcullis/plugins
 # Same unprivileged port and user model as the nginx-unprivileged image it replaces.

@@ -10,7 +10,6 @@ DURATION="${DURATION:-10}"
 WEBHOOK_MB="${WEBHOOK_MB:-8}"
 source bench/common.sh
 
-[ -f policies/webhook-signature.wasm ] || plugins/build.sh >/dev/null
 UP_PORT=$(free_port)
 PC_PORT=$(free_port)
 start_upstream "$UP_PORT"

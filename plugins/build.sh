@@ -16,6 +16,4 @@ out="$CARGO_TARGET_DIR/wasm32-wasip2/release"
 for crate in webhook-signature header-rules jwt-auth ip-allow basic-auth client-cert-allow canary-route example-require-header fixture-loop-forever fixture-busy fixture-forward fixture-trap fixture-grow-memory fixture-sleep fixture-escape fixture-hoard fixture-contract-0-2-0; do
   cp "$out/${crate//-/_}.wasm" "dist/$crate.wasm"
 done
-# The default policies use the webhook plugin from their own directory.
-cp dist/webhook-signature.wasm ../policies/webhook-signature.wasm
 ls -l dist

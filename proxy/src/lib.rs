@@ -10,6 +10,7 @@ pub mod auth_cache;
 pub mod auth_request;
 pub mod balance;
 pub mod body;
+pub mod builtin_plugins;
 pub mod cert_expiry;
 pub mod cert_files;
 pub mod cert_identity;

@@ -41,8 +41,11 @@ static ALLOCATOR: recycling::Recycling = recycling::Recycling::new();
 /// root, the exported macro and its re-export collide.
 #[doc(hidden)]
 pub mod bindings {
+    // The crate's own copy of the contract (`wit/` at the repository's
+    // top is the one source; a test keeps the two equal), so a plugin
+    // outside this repository builds against the SDK wherever it is.
     wit_bindgen::generate!({
-        path: "../../wit",
+        path: "wit",
         world: "policy",
         pub_export_macro: true,
         default_bindings_module: "portcullis_sdk::bindings",

@@ -1826,22 +1826,7 @@ fn plugin_module(ctx: &mut Ctx, raw: &Spanned<RawPlugin>) -> Option<PluginModule
     use sha2::Digest;
     let p = &raw.value;
     let name = name(ctx, &p.name, "plugin");
-    let path = ctx.path(&p.path)?;
-    let bytes = match std::fs::read(&path) {
-        Ok(b) => b,
-        Err(e) => {
-            let hint = if e.kind() == std::io::ErrorKind::NotFound {
-                " (build the plugins with plugins/build.sh, or mount the file next to the policy)"
-            } else {
-                ""
-            };
-            ctx.err(
-                &p.path.referenced,
-                format!("cannot read plugin {}: {e}{hint}", path.display()),
-            );
-            return None;
-        }
-    };
+    let (path, bytes) = plugin_bytes(ctx, &p.path)?;
     let sha256: [u8; 32] = sha2::Sha256::digest(&bytes).into();
     if let Some(pin) = &p.sha256 {
         let expected = ctx.text(pin)?;
@@ -1880,6 +1865,45 @@ fn plugin_module(ctx: &mut Ctx, raw: &Spanned<RawPlugin>) -> Option<PluginModule
         sha256,
         defined_at: ctx.pos(&raw.referenced),
     })
+}
+
+/// Where a plugin's component comes from and its bytes: a standard
+/// plugin built into the binary (`builtin:NAME`), or a file (relative to
+/// the policy file).
+fn plugin_bytes(ctx: &mut Ctx, path: &Text) -> Option<(std::path::PathBuf, Vec<u8>)> {
+    use crate::builtin_plugins;
+    let text = ctx.text(path)?;
+    if let Some(builtin) = text.strip_prefix(builtin_plugins::PREFIX) {
+        let Some(bytes) = builtin_plugins::get(builtin.trim()) else {
+            ctx.err(
+                &path.referenced,
+                format!(
+                    "no built-in plugin `{}`; the built-in plugins are {}",
+                    builtin.trim(),
+                    builtin_plugins::names()
+                ),
+            );
+            return None;
+        };
+        return Some((text.into(), bytes.to_vec()));
+    }
+    let file = ctx.path(path)?;
+    match std::fs::read(&file) {
+        Ok(bytes) => Some((file, bytes)),
+        Err(e) => {
+            let hint = if e.kind() == std::io::ErrorKind::NotFound {
+                " (a standard plugin needs no file: name it `builtin:NAME`; mount a \
+                 plugin of your own next to the policy)"
+            } else {
+                ""
+            };
+            ctx.err(
+                &path.referenced,
+                format!("cannot read plugin {}: {e}{hint}", file.display()),
+            );
+            None
+        }
+    }
 }
 
 fn plugin_use(
