@@ -79,3 +79,7 @@ cargo test --locked --workspace
 cargo test --locked --manifest-path plugins/Cargo.toml --lib \
   -p portcullis-sdk -p webhook-signature -p jwt-auth -p ip-allow -p basic-auth -p canary-route \
   -p client-cert-allow
+# The Kubernetes manifests in deploy/: rendered, validated against the
+# schemas, their args and policies checked by the binary just built.
+echo "== deploy"
+tests/deploy.sh
