@@ -93,7 +93,7 @@ measure() {
 
 # Memory held by idle keep-alive connections that each carried an upload
 # (hyper keeps a connection's read buffer; Portcullis closes one an upload
-# grew, see README, Forwarding behaviour). First, while both proxies are
+# grew, see docs/forwarding.md). First, while both proxies are
 # fresh: later, memory their allocators kept from the transfers is reused
 # and nothing grows.
 N_IDLE=$(python3 bench/bodies.py idle "$NGINX_PORT" "$IDLE_CONNS" "$IDLE_MB" "$NGINX_PID" $(pgrep -P "$NGINX_PID"))

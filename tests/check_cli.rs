@@ -32,21 +32,17 @@ fn the_shipped_policies_are_valid() {
     assert!(said.contains(", tracing to otel-collector)"), "{said}");
 }
 
-/// The container `args` in the README's Kubernetes manifests are flags the
+/// The container `args` in the Kubernetes page's manifests are flags the
 /// binary takes, with values it accepts: clap parses every argument
 /// before acting on the `--help` put after them, so a renamed flag or a
 /// bad value fails here (a required flag left out would not).
 #[test]
 fn the_kubernetes_examples_use_flags_that_exist() {
-    let readme = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"),
+    let page = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/kubernetes.md"),
     )
-    .expect("README.md");
-    let start = readme
-        .find("\n## Running in Kubernetes")
-        .expect("the section");
-    let section = &readme[start + 1..];
-    let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+    .expect("docs/kubernetes.md");
+    let section = page.as_str();
     let mut commands = Vec::new();
     for (at, _) in section.match_indices("args: [") {
         let list = &section[at + "args: ".len()..];
@@ -103,6 +99,44 @@ fn the_three_commands_default_their_admin_listeners_apart() {
         defaults,
         ["127.0.0.1:9901", "127.0.0.1:9902", "127.0.0.1:9903"]
     );
+}
+
+/// The README is short and leads everywhere: its first policy is one
+/// `check` takes, every page in docs/ is linked from it, and it stays
+/// within 200 lines.
+#[test]
+fn the_readmes_first_policy_checks_and_every_docs_page_is_linked() {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let readme = std::fs::read_to_string(repo.join("README.md")).expect("README.md");
+    assert!(
+        readme.lines().count() <= 200,
+        "README.md is {} lines",
+        readme.lines().count()
+    );
+    let from = readme.find("## A first policy").expect("the section");
+    let block = &readme[from..];
+    let block = &block[block.find("```yaml\n").expect("a yaml block") + 8..];
+    let block = &block[..block.find("```").expect("its end")];
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("app.yaml"), block).unwrap();
+    let (ok, stdout, stderr) = check(dir.path());
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("1 upstreams, 2 routes, 1 plugins"),
+        "{stdout}"
+    );
+    let mut pages = 0;
+    for entry in std::fs::read_dir(repo.join("docs")).expect("docs/") {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        if name.ends_with(".md") {
+            assert!(
+                readme.contains(&format!("(docs/{name})")),
+                "docs/{name} is not linked from the README"
+            );
+            pages += 1;
+        }
+    }
+    assert!(pages >= 10, "{pages} pages");
 }
 
 /// Each command's `--help` ends with an example of itself.

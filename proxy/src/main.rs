@@ -136,7 +136,7 @@ enum Command {
         tunnel_quic: bool,
         /// How the server sends on QUIC (tunnels' uploads, HTTP/3
         /// answers): `cubic`, or `bbr`, which keeps its rate through
-        /// random loss (experimental in quinn; see the README).
+        /// random loss (experimental in quinn; see docs/tunnels.md).
         #[arg(long, env = "PORTCULLIS_QUIC_CONGESTION", default_value = "cubic", value_parser = portcullis::tunnel::quic::Congestion::parse)]
         quic_congestion: portcullis::tunnel::quic::Congestion,
         /// Admin listener (connected runtimes, metrics); `off` turns it off.
@@ -291,7 +291,7 @@ enum Command {
         quic_retry_after: Duration,
         /// How QUIC tunnels send answers (downloads): `cubic`, or `bbr`,
         /// which keeps its rate through random loss (experimental in
-        /// quinn; see the README).
+        /// quinn; see docs/tunnels.md).
         #[arg(long, env = "PORTCULLIS_QUIC_CONGESTION", default_value = "cubic", value_parser = portcullis::tunnel::quic::Congestion::parse)]
         quic_congestion: portcullis::tunnel::quic::Congestion,
         /// Extra CA certificate (PEM) trusted for the server.
