@@ -21,6 +21,7 @@ mod reload;
 mod request_id;
 mod retries;
 mod routing;
+mod status_page;
 mod streaming;
 mod tls_listener;
 mod tls_upstream;

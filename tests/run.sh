@@ -72,6 +72,11 @@ fi
 # directory of its own).
 echo "== fuzz"
 tests/fuzz.sh
+# tests/status_page.rs opens the admin status page in headless Chromium:
+# Debian's, installed if missing (as root, with apt-get).
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+fi
 echo "== test"
 cargo test --locked --workspace
 # The SDK's and the plugins' own unit tests run natively (their logic and

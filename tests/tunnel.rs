@@ -2141,6 +2141,46 @@ async fn the_tunnel_client_opens_no_listener_of_its_policies() {
     assert_eq!(healthz.status, 200, "{:?}", healthz.body);
 }
 
+/// The tunnel server's status page shows the connected runtimes with
+/// their tunnels' transport, RTT and requests in flight.
+#[tokio::test]
+async fn the_tunnel_servers_status_page_shows_its_runtimes() {
+    let echo = upstream::echo("rt").await;
+    let server = TunnelServer::start().await;
+    let url = echo.url();
+    let _client = server
+        .client(
+            "rt-a",
+            TOKENS[0].1,
+            &["--upstream", &url, "--connections", "1"],
+        )
+        .await;
+    // The RTT is measured by the server's pings: wait until one is in.
+    let status = server
+        .process
+        .wait_status("a measured RTT", |s| {
+            s["runtimes"][0]["tunnels"][0]["rtt_ms"]
+                .as_f64()
+                .is_some_and(|rtt| rtt > 0.0)
+        })
+        .await;
+    let dom = crate::support::browser::rendered(&server.process.admin_url("/")).await;
+    let text = crate::status_page::visible_text(&dom);
+    assert!(
+        text.contains(&format!("tunnel server for *.{DOMAIN}")),
+        "{text}"
+    );
+    assert!(text.contains("1 runtimes connected"), "{text}");
+    let remote = status["runtimes"][0]["tunnels"][0]["remote"]
+        .as_str()
+        .expect("remote");
+    assert!(
+        text.contains(&format!("rt-a 1 websocket {remote}")),
+        "{text}"
+    );
+    assert!(text.contains(" ms "), "no RTT: {text}");
+}
+
 #[tokio::test]
 async fn the_client_is_ready_only_while_a_tunnel_carries_pings() {
     let dir = policies(

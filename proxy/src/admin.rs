@@ -77,12 +77,12 @@ pub type Answer = Response<Full<Bytes>>;
 async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
     let path = req.uri().path();
     let allow = match path {
-        "/status" | "/metrics" | "/readyz" => "GET, HEAD",
+        "/" | "/status" | "/metrics" | "/readyz" => "GET, HEAD",
         "/reload" => "POST",
         _ => {
             return json(
                 StatusCode::NOT_FOUND,
-                serde_json::json!({"error": "not found", "endpoints": ["GET /status", "GET /metrics", "GET /readyz", "POST /reload"]}),
+                serde_json::json!({"error": "not found", "endpoints": ["GET / (status page)", "GET /status", "GET /metrics", "GET /readyz", "POST /reload"]}),
             );
         }
     };
@@ -94,7 +94,10 @@ async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
         req.method()
     };
     match (method, path) {
-        (&Method::GET, "/status") => json(StatusCode::OK, status_json(reloader)),
+        (&Method::GET, "/") => crate::status_page::answer(),
+        (&Method::GET, "/status") => {
+            json(StatusCode::OK, crate::admin_status::status_json(reloader))
+        }
         (&Method::GET, "/metrics") => prometheus(metrics(reloader)),
         (&Method::GET, "/readyz") => {
             let ready = reloader.control().shared().is_ready();
@@ -114,7 +117,7 @@ async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
                 Outcome::Unchanged => (StatusCode::OK, "unchanged"),
                 Outcome::Rejected { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "rejected"),
             };
-            let mut body = serde_json::json!({ "result": result, "status": status_json(reloader) });
+            let mut body = serde_json::json!({ "result": result, "status": crate::admin_status::status_json(reloader) });
             if let Outcome::Rejected { message } = outcome {
                 body["errors"] = message.lines().collect::<Vec<_>>().into();
             }
@@ -186,113 +189,6 @@ pub fn rfc3339(t: SystemTime) -> String {
 fn unix_secs(t: SystemTime) -> f64 {
     t.duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
-}
-
-fn status_json(reloader: &Reloader) -> serde_json::Value {
-    let s = reloader.status();
-    let control = reloader.control();
-    let pipeline = control.pipeline();
-    let config = pipeline.config();
-    let listeners: Vec<_> = control
-        .listeners()
-        .into_iter()
-        .map(|l| {
-            serde_json::json!({
-                "name": l.name,
-                "addr": l.addr.to_string(),
-                "connections": l.connections,
-                "max_connections": l.max_connections,
-                "tls": l.tls.as_ref().map(|(client_auth, certs)| serde_json::json!({
-                    "client_certificates": client_auth.as_str(),
-                    "certificates": certs.iter().map(|(cert, expiry)| serde_json::json!({
-                        "cert": cert.display().to_string(),
-                        "not_after": expiry,
-                    })).collect::<Vec<_>>(),
-                })),
-            })
-        })
-        .collect();
-    let mut status = serde_json::json!({
-        "version": env!("CARGO_PKG_VERSION"),
-        "policies": reloader.dir().map_or_else(|| "built-in".to_owned(), |d| d.display().to_string()),
-        "ready": control.shared().is_ready(),
-        "draining": control.shared().is_draining(),
-        "config": {
-            "generation": s.generation,
-            "fingerprint": s.fingerprint,
-            "loaded_at": rfc3339(s.loaded_at),
-            "listeners": listeners,
-            "upstreams": config.upstreams.iter().map(|u| &*u.name).collect::<Vec<_>>(),
-            // What `dns: each_address` hosts resolved to: the pods seen.
-            "discovered_endpoints": config.upstreams.iter().filter(|u| u.dns != crate::config::Dns::Connect).map(|u| serde_json::json!({
-                "upstream": &*u.name,
-                "endpoints": match &u.target {
-                    crate::config::Target::Endpoints(eps) => eps.iter().map(ToString::to_string).collect(),
-                    crate::config::Target::Template(_) => Vec::new(),
-                },
-            })).collect::<Vec<_>>(),
-            "ejected_endpoints": pipeline.upstream_facts(|p| Some(p.ejected())).iter().flat_map(|(upstream, eps)| {
-                eps.iter().map(move |(endpoint, left)| serde_json::json!({
-                    "upstream": &**upstream,
-                    "endpoint": endpoint,
-                    "for_ms": left.as_millis() as u64,
-                }))
-            }).collect::<Vec<_>>(),
-            "upstream_requests": pipeline.upstream_facts(UpstreamPool::requests_in_flight).iter().map(|(upstream, (in_flight, max))| serde_json::json!({
-                "upstream": &**upstream,
-                "in_flight": in_flight,
-                "max_requests": max,
-            })).collect::<Vec<_>>(),
-            "unhealthy_endpoints": pipeline.upstream_facts(UpstreamPool::unhealthy).iter().flat_map(|(upstream, eps)| {
-                eps.iter().map(move |endpoint| serde_json::json!({
-                    "upstream": &**upstream,
-                    "endpoint": endpoint,
-                }))
-            }).collect::<Vec<_>>(),
-            "routes": config.routes.iter().map(|r| &*r.name).collect::<Vec<_>>(),
-            "rate_limits": config.routes.iter().filter_map(|r| {
-                let mut limit = r.rate_limit.as_ref()?.describe();
-                limit["route"] = serde_json::json!(&*r.name);
-                Some(limit)
-            }).collect::<Vec<_>>(),
-            "plugins": config.plugins.iter().map(|p| serde_json::json!({
-                "name": &*p.name,
-                "path": p.path.display().to_string(),
-                "sha256": hex::encode(p.sha256),
-            })).collect::<Vec<_>>(),
-        },
-        "reloads": {
-            "applied": s.applied,
-            "rejected": s.rejected,
-            "unchanged": s.unchanged,
-            "last_duration_ms": s.last_duration.map(|d| d.as_secs_f64() * 1e3),
-            "watched": s.watched.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
-        },
-        "files_match_active": !s.pending_error,
-        "last_error": s.last_error.as_ref().map(|f| serde_json::json!({
-            "at": rfc3339(f.at),
-            "trigger": f.trigger.as_str(),
-            "message": f.message,
-        })),
-    });
-    // A tunnel client's own tunnels, by slot.
-    if let Some(tunnels) = control.shared().tunnels() {
-        status["tunnels"] = tunnels
-            .iter()
-            .map(|t| {
-                serde_json::json!({
-                    "server": t.server,
-                    "slot": t.slot,
-                    "up": t.up,
-                    "transport": t.transport,
-                    "since": t.since.map(rfc3339),
-                    "last_ping_ms_ago": t.last_ping.map(|d| d.as_millis() as u64),
-                })
-            })
-            .collect::<Vec<_>>()
-            .into();
-    }
-    status
 }
 
 /// Escapes a Prometheus label value.
@@ -523,16 +419,8 @@ fn metrics(reloader: &Reloader) -> String {
             ],
         );
     }
-    // Each binding once: the global chain's are in every route's chain.
-    let mut bindings: Vec<&Arc<crate::plugin::Binding>> = Vec::new();
-    for chain in &pipeline.chains().routes {
-        for b in chain.iter() {
-            if !bindings.iter().any(|seen| Arc::ptr_eq(seen, b)) {
-                bindings.push(b);
-            }
-        }
-    }
-    let (mut peaks, mut caps) = (Vec::new(), Vec::new());
+    let bindings = crate::admin_status::plugin_bindings(&pipeline);
+    let (mut peaks, mut caps, mut calls) = (Vec::new(), Vec::new(), Vec::new());
     for b in bindings {
         let (route, peak, cap) = b.memory_use();
         let labels = format!(
@@ -541,8 +429,15 @@ fn metrics(reloader: &Reloader) -> String {
             label(route.unwrap_or(""))
         );
         peaks.push((labels.clone(), peak as f64));
+        calls.push((labels.clone(), b.calls() as f64));
         caps.push((labels, cap as f64));
     }
+    metric(
+        "portcullis_plugin_calls_total",
+        "counter",
+        "Calls to the plugin on the route (route=\"\": the global chain), both hooks, since the configuration was loaded.",
+        &calls,
+    );
     metric(
         "portcullis_plugin_memory_peak_bytes",
         "gauge",

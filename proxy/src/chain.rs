@@ -446,11 +446,15 @@ fn finish<'a>(
 /// Logs a plugin failure and applies its failure policy: `Some` answer
 /// when closed, `None` (carry on) when open.
 fn fail(binding: &Binding, route: &Route, e: &PluginError) -> Option<Response<Body>> {
-    let c = plugin::counters();
-    *c.lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .entry((binding.plugin.clone(), "failures".into()))
-        .or_default() += 1;
+    {
+        let mut c = plugin::counters().lock().unwrap_or_else(|p| p.into_inner());
+        *c.entry((binding.plugin.clone(), "failures".into()))
+            .or_default() += 1;
+        if matches!(e, PluginError::Timeout { .. }) {
+            *c.entry((binding.plugin.clone(), "deadline_hits".into()))
+                .or_default() += 1;
+        }
+    }
     match binding.fail {
         FailMode::Closed => {
             tracing::warn!(plugin = %binding.plugin, route = %route.name, error = %e, "plugin failed; request refused (fail: closed)");

@@ -6,6 +6,7 @@
 //! [`config`] turns policy files into the immutable model all of them read.
 
 pub mod admin;
+pub mod admin_status;
 pub mod auth_cache;
 pub mod auth_request;
 pub mod balance;
@@ -45,6 +46,7 @@ pub mod server;
 pub mod shard;
 pub mod shared_dial;
 pub mod sockets;
+pub mod status_page;
 pub mod tee;
 pub mod telemetry;
 pub mod ticket_keys;

@@ -73,12 +73,17 @@ const MAX_IDLE: usize = 4;
 #[repr(align(128))]
 // Boxed on purpose: see `Instance`.
 #[allow(clippy::vec_box)]
-struct Shard(Mutex<Vec<Box<Instance>>>);
+struct Shard {
+    idle: Mutex<Vec<Box<Instance>>>,
+    /// Calls made on this thread: counted in the line the thread already
+    /// holds for `idle`, so the count costs no line shared between cores.
+    calls: std::sync::atomic::AtomicU64,
+}
 
 impl std::ops::Deref for Shard {
     type Target = Mutex<Vec<Box<Instance>>>;
     fn deref(&self) -> &Self::Target {
-        &self.0
+        &self.idle
     }
 }
 
@@ -491,6 +496,15 @@ impl std::fmt::Debug for Binding {
 }
 
 impl Binding {
+    /// The calls made to this plugin use (both hooks) since its
+    /// configuration was loaded.
+    pub fn calls(&self) -> u64 {
+        self.idle
+            .iter()
+            .map(|s| s.calls.load(std::sync::atomic::Ordering::Relaxed))
+            .sum()
+    }
+
     /// The route the binding is on (`None`: the global chain), the
     /// largest memory one of its instances has reached (its image and
     /// `configure` included), and its cap, in bytes.
@@ -577,10 +591,10 @@ impl Binding {
     }
 
     fn checkout(&self) -> Result<Box<Instance>, PluginError> {
-        let idle = self.idle[shard()]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop();
+        let slot = &self.idle[shard()];
+        slot.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let idle = slot.lock().unwrap_or_else(|p| p.into_inner()).pop();
         match idle {
             Some(i) => Ok(i),
             None => self.instantiate(),

@@ -1859,13 +1859,14 @@ fn splice(public: hyper::upgrade::OnUpgrade, tunnel: hyper::upgrade::OnUpgrade, 
 fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
     let path = req.uri().path();
     // Both endpoints only read; HEAD is GET without the body.
-    if matches!(path, "/status" | "/metrics")
+    if matches!(path, "/" | "/status" | "/metrics")
         && !matches!(*req.method(), http::Method::GET | http::Method::HEAD)
     {
         return crate::admin::method_not_allowed(path, "GET, HEAD");
     }
     let runtimes = shared.registry.snapshot();
     match path {
+        "/" => crate::status_page::answer(),
         "/status" => crate::admin::json(
             StatusCode::OK,
             serde_json::json!({

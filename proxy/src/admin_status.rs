@@ -1,0 +1,171 @@
+//! The routing core's `/status` JSON: the configuration, its reloads,
+//! listeners, upstreams and their endpoints, plugins and their uses, and
+//! a tunnel client's tunnels (what the status page at `/` shows).
+
+use std::sync::Arc;
+
+use crate::admin::rfc3339;
+use crate::forward::UpstreamPool;
+use crate::reload::Reloader;
+
+/// The `/status` answer.
+pub fn status_json(reloader: &Reloader) -> serde_json::Value {
+    let s = reloader.status();
+    let control = reloader.control();
+    let pipeline = control.pipeline();
+    let config = pipeline.config();
+    let listeners: Vec<_> = control
+        .listeners()
+        .into_iter()
+        .map(|l| {
+            serde_json::json!({
+                "name": l.name,
+                "addr": l.addr.to_string(),
+                "connections": l.connections,
+                "max_connections": l.max_connections,
+                "tls": l.tls.as_ref().map(|(client_auth, certs)| serde_json::json!({
+                    "client_certificates": client_auth.as_str(),
+                    "certificates": certs.iter().map(|(cert, expiry)| serde_json::json!({
+                        "cert": cert.display().to_string(),
+                        "not_after": expiry,
+                    })).collect::<Vec<_>>(),
+                })),
+            })
+        })
+        .collect();
+    let mut status = serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "policies": reloader.dir().map_or_else(|| "built-in".to_owned(), |d| d.display().to_string()),
+        "ready": control.shared().is_ready(),
+        "draining": control.shared().is_draining(),
+        "config": {
+            "generation": s.generation,
+            "fingerprint": s.fingerprint,
+            "loaded_at": rfc3339(s.loaded_at),
+            "listeners": listeners,
+            "upstreams": config.upstreams.iter().map(|u| &*u.name).collect::<Vec<_>>(),
+            // What `dns: each_address` hosts resolved to: the pods seen.
+            "discovered_endpoints": config.upstreams.iter().filter(|u| u.dns != crate::config::Dns::Connect).map(|u| serde_json::json!({
+                "upstream": &*u.name,
+                "endpoints": match &u.target {
+                    crate::config::Target::Endpoints(eps) => eps.iter().map(ToString::to_string).collect(),
+                    crate::config::Target::Template(_) => Vec::new(),
+                },
+            })).collect::<Vec<_>>(),
+            "ejected_endpoints": pipeline.upstream_facts(|p| Some(p.ejected())).iter().flat_map(|(upstream, eps)| {
+                eps.iter().map(move |(endpoint, left)| serde_json::json!({
+                    "upstream": &**upstream,
+                    "endpoint": endpoint,
+                    "for_ms": left.as_millis() as u64,
+                }))
+            }).collect::<Vec<_>>(),
+            "upstream_requests": pipeline.upstream_facts(UpstreamPool::requests_in_flight).iter().map(|(upstream, (in_flight, max))| serde_json::json!({
+                "upstream": &**upstream,
+                "in_flight": in_flight,
+                "max_requests": max,
+            })).collect::<Vec<_>>(),
+            "unhealthy_endpoints": pipeline.upstream_facts(UpstreamPool::unhealthy).iter().flat_map(|(upstream, eps)| {
+                eps.iter().map(move |endpoint| serde_json::json!({
+                    "upstream": &**upstream,
+                    "endpoint": endpoint,
+                }))
+            }).collect::<Vec<_>>(),
+            "routes": config.routes.iter().map(|r| &*r.name).collect::<Vec<_>>(),
+            "rate_limits": config.routes.iter().filter_map(|r| {
+                let mut limit = r.rate_limit.as_ref()?.describe();
+                limit["route"] = serde_json::json!(&*r.name);
+                Some(limit)
+            }).collect::<Vec<_>>(),
+            "plugins": config.plugins.iter().map(|p| serde_json::json!({
+                "name": &*p.name,
+                "path": p.path.display().to_string(),
+                "sha256": hex::encode(p.sha256),
+                "failures": plugin_count(&p.name, "failures"),
+                "deadline_hits": plugin_count(&p.name, "deadline_hits"),
+            })).collect::<Vec<_>>(),
+            // Each use of a plugin: on a route, or the global chain.
+            "plugin_uses": plugin_uses(&pipeline),
+            // Each upstream's endpoints; a URL template's are made per request.
+            "upstream_endpoints": config.upstreams.iter().map(|u| serde_json::json!({
+                "upstream": &*u.name,
+                "endpoints": match &u.target {
+                    crate::config::Target::Endpoints(eps) => eps.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                    crate::config::Target::Template(_) => Vec::new(),
+                },
+                "template": matches!(u.target, crate::config::Target::Template(_)),
+            })).collect::<Vec<_>>(),
+        },
+        "reloads": {
+            "applied": s.applied,
+            "rejected": s.rejected,
+            "unchanged": s.unchanged,
+            "last_duration_ms": s.last_duration.map(|d| d.as_secs_f64() * 1e3),
+            "watched": s.watched.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        },
+        "files_match_active": !s.pending_error,
+        "last_error": s.last_error.as_ref().map(|f| serde_json::json!({
+            "at": rfc3339(f.at),
+            "trigger": f.trigger.as_str(),
+            "message": f.message,
+        })),
+    });
+    // A tunnel client's own tunnels, by slot.
+    if let Some(tunnels) = control.shared().tunnels() {
+        status["tunnels"] = tunnels
+            .iter()
+            .map(|t| {
+                serde_json::json!({
+                    "server": t.server,
+                    "slot": t.slot,
+                    "up": t.up,
+                    "transport": t.transport,
+                    "since": t.since.map(rfc3339),
+                    "last_ping_ms_ago": t.last_ping.map(|d| d.as_millis() as u64),
+                })
+            })
+            .collect::<Vec<_>>()
+            .into();
+    }
+    status
+}
+
+/// A plugin's count `name` of the counters the proxy keeps for it.
+fn plugin_count(plugin: &str, name: &str) -> u64 {
+    crate::plugin::counters()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .find(|((p, n), _)| &**p == plugin && n == name)
+        .map_or(0, |(_, v)| *v)
+}
+
+/// Each plugin use once: the global chain's bindings are in every
+/// route's chain.
+pub fn plugin_bindings(pipeline: &crate::pipeline::Pipeline) -> Vec<&Arc<crate::plugin::Binding>> {
+    let mut bindings: Vec<&Arc<crate::plugin::Binding>> = Vec::new();
+    for chain in &pipeline.chains().routes {
+        for b in chain.iter() {
+            if !bindings.iter().any(|seen| Arc::ptr_eq(seen, b)) {
+                bindings.push(b);
+            }
+        }
+    }
+    bindings
+}
+
+/// Each plugin use with its calls and memory.
+fn plugin_uses(pipeline: &crate::pipeline::Pipeline) -> Vec<serde_json::Value> {
+    plugin_bindings(pipeline)
+        .iter()
+        .map(|b| {
+            let (route, peak, cap) = b.memory_use();
+            serde_json::json!({
+                "plugin": &*b.plugin,
+                "route": route,
+                "calls": b.calls(),
+                "memory_peak_bytes": peak,
+                "memory_limit_bytes": cap,
+            })
+        })
+        .collect()
+}
