@@ -139,6 +139,70 @@ fn the_readmes_first_policy_checks_and_every_docs_page_is_linked() {
     assert!(pages >= 10, "{pages} pages");
 }
 
+/// Every link in the README and docs/ to a page, a heading of a page, or
+/// a file of the repository lands on one that exists.
+#[test]
+fn every_link_in_the_docs_lands() {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    // GitHub's anchor of a heading: lower case, spaces to dashes, other
+    // punctuation dropped.
+    let anchors = |page: &std::path::Path| -> Vec<String> {
+        std::fs::read_to_string(page)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with('#'))
+            .map(|l| {
+                l.trim_start_matches('#')
+                    .trim()
+                    .to_lowercase()
+                    .chars()
+                    .filter(|c| c.is_alphanumeric() || *c == '-' || *c == '_' || *c == ' ')
+                    .map(|c| if c == ' ' { '-' } else { c })
+                    .collect()
+            })
+            .collect()
+    };
+    let mut pages = vec![repo.join("README.md")];
+    for entry in std::fs::read_dir(repo.join("docs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "md") {
+            pages.push(path);
+        }
+    }
+    let mut links = 0;
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        let dir = page.parent().unwrap();
+        for (at, _) in text.match_indices("](") {
+            let target = &text[at + 2..];
+            let target = &target[..target.find(')').unwrap_or(0)];
+            if target.starts_with("http") || target.is_empty() || target.contains(' ') {
+                continue;
+            }
+            let (file, anchor) = target.split_once('#').unwrap_or((target, ""));
+            let file = if file.is_empty() {
+                page.clone()
+            } else {
+                dir.join(file)
+            };
+            assert!(
+                file.exists(),
+                "{}: link to {target}: no such file",
+                page.display()
+            );
+            if !anchor.is_empty() {
+                assert!(
+                    anchors(&file).iter().any(|a| a == anchor),
+                    "{}: link to {target}: no such heading",
+                    page.display()
+                );
+            }
+            links += 1;
+        }
+    }
+    assert!(links > 20, "{links} links");
+}
+
 /// Each command's `--help` ends with an example of itself.
 #[test]
 fn every_commands_help_shows_an_example() {
