@@ -191,13 +191,7 @@ fn unix_secs(t: SystemTime) -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// Escapes a Prometheus label value.
-pub fn label(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
+use crate::metrics::label;
 
 fn metrics(reloader: &Reloader) -> String {
     let s = reloader.status();

@@ -95,7 +95,13 @@ fn quoted(text: &str) -> String {
 
 /// Percent-encodes all but RFC 3986's unreserved characters.
 pub(crate) fn url_encode(s: &str) -> String {
-    crate::percent::encode(s, crate::percent::unreserved)
+    use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
+    const ESCAPED: &percent_encoding::AsciiSet = &NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    utf8_percent_encode(s, ESCAPED).to_string()
 }
 
 #[cfg(test)]

@@ -67,7 +67,9 @@ fn grpc_code(status: StatusCode) -> u16 {
 /// `grpc-message` is percent-encoded: bytes outside printable ASCII, and
 /// `%` itself.
 fn percent_encode(message: &str) -> String {
-    crate::percent::encode(message, |b| (0x20..=0x7e).contains(&b) && b != b'%')
+    // Controls and `%`; bytes past ASCII are always escaped.
+    const ESCAPED: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%');
+    percent_encoding::utf8_percent_encode(message, ESCAPED).to_string()
 }
 
 #[cfg(test)]

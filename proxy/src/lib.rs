@@ -32,7 +32,6 @@ pub mod linger;
 pub mod metrics;
 pub mod mirror;
 pub mod otlp;
-pub mod percent;
 pub mod pipeline;
 pub mod plugin;
 pub mod proxy_protocol;

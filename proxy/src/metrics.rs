@@ -394,8 +394,12 @@ fn seconds(us: u64) -> String {
     s.trim_end_matches('0').trim_end_matches('.').to_owned()
 }
 
-fn label(value: &str) -> String {
-    crate::admin::label(value)
+/// Escapes a Prometheus label value.
+pub fn label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 #[cfg(test)]

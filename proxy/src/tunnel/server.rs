@@ -1901,7 +1901,8 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
             }),
         ),
         "/metrics" => {
-            use crate::admin::{label, metric};
+            use crate::admin::metric;
+            use crate::metrics::label;
             let mut out = String::new();
             metric(
                 &mut out,
