@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::admin::rfc3339;
+use crate::admin_http::rfc3339;
 use crate::forward::UpstreamPool;
 use crate::reload::Reloader;
 

@@ -229,7 +229,7 @@ fn is_malformed(e: &hyper::Error) -> bool {
 }
 
 fn coarse_ms() -> u64 {
-    crate::forward::coarse_now().as_millis() as u64
+    crate::coarse_clock::coarse_now().as_millis() as u64
 }
 
 /// A body's error: hyper's, or the upstream reader's (boxed: errors are

@@ -13,6 +13,10 @@ use rustls::sign::CertifiedKey;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
+/// A certificate file and when the certificate in it expires (seconds
+/// since the epoch; `None` when it cannot be read).
+pub type CertExpiry = (std::path::PathBuf, Option<i64>);
+
 /// What the files looked like when last read.
 type Stamp = [(Option<SystemTime>, u64); 2];
 
@@ -138,7 +142,7 @@ pub struct ByServerName(pub Vec<CertFiles>);
 impl ByServerName {
     /// Each certificate file with its current certificate's expiry
     /// (seconds since the epoch; `None` if it cannot be read).
-    pub fn expiries(&self) -> Vec<crate::server::CertExpiry> {
+    pub fn expiries(&self) -> Vec<CertExpiry> {
         self.0
             .iter()
             .map(|files| {

@@ -13,10 +13,7 @@ use crate::server::{Drain, Server};
 
 /// Loads the policies from `dir`, or the built-in default set.
 pub fn load(dir: Option<&Path>) -> Result<Config, ConfigErrors> {
-    match dir {
-        Some(dir) => config::load_dir(dir),
-        None => config::load_sources(&config::default_sources(), &|n| std::env::var(n).ok()),
-    }
+    config::load_policies(dir)
 }
 
 /// Loads the policies and compiles and configures their plugins, as

@@ -19,7 +19,7 @@ use std::time::Duration;
 use hyper_util::server::graceful::GracefulConnection;
 use tokio::sync::Notify;
 
-use crate::forward::{coarse_now, millis};
+use crate::coarse_clock::{coarse_now, millis};
 
 /// A connection that can be asked to finish its requests and close:
 /// hyper-util's (sealed, so not implementable here) and

@@ -6,6 +6,7 @@
 //! [`config`] turns policy files into the immutable model all of them read.
 
 pub mod admin;
+pub mod admin_http;
 pub mod admin_status;
 pub mod auth_cache;
 pub mod auth_request;
@@ -18,6 +19,7 @@ pub mod cert_identity;
 pub mod chain;
 pub mod client_cert;
 pub mod client_watch;
+pub mod coarse_clock;
 pub mod commands;
 pub mod compress;
 pub mod config;

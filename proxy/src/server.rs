@@ -188,9 +188,7 @@ pub struct ListenerStatus {
     pub tls: Option<(crate::config::ClientAuthMode, Vec<CertExpiry>)>,
 }
 
-/// A certificate file and when the certificate in it expires (seconds
-/// since the epoch; `None` when it cannot be read).
-pub type CertExpiry = (std::path::PathBuf, Option<i64>);
+pub use crate::cert_files::CertExpiry;
 
 /// Which of the policies' listeners a server opens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

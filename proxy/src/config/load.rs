@@ -27,6 +27,15 @@ pub fn default_sources() -> Vec<Source> {
     }]
 }
 
+/// The policies of `dir`, or the built-in default policies without one,
+/// with `${ENV}` from the process environment.
+pub fn load_policies(dir: Option<&Path>) -> Result<Config, ConfigErrors> {
+    match dir {
+        Some(dir) => load_dir(dir),
+        None => load_sources(&default_sources(), &|n| std::env::var(n).ok()),
+    }
+}
+
 /// Reads every `*.yaml`/`*.yml` file of `dir` in name order and builds the
 /// configuration. Dot-files are skipped: a ConfigMap mount keeps its real
 /// files under `..data` and timestamped `..2026_…` directories, and shows

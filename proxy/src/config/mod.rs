@@ -24,8 +24,8 @@ use rustls_pki_types::CertificateDer;
 
 pub use build::{DEFAULT_KEEPALIVE_TIMEOUT, MAX_PLUGIN_MEMORY, upstream_at};
 pub use load::{
-    Source, default_sources, load_dir, load_dir_with_env, load_partial, load_sources, read_dir,
-    sort_errors,
+    Source, default_sources, load_dir, load_dir_with_env, load_partial, load_policies,
+    load_sources, read_dir, sort_errors,
 };
 pub use template::Template;
 pub use units::{parse_duration, parse_size};

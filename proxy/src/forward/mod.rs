@@ -29,7 +29,6 @@ pub use headers::{
 pub use tls::client_config as client_tls_config;
 
 use pool::{Conn, ConnPool, Dest, Lease};
-pub(crate) use pool::{coarse_now, millis};
 pub use retry::RetryCounts;
 
 use crate::body::{Body, BodyProgress};

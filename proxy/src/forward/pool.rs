@@ -14,6 +14,7 @@
 //! request that needs hyper (a body, an upgrade) turns a bare one into a
 //! hyper connection, which stays one.
 
+use crate::coarse_clock::{coarse_now, millis};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -135,12 +136,6 @@ impl Reuse {
     }
 }
 
-/// A duration in whole milliseconds (plain integer work, unlike
-/// `as_millis`'s 128 bits): deadlines on [`coarse_now`]'s clock.
-pub(crate) fn millis(d: Duration) -> u64 {
-    d.as_secs() * 1000 + u64::from(d.subsec_millis())
-}
-
 /// What is left of a connection's reuse: worked out when it is dialled,
 /// so the checks on every request are two integer compares.
 #[derive(Clone, Copy, Debug)]
@@ -175,24 +170,6 @@ impl Default for Worn {
             left: u32::MAX,
         }
     }
-}
-
-/// The coarse monotonic clock: a few milliseconds of resolution, plenty
-/// for idle timeouts of seconds, and read from the vDSO without the time
-/// stamp counter (~3 ns against ~25 for `Instant::now`, on every request's
-/// checkout and return of a connection). Through the C library, whose
-/// vDSO lookup tools such as valgrind support (rustix's own lookup faults
-/// under valgrind).
-pub(crate) fn coarse_now() -> Duration {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `t` is a valid timespec to write; this clock exists on every
-    // Linux since 2.6.32, and on failure `t` stays zero (no idle timeout
-    // then, never a fault).
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut t) };
-    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 /// The connections of one endpoint.

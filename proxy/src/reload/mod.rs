@@ -186,7 +186,7 @@ impl Reloader {
             Some(sources) if dir.is_none() => {
                 crate::config::load_sources(&sources, &|n| std::env::var(n).ok())
             }
-            _ => crate::commands::load(dir.as_deref()),
+            _ => crate::config::load_policies(dir.as_deref()),
         })
         .await
         .map_err(|e| format!("reading the policies crashed: {e}"))

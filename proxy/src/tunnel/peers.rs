@@ -306,7 +306,7 @@ impl Peers {
                 instance: p.seen.as_ref().map(|s| s.instance.clone()),
                 itself: p.seen.as_ref().is_some_and(|s| s.itself(self)),
                 runtimes: p.seen.as_ref().map_or(0, |s| s.runtimes.len()),
-                since: p.seen.as_ref().map(|s| crate::admin::rfc3339(s.since)),
+                since: p.seen.as_ref().map(|s| crate::admin_http::rfc3339(s.since)),
                 error: p.error.clone(),
                 forwarded: p.links.iter().map(|l| l.sent.load(Ordering::Relaxed)).sum(),
                 active_requests: p

@@ -580,7 +580,7 @@ impl TunnelServer {
     /// runtimes, `/metrics` has them as gauges.
     pub async fn serve_admin(&self, addr: SocketAddr) -> std::io::Result<SocketAddr> {
         let shared = self.shared.clone();
-        crate::admin::serve_with(
+        crate::admin_http::serve_with(
             addr,
             Arc::new(move |req| {
                 let shared = shared.clone();
@@ -1856,18 +1856,18 @@ fn splice(public: hyper::upgrade::OnUpgrade, tunnel: hyper::upgrade::OnUpgrade, 
     });
 }
 
-fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
+fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin_http::Answer {
     let path = req.uri().path();
     // Both endpoints only read; HEAD is GET without the body.
     if matches!(path, "/" | "/status" | "/metrics")
         && !matches!(*req.method(), http::Method::GET | http::Method::HEAD)
     {
-        return crate::admin::method_not_allowed(path, "GET, HEAD");
+        return crate::admin_http::method_not_allowed(path, "GET, HEAD");
     }
     let runtimes = shared.registry.snapshot();
     match path {
         "/" => crate::status_page::answer(),
-        "/status" => crate::admin::json(
+        "/status" => crate::admin_http::json(
             StatusCode::OK,
             serde_json::json!({
                 "version": env!("CARGO_PKG_VERSION"),
@@ -1888,12 +1888,12 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                 "runtimes": runtimes.iter().map(|r| serde_json::json!({
                     "id": r.id,
                     "connections": r.tunnels.len(),
-                    "connected_since": r.tunnels.iter().map(|t| t.since).min().map(crate::admin::rfc3339),
+                    "connected_since": r.tunnels.iter().map(|t| t.since).min().map(crate::admin_http::rfc3339),
                     "tunnels": r.tunnels.iter().map(|t| serde_json::json!({
                         "transport": t.transport,
                         "worker": t.worker,
                         "remote": t.remote.to_string(),
-                        "since": crate::admin::rfc3339(t.since),
+                        "since": crate::admin_http::rfc3339(t.since),
                         "rtt_ms": t.rtt.as_secs_f64() * 1e3,
                         "active_requests": t.active,
                     })).collect::<Vec<_>>(),
@@ -1901,7 +1901,7 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
             }),
         ),
         "/metrics" => {
-            use crate::admin::metric;
+            use crate::admin_http::metric;
             use crate::metrics::label;
             let mut out = String::new();
             metric(
@@ -1989,9 +1989,9 @@ fn admin(req: Request<Incoming>, shared: &Shared) -> crate::admin::Answer {
                 );
             }
             crate::metrics::render(&mut out);
-            crate::admin::prometheus(out)
+            crate::admin_http::prometheus(out)
         }
-        _ => crate::admin::json(
+        _ => crate::admin_http::json(
             StatusCode::NOT_FOUND,
             serde_json::json!({"error": "not found", "endpoints": ["GET /status", "GET /metrics"]}),
         ),
