@@ -9,6 +9,7 @@ mod check_cli;
 mod compression;
 mod default_routes;
 mod dns;
+mod docs;
 mod errors;
 mod health_check;
 mod lifecycle;
