@@ -9,6 +9,8 @@ use hyper::{Request, Response};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use crate::support::client::{self, body};
+use crate::support::configmap::ConfigMap;
+use crate::support::process::ProxyProcess;
 use crate::support::upstream::{self, Upstream};
 use crate::support::{Proxy, assert_check_errors, closed_port};
 
@@ -289,6 +291,72 @@ routes:
         assert_eq!(get("/uncached", "session=good").await.status, 200);
     }
     assert_eq!(asked(), 2);
+}
+
+/// A reload keeps a route's live state while the route states the feature
+/// as before: an edit elsewhere in the ConfigMap makes no session ask the
+/// auth service again and resets no mirror totals. A changed auth request
+/// starts its cache afresh.
+#[tokio::test]
+async fn a_reload_keeps_the_auth_cache_and_mirror_counts_of_unchanged_routes() {
+    let (auth, mut seen) = auth_service().await;
+    let app = upstream::echo("app").await;
+    let shadow = upstream::echo("shadow").await;
+    let policy = |other: &str, ttl: &str| {
+        format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: app, endpoints: ["{app}"] }}
+  - {{ name: auth, endpoints: ["{auth}"] }}
+  - {{ name: shadow, endpoints: ["{shadow}"] }}
+routes:
+  - {{ name: v, match: {{ path: /v }}, respond: {{ status: 200, body: "{other}" }} }}
+  - name: cached
+    match: {{ path: /cached }}
+    upstream: app
+    mirror: {{ upstream: shadow }}
+    auth_request: {{ upstream: auth, path: /oauth2/auth, cache: {{ ttl: {ttl} }} }}
+"#,
+            app = app.url(),
+            auth = auth.url(),
+            shadow = shadow.url(),
+        )
+    };
+    let mut map = ConfigMap::new(&[("routing.yaml", policy("one", "60s").as_bytes())]);
+    let proxy = ProxyProcess::start_on(map.path(), &[]).await;
+    let http = client::http1();
+    let get = || {
+        let req = Request::get(proxy.url("/cached")).header("cookie", "session=good");
+        client::send(&http, req.body(body(Bytes::new())).unwrap())
+    };
+    let mut asked = || std::iter::from_fn(|| seen.try_recv().ok()).count();
+    let mirrored = |n: u32| {
+        vec![format!(
+            r#"portcullis_route_mirrored_total{{route="cached",outcome="sent"}} {n}"#
+        )]
+    };
+    let reload = |generation: u64| {
+        proxy.wait_status("the reload applied", move |s| {
+            s["config"]["generation"] == generation
+        })
+    };
+
+    assert_eq!(get().await.status, 200);
+    assert_eq!(asked(), 1);
+    proxy.metrics_showing(&mirrored(1)).await;
+
+    map.update(&[("routing.yaml", policy("two", "60s").as_bytes())]);
+    reload(2).await;
+    assert_eq!(get().await.status, 200);
+    assert_eq!(asked(), 0, "the reload emptied an unchanged auth cache");
+    proxy.metrics_showing(&mirrored(2)).await;
+
+    map.update(&[("routing.yaml", policy("three", "30s").as_bytes())]);
+    reload(3).await;
+    assert_eq!(get().await.status, 200);
+    assert_eq!(asked(), 1, "a changed auth request kept the old answers");
+    proxy.metrics_showing(&mirrored(3)).await;
 }
 
 #[test]

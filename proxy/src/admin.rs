@@ -257,11 +257,9 @@ fn metrics(reloader: &Reloader) -> String {
             ]
         })
         .collect();
-    let mirrored: Vec<_> = pipeline
-        .config()
-        .routes
-        .iter()
-        .filter_map(|r| Some((label(&r.name), r.mirror.as_ref()?.totals())))
+    let mirrored: Vec<_> = (pipeline.config().routes.iter())
+        .zip(pipeline.route_states())
+        .filter_map(|(r, state)| Some((label(&r.name), state.mirror.as_ref()?.totals())))
         .flat_map(|(route, totals)| {
             totals.map(|(outcome, n)| {
                 (

@@ -72,7 +72,7 @@ pub fn status_json(reloader: &Reloader) -> serde_json::Value {
             }).collect::<Vec<_>>(),
             "routes": config.routes.iter().map(|r| &*r.name).collect::<Vec<_>>(),
             "rate_limits": config.routes.iter().filter_map(|r| {
-                let mut limit = r.rate_limit.as_ref()?.describe();
+                let mut limit = crate::rate_limit::describe(r.rate_limit.as_ref()?);
                 limit["route"] = serde_json::json!(&*r.name);
                 Some(limit)
             }).collect::<Vec<_>>(),

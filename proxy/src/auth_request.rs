@@ -24,6 +24,7 @@ use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Response, StatusCode};
 use http_body_util::BodyExt;
 
+use crate::auth_cache::AuthCache;
 use crate::body::Body;
 use crate::config::{AuthRequest, Route};
 use crate::forward::{self, Outgoing, UpstreamPool};
@@ -46,7 +47,7 @@ pub struct Asked<'a> {
 /// answer's `copy_headers` set on `headers`; `Err` is the client's
 /// answer.
 pub async fn check(
-    auth: &AuthRequest,
+    (auth, cache): (&AuthRequest, Option<&AuthCache>),
     pool: &UpstreamPool,
     asked: Asked<'_>,
     headers: &mut HeaderMap,
@@ -62,10 +63,7 @@ pub async fn check(
         headers.remove(name);
     }
     // A session allowed a moment ago is let through as it was then.
-    let cached = auth
-        .cache
-        .as_ref()
-        .and_then(|cache| Some((cache, cache.key_of(headers, asked.uri)?)));
+    let cached = cache.and_then(|cache| Some((cache, cache.key_of(headers, asked.uri)?)));
     if let Some((cache, key)) = cached
         && let Some(copied) = cache.get(key)
     {

@@ -21,73 +21,11 @@ use http::{Response, StatusCode};
 use http_body::{Body as _, Frame};
 
 use crate::body::{Body, BodyError};
+pub use crate::config::{Compression, DEFAULT_BROTLI};
 
-/// A route's compression settings.
-#[derive(Debug, Clone)]
-pub struct Compression {
-    /// Media types compressed: `type/subtype` exactly, or `type/*`.
-    pub types: Vec<String>,
-    /// Responses declaring a shorter `Content-Length` are sent as they are.
-    pub min_size: u64,
-    /// gzip level, 1 (fastest) to 9 (smallest).
-    pub level: u32,
-    /// brotli quality, 0 (fastest) to 11 (smallest); `None`: gzip only.
-    pub brotli: Option<u32>,
-}
-
-/// Compressed unless a route lists its own: text and the structured
-/// formats an API answers with (any `+json` or `+xml` type too). Not
-/// `text/event-stream`: an event stream is flushed event by event anyway,
-/// and some clients and proxies in between handle it compressed badly.
-pub const DEFAULT_TYPES: &[&str] = &[
-    "text/html",
-    "text/plain",
-    "text/css",
-    "text/csv",
-    "text/xml",
-    "text/javascript",
-    "text/markdown",
-    "application/javascript",
-    "application/json",
-    "application/x-ndjson",
-    "application/xml",
-    "application/wasm",
-    "image/svg+xml",
-];
-
-/// Below this, compressing saves little and costs a compressor's set-up.
-pub const DEFAULT_MIN_SIZE: u64 = 1024;
-/// nginx's default: on a 64 KiB workflow list (`bench/compress.sh`)
-/// level 1 compressed 12.7x at 665 MB/s per core, level 5 15.4x at 225.
-pub const DEFAULT_LEVEL: u32 = 1;
-/// On the same workflow list, quality 2 compressed 22.9x at 362 MB/s
-/// per core (gzip level 1 12.7x at 672 in that run); quality 4 did no
-/// better (21.6x) at 156 MB/s.
-pub const DEFAULT_BROTLI: u32 = 2;
 /// brotli's window: 256 KiB, not its 4 MiB default, which it would
 /// allocate per response in flight.
 const BROTLI_WINDOW_BITS: u32 = 18;
-
-impl Compression {
-    /// Whether responses of this `Content-Type` are compressed.
-    fn covers(&self, content_type: &HeaderValue) -> bool {
-        let Ok(value) = content_type.to_str() else {
-            return false;
-        };
-        let media = value.split(';').next().unwrap_or("").trim();
-        let media = media.to_ascii_lowercase();
-        let Some((kind, sub)) = media.split_once('/') else {
-            return false;
-        };
-        if sub.ends_with("+json") || sub.ends_with("+xml") {
-            return true;
-        }
-        self.types.iter().any(|t| match t.strip_suffix("/*") {
-            Some(prefix) => prefix == kind,
-            None => *t == media,
-        })
-    }
-}
 
 /// A content coding the proxy compresses with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -346,6 +284,7 @@ fn finish(encoder: &mut Option<Encoder>) -> Result<Frame<Bytes>, BodyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{DEFAULT_LEVEL, DEFAULT_MIN_SIZE, DEFAULT_TYPES};
 
     fn headers(accept: &[&str]) -> HeaderMap {
         let mut h = HeaderMap::new();

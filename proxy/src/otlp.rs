@@ -12,17 +12,18 @@
 
 use std::cell::RefCell;
 use std::fmt::Write as _;
+use std::future::Future;
 use std::net::IpAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::PathAndQuery;
-use http::{Method, Version};
+use http::{StatusCode, Version};
 
-use crate::body::Body;
-use crate::forward::{Outgoing, UpstreamPool};
+use crate::config::Tracing;
 use crate::telemetry::AccessLog;
 use crate::trace_context::TraceContext;
 
@@ -35,33 +36,19 @@ const MAX_EXPORTS: usize = 4;
 /// How long a worker that stops waits for its last spans to go out.
 const LAST_EXPORT_WAIT: Duration = Duration::from_secs(2);
 
-/// The policies' `tracing`: where spans go and which requests make one.
-#[derive(Debug)]
-pub struct Tracing {
-    /// The collector, an upstream by index.
-    pub upstream: usize,
-    /// Where on it: `/v1/traces` unless told.
-    pub path: PathAndQuery,
-    /// New traces are sampled when a 64-bit random draw falls below this
-    /// (`1 << 64`: all of them).
-    pub threshold: u128,
-    /// The spans' `service.name`.
-    pub service_name: Arc<str>,
-    /// The longest a span waits in its batch.
-    pub flush_every: Duration,
-    /// Whether a request's own `traceparent` is joined (ingress-nginx's
-    /// `opentelemetry-trust-incoming-span`); when not, every request
-    /// starts a trace.
-    pub trust_incoming: bool,
-}
-
-impl Tracing {
-    /// The `threshold` of a sample share in percent (0 to 100; the caller
-    /// checks the range).
-    pub fn threshold_of(percent: f64) -> u128 {
-        // Out of 2^64, which 100% reaches: every draw falls below it.
-        (percent / 100.0 * 2f64.powi(64)) as u128
-    }
+/// Where span batches go: the collector, an upstream reached through the
+/// proxy's forwarding ([`crate::collector`]), which recording spans does
+/// not depend on.
+pub trait Collector: Send + Sync {
+    /// Posts one export (OTLP JSON) to `path`: the collector's status, or
+    /// why it could not be asked.
+    fn post(
+        &self,
+        path: PathAndQuery,
+        body: String,
+    ) -> Pin<Box<dyn Future<Output = Result<StatusCode, String>> + Send + '_>>;
+    /// Its name, for logs.
+    fn name(&self) -> &str;
 }
 
 /// The spans total as `/metrics` lines, for a server that traces.
@@ -91,7 +78,7 @@ impl std::fmt::Debug for Recording {
 
 struct Span {
     start_unix_nanos: u64,
-    pool: Arc<UpstreamPool>,
+    collector: Arc<dyn Collector>,
     tracing: Arc<Tracing>,
     host: Option<HeaderValue>,
     /// The client: the socket's peer, or behind a trusted proxy the last
@@ -116,10 +103,10 @@ pub struct Arrival {
 
 impl Recording {
     /// Joins or starts the request's trace (setting the `traceparent` the
-    /// upstream gets); `pool` is the collector's, on this worker.
-    pub fn begin(
+    /// upstream gets); `collector` is where its span goes, on this worker.
+    pub fn begin<C: Collector + 'static>(
         tracing: &Arc<Tracing>,
-        pool: &Arc<UpstreamPool>,
+        collector: &Arc<C>,
         headers: &mut HeaderMap,
         (authority, version): (Option<&http::uri::Authority>, Version),
         from: Arrival,
@@ -128,14 +115,14 @@ impl Recording {
             crate::trace_context::join(headers, tracing.threshold, from.trust_traceparent);
         let span = context.sampled.then(|| Span {
             start_unix_nanos: unix_nanos(SystemTime::now()),
-            pool: pool.clone(),
+            collector: collector.clone(),
             tracing: tracing.clone(),
             // HTTP/2 clients send the host as :authority, HTTP/1 as Host.
             host: match authority {
                 Some(a) => HeaderValue::from_str(a.host()).ok(),
                 None => headers.get(header::HOST).cloned(),
             },
-            client: crate::rate_limit::client_of(from.peer, from.trust_forwarded, headers),
+            client: crate::forward::client_of(from.peer, from.trust_forwarded, headers),
             https: from.https,
             version,
         });
@@ -199,9 +186,9 @@ thread_local! {
 struct Batch {
     export: String,
     count: usize,
-    /// Where they go: the collector's pool and the settings of the config
+    /// Where they go: the collector and the settings of the config
     /// that made them (a reload's spans start a batch of their own).
-    sink: Option<(Arc<UpstreamPool>, Arc<Tracing>)>,
+    sink: Option<(Arc<dyn Collector>, Arc<Tracing>)>,
     timer: bool,
 }
 
@@ -222,7 +209,7 @@ impl Batch {
         encode_span(&mut self.export, context, &span, log, end);
         self.count += 1;
         let every = span.tracing.flush_every;
-        self.sink = Some((span.pool, span.tracing));
+        self.sink = Some((span.collector, span.tracing));
         if self.count >= MAX_BATCH {
             self.flush();
         } else if !self.timer {
@@ -248,7 +235,7 @@ impl Batch {
         // The next batch is likely as long: one allocation, no growing.
         let next = String::with_capacity(self.export.capacity());
         let mut export = std::mem::replace(&mut self.export, next);
-        let Some((pool, tracing)) = self.sink.clone().filter(|_| count > 0) else {
+        let Some((collector, tracing)) = self.sink.clone().filter(|_| count > 0) else {
             return;
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -261,7 +248,7 @@ impl Batch {
             return;
         }
         export.push_str(ENVELOPE_TAIL);
-        runtime.spawn(send(pool, tracing.path.clone(), export, count));
+        runtime.spawn(send(collector, tracing.path.clone(), export, count));
     }
 }
 
@@ -283,20 +270,8 @@ pub async fn flush_and_wait() {
     .await;
 }
 
-async fn send(pool: Arc<UpstreamPool>, path: PathAndQuery, body: String, count: usize) {
-    let mut headers = HeaderMap::new();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    let out = Outgoing {
-        method: Method::POST,
-        path,
-        headers,
-        body: Body::full(body),
-        affinity: None,
-    };
-    let failure = match pool.side_request(out).await {
+async fn send(collector: Arc<dyn Collector>, path: PathAndQuery, body: String, count: usize) {
+    let failure = match collector.post(path, body).await {
         Ok(status) if status.is_success() => None,
         Ok(status) => Some(format!("the collector answered {status}")),
         Err(e) => Some(e),
@@ -305,13 +280,16 @@ async fn send(pool: Arc<UpstreamPool>, path: PathAndQuery, body: String, count: 
         None => {
             EXPORTED.fetch_add(count as u64, Ordering::Relaxed);
             if FAILING.swap(false, Ordering::Relaxed) {
-                tracing::info!(upstream = %pool.spec.name, "spans reach the collector again");
+                tracing::info!(
+                    upstream = collector.name(),
+                    "spans reach the collector again"
+                );
             }
         }
         Some(error) => {
             FAILED.fetch_add(count as u64, Ordering::Relaxed);
             if !FAILING.swap(true, Ordering::Relaxed) {
-                tracing::warn!(upstream = %pool.spec.name, %error, spans = count, "spans not exported; further failures are only counted (portcullis_trace_spans_total) until one succeeds");
+                tracing::warn!(upstream = collector.name(), %error, spans = count, "spans not exported; further failures are only counted (portcullis_trace_spans_total) until one succeeds");
             }
         }
     }

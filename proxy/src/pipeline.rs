@@ -22,6 +22,7 @@ use crate::client_watch::ClientSocket;
 use crate::config::{Action, Config, Cors, Listener, PathRewrite, Probe, Route, Upstream};
 use crate::forward::{self, ForwardError, Outgoing, UpstreamPool};
 use crate::request_id::RequestIds;
+use crate::route_state::{self, RouteState};
 use crate::telemetry::AccessLog;
 use crate::{chain, metrics, plugin, request_head};
 
@@ -175,6 +176,8 @@ pub struct Pipeline {
     upstreams: Vec<Vec<Arc<UpstreamPool>>>,
     /// Each route's request metrics, by route index.
     stats: Vec<&'static metrics::RouteStats>,
+    /// Each route's rate limit, mirror and auth cache, by route index.
+    route_states: Vec<RouteState>,
     shared: Arc<Shared>,
 }
 
@@ -205,7 +208,7 @@ fn take_rate(
         LimitKey::Header(name) => Some(headers.get(name).map_or(&[][..], |v| v.as_bytes())),
         LimitKey::Client => {
             let trust = conn.listener.trust_forwarded_headers;
-            let client = crate::rate_limit::client_of(conn.client.ip(), trust, headers);
+            let client = crate::forward::client_of(conn.client.ip(), trust, headers);
             Some(crate::rate_limit::ip_key(client, &mut buf))
         }
     };
@@ -471,11 +474,14 @@ impl Pipeline {
             .iter()
             .map(|r| metrics::route(&r.name))
             .collect();
+        let route_states =
+            route_state::build(&config, previous.map(|p| (&*p.config, &p.route_states[..])));
         Pipeline {
             config,
             chains,
             upstreams,
             stats,
+            route_states,
             shared,
         }
     }
@@ -483,6 +489,11 @@ impl Pipeline {
     /// The config this pipeline serves.
     pub fn config(&self) -> &Arc<Config> {
         &self.config
+    }
+
+    /// Each route's live state, by route index.
+    pub fn route_states(&self) -> &[RouteState] {
+        &self.route_states
     }
 
     /// The routes' plugin chains.
@@ -658,7 +669,8 @@ impl Pipeline {
         *stats = self.stats[found.route];
         // Before the plugins: a request over the limit costs no plugin
         // call. Health probes are never limited (a route without a limit).
-        if let Some(limit) = &route.rate_limit
+        let state = &self.route_states[found.route];
+        if let Some(limit) = &state.rate_limit
             && let Err(wait) = take_rate(limit, conn, &parts.headers)
         {
             return (
@@ -692,7 +704,7 @@ impl Pipeline {
             let context = (conn, &**route, origin.as_ref());
             // Boxed: only routes with an auth request pay for its future.
             let checked = Box::pin(crate::auth_request::check(
-                auth,
+                (auth, state.auth_cache.as_deref()),
                 pool,
                 asked,
                 &mut parts.headers,
@@ -847,7 +859,7 @@ impl Pipeline {
                 }
                 let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
                 // A share of the route's requests goes to its mirror too.
-                let body = match &route.mirror {
+                let body = match &state.mirror {
                     Some(mirror) if mirror.takes() => {
                         let to = self.upstreams[conn.worker % self.upstreams.len()]
                             [mirror.upstream]

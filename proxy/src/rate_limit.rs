@@ -17,24 +17,11 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::config::Route;
+pub use crate::config::LimitKey;
+use crate::config::RateLimitSpec;
 
 /// Shards of a keyed limit's table.
 const SHARDS: usize = 16;
-
-/// What a request is counted by.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LimitKey {
-    /// The client's address: the connection's (or its PROXY header's),
-    /// or on a listener that trusts forwarded headers, the last
-    /// `X-Forwarded-For` entry, the address the proxy in front saw.
-    Client,
-    /// A request header's value (`X-Real-IP`, an API key); requests
-    /// without it share one allowance.
-    Header(http::HeaderName),
-    /// All of the route's requests together.
-    Route,
-}
 
 /// A route's limit and the state of its keys.
 pub struct RateLimit {
@@ -103,6 +90,18 @@ impl std::fmt::Debug for RateLimit {
 pub const MAX_KEYS: usize = 100_000;
 
 impl RateLimit {
+    /// A fresh limit as a route's policy states it.
+    pub fn from_spec(spec: &RateLimitSpec) -> Self {
+        let key = spec.key.clone();
+        RateLimit::new(
+            spec.count,
+            spec.period,
+            spec.burst,
+            key,
+            spec.described.clone(),
+        )
+    }
+
     /// `count` requests per `period`, `burst` more at once, per `key`.
     pub fn new(count: u32, period: Duration, burst: u32, key: LimitKey, described: String) -> Self {
         let interval = (period.as_nanos() / u128::from(count.max(1))).max(1) as u64;
@@ -160,25 +159,6 @@ impl RateLimit {
         }
     }
 
-    /// The limit as `/status` shows it: rate, burst and key as written.
-    pub fn describe(&self) -> serde_json::Value {
-        let key = match &self.key {
-            LimitKey::Client => "client".to_owned(),
-            LimitKey::Route => "route".to_owned(),
-            LimitKey::Header(name) => format!("header:{name}"),
-        };
-        serde_json::json!({
-            "rate": self.described,
-            "burst": self.tolerance / self.interval,
-            "key": key,
-        })
-    }
-
-    /// Whether `other` limits the same way (its counts may carry over).
-    fn same_limit(&self, other: &RateLimit) -> bool {
-        (self.interval, self.tolerance, &self.key) == (other.interval, other.tolerance, &other.key)
-    }
-
     /// The next due time after taking a request at `now` from a key due
     /// at `due`, or the wait when it may not take one.
     fn next_due(&self, due: u64, now: u64) -> Result<u64, Duration> {
@@ -190,27 +170,18 @@ impl RateLimit {
     }
 }
 
-/// Hands each limited route of `routes` the counts of `previous`'s route
-/// of the same name, when its limit is the same: a reload (a ConfigMap
-/// edit elsewhere) must not give every limited client a fresh burst, as
-/// nginx keeps its zones over a reload. A changed limit starts afresh.
-pub fn keep_counts(routes: &mut [std::sync::Arc<Route>], previous: &[std::sync::Arc<Route>]) {
-    for route in routes {
-        let Some(r) = std::sync::Arc::get_mut(route) else {
-            continue;
-        };
-        let Some(limit) = &r.rate_limit else {
-            continue;
-        };
-        let old = previous
-            .iter()
-            .find(|o| o.name == r.name)
-            .and_then(|o| o.rate_limit.as_ref())
-            .filter(|old| old.same_limit(limit));
-        if let Some(old) = old {
-            r.rate_limit = Some(old.clone());
-        }
-    }
+/// A route's limit as `/status` shows it: rate, burst and key as written.
+pub fn describe(spec: &RateLimitSpec) -> serde_json::Value {
+    let key = match &spec.key {
+        LimitKey::Client => "client".to_owned(),
+        LimitKey::Route => "route".to_owned(),
+        LimitKey::Header(name) => format!("header:{name}"),
+    };
+    serde_json::json!({
+        "rate": spec.described,
+        "burst": spec.burst,
+        "key": key,
+    })
 }
 
 /// Makes room in a full shard. Keys whose due time has passed are back
@@ -228,17 +199,6 @@ fn forget(keys: &mut Keys, now: u64, room: usize) {
     let (_, threshold, _) = dues.select_nth_unstable(size / 8);
     let threshold = *threshold;
     keys.retain(|_, due| *due > threshold);
-}
-
-/// The client a request is counted as: the connection's address
-/// (`peer`, or its PROXY header's), or behind a proxy that is trusted
-/// (`trust_forwarded`), the last `X-Forwarded-For` entry, the one that
-/// proxy appended. Earlier entries are the client's to make up.
-pub fn client_of(peer: IpAddr, trust_forwarded: bool, headers: &http::HeaderMap) -> IpAddr {
-    trust_forwarded
-        .then(|| crate::forward::last_forwarded_for(headers))
-        .flatten()
-        .unwrap_or(peer)
 }
 
 /// Sets `Retry-After` to `wait` in whole seconds, rounded up (at least 1).
@@ -262,23 +222,6 @@ pub fn ip_key(ip: IpAddr, buf: &mut [u8; 16]) -> &[u8] {
             &buf[..]
         }
     }
-}
-
-/// Parses a rate: `COUNT/s`, `/m` or `/h` (`10/s`, `600/m`).
-pub fn parse_rate(s: &str) -> Result<(u32, Duration), String> {
-    let bad = || format!("rate `{s}`: expected COUNT/s, COUNT/m or COUNT/h, such as `10/s`");
-    let (count, unit) = s.trim().split_once('/').ok_or_else(bad)?;
-    let count: u32 = count.trim().parse().map_err(|_| bad())?;
-    if count == 0 {
-        return Err(format!("rate `{s}`: the count must be at least 1"));
-    }
-    let period = match unit.trim() {
-        "s" => Duration::from_secs(1),
-        "m" => Duration::from_secs(60),
-        "h" => Duration::from_secs(3600),
-        _ => return Err(bad()),
-    };
-    Ok((count, period))
 }
 
 #[cfg(test)]
@@ -356,19 +299,5 @@ mod tests {
         // still limited.
         assert!(keyed.take(Some(&0u32.to_be_bytes())).is_ok());
         assert!(keyed.take(Some(&(keys - 1).to_be_bytes())).is_err());
-    }
-
-    #[test]
-    fn rates_parse_with_their_unit() {
-        assert_eq!(parse_rate("10/s").unwrap(), (10, Duration::from_secs(1)));
-        assert_eq!(
-            parse_rate(" 600 / m ").unwrap(),
-            (600, Duration::from_secs(60))
-        );
-        assert_eq!(parse_rate("1/h").unwrap(), (1, Duration::from_secs(3600)));
-        assert!(parse_rate("10").unwrap_err().contains("COUNT/s"));
-        assert!(parse_rate("10/d").is_err());
-        assert!(parse_rate("0/s").unwrap_err().contains("at least 1"));
-        assert!(parse_rate("-1/s").is_err());
     }
 }

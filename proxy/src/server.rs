@@ -438,9 +438,8 @@ impl Control {
                 fresh.push((spec.clone(), addr, sockets));
             }
         }
-        let mut config = self.addresses.expand(config);
+        let config = self.addresses.expand(config);
         let previous = self.pipeline.load_full();
-        crate::rate_limit::keep_counts(&mut config.routes, &previous.config().routes);
         let config = Arc::new(config);
         self.pipeline.store(Arc::new(Pipeline::new(
             config.clone(),

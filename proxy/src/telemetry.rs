@@ -33,8 +33,7 @@ pub fn init() {
     };
 }
 
-/// The target of access-log lines; `RUST_LOG=access=off` silences them.
-pub const ACCESS_TARGET: &str = "access";
+pub use crate::unparsed_head::ACCESS_TARGET;
 
 /// One request's access-log record, written when dropped (that is, when the
 /// response body has been sent, or the client went away).

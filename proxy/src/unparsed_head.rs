@@ -52,6 +52,10 @@ fn message(status: StatusCode) -> &'static str {
     }
 }
 
+/// The target of access-log lines (these and [`crate::telemetry`]'s);
+/// `RUST_LOG=access=off` silences them.
+pub const ACCESS_TARGET: &str = "access";
+
 /// Writes the access line of a connection whose head hyper refused:
 /// `status` the answer's (0 when none was seen), `error` hyper's reason
 /// ("invalid HTTP header parsed", "message head is too large", ...).
@@ -62,7 +66,7 @@ pub fn log(listener: &str, client: SocketAddr, worker: usize, status: u16, error
         s => s,
     };
     tracing::info!(
-        target: crate::telemetry::ACCESS_TARGET,
+        target: ACCESS_TARGET,
         method = "-",
         path = "-",
         status,

@@ -20,17 +20,17 @@ use super::raw::{
     RawListener, RawListenerTls, RawMirror, RawPlugin, RawPluginUse, RawRateLimit, RawRoute,
     RawTracing, RawUpstream, Text, TextMap,
 };
+use super::router::{HostMatch, Router};
 use super::template::Template;
 use super::units::{parse_duration, parse_size};
 use super::{
-    AccessLogging, Action, AuthRequest, Balance, ClientAuthMode, Config, ConfigError, Cors, Dns,
-    Endpoint, FailMode, HashOn, HeaderEdits, HealthCheck, Listener, ListenerTls, LocalResponse,
-    PathRewrite, PluginModule, PluginUse, Pos, Probe, Redirect, RetryBudget, Route, Target,
-    Timeouts, TlsSettings, Upstream,
+    AccessLogging, Action, AuthCacheSpec, AuthRequest, Balance, ClientAuthMode, Compression,
+    Config, ConfigError, Cors, Dns, Endpoint, FailMode, HashOn, HeaderEdits, HealthCheck, LimitKey,
+    Listener, ListenerTls, LocalResponse, MirrorSpec, PathRewrite, PluginModule, PluginUse, Pos,
+    Probe, RateLimitSpec, Redirect, RetryBudget, Route, Target, Timeouts, TlsSettings, Tracing,
+    Upstream,
 };
-use crate::compress::Compression;
 use crate::request_id::RequestIds;
-use crate::router::{HostMatch, Router};
 
 const DEFAULT_MAX_CONNECTIONS: usize = 16_384;
 const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -1272,7 +1272,7 @@ fn auth_request(
     let timeout = ctx.duration(&a.timeout, DEFAULT_AUTH_TIMEOUT);
     let cache = match &a.cache {
         None => Some(None),
-        Some(c) => auth_cache(ctx, &c.value).map(|c| Some(Arc::new(c))),
+        Some(c) => auth_cache(ctx, &c.value).map(Some),
     };
     Some(Box::new(AuthRequest {
         upstream: upstream?,
@@ -1325,7 +1325,7 @@ fn mirror(
     raw: &Spanned<RawMirror>,
     upstream_index: &HashMap<String, Option<usize>>,
     upstreams: &[Arc<Upstream>],
-) -> Option<Arc<crate::mirror::Mirror>> {
+) -> Option<MirrorSpec> {
     let m = &raw.value;
     let upstream = fixed_upstream(ctx, &m.upstream, upstream_index, upstreams, "mirror");
     let percent = ctx.parse_or(&m.percent, 100, |s| {
@@ -1336,7 +1336,10 @@ fn mirror(
             .filter(|n| (1..=100).contains(n))
             .ok_or_else(|| format!("mirror percent `{s}` is not a share from 1 to 100"))
     });
-    Some(Arc::new(crate::mirror::Mirror::new(upstream?, percent)))
+    Some(MirrorSpec {
+        upstream: upstream?,
+        percent,
+    })
 }
 
 fn tracing_settings(
@@ -1344,7 +1347,7 @@ fn tracing_settings(
     raw: &Spanned<RawTracing>,
     upstream_index: &HashMap<String, Option<usize>>,
     upstreams: &[Arc<Upstream>],
-) -> Option<Arc<crate::otlp::Tracing>> {
+) -> Option<Arc<Tracing>> {
     let t = &raw.value;
     if !ctx.switch(&t.enabled)? {
         return None;
@@ -1364,7 +1367,7 @@ fn tracing_settings(
             .ok()
             .filter(|p| (0.0..=100.0).contains(p))
             .ok_or_else(|| format!("sample_percent `{s}` is not a share from 0 to 100"))?;
-        Ok(crate::otlp::Tracing::threshold_of(percent))
+        Ok(Tracing::threshold_of(percent))
     });
     let service_name = ctx.parse_or(&t.service_name, Arc::from("portcullis"), |s| {
         if s.is_empty() {
@@ -1382,7 +1385,7 @@ fn tracing_settings(
         },
     );
     let trust_incoming = ctx.flag(&t.trust_incoming, true);
-    Some(Arc::new(crate::otlp::Tracing {
+    Some(Arc::new(Tracing {
         upstream: upstream?,
         path,
         threshold,
@@ -1392,7 +1395,7 @@ fn tracing_settings(
     }))
 }
 
-fn auth_cache(ctx: &mut Ctx, c: &RawAuthCache) -> Option<crate::auth_cache::AuthCache> {
+fn auth_cache(ctx: &mut Ctx, c: &RawAuthCache) -> Option<AuthCacheSpec> {
     let ttl = ctx.parse(&c.ttl, |s| match parse_duration(s)? {
         d if d.is_zero() => Err("auth_request cache ttl 0s: leave `cache` out instead".into()),
         d => Ok(d),
@@ -1402,7 +1405,11 @@ fn auth_cache(ctx: &mut Ctx, c: &RawAuthCache) -> Option<crate::auth_cache::Auth
         Some(names) => header_names(ctx, names, "cache key ")?,
     };
     let per_uri = ctx.flag(&c.per_uri, false);
-    Some(crate::auth_cache::AuthCache::new(ttl?, key, per_uri))
+    Some(AuthCacheSpec {
+        ttl: ttl?,
+        key,
+        per_uri,
+    })
 }
 
 fn route(
@@ -1694,11 +1701,8 @@ fn route(
     ))
 }
 
-fn rate_limit(
-    ctx: &mut Ctx,
-    raw: &Spanned<RawRateLimit>,
-) -> Option<Arc<crate::rate_limit::RateLimit>> {
-    use crate::rate_limit::{LimitKey, RateLimit, parse_rate};
+fn rate_limit(ctx: &mut Ctx, raw: &Spanned<RawRateLimit>) -> Option<RateLimitSpec> {
+    use super::units::parse_rate;
     let l = &raw.value;
     let rate = ctx.parse(&l.rate, parse_rate);
     let burst = match &l.burst {
@@ -1725,13 +1729,17 @@ fn rate_limit(
     };
     let ((count, period), burst, key) = (rate?, burst?, key?);
     let described = ctx.text(&l.rate)?.trim().to_owned();
-    Some(Arc::new(RateLimit::new(
-        count, period, burst, key, described,
-    )))
+    Some(RateLimitSpec {
+        count,
+        period,
+        burst,
+        key,
+        described,
+    })
 }
 
 fn compression(ctx: &mut Ctx, raw: &Spanned<RawCompress>) -> Option<Compression> {
-    use crate::compress::{DEFAULT_BROTLI, DEFAULT_LEVEL, DEFAULT_MIN_SIZE, DEFAULT_TYPES};
+    use super::{DEFAULT_BROTLI, DEFAULT_LEVEL, DEFAULT_MIN_SIZE, DEFAULT_TYPES};
     let settings = match &raw.value {
         RawCompress::Flag(flag) => {
             let flag = Spanned::new(flag.clone(), raw.referenced, raw.defined);

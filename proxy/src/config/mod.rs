@@ -7,8 +7,10 @@
 
 mod build;
 pub mod envsubst;
+mod features;
 mod load;
 mod raw;
+pub mod router;
 pub mod template;
 mod units;
 
@@ -23,14 +25,18 @@ use http::{HeaderName, HeaderValue, Method, StatusCode};
 use rustls_pki_types::CertificateDer;
 
 pub use build::{DEFAULT_KEEPALIVE_TIMEOUT, MAX_PLUGIN_MEMORY, upstream_at};
+pub use features::{
+    AuthCacheSpec, Compression, DEFAULT_BROTLI, DEFAULT_LEVEL, DEFAULT_MIN_SIZE, DEFAULT_TYPES,
+    LimitKey, MirrorSpec, RateLimitSpec, Tracing,
+};
 pub use load::{
     Source, default_sources, load_dir, load_dir_with_env, load_partial, load_policies,
     load_sources, read_dir, sort_errors,
 };
 pub use template::Template;
-pub use units::{parse_duration, parse_size};
+pub use units::{parse_duration, parse_rate, parse_size};
 
-use crate::router::Router;
+pub use router::{HostMatch, Matched, Router};
 
 /// Where something was written in the policy files.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,7 +103,7 @@ pub struct Config {
     /// Plugins run for every route before the route's own.
     pub global_plugins: Vec<PluginUse>,
     /// Spans to an OpenTelemetry collector, when the policies say so.
-    pub tracing: Option<Arc<crate::otlp::Tracing>>,
+    pub tracing: Option<Arc<Tracing>>,
     /// Files read besides the policy files themselves (plugins, CA files,
     /// secrets), so a reload can watch where they live.
     pub files: Vec<std::path::PathBuf>,
@@ -318,7 +324,7 @@ pub enum AccessLogging {
 }
 
 /// A route's auth subrequest: see [`crate::auth_request`].
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuthRequest {
     /// The auth service (an upstream with endpoints), by index.
     pub upstream: usize,
@@ -333,7 +339,7 @@ pub struct AuthRequest {
     /// For the auth service's whole answer.
     pub timeout: Duration,
     /// Allowing answers kept for a while, if set.
-    pub cache: Option<Arc<crate::auth_cache::AuthCache>>,
+    pub cache: Option<AuthCacheSpec>,
 }
 
 /// Active health checks of an upstream's endpoints (Envoy's
@@ -710,9 +716,9 @@ pub struct Route {
     /// CORS headers on the proxy's own error answers.
     pub error_cors: Option<Cors>,
     /// Responses compressed for clients that take gzip.
-    pub compress: Option<crate::compress::Compression>,
+    pub compress: Option<Compression>,
     /// Requests beyond this rate are answered 429.
-    pub rate_limit: Option<Arc<crate::rate_limit::RateLimit>>,
+    pub rate_limit: Option<RateLimitSpec>,
     /// Request bodies larger than this are answered 413 (nginx's
     /// client_max_body_size); `None`: no limit.
     pub max_request_body: Option<u64>,
@@ -722,7 +728,7 @@ pub struct Route {
     /// `auth_request`, Envoy's `ext_authz`).
     pub auth_request: Option<Box<AuthRequest>>,
     /// A share of the requests also sent to another upstream.
-    pub mirror: Option<Arc<crate::mirror::Mirror>>,
+    pub mirror: Option<MirrorSpec>,
     /// Plugins run on this route, in order (after the global ones).
     pub plugins: Vec<PluginUse>,
     /// Where the route was defined.

@@ -60,6 +60,23 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(mult).ok_or_else(bad)
 }
 
+/// Parses a rate: `COUNT/s`, `/m` or `/h` (`10/s`, `600/m`).
+pub fn parse_rate(s: &str) -> Result<(u32, Duration), String> {
+    let bad = || format!("rate `{s}`: expected COUNT/s, COUNT/m or COUNT/h, such as `10/s`");
+    let (count, unit) = s.trim().split_once('/').ok_or_else(bad)?;
+    let count: u32 = count.trim().parse().map_err(|_| bad())?;
+    if count == 0 {
+        return Err(format!("rate `{s}`: the count must be at least 1"));
+    }
+    let period = match unit.trim() {
+        "s" => Duration::from_secs(1),
+        "m" => Duration::from_secs(60),
+        "h" => Duration::from_secs(3600),
+        _ => return Err(bad()),
+    };
+    Ok((count, period))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -83,5 +100,19 @@ mod tests {
         for bad in ["", "KiB", "12 parsecs", "99999999999999999999"] {
             assert!(parse_size(bad).is_err(), "{bad} should fail");
         }
+    }
+
+    #[test]
+    fn rates_parse_with_their_unit() {
+        assert_eq!(parse_rate("10/s").unwrap(), (10, Duration::from_secs(1)));
+        assert_eq!(
+            parse_rate(" 600 / m ").unwrap(),
+            (600, Duration::from_secs(60))
+        );
+        assert_eq!(parse_rate("1/h").unwrap(), (1, Duration::from_secs(3600)));
+        assert!(parse_rate("10").unwrap_err().contains("COUNT/s"));
+        assert!(parse_rate("10/d").is_err());
+        assert!(parse_rate("0/s").unwrap_err().contains("at least 1"));
+        assert!(parse_rate("-1/s").is_err());
     }
 }

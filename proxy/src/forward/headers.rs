@@ -186,6 +186,17 @@ pub fn single_content_length(headers: &mut HeaderMap) {
     }
 }
 
+/// The client a request is counted as: the connection's address
+/// (`peer`, or its PROXY header's), or behind a proxy that is trusted
+/// (`trust_forwarded`), the last `X-Forwarded-For` entry, the one that
+/// proxy appended. Earlier entries are the client's to make up.
+pub fn client_of(peer: IpAddr, trust_forwarded: bool, headers: &HeaderMap) -> IpAddr {
+    trust_forwarded
+        .then(|| last_forwarded_for(headers))
+        .flatten()
+        .unwrap_or(peer)
+}
+
 /// The last address in `X-Forwarded-For` (over all its fields): the
 /// client as the nearest proxy saw it, which that proxy appended. Earlier
 /// entries are the client's to make up. An entry with a port (Azure's

@@ -23,8 +23,8 @@ pub use affinity::preference;
 pub use ejection::Ejections;
 pub use h1::H1Body;
 pub use headers::{
-    CLIENT_CERT, client_ip_header, is_websocket_upgrade, join_cookie_crumbs, last_forwarded_for,
-    remove_hop_by_hop, set_forwarded, single_content_length,
+    CLIENT_CERT, client_ip_header, client_of, is_websocket_upgrade, join_cookie_crumbs,
+    last_forwarded_for, remove_hop_by_hop, set_forwarded, single_content_length,
 };
 pub use tls::client_config as client_tls_config;
 

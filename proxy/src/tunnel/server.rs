@@ -30,10 +30,11 @@ use super::tokens::{Refusal, Tokens, valid_runtime_id};
 use super::{Hello, Refused};
 use crate::balance::{Accepting, Balance, Handoff};
 use crate::body::{Body, ResponseBody};
+use crate::config::Tracing;
 use crate::forward::{Held, UpstreamPool};
 use crate::head_deadline::{self, Ended, HeadClock, Watched};
 use crate::metrics::RouteStats;
-use crate::otlp::{Recording, Tracing};
+use crate::otlp::Recording;
 use crate::request_head;
 use crate::telemetry::AccessLog;
 use crate::tls_listen::{NotOpened, Opened, open};
@@ -495,7 +496,7 @@ impl TunnelServer {
         )?;
         let rate_limit = match &options.public_rate_limit {
             Some((rate, burst)) => {
-                let (count, period) = crate::rate_limit::parse_rate(rate)
+                let (count, period) = crate::config::parse_rate(rate)
                     .map_err(|e| anyhow::anyhow!("--public-rate-limit: {e}"))?;
                 Some(crate::rate_limit::RateLimit::new(
                     count,
@@ -1669,7 +1670,7 @@ where
         && let Some(limit) = &shared.rate_limit
     {
         let client =
-            crate::rate_limit::client_of(peer.ip(), shared.trust_forwarded_headers, req.headers());
+            crate::forward::client_of(peer.ip(), shared.trust_forwarded_headers, req.headers());
         let mut buf = [0u8; 16];
         if let Err(wait) = limit.take(Some(crate::rate_limit::ip_key(client, &mut buf))) {
             let mut resp = error(

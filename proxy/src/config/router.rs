@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use http::{HeaderMap, Method};
 
-use crate::config::Route;
+use super::Route;
 
 /// Which hosts a route answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
