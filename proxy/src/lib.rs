@@ -17,6 +17,7 @@ pub mod cert_expiry;
 pub mod cert_files;
 pub mod cert_identity;
 pub mod chain;
+pub mod client_addr;
 pub mod client_cert;
 pub mod client_watch;
 pub mod coarse_clock;

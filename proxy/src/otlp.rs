@@ -122,7 +122,7 @@ impl Recording {
                 Some(a) => HeaderValue::from_str(a.host()).ok(),
                 None => headers.get(header::HOST).cloned(),
             },
-            client: crate::forward::client_of(from.peer, from.trust_forwarded, headers),
+            client: crate::client_addr::client_of(from.peer, from.trust_forwarded, headers),
             https: from.https,
             version,
         });

@@ -208,7 +208,7 @@ fn take_rate(
         LimitKey::Header(name) => Some(headers.get(name).map_or(&[][..], |v| v.as_bytes())),
         LimitKey::Client => {
             let trust = conn.listener.trust_forwarded_headers;
-            let client = crate::forward::client_of(conn.client.ip(), trust, headers);
+            let client = crate::client_addr::client_of(conn.client.ip(), trust, headers);
             Some(crate::rate_limit::ip_key(client, &mut buf))
         }
     };

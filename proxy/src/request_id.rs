@@ -20,20 +20,7 @@ pub const HEADER: HeaderName = HeaderName::from_static("x-request-id");
 /// The longest id kept from a request; a longer one is replaced.
 const MAX_KEPT: usize = 128;
 
-/// What a listener does with request ids (its `request_id`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RequestIds {
-    /// Log the id a request brings and pass it on; make none. The
-    /// default: in front of Portcullis, ingress-nginx and the tunnel
-    /// server both set one, and making one costs ~5% of a proxied
-    /// request's instructions.
-    Keep,
-    /// Also make one for a request that brings none (or an unusable one),
-    /// and return it on the response, as Envoy does at the edge.
-    Make,
-    /// Neither log nor make ids (the header passes like any other).
-    Off,
-}
+pub use crate::config::RequestIds;
 
 /// The request's id: the one `headers` bring when it is usable (1 to 128
 /// visible ASCII characters), else a new one, set in `headers`.

@@ -14,6 +14,7 @@ use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 use serde_saphyr::{Location, Spanned};
 
+use super::RequestIds;
 use super::envsubst::expand;
 use super::raw::{
     PolicyFile, RawAuthCache, RawAuthRequest, RawCompress, RawCors, RawHeaderEdits, RawHealthCheck,
@@ -30,7 +31,6 @@ use super::{
     Probe, RateLimitSpec, Redirect, RetryBudget, Route, Target, Timeouts, TlsSettings, Tracing,
     Upstream,
 };
-use crate::request_id::RequestIds;
 
 const DEFAULT_MAX_CONNECTIONS: usize = 16_384;
 const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);

@@ -150,3 +150,18 @@ impl Tracing {
         (percent / 100.0 * 2f64.powi(64)) as u128
     }
 }
+
+/// What a listener does with request ids (its `request_id`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestIds {
+    /// Log the id a request brings and pass it on; make none. The
+    /// default: in front of Portcullis, ingress-nginx and the tunnel
+    /// server both set one, and making one costs ~5% of a proxied
+    /// request's instructions.
+    Keep,
+    /// Also make one for a request that brings none (or an unusable one),
+    /// and return it on the response, as Envoy does at the edge.
+    Make,
+    /// Neither log nor make ids (the header passes like any other).
+    Off,
+}

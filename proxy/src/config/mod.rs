@@ -27,7 +27,7 @@ use rustls_pki_types::CertificateDer;
 pub use build::{DEFAULT_KEEPALIVE_TIMEOUT, MAX_PLUGIN_MEMORY, upstream_at};
 pub use features::{
     AuthCacheSpec, Compression, DEFAULT_BROTLI, DEFAULT_LEVEL, DEFAULT_MIN_SIZE, DEFAULT_TYPES,
-    LimitKey, MirrorSpec, RateLimitSpec, Tracing,
+    LimitKey, MirrorSpec, RateLimitSpec, RequestIds, Tracing,
 };
 pub use load::{
     Source, default_sources, load_dir, load_dir_with_env, load_partial, load_policies,
@@ -204,7 +204,7 @@ pub struct Listener {
     /// giving the client's address (behind a TCP balancer).
     pub proxy_protocol: bool,
     /// What the listener does with each request's `X-Request-Id`.
-    pub request_id: crate::request_id::RequestIds,
+    pub request_id: RequestIds,
     /// HTTPS: the handshake's settings; `None` for cleartext.
     pub tls: Option<ListenerTls>,
     /// Answer every request (but health probes) with a redirect to the

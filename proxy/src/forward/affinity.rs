@@ -21,7 +21,7 @@ use crate::config::{Endpoint, HashOn};
 pub fn key_hash(hash_on: &HashOn, peer: IpAddr, trust: bool, headers: &HeaderMap) -> Option<u64> {
     match hash_on {
         HashOn::Client => {
-            let client = crate::forward::client_of(peer, trust, headers);
+            let client = crate::client_addr::client_of(peer, trust, headers);
             let mut buf = [0u8; 16];
             Some(fnv1a(crate::rate_limit::ip_key(client, &mut buf)))
         }

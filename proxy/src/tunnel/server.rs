@@ -1670,7 +1670,7 @@ where
         && let Some(limit) = &shared.rate_limit
     {
         let client =
-            crate::forward::client_of(peer.ip(), shared.trust_forwarded_headers, req.headers());
+            crate::client_addr::client_of(peer.ip(), shared.trust_forwarded_headers, req.headers());
         let mut buf = [0u8; 16];
         if let Err(wait) = limit.take(Some(crate::rate_limit::ip_key(client, &mut buf))) {
             let mut resp = error(
