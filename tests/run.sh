@@ -17,7 +17,9 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 mkdir -p "$CARGO_TARGET_DIR"
 marker="$CARGO_TARGET_DIR/.portcullis-checkout"
 if [ "$(cat "$marker" 2>/dev/null)" != "$PWD" ]; then
-  cargo clean -p portcullis >/dev/null 2>&1 || true
+  for crate in portcullis portcullis-net portcullis-config portcullis-obs portcullis-plugin portcullis-http portcullis-tunnel; do
+    cargo clean -p "$crate" >/dev/null 2>&1 || true
+  done
   for crate in portcullis-sdk webhook-signature header-rules jwt-auth ip-allow basic-auth client-cert-allow canary-route \
       example-require-header fixture-loop-forever fixture-busy fixture-forward fixture-trap fixture-grow-memory fixture-sleep fixture-escape fixture-hoard fixture-contract-0-2-0; do
     cargo clean --manifest-path plugins/Cargo.toml -p "$crate" >/dev/null 2>&1 || true

@@ -18,9 +18,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use http::{Method, Request, StatusCode};
 use hyper::body::Incoming;
 
-use crate::admin_http::{Answer, json, method_not_allowed, metric, prometheus, serve_with};
-use crate::forward::UpstreamPool;
 use crate::reload::{Outcome, Reloader, Trigger};
+use portcullis_http::forward::UpstreamPool;
+use portcullis_obs::admin_http::{
+    Answer, json, method_not_allowed, metric, prometheus, serve_with,
+};
 
 /// Binds the admin listener and serves it on the current runtime until the
 /// process ends.
@@ -55,7 +57,7 @@ async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
         req.method()
     };
     match (method, path) {
-        (&Method::GET, "/") => crate::status_page::answer(),
+        (&Method::GET, "/") => portcullis_obs::status_page::answer(),
         (&Method::GET, "/status") => {
             json(StatusCode::OK, crate::admin_status::status_json(reloader))
         }
@@ -106,7 +108,7 @@ fn unix_secs(t: SystemTime) -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-use crate::metrics::label;
+use portcullis_obs::metrics::label;
 
 fn metrics(reloader: &Reloader) -> String {
     let s = reloader.status();
@@ -219,8 +221,8 @@ fn metrics(reloader: &Reloader) -> String {
         "gauge",
         "Endpoints each upstream balances over (with dns: each_address, its hosts' addresses).",
         &counted_by_upstream(pipeline.upstream_facts(|p| match &p.spec.target {
-            crate::config::Target::Endpoints(eps) => Some(vec![(); eps.len()]),
-            crate::config::Target::Template(_) => None,
+            portcullis_config::Target::Endpoints(eps) => Some(vec![(); eps.len()]),
+            portcullis_config::Target::Template(_) => None,
         })),
     );
     metric(
@@ -276,7 +278,7 @@ fn metrics(reloader: &Reloader) -> String {
         &mirrored,
     );
     if pipeline.config().tracing.is_some() {
-        let spans = crate::otlp::metric_samples();
+        let spans = portcullis_obs::otlp::metric_samples();
         metric(
             "portcullis_trace_spans_total",
             "counter",
@@ -296,7 +298,7 @@ fn metrics(reloader: &Reloader) -> String {
         "Endpoints failing their active health check, by upstream with a health_check.",
         &counted_by_upstream(pipeline.upstream_facts(UpstreamPool::unhealthy)),
     );
-    let mut counters: Vec<_> = crate::plugin::counters()
+    let mut counters: Vec<_> = portcullis_plugin::counters()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .iter()
@@ -314,7 +316,7 @@ fn metrics(reloader: &Reloader) -> String {
         "Counters plugins keep through host.count, and each plugin's failures (name=\"failures\").",
         &counters,
     );
-    if let Some([loaded, compiled, refused]) = crate::plugin::disk_cache_outcomes() {
+    if let Some([loaded, compiled, refused]) = portcullis_plugin::disk_cache_outcomes() {
         metric(
             "portcullis_plugin_cache_total",
             "counter",
@@ -388,6 +390,6 @@ fn metrics(reloader: &Reloader) -> String {
             &samples(|e| e.2),
         );
     }
-    crate::metrics::render(&mut out);
+    portcullis_obs::metrics::render(&mut out);
     out
 }

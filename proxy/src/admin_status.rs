@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use crate::admin_http::rfc3339;
-use crate::forward::UpstreamPool;
 use crate::reload::Reloader;
+use portcullis_http::forward::UpstreamPool;
+use portcullis_obs::admin_http::rfc3339;
 
 /// The `/status` answer.
 pub fn status_json(reloader: &Reloader) -> serde_json::Value {
@@ -45,11 +45,11 @@ pub fn status_json(reloader: &Reloader) -> serde_json::Value {
             "listeners": listeners,
             "upstreams": config.upstreams.iter().map(|u| &*u.name).collect::<Vec<_>>(),
             // What `dns: each_address` hosts resolved to: the pods seen.
-            "discovered_endpoints": config.upstreams.iter().filter(|u| u.dns != crate::config::Dns::Connect).map(|u| serde_json::json!({
+            "discovered_endpoints": config.upstreams.iter().filter(|u| u.dns != portcullis_config::Dns::Connect).map(|u| serde_json::json!({
                 "upstream": &*u.name,
                 "endpoints": match &u.target {
-                    crate::config::Target::Endpoints(eps) => eps.iter().map(ToString::to_string).collect(),
-                    crate::config::Target::Template(_) => Vec::new(),
+                    portcullis_config::Target::Endpoints(eps) => eps.iter().map(ToString::to_string).collect(),
+                    portcullis_config::Target::Template(_) => Vec::new(),
                 },
             })).collect::<Vec<_>>(),
             "ejected_endpoints": pipeline.upstream_facts(|p| Some(p.ejected())).iter().flat_map(|(upstream, eps)| {
@@ -72,7 +72,7 @@ pub fn status_json(reloader: &Reloader) -> serde_json::Value {
             }).collect::<Vec<_>>(),
             "routes": config.routes.iter().map(|r| &*r.name).collect::<Vec<_>>(),
             "rate_limits": config.routes.iter().filter_map(|r| {
-                let mut limit = crate::rate_limit::describe(r.rate_limit.as_ref()?);
+                let mut limit = portcullis_http::rate_limit::describe(r.rate_limit.as_ref()?);
                 limit["route"] = serde_json::json!(&*r.name);
                 Some(limit)
             }).collect::<Vec<_>>(),
@@ -89,10 +89,10 @@ pub fn status_json(reloader: &Reloader) -> serde_json::Value {
             "upstream_endpoints": config.upstreams.iter().map(|u| serde_json::json!({
                 "upstream": &*u.name,
                 "endpoints": match &u.target {
-                    crate::config::Target::Endpoints(eps) => eps.iter().map(ToString::to_string).collect::<Vec<_>>(),
-                    crate::config::Target::Template(_) => Vec::new(),
+                    portcullis_config::Target::Endpoints(eps) => eps.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                    portcullis_config::Target::Template(_) => Vec::new(),
                 },
-                "template": matches!(u.target, crate::config::Target::Template(_)),
+                "template": matches!(u.target, portcullis_config::Target::Template(_)),
             })).collect::<Vec<_>>(),
         },
         "reloads": {
@@ -131,7 +131,7 @@ pub fn status_json(reloader: &Reloader) -> serde_json::Value {
 
 /// A plugin's count `name` of the counters the proxy keeps for it.
 fn plugin_count(plugin: &str, name: &str) -> u64 {
-    crate::plugin::counters()
+    portcullis_plugin::counters()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .iter()
@@ -141,8 +141,10 @@ fn plugin_count(plugin: &str, name: &str) -> u64 {
 
 /// Each plugin use once: the global chain's bindings are in every
 /// route's chain.
-pub fn plugin_bindings(pipeline: &crate::pipeline::Pipeline) -> Vec<&Arc<crate::plugin::Binding>> {
-    let mut bindings: Vec<&Arc<crate::plugin::Binding>> = Vec::new();
+pub fn plugin_bindings(
+    pipeline: &portcullis_http::pipeline::Pipeline,
+) -> Vec<&Arc<portcullis_plugin::Binding>> {
+    let mut bindings: Vec<&Arc<portcullis_plugin::Binding>> = Vec::new();
     for chain in &pipeline.chains().routes {
         for b in chain.iter() {
             if !bindings.iter().any(|seen| Arc::ptr_eq(seen, b)) {
@@ -154,7 +156,7 @@ pub fn plugin_bindings(pipeline: &crate::pipeline::Pipeline) -> Vec<&Arc<crate::
 }
 
 /// Each plugin use with its calls and memory.
-fn plugin_uses(pipeline: &crate::pipeline::Pipeline) -> Vec<serde_json::Value> {
+fn plugin_uses(pipeline: &portcullis_http::pipeline::Pipeline) -> Vec<serde_json::Value> {
     plugin_bindings(pipeline)
         .iter()
         .map(|b| {

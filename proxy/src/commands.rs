@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use anyhow::Context;
 
-use crate::config::{self, Config, ConfigErrors};
 use crate::reload::{Reloader, WatchOptions};
-use crate::server::{Drain, Server};
+use portcullis_config::{self as config, Config, ConfigErrors};
+use portcullis_http::server::{Drain, Server};
 
 /// Loads the policies from `dir`, or the built-in default set.
 pub fn load(dir: Option<&Path>) -> Result<Config, ConfigErrors> {
@@ -32,12 +32,12 @@ fn load_and_prepare(dir: Option<&Path>) -> Result<Config, ConfigErrors> {
             .enable_all()
             .build()
             .map_err(|e| {
-                ConfigErrors(vec![crate::config::ConfigError {
+                ConfigErrors(vec![portcullis_config::ConfigError {
                     pos: config.plugins[0].defined_at.clone(),
                     message: format!("cannot start a runtime to check plugins: {e}"),
                 }])
             })
-            .and_then(|runtime| runtime.block_on(crate::plugin::prepare(&config)));
+            .and_then(|runtime| runtime.block_on(portcullis_plugin::prepare(&config)));
         if let Err(ConfigErrors(more)) = prepared {
             errors.extend(more);
             config::sort_errors(&mut errors);
@@ -110,7 +110,7 @@ pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
     let server = Server::bind(config, options.workers).await?;
     // Files a previous run compiled for plugins the policies no longer
     // name go now, not at the first reload.
-    crate::plugin::forget_unused(server.control().pipeline().config());
+    portcullis_plugin::forget_unused(server.control().pipeline().config());
     let reloader = Arc::new(Reloader::new(
         options.policies.clone(),
         server.control().clone(),
@@ -126,7 +126,7 @@ pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
 #[derive(Debug, Clone)]
 pub struct TunnelClientOptions {
     /// The tunnel: server, identity, target.
-    pub client: crate::tunnel::client::ClientOptions,
+    pub client: portcullis_tunnel::client::ClientOptions,
     /// Worker threads.
     pub workers: usize,
     /// How shutdown drains.
@@ -144,7 +144,7 @@ pub struct TunnelClientOptions {
 /// tunnel connections to the server. Ends on SIGTERM/SIGINT after draining, or
 /// with an error when another client takes over this runtime id.
 pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
-    use crate::tunnel::client::{Dialer, Target, run_slot, upstream_policy};
+    use portcullis_tunnel::client::{Dialer, Target, run_slot, upstream_policy};
     let signalled = shutdown_signal();
     let hangup = crate::reload::hangup_handler();
     let (config, reloader_source) = match &options.client.target {
@@ -161,12 +161,12 @@ pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
     };
     let dialer = Arc::new(Dialer::new(options.client.clone())?);
     let listeners = if options.listen {
-        crate::server::Listeners::Optional
+        portcullis_http::server::Listeners::Optional
     } else {
-        crate::server::Listeners::Closed
+        portcullis_http::server::Listeners::Closed
     };
     let server = Server::bind_with(config, options.workers, listeners).await?;
-    crate::plugin::forget_unused(server.control().pipeline().config());
+    portcullis_plugin::forget_unused(server.control().pipeline().config());
     let control = server.control().clone();
     // Ready means requests can come through: a tunnel the server pings.
     let gate = dialer.clone();
@@ -206,7 +206,9 @@ pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
 }
 
 /// `portcullis tunnel-server`: serves until SIGTERM/SIGINT.
-pub async fn tunnel_server(options: crate::tunnel::server::ServerOptions) -> anyhow::Result<()> {
+pub async fn tunnel_server(
+    options: portcullis_tunnel::server::ServerOptions,
+) -> anyhow::Result<()> {
     let stop = shutdown_signal();
     // Nothing to reload: the tokens file is read at each handshake and
     // checked at each keep-alive. But SIGHUP's default action would end
@@ -221,7 +223,7 @@ pub async fn tunnel_server(options: crate::tunnel::server::ServerOptions) -> any
             }
         });
     }
-    let server = crate::tunnel::server::TunnelServer::bind(&options).await?;
+    let server = portcullis_tunnel::server::TunnelServer::bind(&options).await?;
     if let Some(addr) = options.admin {
         server.serve_admin(addr).await.with_context(|| {
             format!("cannot bind the admin listener on {addr} (--admin off turns it off)")
@@ -242,7 +244,7 @@ pub fn hash_token() -> ExitCode {
         eprintln!("portcullis hash-token: no token on stdin");
         return ExitCode::FAILURE;
     }
-    println!("{}", crate::tunnel::tokens::hash_token(&token));
+    println!("{}", portcullis_tunnel::tokens::hash_token(&token));
     ExitCode::SUCCESS
 }
 

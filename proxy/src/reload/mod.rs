@@ -14,8 +14,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 pub use watch::{Watch, WatchOptions, hangup_handler, watch};
 
-use crate::config::Config;
-use crate::server::Control;
+use portcullis_config::Config;
+use portcullis_http::server::Control;
 
 /// What asked for a reload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,7 +110,7 @@ pub struct Reloader {
     dir: Option<PathBuf>,
     /// Without a directory: the fixed sources the server was started on
     /// (the built-in set when `None`).
-    fixed: Option<Arc<Vec<crate::config::Source>>>,
+    fixed: Option<Arc<Vec<portcullis_config::Source>>>,
     control: Arc<Control>,
     status: Mutex<Status>,
     /// One reload at a time: a SIGHUP during a file-triggered reload waits
@@ -149,7 +149,10 @@ impl Reloader {
 
     /// A reloader for a server started on fixed `sources` (not a
     /// directory): reloads find them unchanged.
-    pub fn with_sources(sources: Vec<crate::config::Source>, control: Arc<Control>) -> Reloader {
+    pub fn with_sources(
+        sources: Vec<portcullis_config::Source>,
+        control: Arc<Control>,
+    ) -> Reloader {
         let mut reloader = Reloader::new(None, control);
         reloader.fixed = Some(Arc::new(sources));
         reloader
@@ -184,9 +187,9 @@ impl Reloader {
         let fixed = self.fixed.clone();
         let loaded = tokio::task::spawn_blocking(move || match fixed {
             Some(sources) if dir.is_none() => {
-                crate::config::load_sources(&sources, &|n| std::env::var(n).ok())
+                portcullis_config::load_sources(&sources, &|n| std::env::var(n).ok())
             }
-            _ => crate::config::load_policies(dir.as_deref()),
+            _ => portcullis_config::load_policies(dir.as_deref()),
         })
         .await
         .map_err(|e| format!("reading the policies crashed: {e}"))
@@ -208,7 +211,7 @@ impl Reloader {
             }
         }
         // Compiles new plugin modules on blocking threads, not the workers.
-        let chains = match crate::plugin::prepare(&config).await {
+        let chains = match portcullis_plugin::prepare(&config).await {
             Ok(chains) => chains,
             Err(e) => return self.reject(trigger, e.to_string()),
         };
@@ -230,7 +233,7 @@ impl Reloader {
         // Report the reload once removed listeners refuse connections; a
         // worker stuck for a second does not hold the report back.
         let _ = tokio::time::timeout(Duration::from_secs(1), changes.closed()).await;
-        crate::plugin::forget_unused(self.control.pipeline().config());
+        portcullis_plugin::forget_unused(self.control.pipeline().config());
         let took = started.elapsed();
         let generation = {
             let mut status = self.lock();

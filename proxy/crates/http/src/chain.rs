@@ -1,0 +1,502 @@
+//! Running a route's plugin chain on a request and its response.
+//!
+//! Plugins run in order (global ones first). Each may let the request on
+//! with header edits, a new path or another upstream; answer it itself; or
+//! ask for the body first, which is then read (up to the plugin's bound)
+//! and forwarded exactly as the plugin saw it. Response hooks run in
+//! reverse order on the upstream's response head.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header;
+use http::uri::PathAndQuery;
+use http::{Response, StatusCode};
+use http_body_util::BodyExt;
+
+use crate::body::Body;
+use crate::pipeline::ConnInfo;
+use portcullis_config::{Config, FailMode, Route};
+use portcullis_plugin::{
+    self as plugin, Binding, Decision, Hooks, LocalResponse, PluginError, RequestFacts,
+    ResponseHead,
+};
+
+/// What the request hooks decided.
+pub enum RequestOutcome<'a> {
+    /// Go on to the upstream, with what the response hooks or the
+    /// forwarding need (`None` when nothing: no allocation then).
+    Forward(Option<Box<PluginContext<'a>>>),
+    /// Answer now with this.
+    Answer(Response<Body>),
+}
+
+/// How far the request hooks got without waiting on anything.
+pub enum Step<'a> {
+    /// All of them ran.
+    Done(RequestOutcome<'a>),
+    /// A plugin asked for the body: read it with [`PendingBody::read`],
+    /// which runs the rest of the chain.
+    ReadBody(Box<PendingBody<'a>>),
+}
+
+/// What the request hooks have set so far.
+struct Progress {
+    /// Lent to each call; `None` only while lent.
+    facts: Option<RequestFacts>,
+    upstream: Option<usize>,
+    path: Option<PathAndQuery>,
+}
+
+/// A chain stopped at the plugin that asked for the request body.
+pub struct PendingBody<'a> {
+    chain: &'a [Arc<Binding>],
+    /// Index (among the request hooks) of the plugin that asked.
+    at: usize,
+    max: u32,
+    progress: Progress,
+}
+
+/// What the response hooks need, kept from the request hooks.
+pub struct PluginContext<'a> {
+    /// What the request hooks saw, kept only when a response hook will
+    /// want it (`None` otherwise, or while lent to a call).
+    facts: Option<RequestFacts>,
+    /// The request headers as forwarded, likewise.
+    request_headers: http::HeaderMap,
+    /// Borrowed from the pipeline, which outlives the request: no
+    /// reference count shared by the workers to bump per request.
+    chain: &'a [Arc<Binding>],
+    /// Another upstream (index), if a plugin chose one.
+    pub upstream: Option<usize>,
+    /// The path to send, if a plugin set one (it replaces the route's rewrite).
+    pub path: Option<PathAndQuery>,
+}
+
+fn plugin_error(route: &Route, e: &PluginError) -> Response<Body> {
+    json_error(e.status(), e.kind(), route, Some(e.plugin()))
+}
+
+fn json_error(
+    status: StatusCode,
+    message: &str,
+    route: &Route,
+    plugin: Option<&str>,
+) -> Response<Body> {
+    crate::pipeline::json_error(status, message, Some(route), plugin)
+}
+
+/// Reads the request body into memory, up to `max` bytes. A client that
+/// sends none of it for `timeout` is answered 408 (nginx's
+/// client_body_timeout): a webhook trickled in byte by byte must not hold
+/// its connection for ever.
+async fn read_body(
+    mut body: Body,
+    headers: &http::HeaderMap,
+    max: u32,
+    timeout: Duration,
+) -> Result<Bytes, (StatusCode, &'static str)> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > u64::from(max)) {
+        return Err((StatusCode::PAYLOAD_TOO_LARGE, FOR_THE_PLUGIN));
+    }
+    let progress = body.track();
+    let mut collect = std::pin::pin!(http_body_util::Limited::new(body, max as usize).collect());
+    let mut sleep = std::pin::pin!(tokio::time::sleep(timeout));
+    let collected = std::future::poll_fn(|cx| {
+        loop {
+            if let Poll::Ready(collected) = collect.as_mut().poll(cx) {
+                return Poll::Ready(Some(collected));
+            }
+            if sleep.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            // The body moved since the timer was set: wait on from then.
+            match progress.as_deref().and_then(|p| p.wait_ends(timeout)) {
+                Some(later) => sleep.as_mut().reset(later),
+                None => return Poll::Ready(None),
+            }
+        }
+    })
+    .await;
+    match collected {
+        Some(Ok(collected)) => Ok(collected.to_bytes()),
+        Some(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            Err((StatusCode::PAYLOAD_TOO_LARGE, FOR_THE_PLUGIN))
+        }
+        // The route's own limit, below the plugin's.
+        Some(Err(e)) if e.is::<crate::body::TooLarge>() => {
+            Err((StatusCode::PAYLOAD_TOO_LARGE, "request body too large"))
+        }
+        Some(Err(_)) => Err((StatusCode::BAD_REQUEST, "request body could not be read")),
+        None => Err((StatusCode::REQUEST_TIMEOUT, "request body timeout")),
+    }
+}
+
+const FOR_THE_PLUGIN: &str = "request body too large for the route's plugin";
+
+/// Runs the request hooks of `chain`, without waiting on anything: a
+/// plain function, so a route's plugins cost no future of their own (and
+/// no allocation) unless one asks for the body.
+#[allow(clippy::too_many_arguments)]
+pub fn on_request<'a>(
+    chain: &'a [Arc<Binding>],
+    method: &http::Method,
+    uri: &http::Uri,
+    headers: &mut http::HeaderMap,
+    path: &str,
+    params: &matchit::Params<'_, '_>,
+    (route_index, route): (usize, &Route),
+    conn: &ConnInfo,
+    config: &Config,
+) -> Step<'a> {
+    let progress = Progress {
+        facts: Some(RequestFacts {
+            method: method.clone(),
+            uri: uri.clone(),
+            normalized: (path != uri.path()).then(|| path.to_owned()),
+            rewritten: None,
+            client: conn.client.ip(),
+            tls: conn.tls,
+            sni: conn.sni.clone(),
+            client_cert: conn.client_cert.clone(),
+            route: route_index,
+            params: params
+                .iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+        }),
+        upstream: None,
+        path: None,
+    };
+    run(chain, progress, headers, route, config)
+}
+
+impl<'a> PendingBody<'a> {
+    /// Reads the request body (up to the plugin's bound) into memory,
+    /// forwards exactly those bytes, and runs the rest of the chain with
+    /// them, starting again at the plugin that asked. Calls given a large
+    /// body run on a plugin thread ([`plugin::offload`]).
+    pub async fn read(
+        self,
+        body: &mut Body,
+        headers: &mut http::HeaderMap,
+        route: &Route,
+        config: &Config,
+    ) -> RequestOutcome<'a> {
+        let taken = std::mem::replace(body, Body::empty());
+        let timeout = config.request_timeout(route);
+        let bytes = match read_body(taken, headers, self.max, timeout).await {
+            Ok(bytes) => bytes,
+            Err((status, message)) => {
+                let plugin = request_hooks(self.chain)
+                    .nth(self.at)
+                    .map(|b| b.plugin.clone());
+                return RequestOutcome::Answer(json_error(
+                    status,
+                    message,
+                    route,
+                    plugin.as_deref(),
+                ));
+            }
+        };
+        *body = Body::full(bytes.clone());
+        let mut progress = self.progress;
+        for (i, binding) in request_hooks(self.chain).enumerate().skip(self.at) {
+            // The plugin that asked for the body has had its one ask; a
+            // later one may ask once (the body is in hand: it is called
+            // again with it).
+            let mut asked = i == self.at;
+            loop {
+                let result = match binding
+                    .on_request_with_body(&mut progress.facts, headers, &bytes)
+                    .await
+                {
+                    Ok(result) => result,
+                    Err(plugin::Lost) => {
+                        tracing::error!(plugin = %binding.plugin, route = %route.name, "plugin call lost before it ran");
+                        return RequestOutcome::Answer(json_error(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "plugin call lost",
+                            route,
+                            Some(&binding.plugin),
+                        ));
+                    }
+                };
+                match after_call(binding, result, &mut progress, headers, route, config) {
+                    Flow::Next => break,
+                    Flow::Answer(resp) => return RequestOutcome::Answer(resp),
+                    Flow::WantsBody(_) if !asked => asked = true,
+                    Flow::WantsBody(_) => {
+                        let e = PluginError::Trap {
+                            plugin: binding.plugin.clone(),
+                            message: "asked for the body twice".into(),
+                        };
+                        match fail(binding, route, &e) {
+                            Some(resp) => return RequestOutcome::Answer(resp),
+                            None => break,
+                        }
+                    }
+                }
+            }
+        }
+        finish(self.chain, progress, headers)
+    }
+}
+
+/// The plugins of `chain` with a request hook, in order.
+fn request_hooks(chain: &[Arc<Binding>]) -> impl Iterator<Item = &Arc<Binding>> {
+    chain.iter().filter(|b| b.hooks.contains(Hooks::REQUEST))
+}
+
+/// Runs the request hooks of a request whose body no plugin has asked for
+/// (yet): stops at the first that asks.
+fn run<'a>(
+    chain: &'a [Arc<Binding>],
+    mut progress: Progress,
+    headers: &mut http::HeaderMap,
+    route: &Route,
+    config: &Config,
+) -> Step<'a> {
+    for (at, binding) in request_hooks(chain).enumerate() {
+        let result = binding.on_request(&mut progress.facts, headers, None);
+        match after_call(binding, result, &mut progress, headers, route, config) {
+            Flow::Next => {}
+            Flow::Answer(resp) => return Step::Done(RequestOutcome::Answer(resp)),
+            Flow::WantsBody(max) => {
+                return Step::ReadBody(Box::new(PendingBody {
+                    chain,
+                    at,
+                    max,
+                    progress,
+                }));
+            }
+        }
+    }
+    Step::Done(finish(chain, progress, headers))
+}
+
+/// What a plugin's answer leaves the chain to do.
+enum Flow {
+    /// On to the next plugin.
+    Next,
+    /// Answer the request with this.
+    Answer(Response<Body>),
+    /// The plugin wants the body, up to this many bytes.
+    WantsBody(u32),
+}
+
+/// Applies one plugin's answer (or failure) to the request.
+fn after_call(
+    binding: &Binding,
+    result: Result<Decision, PluginError>,
+    progress: &mut Progress,
+    headers: &mut http::HeaderMap,
+    route: &Route,
+    config: &Config,
+) -> Flow {
+    match result {
+        Ok(Decision::Forward(f)) => {
+            // Later plugins read the request as edited.
+            plugin::apply_edits(headers, &f.headers, &binding.plugin);
+            if let Some(p) = f.path {
+                match plugin_path(&p) {
+                    Some(pq) => {
+                        if let Some(f) = progress.facts.as_mut() {
+                            f.rewritten = Some(pq.clone());
+                        }
+                        progress.path = Some(pq);
+                    }
+                    None => {
+                        tracing::warn!(plugin = %binding.plugin, route = %route.name, path = %p, "plugin set an invalid path");
+                        return Flow::Answer(misbehaved(
+                            binding,
+                            route,
+                            "plugin set an invalid path",
+                        ));
+                    }
+                }
+            }
+            if let Some(name) = f.upstream {
+                match config.upstream_index(&name) {
+                    Some(u) => progress.upstream = Some(u),
+                    None => {
+                        tracing::warn!(plugin = %binding.plugin, route = %route.name, upstream = %name, "plugin chose an unknown upstream");
+                        return Flow::Answer(misbehaved(
+                            binding,
+                            route,
+                            "plugin chose an unknown upstream",
+                        ));
+                    }
+                }
+            }
+            Flow::Next
+        }
+        Ok(Decision::Respond(local)) => Flow::Answer(local_answer(binding, route, local)),
+        Ok(Decision::ReadBody(max)) => Flow::WantsBody(max),
+        Err(e) => match fail(binding, route, &e) {
+            Some(resp) => Flow::Answer(resp),
+            None => Flow::Next,
+        },
+    }
+}
+
+/// A plugin's own answer. An error answer (4xx, 5xx) with no body, or
+/// with the SDK's `{"error": message}` alone, gets the shape of the
+/// proxy's own errors (`error`, `status`, `route`, `plugin`, and gRPC's
+/// terms for a gRPC client), so clients parse one shape whoever refused
+/// them; any other body is the plugin's and goes as it is.
+fn local_answer(binding: &Binding, route: &Route, local: LocalResponse) -> Response<Body> {
+    let status = StatusCode::from_u16(local.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut resp = match error_message(status, &local.body) {
+        Some(message) => json_error(status, &message, route, Some(&binding.plugin)),
+        None => {
+            let mut resp = Response::new(Body::full(local.body));
+            *resp.status_mut() = status;
+            resp
+        }
+    };
+    let framing = |h: &plugin::Header| {
+        h.name.eq_ignore_ascii_case("content-type") || h.name.eq_ignore_ascii_case("content-length")
+    };
+    let ours = resp.headers().contains_key(header::CONTENT_TYPE);
+    let edits = plugin::HeaderEdits {
+        remove: Vec::new(),
+        set: Vec::new(),
+        add: local
+            .headers
+            .into_iter()
+            .filter(|h| !(ours && framing(h)))
+            .collect(),
+    };
+    plugin::apply_edits(resp.headers_mut(), &edits, &binding.plugin);
+    resp
+}
+
+/// The path a plugin set, when it can be sent: origin form (`/...`,
+/// with a query perhaps), nothing a request target may not hold.
+pub fn plugin_path(path: &str) -> Option<PathAndQuery> {
+    let pq = PathAndQuery::try_from(path).ok()?;
+    path.starts_with('/').then_some(pq)
+}
+
+/// The message of a plugin's error answer that takes the proxy's error
+/// shape (see [`local_answer`]); `None` for any other answer.
+pub fn error_message(status: StatusCode, body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct SdkError {
+        error: String,
+    }
+    if !(status.is_client_error() || status.is_server_error()) {
+        return None;
+    }
+    if body.is_empty() {
+        let reason = status.canonical_reason().unwrap_or("error");
+        return Some(reason.to_ascii_lowercase());
+    }
+    // The SDK's bodies are a few dozen bytes: a large one is the plugin's own.
+    if body.len() > 1024 || body.first() != Some(&b'{') {
+        return None;
+    }
+    serde_json::from_slice::<SdkError>(body)
+        .ok()
+        .map(|e| e.error)
+}
+
+/// The 500 for a plugin that answered something the proxy cannot carry out.
+fn misbehaved(binding: &Binding, route: &Route, message: &str) -> Response<Body> {
+    json_error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        message,
+        route,
+        Some(&binding.plugin),
+    )
+}
+
+/// What the request hooks leave for the forwarding and the response hooks.
+fn finish<'a>(
+    chain: &'a [Arc<Binding>],
+    progress: Progress,
+    headers: &http::HeaderMap,
+) -> RequestOutcome<'a> {
+    // Response hooks read the request too; keep it only when one will.
+    let wants_response = chain.iter().any(|b| b.hooks.contains(Hooks::RESPONSE));
+    if !wants_response && progress.upstream.is_none() && progress.path.is_none() {
+        return RequestOutcome::Forward(None);
+    }
+    let (facts, request_headers) = if wants_response {
+        (progress.facts, headers.clone())
+    } else {
+        (None, http::HeaderMap::new())
+    };
+    RequestOutcome::Forward(Some(Box::new(PluginContext {
+        facts,
+        request_headers,
+        chain,
+        upstream: progress.upstream,
+        path: progress.path,
+    })))
+}
+
+/// Logs a plugin failure and applies its failure policy: `Some` answer
+/// when closed, `None` (carry on) when open.
+fn fail(binding: &Binding, route: &Route, e: &PluginError) -> Option<Response<Body>> {
+    {
+        let mut c = plugin::counters().lock().unwrap_or_else(|p| p.into_inner());
+        *c.entry((binding.plugin.clone(), "failures".into()))
+            .or_default() += 1;
+        if matches!(e, PluginError::Timeout { .. }) {
+            *c.entry((binding.plugin.clone(), "deadline_hits".into()))
+                .or_default() += 1;
+        }
+    }
+    match binding.fail {
+        FailMode::Closed => {
+            tracing::warn!(plugin = %binding.plugin, route = %route.name, error = %e, "plugin failed; request refused (fail: closed)");
+            Some(plugin_error(route, e))
+        }
+        FailMode::Open => {
+            tracing::warn!(plugin = %binding.plugin, route = %route.name, error = %e, "plugin failed; request let through (fail: open)");
+            None
+        }
+    }
+}
+
+/// Runs the response hooks, last plugin first, on an upstream response
+/// head. `Some` is the answer to send instead when a plugin fails closed.
+pub fn on_response(
+    ctx: &mut PluginContext<'_>,
+    route: &Route,
+    resp: &mut http::response::Parts,
+) -> Option<Response<Body>> {
+    let chain = ctx.chain;
+    for binding in chain
+        .iter()
+        .rev()
+        .filter(|b| b.hooks.contains(Hooks::RESPONSE))
+    {
+        let head = ResponseHead {
+            status: resp.status.as_u16(),
+        };
+        match binding.on_response(
+            &mut ctx.facts,
+            &mut ctx.request_headers,
+            head,
+            &mut resp.headers,
+        ) {
+            Ok(edits) => plugin::apply_edits(&mut resp.headers, &edits, &binding.plugin),
+            Err(e) => {
+                if let Some(answer) = fail(binding, route, &e) {
+                    return Some(answer);
+                }
+            }
+        }
+    }
+    None
+}

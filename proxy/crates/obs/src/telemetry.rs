@@ -1,0 +1,191 @@
+//! Logging setup and the access log.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::Method;
+use http::uri::PathAndQuery;
+use tracing_subscriber::EnvFilter;
+
+/// Installs the global subscriber: text or JSON (`PORTCULLIS_LOG_FORMAT`),
+/// filtered by `RUST_LOG` (default `info`). Logs go to stderr.
+pub fn init() {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let json = std::env::var("PORTCULLIS_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    // Colours only for a person at a terminal: in a file or `kubectl logs`
+    // the escape codes are noise around every field.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr);
+    // A second init (tests that start several servers) is harmless: ignore it.
+    let _ = if json {
+        builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+pub use portcullis_net::unparsed_head::ACCESS_TARGET;
+
+/// One request's access-log record, written when dropped (that is, when the
+/// response body has been sent, or the client went away).
+#[derive(Debug)]
+pub struct AccessLog {
+    /// Request method.
+    pub method: Method,
+    /// Request path and query as received.
+    pub path: Option<PathAndQuery>,
+    /// Client address.
+    pub client: SocketAddr,
+    /// The worker thread serving the connection (which one is hot, and
+    /// whether connections are spread evenly).
+    pub worker: usize,
+    /// Response status.
+    pub status: u16,
+    /// Route name, when one matched.
+    pub route: Option<Arc<str>>,
+    /// Upstream name, when forwarded.
+    pub upstream: Option<Arc<str>>,
+    /// The endpoint whose answer the client got (nginx's
+    /// `$upstream_addr`, Envoy's `%UPSTREAM_HOST%`): which pod, when a
+    /// host's addresses are endpoints.
+    pub endpoint: Option<AnsweredBy>,
+    /// From the first try until the upstream's response head, connecting
+    /// and retries included (nginx's `$upstream_header_time`): the
+    /// upstream's share of `duration`.
+    pub upstream_header: Option<Duration>,
+    /// When the request head was received.
+    pub start: Instant,
+    /// Response body bytes sent.
+    pub bytes_sent: u64,
+    /// The response body did not end: it broke (an upstream reset
+    /// mid-body), or its client left before its end.
+    pub aborted: bool,
+    /// The request's `X-Request-Id`.
+    pub request_id: Option<http::HeaderValue>,
+    /// The connection's TLS version (`TLSv1.3`); none in cleartext.
+    pub tls: Option<&'static str>,
+    /// The client's verified certificate (mutual TLS): its subject is
+    /// logged, as nginx's `$ssl_client_s_dn`, so the log says who made
+    /// each request.
+    pub client_cert: Option<Arc<portcullis_net::client_cert::ClientCertificate>>,
+    /// Whose lines the route keeps (`access_log` on the route).
+    pub logging: portcullis_config::AccessLogging,
+    /// The request's trace, with the policies' `tracing`: its id is
+    /// logged, and a sampled request's span recorded when this is dropped.
+    pub trace: Option<Box<crate::otlp::Recording>>,
+}
+
+impl AccessLog {
+    /// A record for a request whose head arrived at `start`, or `None`
+    /// when access logging is off and the record is not `needed` anyway
+    /// (a sampled request's span is made from it). Boxed: the record
+    /// rides in every response body, which hyper moves several times,
+    /// and a `None` of the record inline was moved whole each time, access
+    /// logging off or on.
+    pub fn start(
+        method: &Method,
+        path: Option<&PathAndQuery>,
+        (client, worker): (SocketAddr, usize),
+        start: Instant,
+        needed: bool,
+    ) -> Option<Box<AccessLog>> {
+        let wanted = needed || tracing::enabled!(target: ACCESS_TARGET, tracing::Level::INFO);
+        wanted.then(|| {
+            Box::new(AccessLog {
+                method: method.clone(),
+                path: path.cloned(),
+                client,
+                worker,
+                // Until the answer's is set: a record dropped before
+                // that is a request whose client left (see
+                // `metrics::Pending::unanswered`).
+                status: crate::metrics::CLIENT_CLOSED_REQUEST,
+                route: None,
+                upstream: None,
+                endpoint: None,
+                upstream_header: None,
+                start,
+                bytes_sent: 0,
+                aborted: false,
+                request_id: None,
+                tls: None,
+                client_cert: None,
+                logging: portcullis_config::AccessLogging::All,
+                trace: None,
+            })
+        })
+    }
+}
+
+/// Which endpoint answered a request.
+#[derive(Debug)]
+pub enum AnsweredBy {
+    /// Endpoint `.1` of the upstream (shown as the endpoint shows itself:
+    /// `host:port`, and the address for one of a host's addresses).
+    Endpoint(Arc<portcullis_config::Upstream>, usize),
+    /// The authority a URL template rendered.
+    Rendered(String),
+}
+
+impl std::fmt::Display for AnsweredBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AnsweredBy::Endpoint(upstream, i) => match &upstream.target {
+                portcullis_config::Target::Endpoints(eps) if *i < eps.len() => eps[*i].fmt(f),
+                _ => f.write_str("-"),
+            },
+            AnsweredBy::Rendered(authority) => f.write_str(authority),
+        }
+    }
+}
+
+impl Drop for AccessLog {
+    fn drop(&mut self) {
+        use portcullis_config::AccessLogging;
+        let trace_id = self.trace.as_ref().map(|t| t.context.trace_hex());
+        if let Some(trace) = self.trace.take() {
+            trace.finish(self);
+        }
+        match self.logging {
+            AccessLogging::All => {}
+            AccessLogging::Errors if self.status >= 400 => {}
+            AccessLogging::Errors | AccessLogging::Off => return,
+        }
+        let path = self.path.as_ref().map_or("/", |p| p.as_str());
+        // Whole microseconds over 1000, which prints as at most three
+        // decimals; `as_secs_f64() * 1000.0` printed 0.19051300000000002.
+        let duration_ms = self.start.elapsed().as_micros() as f64 / 1000.0;
+        tracing::info!(
+            target: ACCESS_TARGET,
+            method = %self.method,
+            path,
+            status = self.status,
+            route = self.route.as_deref().unwrap_or("-"),
+            upstream = self.upstream.as_deref().unwrap_or("-"),
+            endpoint = %self.endpoint.as_ref().map_or(&"-" as &dyn std::fmt::Display, |e| e),
+            duration_ms,
+            // Absent when no upstream answered (a local answer, a 502).
+            upstream_header_ms = self.upstream_header.map(|d| d.as_micros() as f64 / 1000.0),
+            bytes = self.bytes_sent,
+            client = %self.client,
+            worker = self.worker,
+            aborted = self.aborted,
+            request_id = crate::request_id::text(self.request_id.as_ref()),
+            // Absent (not "-") in cleartext: most deployments have no TLS
+            // here and should not pay for the fields.
+            tls = self.tls,
+            client_cert = self.client_cert.as_ref().map(|c| c.identity.subject.as_str()),
+            // Absent without `tracing`, as `tls` in cleartext.
+            trace_id = trace_id.as_ref().and_then(|t| std::str::from_utf8(t).ok()),
+        );
+    }
+}

@@ -1,0 +1,781 @@
+//! `portcullis tunnel-client`: the cluster side. Keeps N outbound tunnel
+//! connections to the server (to each, when given several replicas) and
+//! serves the requests that come through
+//! them with the in-process routing core (its policies and plugins, hot
+//! reloaded) — no second network hop — or with one upstream URL.
+//!
+//! Each tunnel connection lives on one of the routing core's worker
+//! threads and uses that worker's upstream pools, like a listener's
+//! connection would.
+
+use std::convert::Infallible;
+use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio_util::sync::CancellationToken;
+
+use super::{BoxIo, Hello};
+use portcullis_config::Listener;
+use portcullis_http::body::{Body, ResponseBody};
+use portcullis_http::pipeline::ConnInfo;
+use portcullis_http::server::WorkerContext;
+
+/// Where the tunnel's requests go.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// The routing core on these policies (the built-in set when `None`).
+    Policies(Option<PathBuf>),
+    /// Everything to this one upstream URL.
+    Upstream(String),
+}
+
+/// Where the token comes from.
+#[derive(Clone)]
+pub enum Token {
+    /// Given directly (environment variable).
+    Value(String),
+    /// Read from this file at every connection attempt, so a rotated
+    /// Secret is picked up without a restart.
+    File(PathBuf),
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Token::Value(_) => f.write_str("Token::Value(..)"),
+            Token::File(p) => write!(f, "Token::File({})", p.display()),
+        }
+    }
+}
+
+impl Token {
+    fn read(&self) -> Result<String, String> {
+        let token = match self {
+            Token::Value(v) => v.clone(),
+            Token::File(p) => std::fs::read_to_string(p)
+                .map_err(|e| format!("reading the token file {}: {e}", p.display()))?,
+        };
+        let token = token.trim().to_owned();
+        if token.is_empty() {
+            return Err("the token is empty".into());
+        }
+        Ok(token)
+    }
+}
+
+/// How tunnels reach the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// HTTP/2 over a WebSocket over TCP (and TLS for `wss://`).
+    WebSocket,
+    /// QUIC to the same host and port over UDP, a stream per request.
+    Quic,
+    /// QUIC, falling back to WebSocket when a QUIC handshake fails (UDP
+    /// blocked on the way, a server without QUIC), and trying QUIC again
+    /// at a dial after [`ClientOptions::quic_retry_after`].
+    Auto,
+}
+
+/// A tunnel counts as up while the server pinged through it within this:
+/// two ping intervals and some slack.
+const PING_WINDOW: Duration =
+    Duration::from_millis(2 * super::KEEPALIVE_INTERVAL.as_millis() as u64 + 5_000);
+
+/// How long `--transport auto` gives a QUIC handshake before it falls
+/// back: half the handshake time, so the WebSocket dial has the rest.
+const QUIC_FALLBACK_AFTER: Duration = Duration::from_secs(5);
+
+/// How the tunnel client runs.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// `wss://host[:port]` (or `ws://` for local testing): one, or
+    /// several servers (replicas) that each get `connections` tunnels.
+    pub servers: Vec<http::Uri>,
+    /// This runtime's id.
+    pub runtime_id: String,
+    /// Its token.
+    pub token: Token,
+    /// Where requests go.
+    pub target: Target,
+    /// Tunnel connections kept open to each server.
+    pub connections: usize,
+    /// WebSocket or QUIC.
+    pub transport: Transport,
+    /// After `auto` fell back to WebSocket, how long before a dial tries
+    /// QUIC again: a UDP path that was blocked for a while (a firewall
+    /// change, a server that came up without QUIC during a rollout)
+    /// does not pin WebSocket until the client restarts, and one that
+    /// stays blocked costs one slow dial per period.
+    pub quic_retry_after: Duration,
+    /// How QUIC tunnels send (requests' answers: downloads).
+    pub quic_congestion: super::quic::Congestion,
+    /// Extra CA certificate (PEM) to trust for the server.
+    pub ca: Option<PathBuf>,
+}
+
+/// Reconnection delays: jittered exponential backoff from 0.5 s to 30 s,
+/// reset once a connection has stayed up for [`STABLE`].
+struct Backoff {
+    next: Duration,
+}
+
+const FIRST_DELAY: Duration = Duration::from_millis(500);
+const MAX_DELAY: Duration = Duration::from_secs(30);
+const STABLE: Duration = Duration::from_secs(30);
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff { next: FIRST_DELAY }
+    }
+
+    /// The next delay: between half and all of the current step, so
+    /// clients cut off together do not come back together.
+    fn next(&mut self) -> Duration {
+        let step = self.next;
+        self.next = (self.next * 2).min(MAX_DELAY);
+        let random = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        step / 2 + step.mul_f64((random % 1000) as f64 / 2000.0)
+    }
+
+    fn reset(&mut self) {
+        self.next = FIRST_DELAY;
+    }
+}
+
+/// The policy source a `Target::Upstream` client serves: one upstream and
+/// one route for every path.
+pub fn upstream_policy(url: &str) -> portcullis_config::Source {
+    portcullis_config::Source {
+        name: "--upstream".into(),
+        text: format!(
+            "upstreams: [{{ name: upstream, endpoints: [\"{}\"] }}]\nroutes:\n  - {{ name: upstream, match: {{ path_prefix: / }}, upstream: upstream, websocket: true }}\n",
+            url.replace('"', "%22")
+        ),
+    }
+}
+
+/// What every tunnel connection of this client shares.
+pub struct Dialer {
+    options: ClientOptions,
+    instance: String,
+    tls: Option<tokio_rustls::TlsConnector>,
+    /// QUIC settings, for `--transport quic` and `auto`.
+    quic: Option<quinn::ClientConfig>,
+    /// Per server: when `--transport auto` last fell back to WebSocket
+    /// (ms since `epoch`, 0 never).
+    fell_back: Vec<AtomicU64>,
+    /// The listener settings tunnel requests are served under.
+    listener: Arc<Listener>,
+    /// Set when the server says another client took over this runtime.
+    replaced: AtomicBool,
+    /// Per slot (`connections` per server, the first server's first).
+    slots: Vec<SlotState>,
+    epoch: Instant,
+    /// Cancelled to stop the whole client (after a takeover).
+    pub give_up: CancellationToken,
+}
+
+impl Dialer {
+    /// Prepares TLS for `wss://` servers.
+    pub fn new(options: ClientOptions) -> anyhow::Result<Dialer> {
+        use anyhow::Context;
+        anyhow::ensure!(!options.servers.is_empty(), "give --server");
+        for server in &options.servers {
+            anyhow::ensure!(
+                matches!(server.scheme_str(), Some("wss" | "ws")),
+                "--server {server} must be a wss:// (or ws:// for testing) URL"
+            );
+            anyhow::ensure!(server.host().is_some(), "--server {server} has no host");
+            if options.transport != Transport::WebSocket && server.scheme_str() != Some("wss") {
+                anyhow::bail!(
+                    "--transport {} needs a wss:// server: QUIC is always encrypted (--server {server})",
+                    if options.transport == Transport::Quic {
+                        "quic"
+                    } else {
+                        "auto"
+                    },
+                );
+            }
+        }
+        let tls_config = if options
+            .servers
+            .iter()
+            .any(|s| s.scheme_str() == Some("wss"))
+        {
+            let mut settings = portcullis_config::TlsSettings::default();
+            if let Some(ca) = &options.ca {
+                use rustls_pki_types::CertificateDer;
+                use rustls_pki_types::pem::PemObject;
+                settings.ca_certs = CertificateDer::pem_file_iter(ca)
+                    .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+                    .with_context(|| format!("reading --ca {}", ca.display()))?;
+            }
+            Some(portcullis_http::forward::client_tls_config(&settings))
+        } else {
+            None
+        };
+        let (tls, quic) = match (options.transport, tls_config) {
+            (_, None) => (None, None),
+            (Transport::WebSocket, Some(mut config)) => {
+                config.alpn_protocols = vec![b"http/1.1".to_vec()];
+                (
+                    Some(tokio_rustls::TlsConnector::from(Arc::new(config))),
+                    None,
+                )
+            }
+            (Transport::Quic, Some(config)) => (
+                None,
+                Some(
+                    super::quic::client_config(config, options.quic_congestion)
+                        .map_err(anyhow::Error::msg)?,
+                ),
+            ),
+            (Transport::Auto, Some(mut config)) => {
+                let quic = super::quic::client_config(config.clone(), options.quic_congestion)
+                    .map_err(anyhow::Error::msg)?;
+                config.alpn_protocols = vec![b"http/1.1".to_vec()];
+                (
+                    Some(tokio_rustls::TlsConnector::from(Arc::new(config))),
+                    Some(quic),
+                )
+            }
+        };
+        Ok(Dialer {
+            instance: instance_id(),
+            tls,
+            quic,
+            fell_back: options.servers.iter().map(|_| AtomicU64::new(0)).collect(),
+            listener: Arc::new(Listener {
+                name: "tunnel".into(),
+                bind: SocketAddr::from(([0, 0, 0, 0], 0)),
+                max_connections: usize::MAX,
+                header_read_timeout: Duration::from_secs(30),
+                keepalive_timeout: portcullis_config::DEFAULT_KEEPALIVE_TIMEOUT,
+                // The tunnel is one long-lived connection for everything.
+                max_requests_per_connection: 0,
+                connection_lifetime: Duration::ZERO,
+                max_request_header_size: 64 << 10,
+                // The tunnel server sets X-Forwarded-Proto and -Host.
+                trust_forwarded_headers: true,
+                proxy_protocol: false,
+                // The tunnel server gave each request its id.
+                request_id: portcullis_obs::request_id::RequestIds::Keep,
+                tls: None,
+                redirect_https: None,
+                defined_at: portcullis_config::Pos {
+                    file: "--server".into(),
+                    line: 0,
+                    column: 0,
+                },
+            }),
+            slots: (0..options.servers.len() * options.connections.max(1))
+                .map(|_| SlotState::default())
+                .collect(),
+            epoch: Instant::now(),
+            options,
+            replaced: AtomicBool::new(false),
+            give_up: CancellationToken::new(),
+        })
+    }
+
+    /// How many tunnel slots there are: `connections` per server.
+    pub fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The server a slot dials, and its index among the servers.
+    fn server(&self, slot: usize) -> (usize, &http::Uri) {
+        let index = (slot / self.options.connections.max(1)).min(self.options.servers.len() - 1);
+        (index, &self.options.servers[index])
+    }
+
+    /// Tunnels the server pinged through within two ping intervals.
+    pub fn tunnels_up(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| self.ping_age(s).is_some_and(|age| age < PING_WINDOW))
+            .count()
+    }
+
+    /// How long ago the server last pinged through `slot`, if ever since
+    /// its tunnel was made.
+    fn ping_age(&self, slot: &SlotState) -> Option<Duration> {
+        let last = slot.last_ping.load(Ordering::Relaxed);
+        let now = self.epoch.elapsed().as_millis() as u64;
+        (last != 0).then(|| Duration::from_millis(now.saturating_sub(last)))
+    }
+
+    /// Every slot's tunnel, for the admin endpoint.
+    pub fn report(&self) -> Vec<portcullis_http::pipeline::TunnelSlot> {
+        self.slots
+            .iter()
+            .enumerate()
+            .map(|(slot, state)| {
+                let since = state.since.load(Ordering::Relaxed);
+                let age = self.ping_age(state);
+                portcullis_http::pipeline::TunnelSlot {
+                    server: self.server(slot).1.to_string(),
+                    slot,
+                    transport: match state.transport.load(Ordering::Relaxed) {
+                        1 => Some("websocket"),
+                        2 => Some("quic"),
+                        _ => None,
+                    },
+                    up: age.is_some_and(|age| age < PING_WINDOW),
+                    since: (since != 0)
+                        .then(|| std::time::UNIX_EPOCH + Duration::from_millis(since)),
+                    last_ping: age,
+                }
+            })
+            .collect()
+    }
+
+    fn pinged(&self, slot: usize) {
+        let now = (self.epoch.elapsed().as_millis() as u64).max(1);
+        if let Some(s) = self.slots.get(slot) {
+            s.last_ping.store(now, Ordering::Relaxed);
+        }
+    }
+
+    /// `slot`'s tunnel was made, over `quic` or WebSocket.
+    fn connected(&self, slot: usize, quic: bool) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_millis() as u64);
+        if let Some(s) = self.slots.get(slot) {
+            s.since.store(now, Ordering::Relaxed);
+            s.transport
+                .store(if quic { 2 } else { 1 }, Ordering::Relaxed);
+        }
+    }
+
+    fn down(&self, slot: usize) {
+        if let Some(s) = self.slots.get(slot) {
+            s.last_ping.store(0, Ordering::Relaxed);
+            s.since.store(0, Ordering::Relaxed);
+            s.transport.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// True once another client took over this runtime id.
+    pub fn was_replaced(&self) -> bool {
+        self.replaced.load(Ordering::Relaxed)
+    }
+
+    /// Dials and authenticates a tunnel.
+    async fn dial(&self, slot: usize) -> Result<Dialed, String> {
+        let hello = Hello {
+            runtime: self.options.runtime_id.clone(),
+            instance: self.instance.clone(),
+            slot: slot as u32,
+            token: self.options.token.read()?,
+        };
+        let (index, server) = self.server(slot);
+        let now = self.epoch.elapsed();
+        let fell_back = self.fell_back[index].load(Ordering::Relaxed);
+        if let Some(config) = &self.quic
+            && quic_due(fell_back, now, self.options.quic_retry_after)
+        {
+            let quic = super::quic::dial(server, config.clone(), &hello);
+            if self.options.transport == Transport::Quic {
+                return Ok(Dialed::Quic(quic.await?));
+            }
+            let why = match tokio::time::timeout(QUIC_FALLBACK_AFTER, quic).await {
+                Ok(Ok(tunnel)) => return Ok(Dialed::Quic(tunnel)),
+                // The server answered over QUIC: WebSocket would get the
+                // same answer.
+                Ok(Err(e)) if e.starts_with(super::quic::REFUSED) => return Err(e),
+                Ok(Err(e)) => e,
+                Err(_) => format!("no QUIC handshake within {QUIC_FALLBACK_AFTER:?}"),
+            };
+            tracing::warn!(slot, %server, reason = %why, retry_after = ?self.options.quic_retry_after, "QUIC failed; using WebSocket, and QUIC again at a dial after retry_after");
+            let failed_at = (self.epoch.elapsed().as_millis() as u64).max(1);
+            self.fell_back[index].store(failed_at, Ordering::Relaxed);
+        }
+        let tls = self
+            .tls
+            .as_ref()
+            .filter(|_| server.scheme_str() == Some("wss"));
+        let io = super::websocket::dial(server, tls, &hello).await?;
+        Ok(Dialed::WebSocket(TokioIo::new(io)))
+    }
+}
+
+/// What the client knows of one tunnel slot, for readiness and its
+/// admin endpoint.
+#[derive(Default)]
+struct SlotState {
+    /// When the server last pinged through it (ms since the dialer's
+    /// `epoch`, 0 while down). A tunnel counts as up while pings arrive,
+    /// not merely while its socket is open: a half-dead connection must
+    /// not look ready.
+    last_ping: AtomicU64,
+    /// When its tunnel was made (ms since the Unix epoch, 0 while down).
+    since: AtomicU64,
+    /// Its transport: 0 while down, 1 WebSocket, 2 QUIC.
+    transport: AtomicU8,
+}
+
+/// Whether a dial at `now` tries QUIC, for a server where `auto` last
+/// fell back to WebSocket at `fell_back` ms (0: never).
+fn quic_due(fell_back: u64, now: Duration, retry_after: Duration) -> bool {
+    fell_back == 0 || now.saturating_sub(Duration::from_millis(fell_back)) >= retry_after
+}
+
+/// A dialled tunnel.
+enum Dialed {
+    /// A byte stream for HTTP/2.
+    WebSocket(TokioIo<BoxIo>),
+    /// A QUIC connection, a stream per request.
+    Quic(super::quic::ClientTunnel),
+}
+
+/// One tunnel connection slot: dials, serves until the tunnel ends, and
+/// dials again after a backoff, until the worker drains.
+pub async fn run_slot(slot: usize, dialer: Arc<Dialer>, ctx: WorkerContext) {
+    let mut backoff = Backoff::new();
+    loop {
+        if ctx.stop.is_cancelled() || dialer.give_up.is_cancelled() {
+            return;
+        }
+        let started = Instant::now();
+        let dialed = tokio::select! {
+            r = tokio::time::timeout(super::HANDSHAKE_TIMEOUT, dialer.dial(slot)) => r.unwrap_or_else(|_| Err(match dialer.options.transport {
+                Transport::WebSocket => "no handshake within 10s".into(),
+                // UDP is often dropped where TCP passes, without a word.
+                Transport::Quic => "no QUIC handshake within 10s: is UDP to the server's port open, and does the server run with --tunnel-quic?".into(),
+                Transport::Auto => "no handshake within 10s".into(),
+            })),
+            _ = ctx.stop.cancelled() => return,
+            _ = dialer.give_up.cancelled() => return,
+        };
+        match dialed {
+            Ok(dialed) => {
+                tracing::debug!(slot, "tunnel handshake done");
+                dialer.connected(slot, matches!(dialed, Dialed::Quic(_)));
+                let why = match dialed {
+                    Dialed::WebSocket(io) => serve(io, slot, &dialer, &ctx).await,
+                    Dialed::Quic(tunnel) => serve_quic(tunnel, slot, &dialer, &ctx).await,
+                };
+                dialer.down(slot);
+                if dialer.was_replaced() {
+                    tracing::error!(slot, runtime = %dialer.options.runtime_id, "another client took over this runtime id; stopping");
+                    dialer.give_up.cancel();
+                    return;
+                }
+                if ctx.stop.is_cancelled() {
+                    return;
+                }
+                tracing::warn!(
+                    slot,
+                    server = %dialer.server(slot).1,
+                    reason = %why,
+                    up_for_s = started.elapsed().as_secs(),
+                    "tunnel lost; reconnecting"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(slot, server = %dialer.server(slot).1, error = %e, "tunnel connection failed")
+            }
+        }
+        if started.elapsed() >= STABLE {
+            backoff.reset();
+        }
+        let delay = backoff.next();
+        tracing::debug!(
+            slot,
+            delay_ms = delay.as_millis() as u64,
+            "reconnecting after backoff"
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = ctx.stop.cancelled() => return,
+            _ = dialer.give_up.cancelled() => return,
+        }
+    }
+}
+
+/// Serves HTTP/2 from the server over one tunnel until it ends; on drain,
+/// stops taking new streams and lets those in flight finish.
+///
+/// Returns why the tunnel ended, for the reconnect log line: a reset, a
+/// ping left unanswered (a dead peer) and a server that closed it cleanly
+/// (restart, rotated token) call for different fixes.
+async fn serve(
+    io: TokioIo<BoxIo>,
+    slot: usize,
+    dialer: &Arc<Dialer>,
+    ctx: &WorkerContext,
+) -> String {
+    let service = service(slot, dialer, ctx, false);
+    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .initial_stream_window_size(super::STREAM_WINDOW)
+        .initial_connection_window_size(super::CONNECTION_WINDOW)
+        .max_concurrent_streams(super::MAX_TUNNELED_STREAMS)
+        .max_pending_accept_reset_streams(super::MAX_TUNNELED_STREAMS as usize)
+        .max_header_list_size(super::MAX_TUNNELED_HEAD)
+        // WebSocket upgrades arrive as extended CONNECT (RFC 8441).
+        .enable_connect_protocol()
+        .keep_alive_interval(super::KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(super::KEEPALIVE_TIMEOUT)
+        .serve_connection(io, service);
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => {
+            return match r {
+                Ok(()) => "the server closed the tunnel".into(),
+                Err(e) => portcullis_http::forward::error_chain(&e),
+            };
+        }
+        _ = ctx.stop.cancelled() => {}
+        _ = dialer.give_up.cancelled() => {}
+    }
+    // Draining: GOAWAY, then the streams in flight run to their end.
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
+    "draining".into()
+}
+
+/// Serves the requests of a QUIC tunnel, each on its own stream, until it
+/// ends; on drain, tells the server (which then sends no new requests
+/// here), lets those in flight finish and closes.
+async fn serve_quic(
+    mut tunnel: super::quic::ClientTunnel,
+    slot: usize,
+    dialer: &Arc<Dialer>,
+    ctx: &WorkerContext,
+) -> String {
+    let service = service(slot, dialer, ctx, true);
+    let streams = tokio_util::task::TaskTracker::new();
+    let serve_next = |io| {
+        let service = service.clone();
+        streams.spawn(async move {
+            if let Err(e) = super::quic::serve_stream(io, service).await {
+                tracing::debug!(slot, error = %e, "tunnel stream ended with an error");
+            }
+        });
+    };
+    loop {
+        tokio::select! {
+            io = tunnel.accept() => match io {
+                Ok(io) => serve_next(io),
+                Err(why) => return why,
+            },
+            _ = ctx.stop.cancelled() => break,
+            _ = dialer.give_up.cancelled() => break,
+        }
+    }
+    tunnel.drain();
+    streams.close();
+    // Requests the server sent before it heard are still served.
+    loop {
+        tokio::select! {
+            io = tunnel.accept() => match io {
+                Ok(io) => serve_next(io),
+                Err(_) => break,
+            },
+            _ = streams.wait() => break,
+        }
+    }
+    tunnel.close("draining").await;
+    "draining".into()
+}
+
+/// The service a tunnel's requests are served with. The server pings as
+/// soon as it has registered the tunnel: from then on public requests can
+/// arrive, so that is when it counts as connected. `http1` when it serves
+/// HTTP/1.1 (a QUIC stream), which declares trailers before sending them.
+fn service(
+    slot: usize,
+    dialer: &Arc<Dialer>,
+    ctx: &WorkerContext,
+    http1: bool,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = Response<ResponseBody>,
+    Error = Infallible,
+    Future = impl Future<Output = Result<Response<ResponseBody>, Infallible>> + Send + 'static,
+> + Clone
++ 'static {
+    let connected = Arc::new(AtomicBool::new(false));
+    let dialer = dialer.clone();
+    let pipeline = ctx.pipeline.clone();
+    let worker = ctx.worker;
+    service_fn(move |req: Request<Incoming>| {
+        if req.headers().contains_key(super::CONTROL) {
+            dialer.pinged(slot);
+            if !connected.swap(true, Ordering::Relaxed) {
+                tracing::info!(slot, server = %dialer.server(slot).1, runtime = %dialer.options.runtime_id, transport = if http1 { "quic" } else { "websocket" }, "tunnel connected");
+            }
+        }
+        let dialer = dialer.clone();
+        let pipeline = portcullis_http::pipeline::current(&pipeline);
+        async move {
+            let mut resp = handle(req, &dialer, &pipeline, worker).await;
+            if http1 {
+                super::quic::declare_trailers(&mut resp);
+            }
+            Ok::<_, Infallible>(resp)
+        }
+    })
+}
+
+async fn handle(
+    mut req: Request<Incoming>,
+    dialer: &Dialer,
+    pipeline: &portcullis_http::pipeline::Pipeline,
+    worker: usize,
+) -> Response<ResponseBody> {
+    if let Some(what) = req.headers().get(super::CONTROL) {
+        if what == super::REPLACED {
+            dialer.replaced.store(true, Ordering::Relaxed);
+            dialer.give_up.cancel();
+        }
+        let mut resp = Response::new(ResponseBody::new(
+            Body::empty(),
+            None,
+            None,
+            Default::default(),
+        ));
+        *resp.status_mut() = StatusCode::NO_CONTENT;
+        return resp;
+    }
+    // The public client, as the tunnel server saw it.
+    // Only for this hop: the upstream sees the address in X-Forwarded-For.
+    let client = req
+        .headers_mut()
+        .remove(super::CLIENT_ADDR)
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
+    let conn = ConnInfo {
+        client,
+        client_ip: portcullis_http::forward::client_ip_header(client.ip()),
+        listener: dialer.listener.clone(),
+        tls: false,
+        tls_version: None,
+        sni: None,
+        client_cert: None,
+        worker,
+        socket: None,
+        retire: None,
+    };
+    let Some(protocol) = req.extensions_mut().remove::<hyper::ext::Protocol>() else {
+        return pipeline.handle(req, &conn).await;
+    };
+    // An extended CONNECT is a public client's HTTP/1.1 upgrade: hand the
+    // routing core that upgrade request. The stream's own OnUpgrade stays
+    // in the extensions, so the core splices the upstream to this stream
+    // once it answers 200 here for the upstream's 101.
+    let (mut parts, body) = req.into_parts();
+    parts.method = http::Method::GET;
+    parts.version = http::Version::HTTP_11;
+    // An HTTP/1.1 request names its host in `Host`; the stream named it
+    // in `:authority`.
+    if let Some(authority) = parts.uri.authority()
+        && !parts.headers.contains_key(http::header::HOST)
+        && let Ok(host) = http::HeaderValue::from_str(authority.as_str())
+    {
+        parts.headers.insert(http::header::HOST, host);
+    }
+    match http::HeaderValue::from_str(protocol.as_str()) {
+        Ok(v) => parts.headers.insert(http::header::UPGRADE, v),
+        Err(_) => parts.headers.insert(
+            http::header::UPGRADE,
+            http::HeaderValue::from_static("websocket"),
+        ),
+    };
+    parts.headers.insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("upgrade"),
+    );
+    let mut resp = pipeline
+        .handle(Request::from_parts(parts, body), &conn)
+        .await;
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        *resp.status_mut() = StatusCode::OK;
+        resp.headers_mut().remove(http::header::CONNECTION);
+        resp.headers_mut().remove(http::header::UPGRADE);
+    }
+    resp
+}
+
+/// A process's instance id: its start time in Unix milliseconds first
+/// (the tunnel server keeps the newest client), then 64 random bits.
+pub(super) fn instance_id() -> String {
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    format!("{started}-{random:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quic_is_tried_again_once_the_retry_period_has_passed() {
+        let (s, ms) = (Duration::from_secs, Duration::from_millis);
+        let ten_min = s(600);
+        // Never fell back: always QUIC.
+        assert!(quic_due(0, s(0), ten_min));
+        // Fell back at 5 s: WebSocket until 605 s, then QUIC again.
+        assert!(!quic_due(5_000, s(5), ten_min));
+        assert!(!quic_due(5_000, ms(604_999), ten_min));
+        assert!(quic_due(5_000, s(605), ten_min));
+        // 0 s: every dial tries QUIC first.
+        assert!(quic_due(5_000, s(5), s(0)));
+    }
+
+    #[test]
+    fn backoff_is_jittered_grows_to_the_cap_and_resets() {
+        let mut b = Backoff::new();
+        let first = b.next();
+        assert!(
+            first >= FIRST_DELAY / 2 && first <= FIRST_DELAY,
+            "{first:?}"
+        );
+        let mut step = FIRST_DELAY;
+        for _ in 0..12 {
+            step = (step * 2).min(MAX_DELAY);
+            let d = b.next();
+            assert!(
+                d >= step / 2 && d <= step,
+                "{d:?} outside [{:?}, {step:?}]",
+                step / 2
+            );
+        }
+        assert_eq!(step, MAX_DELAY);
+        b.reset();
+        assert!(b.next() <= FIRST_DELAY);
+        // Jitter: a handful of clients cut off together do not all wait
+        // the same time.
+        let spread: std::collections::HashSet<_> = (0..8).map(|_| Backoff::new().next()).collect();
+        assert!(spread.len() > 1, "no jitter: {spread:?}");
+    }
+
+    #[test]
+    fn upstream_mode_policy_routes_everything_to_the_url_with_upgrades() {
+        let source = upstream_policy("http://app:8080");
+        let config = portcullis_config::load_sources(&[source], &|_| None)
+            .expect("the generated policy is valid");
+        assert_eq!(config.routes.len(), 1);
+        assert!(config.routes[0].websocket);
+        assert!(config.listeners.is_empty());
+    }
+}
