@@ -39,7 +39,8 @@ const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// close an idle connection before the proxy does and never reuse one just
 /// as it closes.
 pub const DEFAULT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(75);
-const DEFAULT_MAX_HEADER_SIZE: usize = 32 * 1024;
+/// A listener's `max_request_header_size` unless it says otherwise.
+pub const DEFAULT_MAX_HEADER_SIZE: usize = 32 * 1024;
 /// nginx's proxy_read_timeout, which the replaced routing service relied
 /// on: for the response head, and between reads of the body.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);

@@ -25,7 +25,9 @@ use http::uri::{Authority, Scheme};
 use http::{HeaderName, HeaderValue, Method, StatusCode};
 use rustls_pki_types::CertificateDer;
 
-pub use build::{DEFAULT_KEEPALIVE_TIMEOUT, MAX_PLUGIN_MEMORY, upstream_at};
+pub use build::{
+    DEFAULT_KEEPALIVE_TIMEOUT, DEFAULT_MAX_HEADER_SIZE, MAX_PLUGIN_MEMORY, upstream_at,
+};
 pub use features::{
     AuthCacheSpec, Compression, DEFAULT_BROTLI, DEFAULT_LEVEL, DEFAULT_MIN_SIZE, DEFAULT_TYPES,
     LimitKey, MirrorSpec, RateLimitSpec, RequestIds, Tracing,

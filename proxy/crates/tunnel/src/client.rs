@@ -264,7 +264,10 @@ impl Dialer {
                 // The tunnel is one long-lived connection for everything.
                 max_requests_per_connection: 0,
                 connection_lifetime: Duration::ZERO,
-                max_request_header_size: 64 << 10,
+                // As a policy listener that sets none: the public side
+                // takes twice that (MAX_PUBLIC_HEAD), so this limit, and
+                // its JSON 431, decides as it would on a direct request.
+                max_request_header_size: portcullis_config::DEFAULT_MAX_HEADER_SIZE,
                 // The tunnel server sets X-Forwarded-Proto and -Host.
                 trust_forwarded_headers: true,
                 proxy_protocol: false,
