@@ -3,6 +3,7 @@
 
 mod support;
 
+mod architecture;
 mod auth_request;
 mod body_limit;
 mod check_cli;

@@ -189,6 +189,14 @@ async fn exchange_h1(
     (status, headers, body)
 }
 
+/// A case's name, method and path, extra headers and body.
+type LocalCase<'a> = (
+    &'a str,
+    (&'a str, &'a str),
+    &'a [(&'a str, String)],
+    &'static [u8],
+);
+
 /// The routing core's own answers (no route, a body or head over its
 /// limits, an upstream down or too slow) and the bodiless ones (HEAD, 204,
 /// 304) reach a public client through either tunnel with the status,
@@ -219,7 +227,7 @@ routes:
     let quic_args = [&open[..], &["--transport", "quic"]].concat();
     let _quic = server.client("rt-b", TOKENS[1].1, &quic_args).await;
     let big = vec![("x-big", "b".repeat(40 << 10))];
-    let cases: [(&str, (&str, &str), &[(&str, String)], &'static [u8]); 8] = [
+    let cases: [LocalCase; 8] = [
         ("404", ("GET", "/nowhere"), &[], b""),
         ("413", ("POST", "/limited"), &[], &[b'x'; 64]),
         ("431", ("GET", "/up/page"), &big, b""),

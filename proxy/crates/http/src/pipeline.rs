@@ -24,7 +24,6 @@ use crate::route_state::{self, RouteState};
 use crate::{chain, request_head};
 use portcullis_config::{Action, Config, Cors, Listener, PathRewrite, Probe, Route, Upstream};
 use portcullis_obs::metrics;
-use portcullis_obs::request_id::RequestIds;
 use portcullis_obs::telemetry::AccessLog;
 use portcullis_plugin as plugin;
 
@@ -518,98 +517,23 @@ impl Pipeline {
         })
     }
 
-    /// Handles one request end to end. Never fails: every problem becomes
-    /// an HTTP answer.
-    pub async fn handle(
-        &self,
-        mut req: Request<Incoming>,
-        conn: &ConnInfo,
-    ) -> Response<ResponseBody> {
-        let start = Instant::now();
-        let watch = watchable(conn, req.version());
-        // Before the access-log record: a sampled request needs one.
-        let trace = self.config.tracing.as_ref().map(|tracing| {
-            let pool = &self.upstreams[conn.worker % self.upstreams.len()][tracing.upstream];
-            // An HTTP/1 request has none: nothing is cloned.
-            let (authority, version) = (req.uri().authority().cloned(), req.version());
-            let head = (authority.as_ref(), version);
-            let from = portcullis_obs::otlp::Arrival {
-                peer: conn.client.ip(),
-                trust_forwarded: conn.listener.trust_forwarded_headers,
-                https: conn.tls,
-                trust_traceparent: tracing.trust_incoming,
-            };
-            portcullis_obs::otlp::Recording::begin(tracing, pool, req.headers_mut(), head, from)
-        });
-        let mut log = AccessLog::start(
-            req.method(),
-            req.uri().path_and_query(),
-            (conn.client, conn.worker),
-            start,
-            trace
-                .as_ref()
-                .is_some_and(portcullis_obs::otlp::Recording::sampled),
-        );
-        let (request_id, made) = match conn.listener.request_id {
-            RequestIds::Keep => (
-                req.headers()
-                    .get(portcullis_obs::request_id::HEADER)
-                    .cloned(),
-                false,
-            ),
-            RequestIds::Make => (
-                Some(portcullis_obs::request_id::ensure(req.headers_mut())),
-                true,
-            ),
-            RequestIds::Off => (None, false),
-        };
-        if let Some(log) = log.as_mut() {
-            log.request_id = request_id.clone();
-            log.tls = conn.tls_version;
-            log.client_cert = conn.client_cert.clone();
-            log.trace = trace.map(Box::new);
-        }
-        let mut counted = metrics::Pending::unanswered(metrics::unrouted(), start);
-        let head = req.method() == Method::HEAD;
-        // Read before the request is taken apart; a GET never looks.
-        let grpc = crate::grpc_local::is_grpc(req.method(), req.headers())
-            .then(|| req.headers().get(header::CONTENT_TYPE).cloned());
-        let (resp, held) = self
-            .route_and_serve(
-                req,
-                conn,
-                (&mut log, request_id.as_ref()),
-                &mut counted.stats,
-            )
-            .await;
-        let status = resp.status().as_u16();
-        // Logged and counted with the HTTP status chosen; answered in
-        // gRPC's terms.
-        let resp = match grpc {
-            Some(content_type) => crate::grpc_local::answer(resp, content_type),
-            None => bodiless_answer(resp, head),
-        };
-        if let Some(log) = log.as_mut() {
-            log.status = status;
-        }
-        counted.status = status;
-        let (mut parts, body) = resp.into_parts();
-        if made && let Some(id) = request_id {
-            portcullis_obs::request_id::answer_with(&mut parts.headers, id);
-        }
-        Response::from_parts(
-            parts,
-            ResponseBody::new(body, log, Some(counted), held).watching(watch),
-        )
+    /// Handles one request end to end (see [`crate::phases`]). Never
+    /// fails: every problem becomes an HTTP answer.
+    #[inline]
+    pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ResponseBody> {
+        crate::phases::drive(self, req, conn).await
     }
 
-    async fn route_and_serve(
+    async fn route_and_serve<B>(
         &self,
-        req: Request<Incoming>,
+        req: Request<B>,
         conn: &ConnInfo,
         (log, request_id): (&mut Option<Box<AccessLog>>, Option<&HeaderValue>),
         stats: &mut &'static metrics::RouteStats,
-    ) -> (Response<Body>, forward::Held) {
+    ) -> (Response<Body>, forward::Held)
+    where
+        B: http_body::Body + Into<Body> + Send,
+    {
         let (mut parts, body) = req.into_parts();
         let origin = parts.headers.get(header::ORIGIN).cloned();
         if request_head::head_size(&parts) > conn.listener.max_request_header_size {
@@ -690,7 +614,7 @@ impl Pipeline {
                 forward::Held::default(),
             );
         }
-        let mut body = Body::from(body);
+        let mut body: Body = body.into();
         // Also before the plugins: one that reads the body never sees more
         // than the route takes.
         if let Some(max) = route.max_request_body {
@@ -990,6 +914,57 @@ impl Pipeline {
             resp = crate::compress::apply(settings, coding, head, resp);
         }
         (resp, forward::Held::default())
+    }
+}
+
+impl crate::phases::Phases for Pipeline {
+    type Conn = ConnInfo;
+
+    #[inline]
+    fn entry<'c>(&self, conn: &'c ConnInfo, version: Version) -> crate::phases::Entry<'c> {
+        crate::phases::Entry {
+            client: conn.client,
+            worker: conn.worker,
+            tls_version: conn.tls_version,
+            client_cert: conn.client_cert.as_ref(),
+            request_ids: conn.listener.request_id,
+            counted: Some(metrics::unrouted()),
+            watch: watchable(conn, version),
+        }
+    }
+
+    #[inline]
+    fn trace(
+        &self,
+        conn: &ConnInfo,
+    ) -> Option<(
+        &Arc<portcullis_config::Tracing>,
+        &Arc<UpstreamPool>,
+        portcullis_obs::otlp::Arrival,
+    )> {
+        let tracing = self.config.tracing.as_ref()?;
+        let pool = &self.upstreams[conn.worker % self.upstreams.len()][tracing.upstream];
+        let from = portcullis_obs::otlp::Arrival {
+            peer: conn.client.ip(),
+            trust_forwarded: conn.listener.trust_forwarded_headers,
+            https: conn.tls,
+            trust_traceparent: tracing.trust_incoming,
+        };
+        Some((tracing, pool, from))
+    }
+
+    #[inline]
+    fn serve<B>(
+        &self,
+        req: Request<B>,
+        conn: &ConnInfo,
+        ctx: &mut crate::phases::RequestCtx,
+    ) -> impl std::future::Future<Output = (Response<Body>, forward::Held)> + Send
+    where
+        B: http_body::Body + Into<Body> + Send,
+    {
+        let (log, request_id, stats) = ctx.parts();
+        self.route_and_serve(req, conn, (log, request_id), stats)
     }
 }
 

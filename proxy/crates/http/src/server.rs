@@ -7,7 +7,6 @@
 //! crosses threads. Measured against one multi-threaded runtime, this
 //! cut the proxy's CPU per request by about a third (see bench/).
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,7 +16,6 @@ use arc_swap::ArcSwap;
 use futures_util::FutureExt;
 use hyper::Request;
 use hyper::body::Incoming;
-use hyper::service::service_fn;
 use hyper_util::rt::TokioTimer;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -30,7 +28,7 @@ use portcullis_config::{Config, Listener};
 use portcullis_net::balance::{Accepting, Balance, Counted, Handoff};
 use portcullis_net::drain::Connections;
 use portcullis_net::h1_or_h2;
-use portcullis_net::head_deadline::{self, Ended, HeadClock, Watched};
+
 use portcullis_net::tls_listen::{NotOpened, Opened};
 
 /// Why the server could not start.
@@ -920,61 +918,39 @@ fn serve_connection<S>(
         socket: Some(socket),
         retire: retire.clone(),
     });
-    let builder = &settings.builder;
     let pipeline = pipeline.clone();
     let service_conn = conn.clone();
-    let clock = Arc::new(HeadClock::default());
-    let service_clock = clock.clone();
-    let service = service_fn(move |req: Request<Incoming>| {
-        service_clock.request(req.version());
+    let respond = move |req: Request<Incoming>| {
         // Each request takes the pipeline current at its arrival; a reload
         // swaps it under keep-alive connections without touching requests
         // already in flight.
         let pipeline = crate::pipeline::current(&pipeline);
         let conn = service_conn.clone();
-        let clock = service_clock.clone();
         // Not boxed, unlike on the tunnel server's public side: hyper
         // keeps a box the size of this future (~5 KiB) for the
         // connection's life, but boxing it per request cost 2.5% more
         // instructions per request (the future is copied into its box),
         // and behind an ingress the connections are few and busy.
-        async move {
-            let version = req.version();
-            let mut resp = pipeline.handle(req, &conn).await;
-            if let Some(retire) = &conn.retire {
-                retire.count(version, &mut resp);
-            }
-            clock.close_if_grown(version, &mut resp);
-            if resp.extensions().get::<crate::pipeline::Linger>().is_some() {
-                clock.linger();
-            }
-            resp.body_mut().set_ended(Ended::new(clock));
-            Ok::<_, Infallible>(resp)
-        }
-    });
-    let io = Watched::new(stream, clock.clone());
-    let served = connections.watch_retiring(builder.serve(io, service), retire);
-    let limit = conn.listener.header_read_timeout;
-    // A combinator, not an async block: one would hold the connection
-    // twice (see `head_deadline::Within`).
-    let served = head_deadline::within(served, clock.clone(), limit);
-    tracker.spawn(served.map(move |outcome| {
-        match outcome {
-            Some(Ok(())) => {}
-            Some(Err(e)) => {
-                let reason = portcullis_obs::metrics::connection_error(&conn.listener.name, &*e);
-                if let Some(e) = portcullis_net::unparsed_head::refused(&*e) {
-                    let status = clock.refused();
-                    portcullis_net::unparsed_head::log(&conn.listener.name, conn.client, worker, status, e);
-                } else {
-                    tracing::debug!(client = %conn.client, error = %e, reason, "connection ended with an error");
-                }
-            }
-            None => {
-                portcullis_obs::metrics::connection_timed_out(&conn.listener.name);
-                tracing::debug!(client = %conn.client, "no request head within the header-read timeout; closed");
-            }
-        }
-        drop(held);
-    }));
+        async move { pipeline.handle(req, &conn).await }
+    };
+    let accepted = crate::connection::Accepted {
+        builder: &settings.builder,
+        connections,
+        listener: ListenerName(conn.clone()),
+        client,
+        worker,
+        retire,
+        header_read_timeout: conn.listener.header_read_timeout,
+    };
+    let served = crate::connection::serve(stream, accepted, respond);
+    tracker.spawn(served.map(move |()| drop(held)));
+}
+
+/// A connection's listener name, held through its `ConnInfo`.
+struct ListenerName(Arc<ConnInfo>);
+
+impl AsRef<str> for ListenerName {
+    fn as_ref(&self) -> &str {
+        &self.0.listener.name
+    }
 }

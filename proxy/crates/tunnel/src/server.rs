@@ -5,7 +5,6 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -19,7 +18,6 @@ use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use hyper::client::conn::http2::SendRequest;
-use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -28,16 +26,14 @@ use tokio_util::task::TaskTracker;
 
 use super::tokens::{Refusal, Tokens, valid_runtime_id};
 use super::{Hello, Refused};
-use portcullis_config::Tracing;
+use portcullis_config::{RequestIds, Tracing};
 use portcullis_http::body::{Body, ResponseBody};
 use portcullis_http::forward::{Held, UpstreamPool};
+use portcullis_http::phases::{Entry, Phases, RequestCtx};
 use portcullis_http::request_head;
 use portcullis_net::balance::{Accepting, Balance, Handoff};
-use portcullis_net::head_deadline::{self, Ended, HeadClock, Watched};
 use portcullis_net::tls_listen::{NotOpened, Opened, open};
 use portcullis_obs::metrics::RouteStats;
-use portcullis_obs::otlp::Recording;
-use portcullis_obs::telemetry::AccessLog;
 
 /// How the tunnel server runs.
 #[derive(Debug, Clone)]
@@ -1350,14 +1346,15 @@ impl Public {
         tls: Option<rustls::ProtocolVersion>,
     ) -> Response<ResponseBody>
     where
-        B: http_body::Body + Into<Body>,
+        B: http_body::Body + Into<Body> + Send,
     {
         let origin = Origin::Public;
         respond(req, (peer, tls), self.worker, &self.shared, origin).await
     }
 
     /// Serves HTTP on one public connection (TCP, or TLS over it, of
-    /// version `tls`) until it closes.
+    /// version `tls`) until it closes, as the routing core serves its
+    /// listeners' connections (`portcullis_http::connection`).
     fn serve<S>(
         &self,
         stream: S,
@@ -1368,66 +1365,26 @@ impl Public {
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     {
         let public = self.clone();
-        let worker = self.worker;
-        let clock = Arc::new(HeadClock::default());
-        let service_clock = clock.clone();
-        let (max_requests, lifetime) = self.shared.public_connection_limits;
-        let retire = portcullis_net::drain::Retire::new(max_requests, lifetime);
-        let service_retire = retire.clone();
-        let service = service_fn(move |req: Request<Incoming>| {
-            let version = req.version();
-            service_clock.request(version);
-            let clock = service_clock.clone();
+        let respond = move |req: Request<Incoming>| {
             let public = public.clone();
-            let retire = service_retire.clone();
-            // Boxed, unlike on the routing core's listeners: hyper keeps a
-            // box the size of this future (~8 KiB) for the connection's
+            // Boxed, unlike on the routing core's listeners: hyper keeps
+            // a box the size of this future (~8 KiB) for the connection's
             // life, and this side faces the internet's idle clients; the
             // copy into a box per request is little beside a tunnel's
             // crossing.
-            Box::pin(async move {
-                let mut resp = public.respond(req, peer, tls).await;
-                if let Some(retire) = retire {
-                    retire.count(version, &mut resp);
-                }
-                // The routing core refused a body the client may still be
-                // sending: close after the answer, lingering, as the core
-                // does on its own listeners (`portcullis_net::linger`).
-                if resp.status() == http::StatusCode::PAYLOAD_TOO_LARGE
-                    && version < http::Version::HTTP_2
-                {
-                    resp.headers_mut().insert(
-                        http::header::CONNECTION,
-                        http::HeaderValue::from_static("close"),
-                    );
-                    clock.linger();
-                } else {
-                    // As on the routing core's listeners: the read buffer
-                    // an upload grew goes with the connection.
-                    clock.close_if_grown(version, &mut resp);
-                }
-                resp.body_mut().set_ended(Ended::new(clock));
-                Ok::<_, Infallible>(resp)
-            })
-        });
-        let served = self.connections.watch_retiring(
-            self.builder
-                .serve(Watched::new(stream, clock.clone()), service),
-            retire,
-        );
-        // A combinator, not an async block: one would hold the connection
-        // twice (see `head_deadline::Within`).
-        let served = head_deadline::within(served, clock.clone(), PUBLIC_HEADER_READ_TIMEOUT);
-        served.map(move |outcome| match outcome {
-            Some(Ok(())) => {}
-            Some(Err(e)) => {
-                portcullis_obs::metrics::connection_error("public", &*e);
-                if let Some(e) = portcullis_net::unparsed_head::refused(&*e) {
-                    portcullis_net::unparsed_head::log("public", peer, worker, clock.refused(), e);
-                }
-            }
-            None => portcullis_obs::metrics::connection_timed_out("public"),
-        })
+            Box::pin(async move { public.respond(req, peer, tls).await })
+        };
+        let (max_requests, lifetime) = self.shared.public_connection_limits;
+        let accepted = portcullis_http::connection::Accepted {
+            builder: &self.builder,
+            connections: &self.connections,
+            listener: "public",
+            client: peer,
+            worker: self.worker,
+            retire: portcullis_net::drain::Retire::new(max_requests, lifetime),
+            header_read_timeout: PUBLIC_HEADER_READ_TIMEOUT,
+        };
+        portcullis_http::connection::serve(stream, accepted, respond)
     }
 }
 
@@ -1443,93 +1400,125 @@ enum Origin {
     Peer(SocketAddr),
 }
 
+/// A public or peer request's connection, as the phases see it.
+struct PublicConn {
+    /// The client: the connection's peer, or for a peer's request the
+    /// client it names.
+    client: SocketAddr,
+    /// The connection's TLS version (`None` for a peer's request).
+    tls: Option<rustls::ProtocolVersion>,
+    worker: usize,
+    origin: Origin,
+}
+
 /// A request on any HTTP version, from the public or from a peer: sent
-/// through its runtime's tunnel (or a peer), with an access line (its
-/// `upstream` the runtime's host; its `route` the peer, when one took
-/// part) and the runtime's metrics written when the response body ends,
-/// as the routing core does.
+/// through its runtime's tunnel (or a peer) by the routing core's phase
+/// driver, so its access line (its `upstream` the runtime's host; its
+/// `route` the peer, when one took part), id, span, metrics and error
+/// shapes are the core's.
 async fn respond<B>(
-    mut req: Request<B>,
+    req: Request<B>,
     (client, tls): (SocketAddr, Option<rustls::ProtocolVersion>),
     worker: usize,
     shared: &Shared,
     origin: Origin,
 ) -> Response<ResponseBody>
 where
-    B: http_body::Body + Into<Body>,
+    B: http_body::Body + Into<Body> + Send,
 {
-    let start = std::time::Instant::now();
-    // The public edge: where a trace starts (or joins its client's),
-    // before anything else looks at the request.
-    let trace = shared.tracing.as_ref().map(|(tracing, pool)| {
-        let from = portcullis_obs::otlp::Arrival {
-            peer: client.ip(),
-            // A peer's request names its client already.
-            trust_forwarded: origin == Origin::Public && shared.trust_forwarded_headers,
-            https: tls.is_some(),
-            trust_traceparent: tracing.trust_incoming || origin != Origin::Public,
-        };
-        let (authority, version) = (req.uri().authority().cloned(), req.version());
-        Recording::begin(
-            tracing,
-            pool,
-            req.headers_mut(),
-            (authority.as_ref(), version),
-            from,
-        )
-    });
-    let mut log = AccessLog::start(
-        req.method(),
-        req.uri().path_and_query(),
-        (client, worker),
-        start,
-        trace.as_ref().is_some_and(Recording::sampled),
-    );
-    // Every public request gets its id here, at the edge (a peer's
-    // carries the one its public side gave it).
-    let request_id = portcullis_obs::request_id::ensure(req.headers_mut());
-    if let Some(log) = log.as_mut() {
-        log.upstream = host_of(&req).map(Into::into);
-        log.request_id = Some(request_id.clone());
-        // Passed in as a version, not its name: a `&'static str` argument
-        // trips rustc's `Send` check of the spawned connection future.
-        log.tls = tls.map(portcullis_net::tls_listen::version_name);
-        if let Origin::Peer(from) = origin {
-            log.route = Some(format!("from peer {from}").into());
+    let conn = PublicConn {
+        client,
+        tls,
+        worker,
+        origin,
+    };
+    portcullis_http::phases::drive(shared, req, &conn).await
+}
+
+impl Phases for Shared {
+    type Conn = PublicConn;
+
+    fn entry<'c>(&self, conn: &'c PublicConn, _version: Version) -> Entry<'c> {
+        Entry {
+            client: conn.client,
+            worker: conn.worker,
+            // Passed in as a version, not its name: a `&'static str`
+            // argument trips rustc's `Send` check of the spawned
+            // connection future.
+            tls_version: conn.tls.map(portcullis_net::tls_listen::version_name),
+            client_cert: None,
+            // Every public request gets its id here, at the edge (a
+            // peer's carries the one its public side gave it).
+            request_ids: RequestIds::Make,
+            // The public side counts the request, not a peer that serves
+            // it for the public side of another replica.
+            counted: (conn.origin == Origin::Public).then(portcullis_obs::metrics::no_runtime),
+            watch: None,
         }
-        log.trace = trace.map(Box::new);
     }
-    let over_tcp = req.version() < Version::HTTP_3;
-    let head = req.method() == http::Method::HEAD;
-    // The public side counts the request, not a peer that serves it for
-    // the public side of another replica.
-    let mut counted = (origin == Origin::Public).then(|| {
-        portcullis_obs::metrics::Pending::unanswered(portcullis_obs::metrics::no_runtime(), start)
-    });
-    let mut uncounted = portcullis_obs::metrics::no_runtime();
-    let stats = counted.as_mut().map_or(&mut uncounted, |c| &mut c.stats);
-    let mut via = None;
-    let mut resp = forward(req, client, worker, shared, origin, (stats, &mut via)).await;
-    resp = portcullis_http::pipeline::bodiless_answer(resp, head);
-    if origin == Origin::Public
-        && over_tcp
-        && let Some(alt_svc) = &shared.alt_svc
+
+    fn trace(
+        &self,
+        conn: &PublicConn,
+    ) -> Option<(
+        &Arc<Tracing>,
+        &Arc<UpstreamPool>,
+        portcullis_obs::otlp::Arrival,
+    )> {
+        // The public edge: where a trace starts (or joins its client's).
+        let (tracing, pool) = self.tracing.as_ref()?;
+        let public = conn.origin == Origin::Public;
+        let from = portcullis_obs::otlp::Arrival {
+            peer: conn.client.ip(),
+            // A peer's request names its client already.
+            trust_forwarded: public && self.trust_forwarded_headers,
+            https: conn.tls.is_some(),
+            trust_traceparent: tracing.trust_incoming || !public,
+        };
+        Some((tracing, pool, from))
+    }
+
+    async fn serve<B>(
+        &self,
+        req: Request<B>,
+        conn: &PublicConn,
+        ctx: &mut RequestCtx,
+    ) -> (Response<Body>, Held)
+    where
+        B: http_body::Body + Into<Body> + Send,
     {
-        resp.headers_mut().insert(header::ALT_SVC, alt_svc.clone());
-    }
-    portcullis_obs::request_id::answer_with(resp.headers_mut(), request_id);
-    let status = resp.status().as_u16();
-    let log = log.map(|mut log| {
-        log.status = status;
-        if let Some(peer) = via {
+        if let Some(log) = ctx.log.as_mut() {
+            log.upstream = host_of(&req).map(Into::into);
+            if let Origin::Peer(from) = conn.origin {
+                log.route = Some(format!("from peer {from}").into());
+            }
+        }
+        let mut via = None;
+        let stats = (ctx.stats(), &mut via);
+        let resp = forward(req, conn.client, conn.worker, self, conn.origin, stats).await;
+        if let (Some(log), Some(peer)) = (ctx.log.as_mut(), via) {
             log.route = Some(format!("peer {peer}").into());
         }
-        log
-    });
-    if let Some(counted) = counted.as_mut() {
-        counted.status = status;
+        (resp, Held::default())
     }
-    resp.map(|body| ResponseBody::new(body, log, counted, Held::default()))
+
+    fn finish(&self, resp: &mut Response<Body>, version: Version, conn: &PublicConn) {
+        // The routing core refused a body the client may still be
+        // sending: close after the answer, lingering, as the core does on
+        // its own listeners (`portcullis_net::linger`).
+        if resp.status() == StatusCode::PAYLOAD_TOO_LARGE && version < Version::HTTP_2 {
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            resp.extensions_mut()
+                .insert(portcullis_http::pipeline::Linger);
+        }
+        if conn.origin == Origin::Public
+            && version < Version::HTTP_3
+            && let Some(alt_svc) = &self.alt_svc
+        {
+            resp.headers_mut().insert(header::ALT_SVC, alt_svc.clone());
+        }
+    }
 }
 
 /// Answers on the peer listener: a poll for this server's runtimes, or a
