@@ -742,6 +742,18 @@ async fn unknown_and_disconnected_runtimes_get_prompt_json_errors() {
     assert_eq!(absent.json()["runtime"], "rt-a");
     let elsewhere = client::get(&format!("http://{}/", server.public)).await;
     assert_eq!(elsewhere.status, 404);
+    // A gRPC client gets the error in gRPC's terms, as from the core.
+    let grpc = server
+        .request("rt-zzz", "POST", "/app.Service/Call")
+        .header("content-type", "application/grpc")
+        .body(body(Bytes::from_static(b"\0\0\0\0\0")))
+        .unwrap();
+    // Over HTTP/1.1, where the Host names the runtime (the h2 client
+    // would send the address as :authority).
+    let grpc = client::send(&client::http1(), grpc).await;
+    assert_eq!(grpc.status, 200, "{:?}", grpc.body);
+    assert_eq!(grpc.header("grpc-status"), Some("14"));
+    assert_eq!(grpc.header("grpc-message"), Some("unknown runtime"));
     assert!(
         start.elapsed() < Duration::from_secs(5),
         "errors must not hang"
@@ -752,7 +764,7 @@ async fn unknown_and_disconnected_runtimes_get_prompt_json_errors() {
         .process
         .metrics_showing(&[
             r#"portcullis_tunnel_requests_total{runtime="rt-a",code="503"} 1"#.into(),
-            r#"portcullis_tunnel_requests_total{runtime="",code="502"} 1"#.into(),
+            r#"portcullis_tunnel_requests_total{runtime="",code="502"} 2"#.into(),
             r#"portcullis_tunnel_requests_total{runtime="",code="404"} 1"#.into(),
         ])
         .await;

@@ -1595,7 +1595,12 @@ fn error(status: StatusCode, message: &str, runtime: Option<&str>) -> Response<B
         "status": status.as_u16(),
         "runtime": runtime,
     });
-    portcullis_http::pipeline::json_response(status, &body)
+    let mut resp = portcullis_http::pipeline::json_response(status, &body);
+    // A gRPC client gets it in gRPC's terms, as the routing core's own
+    // errors (`portcullis_http::grpc_local`).
+    resp.extensions_mut()
+        .insert(portcullis_http::grpc_local::LocalError(message.into()));
+    resp
 }
 
 /// Sends a request through its runtime's tunnel, or to a peer that holds
