@@ -1,0 +1,302 @@
+//! A public request's forward: through its runtime's tunnel here, or a peer replica holding one; WebSocket upgrades spliced through.
+
+use super::*;
+
+/// Where a request goes: one of this server's tunnels, or the peers that
+/// hold one, in the order to try them.
+pub(super) enum Target {
+    Tunnel(Arc<Tunnel>),
+    Peers(Vec<Arc<crate::peers::Link>>),
+}
+
+/// A known runtime with no tunnel here, nor a peer to reach one through.
+pub(super) fn not_connected(runtime: &str) -> Response<Body> {
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "runtime is not connected",
+        Some(runtime),
+    )
+}
+
+/// The public request's host, lower case, without port (`None` for a
+/// request whose host is missing or ambiguous: [`request_head::request_host`]).
+pub(super) fn host_of<B>(req: &Request<B>) -> Option<String> {
+    request_head::request_host(req.version(), req.uri(), req.headers())
+        .ok()
+        .flatten()
+        .map(Cow::into_owned)
+}
+
+pub(super) fn error(status: StatusCode, message: &str, runtime: Option<&str>) -> Response<Body> {
+    let body = serde_json::json!({
+        "error": message,
+        "status": status.as_u16(),
+        "runtime": runtime,
+    });
+    let mut resp = portcullis_http::pipeline::json_response(status, &body);
+    // A gRPC client gets it in gRPC's terms, as the routing core's own
+    // errors (`portcullis_http::grpc_local`).
+    resp.extensions_mut()
+        .insert(portcullis_http::grpc_local::LocalError(message.into()));
+    resp
+}
+
+/// Sends a request through its runtime's tunnel, or to a peer that holds
+/// one when this server holds none and the request is public; `stats` is
+/// set to the runtime's metrics once the runtime is known, `via` to the
+/// peer it went to.
+pub(super) async fn forward<B>(
+    mut req: Request<B>,
+    peer: SocketAddr,
+    worker: usize,
+    shared: &Shared,
+    origin: Origin,
+    (stats, via): (&mut &'static RouteStats, &mut Option<SocketAddr>),
+) -> Response<Body>
+where
+    B: http_body::Body + Into<Body>,
+{
+    let host = match request_head::request_host(req.version(), req.uri(), req.headers()) {
+        Ok(Some(host)) => host.into_owned(),
+        Ok(None) => return error(StatusCode::BAD_REQUEST, "request has no host", None),
+        Err(refused) => return error(refused.status(), refused.message(), None),
+    };
+    if request_head::unsupported_coding(req.headers(), req.body()) {
+        let refused = request_head::Refused::Coding;
+        return error(refused.status(), refused.message(), None);
+    }
+    let Some(runtime) = host.strip_suffix(&shared.suffix) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            &format!("{host} is not a runtime under this tunnel's domain"),
+            None,
+        );
+    };
+    if !valid_runtime_id(runtime) {
+        return error(StatusCode::NOT_FOUND, "not a runtime host", None);
+    }
+    let tunnel = shared.registry.pick(runtime, worker);
+    let holders = match (&tunnel, origin, &shared.peers) {
+        (None, Origin::Public, Some(peers)) => peers.holders(runtime, worker),
+        _ => Vec::new(),
+    };
+    let target = match tunnel {
+        Some(tunnel) => {
+            *stats = tunnel.stats;
+            Target::Tunnel(tunnel)
+        }
+        None if !holders.is_empty() => {
+            *stats = portcullis_obs::metrics::runtime(runtime);
+            Target::Peers(holders)
+        }
+        None if shared.tokens.knows(runtime) => {
+            *stats = portcullis_obs::metrics::runtime(runtime);
+            return not_connected(runtime);
+        }
+        None => {
+            return error(StatusCode::BAD_GATEWAY, "unknown runtime", Some(runtime));
+        }
+    };
+    // Counted once, where the public reached: a peer does not count a
+    // request again. Only known, connected runtimes get this far, so the
+    // 429 is in the runtime's metrics.
+    if origin == Origin::Public
+        && let Some(limit) = &shared.rate_limit
+    {
+        let client = portcullis_net::client_addr::client_of(
+            peer.ip(),
+            shared.trust_forwarded_headers,
+            req.headers(),
+        );
+        let mut buf = [0u8; 16];
+        if let Err(wait) = limit.take(Some(portcullis_http::rate_limit::ip_key(client, &mut buf))) {
+            let mut resp = error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate limit exceeded",
+                Some(runtime),
+            );
+            portcullis_http::rate_limit::retry_after(resp.headers_mut(), wait);
+            return resp;
+        }
+    }
+    // An HTTP/1.1 upgrade (WebSocket) crosses the tunnel as an HTTP/2
+    // extended CONNECT (RFC 8441) whose stream then carries the bytes; a
+    // peer passes one on in that shape already.
+    let upgrade = match origin {
+        Origin::Public => portcullis_http::forward::is_websocket_upgrade(req.headers())
+            .then(|| req.headers().get(header::UPGRADE).cloned())
+            .flatten(),
+        Origin::Peer(_) => (req.method() == http::Method::CONNECT)
+            .then(|| req.extensions().get::<hyper::ext::Protocol>())
+            .flatten()
+            .and_then(|p| HeaderValue::from_str(p.as_str()).ok()),
+    };
+    let public_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
+    let (mut parts, body) = req.into_parts();
+    let claimed = portcullis_http::forward::remove_hop_by_hop(&mut parts.headers, false);
+    if let Some(protocol) = &upgrade {
+        parts.method = http::Method::CONNECT;
+        parts.extensions.insert(hyper::ext::Protocol::from(
+            protocol.to_str().unwrap_or("websocket"),
+        ));
+    }
+    // Only the tunnel server speaks these.
+    parts
+        .headers
+        .remove(HeaderName::from_static(crate::CONTROL));
+    parts
+        .headers
+        .remove(HeaderName::from_static(crate::CLIENT_ADDR));
+    parts
+        .headers
+        .remove(HeaderName::from_static(crate::peers::PEER_TOKEN));
+    if let Ok(v) = HeaderValue::from_str(&peer.to_string()) {
+        parts
+            .headers
+            .insert(HeaderName::from_static(crate::CLIENT_ADDR), v);
+    }
+    let proto = if shared.public_tls { "https" } else { "http" };
+    let xfp = HeaderName::from_static("x-forwarded-proto");
+    let xfh = HeaderName::from_static("x-forwarded-host");
+    // A peer set them from its public side.
+    let trust = shared.trust_forwarded_headers || matches!(origin, Origin::Peer(_));
+    if !(trust && parts.headers.contains_key(&xfp)) {
+        parts.headers.insert(xfp, HeaderValue::from_static(proto));
+    }
+    if !(trust && parts.headers.contains_key(&xfh))
+        && let Ok(v) = HeaderValue::from_str(&host)
+    {
+        parts.headers.insert(xfh, v);
+    }
+    // The public side takes no client certificates: one a client names
+    // is made up.
+    if claimed && !trust {
+        parts.headers.remove(portcullis_http::forward::CLIENT_CERT);
+    }
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    parts.uri = match Uri::builder()
+        .scheme(proto)
+        .authority(host.as_str())
+        .path_and_query(path)
+        .build()
+    {
+        Ok(uri) => uri,
+        Err(_) => return error(StatusCode::BAD_REQUEST, "bad request target", Some(runtime)),
+    };
+    parts.version = Version::HTTP_2;
+    parts.headers.remove(header::HOST);
+    let body = if upgrade.is_some() {
+        Body::empty()
+    } else {
+        body.into()
+    };
+    let request_id = parts
+        .headers
+        .get(portcullis_obs::request_id::HEADER)
+        .cloned();
+    let mut req = Request::from_parts(parts, body);
+    let result = match &target {
+        Target::Tunnel(tunnel) => {
+            let _counted = crate::Active::count(&tunnel.active);
+            tunnel.sender.send(req).await
+        }
+        Target::Peers(holders) => {
+            let Some(peers) = &shared.peers else {
+                return not_connected(runtime);
+            };
+            peers.stamp(req.headers_mut());
+            // The first holder that takes a connection gets the request;
+            // one that does not (it died since the last poll) has been
+            // sent nothing, so the next can be tried, whatever the body.
+            let mut sent = None;
+            for link in holders {
+                match link.ready().await {
+                    Ok(sender) => {
+                        *via = Some(link.addr);
+                        sent = Some(link.forward(sender, req).await);
+                        break;
+                    }
+                    Err(e) => peers.lost(link.addr, &e),
+                }
+            }
+            match sent {
+                Some(result) => result,
+                None => return not_connected(runtime),
+            }
+        }
+    };
+    match result {
+        Ok(mut resp) => {
+            let upgraded = match (public_upgrade, &upgrade) {
+                (Some(public), Some(protocol)) if resp.status() == StatusCode::OK => {
+                    let tunnel_side = hyper::upgrade::on(&mut resp);
+                    splice(public, tunnel_side, runtime.to_owned());
+                    Some(protocol.clone())
+                }
+                _ => None,
+            };
+            let (mut parts, body) = resp.into_parts();
+            let _ = portcullis_http::forward::remove_hop_by_hop(&mut parts.headers, false);
+            if upgraded.is_some() && matches!(origin, Origin::Peer(_)) {
+                // The peer's stream is an extended CONNECT: 200 opens it.
+                return Response::from_parts(parts, Body::empty());
+            }
+            if let Some(protocol) = upgraded {
+                parts.status = StatusCode::SWITCHING_PROTOCOLS;
+                parts.headers.insert(header::UPGRADE, protocol);
+                parts
+                    .headers
+                    .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+                return Response::from_parts(parts, Body::empty());
+            }
+            Response::from_parts(parts, Body::from(body))
+        }
+        Err(e) => match target {
+            Target::Tunnel(_) => {
+                let request_id = portcullis_obs::request_id::text(request_id.as_ref());
+                tracing::warn!(runtime, request_id, error = %e, "request through the tunnel failed");
+                error(
+                    StatusCode::BAD_GATEWAY,
+                    "the tunnel to this runtime failed",
+                    Some(runtime),
+                )
+            }
+            Target::Peers(_) => {
+                let request_id = portcullis_obs::request_id::text(request_id.as_ref());
+                let peer = via.map(|p| p.to_string()).unwrap_or_default();
+                tracing::warn!(runtime, peer, request_id, error = %e, "request through a peer failed");
+                error(
+                    StatusCode::BAD_GATEWAY,
+                    "the peer server holding this runtime's tunnel failed",
+                    Some(runtime),
+                )
+            }
+        },
+    }
+}
+
+/// Copies both ways between the public client's upgraded connection and
+/// the tunnel stream, once both are ready.
+pub(super) fn splice(
+    public: hyper::upgrade::OnUpgrade,
+    tunnel: hyper::upgrade::OnUpgrade,
+    runtime: String,
+) {
+    tokio::spawn(async move {
+        let (public, tunnel) = match tokio::try_join!(public, tunnel) {
+            Ok(pair) => pair,
+            Err(e) => {
+                tracing::warn!(runtime, error = %e, "upgrade through the tunnel failed");
+                return;
+            }
+        };
+        let (mut public, mut tunnel) = (TokioIo::new(public), TokioIo::new(tunnel));
+        if let Err(e) = tokio::io::copy_bidirectional(&mut public, &mut tunnel).await {
+            tracing::debug!(runtime, error = %e, "upgraded connection through the tunnel ended with an error");
+        }
+    });
+}
