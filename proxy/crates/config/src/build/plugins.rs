@@ -1,0 +1,214 @@
+//! Plugins: modules (files or `builtin:NAME`) and their uses, with configs whose `{from_file}` values are read in.
+
+use super::*;
+
+pub(super) const DEFAULT_PLUGIN_TIMEOUT: Duration = Duration::from_millis(10);
+pub(super) const DEFAULT_PLUGIN_MEMORY: usize = 16 << 20;
+/// The largest memory cap a plugin use may ask for (the pooling
+/// allocator reserves this much address space per instance slot).
+pub const MAX_PLUGIN_MEMORY: usize = 256 << 20;
+
+pub(super) fn plugin_module(ctx: &mut Ctx, raw: &Spanned<RawPlugin>) -> Option<PluginModule> {
+    use sha2::Digest;
+    let p = &raw.value;
+    let name = name(ctx, &p.name, "plugin");
+    let (path, bytes) = plugin_bytes(ctx, &p.path)?;
+    let sha256: [u8; 32] = sha2::Sha256::digest(&bytes).into();
+    if let Some(pin) = &p.sha256 {
+        let expected = ctx.text(pin)?;
+        let actual = hex::encode(sha256);
+        let shaped =
+            expected.trim().len() == 64 && expected.trim().bytes().all(|b| b.is_ascii_hexdigit());
+        if !shaped {
+            // A typo or a cut-off paste would otherwise read as a
+            // mismatch (and YAML turns an all-digit pin into a number).
+            ctx.err(
+                &pin.referenced,
+                format!(
+                    "the pin `{}` for plugin {} is not a sha256 (64 hex digits, as `sha256sum` prints them); the file's is {actual}",
+                    expected.trim(),
+                    path.display()
+                ),
+            );
+            return None;
+        }
+        if !expected.trim().eq_ignore_ascii_case(&actual) {
+            ctx.err(
+                &pin.referenced,
+                format!(
+                    "plugin {} has sha256 {actual}, but the policy pins {}",
+                    path.display(),
+                    expected.trim()
+                ),
+            );
+            return None;
+        }
+    }
+    Some(PluginModule {
+        name: name?.into(),
+        path,
+        bytes: bytes.into(),
+        sha256,
+        defined_at: ctx.pos(&raw.referenced),
+    })
+}
+
+/// Where a plugin's component comes from and its bytes: a standard
+/// plugin built into the binary (`builtin:NAME`), or a file (relative to
+/// the policy file).
+pub(super) fn plugin_bytes(ctx: &mut Ctx, path: &Text) -> Option<(std::path::PathBuf, Vec<u8>)> {
+    use crate::builtin_plugins;
+    let text = ctx.text(path)?;
+    if let Some(builtin) = text.strip_prefix(builtin_plugins::PREFIX) {
+        let Some(bytes) = builtin_plugins::get(builtin.trim()) else {
+            ctx.err(
+                &path.referenced,
+                format!(
+                    "no built-in plugin `{}`; the built-in plugins are {}",
+                    builtin.trim(),
+                    builtin_plugins::names()
+                ),
+            );
+            return None;
+        };
+        return Some((text.into(), bytes.to_vec()));
+    }
+    let file = ctx.path(path)?;
+    match std::fs::read(&file) {
+        Ok(bytes) => Some((file, bytes)),
+        Err(e) => {
+            let hint = if e.kind() == std::io::ErrorKind::NotFound {
+                " (a standard plugin needs no file: name it `builtin:NAME`; mount a \
+                 plugin of your own next to the policy)"
+            } else {
+                ""
+            };
+            ctx.err(
+                &path.referenced,
+                format!("cannot read plugin {}: {e}{hint}", file.display()),
+            );
+            None
+        }
+    }
+}
+
+pub(super) fn plugin_use(
+    ctx: &mut Ctx,
+    raw: &Spanned<RawPluginUse>,
+    plugin_index: &HashMap<String, usize>,
+) -> Option<PluginUse> {
+    let u = &raw.value;
+    if !ctx.switch(&u.enabled)? {
+        return None;
+    }
+    let name = ctx.text(&u.plugin)?;
+    let Some(&plugin) = plugin_index.get(name.trim()) else {
+        let hint = ctx.unparsed_hint();
+        let mut known: Vec<_> = plugin_index.keys().map(String::as_str).collect();
+        known.sort_unstable();
+        ctx.err(
+            &u.plugin.referenced,
+            format!(
+                "unknown plugin `{name}`; defined under `plugins:`: {}{hint}",
+                if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                }
+            ),
+        );
+        return None;
+    };
+    let config_json = match &u.config {
+        Some(c) => {
+            let mut value = c.value.clone();
+            resolve_config(ctx, &mut value, &c.referenced);
+            value.to_string()
+        }
+        None => "{}".to_owned(),
+    };
+    let fail = ctx.parse_or(&u.fail, FailMode::Closed, |s| match s {
+        "closed" => Ok(FailMode::Closed),
+        "open" => Ok(FailMode::Open),
+        _ => Err(format!("`{s}` is not a failure policy; use closed or open")),
+    });
+    let timeout = ctx.parse_or(&u.timeout, DEFAULT_PLUGIN_TIMEOUT, |s| {
+        let d = parse_duration(s)?;
+        if d.is_zero() || d > Duration::from_secs(10) {
+            Err(format!(
+                "plugin timeout `{s}` must be above 0 and at most 10s"
+            ))
+        } else {
+            Ok(d)
+        }
+    });
+    let memory = ctx.parse_or(&u.memory, DEFAULT_PLUGIN_MEMORY, |s| {
+        let n = parse_size(s)? as usize;
+        if (1 << 20..=MAX_PLUGIN_MEMORY).contains(&n) {
+            Ok(n)
+        } else {
+            Err(format!(
+                "plugin memory `{s}` must be between 1MiB and 256MiB"
+            ))
+        }
+    });
+    let fresh_instances = ctx.parse_or(&u.instances, false, |s| match s {
+        "reuse" => Ok(false),
+        "per-request" => Ok(true),
+        _ => Err(format!(
+            "`{s}` is not an instance policy; use reuse or per-request"
+        )),
+    });
+    Some(PluginUse {
+        plugin,
+        fresh_instances,
+        config_json,
+        fail,
+        timeout,
+        memory,
+        defined_at: ctx.pos(&raw.referenced),
+    })
+}
+
+/// Expands `${ENV}` in every string of a plugin config and replaces
+/// `{from_file: path}` with the file's contents (a mounted Secret), so
+/// plugins get secrets without any access of their own.
+pub(super) fn resolve_config(ctx: &mut Ctx, value: &mut serde_json::Value, at: &Location) {
+    use serde_json::Value;
+    match value {
+        Value::String(s) => match expand(s, ctx.env) {
+            Ok(v) => *s = v,
+            Err(e) => ctx.err(at, format!("in plugin config: {e}")),
+        },
+        Value::Array(items) => items.iter_mut().for_each(|v| resolve_config(ctx, v, at)),
+        Value::Object(map) => {
+            if map.len() == 1
+                && let Some(Value::String(file)) = map.get("from_file")
+            {
+                let file = match expand(file, ctx.env) {
+                    Ok(f) => f,
+                    Err(e) => return ctx.err(at, format!("in plugin config: {e}")),
+                };
+                let path = Path::new(&*ctx.file)
+                    .parent()
+                    .unwrap_or(Path::new("."))
+                    .join(&file);
+                ctx.files.push(path.clone());
+                match std::fs::read_to_string(&path) {
+                    // Secrets mounted from files usually end in a newline
+                    // that is not part of the secret.
+                    Ok(text) => {
+                        *value = Value::String(text.trim_end_matches(['\n', '\r']).to_owned())
+                    }
+                    Err(e) => ctx.err(
+                        at,
+                        format!("in plugin config: cannot read {}: {e}", path.display()),
+                    ),
+                }
+                return;
+            }
+            map.values_mut().for_each(|v| resolve_config(ctx, v, at));
+        }
+        _ => {}
+    }
+}
