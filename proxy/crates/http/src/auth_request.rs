@@ -24,10 +24,11 @@ use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Response, StatusCode};
 use http_body_util::BodyExt;
 
+use crate::answers::error_response;
 use crate::auth_cache::AuthCache;
 use crate::body::Body;
+use crate::conn_info::ConnInfo;
 use crate::forward::{self, Outgoing, UpstreamPool};
-use crate::pipeline::{ConnInfo, error_response};
 use portcullis_config::{AuthRequest, Route};
 
 /// The most of an auth service's answer body kept (to pass on, or to

@@ -5,14 +5,14 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body as _, Frame, SizeHint};
 use hyper::body::Incoming;
 
+pub use crate::body_progress::{BodyError, BodyProgress};
 use crate::client_watch::{ClientSocket, Gone};
 use crate::forward::{H1Body, Held};
 use portcullis_net::head_deadline::Ended;
@@ -140,77 +140,6 @@ pub struct Tracked {
 #[error("request body larger than the route's max_request_body of {0} bytes")]
 pub struct TooLarge(pub u64);
 
-/// How a request body streamed to an upstream is getting on: the upstream
-/// is not expected to answer before the body has arrived, so the wait for
-/// its answer counts from the body's last progress (see
-/// [`crate::client_watch::exchange`]).
-#[derive(Debug)]
-pub struct BodyProgress {
-    /// When a frame last came, by [`coarse_now`], in milliseconds.
-    last_ms: AtomicU64,
-    done: AtomicBool,
-    /// Whether the body went over its route's limit.
-    too_large: AtomicBool,
-    /// Whether the client's body broke its framing (a bad chunk).
-    malformed: AtomicBool,
-    /// Whether the body was last found waiting on the client (rather
-    /// than not asked for: an upstream that stopped reading it).
-    waiting: AtomicBool,
-}
-
-impl BodyProgress {
-    fn started() -> BodyProgress {
-        BodyProgress {
-            last_ms: AtomicU64::new(coarse_ms()),
-            done: AtomicBool::new(false),
-            too_large: AtomicBool::new(false),
-            malformed: AtomicBool::new(false),
-            waiting: AtomicBool::new(false),
-        }
-    }
-
-    fn moved(&self, ended: bool) {
-        self.last_ms.store(coarse_ms(), Ordering::Relaxed);
-        self.waiting.store(false, Ordering::Relaxed);
-        if ended {
-            self.done.store(true, Ordering::Relaxed);
-        }
-    }
-
-    /// When a wait of `timeout` counted from the body's last progress
-    /// ends: `None` if it has already passed. Both waits on a body (for
-    /// the upstream's answer, for a plugin's read) start again from there.
-    pub fn wait_ends(&self, timeout: Duration) -> Option<tokio::time::Instant> {
-        let quiet = coarse_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed));
-        let rest = timeout.checked_sub(Duration::from_millis(quiet))?;
-        (!rest.is_zero()).then(|| tokio::time::Instant::now() + rest)
-    }
-
-    /// Whether all of the body has been read.
-    pub fn done(&self) -> bool {
-        self.done.load(Ordering::Relaxed)
-    }
-
-    /// Whether the body went over its route's `max_request_body` (the
-    /// request then failed for that, whatever the upstream side saw).
-    pub fn too_large(&self) -> bool {
-        self.too_large.load(Ordering::Relaxed)
-    }
-
-    /// Whether the client's body broke its framing (a bad chunk size
-    /// line, a chunk of the wrong length): the client's fault, a 400,
-    /// whatever the upstream side reported.
-    pub fn malformed(&self) -> bool {
-        self.malformed.load(Ordering::Relaxed)
-    }
-
-    /// Whether the rest of the body is awaited from the client (not done,
-    /// and last polled in vain).
-    pub fn waiting_on_client(&self) -> bool {
-        !self.done() && self.waiting.load(Ordering::Relaxed)
-    }
-}
-
 /// Whether a client's body error is bytes that break the framing, as
 /// hyper's decoder reports them (`InvalidInput`, `InvalidData`), rather
 /// than a connection that ended early.
@@ -227,14 +156,6 @@ fn is_malformed(e: &hyper::Error) -> bool {
     }
     false
 }
-
-fn coarse_ms() -> u64 {
-    portcullis_net::coarse_clock::coarse_now().as_millis() as u64
-}
-
-/// A body's error: hyper's, or the upstream reader's (boxed: errors are
-/// rare, and this keeps the type small).
-pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
 impl From<Incoming> for Body {
     fn from(inner: Incoming) -> Body {

@@ -18,7 +18,7 @@ use http::{Response, StatusCode};
 use http_body_util::BodyExt;
 
 use crate::body::Body;
-use crate::pipeline::ConnInfo;
+use crate::conn_info::ConnInfo;
 use portcullis_config::{Config, FailMode, Route};
 use portcullis_plugin::{
     self as plugin, Binding, Decision, Hooks, LocalResponse, PluginError, RequestFacts,
@@ -86,7 +86,7 @@ fn json_error(
     route: &Route,
     plugin: Option<&str>,
 ) -> Response<Body> {
-    crate::pipeline::json_error(status, message, Some(route), plugin)
+    crate::answers::json_error(status, message, Some(route), plugin)
 }
 
 /// Reads the request body into memory, up to `max` bytes. A client that

@@ -116,7 +116,7 @@ pub async fn exchange<F: Future>(
     mut exchange: Pin<&mut F>,
     timeout: Duration,
     client: Option<ClientSocket>,
-    body: Option<&crate::body::BodyProgress>,
+    body: Option<&crate::body_progress::BodyProgress>,
 ) -> Result<F::Output, Cut> {
     let first = if client.is_some() {
         WATCH_AFTER.min(timeout)

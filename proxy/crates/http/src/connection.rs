@@ -41,8 +41,48 @@ pub struct Accepted<'a, N> {
     pub header_read_timeout: Duration,
 }
 
+/// What is left to do with an answer before hyper writes it: given to
+/// `respond` with each request, and applied by it to its answer
+/// ([`Finish::answer`]). The caller's future does it, rather than a
+/// future of this module around the caller's: that one would move the
+/// whole request's future (kilobytes) once more per request.
+pub struct Finish {
+    clock: Arc<HeadClock>,
+    retire: Option<Arc<Retire>>,
+    version: http::Version,
+}
+
+impl Finish {
+    /// `resp` as it goes out: counted towards the connection's end, closing
+    /// it when its read buffer grew or, lingering, after a refused body.
+    #[inline]
+    pub fn answer(
+        self,
+        mut resp: Response<ResponseBody>,
+    ) -> Result<Response<ResponseBody>, Infallible> {
+        let Finish {
+            clock,
+            retire,
+            version,
+        } = self;
+        if let Some(retire) = &retire {
+            retire.count(version, &mut resp);
+        }
+        // The read buffer an upload grew goes with the connection.
+        clock.close_if_grown(version, &mut resp);
+        // A refused body the client may still be sending: close after the
+        // answer, lingering (`portcullis_net::linger`).
+        if resp.extensions().get::<crate::answers::Linger>().is_some() {
+            clock.linger();
+        }
+        resp.body_mut().set_ended(Ended::new(clock));
+        Ok(resp)
+    }
+}
+
 /// Serves HTTP on `stream` until it closes, answering each request with
-/// `respond`. The future holds the connection; the caller spawns it.
+/// `respond`, which applies the [`Finish`] it is given to its answer. The
+/// future holds the connection; the caller spawns it.
 pub fn serve<S, N, F, Fut>(
     stream: S,
     accepted: Accepted<'_, N>,
@@ -51,8 +91,8 @@ pub fn serve<S, N, F, Fut>(
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     N: AsRef<str> + Send + 'static,
-    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Response<ResponseBody>> + Send + 'static,
+    F: Fn(Request<Incoming>, Finish) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Response<ResponseBody>, Infallible>> + Send + 'static,
 {
     let Accepted {
         builder,
@@ -69,24 +109,12 @@ where
     let service = service_fn(move |req: Request<Incoming>| {
         let version = req.version();
         service_clock.request(version);
-        let clock = service_clock.clone();
-        let retire = service_retire.clone();
-        let answer = respond(req);
-        async move {
-            let mut resp = answer.await;
-            if let Some(retire) = &retire {
-                retire.count(version, &mut resp);
-            }
-            // The read buffer an upload grew goes with the connection.
-            clock.close_if_grown(version, &mut resp);
-            // A refused body the client may still be sending: close after
-            // the answer, lingering (`portcullis_net::linger`).
-            if resp.extensions().get::<crate::pipeline::Linger>().is_some() {
-                clock.linger();
-            }
-            resp.body_mut().set_ended(Ended::new(clock));
-            Ok::<_, Infallible>(resp)
-        }
+        let finish = Finish {
+            clock: service_clock.clone(),
+            retire: service_retire.clone(),
+            version,
+        };
+        respond(req, finish)
     });
     let io = Watched::new(stream, clock.clone());
     let served = connections.watch_retiring(builder.serve(io, service), retire);

@@ -5,13 +5,16 @@
 //! ([`forward`]: pools, balancing, retries, upgrades). [`server`] runs the
 //! routing core's listeners over it.
 
+pub mod answers;
 pub mod auth_cache;
 pub mod auth_request;
 pub mod body;
+pub mod body_progress;
 pub mod chain;
 pub mod client_watch;
 pub mod collector;
 pub mod compress;
+pub mod conn_info;
 pub mod connection;
 pub mod discovery;
 pub mod forward;

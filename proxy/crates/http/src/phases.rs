@@ -24,10 +24,10 @@ use std::time::Instant;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, Version};
 
+use crate::answers::bodiless_answer;
 use crate::body::{Body, ResponseBody};
 use crate::client_watch::ClientSocket;
 use crate::forward::{Held, UpstreamPool};
-use crate::pipeline::bodiless_answer;
 use portcullis_config::{RequestIds, Tracing};
 use portcullis_net::client_cert::ClientCertificate;
 use portcullis_obs::metrics::{self, RouteStats};

@@ -920,7 +920,7 @@ fn serve_connection<S>(
     });
     let pipeline = pipeline.clone();
     let service_conn = conn.clone();
-    let respond = move |req: Request<Incoming>| {
+    let respond = move |req: Request<Incoming>, finish: crate::connection::Finish| {
         // Each request takes the pipeline current at its arrival; a reload
         // swaps it under keep-alive connections without touching requests
         // already in flight.
@@ -931,7 +931,7 @@ fn serve_connection<S>(
         // connection's life, but boxing it per request cost 2.5% more
         // instructions per request (the future is copied into its box),
         // and behind an ingress the connections are few and busy.
-        async move { pipeline.handle(req, &conn).await }
+        async move { finish.answer(pipeline.handle(req, &conn).await) }
     };
     let accepted = crate::connection::Accepted {
         builder: &settings.builder,

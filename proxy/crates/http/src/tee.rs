@@ -15,7 +15,7 @@ use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use tokio::sync::mpsc;
 
-use crate::body::BodyError;
+use crate::body_progress::BodyError;
 
 /// How far the copy may fall behind the upstream before it is cut: per
 /// copy, so 64 mirrored requests in flight hold at most 16 MiB.

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use super::{BoxIo, Hello};
 use portcullis_config::Listener;
 use portcullis_http::body::{Body, ResponseBody};
-use portcullis_http::pipeline::ConnInfo;
+use portcullis_http::conn_info::ConnInfo;
 use portcullis_http::server::WorkerContext;
 
 /// Where the tunnel's requests go.

@@ -814,7 +814,7 @@ async fn serve<S, Svc>(
 
 /// The answer to a request on the peer listener without the group token.
 pub(super) fn refused() -> Response<Body> {
-    portcullis_http::pipeline::json_response(
+    portcullis_http::answers::json_response(
         StatusCode::UNAUTHORIZED,
         &serde_json::json!({
             "error": "not a peer of this tunnel server (wrong or missing peer token)",

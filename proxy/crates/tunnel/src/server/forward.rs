@@ -33,7 +33,7 @@ pub(super) fn error(status: StatusCode, message: &str, runtime: Option<&str>) ->
         "status": status.as_u16(),
         "runtime": runtime,
     });
-    let mut resp = portcullis_http::pipeline::json_response(status, &body);
+    let mut resp = portcullis_http::answers::json_response(status, &body);
     // A gRPC client gets it in gRPC's terms, as the routing core's own
     // errors (`portcullis_http::grpc_local`).
     resp.extensions_mut()

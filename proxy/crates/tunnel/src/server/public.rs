@@ -149,14 +149,14 @@ impl Public {
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     {
         let public = self.clone();
-        let respond = move |req: Request<Incoming>| {
+        let respond = move |req: Request<Incoming>, finish: portcullis_http::connection::Finish| {
             let public = public.clone();
             // Boxed, unlike on the routing core's listeners: hyper keeps
             // a box the size of this future (~8 KiB) for the connection's
             // life, and this side faces the internet's idle clients; the
             // copy into a box per request is little beside a tunnel's
             // crossing.
-            Box::pin(async move { public.respond(req, peer, tls).await })
+            Box::pin(async move { finish.answer(public.respond(req, peer, tls).await) })
         };
         let (max_requests, lifetime) = self.shared.public_connection_limits;
         let accepted = portcullis_http::connection::Accepted {
@@ -294,7 +294,7 @@ impl Phases for Shared {
             resp.headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
             resp.extensions_mut()
-                .insert(portcullis_http::pipeline::Linger);
+                .insert(portcullis_http::answers::Linger);
         }
         if conn.origin == Origin::Public
             && version < Version::HTTP_3

@@ -1,0 +1,222 @@
+//! The answers the routing core makes itself: JSON errors (with CORS
+//! for a route that sets it), 429 and 413 with the connection's close,
+//! HTTPS redirects, and the bodiless-answer rule.
+
+use std::time::Duration;
+
+use http::header::{self, HeaderValue};
+use http::{Response, StatusCode, Version};
+
+use crate::body::Body;
+use crate::conn_info::ConnInfo;
+use crate::request_head;
+use portcullis_config::{Cors, Route};
+
+/// Builds the JSON error answer the proxy gives on its own behalf.
+pub fn error_response(
+    status: StatusCode,
+    message: &str,
+    route: Option<&Route>,
+    origin: Option<&HeaderValue>,
+) -> Response<Body> {
+    let mut resp = json_error(status, message, route, None);
+    if let (Some(cors), Some(origin)) = (route.and_then(|r| r.error_cors.as_ref()), origin) {
+        add_cors(resp.headers_mut(), cors, origin);
+    }
+    resp
+}
+
+/// Takes one request from `limit` for the key it counts by.
+pub(crate) fn take_rate(
+    limit: &crate::rate_limit::RateLimit,
+    conn: &ConnInfo,
+    headers: &http::HeaderMap,
+) -> Result<(), Duration> {
+    use crate::rate_limit::LimitKey;
+    let mut buf = [0u8; 16];
+    let key = match &limit.key {
+        LimitKey::Route => None,
+        LimitKey::Header(name) => Some(headers.get(name).map_or(&[][..], |v| v.as_bytes())),
+        LimitKey::Client => {
+            let trust = conn.listener.trust_forwarded_headers;
+            let client = portcullis_net::client_addr::client_of(conn.client.ip(), trust, headers);
+            Some(crate::rate_limit::ip_key(client, &mut buf))
+        }
+    };
+    limit.take(key)
+}
+
+/// The answer to a request over its route's rate limit: 429 with
+/// `Retry-After` (whole seconds, rounded up) saying when one would pass.
+pub(crate) fn rate_limited(
+    route: &Route,
+    wait: Duration,
+    origin: Option<&HeaderValue>,
+) -> Response<Body> {
+    let mut resp = error_response(
+        StatusCode::TOO_MANY_REQUESTS,
+        "rate limit exceeded",
+        Some(route),
+        origin,
+    );
+    crate::rate_limit::retry_after(resp.headers_mut(), wait);
+    resp
+}
+
+/// Marks an answer given while the client may still be sending its body
+/// (413): its HTTP/1 connection closes after it, and first reads and
+/// drops what the client still sends, for a while, as nginx's lingering
+/// close does. Closed at once, the socket's unread bytes would make the
+/// kernel reset the connection, and a client still writing would see
+/// the reset instead of the answer.
+#[derive(Clone, Copy, Debug)]
+pub struct Linger;
+
+/// The 413 answer to a body over the route's `max_request_body`.
+pub(crate) fn too_large(
+    route: &Route,
+    version: Version,
+    origin: Option<&HeaderValue>,
+) -> Response<Body> {
+    let resp = error_response(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "request body too large",
+        Some(route),
+        origin,
+    );
+    closing(resp, version)
+}
+
+/// `resp`, closing its HTTP/1 connection after it with a lingering close
+/// (HTTP/2 and HTTP/3 reset the one stream instead).
+pub(crate) fn closing(mut resp: Response<Body>, version: Version) -> Response<Body> {
+    if version < Version::HTTP_2 {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        resp.extensions_mut().insert(Linger);
+    }
+    resp
+}
+
+/// The proxy's JSON error answer: `{"error", "status", "route", "plugin"?}`.
+pub fn json_error(
+    status: StatusCode,
+    message: &str,
+    route: Option<&Route>,
+    plugin: Option<&str>,
+) -> Response<Body> {
+    let mut body = serde_json::json!({
+        "error": message,
+        "status": status.as_u16(),
+        "route": route.map(|r| &*r.name),
+    });
+    if let Some(plugin) = plugin {
+        body["plugin"] = plugin.into();
+    }
+    let mut resp = json_response(status, &body);
+    // A gRPC client gets it in gRPC's terms (see `grpc_local`).
+    resp.extensions_mut()
+        .insert(crate::grpc_local::LocalError(message.into()));
+    resp
+}
+
+/// An answer that must have no body — to a HEAD request (`head`), or a
+/// 204 or 304 — without one. hyper drops such a body itself over
+/// HTTP/1.1, but over HTTP/2 (and h3 over HTTP/3) it sends what it is
+/// given, and DATA there is a protocol error that the client's stack
+/// turns into a reset: every HTTP/2 HEAD the proxy answered itself (a
+/// health probe, a local answer, its JSON errors) failed so, as did a
+/// local or plugin answer of 204 or 304 with a body. A HEAD answer keeps
+/// the length the body had declared, as for GET. An upstream's answer,
+/// bodiless already, is left as it is.
+pub fn bodiless_answer(resp: Response<Body>, head: bool) -> Response<Body> {
+    use http_body::Body as _;
+    let status = resp.status();
+    let never = status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    if !(head || never) || resp.body().is_end_stream() {
+        return resp;
+    }
+    let (mut parts, body) = resp.into_parts();
+    if !never && let Some(len) = body.size_hint().exact() {
+        parts
+            .headers
+            .entry(header::CONTENT_LENGTH)
+            .or_insert_with(|| HeaderValue::from(len));
+    }
+    Response::from_parts(parts, Body::empty())
+}
+
+/// A small JSON answer the proxy makes itself (never cached).
+pub fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<Body> {
+    let mut resp = Response::new(Body::full(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
+}
+
+/// The answer on a listener with `redirect_https`: 308 (the method and
+/// body are kept, where 301 lets clients turn a POST into a GET) to the
+/// same host, path and query over https on `port`.
+pub(crate) fn https_redirect(host: Option<&str>, port: u16, uri: &http::Uri) -> Response<Body> {
+    let Some(host) = host else {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "a redirect to https needs the request's host",
+            None,
+            None,
+        );
+    };
+    let bracketed = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    };
+    let port = if port == 443 {
+        String::new()
+    } else {
+        format!(":{port}")
+    };
+    let target = uri.path_and_query().map_or("/", |pq| pq.as_str());
+    let location = format!("https://{bracketed}{port}{target}");
+    let mut resp = json_response(
+        StatusCode::PERMANENT_REDIRECT,
+        &serde_json::json!({ "location": location, "status": 308 }),
+    );
+    if let Ok(value) = HeaderValue::from_str(&location) {
+        resp.headers_mut().insert(header::LOCATION, value);
+    }
+    resp
+}
+
+/// The answer to a request whose framing RFC 9112 says to refuse.
+pub(crate) fn refused_response(refused: &request_head::Refused) -> Response<Body> {
+    error_response(refused.status(), refused.message(), None, None)
+}
+
+pub(crate) fn add_cors(headers: &mut http::HeaderMap, cors: &Cors, origin: &HeaderValue) {
+    let listed = origin
+        .to_str()
+        .is_ok_and(|o| cors.origins.iter().any(|x| x == o));
+    if !(cors.allow_any || listed) {
+        return;
+    }
+    // `*` may not be combined with credentials, so echo the origin then.
+    let value = if cors.allow_any && !cors.allow_credentials {
+        HeaderValue::from_static("*")
+    } else {
+        origin.clone()
+    };
+    headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, value);
+    if cors.allow_credentials {
+        headers.insert(
+            header::ACCESS_CONTROL_ALLOW_CREDENTIALS,
+            HeaderValue::from_static("true"),
+        );
+    }
+    headers.append(header::VARY, HeaderValue::from_static("Origin"));
+}

@@ -1,0 +1,65 @@
+//! What the request path knows about the connection a request came on,
+//! read by every phase (and by plugins, through their request facts).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::HeaderValue;
+
+use crate::client_watch::ClientSocket;
+use crate::forward;
+use portcullis_config::Listener;
+
+/// What the pipeline knows about the connection a request came on.
+#[derive(Debug)]
+pub struct ConnInfo {
+    /// The client's address.
+    pub client: SocketAddr,
+    /// The client's IP as an `X-Forwarded-For` entry, made once per connection.
+    pub client_ip: HeaderValue,
+    /// The listener's settings.
+    pub listener: Arc<Listener>,
+    /// Whether the client connection is TLS.
+    pub tls: bool,
+    /// Its TLS version (`TLSv1.3`), for the access log.
+    pub tls_version: Option<&'static str>,
+    /// The server name the client asked for in its TLS handshake (SNI).
+    pub sni: Option<Arc<str>>,
+    /// The client's verified certificate (mutual TLS).
+    pub client_cert: Option<Arc<portcullis_net::client_cert::ClientCertificate>>,
+    /// The worker thread serving it, which picks its upstream pools.
+    pub worker: usize,
+    /// Its socket, watched for the client leaving while a request waits
+    /// (HTTP/1 only; `None` for requests that come through a tunnel).
+    pub socket: Option<ClientSocket>,
+    /// Its end by use (the listener's `max_requests_per_connection` and
+    /// `connection_lifetime`); here, where each request's future already
+    /// holds the connection, so counting costs no reference of its own.
+    pub retire: Option<Arc<portcullis_net::drain::Retire>>,
+}
+
+impl ConnInfo {
+    /// Sets the `X-Forwarded-*` headers of a request from this connection
+    /// bound upstream (`claimed`: the client sent an
+    /// `X-Forwarded-Client-Cert`; `public_host`: the host it asked for).
+    #[inline]
+    pub fn set_forwarded(
+        &self,
+        headers: &mut http::HeaderMap,
+        claimed: bool,
+        public_host: Option<HeaderValue>,
+    ) {
+        let proto = if self.tls { "https" } else { "http" };
+        forward::set_forwarded(
+            headers,
+            (
+                &self.client_ip,
+                self.client_cert.as_ref().map(|c| &c.header),
+                claimed,
+            ),
+            proto,
+            public_host,
+            self.listener.trust_forwarded_headers,
+        );
+    }
+}

@@ -1,0 +1,338 @@
+//! The routing core's "route" and "plugins" phases: the request head
+//! checked, the route found, its guards and plugins run, and the answer
+//! of a route that answers here.
+
+use super::*;
+
+impl Pipeline {
+    /// The routing core's "route, plugins, forward": the head checked,
+    /// the route found, its guards (rate limit, body limit, auth service)
+    /// and plugins run, then its action: forwarded, or answered here.
+    pub(super) async fn route_and_serve<B>(
+        &self,
+        req: Request<B>,
+        conn: &ConnInfo,
+        (log, request_id): (&mut Option<Box<AccessLog>>, Option<&HeaderValue>),
+        stats: &mut &'static metrics::RouteStats,
+    ) -> (Response<Body>, forward::Held)
+    where
+        B: http_body::Body + Into<Body> + Send,
+    {
+        let done = |resp| (resp, forward::Held::default());
+        let (mut parts, body) = req.into_parts();
+        let origin = parts.headers.get(header::ORIGIN).cloned();
+        if request_head::head_size(&parts) > conn.listener.max_request_header_size {
+            let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+            return done(error_response(
+                status,
+                "request header too large",
+                None,
+                None,
+            ));
+        }
+        let host = match request_head::request_host(parts.version, &parts.uri, &parts.headers) {
+            Ok(host) => host,
+            Err(refused) => return done(refused_response(&refused)),
+        };
+        if request_head::unsupported_coding(&parts.headers, &body) {
+            return done(refused_response(&request_head::Refused::Coding));
+        }
+        let Some(path) = request_head::normalize_path(parts.uri.path()) else {
+            return done(error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid path",
+                None,
+                None,
+            ));
+        };
+        let found = match self.find_route((host.as_deref(), &path), &parts, conn) {
+            Ok(found) => found,
+            Err(resp) => return done(resp),
+        };
+        let route = &self.config.routes[found.route];
+        if let Some(log) = log.as_mut() {
+            log.route = Some(route.name.clone());
+            log.logging = route.access_log;
+        }
+        // Read before the headers go upstream; only routes that compress
+        // look.
+        let coding = route
+            .compress
+            .as_ref()
+            .and_then(|c| crate::compress::negotiate(&parts.headers, c));
+        let head = route.compress.is_some() && parts.method == Method::HEAD;
+        *stats = self.stats[found.route];
+        let routed = Routed {
+            index: found.route,
+            route,
+            state: &self.route_states[found.route],
+            params: found.params,
+            origin,
+            compress: (coding, head),
+        };
+        let mut body: Body = body.into();
+        let asked = (&parts.method, &parts.uri, parts.version);
+        if let Err(resp) = self
+            .guard(&routed, conn, asked, &mut parts.headers, &mut body)
+            .await
+        {
+            return done(resp);
+        }
+        let plugins = self
+            .plugins_on_request(&routed, conn, asked, (&mut parts.headers, &path), &mut body)
+            .await;
+        let plugins = match plugins {
+            Ok(plugins) => plugins,
+            Err(resp) => return done(resp),
+        };
+        let Action::Forward(upstream) = route.action else {
+            let resp = self.local_action(&routed, &parts.uri);
+            return done(respond_as_route(&routed, resp));
+        };
+        let upgrade = route.websocket
+            && parts.version == Version::HTTP_11
+            && forward::is_websocket_upgrade(&parts.headers);
+        let forwarding = Forwarding {
+            upstream,
+            plugins,
+            asked,
+            path: &path,
+            upgrade: upgrade.then(|| parts.extensions.remove::<hyper::upgrade::OnUpgrade>()),
+            headers: std::mem::take(&mut parts.headers),
+            log,
+            request_id,
+        };
+        self.forward(&routed, conn, forwarding, body).await
+    }
+
+    /// The route for a request's host and path, or its answer: a
+    /// redirect to HTTPS on a listener that says so (health probes stay
+    /// answered: a balancer's check wants its 200), else 404.
+    // The answer is unboxed as everywhere on this path: boxing it would
+    // cost an allocation per refused request to save a move.
+    #[allow(clippy::result_large_err)]
+    pub(super) fn find_route<'p>(
+        &self,
+        (host, path): (Option<&str>, &'p str),
+        parts: &http::request::Parts,
+        conn: &ConnInfo,
+    ) -> Result<portcullis_config::Matched<'_, 'p>, Response<Body>> {
+        let config = &*self.config;
+        let routes = &config.routes;
+        let (method, headers) = (&parts.method, &parts.headers);
+        let found = (config.router).lookup(host.unwrap_or(""), path, method, headers, routes);
+        if let Some(port) = conn.listener.redirect_https {
+            let probe = found
+                .as_ref()
+                .is_some_and(|f| matches!(routes[f.route].action, Action::Health(_)));
+            if !probe {
+                return Err(https_redirect(host, port, &parts.uri));
+            }
+        }
+        found.ok_or_else(|| error_response(StatusCode::NOT_FOUND, "no route", None, None))
+    }
+
+    /// The route's guards, before any plugin runs: its rate limit (a
+    /// request over it costs no plugin call; health probes have none),
+    /// its body limit (a plugin that reads the body never sees more than
+    /// the route takes), and its auth service (the plugins may act on who
+    /// it says the user is). `Err` is the client's answer.
+    pub(super) async fn guard(
+        &self,
+        routed: &Routed<'_, '_>,
+        conn: &ConnInfo,
+        (method, uri, version): Asked<'_>,
+        headers: &mut http::HeaderMap,
+        body: &mut Body,
+    ) -> Result<(), Response<Body>> {
+        let Routed {
+            route,
+            state,
+            origin,
+            ..
+        } = routed;
+        if let Some(limit) = &state.rate_limit
+            && let Err(wait) = take_rate(limit, conn, headers)
+        {
+            return Err(rate_limited(route, wait, origin.as_ref()));
+        }
+        if let Some(max) = route.max_request_body {
+            match http_body::Body::size_hint(body).exact() {
+                Some(n) if n > max => return Err(too_large(route, version, origin.as_ref())),
+                Some(_) => {}
+                None => body.limit(max),
+            }
+        }
+        let Some(auth) = &route.auth_request else {
+            return Ok(());
+        };
+        let pool = &self.upstreams[conn.worker % self.upstreams.len()][auth.upstream];
+        let asked = crate::auth_request::Asked { method, uri };
+        let context = (conn, &**route, origin.as_ref());
+        // Boxed: only routes with an auth request pay for its future.
+        let checked = Box::pin(crate::auth_request::check(
+            (auth, state.auth_cache.as_deref()),
+            pool,
+            asked,
+            headers,
+            context,
+        ));
+        checked.await.map_err(|resp| {
+            // The client may still be sending a body no one will read.
+            if http_body::Body::is_end_stream(body) {
+                resp
+            } else {
+                closing(resp, version)
+            }
+        })
+    }
+
+    /// The route's plugins on the request, whatever the action, except for
+    /// health probes (a plugin must not make a pod look dead): their
+    /// context for the response, or the answer one of them gave.
+    pub(super) async fn plugins_on_request(
+        &self,
+        routed: &Routed<'_, '_>,
+        conn: &ConnInfo,
+        (method, uri, version): Asked<'_>,
+        (headers, path): (&mut http::HeaderMap, &str),
+        body: &mut Body,
+    ) -> Result<Option<Box<chain::PluginContext<'_>>>, Response<Body>> {
+        let Routed { index, route, .. } = *routed;
+        let chain = &self.chains.routes[index];
+        if chain.is_empty() || matches!(route.action, Action::Health(_)) {
+            return Ok(None);
+        }
+        let config = &*self.config;
+        let facts = (index, route);
+        let step = chain::on_request(
+            chain,
+            method,
+            uri,
+            headers,
+            path,
+            &routed.params,
+            facts,
+            conn,
+            config,
+        );
+        let outcome = match step {
+            chain::Step::Done(outcome) => outcome,
+            // Boxed: reading the body is a large future, and inline it
+            // would make every request's future larger, copied on every
+            // move, plugins or not.
+            chain::Step::ReadBody(pending) => {
+                Box::pin(pending.read(body, headers, route, config)).await
+            }
+        };
+        match outcome {
+            chain::RequestOutcome::Forward(ctx) => Ok(ctx),
+            // A body too large for the plugin (or the route), or a
+            // plugin's own 413: the client may still be sending it.
+            chain::RequestOutcome::Answer(resp)
+                if resp.status() == StatusCode::PAYLOAD_TOO_LARGE =>
+            {
+                Err(closing(resp, version))
+            }
+            chain::RequestOutcome::Answer(resp) => Err(resp),
+        }
+    }
+
+    /// The answer of a route that answers here (a health probe, a
+    /// redirect, a fixed answer); the caller forwards the others.
+    pub(super) fn local_action(&self, routed: &Routed<'_, '_>, uri: &http::Uri) -> Response<Body> {
+        let route = routed.route;
+        match &route.action {
+            Action::Health(probe) => {
+                let ok = *probe == Probe::Live || self.shared.is_ready();
+                let (status, text) = if ok {
+                    (StatusCode::OK, "ok\n")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                };
+                let mut r = Response::new(Body::full(text));
+                *r.status_mut() = status;
+                r.headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+                r.headers_mut()
+                    .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                r
+            }
+            Action::Redirect(redirect) => match redirect_to(redirect, &routed.params, uri) {
+                Some(location) => {
+                    let mut r = Response::new(Body::empty());
+                    *r.status_mut() = redirect.status;
+                    r.headers_mut().insert(header::LOCATION, location);
+                    r
+                }
+                None => error_response(
+                    StatusCode::BAD_REQUEST,
+                    "invalid path parameter for the redirect",
+                    Some(route),
+                    routed.origin.as_ref(),
+                ),
+            },
+            Action::Respond(local) => {
+                let mut r = Response::new(Body::full(local.body.clone()));
+                *r.status_mut() = local.status;
+                for (k, v) in &local.headers {
+                    r.headers_mut().append(k.clone(), v.clone());
+                }
+                r
+            }
+            // Not reached: the caller forwards these.
+            Action::Forward(_) => {
+                let status = StatusCode::INTERNAL_SERVER_ERROR;
+                error_response(
+                    status,
+                    "forwarding route answered locally",
+                    Some(route),
+                    None,
+                )
+            }
+        }
+    }
+}
+
+/// The request's method, URI and version, as the phases after routing
+/// read them.
+pub(super) type Asked<'a> = (&'a Method, &'a http::Uri, Version);
+
+/// A request matched to its route, as the phases after routing take it.
+pub(super) struct Routed<'r, 'p> {
+    /// The route's index.
+    pub(super) index: usize,
+    pub(super) route: &'r Route,
+    pub(super) state: &'r RouteState,
+    /// The path parameters the route's pattern captured.
+    pub(super) params: matchit::Params<'r, 'p>,
+    /// The request's `Origin`, for the CORS headers of error answers.
+    pub(super) origin: Option<HeaderValue>,
+    /// The coding the client takes, and whether the request is a HEAD
+    /// (read before the headers go upstream).
+    pub(super) compress: (Option<crate::compress::Coding>, bool),
+}
+
+/// The `Location` of a route's redirect: its template filled from the
+/// path parameters, the request's query after it unless stripped. `None`
+/// when a parameter cannot go where it lands (a host part).
+pub(super) fn redirect_to(
+    redirect: &portcullis_config::Redirect,
+    params: &matchit::Params,
+    uri: &http::Uri,
+) -> Option<HeaderValue> {
+    let mut to = redirect.to.render(|n| params.get(n)).ok()?;
+    // A path that starts with `//` (or `/\`) is another host to a
+    // browser: a parameter must not turn `/{rest}` into one.
+    if to.starts_with('/') {
+        let slashes = to.len() - to.trim_start_matches(['/', '\\']).len();
+        to.replace_range(..slashes, "/");
+    }
+    if redirect.keep_query
+        && let Some(query) = uri.query()
+    {
+        to.push(if to.contains('?') { '&' } else { '?' });
+        to.push_str(query);
+    }
+    HeaderValue::from_str(&to).ok()
+}

@@ -1,0 +1,318 @@
+//! The routing core's "forward" phase: the request made ready for the
+//! upstream (path, headers, affinity, mirror), sent through the
+//! upstream's pool, and the answer given the route's edits.
+
+use super::*;
+
+impl Pipeline {
+    /// Forwards to the route's upstream (or the one a plugin chose): the
+    /// upstream's answer with the route's response edits, or the proxy's
+    /// error answer. The upstream's exchange is awaited here, in this
+    /// phase's own future (helpers around it are not async: a future
+    /// holding the exchange's, moved once more per request, costs a copy
+    /// of kilobytes).
+    pub(super) async fn forward(
+        &self,
+        routed: &Routed<'_, '_>,
+        conn: &ConnInfo,
+        mut f: Forwarding<'_, '_>,
+        body: Body,
+    ) -> (Response<Body>, forward::Held) {
+        let upstream = f
+            .plugins
+            .as_ref()
+            .and_then(|c| c.upstream)
+            .unwrap_or(f.upstream);
+        let pool = &self.upstreams[conn.worker % self.upstreams.len()][upstream];
+        if let Some(log) = f.log.as_mut() {
+            log.upstream = Some(pool.spec.name.clone());
+        }
+        let (mut out, extra) = match self.outgoing(routed, conn, pool, &mut f) {
+            Ok(prepared) => prepared,
+            Err(resp) => return (resp, forward::Held::default()),
+        };
+        let timeout = routed.route.timeout.unwrap_or(pool.spec.timeouts.request);
+        // A share of the route's requests goes to its mirror too.
+        out.body = match &routed.state.mirror {
+            Some(mirror) if mirror.takes() => {
+                let to =
+                    self.upstreams[conn.worker % self.upstreams.len()][mirror.upstream].clone();
+                let head = (&out.method, &out.path, &out.headers);
+                // Boxed: only mirrored routes pay for its future.
+                match Box::pin(crate::mirror::copy(mirror, to, head, body, timeout)).await {
+                    Ok(body) => body,
+                    Err(e) => return failed(routed, pool, &f, &e),
+                }
+            }
+            _ => body,
+        };
+        let watch = watchable(conn, f.asked.2);
+        // Only a request that is logged reads the clock here.
+        let asked = f.log.is_some().then(Instant::now);
+        let sent = pool.send(out, &routed.params, timeout, watch).await;
+        self.upstream_answer(routed, pool, f, sent, (extra, asked))
+    }
+
+    /// The upstream's answer as the client gets it: the route's and its
+    /// plugins' edits, or an upgrade spliced through; or the proxy's
+    /// error answer.
+    fn upstream_answer(
+        &self,
+        routed: &Routed<'_, '_>,
+        pool: &UpstreamPool,
+        mut f: Forwarding<'_, '_>,
+        sent: Result<(Response<Body>, forward::Held), ForwardError>,
+        ((set_cookie, client_upgrade), asked): (Extra, Option<Instant>),
+    ) -> (Response<Body>, forward::Held) {
+        let route = routed.route;
+        let (mut resp, held) = match sent {
+            // Only an upgrade the client asked for may switch protocols
+            // (the own reader refuses the rest itself; hyper's does not).
+            Ok((resp, _))
+                if resp.status() == StatusCode::SWITCHING_PROTOCOLS && client_upgrade.is_none() =>
+            {
+                let e =
+                    ForwardError::Failed("upstream switched protocols without being asked".into());
+                return failed(routed, pool, &f, &e);
+            }
+            Ok(sent) => sent,
+            Err(e) => return failed(routed, pool, &f, &e),
+        };
+        if let (Some(log), Some(asked)) = (f.log.as_mut(), asked) {
+            log.upstream_header = Some(asked.elapsed());
+            log.endpoint = answered_by(pool, &held, &routed.params);
+        }
+        if let Some(cookie) = set_cookie {
+            resp.headers_mut().append(header::SET_COOKIE, cookie);
+        }
+        if let Some(client_upgrade) =
+            client_upgrade.filter(|_| resp.status() == StatusCode::SWITCHING_PROTOCOLS)
+        {
+            let upstream_upgrade = hyper::upgrade::on(&mut resp);
+            forward::upgrade::splice(
+                &self.shared.tracker,
+                client_upgrade,
+                upstream_upgrade,
+                route.name.clone(),
+            );
+            let (parts, _) = resp.into_parts();
+            let mut r = Response::from_parts(parts, Body::empty());
+            *r.version_mut() = Version::HTTP_11;
+            return (r, forward::Held::default());
+        }
+        let (mut parts, body) = resp.into_parts();
+        // Before the hop-by-hop pass takes Transfer-Encoding.
+        forward::single_content_length(&mut parts.headers);
+        let _ = forward::remove_hop_by_hop(&mut parts.headers, false);
+        if let Some(ctx) = f.plugins.as_mut()
+            && let Some(answer) = chain::on_response(ctx, route, &mut parts)
+        {
+            return (answer, forward::Held::default());
+        }
+        parts.version = Version::HTTP_11;
+        let resp = respond_as_route(routed, Response::from_parts(parts, body));
+        (resp, held.with_read_timeout(pool.spec.timeouts.read))
+    }
+
+    /// The request as it goes upstream, its body still to be set: its path
+    /// (the plugins' or the route's rewrite), its headers made ours
+    /// (hop-by-hop fields out, forwarding fields set, the route's edits)
+    /// and the affinity key. With the affinity cookie to set on the
+    /// answer, and the client's side of an upgrade it asked for.
+    // Unboxed as everywhere on this path (see `find_route`).
+    #[allow(clippy::result_large_err)]
+    fn outgoing(
+        &self,
+        routed: &Routed<'_, '_>,
+        conn: &ConnInfo,
+        pool: &UpstreamPool,
+        f: &mut Forwarding<'_, '_>,
+    ) -> Result<(Outgoing, Extra), Response<Body>> {
+        let route = routed.route;
+        let (method, uri, _) = f.asked;
+        let plugin_path = f.plugins.as_mut().and_then(|p| p.path.take());
+        let new_path = match plugin_path.map(Ok).unwrap_or_else(|| {
+            let unchanged = matches!(f.path, Cow::Borrowed(_));
+            rewritten_path(route, f.path, unchanged, uri, &routed.params)
+        }) {
+            Ok(p) => p,
+            Err(e) => {
+                let origin = routed.origin.as_ref();
+                return Err(error_response(
+                    StatusCode::BAD_REQUEST,
+                    &e,
+                    Some(route),
+                    origin,
+                ));
+            }
+        };
+        let mut headers = std::mem::take(&mut f.headers);
+        let upgrade = f.upgrade.is_some();
+        let client_upgrade = f.upgrade.take().flatten();
+        let claimed = forward::remove_hop_by_hop(&mut headers, upgrade);
+        forward::join_cookie_crumbs(&mut headers);
+        // The key as the client sent it, before the forwarded headers are
+        // ours.
+        let trust = conn.listener.trust_forwarded_headers;
+        let (affinity, set_cookie) = match pool.affinity(conn.client.ip(), trust, &headers) {
+            Some((key, cookie)) => (Some(key), cookie),
+            None => (None, None),
+        };
+        // HTTP/2 clients send the host as :authority, HTTP/1 as Host.
+        let public_host = match uri.authority() {
+            Some(a) => HeaderValue::from_str(a.as_str()).ok(),
+            None => headers.get(header::HOST).cloned(),
+        };
+        conn.set_forwarded(&mut headers, claimed, public_host);
+        if !pool.spec.preserve_host {
+            headers.remove(header::HOST);
+        }
+        if !route.request_headers.is_empty() {
+            route.request_headers.apply(&mut headers);
+        }
+        let out = Outgoing {
+            method: method.clone(),
+            path: new_path,
+            headers,
+            body: Body::empty(),
+            affinity,
+        };
+        Ok((out, (set_cookie, client_upgrade)))
+    }
+}
+
+/// What the answer gets besides the upstream's: the affinity cookie to
+/// set, and the client's side of an upgrade it asked for.
+type Extra = (Option<HeaderValue>, Option<hyper::upgrade::OnUpgrade>);
+
+/// The proxy's answer when forwarding failed, logged.
+fn failed(
+    routed: &Routed<'_, '_>,
+    pool: &UpstreamPool,
+    f: &Forwarding<'_, '_>,
+    e: &ForwardError,
+) -> (Response<Body>, forward::Held) {
+    let (route, origin) = (routed.route, routed.origin.as_ref());
+    log_forward_error(route, &pool.spec.name, e, f.request_id);
+    let resp = match e {
+        ForwardError::BodyTooLarge => too_large(route, f.asked.2, origin),
+        e => error_response(e.status(), e.public_message(), Some(route), origin),
+    };
+    (resp, forward::Held::default())
+}
+
+/// A request on its way to an upstream.
+pub(super) struct Forwarding<'c, 'a> {
+    /// The route's upstream (a plugin may choose another).
+    pub(super) upstream: usize,
+    pub(super) plugins: Option<Box<chain::PluginContext<'c>>>,
+    pub(super) asked: Asked<'a>,
+    /// The normalized path.
+    pub(super) path: &'a Cow<'a, str>,
+    /// A WebSocket upgrade the route passes: with the client's side of
+    /// it, if hyper offers one.
+    pub(super) upgrade: Option<Option<hyper::upgrade::OnUpgrade>>,
+    /// The request's headers, taken from it.
+    pub(super) headers: http::HeaderMap,
+    pub(super) log: &'a mut Option<Box<AccessLog>>,
+    pub(super) request_id: Option<&'a HeaderValue>,
+}
+
+/// `resp` with the route's response header edits and compression.
+pub(super) fn respond_as_route(
+    routed: &Routed<'_, '_>,
+    mut resp: Response<Body>,
+) -> Response<Body> {
+    let route = routed.route;
+    if !route.response_headers.is_empty() {
+        route.response_headers.apply(resp.headers_mut());
+    }
+    if let Some(settings) = &route.compress {
+        let (coding, head) = routed.compress;
+        resp = crate::compress::apply(settings, coding, head, resp);
+    }
+    resp
+}
+
+/// Which endpoint gave `held`'s answer, for the access line.
+pub(super) fn answered_by(
+    pool: &forward::UpstreamPool,
+    held: &forward::Held,
+    params: &matchit::Params<'_, '_>,
+) -> Option<portcullis_obs::telemetry::AnsweredBy> {
+    use portcullis_obs::telemetry::AnsweredBy;
+    match (&pool.spec.target, held.endpoint()) {
+        (portcullis_config::Target::Endpoints(_), Some(i)) => {
+            Some(AnsweredBy::Endpoint(pool.spec.clone(), i))
+        }
+        (portcullis_config::Target::Template(t), _) => {
+            let url = t.render(|name| params.get(name)).ok()?;
+            let uri = http::Uri::try_from(url).ok()?;
+            Some(AnsweredBy::Rendered(uri.authority()?.as_str().to_owned()))
+        }
+        _ => None,
+    }
+}
+
+pub(super) fn log_forward_error(
+    route: &Route,
+    upstream: &str,
+    e: &ForwardError,
+    request_id: Option<&HeaderValue>,
+) {
+    let request_id = portcullis_obs::request_id::text(request_id);
+    match e {
+        ForwardError::BadTarget(_) => {
+            tracing::info!(route = %route.name, upstream, request_id, error = %e, "bad request target")
+        }
+        // Every request over the cap would log one: the access log and
+        // the 503s counted by route say it already.
+        ForwardError::Overloaded(_) => {
+            tracing::debug!(route = %route.name, upstream, request_id, error = %e, "upstream overloaded")
+        }
+        // Not the upstream's failure: the access line's 499 says it, as
+        // it does for an HTTP/2 client's reset, which logs nothing else.
+        ForwardError::ClientGone => {
+            tracing::debug!(route = %route.name, upstream, request_id, error = %e, "client left before the answer")
+        }
+        ForwardError::RequestBody(_)
+        | ForwardError::RequestBodyTimeout(_)
+        | ForwardError::BodyTooLarge => {
+            tracing::info!(route = %route.name, upstream, request_id, error = %e, "request body not received")
+        }
+        _ => {
+            tracing::warn!(route = %route.name, upstream, request_id, error = %e, "upstream request failed")
+        }
+    }
+}
+
+/// The path and query to send upstream, after the route's rewrite.
+pub(super) fn rewritten_path(
+    route: &Route,
+    path: &str,
+    unchanged: bool,
+    uri: &http::Uri,
+    params: &matchit::Params,
+) -> Result<PathAndQuery, String> {
+    let new: Cow<str> = match &route.rewrite {
+        // The common case: nothing changed, so reuse the received bytes.
+        PathRewrite::Keep if unchanged => {
+            return Ok(uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")));
+        }
+        PathRewrite::Keep => Cow::Borrowed(path),
+        PathRewrite::StripPrefix(prefix) => match path.strip_prefix(prefix.as_str()) {
+            Some("") => Cow::Borrowed("/"),
+            Some(rest) if rest.starts_with('/') => Cow::Borrowed(rest),
+            _ => Cow::Borrowed(path),
+        },
+        PathRewrite::Template(t) => Cow::Owned(t.render(|n| params.get(n))?),
+    };
+    let full: Cow<str> = match uri.query() {
+        Some(q) => Cow::Owned(format!("{new}?{q}")),
+        None => new,
+    };
+    PathAndQuery::try_from(full.as_ref()).map_err(|e| format!("rewritten path is invalid: {e}"))
+}
