@@ -1,0 +1,357 @@
+use super::*;
+use http_body::Body as _;
+use tokio::io::AsyncReadExt;
+
+/// A loopback pair: the proxy's end wrapped as an upstream connection,
+/// and the upstream's end to write scripted bytes into.
+async fn pair() -> (Box<H1Conn>, TcpStream) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let ours = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    let (theirs, _) = l.accept().await.unwrap();
+    (H1Conn::new(Io::Tcp(ours)), theirs)
+}
+
+async fn next_data(body: &mut H1Body) -> Bytes {
+    let frame = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await;
+    frame
+        .expect("a frame")
+        .expect("no error")
+        .into_data()
+        .expect("data")
+}
+
+#[tokio::test]
+async fn chunked_body_split_anywhere_ends_exactly_and_goes_home() {
+    let (conn, mut up) = pair().await;
+    let slot = Arc::new(Slot::default());
+    let mut body = H1Body::new(conn, Framing::Chunked, Some(slot.clone()));
+    // Each write is read before the next is sent, so the decoder sees
+    // the framing cut in the middle of a size line, of data, of a CRLF
+    // and of the trailers.
+    up.write_all(b"5;ext").await.unwrap();
+    up.write_all(b"=1\r\nhel").await.unwrap();
+    assert_eq!(next_data(&mut body).await, "hel");
+    up.write_all(b"lo\r").await.unwrap();
+    assert_eq!(next_data(&mut body).await, "lo");
+    up.write_all(b"\n3\r\n!!!\r\n0\r\nx-t: 1\r").await.unwrap();
+    assert_eq!(next_data(&mut body).await, "!!!");
+    assert!(!body.is_end_stream(), "the trailers have not ended yet");
+    assert_eq!(slot.idle_count(), 0);
+    up.write_all(b"\n\r\n").await.unwrap();
+    let end = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
+    assert!(end.is_none());
+    assert!(body.is_end_stream());
+    assert_eq!(
+        slot.idle_count(),
+        1,
+        "a cleanly ended body returns its connection"
+    );
+}
+
+#[tokio::test]
+async fn length_body_ends_with_its_last_byte_and_a_dropped_body_closes() {
+    let (conn, mut up) = pair().await;
+    let slot = Arc::new(Slot::default());
+    let mut body = H1Body::new(conn, Framing::Length(6), Some(slot.clone()));
+    assert_eq!(body.size_hint().exact(), Some(6));
+    up.write_all(b"abc").await.unwrap();
+    assert_eq!(next_data(&mut body).await, "abc");
+    up.write_all(b"def").await.unwrap();
+    assert_eq!(next_data(&mut body).await, "def");
+    // Ended with the last data frame, before the client asks again.
+    assert!(body.is_end_stream());
+    assert_eq!(slot.idle_count(), 1);
+
+    let (conn, mut up) = pair().await;
+    let body = H1Body::new(conn, Framing::Length(6), Some(slot.clone()));
+    drop(body);
+    // The upstream sees the connection closed, not parked.
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(5), up.read_to_end(&mut rest));
+    assert!(
+        closed.await.is_ok(),
+        "the dropped body's connection stayed open"
+    );
+    assert_eq!(slot.idle_count(), 1);
+}
+
+#[tokio::test]
+async fn a_recycled_request_map_holds_only_the_response_headers() {
+    let (mut conn, mut up) = pair().await;
+    let mut request = HeaderMap::with_capacity(16);
+    request.insert(header::AUTHORIZATION, HeaderValue::from_static("secret"));
+    request.insert("x-request-only", HeaderValue::from_static("1"));
+    let reused = request.capacity();
+    conn.recycle(request);
+    up.write_all(b"HTTP/1.1 200 OK\r\nserver: up\r\ncontent-length: 0\r\n\r\n")
+        .await
+        .unwrap();
+    let (resp, _) = conn
+        .exchange(&Method::GET, "", "/", None, &HeaderMap::new(), None, None)
+        .await
+        .unwrap();
+    let names: Vec<&str> = resp.headers().keys().map(|k| k.as_str()).collect();
+    assert_eq!(names, ["server", "content-length"]);
+    assert_eq!(resp.headers().capacity(), reused, "the map was not reused");
+
+    // A map grown past the bound is not kept.
+    let mut big = HeaderMap::with_capacity(4 * SPARE_HEADERS);
+    big.insert("x-big", HeaderValue::from_static("1"));
+    conn.recycle(big);
+    assert!(conn.spare.capacity() < 4 * SPARE_HEADERS);
+}
+
+#[tokio::test]
+async fn a_parked_connection_keeps_small_buffers() {
+    let (conn, mut up) = pair().await;
+    let slot = Arc::new(Slot::default());
+    let mut body = H1Body::new(conn, Framing::Length(300_000), Some(slot.clone()));
+    let sent = vec![7u8; 300_000];
+    let writer = tokio::spawn(async move {
+        up.write_all(&sent).await.unwrap();
+        up
+    });
+    let mut got = 0;
+    while got < 300_000 {
+        got += next_data(&mut body).await.len();
+    }
+    let _up = writer.await.unwrap();
+    assert_eq!(slot.idle_count(), 1);
+    let parked = slot.take_bare().expect("the parked connection");
+    assert!(
+        parked.buf.capacity() <= 2 * FIRST_READ,
+        "{}",
+        parked.buf.capacity()
+    );
+    assert_eq!(parked.read_size, FIRST_READ);
+}
+
+#[test]
+fn chunked_framing_is_checked_as_far_as_it_has_come() {
+    for whole_so_far in [
+        &b""[..],
+        b"5",
+        b"5\r\nhel",
+        b"5\r\nhello",
+        b"5\r\nhello\r",
+        b"5\r\nhello\r\n3;x=y\r\nabc\r\n0\r\n",
+        b"5\r\nhello\r\n0\r\nnot: checked here\r\n",
+    ] {
+        assert_eq!(sound_chunks(whole_so_far), Ok(()), "{whole_so_far:?}");
+    }
+    let broken = |b: &[u8]| sound_chunks(b).unwrap_err();
+    assert!(broken(b"5\r\nhello\r\nzz\r\nmore").contains("invalid chunk size `zz`"));
+    assert!(broken(b"5\r\nhello!\r\n").contains("longer than its size"));
+    assert!(broken(b"5\nhello").contains("bare LF"));
+    assert!(broken(&[b'1'; MAX_LINE + 1]).contains("too long"));
+}
+
+#[test]
+fn chunk_sizes() {
+    assert_eq!(chunk_size(b"1a3f").unwrap(), 0x1a3f);
+    assert_eq!(chunk_size(b"0").unwrap(), 0);
+    assert_eq!(chunk_size(b"10;name=value").unwrap(), 16);
+    assert_eq!(chunk_size(b"A ").unwrap(), 10);
+    assert!(chunk_size(b"").is_err());
+    assert!(chunk_size(b"xyz").is_err());
+    assert!(chunk_size(b"-1").is_err());
+    assert!(chunk_size(b"1000000000000000").is_err());
+}
+
+#[test]
+fn head_is_encoded_with_host_first_and_zero_length_for_post() {
+    let mut headers = HeaderMap::new();
+    headers.insert("x-a", HeaderValue::from_static("1"));
+    let mut out = Vec::new();
+    let host = HeaderValue::from_static("up:80");
+    encode_head(
+        &mut out,
+        &Method::POST,
+        "/base",
+        "/p?q=1",
+        Some(&host),
+        &headers,
+        None,
+    );
+    assert_eq!(
+        out,
+        b"POST /base/p?q=1 HTTP/1.1\r\nhost: up:80\r\nx-a: 1\r\ncontent-length: 0\r\n\r\n"
+    );
+    encode_head(&mut out, &Method::GET, "", "/", None, &headers, None);
+    assert_eq!(out, b"GET / HTTP/1.1\r\nx-a: 1\r\n\r\n");
+    // The length comes from the bytes sent, whatever the client said.
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("99"));
+    encode_head(&mut out, &Method::PUT, "", "/", None, &headers, Some(b"{}"));
+    assert_eq!(
+        out,
+        b"PUT / HTTP/1.1\r\nx-a: 1\r\ncontent-length: 2\r\n\r\n{}"
+    );
+}
+
+fn parsed(raw: &str, method: &Method) -> Result<(Response<()>, Framing), ExchangeError> {
+    let mut buf = BytesMut::from(raw.as_bytes());
+    let mut resp = take_head(&mut buf, &mut HeaderMap::new())?.expect("complete head");
+    let f = framing(method, &mut resp)?;
+    Ok((resp, f))
+}
+
+#[test]
+fn header_values_are_taken_only_as_http_allows_them() {
+    let head = |value: &[u8]| {
+        let mut raw = b"HTTP/1.1 200 OK\r\nx-v: ".to_vec();
+        raw.extend_from_slice(value);
+        raw.extend_from_slice(b"\r\ncontent-length: 0\r\n\r\n");
+        take_head(&mut BytesMut::from(&raw[..]), &mut HeaderMap::new())
+    };
+    // Control bytes and DEL never become a header value.
+    for bad in [&b"a\x01b"[..], b"a\x7fb", b"a\x00b", b"a\rb"] {
+        assert!(head(bad).is_err(), "{bad:?} was taken");
+    }
+    // Tabs, spaces and obs-text pass through byte for byte.
+    let resp = head(b"a\tb c\xe9").unwrap().expect("complete head");
+    let value = &resp.headers()["x-v"];
+    assert_eq!(value.as_bytes(), b"a\tb c\xe9");
+    assert_eq!(value, &HeaderValue::from_bytes(b"a\tb c\xe9").unwrap());
+}
+
+#[test]
+fn framing_follows_rfc_9112() {
+    let get = Method::GET;
+    let f = |raw: &str| {
+        parsed(raw, &get)
+            .map(|(_, f)| f)
+            .map_err(|e| format!("{e:?}"))
+    };
+    assert_eq!(
+        f("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"),
+        Ok(Framing::Length(5))
+    );
+    assert_eq!(
+        f("HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\n\r\n"),
+        Ok(Framing::Length(5))
+    );
+    assert!(f("HTTP/1.1 200 OK\r\ncontent-length: 5, 6\r\n\r\n").is_err());
+    assert!(f("HTTP/1.1 200 OK\r\ncontent-length: +5\r\n\r\n").is_err());
+    // Repeated fields must agree; a length past u64 is refused.
+    assert!(f("HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n").is_err());
+    assert_eq!(
+        f("HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n"),
+        Ok(Framing::Length(5))
+    );
+    assert!(f("HTTP/1.1 200 OK\r\ncontent-length: 99999999999999999999\r\n\r\n").is_err());
+    assert_eq!(
+        f("HTTP/1.1 200 OK\r\ncontent-length: 9999999999999999999\r\n\r\n"),
+        Ok(Framing::Length(9_999_999_999_999_999_999))
+    );
+    assert_eq!(
+        f("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"),
+        Ok(Framing::Chunked)
+    );
+    assert_eq!(
+        f("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n"),
+        Ok(Framing::UntilClose)
+    );
+    assert_eq!(f("HTTP/1.1 200 OK\r\n\r\n"), Ok(Framing::UntilClose));
+    assert_eq!(
+        f("HTTP/1.1 204 No Content\r\ncontent-length: 9\r\n\r\n"),
+        Ok(Framing::Length(0))
+    );
+    assert_eq!(
+        f("HTTP/1.1 304 Not Modified\r\n\r\n"),
+        Ok(Framing::Length(0))
+    );
+    let (_, head) = parsed(
+        "HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n",
+        &Method::HEAD,
+    )
+    .unwrap();
+    assert_eq!(head, Framing::Length(0));
+    // Transfer-Encoding wins over Content-Length, which must not reach the client.
+    let (resp, fr) = parsed(
+        "HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n",
+        &get,
+    )
+    .unwrap();
+    assert_eq!(fr, Framing::Chunked);
+    assert!(!resp.headers().contains_key(header::CONTENT_LENGTH));
+    // The same in answers without a body (found by the
+    // upstream_response fuzz target); a HEAD answer's own length stays.
+    let both = "HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n";
+    let (resp, fr) = parsed(both, &Method::HEAD).unwrap();
+    assert_eq!(fr, Framing::Length(0));
+    assert!(!resp.headers().contains_key(header::CONTENT_LENGTH));
+    let (resp, _) = parsed(&both.replace("200 OK", "304 Not Modified"), &get).unwrap();
+    assert!(!resp.headers().contains_key(header::CONTENT_LENGTH));
+    let (resp, _) = parsed(
+        "HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n",
+        &Method::HEAD,
+    )
+    .unwrap();
+    assert_eq!(resp.headers()[header::CONTENT_LENGTH], "9");
+}
+
+#[test]
+fn keep_alive_rules() {
+    let ka = |raw: &str| {
+        let (resp, f) = parsed(raw, &Method::GET).unwrap();
+        keeps_alive(&resp, f)
+    };
+    assert!(ka("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"));
+    assert!(ka(
+        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nConnection: Keep-Alive\r\n\r\n"
+    ));
+    assert!(!ka(
+        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    ));
+    assert!(!ka(
+        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nConnection: keep-alive, Close\r\n\r\n"
+    ));
+    assert!(!ka("HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n"));
+    assert!(!ka("HTTP/1.1 200 OK\r\n\r\n"));
+}
+
+#[test]
+fn every_field_up_to_the_limit_keeps_its_name_and_value() {
+    let head = |fields: usize| {
+        let mut raw = String::from("HTTP/1.1 200 OK\r\n");
+        for i in 0..fields {
+            raw.push_str(&format!("x-field-{i}: value {i}\r\n"));
+        }
+        raw + "\r\n"
+    };
+    let resp = take_head(
+        &mut BytesMut::from(head(MAX_HEADERS).as_bytes()),
+        &mut HeaderMap::new(),
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(resp.headers().len(), MAX_HEADERS);
+    for i in 0..MAX_HEADERS {
+        assert_eq!(resp.headers()[format!("x-field-{i}")], format!("value {i}"));
+    }
+    match take_head(
+        &mut BytesMut::from(head(MAX_HEADERS + 1).as_bytes()),
+        &mut HeaderMap::new(),
+    ) {
+        Err(ExchangeError::Failed(m)) => assert!(m.contains("more than"), "{m}"),
+        other => panic!("expected a failure, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_heads_are_refused_with_a_reason() {
+    let err = |raw: &str| match parsed(raw, &Method::GET) {
+        Err(ExchangeError::Failed(m)) => m,
+        other => panic!("expected a failure, got {other:?}"),
+    };
+    assert!(err("HTTP/1.1 200 OK\r\nbad header\r\n\r\n").contains("invalid response head"));
+    assert!(err("HTTP/1.1 2000 OK\r\n\r\n").contains("invalid response head"));
+    assert!(
+        take_head(
+            &mut BytesMut::from(&b"HTTP/1.1 200 OK\r\nx: y\r\n"[..]),
+            &mut HeaderMap::new(),
+        )
+        .unwrap()
+        .is_none()
+    );
+}
