@@ -1,0 +1,412 @@
+//! Sending one request to an upstream: the endpoint picked, the request
+//! sent and its answer read, retried within the budget.
+
+use super::*;
+
+impl UpstreamPool {
+    // One function of ~380 lines, the exchange and its retries in one
+    // future: each part made an awaited function of its own would be a
+    // future moved once more per request (a copy of kilobytes; see
+    // pipeline/to_upstream.rs). Its synchronous parts could still go.
+    /// Sends `out` to the upstream and waits for the response head, within
+    /// `timeout`. A request whose connection could not be made is retried
+    /// on the next endpoint in, up to `retries` times: nothing was sent,
+    /// so any method and body may go again (as nginx's and Envoy's connect
+    /// failure retries do); the endpoint is ejected for `eject_for`. A
+    /// request that a stale pooled connection gave back unsent is always
+    /// sent again on a new connection.
+    pub async fn send(
+        &self,
+        out: Outgoing,
+        params: &matchit::Params<'_, '_>,
+        timeout: Duration,
+        client: Option<ClientSocket>,
+    ) -> Result<(Response<Body>, Held), ForwardError> {
+        // Before anything is read or dialled: a request over the cap
+        // costs the upstream nothing.
+        let mut admitted = match self.request_cap {
+            None => None,
+            Some(max) => {
+                Some(Admitted::take(&self.requests, max).ok_or(ForwardError::Overloaded(max))?)
+            }
+        };
+        let rendered;
+        let (endpoints, template): (&[Endpoint], bool) = match &self.spec.target {
+            Target::Endpoints(e) => (e, false),
+            Target::Template(t) => {
+                let url = t
+                    .render(|name| params.get(name))
+                    .map_err(ForwardError::BadTarget)?;
+                let ep = Uri::try_from(url.as_str())
+                    .ok()
+                    .and_then(|u| Endpoint::from_uri(&u))
+                    .ok_or_else(|| {
+                        ForwardError::BadTarget(format!("`{url}` is not a valid upstream URL"))
+                    })?;
+                rendered = [ep];
+                (&rendered, true)
+            }
+        };
+        let version = if self.spec.http2 {
+            Version::HTTP_2
+        } else {
+            Version::HTTP_11
+        };
+        let Outgoing {
+            method,
+            path,
+            mut headers,
+            mut body,
+            affinity,
+        } = out;
+        let upgrade = headers::is_websocket_upgrade(&headers);
+        let bodiless = http_body::Body::is_end_stream(&body);
+        // A small body of known length is read now: the request is then
+        // whole in hand (one write, and sendable again).
+        let payload = match http_body::Body::size_hint(&body).exact() {
+            Some(n) if !bodiless && !upgrade && n <= MAX_BUFFERED_BODY => {
+                let taken = std::mem::replace(&mut body, Body::empty());
+                Some(read_small_body(taken, timeout).await?)
+            }
+            _ => None,
+        };
+        // A body that streams on is noted as it goes: the timeout for the
+        // answer runs from its last progress (a long upload is not the
+        // upstream being slow), and a client that stops sending it is cut.
+        let progress = body.track();
+        let whole = bodiless || payload.is_some();
+        // As nginx's proxy_next_upstream: a retry goes to another endpoint,
+        // so a single-endpoint upstream never pays for keeping a copy. Only
+        // a failed connect is retried, before any byte of the request left:
+        // a streamed body is still untouched then.
+        let retryable = self.spec.retries > 0 && endpoints.len() > 1;
+        let mut attempts = if retryable {
+            1 + self.spec.retries.min(endpoints.len() as u32 - 1)
+        } else {
+            1
+        };
+        // A request whose answer may be thrown away for another: whole in
+        // hand and safe to send twice. It gets its `retries` even with one
+        // endpoint (a Kubernetes Service picks another pod).
+        let replay_on_status = (!self.spec.retry_on.is_empty() || self.spec.retry_on_reset)
+            && whole
+            && !upgrade
+            && idempotent(&method);
+        if replay_on_status {
+            attempts = attempts.max(1 + self.spec.retries);
+        }
+        // Requests in hand are exchanged with HTTP/1.1 upstreams by this
+        // task (`h1`); streamed bodies and upgrades go through hyper's
+        // connection task, which reads the response while the body is
+        // still going out.
+        let in_task = version == Version::HTTP_11 && !upgrade && whole;
+        // Each try of a request that may be sent again gets its own
+        // deadline; others wait for the request timeout alone.
+        let per_try = if replay_on_status {
+            self.spec.per_try_timeout
+        } else {
+            None
+        };
+        // Pinned where it is made: the exchange is the request's largest
+        // future, and passed by value it was copied twice per request.
+        let attempt_all = std::pin::pin!(async {
+            let mut last = None;
+            let n = endpoints.len();
+            let mut i = self.pick(n, affinity);
+            // The budget's place for the retry under way, if one is.
+            let retrying = retry::RetrySlot::new(&self.retries);
+            // `eject_after_5xx`: how each try went counts for its endpoint.
+            let count_answers = n > 1 && !template && self.ejections.counts_answers();
+            let answerer = |i: usize| if template { 0 } else { i as u32 + 1 };
+            let answered = |i: usize, ep: &Endpoint, failed: Option<bool>| {
+                let Some(failed) = failed.filter(|_| count_answers) else {
+                    return;
+                };
+                // A body the client broke, or one cut for its size, ends
+                // the exchange however the upstream side reports it.
+                if progress
+                    .as_deref()
+                    .is_some_and(|p| p.malformed() || p.too_large())
+                {
+                    return;
+                }
+                if self.ejections.answered(i, failed) {
+                    tracing::warn!(upstream = %self.spec.name, endpoint = %ep, eject_after_5xx = self.spec.eject_after_5xx, eject_for = ?self.spec.eject_for, "endpoint out of the rotation after failed answers in a row");
+                }
+            };
+            'attempts: for attempt in 0..attempts {
+                // Retries walk on from the balancer's choice to the next
+                // endpoint in (the one that failed is out by now).
+                if attempt > 0 {
+                    i = match affinity.filter(|_| self.seeds.len() == n) {
+                        // The key's next choice, as its later requests
+                        // will make once the failed endpoint is out.
+                        Some(key) => {
+                            let failed = i;
+                            affinity::pick(key, &self.seeds, &self.weights, |j| {
+                                j == failed || self.ejections.is_out(j)
+                            })
+                        }
+                        None => self.ejections.first_in((i + 1) % n, n),
+                    };
+                }
+                let ep = &endpoints[i];
+                // Whether this attempt's answer may be dropped for another
+                // (the status is looked at only then).
+                let may_retry = replay_on_status && attempt + 1 < attempts;
+                let retry_status = |status: StatusCode| {
+                    may_retry
+                        && self.spec.retry_on.contains(&status.as_u16())
+                        && self.retry_fits(&retrying)
+                };
+                let mut timer = per_try.map(|d| Box::pin(tokio::time::sleep(d)));
+                // A try past its deadline is dropped with its connection,
+                // and counts as a 504: the next try, or the client's 504.
+                let ran_out = || {
+                    let e = ForwardError::Timeout(per_try.unwrap_or_default());
+                    if may_retry && self.spec.retry_on.contains(&504) && self.retry_fits(&retrying)
+                    {
+                        tracing::debug!(upstream = %self.spec.name, endpoint = %ep, attempt, "try ran out of its per_try_timeout; retrying");
+                        Ok(e)
+                    } else {
+                        Err(e)
+                    }
+                };
+                let dest = if template {
+                    Dest::Dynamic(ep)
+                } else {
+                    Dest::Fixed(i, ep)
+                };
+                let last_attempt = attempt + 1 == attempts;
+                // Keep a copy of the head only while a retry is still possible.
+                let mut hdrs = if last_attempt {
+                    std::mem::take(&mut headers)
+                } else {
+                    headers.clone()
+                };
+                let host = (!self.spec.preserve_host && version == Version::HTTP_11)
+                    .then_some(&ep.host_header);
+                // Only least-requests reads the counts; other policies skip
+                // the shared atomics on the hot path.
+                let guard = (self.spec.balance == Balance::LeastRequests).then(|| {
+                    let slot = if template { 0 } else { i };
+                    self.in_flight[slot].fetch_add(1, Ordering::Relaxed);
+                    InFlight(self.in_flight.clone(), slot)
+                });
+                let mut req = None;
+                let mut fresh = false;
+                for _ in 0..=STALE_RETRIES {
+                    let (conn, reused) = match self.conns.checkout(&dest, fresh, in_task).await {
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::debug!(upstream = %self.spec.name, endpoint = %ep, attempt, error = %e, "connect failed");
+                            if n > 1 && self.ejections.eject(i) {
+                                tracing::warn!(upstream = %self.spec.name, endpoint = %ep, error = %e, eject_for = ?self.spec.eject_for, "endpoint out of the rotation after a failed connect");
+                            }
+                            // A request a stale connection gave back keeps
+                            // its body for the next endpoint.
+                            if let Some(r) = req.take() {
+                                body = http::Request::into_body(r);
+                            }
+                            last = Some(e);
+                            break;
+                        }
+                    };
+                    if n > 1 && !reused {
+                        self.ejections.readmit(i);
+                    }
+                    let mut conn = match conn {
+                        Conn::InTask(mut conn, slot) => {
+                            let prefix = ep.base_path.as_deref().unwrap_or("");
+                            let outcome = conn
+                                .exchange(
+                                    &method,
+                                    prefix,
+                                    path.as_str(),
+                                    host,
+                                    &hdrs,
+                                    payload.as_deref(),
+                                    timer.as_mut(),
+                                )
+                                .await;
+                            // A pooled connection closed under the request
+                            // says nothing of the endpoint.
+                            answered(
+                                i,
+                                ep,
+                                match &outcome {
+                                    Ok((resp, _)) => Some(resp.status().is_server_error()),
+                                    Err(h1::ExchangeError::Closed(_)) if reused => None,
+                                    Err(_) => Some(true),
+                                },
+                            );
+                            match outcome {
+                                Err(h1::ExchangeError::RanOut) => {
+                                    last = Some(ran_out()?);
+                                    continue 'attempts;
+                                }
+                                Ok((resp, _)) if retry_status(resp.status()) => {
+                                    // Its body unread, the connection goes.
+                                    tracing::debug!(upstream = %self.spec.name, endpoint = %ep, status = resp.status().as_u16(), attempt, "answer to retry");
+                                    continue 'attempts;
+                                }
+                                Ok((resp, framing)) => {
+                                    conn.recycle(std::mem::take(&mut hdrs));
+                                    let home = h1::keeps_alive(&resp, framing).then_some(slot);
+                                    let body = H1Body::new(conn, framing, home);
+                                    let resp = resp.map(|()| Body::Upstream { inner: body });
+                                    let held = Held {
+                                        in_flight: guard,
+                                        admitted: admitted.take(),
+                                        lease: None,
+                                        read_timeout_ms: 0,
+                                        endpoint: answerer(i),
+                                    };
+                                    return Ok((resp, held));
+                                }
+                                // A pooled connection the upstream closed
+                                // while idle: the request may not have been
+                                // seen, so an idempotent one goes again on a
+                                // new connection (as nginx and hyper do).
+                                Err(h1::ExchangeError::Closed(_))
+                                    if reused && idempotent(&method) =>
+                                {
+                                    fresh = true;
+                                    continue;
+                                }
+                                // Sent, and the connection went before any
+                                // answer: with `reset`, the next attempt.
+                                Err(h1::ExchangeError::Closed(e))
+                                    if may_retry
+                                        && self.spec.retry_on_reset
+                                        && self.retry_fits(&retrying) =>
+                                {
+                                    tracing::debug!(upstream = %self.spec.name, endpoint = %ep, error = %e, attempt, "connection failed before an answer; retrying");
+                                    last = Some(ForwardError::Failed(e));
+                                    continue 'attempts;
+                                }
+                                Err(
+                                    h1::ExchangeError::Closed(e) | h1::ExchangeError::Failed(e),
+                                ) => return Err(ForwardError::Failed(e)),
+                            }
+                        }
+                        c => c,
+                    };
+                    let r = match req.take() {
+                        Some(r) => r,
+                        None => {
+                            // Taken only now, once connected: a failed
+                            // connect leaves it for the next endpoint.
+                            let b = match &payload {
+                                Some(p) => Body::full(p.clone()),
+                                None => std::mem::replace(&mut body, Body::empty()),
+                            };
+                            let mut r = Request::new(b);
+                            *r.method_mut() = method.clone();
+                            *r.uri_mut() = Self::uri(ep, &path, version)?;
+                            *r.version_mut() = version;
+                            *r.headers_mut() = std::mem::take(&mut hdrs);
+                            if let Some(host) = host {
+                                r.headers_mut().insert(http::header::HOST, host.clone());
+                            }
+                            r
+                        }
+                    };
+                    // Through hyper's client (HTTP/2, streamed bodies), the
+                    // deadline races the exchange from outside.
+                    let outcome = match timer.as_mut() {
+                        None => Some(conn.send(r).await),
+                        Some(timer) => retry::within(timer, conn.send(r)).await,
+                    };
+                    // Neither a request a stale connection gave back nor
+                    // our own body's error says anything of the endpoint.
+                    answered(
+                        i,
+                        ep,
+                        match &outcome {
+                            None => Some(true),
+                            Some(Ok(resp)) => Some(resp.status().is_server_error()),
+                            Some(Err(e)) if reused && e.message().is_some() => None,
+                            Some(Err(e)) if e.error().is_user() => None,
+                            Some(Err(_)) => Some(true),
+                        },
+                    );
+                    match outcome {
+                        None => {
+                            last = Some(ran_out()?);
+                            continue 'attempts;
+                        }
+                        Some(Ok(resp)) if retry_status(resp.status()) => {
+                            tracing::debug!(upstream = %self.spec.name, endpoint = %ep, status = resp.status().as_u16(), attempt, "answer to retry");
+                            continue 'attempts;
+                        }
+                        Some(Ok(resp)) => {
+                            return Ok((
+                                resp.map(Body::from),
+                                Held {
+                                    in_flight: guard,
+                                    admitted: admitted.take(),
+                                    lease: conn.into_lease(),
+                                    read_timeout_ms: 0,
+                                    endpoint: answerer(i),
+                                },
+                            ));
+                        }
+                        Some(Err(mut e)) => match e.take_message() {
+                            Some(back) if reused => {
+                                req = Some(back);
+                                fresh = true;
+                            }
+                            // A stream or connection lost before an
+                            // answer (an HTTP/2 upstream's REFUSED_STREAM
+                            // or GOAWAY as it shuts down), not an answer
+                            // that did not parse nor our own body's error.
+                            _ if may_retry
+                                && self.spec.retry_on_reset
+                                && !e.error().is_parse()
+                                && !e.error().is_user()
+                                && self.retry_fits(&retrying) =>
+                            {
+                                let e = error_chain(e.error());
+                                tracing::debug!(upstream = %self.spec.name, endpoint = %ep, error = %e, attempt, "no answer before the stream ended; retrying");
+                                last = Some(ForwardError::Failed(e));
+                                continue 'attempts;
+                            }
+                            _ => return Err(ForwardError::Failed(error_chain(e.error()))),
+                        },
+                    }
+                }
+                if last.is_none() {
+                    return Err(ForwardError::Failed(
+                        "pooled connections kept closing".into(),
+                    ));
+                }
+            }
+            Err(last.unwrap_or(ForwardError::Unreachable("no endpoint".into())))
+        });
+        let result =
+            match client_watch::exchange(attempt_all, timeout, client, progress.as_deref()).await {
+                Ok(r) => r,
+                Err(Cut::TimedOut) => Err(ForwardError::Timeout(timeout)),
+                Err(Cut::BodyStalled) => Err(ForwardError::RequestBodyTimeout(timeout)),
+                Err(Cut::ClientGone) => Err(ForwardError::ClientGone),
+            };
+        // However the upstream side reported it (hyper's "user body
+        // error", an HTTP/2 reset), a body cut for its size is the
+        // client's 413.
+        match result {
+            Err(_) if progress.as_deref().is_some_and(BodyProgress::too_large) => {
+                Err(ForwardError::BodyTooLarge)
+            }
+            // Likewise a body the client broke is the client's 400; the
+            // upstream got a cut body (hyper aborts the request) and no
+            // failure counts against it.
+            Err(ForwardError::Failed(e))
+                if progress.as_deref().is_some_and(BodyProgress::malformed) =>
+            {
+                Err(ForwardError::RequestBody(e))
+            }
+            r => r,
+        }
+    }
+}
