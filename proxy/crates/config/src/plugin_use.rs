@@ -1,0 +1,47 @@
+//! A plugin module and each use of it, as the policies state them.
+
+use crate::*;
+
+/// A plugin's WebAssembly component, read from disk.
+#[derive(Debug)]
+pub struct PluginModule {
+    /// Name routes use.
+    pub name: Arc<str>,
+    /// The file it was read from.
+    pub path: std::path::PathBuf,
+    /// The component's bytes.
+    pub bytes: Arc<[u8]>,
+    /// SHA-256 of the bytes (also the compile cache key).
+    pub sha256: [u8; 32],
+    /// Where it was defined.
+    pub defined_at: Pos,
+}
+
+/// What a plugin failure does to the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailMode {
+    /// Answer that request with an error (500, or 503 on timeout).
+    Closed,
+    /// Let the request through as if the plugin had not been there.
+    Open,
+}
+
+/// A plugin attached to a route (or globally), with its config.
+#[derive(Debug, Clone)]
+pub struct PluginUse {
+    /// Index into `Config::plugins`.
+    pub plugin: usize,
+    /// The config handed to the plugin, as JSON (env and files resolved).
+    pub config_json: String,
+    /// Failure policy.
+    pub fail: FailMode,
+    /// Deadline per call, in CPU time the call uses.
+    pub timeout: Duration,
+    /// Memory cap per instance, bytes.
+    pub memory: usize,
+    /// A new instance for every request (nothing can carry over between
+    /// requests) instead of reusing idle ones.
+    pub fresh_instances: bool,
+    /// Where it was attached.
+    pub defined_at: Pos,
+}
