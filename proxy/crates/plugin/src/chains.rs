@@ -1,0 +1,186 @@
+//! Each route's plugin chain, prepared from a config: modules compiled, configs given to the plugins' `init`.
+
+use super::*;
+
+/// A request head with nothing in it (no allocation).
+pub fn empty_head() -> RequestHead {
+    RequestHead {
+        method: String::new(),
+        scheme: String::new(),
+        authority: String::new(),
+        path: String::new(),
+        query: None,
+        client_addr: String::new(),
+        tls: false,
+        sni: None,
+    }
+}
+
+/// Route info with nothing in it (no allocation).
+pub fn empty_route() -> RouteInfo {
+    RouteInfo {
+        name: String::new(),
+        params: Vec::new(),
+    }
+}
+
+/// Every route's plugin chain (global plugins first), ready to call.
+#[derive(Debug, Default, Clone)]
+pub struct Chains {
+    /// By route index.
+    pub routes: Vec<Arc<[Arc<Binding>]>>,
+}
+
+/// Compiles every plugin the config uses, instantiates each use once and
+/// asks the plugin to validate its config. Errors name the plugin, the
+/// route and the place in the policy files.
+pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
+    if config.plugins.is_empty() {
+        return Ok(Chains {
+            routes: config
+                .routes
+                .iter()
+                .map(|_| Arc::from(Vec::new()))
+                .collect(),
+        });
+    }
+    let fail_at = |pos: &portcullis_config::Pos, message: String| {
+        ConfigErrors(vec![ConfigError {
+            pos: pos.clone(),
+            message,
+        }])
+    };
+    let host = host().map_err(|e| fail_at(&config.plugins[0].defined_at, e))?;
+
+    // Compile (CPU-heavy) off the async workers.
+    let modules = config.plugins.clone();
+    let compiled = tokio::task::spawn_blocking(move || {
+        modules
+            .iter()
+            .map(|m| {
+                host.compile(m).and_then(|c| {
+                    // A plugin importing more than the plugin WASI set
+                    // (files, sockets) is refused here, naming the import.
+                    host.linker
+                        .instantiate_pre(&c)
+                        .map_err(|e| format!("{} cannot be linked: {e:#}", m.path.display()))
+                })
+            })
+            .collect::<Vec<_>>()
+    })
+    .await
+    .map_err(|e| {
+        fail_at(
+            &config.plugins[0].defined_at,
+            format!("plugin compilation crashed: {e}"),
+        )
+    })?;
+    let mut errors = Vec::new();
+    let mut pres = Vec::with_capacity(compiled.len());
+    for (module, result) in config.plugins.iter().zip(compiled) {
+        match result.and_then(|pre| {
+            PolicyPre::new(pre).map_err(|e| {
+                format!(
+                    "{} does not export the portcullis:policy world: {e:#}",
+                    module.path.display()
+                )
+            })
+        }) {
+            Ok(pre) => pres.push(Some(pre)),
+            Err(message) => {
+                errors.push(ConfigError {
+                    pos: module.defined_at.clone(),
+                    message,
+                });
+                pres.push(None);
+            }
+        }
+    }
+    // Uses of modules that failed to compile are skipped (their error is
+    // reported); the others are still checked, so one run lists all.
+    let route_names: Arc<[Arc<str>]> = config.routes.iter().map(|r| r.name.clone()).collect();
+    let bind = |u: &PluginUse, route: Option<&str>| {
+        let module = &config.plugins[u.plugin];
+        let pre = pres[u.plugin].clone();
+        let engine = host.engine.clone();
+        let u = u.clone();
+        let name = module.name.clone();
+        let route_names = route_names.clone();
+        let on = route.map_or_else(|| "the global chain".to_owned(), |r| format!("route `{r}`"));
+        let route: Option<Arc<str>> = route.map(Arc::from);
+        async move {
+            let Some(pre) = pre else { return Ok(None) };
+            let mut binding = Binding {
+                plugin: name.clone(),
+                fail: u.fail,
+                hooks: Hooks::empty(),
+                pre,
+                engine,
+                config_json: u.config_json.clone(),
+                timeout: u.timeout,
+                memory: u.memory,
+                fresh: u.fresh_instances,
+                idle: std::array::from_fn(|_| Shard::default()),
+                route_names,
+                route,
+                memory_peak: Default::default(),
+            };
+            let at = |message: String| ConfigError {
+                pos: u.defined_at.clone(),
+                message: format!("plugin `{name}` on {on}: {message}"),
+            };
+            // Instantiating runs the plugin's start-up and `configure`,
+            // which validates the config; a plugin that cannot start is
+            // refused here rather than on the first request.
+            let mut inst = match binding.instantiate() {
+                Ok(i) => i,
+                Err(PluginError::Setup { message, .. }) => return Err(at(message)),
+                Err(e) => return Err(at(e.to_string())),
+            };
+            Binding::arm(&mut inst.store);
+            match inst
+                .policy
+                .call_validate_config(&mut inst.store, &u.config_json)
+            {
+                Ok(Ok(())) => {}
+                Ok(Err(m)) => return Err(at(format!("invalid config: {m}"))),
+                Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
+            }
+            Binding::arm(&mut inst.store);
+            binding.hooks = match inst.policy.call_hooks(&mut inst.store) {
+                Ok(h) => h,
+                Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
+            };
+            // Not kept: idle instances are per thread, and this is not a
+            // worker's; kept, it would hold a pool slot for nothing.
+            drop(inst);
+            Ok(Some(Arc::new(binding)))
+        }
+    };
+
+    let mut global = Vec::new();
+    for u in &config.global_plugins {
+        match bind(u, None).await {
+            Ok(Some(b)) => global.push(b),
+            Ok(None) => {}
+            Err(e) => errors.push(e),
+        }
+    }
+    let mut routes = Vec::with_capacity(config.routes.len());
+    for route in &config.routes {
+        let mut chain = global.clone();
+        for u in &route.plugins {
+            match bind(u, Some(&route.name)).await {
+                Ok(Some(b)) => chain.push(b),
+                Ok(None) => {}
+                Err(e) => errors.push(e),
+            }
+        }
+        routes.push(Arc::from(chain));
+    }
+    if errors.is_empty() {
+        Ok(Chains { routes })
+    } else {
+        Err(ConfigErrors(errors))
+    }
+}
