@@ -3,7 +3,7 @@
 # function (cachegrind, as bench/instructions.sh counts them): for a change
 # on the hot path, build before and after, keep both binaries, and run
 #
-#   bench/instructions-diff.sh OLD_BINARY NEW_BINARY [PATH]     # PATH: /plain
+#   bench/instructions-diff.sh OLD_BINARY NEW_BINARY [PATH]     # PATH: /plain, /key, /auth
 #   REQUESTS=5000 REPEAT=5 TOP=40 bench/instructions-diff.sh old new
 #
 # It prints each build's median total over REPEAT runs, then the functions
@@ -25,25 +25,24 @@ BENCH_NO_BUILD=1
 . bench/common.sh
 UP_PORT=$(free_port); PC_PORT=$(free_port)
 start_upstream "$UP_PORT"
-mkdir -p "$WORK/policies"
-cat > "$WORK/policies/bench.yaml" <<YAML
-listeners: [{ name: http, bind: "127.0.0.1:$PC_PORT", max_requests_per_connection: 1000000 }]
-upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$UP_PORT"] }]
-routes: [{ name: all, match: { path_prefix: / }, upstream: app }]
-YAML
-python3 - "$OLD" "$NEW" "$WORK/policies" "$PC_PORT" "$ROUTE" "$REQUESTS" "$REPEAT" "$TOP" <<'PY'
+# The routes of bench/instructions.sh: /plain (no plugin), /key (the SDK
+# example), /auth (jwt-auth); plugin files, so older builds take them too.
+plugins/build.sh >/dev/null
+plugin_policies "$WORK/policies" "$PC_PORT" "$UP_PORT"
+TOKEN=$(bench_token)
+python3 - "$OLD" "$NEW" "$WORK/policies" "$PC_PORT" "$ROUTE" "$REQUESTS" "$REPEAT" "$TOP" "$TOKEN" <<'PY'
 import collections, sys, tempfile
 sys.path.insert(0, "bench")
 import instructions
-old, new, policies, port, route, n, repeat, top = sys.argv[1:9]
+old, new, policies, port, route, n, repeat, top, token = sys.argv[1:10]
 port, n, repeat, top = int(port), int(n), int(repeat), int(top)
 median = {}
 with tempfile.TemporaryDirectory() as scratch:
     for name, binary in (("old", old), ("new", new)):
         runs = []
         for _ in range(repeat):
-            warm = instructions.run(binary, policies, port, "none", route, instructions.WARM, scratch)
-            full = instructions.run(binary, policies, port, "none", route, instructions.WARM + n, scratch)
+            warm = instructions.run(binary, policies, port, token, route, instructions.WARM, scratch)
+            full = instructions.run(binary, policies, port, token, route, instructions.WARM + n, scratch)
             runs.append({f: (full[f] - warm[f]) / n for f in set(warm) | set(full)})
         runs.sort(key=lambda r: sum(r.values()))
         median[name] = runs[len(runs) // 2]

@@ -450,7 +450,7 @@ struct UdpRelay {
 }
 
 impl UdpRelay {
-    async fn start(to: SocketAddr) -> UdpRelay {
+    pub(super) async fn start(to: SocketAddr) -> UdpRelay {
         async fn towards(to: SocketAddr) -> tokio::net::UdpSocket {
             let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
             socket.connect(to).await.unwrap();
@@ -484,7 +484,7 @@ impl UdpRelay {
 
     /// Sends the client's datagrams from a new socket from now on (the old
     /// one is closed); returns its address.
-    async fn rebind(&self) -> SocketAddr {
+    pub(super) async fn rebind(&self) -> SocketAddr {
         let (done, moved) = tokio::sync::oneshot::channel();
         self.rebind.send(done).await.unwrap();
         moved.await.unwrap()

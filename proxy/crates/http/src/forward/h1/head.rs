@@ -1,0 +1,247 @@
+//! Request heads written and response heads read: the bytes on the wire, and how long the body that follows is.
+
+use super::*;
+
+pub(super) fn head_too_large() -> ExchangeError {
+    ExchangeError::Failed(format!(
+        "upstream response head is larger than {} KiB",
+        MAX_HEAD / 1024
+    ))
+}
+
+/// Writes the request head, then `body`, into `out`. Header values are
+/// valid by construction (`HeaderValue` holds no CR or LF), so nothing
+/// needs escaping. The body's length is written from the bytes at hand;
+/// a `Content-Length` in `headers` is not copied.
+pub(super) fn encode_head(
+    out: &mut Vec<u8>,
+    method: &Method,
+    prefix: &str,
+    path: &str,
+    host: Option<&HeaderValue>,
+    headers: &HeaderMap,
+    body: Option<&[u8]>,
+) {
+    out.clear();
+    out.extend_from_slice(method.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(prefix.as_bytes());
+    out.extend_from_slice(path.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    if let Some(host) = host {
+        out.extend_from_slice(b"host: ");
+        out.extend_from_slice(host.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    for (name, value) in headers {
+        if name == header::CONTENT_LENGTH {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    match body {
+        Some(b) if !b.is_empty() => {
+            use std::io::Write as _;
+            let _ = write!(out, "content-length: {}\r\n\r\n", b.len());
+            out.extend_from_slice(b);
+            return;
+        }
+        // Some servers refuse a POST or PUT without a length (411), even
+        // an empty one; hyper adds it the same way.
+        _ if needs_zero_length(method) => out.extend_from_slice(b"content-length: 0\r\n"),
+        _ => {}
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+pub(super) fn needs_zero_length(m: &Method) -> bool {
+    !matches!(
+        *m,
+        Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::TRACE
+    ) && *m != Method::CONNECT
+}
+
+/// Takes a whole response head off the front of `buf`: `None` while it is
+/// incomplete. Header values share the head's bytes rather than being
+/// copied; the header map is `spare`'s when it has one. A plain function
+/// (not async): its 4 KiB of parse state lives on the stack for the call
+/// only, not in every request's future.
+pub(super) fn take_head(
+    buf: &mut BytesMut,
+    spare: &mut HeaderMap,
+) -> Result<Option<Response<()>>, ExchangeError> {
+    // Left uninitialized: 128 fields and their spans are 6 KiB, and writing
+    // them all out for every response (~6 fields) cost more than parsing.
+    let mut fields = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut parsed,
+        buf,
+        &mut fields,
+    ) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(ExchangeError::Failed(format!(
+                "upstream response has more than {MAX_HEADERS} header fields"
+            )));
+        }
+        Err(e) => return Err(ExchangeError::Failed(format!("invalid response head: {e}"))),
+    };
+    if len > MAX_HEAD {
+        return Err(head_too_large());
+    }
+    let status = parsed
+        .code
+        .and_then(|c| StatusCode::from_u16(c).ok())
+        .ok_or_else(|| ExchangeError::Failed("invalid response status".into()))?;
+    let version = match parsed.version {
+        Some(0) => Version::HTTP_10,
+        _ => Version::HTTP_11,
+    };
+    // Where each field sits in the head, to slice the frozen bytes with.
+    let base = buf.as_ptr() as usize;
+    // Offsets fit in u32: the head is at most MAX_HEAD bytes.
+    let mut spans = [const { std::mem::MaybeUninit::<[u32; 4]>::uninit() }; MAX_HEADERS];
+    let n = parsed.headers.len();
+    for (span, h) in spans.iter_mut().zip(parsed.headers.iter()) {
+        span.write([
+            (h.name.as_ptr() as usize - base) as u32,
+            h.name.len() as u32,
+            (h.value.as_ptr() as usize - base) as u32,
+            h.value.len() as u32,
+        ]);
+    }
+    let head = buf.split_to(len).freeze();
+    let mut resp = Response::new(());
+    *resp.status_mut() = status;
+    *resp.version_mut() = version;
+    let headers = resp.headers_mut();
+    *headers = std::mem::take(spare);
+    headers.reserve(n);
+    for span in &spans[..n] {
+        // SAFETY: the loop above wrote the first `n` spans.
+        let [ns, nl, vs, vl] = unsafe { span.assume_init() }.map(|x| x as usize);
+        let name = HeaderName::from_bytes(&head[ns..ns + nl]).map_err(|_| {
+            ExchangeError::Failed(format!(
+                "invalid header name `{}` in the response",
+                String::from_utf8_lossy(&head[ns..ns + nl])
+            ))
+        })?;
+        // SAFETY: httparse accepted the value, and its value bytes (tab,
+        // visible ASCII, space, obs-text; no other control byte, no DEL) are
+        // exactly the ones `HeaderValue` allows; obs-fold is refused by the
+        // default parser config. hyper relies on the same for its heads;
+        // checking every byte again cost 3% of a forwarded request.
+        let value = unsafe { HeaderValue::from_maybe_shared_unchecked(head.slice(vs..vs + vl)) };
+        headers.append(name, value);
+    }
+    Ok(Some(resp))
+}
+
+/// How the response body is delimited (RFC 9112 §6.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// This many bytes follow (0: no body).
+    Length(u64),
+    /// Chunked transfer coding.
+    Chunked,
+    /// The body runs until the upstream closes the connection.
+    UntilClose,
+}
+
+/// The response's framing; also drops a `Content-Length` that a
+/// `Transfer-Encoding` overrides, so it cannot reach the client.
+pub(super) fn framing(method: &Method, resp: &mut Response<()>) -> Result<Framing, ExchangeError> {
+    let status = resp.status();
+    let bodiless = *method == Method::HEAD
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    let version = resp.version();
+    let headers = resp.headers_mut();
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        // HTTP/1.0 has no transfer codings: RFC 9112 §6.1 says to treat
+        // such framing as faulty, as hyper's client does.
+        if version == Version::HTTP_10 {
+            return Err(ExchangeError::Failed(
+                "upstream sent an HTTP/1.0 response with Transfer-Encoding, whose framing cannot be trusted"
+                    .into(),
+            ));
+        }
+        // Also without a body (RFC 9112 §6.3: a proxy removes it before
+        // forwarding): a HEAD answer's length is the GET's, which the
+        // coding says this one is not.
+        headers.remove(header::CONTENT_LENGTH);
+        if bodiless {
+            return Ok(Framing::Length(0));
+        }
+        let last = headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .next_back()
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.rsplit(',').next())
+            .map(str::trim);
+        return Ok(match last {
+            Some(c) if c.eq_ignore_ascii_case("chunked") => Framing::Chunked,
+            _ => Framing::UntilClose,
+        });
+    }
+    if bodiless {
+        return Ok(Framing::Length(0));
+    }
+    let mut length = None;
+    for value in headers.get_all(header::CONTENT_LENGTH) {
+        // The usual value, digits only: no split, no trim.
+        let digits = value.as_bytes();
+        if !digits.is_empty() && digits.len() <= 19 && digits.iter().all(u8::is_ascii_digit) {
+            let n = digits
+                .iter()
+                .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+            if length.is_some_and(|l| l != n) {
+                return Err(invalid_length(value));
+            }
+            length = Some(n);
+            continue;
+        }
+        // "42, 42" (a repeated field folded) is allowed; different numbers are not.
+        for part in value.to_str().unwrap_or("x").split(',') {
+            let n = part.trim();
+            let n = (!n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| n.parse::<u64>().ok())
+                .flatten()
+                .ok_or_else(|| invalid_length(value))?;
+            if length.is_some_and(|l| l != n) {
+                return Err(invalid_length(value));
+            }
+            length = Some(n);
+        }
+    }
+    Ok(match length {
+        Some(n) => Framing::Length(n),
+        None => Framing::UntilClose,
+    })
+}
+
+pub(super) fn invalid_length(v: &HeaderValue) -> ExchangeError {
+    ExchangeError::Failed(format!(
+        "invalid Content-Length `{}` in the response",
+        String::from_utf8_lossy(v.as_bytes())
+    ))
+}
+
+/// Whether the connection may carry another request after this response.
+pub fn keeps_alive(resp: &Response<()>, framing: Framing) -> bool {
+    if framing == Framing::UntilClose || resp.version() != Version::HTTP_11 {
+        return false;
+    }
+    !resp.headers().get_all(header::CONNECTION).iter().any(|v| {
+        // Most upstreams say just `keep-alive`: no split, no trim.
+        !v.as_bytes().eq_ignore_ascii_case(b"keep-alive")
+            && v.to_str()
+                .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")))
+    })
+}

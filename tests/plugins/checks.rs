@@ -1,0 +1,116 @@
+//! How `check` reports plugin problems: configs, pins, places.
+
+use super::*;
+
+/// A plugin's config is YAML data, so an unquoted `0123` is a number;
+/// the plugin's refusal says to quote it.
+#[test]
+pub(super) fn a_number_where_a_plugin_wants_text_gets_a_hint() {
+    let dir = policy_dir(
+        r#"
+plugins: [{ name: sig, path: webhook-signature.wasm }]
+routes: [{ name: r, match: { path: /r }, respond: { status: 204 }, plugins: [{ use: sig, config: { provider: gitlab, secret: 0123 } }] }]
+"#,
+        &["webhook-signature"],
+    );
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains("invalid config at `secret`: invalid type:")
+            && stderr.contains("expected a string (YAML reads an unquoted number or true/false as such: quote the value)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+pub(super) fn a_plugin_pin_is_checked_against_the_file() {
+    let actual = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(
+            std::fs::read(plugin_file("example-require-header")).unwrap(),
+        ))
+    };
+    let policy = |pin: &str| {
+        format!(
+            r#"
+plugins: [{{ name: gate, path: example-require-header.wasm, sha256: "{pin}" }}]
+routes: [{{ name: r, match: {{ path: /r }}, respond: {{ status: 204 }}, plugins: [{{ use: gate, config: {{ header: x }} }}] }}]
+"#
+        )
+    };
+    // The file's own digest, in either case, passes.
+    for pin in [actual.clone(), actual.to_uppercase()] {
+        let dir = policy_dir(&policy(&pin), &["example-require-header"]);
+        let (ok, _, stderr) = crate::support::check(dir.path());
+        assert!(ok, "{stderr}");
+    }
+    // Another file's digest: both named.
+    let other = "ab".repeat(32);
+    let dir = policy_dir(&policy(&other), &["example-require-header"]);
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains(&format!("has sha256 {actual}, but the policy pins {other}")),
+        "{stderr}"
+    );
+}
+
+#[test]
+pub(super) fn check_reports_plugin_problems_with_route_and_place() {
+    let dir = policy_dir(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+upstreams: [{ name: u, endpoints: ["http://127.0.0.1:1"] }]
+plugins:
+  - { name: sig, path: webhook-signature.wasm }
+  - { name: pinned, path: webhook-signature.wasm, sha256: "00" }
+  - { name: junk, path: junk.wasm }
+  - { name: absent, path: nowhere.wasm }
+routes:
+  - name: empty-secret
+    match: { path: /a }
+    upstream: u
+    plugins: [{ use: sig, config: { provider: github, secret: "" } }]
+  - name: unknown-key
+    match: { path: /b }
+    upstream: u
+    plugins: [{ use: sig, config: { provider: github, secret: s, colour: red } }]
+  - { name: pin, match: { path: /c }, upstream: u, plugins: [{ use: pinned, config: { provider: gitlab, secret: s } }] }
+  - { name: junk, match: { path: /d }, upstream: u, plugins: [{ use: junk }] }
+  - { name: absent, match: { path: /e }, upstream: u, plugins: [{ use: absent }] }
+  - { name: typo, match: { path: /f }, upstream: u, plugins: [{ use: sgi }] }
+"#,
+        &["webhook-signature"],
+    );
+    std::fs::write(dir.path().join("junk.wasm"), b"\0asm not really").unwrap();
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok);
+    let file = dir.path().join("policy.yaml").display().to_string();
+    let dir = dir.path().display();
+    // One run lists everything: the loading errors (a bad pin, an absent
+    // file, an unknown plugin) and what the plugins that do load say of
+    // their configs, each with file:line:column, in reading order.
+    let needles = [
+        format!("{file}:6:59: the pin `00` for plugin "),
+        "is not a sha256 (64 hex digits, as `sha256sum` prints them); the file's is ".to_string(),
+        format!("{file}:7:5: plugin {dir}/junk.wasm: not a component of a format this proxy reads"),
+        format!("{file}:8:27: cannot read plugin"),
+        format!("{file}:13:15: plugin `sig` on route `empty-secret`"),
+        "`secret` is empty".to_string(),
+        format!("{file}:17:15: plugin `sig` on route `unknown-key`"),
+        "invalid config at `colour`: unknown field `colour`".to_string(),
+        format!("{file}:21:70: unknown plugin `sgi`"),
+    ];
+    let mut at = 0;
+    for needle in &needles {
+        let found = stderr[at..].find(needle.as_str());
+        assert!(
+            found.is_some(),
+            "missing `{needle}` after byte {at} in:\n{stderr}"
+        );
+        at += found.unwrap();
+    }
+    assert!(stderr.contains("6 error(s)"), "{stderr}");
+    // A position in the JSON the proxy made of the YAML would mislead.
+    assert!(!stderr.contains("at line 1 column"), "{stderr}");
+}

@@ -1,0 +1,154 @@
+//! What the tunnel server refuses, and how: unknown runtimes, bad credentials, garbage; tunnels over TLS.
+
+use super::*;
+
+#[tokio::test]
+pub(super) async fn unknown_and_disconnected_runtimes_get_prompt_json_errors() {
+    let server = TunnelServer::start().await;
+    let start = Instant::now();
+    let unknown = server.get("rt-zzz", "/").await;
+    assert_eq!(unknown.status, 502);
+    assert_eq!(unknown.json()["error"], "unknown runtime");
+    let absent = server.get("rt-a", "/").await;
+    assert_eq!(absent.status, 503);
+    assert_eq!(absent.json()["runtime"], "rt-a");
+    let elsewhere = client::get(&format!("http://{}/", server.public)).await;
+    assert_eq!(elsewhere.status, 404);
+    // A gRPC client gets the error in gRPC's terms, as from the core.
+    let grpc = server
+        .request("rt-zzz", "POST", "/app.Service/Call")
+        .header("content-type", "application/grpc")
+        .body(body(Bytes::from_static(b"\0\0\0\0\0")))
+        .unwrap();
+    // Over HTTP/1.1, where the Host names the runtime (the h2 client
+    // would send the address as :authority).
+    let grpc = client::send(&client::http1(), grpc).await;
+    assert_eq!(grpc.status, 200, "{:?}", grpc.body);
+    assert_eq!(grpc.header("grpc-status"), Some("14"));
+    assert_eq!(grpc.header("grpc-message"), Some("unknown runtime"));
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "errors must not hang"
+    );
+    // A runtime from the tokens file counts under its id; any other host
+    // under runtime="" (a request never makes a new label value).
+    let text = server
+        .process
+        .metrics_showing(&[
+            r#"portcullis_tunnel_requests_total{runtime="rt-a",code="503"} 1"#.into(),
+            r#"portcullis_tunnel_requests_total{runtime="",code="502"} 2"#.into(),
+            r#"portcullis_tunnel_requests_total{runtime="",code="404"} 1"#.into(),
+        ])
+        .await;
+    assert!(!text.contains("rt-zzz"), "{text}");
+}
+
+#[tokio::test]
+pub(super) async fn bad_credentials_and_garbage_are_refused_and_logged_without_disturbing_others() {
+    let echo = upstream::echo("ok").await;
+    let mut server = TunnelServer::start().await;
+    let url = echo.url();
+    let _good = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+
+    // A wrong token, and a valid token used for another runtime's id.
+    for (runtime, token) in [("rt-a", "not-the-token"), ("rt-a", TOKENS[1].1)] {
+        let args: Vec<String> = [
+            "tunnel-client",
+            "--server",
+            &format!("ws://{}", server.tunnel),
+            "--runtime-id",
+            runtime,
+            "--upstream",
+            &url,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let bad = ProxyProcess::launch(
+            &args,
+            &[("PORTCULLIS_TOKEN", token.into())],
+            "tunnel connection failed",
+        )
+        .await;
+        let line = bad.find_log("tunnel connection failed");
+        assert!(line.contains("401"), "{line}");
+        let line = server
+            .process
+            .wait_for_log("bad credentials for runtime `rt-a`")
+            .await;
+        assert!(line.contains("tunnel connection refused"), "{line}");
+    }
+
+    // Bytes that are not a WebSocket handshake.
+    let mut raw = tokio::net::TcpStream::connect(server.tunnel).await.unwrap();
+    raw.write_all(b"\x16\x03\x01garbage that is not HTTP\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), raw.read_to_end(&mut buf))
+        .await
+        .expect("the server closes a garbage connection");
+    let line = server.process.wait_for_log("not a tunnel handshake").await;
+    assert!(line.contains("tunnel connection refused"), "{line}");
+
+    // A plain HTTP request (a browser, curl) is told what the port is
+    // for, rather than met with a closed connection; a load balancer's
+    // health check gets 200.
+    let plain = |path: &'static str| {
+        let request = format!("GET {path} HTTP/1.1\r\nHost: tunnel\r\n\r\n");
+        async move { client::raw(server.tunnel, request.as_bytes()).await }
+    };
+    let answer = plain("/").await;
+    assert!(answer.starts_with("HTTP/1.1 426 "), "{answer}");
+    let body: serde_json::Value =
+        serde_json::from_str(answer.split_once("\r\n\r\n").unwrap().1).unwrap();
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("tunnel connections"),
+        "{body}"
+    );
+    let line = server.process.wait_for_log("GET /)").await;
+    assert!(line.contains("answered 426"), "{line}");
+    let answer = plain("/healthz").await;
+    assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
+    assert!(answer.ends_with("\r\n\r\nok\n"), "{answer}");
+
+    // A head the public port cannot parse gets the proxy's JSON answer
+    // and an access line.
+    let answer = client::raw(
+        server.public,
+        b"GET / HTTP/1.1\r\nhost: rt-a.example\r\nno colon\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+    assert!(
+        answer.ends_with(r#"{"error":"malformed request head","route":null,"status":400}"#),
+        "{answer}"
+    );
+    let line = server.process.wait_for_log("request head refused").await;
+    assert!(
+        line.contains(r#""error":"invalid HTTP header parsed""#),
+        "{line}"
+    );
+
+    // The good tunnel never noticed.
+    assert_eq!(server.get("rt-a", "/still").await.status, 200);
+}
+
+#[tokio::test]
+pub(super) async fn tunnels_run_over_tls_with_a_private_ca() {
+    let echo = upstream::echo("tls").await;
+    let server = TunnelServer::start_with(true).await;
+    assert!(server.url.starts_with("wss://"));
+    let url = echo.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let a = server.get("rt-a", "/over-tls").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["upstream"], "tls");
+}
