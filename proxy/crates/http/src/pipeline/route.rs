@@ -8,6 +8,8 @@ impl Pipeline {
     /// The routing core's "route, plugins, forward": the head checked,
     /// the route found, its guards (rate limit, body limit, auth service)
     /// and plugins run, then its action: forwarded, or answered here.
+    /// Past 100 lines for one reason: the upstream exchange is awaited in
+    /// this future itself (see the forward step).
     pub(super) async fn route_and_serve<B>(
         &self,
         req: Request<B>,
@@ -102,7 +104,28 @@ impl Pipeline {
             log,
             request_id,
         };
-        self.forward(&routed, conn, forwarding, body).await
+        // Forward. The exchange is awaited here rather than in a function
+        // of its own: that future (holding the exchange's) moved once more
+        // per request cost ~950 instructions of memcpy on /plain.
+        let mut f = forwarding;
+        let (pool, mut out, extra) = match self.to_forward(&routed, conn, &mut f) {
+            Ok(ready) => ready,
+            Err(resp) => return done(resp),
+        };
+        let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
+        let body = match self.mirror_copy(&routed, conn, &out, body, timeout) {
+            Mirrored::Plain(body) => body,
+            Mirrored::Copying(copy) => match copy.await {
+                Ok(body) => body,
+                Err(e) => return failed(&routed, pool, &f, &e),
+            },
+        };
+        out.body = body;
+        let watch = watchable(conn, f.asked.2);
+        // Only a request that is logged reads the clock here.
+        let asked = f.log.is_some().then(Instant::now);
+        let sent = pool.send(out, &routed.params, timeout, watch).await;
+        self.upstream_answer(&routed, pool, f, sent, (extra, asked))
     }
 
     /// The route for a request's host and path, or its answer: a

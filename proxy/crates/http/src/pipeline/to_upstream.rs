@@ -5,58 +5,52 @@
 use super::*;
 
 impl Pipeline {
-    /// Forwards to the route's upstream (or the one a plugin chose): the
-    /// upstream's answer with the route's response edits, or the proxy's
-    /// error answer. The upstream's exchange is awaited here, in this
-    /// phase's own future (helpers around it are not async: a future
-    /// holding the exchange's, moved once more per request, costs a copy
-    /// of kilobytes).
-    pub(super) async fn forward(
-        &self,
+    /// The upstream (the route's, or the one a plugin chose) and the
+    /// request as it goes there, its body still to be set; or the
+    /// client's answer.
+    #[allow(clippy::result_large_err)] // unboxed as everywhere on this path
+    pub(super) fn to_forward<'p>(
+        &'p self,
         routed: &Routed<'_, '_>,
         conn: &ConnInfo,
-        mut f: Forwarding<'_, '_>,
-        body: Body,
-    ) -> (Response<Body>, forward::Held) {
-        let upstream = f
-            .plugins
-            .as_ref()
-            .and_then(|c| c.upstream)
-            .unwrap_or(f.upstream);
+        f: &mut Forwarding<'_, '_>,
+    ) -> Result<(&'p UpstreamPool, Outgoing, Extra), Response<Body>> {
+        let upstream = f.plugins.as_ref().and_then(|c| c.upstream);
+        let upstream = upstream.unwrap_or(f.upstream);
         let pool = &self.upstreams[conn.worker % self.upstreams.len()][upstream];
         if let Some(log) = f.log.as_mut() {
             log.upstream = Some(pool.spec.name.clone());
         }
-        let (mut out, extra) = match self.outgoing(routed, conn, pool, &mut f) {
-            Ok(prepared) => prepared,
-            Err(resp) => return (resp, forward::Held::default()),
+        let (out, extra) = self.outgoing(routed, conn, pool, f)?;
+        Ok((pool, out, extra))
+    }
+
+    /// The body to send: `body` itself, or, for a request in the share
+    /// of the route's mirror, a copy in the making (boxed: only mirrored
+    /// routes pay for its future).
+    pub(super) fn mirror_copy<'a>(
+        &self,
+        routed: &Routed<'a, '_>,
+        conn: &ConnInfo,
+        out: &'a Outgoing,
+        body: Body,
+        timeout: std::time::Duration,
+    ) -> Mirrored<impl std::future::Future<Output = Result<Body, ForwardError>> + Send + 'a> {
+        let mirror = match &routed.state.mirror {
+            Some(mirror) if mirror.takes() => mirror,
+            _ => return Mirrored::Plain(body),
         };
-        let timeout = routed.route.timeout.unwrap_or(pool.spec.timeouts.request);
-        // A share of the route's requests goes to its mirror too.
-        out.body = match &routed.state.mirror {
-            Some(mirror) if mirror.takes() => {
-                let to =
-                    self.upstreams[conn.worker % self.upstreams.len()][mirror.upstream].clone();
-                let head = (&out.method, &out.path, &out.headers);
-                // Boxed: only mirrored routes pay for its future.
-                match Box::pin(crate::mirror::copy(mirror, to, head, body, timeout)).await {
-                    Ok(body) => body,
-                    Err(e) => return failed(routed, pool, &f, &e),
-                }
-            }
-            _ => body,
-        };
-        let watch = watchable(conn, f.asked.2);
-        // Only a request that is logged reads the clock here.
-        let asked = f.log.is_some().then(Instant::now);
-        let sent = pool.send(out, &routed.params, timeout, watch).await;
-        self.upstream_answer(routed, pool, f, sent, (extra, asked))
+        let to = self.upstreams[conn.worker % self.upstreams.len()][mirror.upstream].clone();
+        let head = (&out.method, &out.path, &out.headers);
+        Mirrored::Copying(Box::pin(crate::mirror::copy(
+            mirror, to, head, body, timeout,
+        )))
     }
 
     /// The upstream's answer as the client gets it: the route's and its
     /// plugins' edits, or an upgrade spliced through; or the proxy's
     /// error answer.
-    fn upstream_answer(
+    pub(super) fn upstream_answer(
         &self,
         routed: &Routed<'_, '_>,
         pool: &UpstreamPool,
@@ -183,10 +177,16 @@ impl Pipeline {
 
 /// What the answer gets besides the upstream's: the affinity cookie to
 /// set, and the client's side of an upgrade it asked for.
-type Extra = (Option<HeaderValue>, Option<hyper::upgrade::OnUpgrade>);
+pub(super) type Extra = (Option<HeaderValue>, Option<hyper::upgrade::OnUpgrade>);
+
+/// A request's body, or its mirror's copy in the making.
+pub(super) enum Mirrored<F> {
+    Plain(Body),
+    Copying(std::pin::Pin<Box<F>>),
+}
 
 /// The proxy's answer when forwarding failed, logged.
-fn failed(
+pub(super) fn failed(
     routed: &Routed<'_, '_>,
     pool: &UpstreamPool,
     f: &Forwarding<'_, '_>,
