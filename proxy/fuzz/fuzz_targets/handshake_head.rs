@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use portcullis::tunnel::handshake_head::{Head, classify};
+use portcullis::handshake_head::{Head, classify};
 
 fuzz_target!(|bytes: &[u8]| {
     if let Ok(Some(Head::Plain(request))) = classify(bytes) {
