@@ -312,18 +312,21 @@ pub(super) fn serve_connection<S>(
     });
     let pipeline = pipeline.clone();
     let service_conn = conn.clone();
-    let respond = move |req: Request<Incoming>, finish: crate::connection::Finish| {
-        // Each request takes the pipeline current at its arrival; a reload
-        // swaps it under keep-alive connections without touching requests
-        // already in flight.
-        let pipeline = crate::pipeline::current(&pipeline);
-        let conn = service_conn.clone();
-        // Not boxed, unlike on the tunnel server's public side: hyper
-        // keeps a box the size of this future (~5 KiB) for the
-        // connection's life, but boxing it per request cost 2.5% more
-        // instructions per request (the future is copied into its box),
-        // and behind an ingress the connections are few and busy.
-        async move { finish.answer(pipeline.handle(req, &conn).await) }
+    let service = move |requests: crate::connection::Requests| {
+        hyper::service::service_fn(move |req: Request<Incoming>| {
+            let finish = requests.start(req.version());
+            // Each request takes the pipeline current at its arrival; a
+            // reload swaps it under keep-alive connections without
+            // touching requests already in flight.
+            let pipeline = crate::pipeline::current(&pipeline);
+            let conn = service_conn.clone();
+            // Not boxed, unlike on the tunnel server's public side: hyper
+            // keeps a box the size of this future (~5 KiB) for the
+            // connection's life, but boxing it per request cost 2.5% more
+            // instructions per request (the future is copied into its
+            // box), and behind an ingress the connections are few and busy.
+            async move { finish.answer(pipeline.handle(req, &conn).await) }
+        })
     };
     let accepted = crate::connection::Accepted {
         builder: &settings.builder,
@@ -334,7 +337,7 @@ pub(super) fn serve_connection<S>(
         retire,
         header_read_timeout: conn.listener.header_read_timeout,
     };
-    let served = crate::connection::serve(stream, accepted, respond);
+    let served = crate::connection::serve(stream, accepted, service);
     tracker.spawn(served.map(move |()| drop(held)));
 }
 

@@ -149,14 +149,17 @@ impl Public {
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     {
         let public = self.clone();
-        let respond = move |req: Request<Incoming>, finish: portcullis_http::connection::Finish| {
-            let public = public.clone();
-            // Boxed, unlike on the routing core's listeners: hyper keeps
-            // a box the size of this future (~8 KiB) for the connection's
-            // life, and this side faces the internet's idle clients; the
-            // copy into a box per request is little beside a tunnel's
-            // crossing.
-            Box::pin(async move { finish.answer(public.respond(req, peer, tls).await) })
+        let service = move |requests: portcullis_http::connection::Requests| {
+            hyper::service::service_fn(move |req: Request<Incoming>| {
+                let finish = requests.start(req.version());
+                let public = public.clone();
+                // Boxed, unlike on the routing core's listeners: hyper
+                // keeps a box the size of this future (~8 KiB) for the
+                // connection's life, and this side faces the internet's
+                // idle clients; the copy into a box per request is little
+                // beside a tunnel's crossing.
+                Box::pin(async move { finish.answer(public.respond(req, peer, tls).await) })
+            })
         };
         let (max_requests, lifetime) = self.shared.public_connection_limits;
         let accepted = portcullis_http::connection::Accepted {
@@ -168,7 +171,7 @@ impl Public {
             retire: portcullis_net::drain::Retire::new(max_requests, lifetime),
             header_read_timeout: PUBLIC_HEADER_READ_TIMEOUT,
         };
-        portcullis_http::connection::serve(stream, accepted, respond)
+        portcullis_http::connection::serve(stream, accepted, service)
     }
 }
 
