@@ -32,10 +32,6 @@ pub struct ConnInfo {
     /// Its socket, watched for the client leaving while a request waits
     /// (HTTP/1 only; `None` for requests that come through a tunnel).
     pub socket: Option<ClientSocket>,
-    /// Its end by use (the listener's `max_requests_per_connection` and
-    /// `connection_lifetime`); here, where each request's future already
-    /// holds the connection, so counting costs no reference of its own.
-    pub retire: Option<Arc<portcullis_net::drain::Retire>>,
 }
 
 impl ConnInfo {

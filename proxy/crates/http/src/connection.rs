@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use http::Response;
+use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::rt::bounds::Http2ServerConnExec;
 use hyper::service::HttpService;
@@ -46,12 +46,16 @@ pub struct Accepted<'a, N> {
 /// The connection's side of its requests, for the caller's service:
 /// [`Requests::start`] as a request's head arrives, then the [`Finish`]
 /// applied to its answer. The caller makes the service, and each
-/// request's future in it, itself: a future returned through a function
-/// of this module, and then moved into hyper's slot, was copied whole
-/// (~600 instructions of memcpy per request, `bench/instructions-diff.sh`)
-/// where one made in place is not.
+/// request's future in it, itself, wrapped in [`InPlace`]: a future
+/// returned through a function of this module, and then moved into
+/// hyper's slot, was copied whole (~600 instructions of memcpy per
+/// request, `bench/instructions-diff.sh`) where one made in place is not.
 #[derive(Clone)]
-pub struct Requests {
+pub struct Requests(Arc<Served>);
+
+/// What every request's answer on the connection touches; one reference
+/// per request, not one per part.
+struct Served {
     clock: Arc<HeadClock>,
     retire: Option<Arc<Retire>>,
 }
@@ -60,10 +64,9 @@ impl Requests {
     /// A request of `version` arrived: what its answer needs done.
     #[inline]
     pub fn start(&self, version: http::Version) -> Finish {
-        self.clock.request(version);
+        self.0.clock.request(version);
         Finish {
-            clock: self.clock.clone(),
-            retire: self.retire.clone(),
+            served: self.0.clone(),
             version,
         }
     }
@@ -71,8 +74,7 @@ impl Requests {
 
 /// What is left to do with an answer before hyper writes it.
 pub struct Finish {
-    clock: Arc<HeadClock>,
-    retire: Option<Arc<Retire>>,
+    served: Arc<Served>,
     version: http::Version,
 }
 
@@ -84,23 +86,42 @@ impl Finish {
         self,
         mut resp: Response<ResponseBody>,
     ) -> Result<Response<ResponseBody>, Infallible> {
-        let Finish {
-            clock,
-            retire,
-            version,
-        } = self;
-        if let Some(retire) = &retire {
+        let Finish { served, version } = self;
+        if let Some(retire) = &served.retire {
             retire.count(version, &mut resp);
         }
         // The read buffer an upload grew goes with the connection.
-        clock.close_if_grown(version, &mut resp);
+        served.clock.close_if_grown(version, &mut resp);
         // A refused body the client may still be sending: close after the
         // answer, lingering (`portcullis_net::linger`).
         if resp.extensions().get::<crate::answers::Linger>().is_some() {
-            clock.linger();
+            served.clock.linger();
         }
-        resp.body_mut().set_ended(Ended::new(clock));
+        resp.body_mut().set_ended(Ended::new(served.clock.clone()));
         Ok(resp)
+    }
+}
+
+/// A connection's service: hyper's `service_fn`, but with `call` always
+/// inlined. Called out of line from hyper's HTTP/1 dispatcher, `call`
+/// returned each request's future (~6 KiB) into a temporary that was
+/// then copied whole into hyper's slot: +6,256 bytes of memcpy, ~600
+/// instructions per request (`bench/instructions-diff.sh`, gdb on memcpy).
+#[derive(Clone)]
+pub struct InPlace<F>(pub F);
+
+impl<F, Fut> hyper::service::Service<Request<Incoming>> for InPlace<F>
+where
+    F: Fn(Request<Incoming>) -> Fut,
+    Fut: Future<Output = Result<Response<ResponseBody>, Infallible>>,
+{
+    type Response = Response<ResponseBody>;
+    type Error = Infallible;
+    type Future = Fut;
+
+    #[inline(always)]
+    fn call(&self, req: Request<Incoming>) -> Fut {
+        (self.0)(req)
     }
 }
 
@@ -131,10 +152,10 @@ where
         header_read_timeout,
     } = accepted;
     let clock = Arc::new(HeadClock::default());
-    let service = make(Requests {
+    let service = make(Requests(Arc::new(Served {
         clock: clock.clone(),
         retire: retire.clone(),
-    });
+    })));
     let io = Watched::new(stream, clock.clone());
     let served = connections.watch_retiring(builder.serve(io, service), retire);
     // A combinator, not an async block: one would hold the connection

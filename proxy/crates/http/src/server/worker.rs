@@ -308,12 +308,11 @@ pub(super) fn serve_connection<S>(
         client_cert: tls.and_then(|t| t.client_cert),
         worker,
         socket: Some(socket),
-        retire: retire.clone(),
     });
     let pipeline = pipeline.clone();
     let service_conn = conn.clone();
     let service = move |requests: crate::connection::Requests| {
-        hyper::service::service_fn(move |req: Request<Incoming>| {
+        crate::connection::InPlace(move |req: Request<Incoming>| {
             let finish = requests.start(req.version());
             // Each request takes the pipeline current at its arrival; a
             // reload swaps it under keep-alive connections without

@@ -167,7 +167,6 @@ pub(super) async fn handle(
         client_cert: None,
         worker,
         socket: None,
-        retire: None,
     };
     let Some(protocol) = req.extensions_mut().remove::<hyper::ext::Protocol>() else {
         return pipeline.handle(req, &conn).await;

@@ -150,7 +150,7 @@ impl Public {
     {
         let public = self.clone();
         let service = move |requests: portcullis_http::connection::Requests| {
-            hyper::service::service_fn(move |req: Request<Incoming>| {
+            portcullis_http::connection::InPlace(move |req: Request<Incoming>| {
                 let finish = requests.start(req.version());
                 let public = public.clone();
                 // Boxed, unlike on the routing core's listeners: hyper
