@@ -9,6 +9,10 @@
 //! bucket refilled continuously, with nothing to refill: a route-wide
 //! limit is one atomic, a keyed one a small map, sharded so the workers
 //! seldom meet on one lock.
+//!
+//! Not `governor`: the same GCRA, but its keyed store (a DashMap) grows by
+//! every client until `retain_recent` is called from a timer, where this
+//! table is bounded ([`MAX_KEYS`]) and forgets full keys as it fills.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;

@@ -6,6 +6,9 @@
 //! client's (a TLS handshake or an HTTP request) and stay in the socket
 //! for whoever serves the connection, so no buffer has to be replayed.
 //! That is done by peeking, and consuming only what is known to be header.
+//!
+//! Not the `ppp` crate: it would replace only [`parse`] (150 lines,
+//! fuzzed in `proxy/fuzz`), not the peeking read that is this file's care.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 

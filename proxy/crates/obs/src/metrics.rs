@@ -14,6 +14,10 @@
 //! Client connections that end in an error before or between requests
 //! (a malformed head, one too large, too slow to arrive, cut short) never
 //! become requests; they count by listener and reason instead.
+//!
+//! Not `prometheus-client`: its counters are one atomic every worker
+//! writes, and its families are found by label set under a lock on each
+//! request; here each worker writes its own shard, found once per route.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;

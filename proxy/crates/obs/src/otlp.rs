@@ -9,6 +9,10 @@
 //! on a task of the worker's own when 512 spans are in, or `flush_every`
 //! after its first. A collector that is slow or away costs spans, never
 //! requests: past four exports in flight, batches are dropped and counted.
+//!
+//! Not `opentelemetry-otlp`: it exports through its own HTTP client and
+//! the SDK's batch processor (a channel to a thread of its own), where
+//! spans here ride the upstreams' pools from each worker's own batch.
 
 use std::cell::RefCell;
 use std::fmt::Write as _;

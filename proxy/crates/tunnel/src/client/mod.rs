@@ -127,6 +127,8 @@ pub struct ClientOptions {
 
 /// Reconnection delays: jittered exponential backoff from 0.5 s to 30 s,
 /// reset once a connection has stayed up for [`STABLE`].
+// Not backon: its retry loop wraps one fallible future, where this loop
+// also resets on a tunnel that lived and stops on drain; the delay is 10 lines.
 struct Backoff {
     next: Duration,
 }
