@@ -3,6 +3,7 @@
 //! endpoints that could not be reached kept out of the rotation.
 
 mod affinity;
+mod dial;
 mod ejection;
 mod endpoints;
 mod error;
