@@ -17,7 +17,7 @@ use std::sync::{Arc, Weak};
 use http::uri::PathAndQuery;
 use http::{Request, StatusCode, Version, header};
 
-use super::{UpstreamPool, dial};
+use super::{UpstreamPool, pool};
 use crate::body::Body;
 use portcullis_config::{Endpoint, HealthCheck, Target};
 
@@ -124,12 +124,12 @@ async fn probe(
             http::HeaderValue::from_static("portcullis-health-check"),
         );
         let status = if h2 {
-            let mut sender = dial::handshake_h2(io).await.map_err(|e| e.to_string())?;
+            let mut sender = pool::handshake_h2(io).await.map_err(|e| e.to_string())?;
             sender.send_request(req).await.map(|r| r.status())
         } else {
             headers.insert(header::HOST, ep.host_header.clone());
             headers.insert(header::CONNECTION, http::HeaderValue::from_static("close"));
-            let mut sender = dial::handshake_h1(io).await.map_err(|e| e.to_string())?;
+            let mut sender = pool::handshake_h1(io).await.map_err(|e| e.to_string())?;
             sender.send_request(req).await.map(|r| r.status())
         };
         status.map_err(|e| super::error_chain(&e))
