@@ -188,6 +188,41 @@ pub async fn raw(addr: std::net::SocketAddr, raw: &[u8]) -> String {
     String::from_utf8_lossy(&buf).into_owned()
 }
 
+/// POSTs to `path` on a new connection to `addr` a chunked body whose
+/// first chunk (`hello`) is whole, waits for `arrived` (the upstream has
+/// the head), then writes `bad` (broken framing) and reads the answer up
+/// to the server's close (10 s limit each).
+pub async fn broken_chunked_post(
+    addr: std::net::SocketAddr,
+    (host, path): (&str, &str),
+    bad: &[u8],
+    arrived: impl std::future::Future<Output = ()>,
+) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {host}\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), arrived)
+        .await
+        .expect("the head reached the upstream");
+    conn.write_all(bad).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut answer))
+        .await
+        .expect("the proxy answers and closes")
+        .expect("read");
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// Whether `answer` (a raw HTTP/1.1 answer) is the proxy's 400 for a
+/// request body it could not read.
+pub fn is_unreadable_body_400(answer: &str) -> bool {
+    answer.starts_with("HTTP/1.1 400 ")
+        && answer.contains(r#""error":"request body could not be read""#)
+}
+
 /// Sends `raw` and reads what comes back until the server closes (10 s
 /// limit), a reset included: for connections the server refuses with
 /// their request unread, where the kernel resets rather than closes.

@@ -511,3 +511,47 @@ pub(super) async fn a_public_http1_head_past_the_bound_is_refused_at_once() {
         "{answer:?}"
     );
 }
+
+/// A public client whose chunked body breaks its framing (a chunk size
+/// line `zz`) gets the routing core's answer for it at the edge, a 400
+/// "request body could not be read", not a 502 blaming the tunnel; the
+/// runtime's upstream, which had the head and the start of the body,
+/// sees the request cut rather than completed.
+#[tokio::test]
+pub(super) async fn a_malformed_chunked_body_is_the_public_clients_400() {
+    let (tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let reporting = upstream::serve(move |req: Request<hyper::body::Incoming>| {
+        let tx = tx.clone();
+        async move {
+            let _ = tx.send(None);
+            let read = req.into_body().collect().await.ok();
+            let _ = tx.send(Some(read.map(|b| b.to_bytes().len())));
+            Response::new(full("read"))
+        }
+    })
+    .await;
+    let server = TunnelServer::start().await;
+    let url = reporting.url();
+    let _client = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    let host = format!("rt-a.{DOMAIN}");
+    let arrived = async { assert_eq!(seen.recv().await, Some(None), "the head came first") };
+    let answer = crate::support::client::broken_chunked_post(
+        server.public,
+        (&host, "/up"),
+        b"zz\r\n",
+        arrived,
+    )
+    .await;
+    assert!(
+        crate::support::client::is_unreadable_body_400(&answer),
+        "{answer}"
+    );
+    let ended = tokio::time::timeout(Duration::from_secs(10), seen.recv()).await;
+    assert_eq!(
+        ended.expect("the upstream's read ended"),
+        Some(Some(None)),
+        "the upstream's request was cut, not completed"
+    );
+}

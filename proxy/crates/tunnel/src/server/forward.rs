@@ -1,6 +1,7 @@
 //! A public request's forward: through its runtime's tunnel here, or a peer replica holding one; WebSocket upgrades spliced through.
 
 use super::*;
+use portcullis_http::body::BodyProgress;
 
 /// Where a request goes: one of this server's tunnels, or the peers that
 /// hold one, in the order to try them.
@@ -70,6 +71,9 @@ where
         .headers()
         .get(portcullis_obs::request_id::HEADER)
         .cloned();
+    // Watched for the client breaking its body's framing, which the
+    // tunnel's send reports as its own failure.
+    let progress = req.body_mut().track();
     let result = match &target {
         Target::Tunnel(tunnel) => {
             let _counted = crate::Active::count(&tunnel.active);
@@ -102,6 +106,13 @@ where
     };
     match result {
         Ok(resp) => answer(resp, (public_upgrade, upgrade), origin, runtime),
+        // The client's 400, as the routing core answers it; the runtime
+        // got a cut request.
+        Err(_) if progress.as_deref().is_some_and(BodyProgress::malformed) => error(
+            StatusCode::BAD_REQUEST,
+            "request body could not be read",
+            Some(runtime),
+        ),
         Err(e) => failed(&target, &e, runtime, request_id.as_ref(), *via),
     }
 }
