@@ -5,6 +5,7 @@ mod support;
 
 mod architecture;
 mod auth_request;
+mod balancing;
 mod body_limit;
 mod check_cli;
 mod compression;

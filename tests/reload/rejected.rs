@@ -1,0 +1,129 @@
+//! Updates the proxy refuses (bad YAML, an unknown upstream, a plugin
+//! that does not compile or refuses its config, a half-written file):
+//! each logged, and the config before it serving on.
+
+use super::*;
+
+/// Starts on a good configuration, applies `bad`, and checks that the old
+/// configuration still serves, the error names `expect_in_error`, and the
+/// metrics count it; then a good update applies normally.
+async fn rejected_update(bad: &[(&str, &[u8])], expect_in_error: &[&str]) {
+    let mut map = ConfigMap::new(&[("routing.yaml", answering("good").as_bytes())]);
+    let mut proxy = ProxyProcess::start_on(map.path(), &[]).await;
+    map.update(bad);
+    proxy.wait_for_log("reload rejected").await;
+    assert_eq!(client::get(&proxy.url("/v")).await.body, "good");
+    let status = proxy.status().await;
+    let error = status["last_error"]["message"].as_str().unwrap_or_default();
+    for expected in expect_in_error {
+        assert!(
+            error.contains(expected),
+            "error {error:?} lacks {expected:?}"
+        );
+    }
+    assert_eq!(status["files_match_active"], false, "{status:#}");
+    assert_eq!(status["config"]["generation"], 1, "{status:#}");
+    let metrics = client::get(&proxy.admin_url("/metrics")).await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        metrics.contains("portcullis_config_reloads_total{result=\"rejected\"} 1"),
+        "{metrics}"
+    );
+    map.update(&[("routing.yaml", answering("better").as_bytes())]);
+    served_within(&proxy.url("/v"), "better", Duration::from_secs(1)).await;
+    let status = proxy.status().await;
+    assert_eq!(status["files_match_active"], true, "{status:#}");
+    assert_eq!(status["config"]["generation"], 2, "{status:#}");
+    // Only a tunnel client lists tunnels.
+    assert!(status.get("tunnels").is_none(), "{status:#}");
+}
+
+#[tokio::test]
+async fn invalid_yaml_is_rejected_and_the_old_config_serves() {
+    let broken = "listeners: [ { name: main, bind: 127.0.0.1:0 }\nroutes: - nope\n";
+    rejected_update(&[("routing.yaml", broken.as_bytes())], &["routing.yaml:2:"]).await;
+}
+
+#[tokio::test]
+async fn unknown_upstream_is_rejected_and_the_old_config_serves() {
+    let yaml = r#"
+listeners: [{ name: main, bind: "127.0.0.1:0" }]
+routes:
+  - { name: v, match: { path: /v }, upstream: missing }
+"#;
+    rejected_update(
+        &[("routing.yaml", yaml.as_bytes())],
+        &[
+            "routing.yaml:4:",
+            "unknown upstream `missing`; no upstream is defined",
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn plugin_that_does_not_compile_is_rejected_and_the_old_config_serves() {
+    let yaml = r#"
+listeners: [{ name: main, bind: "127.0.0.1:0" }]
+plugins: [{ name: junk, path: junk.wasm }]
+routes:
+  - name: v
+    match: { path: /v }
+    respond: { status: 200, body: "with junk" }
+    plugins: [{ use: junk }]
+"#;
+    rejected_update(
+        &[
+            ("routing.yaml", yaml.as_bytes()),
+            ("junk.wasm", b"\0asm but not a component"),
+        ],
+        &[
+            "routing.yaml:3:",
+            "junk.wasm: not a component of a format this proxy reads",
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn plugin_config_the_plugin_refuses_is_rejected_and_the_old_config_serves() {
+    let yaml = r#"
+listeners: [{ name: main, bind: "127.0.0.1:0" }]
+plugins: [{ name: sig, path: sig.wasm }]
+routes:
+  - name: v
+    match: { path: /v }
+    respond: { status: 200, body: "signed" }
+    plugins: [{ use: sig, config: { provider: github, secret: "" } }]
+"#;
+    let sig = std::fs::read(plugin_file("webhook-signature")).unwrap();
+    rejected_update(
+        &[("routing.yaml", yaml.as_bytes()), ("sig.wasm", &sig)],
+        &["routing.yaml:8:", "`secret` is empty"],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn half_written_file_is_rejected_then_applied_when_complete() {
+    // Not a ConfigMap: a plain directory someone edits in place, caught
+    // between two writes.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("routing.yaml");
+    std::fs::write(&file, answering("good")).unwrap();
+    let mut proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let complete = answering("complete");
+    let cut = complete.find("respond:").unwrap() + 12;
+    std::fs::write(&file, &complete[..cut]).unwrap();
+    proxy.wait_for_log("reload rejected").await;
+    assert_eq!(client::get(&proxy.url("/v")).await.body, "good");
+    let status = proxy.status().await;
+    assert!(
+        status["last_error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("routing.yaml:")),
+        "{status:#}"
+    );
+    std::fs::write(&file, &complete).unwrap();
+    served_within(&proxy.url("/v"), "complete", Duration::from_secs(1)).await;
+}
