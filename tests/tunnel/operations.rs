@@ -376,3 +376,38 @@ impl TestKeyOnly {
         rcgen::KeyPair::generate().unwrap().serialize_pem()
     }
 }
+
+/// A tunnel client opens none of its policies' listeners (the tunnel
+/// carries its traffic), and its reload line says so: `listeners: 0`, not
+/// the number the policies name.
+#[tokio::test]
+pub(super) async fn a_tunnel_clients_reload_counts_the_listeners_it_opens() {
+    let dir = crate::support::policy_dir(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+routes: [{ name: a, match: { path: /a }, respond: { status: 200, body: a } }]
+"#,
+        &[],
+    );
+    let server = TunnelServer::start().await;
+    let path = dir.path().display().to_string();
+    let mut client = server
+        .client("rt-a", TOKENS[0].1, &["--policies", &path])
+        .await;
+    // A route more: a change to apply (an unchanged one is not applied).
+    std::fs::write(
+        dir.path().join("policy.yaml"),
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+routes:
+  - { name: a, match: { path: /a }, respond: { status: 200, body: a } }
+  - { name: b, match: { path: /b }, respond: { status: 200, body: b } }
+"#,
+    )
+    .expect("write policy");
+    client.signal("HUP");
+    let line = client.wait_for_log("reload: configuration applied").await;
+    let fields: serde_json::Value = serde_json::from_str(&line).expect("a JSON log line");
+    assert_eq!(fields["listeners"], 0, "{line}");
+    assert_eq!(fields["routes"], 2, "{line}");
+}
