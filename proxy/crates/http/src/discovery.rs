@@ -26,13 +26,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use http::uri::Scheme;
-use tokio_util::sync::CancellationToken;
 
-use crate::server::Control;
 use portcullis_config::{Config, Dns, Endpoint, Target, Upstream};
 use portcullis_net::resolve::{self, LookupError};
 
@@ -207,6 +205,12 @@ impl AddressBook {
         self.applied.notify_one();
     }
 
+    /// What [`AddressBook::config_applied`] notifies: the refresher,
+    /// asleep while no upstream asks for lookups, waits on it.
+    pub fn applied(&self) -> Arc<tokio::sync::Notify> {
+        self.applied.clone()
+    }
+
     /// Forgets hosts no upstream of `config` looks up any more.
     pub fn retain(&self, hosts: &HashMap<HostPort, Duration>) {
         self.known().retain(|hp, _| hosts.contains_key(hp));
@@ -295,58 +299,6 @@ pub fn endpoints(
         }
     }
     out
-}
-
-/// Looks up the hosts of `control`'s `each_address` upstreams, each at
-/// its upstream's `dns_refresh`, and swaps in their new addresses; ends
-/// with `stop`, or when the server is gone.
-pub async fn refresh(control: Weak<Control>, stop: CancellationToken) {
-    let mut last: HashMap<HostPort, Instant> = HashMap::new();
-    loop {
-        let tick = {
-            let Some(control) = control.upgrade() else {
-                return;
-            };
-            let config = control.pipeline().config().clone();
-            let hosts = hosts(&config);
-            control.addresses().retain(&hosts);
-            last.retain(|hp, _| hosts.contains_key(hp));
-            let now = Instant::now();
-            let due: Vec<HostPort> = hosts
-                .iter()
-                .filter(|(hp, every)| last.get(*hp).is_none_or(|t| now - *t >= **every))
-                .map(|(hp, _)| hp.clone())
-                .collect();
-            for hp in &due {
-                last.insert(hp.clone(), now);
-            }
-            if !due.is_empty() && control.addresses().look_up(due, &config).await {
-                control.refresh_addresses();
-            }
-            hosts.values().copied().min()
-        };
-        match tick {
-            Some(tick) => tokio::select! {
-                _ = tokio::time::sleep(tick) => {}
-                _ = stop.cancelled() => return,
-            },
-            // Nothing to look up: asleep until a configuration is applied
-            // (no timer ticking in every proxy without such upstreams).
-            None => {
-                let Some(control) = control.upgrade() else {
-                    return;
-                };
-                // Not holding the server while asleep (a permit kept by
-                // `notify_one` loses no wake-up).
-                let applied = control.addresses().applied.clone();
-                drop(control);
-                tokio::select! {
-                    _ = applied.notified() => {}
-                    _ = stop.cancelled() => return,
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]

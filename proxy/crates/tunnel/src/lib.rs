@@ -22,7 +22,6 @@
 
 pub mod client;
 pub mod peers;
-mod public_h3;
 pub mod quic;
 pub mod server;
 pub mod tokens;

@@ -35,6 +35,7 @@ use portcullis_net::h1_or_h2;
 use portcullis_net::tls_listen::{NotOpened, Opened};
 
 mod control;
+mod dns_refresh;
 mod worker;
 
 pub use control::ListenerChanges;
@@ -347,7 +348,7 @@ impl Server {
         for (name, addr) in control.local_addrs() {
             tracing::info!(listener = %name, addr = %addr, workers = control.workers, "listening");
         }
-        tokio::spawn(crate::discovery::refresh(
+        tokio::spawn(dns_refresh::refresh(
             Arc::downgrade(&control),
             control.stop_accepting.clone(),
         ));

@@ -46,6 +46,7 @@ mod endpoint;
 mod forward;
 mod options;
 mod public;
+mod public_h3;
 mod registry;
 
 use admin::*;
@@ -169,7 +170,7 @@ impl TunnelServer {
             public_addr,
             "HTTP/3",
             "--http3 needs --public-cert and --public-key",
-            super::public_h3::server_config,
+            public_h3::server_config,
         )?;
         let tunnel_addr = tunnel.local_addr()?;
         let tunnel_quic = quic_socket(
@@ -413,7 +414,7 @@ struct PublicSide {
     tls: Option<tokio_rustls::TlsAcceptor>,
     balance: Arc<Balance>,
     inbox: UnboundedReceiver<Handoff>,
-    h3: Option<UnboundedReceiver<super::public_h3::Handed>>,
+    h3: Option<UnboundedReceiver<public_h3::Handed>>,
     peer: Option<std::net::TcpListener>,
 }
 
@@ -424,7 +425,7 @@ struct FirstWorker {
     h3: Option<(
         std::net::UdpSocket,
         quinn::ServerConfig,
-        Vec<tokio::sync::mpsc::UnboundedSender<super::public_h3::Handed>>,
+        Vec<tokio::sync::mpsc::UnboundedSender<public_h3::Handed>>,
     )>,
     /// Where the worker sends its runtime, which the tunnel QUIC endpoint
     /// is registered with.
@@ -487,7 +488,7 @@ fn worker(
         let tunnel_tasks = TaskTracker::new();
         let serving = Public::new(index, shared.clone());
         if let Some((socket, config, workers)) = h3 {
-            tracker.spawn(super::public_h3::accept(
+            tracker.spawn(public_h3::accept(
                 socket,
                 config,
                 serving.slots(),
@@ -496,7 +497,7 @@ fn worker(
             ));
         }
         if let Some(h3_inbox) = h3_inbox {
-            tracker.spawn(super::public_h3::serve(
+            tracker.spawn(public_h3::serve(
                 h3_inbox,
                 serving.clone(),
                 tracker.clone(),

@@ -1,7 +1,7 @@
 //! HTTP/3 on the tunnel server's public side (`--http3`): QUIC on the
 //! public port's UDP twin, with the HTTPS certificate, advertised to
 //! HTTPS clients by `Alt-Svc`. Each request goes through the same
-//! [`super::server`] forwarding as HTTP/1.1 and HTTP/2 (an HTTP/2 stream
+//! [`super`] forwarding as HTTP/1.1 and HTTP/2 (an HTTP/2 stream
 //! in the runtime's tunnel); only the framing to the client differs.
 
 use std::net::SocketAddr;
@@ -33,14 +33,14 @@ type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;
 pub fn server_config(
     cert: &std::path::Path,
     key: &std::path::Path,
-    congestion: super::quic::Congestion,
+    congestion: crate::quic::Congestion,
 ) -> anyhow::Result<quinn::ServerConfig> {
     let mut transport = quinn::TransportConfig::default();
     congestion.apply(&mut transport);
     transport.max_idle_timeout(Some(
         portcullis_config::DEFAULT_KEEPALIVE_TIMEOUT.try_into()?,
     ));
-    super::quic::server_config(cert, key, b"h3", transport)
+    crate::quic::server_config(cert, key, b"h3", transport)
 }
 
 /// A connection the public endpoint accepted, with its slot under the
@@ -92,7 +92,7 @@ pub(super) async fn accept(
 /// tells each to go away (GOAWAY) and lets its requests finish.
 pub(super) async fn serve(
     mut handed: tokio::sync::mpsc::UnboundedReceiver<Handed>,
-    public: super::server::Public,
+    public: super::public::Public,
     tracker: TaskTracker,
     stop: CancellationToken,
 ) {
@@ -116,7 +116,7 @@ pub(super) async fn serve(
 /// of its own.
 async fn connection(
     incoming: quinn::Incoming,
-    public: super::server::Public,
+    public: super::public::Public,
     tracker: TaskTracker,
     stop: CancellationToken,
 ) {
@@ -134,7 +134,7 @@ async fn connection(
         }
     };
     let h3 = h3::server::builder()
-        .max_field_section_size(u64::from(super::MAX_PUBLIC_HEAD))
+        .max_field_section_size(u64::from(crate::MAX_PUBLIC_HEAD))
         .build(h3_quinn::Connection::new(conn))
         .await;
     let mut h3: h3::server::Connection<h3_quinn::Connection, Bytes> = match h3 {
@@ -195,7 +195,7 @@ async fn connection(
 async fn request(
     resolver: Resolver,
     peer: SocketAddr,
-    public: super::server::Public,
+    public: super::public::Public,
     gone: CancellationToken,
 ) {
     let (req, stream) = match resolver.resolve_request().await {
