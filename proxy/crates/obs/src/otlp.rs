@@ -25,9 +25,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::PathAndQuery;
-use http::{StatusCode, Version};
+use http::{Method, StatusCode, Version};
 
-use crate::telemetry::AccessLog;
 use crate::trace_context::TraceContext;
 use portcullis_config::Tracing;
 
@@ -105,6 +104,34 @@ pub struct Arrival {
     pub trust_traceparent: bool,
 }
 
+/// What a span says of its request once the response has ended: read
+/// from the record that carries the [`Recording`] (the access log's,
+/// `crate::telemetry`), which this module does not know.
+pub struct Ended<'a> {
+    /// Whose records the route keeps.
+    pub logging: portcullis_config::AccessLogging,
+    /// The response status.
+    pub status: u16,
+    /// Since the request head arrived.
+    pub elapsed: Duration,
+    /// The request method.
+    pub method: &'a Method,
+    /// The request path and query as received.
+    pub path: Option<&'a PathAndQuery>,
+    /// The connection's peer.
+    pub peer: IpAddr,
+    /// The route, when one matched.
+    pub route: Option<&'a str>,
+    /// The upstream, when forwarded.
+    pub upstream: Option<&'a str>,
+    /// The endpoint whose answer the client got.
+    pub endpoint: Option<&'a dyn std::fmt::Display>,
+    /// The request's id.
+    pub request_id: Option<&'a HeaderValue>,
+    /// The response body did not end.
+    pub aborted: bool,
+}
+
 impl Recording {
     /// Joins or starts the request's trace (setting the `traceparent` the
     /// upstream gets); `collector` is where its span goes, on this worker.
@@ -145,7 +172,7 @@ impl Recording {
     /// Records the span of the request `log` describes, now that its
     /// response has ended, unless the route keeps no record of it
     /// (`access_log: false`, or `errors` and it succeeded).
-    pub fn finish(self, log: &AccessLog) {
+    pub fn finish(self, log: &Ended<'_>) {
         use portcullis_config::AccessLogging;
         let Some(span) = self.span else { return };
         match log.logging {
@@ -153,7 +180,7 @@ impl Recording {
             AccessLogging::Errors if log.status >= 400 => {}
             AccessLogging::Errors | AccessLogging::Off => return,
         }
-        let end = span.start_unix_nanos + log.start.elapsed().as_nanos() as u64;
+        let end = span.start_unix_nanos + log.elapsed.as_nanos() as u64;
         // A response dropped as its thread ends (its thread-locals gone)
         // loses its span rather than panicking in a destructor.
         let _ = BATCH.try_with(|batch| batch.borrow_mut().add(&self.context, span, log, end));
@@ -201,7 +228,7 @@ struct Batch {
 }
 
 impl Batch {
-    fn add(&mut self, context: &TraceContext, span: Span, log: &AccessLog, end: u64) {
+    fn add(&mut self, context: &TraceContext, span: Span, log: &Ended<'_>, end: u64) {
         if self
             .sink
             .as_ref()
@@ -320,7 +347,7 @@ const ENVELOPE_TAIL: &str = "]}]}]}";
 
 /// One server span in OTLP's JSON encoding: ids in hex, 64-bit numbers as
 /// strings, the attributes of OpenTelemetry's HTTP server conventions.
-fn encode_span(out: &mut String, context: &TraceContext, span: &Span, log: &AccessLog, end: u64) {
+fn encode_span(out: &mut String, context: &TraceContext, span: &Span, log: &Ended<'_>, end: u64) {
     out.push_str(r#"{"traceId":""#);
     out.push_str(std::str::from_utf8(&context.trace_hex()).unwrap_or_default());
     out.push_str(r#"","spanId":""#);
@@ -331,7 +358,7 @@ fn encode_span(out: &mut String, context: &TraceContext, span: &Span, log: &Acce
     }
     out.push_str(r#"","#);
     out.push_str(r#""name":"#);
-    match &log.route {
+    match log.route {
         Some(route) => json_string(out, &format!("{} {route}", log.method)),
         None => json_string(out, log.method.as_str()),
     }
@@ -343,7 +370,7 @@ fn encode_span(out: &mut String, context: &TraceContext, span: &Span, log: &Acce
     out.push_str(r#"","attributes":["#);
     attribute(out, "http.request.method", log.method.as_str());
     out.push(',');
-    let path = log.path.as_ref().map_or("/", |p| p.path());
+    let path = log.path.map_or("/", |p| p.path());
     attribute(out, "url.path", path);
     out.push(',');
     attribute(out, "url.scheme", if span.https { "https" } else { "http" });
@@ -353,7 +380,7 @@ fn encode_span(out: &mut String, context: &TraceContext, span: &Span, log: &Acce
     }
     for (key, ip) in [
         ("client.address", span.client),
-        ("network.peer.address", log.client.ip()),
+        ("network.peer.address", log.peer),
     ] {
         out.push_str(r#",{"key":""#);
         out.push_str(key);
@@ -385,14 +412,14 @@ fn encode_span(out: &mut String, context: &TraceContext, span: &Span, log: &Acce
     out.push_str(r#",{"key":"http.response.status_code","value":{"intValue":""#);
     out.push_str(digits.format(log.status));
     out.push_str(r#""}}"#);
-    let endpoint = log.endpoint.as_ref().map(ToString::to_string);
+    let endpoint = log.endpoint.map(ToString::to_string);
     for (key, value) in [
-        ("portcullis.route", log.route.as_deref()),
-        ("portcullis.upstream", log.upstream.as_deref()),
+        ("portcullis.route", log.route),
+        ("portcullis.upstream", log.upstream),
         ("portcullis.endpoint", endpoint.as_deref()),
         (
             "portcullis.request_id",
-            log.request_id.as_ref().and_then(|v| v.to_str().ok()),
+            log.request_id.and_then(|v| v.to_str().ok()),
         ),
     ] {
         if let Some(value) = value {

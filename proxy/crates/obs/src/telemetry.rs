@@ -153,7 +153,19 @@ impl Drop for AccessLog {
         use portcullis_config::AccessLogging;
         let trace_id = self.trace.as_ref().map(|t| t.context.trace_hex());
         if let Some(trace) = self.trace.take() {
-            trace.finish(self);
+            trace.finish(&crate::otlp::Ended {
+                logging: self.logging,
+                status: self.status,
+                elapsed: self.start.elapsed(),
+                method: &self.method,
+                path: self.path.as_ref(),
+                peer: self.client.ip(),
+                route: self.route.as_deref(),
+                upstream: self.upstream.as_deref(),
+                endpoint: self.endpoint.as_ref().map(|e| e as &dyn std::fmt::Display),
+                request_id: self.request_id.as_ref(),
+                aborted: self.aborted,
+            });
         }
         match self.logging {
             AccessLogging::All => {}
