@@ -2,6 +2,9 @@
 //! --tunnel-quic`): the same public traffic as over the WebSocket
 //! transport, each request on a QUIC stream of its own.
 
+mod auto;
+mod roaming;
+
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 use super::*;
@@ -439,105 +442,6 @@ async fn a_stopping_server_closes_the_quic_tunnels_of_every_worker() {
     assert!(exit.success(), "exit status {exit:?}");
 }
 
-/// A UDP relay in front of the tunnel endpoint's QUIC side: one client's
-/// datagrams go to the server from the relay's own socket, and
-/// [`UdpRelay::rebind`] moves them to a new one, so the server sees the
-/// client come from a new port, as after a NAT rebinding.
-struct UdpRelay {
-    addr: SocketAddr,
-    rebind: mpsc::Sender<tokio::sync::oneshot::Sender<SocketAddr>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl UdpRelay {
-    pub(super) async fn start(to: SocketAddr) -> UdpRelay {
-        async fn towards(to: SocketAddr) -> tokio::net::UdpSocket {
-            let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
-            socket.connect(to).await.unwrap();
-            socket
-        }
-        let front = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
-        let addr = front.local_addr().unwrap();
-        let (rebind, mut rebinds) = mpsc::channel::<tokio::sync::oneshot::Sender<SocketAddr>>(1);
-        let task = tokio::spawn(async move {
-            let mut back = towards(to).await;
-            let mut client = None;
-            let (mut up, mut down) = (vec![0u8; 65536], vec![0u8; 65536]);
-            loop {
-                tokio::select! {
-                    r = front.recv_from(&mut up) => if let Ok((n, from)) = r {
-                        client = Some(from);
-                        let _ = back.send(&up[..n]).await;
-                    },
-                    r = back.recv(&mut down) => if let (Ok(n), Some(client)) = (r, client) {
-                        let _ = front.send_to(&down[..n], client).await;
-                    },
-                    Some(done) = rebinds.recv() => {
-                        back = towards(to).await;
-                        let _ = done.send(back.local_addr().unwrap());
-                    }
-                }
-            }
-        });
-        UdpRelay { addr, rebind, task }
-    }
-
-    /// Sends the client's datagrams from a new socket from now on (the old
-    /// one is closed); returns its address.
-    pub(super) async fn rebind(&self) -> SocketAddr {
-        let (done, moved) = tokio::sync::oneshot::channel();
-        self.rebind.send(done).await.unwrap();
-        moved.await.unwrap()
-    }
-}
-
-impl Drop for UdpRelay {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// A client whose address changes (a NAT rebinding: its datagrams come
-/// from a new port) keeps its QUIC tunnel: the server follows the
-/// connection to the new address, requests go on through it, and the
-/// client does not dial again. Over TCP (WebSocket) the tunnel would be
-/// lost and dialled again.
-#[tokio::test]
-async fn a_quic_tunnel_follows_its_client_to_a_new_address() {
-    let echo = upstream::echo("moved").await;
-    let server = TunnelServer::start_quic().await;
-    let relay = UdpRelay::start(server.tunnel).await;
-    let url = echo.url();
-    let via = format!("wss://localhost:{}", relay.addr.port());
-    let _client = server
-        .client_via(
-            &via,
-            "rt-a",
-            TOKENS[0].1,
-            &quic_upstream(&url, &["--connections", "1"]),
-        )
-        .await;
-    server.wait_connections("rt-a", 1).await;
-    let tunnel = |status: serde_json::Value| status["runtimes"][0]["tunnels"][0].clone();
-    let before = tunnel(server.process.status().await);
-    assert_eq!(server.get("rt-a", "/before").await.status, 200);
-
-    let moved_to = relay.rebind().await;
-    assert_ne!(before["remote"], moved_to.to_string());
-    for path in ["/after", "/and-again"] {
-        let answer = server.get("rt-a", path).await;
-        assert_eq!(answer.status, 200, "{:?}", answer.body);
-        assert_eq!(answer.json()["upstream"], "moved");
-    }
-    let status = server.process.status().await;
-    assert_eq!(status["runtimes"][0]["connections"], 1, "{status}");
-    let after = tunnel(status);
-    assert_eq!(after["remote"], moved_to.to_string());
-    assert_eq!(after["since"], before["since"], "the client dialled again");
-    assert_eq!(server.process.count_logs("\"tunnel connected\""), 1);
-    assert_eq!(server.process.count_logs("\"tunnel lost"), 0);
-}
-
 /// A client stopping with nothing in flight closes at once after telling
 /// the server it drains; the server sees a clean close, whichever of the
 /// two it reads first, not a lost tunnel.
@@ -559,83 +463,4 @@ async fn an_idle_quic_client_that_stops_closes_cleanly() {
         }
     };
     assert!(end.contains("\"message\":\"tunnel closed\""), "{end}");
-}
-
-/// `--transport auto` takes QUIC where the server offers it, and falls
-/// back to WebSocket (for good, saying why) where it does not.
-#[tokio::test]
-async fn auto_takes_quic_where_it_can_and_websocket_where_it_cannot() {
-    let echo = upstream::echo("auto").await;
-    let url = echo.url();
-    let auto = [
-        "--transport",
-        "auto",
-        "--upstream",
-        &url,
-        "--connections",
-        "1",
-    ];
-
-    let with_quic = TunnelServer::start_quic().await;
-    let _client = with_quic.client("rt-a", TOKENS[0].1, &auto).await;
-    with_quic.wait_connections("rt-a", 1).await;
-    assert_eq!(transports(&with_quic, "rt-a").await, ["quic"]);
-    assert_eq!(with_quic.get("rt-a", "/q").await.status, 200);
-
-    let without = TunnelServer::start_with(true).await;
-    let client = without.client("rt-a", TOKENS[0].1, &auto).await;
-    let line = client.find_log("QUIC failed; using WebSocket");
-    assert!(line.contains("\"reason\""), "{line}");
-    without.wait_connections("rt-a", 1).await;
-    assert_eq!(transports(&without, "rt-a").await, ["websocket"]);
-    let a = without.get("rt-a", "/ws").await;
-    assert_eq!(a.status, 200);
-    assert_eq!(a.json()["upstream"], "auto");
-}
-
-/// After `auto` fell back, QUIC is tried again at a dial once
-/// `--quic-retry-after` has passed (here at once; the period itself is a
-/// unit test): a server that came up without QUIC and is restarted with
-/// it gets the client back over QUIC, without the client restarting.
-#[tokio::test]
-async fn auto_tries_quic_again_after_falling_back() {
-    let echo = upstream::echo("again").await;
-    let url = echo.url();
-    let without = TunnelServer::start_with(true).await;
-    let mut client = without
-        .client(
-            "rt-a",
-            TOKENS[0].1,
-            &[
-                "--transport",
-                "auto",
-                "--quic-retry-after",
-                "0s",
-                "--upstream",
-                &url,
-                "--connections",
-                "1",
-            ],
-        )
-        .await;
-    client.find_log("QUIC failed; using WebSocket");
-    without.wait_connections("rt-a", 1).await;
-    assert_eq!(transports(&without, "rt-a").await, ["websocket"]);
-
-    // The same addresses and certificate, now with QUIC.
-    let (public, tunnel) = (without.public, without.tunnel);
-    let TunnelServer {
-        mut process, dir, ..
-    } = without;
-    process.signal("TERM");
-    assert!(process.wait_exit(Duration::from_secs(20)).await.success());
-    client.wait_for_log("tunnel lost").await;
-    let with_quic = TunnelServer::start_in_with(dir, public, tunnel, &["--tunnel-quic"]).await;
-    let line = client.wait_for_log("tunnel connected").await;
-    assert!(line.contains("\"transport\":\"quic\""), "{line}");
-    with_quic.wait_connections("rt-a", 1).await;
-    assert_eq!(transports(&with_quic, "rt-a").await, ["quic"]);
-    let answer = with_quic.get("rt-a", "/q").await;
-    assert_eq!(answer.status, 200);
-    assert_eq!(answer.json()["upstream"], "again");
 }
