@@ -25,12 +25,12 @@ make_pki localhost '*.bench.test'
 
 UP=$(free_port); TUN=$(free_port); PUB=$(free_port)
 start_upstream "$UP"
-echo "bench: $(printf bench-token | "$BIN" hash-token)" > "$WORK/tokens.yaml"
+echo "bench: $(printf bench-token-not-a-secret | "$BIN" hash-token)" > "$WORK/tokens.yaml"
 "$BIN" tunnel-server --public "127.0.0.1:$PUB" --tunnel-listen "127.0.0.1:$TUN" \
   --domain bench.test --tokens "$WORK/tokens.yaml" --cert "$WORK/leaf.pem" --key "$WORK/leaf.key" \
   --public-cert "$WORK/leaf.pem" --public-key "$WORK/leaf.key" --http3 --admin off & PIDS+=($!)
 sleep 0.5
-PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$TUN" --ca "$WORK/ca.pem" \
+PORTCULLIS_TOKEN=bench-token-not-a-secret "$BIN" tunnel-client --server "wss://localhost:$TUN" --ca "$WORK/ca.pem" \
   --runtime-id bench --upstream "http://127.0.0.1:$UP" --admin off & PIDS+=($!)
 for _ in $(seq 100); do
   curl -sf -o /dev/null --cacert "$WORK/ca.pem" --resolve "bench.bench.test:$PUB:127.0.0.1" "https://bench.bench.test:$PUB/" && break

@@ -107,7 +107,7 @@ chmod a+rx "$WORK"; chmod a+r "$WORK/big.bin"
 UP=9000; PUB=8080; TUN=8443; RH_CTL=2333; RH_PUB=8081
 UP_NETNS=$CLI start_upstream "$UP"
 
-hash=$(printf bench-token | "$BIN" hash-token)
+hash=$(printf bench-token-not-a-secret | "$BIN" hash-token)
 printf 'bench: %s\nbenchq: %s\nbenchb: %s\n' "$hash" "$hash" "$hash" > "$WORK/tokens.yaml"
 ip netns exec "$SRV" "$BIN" tunnel-server --public "127.0.0.1:$PUB" --tunnel-listen "10.77.0.1:$TUN" \
   --domain bench.test --tokens "$WORK/tokens.yaml" --cert "$WORK/leaf.pem" --key "$WORK/leaf.key" \
@@ -118,7 +118,7 @@ sleep 0.5
 ip netns exec "$CLI" rathole --client "$WORK/rh-client.toml" > "$WORK/rh-client.log" 2>&1 & PIDS+=($!)
 # A Portcullis tunnel client in front of the upstream, with arguments $@.
 pc_client() {
-  PORTCULLIS_TOKEN=bench-token ip netns exec "$CLI" "$BIN" tunnel-client --server "wss://tunnel.bench:$TUN" \
+  PORTCULLIS_TOKEN=bench-token-not-a-secret ip netns exec "$CLI" "$BIN" tunnel-client --server "wss://tunnel.bench:$TUN" \
     --ca "$WORK/ca.pem" --upstream "http://127.0.0.1:$UP" --admin off "$@" & PIDS+=($!)
 }
 pc_client --runtime-id bench

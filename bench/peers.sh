@@ -21,7 +21,7 @@ export RUST_LOG=warn
 
 read -r UP A_PUB A_TUN B_PUB B_TUN B_PEER < <(free_ports 6 | paste -sd' ')
 start_upstream "$UP"
-hash=$(printf bench-token | "$BIN" hash-token)
+hash=$(printf bench-token-not-a-secret | "$BIN" hash-token)
 printf 'bench: %s\n' "$hash" > "$WORK/tokens.yaml"
 export PORTCULLIS_PEER_TOKEN=bench-peer-token-0123456789
 PEER_TLS_ARGS=()
@@ -38,7 +38,7 @@ B_PID=$!
   --peers "127.0.0.1:$B_PEER" "${PEER_TLS_ARGS[@]}" & PIDS+=($!)
 A_PID=$!
 sleep 0.5
-PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "ws://127.0.0.1:$B_TUN" \
+PORTCULLIS_TOKEN=bench-token-not-a-secret "$BIN" tunnel-client --server "ws://127.0.0.1:$B_TUN" \
   --runtime-id bench --upstream "http://127.0.0.1:$UP" --workers 1 --admin off & PIDS+=($!)
 
 # A learns B's runtimes within a second of the tunnel coming up.

@@ -53,15 +53,15 @@ rathole --client "$WORK/rh-client.toml" & PIDS+=($!); RH_C=$!
 
 # Portcullis: tunnel server with TLS, client fronting the same upstream.
 # The runtime `bench` dials over WebSocket, `benchq` over QUIC.
-hash=$(printf bench-token | "$BIN" hash-token)
+hash=$(printf bench-token-not-a-secret | "$BIN" hash-token)
 printf 'bench: %s\nbenchq: %s\n' "$hash" "$hash" > "$WORK/tokens.yaml"
 "$BIN" tunnel-server --public "127.0.0.1:$PC_PUB" --tunnel-listen "127.0.0.1:$PC_TUN" \
   --domain bench.test --tokens "$WORK/tokens.yaml" --cert "$WORK/leaf.pem" --key "$WORK/leaf.key" \
   --tunnel-quic --admin off & PIDS+=($!); PC_S=$!
 sleep 0.5
-PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PC_TUN" --ca "$WORK/ca.pem" \
+PORTCULLIS_TOKEN=bench-token-not-a-secret "$BIN" tunnel-client --server "wss://localhost:$PC_TUN" --ca "$WORK/ca.pem" \
   --runtime-id bench --upstream "http://127.0.0.1:$UP" --admin off & PIDS+=($!); PC_C=$!
-PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PC_TUN" --ca "$WORK/ca.pem" \
+PORTCULLIS_TOKEN=bench-token-not-a-secret "$BIN" tunnel-client --server "wss://localhost:$PC_TUN" --ca "$WORK/ca.pem" \
   --runtime-id benchq --transport quic --upstream "http://127.0.0.1:$UP" --admin off & PIDS+=($!)
 
 # MiB/s of one download; fails the run unless all of it arrived.
@@ -125,7 +125,7 @@ sleep 5; RH_AFTER=$(rss $RH2)
   --domain bench.test --tokens "$WORK/tokens.yaml" --cert "$WORK/leaf.pem" --key "$WORK/leaf.key" \
   --admin off & PC2=$!; PIDS+=($PC2)
 sleep 1; PC_BEFORE=$(rss $PC2)
-PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PC2_TUN" --ca "$WORK/ca.pem" \
+PORTCULLIS_TOKEN=bench-token-not-a-secret "$BIN" tunnel-client --server "wss://localhost:$PC2_TUN" --ca "$WORK/ca.pem" \
   --runtime-id bench --upstream "http://127.0.0.1:$UP" --connections "$IDLE" --admin off & PIDS+=($!)
 sleep 5; PC_AFTER=$(rss $PC2)
 
@@ -133,7 +133,7 @@ sleep 5; PC_AFTER=$(rss $PC2)
   --domain bench.test --tokens "$WORK/tokens.yaml" --cert "$WORK/leaf.pem" --key "$WORK/leaf.key" \
   --tunnel-quic --admin off & PQ=$!; PIDS+=($PQ)
 sleep 1; PQ_BEFORE=$(rss $PQ)
-PORTCULLIS_TOKEN=bench-token "$BIN" tunnel-client --server "wss://localhost:$PQ_TUN" --ca "$WORK/ca.pem" \
+PORTCULLIS_TOKEN=bench-token-not-a-secret "$BIN" tunnel-client --server "wss://localhost:$PQ_TUN" --ca "$WORK/ca.pem" \
   --runtime-id benchq --transport quic --upstream "http://127.0.0.1:$UP" --connections "$IDLE" --admin off & PIDS+=($!)
 sleep 5; PQ_AFTER=$(rss $PQ)
 

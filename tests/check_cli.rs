@@ -68,6 +68,7 @@ fn every_commands_help_shows_an_example() {
         "tunnel-server",
         "tunnel-client",
         "hash-token",
+        "dev-certs",
         "check",
     ] {
         let out = Command::new(binary())
@@ -469,4 +470,43 @@ routes:
         &policy("maybe"),
         &[(5, "`maybe` is not a boolean; write true or false")],
     );
+}
+
+/// A value substituted from `${VAR}` (a secret, maybe) into a field that
+/// fails validation, or into a plugin config the plugin refuses, is named
+/// by its variable in the error, never shown.
+#[test]
+fn a_secret_from_the_environment_never_appears_in_an_error() {
+    let secret = "Sup3r-S3cret-Value-0451";
+    let yaml = r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+plugins: [{ name: sig, path: "builtin:webhook-signature" }]
+routes:
+  - name: limited
+    match: { path_prefix: /limited }
+    respond: { status: 200 }
+    max_request_body: "${WEBHOOK_SECRET}"
+  - name: hooks
+    match: { path_prefix: /hooks }
+    respond: { status: 200 }
+    plugins: [{ use: sig, config: { provider: "${WEBHOOK_SECRET}", secret: "${WEBHOOK_SECRET}" } }]
+"#;
+    let dir = crate::support::policy_dir(yaml, &[]);
+    let out = Command::new(binary())
+        .args(["check", "--policies"])
+        .arg(dir.path())
+        .env("WEBHOOK_SECRET", secret)
+        .output()
+        .expect("run portcullis");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(!stderr.contains(secret), "{stderr}");
+    assert!(!stderr.contains("S3cret"), "{stderr}");
+    for line in [8, 12] {
+        let error = stderr
+            .lines()
+            .find(|l| l.contains(&format!("policy.yaml:{line}:")))
+            .unwrap_or_else(|| panic!("no error on line {line}: {stderr}"));
+        assert!(error.contains("${WEBHOOK_SECRET}"), "{error}");
+    }
 }

@@ -393,12 +393,7 @@ routes: [{ name: health, match: { path: /healthz }, health: live }]
 
 /// The status code and JSON body of a raw HTTP/1.1 answer.
 fn status_and_json(answer: &str) -> (u16, serde_json::Value) {
-    let status = answer
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no status line: {answer:?}"));
-    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let (status, body) = client::status_and_body(answer);
     (status, serde_json::from_str(body).unwrap_or_default())
 }
 
@@ -450,6 +445,45 @@ async fn an_http11_request_needs_exactly_one_host_header() {
         assert_eq!((status, json["path"].as_str()), (200, Some("/a")));
     }
     assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// RFC 9112 §3.2: a `Host` that is not `host[:port]` is a 400, on
+/// HTTP/1.1 and HTTP/2 alike, and never reaches the upstream (where it
+/// would arrive as X-Forwarded-Host).
+#[tokio::test]
+async fn an_invalid_host_is_400_on_http1_and_http2() {
+    let (echo, hits) = upstream::counted_echo("svc").await;
+    let proxy = proxy_to(&echo).await;
+    let bad = ["a b@evil", "evil/path", "a,b", "a.example:80:80"];
+    for host in bad {
+        let raw = format!("GET /a HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        let (status, json) = status_and_json(&client::raw(proxy.addr, raw.as_bytes()).await);
+        assert_eq!(
+            (status, json["error"].as_str()),
+            (400, Some("invalid host header")),
+            "{host:?}"
+        );
+    }
+    // HTTP/2 with the host in `Host` (no :authority), as RFC 9113 §8.3.1
+    // allows: the same check.
+    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .expect("h2c handshake");
+    tokio::spawn(conn);
+    for host in bad.iter().chain(&["a.example"]) {
+        let req = hyper::Request::get("/a")
+            .header("host", *host)
+            .body(client::body(""))
+            .unwrap();
+        let resp = send.send_request(req).await.expect("an answer");
+        let want = if *host == "a.example" { 200 } else { 400 };
+        assert_eq!(resp.status(), want, "{host:?}");
+    }
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
 #[tokio::test]

@@ -30,6 +30,7 @@ use resilience::*;
 use routing::*;
 
 mod agree;
+mod local_tls;
 mod peers;
 mod quic;
 

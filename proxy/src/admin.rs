@@ -26,9 +26,14 @@ use portcullis_obs::admin_http::{
 
 /// Binds the admin listener and serves it on the current runtime until the
 /// process ends.
-pub async fn serve(addr: SocketAddr, reloader: Arc<Reloader>) -> std::io::Result<SocketAddr> {
+pub async fn serve(
+    addr: SocketAddr,
+    access: portcullis_obs::admin_access::AdminAccess,
+    reloader: Arc<Reloader>,
+) -> std::io::Result<SocketAddr> {
     serve_with(
         addr,
+        access,
         Arc::new(move |req| {
             let reloader = reloader.clone();
             Box::pin(async move { handle(req, &reloader).await })
@@ -40,12 +45,12 @@ pub async fn serve(addr: SocketAddr, reloader: Arc<Reloader>) -> std::io::Result
 async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
     let path = req.uri().path();
     let allow = match path {
-        "/" | "/status" | "/metrics" | "/readyz" => "GET, HEAD",
+        "/" | "/status" | "/metrics" | "/readyz" | "/healthz" => "GET, HEAD",
         "/reload" => "POST",
         _ => {
             return json(
                 StatusCode::NOT_FOUND,
-                serde_json::json!({"error": "not found", "endpoints": ["GET / (status page)", "GET /status", "GET /metrics", "GET /readyz", "POST /reload"]}),
+                serde_json::json!({"error": "not found", "endpoints": ["GET / (status page)", "GET /status", "GET /metrics", "GET /readyz", "GET /healthz", "POST /reload"]}),
             );
         }
     };
@@ -62,6 +67,8 @@ async fn handle(req: Request<Incoming>, reloader: &Reloader) -> Answer {
             json(StatusCode::OK, crate::admin_status::status_json(reloader))
         }
         (&Method::GET, "/metrics") => prometheus(metrics(reloader)),
+        // Liveness: the process answers (draining included, unlike /readyz).
+        (&Method::GET, "/healthz") => json(StatusCode::OK, serde_json::json!({ "alive": true })),
         (&Method::GET, "/readyz") => {
             let ready = reloader.control().shared().is_ready();
             json(
@@ -167,12 +174,12 @@ fn metrics(reloader: &Reloader) -> String {
         "0 while the policy files hold a rejected change.",
         &[(String::new(), f64::from(u8::from(!s.pending_error)))],
     );
-    if let Some(f) = &s.last_error {
+    if let Some(at) = s.last_rejected_at {
         metric(
             "portcullis_config_last_rejected_timestamp_seconds",
             "gauge",
             "When a reload was last rejected.",
-            &[(String::new(), unix_secs(f.at))],
+            &[(String::new(), unix_secs(at))],
         );
     }
     let listeners = control.listeners();

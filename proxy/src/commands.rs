@@ -10,6 +10,7 @@ use anyhow::Context;
 use crate::reload::{Reloader, WatchOptions};
 use portcullis_config::{self as config, Config, ConfigErrors};
 use portcullis_http::server::{Drain, Server};
+pub use portcullis_obs::admin_access::AdminAccess;
 
 /// Loads the policies from `dir`, or the built-in default set.
 pub fn load(dir: Option<&Path>) -> Result<Config, ConfigErrors> {
@@ -95,6 +96,8 @@ pub struct ServeOptions {
     pub drain: Drain,
     /// The admin listener's address; `None` turns it off.
     pub admin: Option<std::net::SocketAddr>,
+    /// Who may use the admin listener.
+    pub admin_access: AdminAccess,
     /// When the policies are reloaded.
     pub watch: WatchOptions,
 }
@@ -115,7 +118,13 @@ pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         options.policies.clone(),
         server.control().clone(),
     ));
-    let watching = control_plane(reloader, options.admin, options.watch, hangup).await?;
+    let watching = control_plane(
+        reloader,
+        options.admin.map(|a| (a, options.admin_access)),
+        options.watch,
+        hangup,
+    )
+    .await?;
     let served = server.run(stop, options.drain).await;
     watching.abort();
     served?;
@@ -133,6 +142,8 @@ pub struct TunnelClientOptions {
     pub drain: Drain,
     /// The admin listener; `None` turns it off.
     pub admin: Option<std::net::SocketAddr>,
+    /// Who may use the admin listener.
+    pub admin_access: AdminAccess,
     /// When the policies are reloaded.
     pub watch: WatchOptions,
     /// Whether the policies' listeners are opened too (`--open-listeners`).
@@ -145,6 +156,13 @@ pub struct TunnelClientOptions {
 /// with an error when another client takes over this runtime id.
 pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
     use portcullis_tunnel::client::{Dialer, Target, run_slot, upstream_policy};
+    // A token that cannot work (empty, unreadable, a published
+    // placeholder) stops the start, not a reconnect loop that looks alive.
+    options
+        .client
+        .token
+        .read()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let signalled = shutdown_signal();
     let hangup = crate::reload::hangup_handler();
     let (config, reloader_source) = match &options.client.target {
@@ -181,7 +199,13 @@ pub async fn tunnel_client(options: TunnelClientOptions) -> anyhow::Result<()> {
         Ok(dir) => Reloader::new(dir, control.clone()),
         Err(sources) => Reloader::with_sources(sources, control.clone()),
     });
-    let watching = control_plane(reloader, options.admin, options.watch, hangup).await?;
+    let watching = control_plane(
+        reloader,
+        options.admin.map(|a| (a, options.admin_access)),
+        options.watch,
+        hangup,
+    )
+    .await?;
     for slot in 0..dialer.slots() {
         let dialer = dialer.clone();
         control.spawn_on_worker(slot, move |ctx| Box::pin(run_slot(slot, dialer, ctx)));
@@ -225,12 +249,18 @@ pub async fn tunnel_server(
     }
     let server = portcullis_tunnel::server::TunnelServer::bind(&options).await?;
     if let Some(addr) = options.admin {
-        server.serve_admin(addr).await.with_context(|| {
-            format!("cannot bind the admin listener on {addr} (--admin off turns it off)")
-        })?;
+        server
+            .serve_admin(addr, options.admin_access.clone())
+            .await
+            .with_context(|| {
+                format!("cannot bind the admin listener on {addr} (--admin off turns it off)")
+            })?;
     }
     server.run(stop).await
 }
+
+/// Shorter tokens could be guessed; 32 random bytes in base64 are 44.
+const MIN_TOKEN_LEN: usize = 16;
 
 /// `portcullis hash-token`: reads a token on stdin, prints its hash for
 /// the tunnel server's tokens file.
@@ -244,6 +274,14 @@ pub fn hash_token() -> ExitCode {
         eprintln!("portcullis hash-token: no token on stdin");
         return ExitCode::FAILURE;
     }
+    // The server refuses these hashes anyway; say so before they are used.
+    if portcullis_tunnel::tokens::is_placeholder(&token) || token.trim().len() < MIN_TOKEN_LEN {
+        eprintln!(
+            "portcullis hash-token: `{}` is a placeholder or shorter than {MIN_TOKEN_LEN} characters, not a secret: make a random one with `head -c 32 /dev/urandom | base64 > token`",
+            token.trim()
+        );
+        return ExitCode::FAILURE;
+    }
     println!("{}", portcullis_tunnel::tokens::hash_token(&token));
     ExitCode::SUCCESS
 }
@@ -252,12 +290,12 @@ pub fn hash_token() -> ExitCode {
 /// triggers; returns the reload task, to stop when serving ends.
 async fn control_plane(
     reloader: Arc<Reloader>,
-    admin: Option<std::net::SocketAddr>,
+    admin: Option<(std::net::SocketAddr, AdminAccess)>,
     watch: WatchOptions,
     hangup: Option<tokio::signal::unix::Signal>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    if let Some(addr) = admin {
-        crate::admin::serve(addr, reloader.clone())
+    if let Some((addr, access)) = admin {
+        crate::admin::serve(addr, access, reloader.clone())
             .await
             .with_context(|| {
                 format!("cannot bind the admin listener on {addr} (--admin off turns it off)")

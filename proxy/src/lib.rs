@@ -12,6 +12,7 @@
 pub mod admin;
 pub mod admin_status;
 pub mod commands;
+pub mod dev_certs;
 pub mod reload;
 
 pub use portcullis_config as config;
@@ -21,8 +22,8 @@ pub use portcullis_http::{
 };
 pub use portcullis_net::{
     balance, cert_expiry, cert_files, cert_identity, client_addr, client_cert, coarse_clock, der,
-    drain, h1_or_h2, handshake_head, head_deadline, linger, proxy_protocol, resolve, shard,
-    shared_dial, sockets, ticket_keys, tls_listen, unparsed_head,
+    drain, files, h1_or_h2, handshake_head, head_deadline, linger, pem, proxy_protocol, resolve,
+    shard, shared_dial, sockets, ticket_keys, tls_listen, unparsed_head,
 };
 pub use portcullis_obs::{
     admin_http, metrics, otlp, request_id, status_page, telemetry, trace_context,

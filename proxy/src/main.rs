@@ -6,6 +6,7 @@ use std::time::Duration;
 use clap::Parser;
 
 mod cli;
+mod reference;
 use cli::{Cli, Command};
 
 // The proxy allocates small, short-lived buffers per request from many
@@ -48,6 +49,23 @@ fn run_on<F: std::future::Future<Output = anyhow::Result<()>>>(
     }
 }
 
+/// The admin listener's access rules, with the token file when given;
+/// `None` (after saying why) when the file cannot serve.
+fn admin_access(
+    token_file: Option<std::path::PathBuf>,
+) -> Option<portcullis::commands::AdminAccess> {
+    match token_file {
+        None => Some(portcullis::commands::AdminAccess::open()),
+        Some(file) => match portcullis::commands::AdminAccess::with_token_file(file) {
+            Ok(access) => Some(access),
+            Err(e) => {
+                eprintln!("portcullis: {e}");
+                None
+            }
+        },
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -61,6 +79,26 @@ fn main() -> ExitCode {
             portcullis::commands::check(policies.as_deref())
         }
         Command::HashToken => portcullis::commands::hash_token(),
+        Command::Reference { what } => match what.as_str() {
+            "commands" => {
+                print!("{}", reference::commands());
+                ExitCode::SUCCESS
+            }
+            _ => {
+                eprintln!("portcullis reference: `{what}` is not a reference: commands");
+                ExitCode::from(2)
+            }
+        },
+        Command::DevCerts { dir, names } => {
+            let names = if names.is_empty() {
+                portcullis::dev_certs::DEFAULT_NAMES
+                    .map(String::from)
+                    .to_vec()
+            } else {
+                names
+            };
+            portcullis::dev_certs::dev_certs(&dir, &names)
+        }
         Command::TunnelServer {
             public,
             public_cert,
@@ -78,6 +116,8 @@ fn main() -> ExitCode {
             tunnel_quic,
             quic_congestion,
             admin,
+            admin_token_file,
+            shutdown_delay,
             workers,
             max_connections,
             peers,
@@ -96,6 +136,9 @@ fn main() -> ExitCode {
             public_max_requests_per_connection,
             public_connection_lifetime,
         } => {
+            let Some(admin_access) = admin_access(admin_token_file) else {
+                return ExitCode::from(2);
+            };
             let peers = if peers.is_empty() && peer_listen.is_none() {
                 if peer_cert.is_some() {
                     eprintln!(
@@ -106,7 +149,10 @@ fn main() -> ExitCode {
                 None
             } else {
                 let token = match (peer_token_file, std::env::var("PORTCULLIS_PEER_TOKEN")) {
-                    (Some(file), _) => match std::fs::read_to_string(&file) {
+                    (Some(file), _) => match portcullis::files::read_bounded_text(
+                        &file,
+                        portcullis::files::SMALL_LIMIT,
+                    ) {
                         Ok(token) => token,
                         Err(e) => {
                             eprintln!(
@@ -153,6 +199,8 @@ fn main() -> ExitCode {
                 tunnel_quic,
                 quic_congestion,
                 admin: admin.0,
+                admin_access,
+                shutdown_delay,
                 workers: workers.unwrap_or_else(portcullis::server::default_workers),
                 max_connections,
                 peers,
@@ -190,9 +238,13 @@ fn main() -> ExitCode {
             workers,
             grace_period,
             admin,
+            admin_token_file,
             open_listeners,
             plugin_cache,
         } => {
+            let Some(admin_access) = admin_access(admin_token_file) else {
+                return ExitCode::from(2);
+            };
             if let Some(dir) = plugin_cache {
                 portcullis::plugin::use_disk_cache(dir);
             }
@@ -235,6 +287,7 @@ fn main() -> ExitCode {
                     grace: grace_period,
                 },
                 admin: admin.0,
+                admin_access,
                 watch: portcullis::reload::WatchOptions::default(),
                 listen: open_listeners,
             };
@@ -246,11 +299,15 @@ fn main() -> ExitCode {
             shutdown_delay,
             workers,
             admin,
+            admin_token_file,
             watch,
             watch_debounce,
             watch_poll,
             plugin_cache,
         } => {
+            let Some(admin_access) = admin_access(admin_token_file) else {
+                return ExitCode::from(2);
+            };
             if let Some(dir) = plugin_cache {
                 portcullis::plugin::use_disk_cache(dir);
             }
@@ -265,6 +322,7 @@ fn main() -> ExitCode {
                 workers,
                 drain,
                 admin: admin.0,
+                admin_access,
                 watch: portcullis::reload::WatchOptions {
                     events: watch,
                     debounce: watch_debounce,

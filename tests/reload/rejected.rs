@@ -34,6 +34,8 @@ async fn rejected_update(bad: &[(&str, &[u8])], expect_in_error: &[&str]) {
     let status = proxy.status().await;
     assert_eq!(status["files_match_active"], true, "{status:#}");
     assert_eq!(status["config"]["generation"], 2, "{status:#}");
+    // The error was the files'; they are good again (operations.md).
+    assert!(status["last_error"].is_null(), "{status:#}");
     // Only a tunnel client lists tunnels.
     assert!(status.get("tunnels").is_none(), "{status:#}");
 }
@@ -126,4 +128,89 @@ async fn half_written_file_is_rejected_then_applied_when_complete() {
     );
     std::fs::write(&file, &complete).unwrap();
     served_within(&proxy.url("/v"), "complete", Duration::from_secs(1)).await;
+}
+
+/// A policy naming a device or a FIFO, as a plugin or a secret: refused
+/// at once (not read until memory runs out, not waited on for a writer),
+/// and the next good update applies as usual.
+#[tokio::test]
+async fn a_plugin_or_secret_naming_a_device_or_a_fifo_is_refused_at_once() {
+    let fifos = tempfile::tempdir().unwrap();
+    let fifo = fifos.path().join("secret");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    let fifo = fifo.display().to_string();
+    let cases = [
+        (
+            "plugins: [{ name: z, path: /dev/zero }]\n".to_owned(),
+            "[{ use: z }]".to_owned(),
+            "/dev/zero: a character device, not a regular file",
+        ),
+        (
+            "plugins: [{ name: s, path: \"builtin:webhook-signature\" }]\n".to_owned(),
+            format!(
+                "[{{ use: s, config: {{ provider: github, secret: {{ from_file: {fifo} }} }} }}]"
+            ),
+            "a FIFO, not a regular file",
+        ),
+        (
+            "plugins: [{ name: s, path: \"builtin:webhook-signature\" }]\n".to_owned(),
+            "[{ use: s, config: { provider: github, secret: { from_file: /dev/zero } } }]"
+                .to_owned(),
+            "/dev/zero: a character device",
+        ),
+    ];
+    for (plugins, uses, expected) in cases {
+        let yaml = format!(
+            r#"
+listeners: [{{ name: main, bind: "127.0.0.1:0" }}]
+{plugins}routes:
+  - name: v
+    match: {{ path: /v }}
+    respond: {{ status: 200, body: "bad" }}
+    plugins: {uses}
+"#
+        );
+        // Before the fix a FIFO held the reload (and every later one)
+        // for good: a hang, not a slow answer, is what this bounds.
+        let files = [("routing.yaml", yaml.as_bytes())];
+        let wanted = ["routing.yaml:", expected];
+        let checked = rejected_update(&files, &wanted);
+        tokio::time::timeout(Duration::from_secs(60), checked)
+            .await
+            .unwrap_or_else(|_| panic!("a reload naming {expected:?} hung"));
+    }
+}
+
+/// A secret from the environment in a rejected update is named by its
+/// variable in `/status` and the log, never shown.
+#[tokio::test]
+async fn a_rejected_secret_is_named_never_shown_in_status_or_log() {
+    let secret = "Sup3r-S3cret-Value-0451";
+    let mut map = ConfigMap::new(&[("routing.yaml", answering("good").as_bytes())]);
+    let args: Vec<String> = ["serve", "--policies", &map.path().display().to_string()]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let mut proxy =
+        ProxyProcess::launch(&args, &[("WEBHOOK_SECRET", secret.into())], "listening").await;
+    let bad = r#"
+listeners: [{ name: main, bind: "127.0.0.1:0" }]
+routes:
+  - name: v
+    match: { path: /v }
+    respond: { status: 200, body: "bad" }
+    max_request_body: "${WEBHOOK_SECRET}"
+"#;
+    map.update(&[("routing.yaml", bad.as_bytes())]);
+    proxy.wait_for_log("reload rejected").await;
+    let status = proxy.status().await.to_string();
+    assert!(status.contains("WEBHOOK_SECRET"), "{status}");
+    assert!(!status.contains(secret), "{status}");
+    let logs = proxy.logs.lock().unwrap().join("\n");
+    assert!(logs.contains("WEBHOOK_SECRET"), "{logs}");
+    assert!(!logs.contains(secret), "{logs}");
 }

@@ -174,6 +174,16 @@ pub async fn get_on(conn: &mut tokio::net::TcpStream, host: &str, path: &str, bo
     assert!(text.contains("HTTP/1.1 200"), "{text}");
 }
 
+/// The status code and the body of a raw HTTP/1.1 answer.
+pub fn status_and_body(answer: &str) -> (u16, &str) {
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {answer:?}"));
+    (status, answer.split_once("\r\n\r\n").map_or("", |(_, b)| b))
+}
+
 /// Writes `raw` bytes on a new connection to `addr` and reads the answer
 /// until the server closes the connection (10 s at most).
 pub async fn raw(addr: std::net::SocketAddr, raw: &[u8]) -> String {

@@ -152,3 +152,79 @@ pub(super) async fn tunnels_run_over_tls_with_a_private_ca() {
     assert_eq!(a.status, 200);
     assert_eq!(a.json()["upstream"], "tls");
 }
+
+/// deploy/ ships no credential that works: its tokens file names no
+/// runtime, a tokens file with the hash of a published placeholder (what
+/// deploy/ once shipped: `change-me`) stops the server's start, and the
+/// client refuses the placeholder its Secret ships with.
+#[test]
+pub(super) fn no_credential_from_deploy_or_an_example_lets_anyone_in() {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let shipped = std::fs::read_to_string(repo.join("deploy/tunnel-server/tokens.yaml")).unwrap();
+    let runtimes = shipped
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#') && l.contains(':'))
+        .count();
+    assert_eq!(
+        runtimes, 0,
+        "deploy/tunnel-server/tokens.yaml names a runtime:\n{shipped}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.yaml");
+    std::fs::write(&tokens, format!("rt-a: {}\n", hash("change-me"))).unwrap();
+    let out = std::process::Command::new(crate::support::binary())
+        .args([
+            "tunnel-server",
+            "--public",
+            "127.0.0.1:0",
+            "--tunnel-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--domain", DOMAIN, "--admin", "off", "--tokens"])
+        .arg(&tokens)
+        .output()
+        .expect("run portcullis");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("tokens.yaml"), "{stderr}");
+    assert!(
+        stderr.contains("runtime `rt-a`: this is the hash of `change-me`"),
+        "{stderr}"
+    );
+
+    // The client's Secret as deploy/tunnel-client ships it.
+    let kustomization =
+        std::fs::read_to_string(repo.join("deploy/tunnel-client/kustomization.yaml")).unwrap();
+    let placeholder = kustomization
+        .split("literals: [token=")
+        .nth(1)
+        .and_then(|rest| rest.split(']').next())
+        .expect("the Secret's literal");
+    let token = dir.path().join("token");
+    std::fs::write(&token, placeholder).unwrap();
+    let out = std::process::Command::new(crate::support::binary())
+        .args([
+            "tunnel-client",
+            "--server",
+            "ws://127.0.0.1:9",
+            "--runtime-id",
+            "rt-a",
+        ])
+        .args([
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--admin",
+            "off",
+            "--token-file",
+        ])
+        .arg(&token)
+        .output()
+        .expect("run portcullis");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("holds `{placeholder}`, a placeholder")),
+        "{stderr}"
+    );
+}

@@ -92,9 +92,11 @@ pub struct Status {
     pub rejected: u64,
     /// Checks that found nothing new.
     pub unchanged: u64,
-    /// The most recent rejection, kept after later successes so it can
-    /// still be read.
+    /// The rejection the files still hold: cleared when a reload applies
+    /// or finds the files back to what serves.
     pub last_error: Option<Failure>,
+    /// When a reload was last rejected, kept after later successes.
+    pub last_rejected_at: Option<SystemTime>,
     /// Whether the most recent reload that changed anything was rejected
     /// (the files on disk are not what is serving).
     pub pending_error: bool,
@@ -104,6 +106,9 @@ pub struct Status {
     /// Directories watched for changes.
     pub watched: Vec<PathBuf>,
 }
+
+/// The longest a reload may spend reading the policies and their files.
+const READ_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Reloads one policy directory into one server.
 pub struct Reloader {
@@ -136,6 +141,7 @@ impl Reloader {
                 rejected: 0,
                 unchanged: 0,
                 last_error: None,
+                last_rejected_at: None,
                 pending_error: false,
                 last_duration: None,
                 watched,
@@ -185,15 +191,23 @@ impl Reloader {
         // Reading and hashing plugin files is blocking I/O.
         let dir = self.dir.clone();
         let fixed = self.fixed.clone();
-        let loaded = tokio::task::spawn_blocking(move || match fixed {
+        let reading = tokio::task::spawn_blocking(move || match fixed {
             Some(sources) if dir.is_none() => {
                 portcullis_config::load_sources(&sources, &|n| std::env::var(n).ok())
             }
             _ => portcullis_config::load_policies(dir.as_deref()),
-        })
-        .await
-        .map_err(|e| format!("reading the policies crashed: {e}"))
-        .and_then(|r| r.map_err(|e| e.to_string()));
+        });
+        // Files are regular and bounded (portcullis_net::files), but a
+        // network file system can still stall a read: the reload gives up
+        // and frees the next one; the stalled thread ends on its own.
+        let loaded = match tokio::time::timeout(READ_DEADLINE, reading).await {
+            Ok(joined) => joined
+                .map_err(|e| format!("reading the policies crashed: {e}"))
+                .and_then(|r| r.map_err(|e| e.to_string())),
+            Err(_) => Err(format!(
+                "reading the policies and the files they name took over {READ_DEADLINE:?}; is a file on a stalled network mount?"
+            )),
+        };
         let config = match loaded {
             Ok(config) => config,
             Err(message) => return self.reject(trigger, message),
@@ -203,7 +217,9 @@ impl Reloader {
             let mut status = self.lock();
             if status.fingerprint == fingerprint {
                 status.unchanged += 1;
+                // The files are back to what serves: the error is history.
                 status.pending_error = false;
+                status.last_error = None;
                 if trigger.explicit() {
                     tracing::info!(trigger = trigger.as_str(), "reload: policies unchanged");
                 }
@@ -238,6 +254,7 @@ impl Reloader {
             status.fingerprint = fingerprint.clone();
             status.loaded_at = SystemTime::now();
             status.pending_error = false;
+            status.last_error = None;
             status.last_duration = Some(took);
             status.watched = watched;
             status.generation
@@ -276,6 +293,7 @@ impl Reloader {
             );
         }
         status.pending_error = true;
+        status.last_rejected_at = Some(SystemTime::now());
         status.last_error = Some(Failure {
             at: SystemTime::now(),
             trigger,

@@ -9,6 +9,18 @@
 /// would otherwise overflow the stack of a reload.
 const MAX_DEPTH: usize = 16;
 
+/// `message` with every value of `substituted` (value, where it came
+/// from) replaced by where it came from: an error about a value from
+/// `${WEBHOOK_SECRET}` names the variable, never the secret.
+pub fn redact(mut message: String, substituted: &[(String, String)]) -> String {
+    for (value, reference) in substituted {
+        if message.contains(value.as_str()) {
+            message = message.replace(value.as_str(), &format!("<{reference}>"));
+        }
+    }
+    message
+}
+
 /// Expands every reference in `input`, looking names up with `lookup`.
 pub fn expand(input: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
     expand_at(input, lookup, 0)

@@ -73,7 +73,9 @@ pub fn read_dir(dir: &Path) -> Result<Vec<Source>, ConfigErrors> {
         let Some(name) = name.to_str() else { continue };
         let is_yaml = name.ends_with(".yaml") || name.ends_with(".yml");
         // `metadata` follows symlinks, which is what a ConfigMap key is.
-        if !name.starts_with('.') && is_yaml && entry.path().metadata().is_ok_and(|m| m.is_file()) {
+        // Anything but a directory: a FIFO or a device named `*.yaml` is
+        // refused by name when read, not skipped without a word.
+        if !name.starts_with('.') && is_yaml && entry.path().metadata().is_ok_and(|m| !m.is_dir()) {
             paths.push(entry.path());
         }
     }
@@ -84,7 +86,7 @@ pub fn read_dir(dir: &Path) -> Result<Vec<Source>, ConfigErrors> {
     let mut sources = Vec::with_capacity(paths.len());
     let mut errors = Vec::new();
     for path in paths {
-        match std::fs::read_to_string(&path) {
+        match portcullis_net::files::read_bounded_text(&path, portcullis_net::files::POLICY_LIMIT) {
             Ok(text) => sources.push(Source {
                 name: path.display().to_string(),
                 text,

@@ -33,6 +33,10 @@ pub struct PluginUse {
     pub plugin: usize,
     /// The config handed to the plugin, as JSON (env and files resolved).
     pub config_json: String,
+    /// The values in it that came from `${VAR}` or `from_file` (a
+    /// secret, maybe), each with where it came from: see
+    /// [`crate::redact`].
+    pub substituted: Arc<[(String, String)]>,
     /// Failure policy.
     pub fail: FailMode,
     /// Deadline per call, in CPU time the call uses.

@@ -71,12 +71,20 @@ pub fn request_host<'a>(
         None
     };
     let raw = match (uri.authority(), first) {
-        (Some(a), _) => a.host(),
+        (Some(a), _) => {
+            // RFC 9110 §4.2.4: userinfo in a request target is an error.
+            if a.as_str().contains('@') || !valid_host(a.as_str()) {
+                return Err(Refused::Host("invalid host in the request target"));
+            }
+            a.host()
+        }
         (None, None) => return Ok(None),
         (None, Some(h)) => {
             let h = h
                 .to_str()
-                .map_err(|_| Refused::Host("invalid host header"))?;
+                .ok()
+                .filter(|h| valid_host(h))
+                .ok_or(Refused::Host("invalid host header"))?;
             // Strip a port, minding IPv6 literals like [::1]:8080.
             match h.rfind(':') {
                 Some(i) if !h[i..].contains(']') => &h[..i],
@@ -92,6 +100,42 @@ pub fn request_host<'a>(
     } else {
         Cow::Borrowed(raw)
     }))
+}
+
+/// Whether `h` is `host[:port]` (RFC 9112 §3.2: any other `Host` is a
+/// 400): an IP literal in brackets, or a name of letters, digits, `-`,
+/// `.` and `_`, then at most a port of digits. Stricter than RFC 3986's
+/// reg-name, which allows `,`, `;` or `!`: no DNS name has those, and a
+/// `Host: a,b` reads as two hosts to whatever parses it next.
+fn valid_host(h: &str) -> bool {
+    let b = h.as_bytes();
+    let (host, port) = if b.first() == Some(&b'[') {
+        let Some(end) = h.find(']') else { return false };
+        let literal = &h[1..end];
+        if literal.is_empty()
+            || !literal
+                .bytes()
+                .all(|c| c.is_ascii_hexdigit() || c == b':' || c == b'.')
+        {
+            return false;
+        }
+        (&h[..=end], &h[end + 1..])
+    } else {
+        match h.find(':') {
+            Some(i) => (&h[..i], &h[i..]),
+            None => (h, ""),
+        }
+    };
+    let name_ok = host.starts_with('[')
+        || (!host.is_empty()
+            && host
+                .bytes()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_')));
+    let port_ok = match port.strip_prefix(':') {
+        None => port.is_empty(),
+        Some(digits) => digits.len() <= 5 && digits.bytes().all(|c| c.is_ascii_digit()),
+    };
+    name_ok && port_ok
 }
 
 /// Whether a request body's transfer coding is one the proxy cannot pass
@@ -252,6 +296,53 @@ mod tests {
             Ok(Some("b.example".into()))
         );
         assert_eq!(host(&[], Version::HTTP_2, "/"), Ok(None));
+    }
+
+    #[test]
+    fn a_host_that_is_not_host_and_port_is_refused() {
+        let host = |value: &str| {
+            let p = parts(&[("host", value)], Version::HTTP_11, "/");
+            request_host(p.version, &p.uri, &p.headers).map(|h| h.map(String::from))
+        };
+        for bad in [
+            "a b@evil",
+            "evil/path",
+            "a,b",
+            "a;b",
+            "user@a.example",
+            "a.example:80:80",
+            "a.example:http",
+            "[::1",
+            "[zz]:80",
+            "",
+            ":80",
+            "a.example:123456",
+        ] {
+            assert_eq!(
+                host(bad),
+                Err(Refused::Host("invalid host header")),
+                "{bad:?}"
+            );
+        }
+        for good in [
+            "a.example",
+            "A-b_c.example:8080",
+            "10.0.0.1:80",
+            "[::1]",
+            "[::ffff:10.0.0.1]:1",
+        ] {
+            assert!(host(good).is_ok(), "{good:?}");
+        }
+        // The same rules for a request target's authority.
+        let p = parts(
+            &[("host", "a.example")],
+            Version::HTTP_11,
+            "http://u@a.example/",
+        );
+        assert_eq!(
+            request_host(p.version, &p.uri, &p.headers),
+            Err(Refused::Host("invalid host in the request target"))
+        );
     }
 
     #[test]

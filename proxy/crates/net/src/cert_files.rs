@@ -10,8 +10,6 @@ use std::time::SystemTime;
 
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 /// A certificate file and when the certificate in it expires (seconds
 /// since the epoch; `None` when it cannot be read).
@@ -33,14 +31,8 @@ fn stamp(path: &Path) -> (Option<SystemTime>, u64) {
 }
 
 fn load(cert: &Path, key: &Path) -> Result<CertifiedKey, String> {
-    let certs = CertificateDer::pem_file_iter(cert)
-        .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| format!("reading certificate {}: {e}", cert.display()))?;
-    if certs.is_empty() {
-        return Err(format!("{} holds no certificate", cert.display()));
-    }
-    let key_der = PrivateKeyDer::from_pem_file(key)
-        .map_err(|e| format!("reading private key {}: {e}", key.display()))?;
+    let certs = crate::pem::certificates(cert)?;
+    let key_der = crate::pem::private_key(key)?;
     // aws-lc-rs signs: an RSA-2048 signature costs 256 us against ring's
     // 564 (the rest of TLS stays on ring); it is a full handshake's
     // largest cost, where nginx (OpenSSL, 241 us) led.

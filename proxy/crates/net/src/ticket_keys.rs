@@ -62,7 +62,7 @@ impl FileTicketer {
         let mut keys = Vec::with_capacity(files.len());
         let mut all = Sha256::new();
         for file in files {
-            let material = std::fs::read(file)
+            let material = crate::files::read_bounded(file, crate::files::SMALL_LIMIT)
                 .map_err(|e| format!("cannot read session ticket key {}: {e}", file.display()))?;
             if material.len() < MIN_KEY_BYTES {
                 return Err(format!(

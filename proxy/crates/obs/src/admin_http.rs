@@ -21,19 +21,27 @@ use tokio::net::TcpListener;
 pub type Handler =
     Arc<dyn Fn(Request<Incoming>) -> Pin<Box<dyn Future<Output = Answer> + Send>> + Send + Sync>;
 
-/// Binds an admin listener on `addr` and answers with `handler` until the
-/// process ends.
-pub async fn serve_with(addr: SocketAddr, handler: Handler) -> std::io::Result<SocketAddr> {
+/// Binds an admin listener on `addr` and answers with `handler` the
+/// requests `access` lets through, until the process ends.
+pub async fn serve_with(
+    addr: SocketAddr,
+    access: crate::admin_access::AdminAccess,
+    handler: Handler,
+) -> std::io::Result<SocketAddr> {
+    let access = Arc::new(access);
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     tracing::info!(addr = %local, "admin listening");
     tokio::spawn(async move {
         loop {
             let (stream, _) = portcullis_net::sockets::accept(&listener, "admin").await;
-            let handler = handler.clone();
+            let (handler, access) = (handler.clone(), access.clone());
             tokio::spawn(async move {
-                let service = service_fn(move |req| {
-                    let answer = handler(req);
+                let service = service_fn(move |req: Request<Incoming>| {
+                    let answer = match access.check(req.method(), req.uri().path(), req.headers()) {
+                        Ok(()) => handler(req),
+                        Err(refused) => Box::pin(std::future::ready(*refused)),
+                    };
                     async move { Ok::<_, Infallible>(answer.await) }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()

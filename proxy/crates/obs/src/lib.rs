@@ -7,6 +7,7 @@
 //! collector through [`otlp::Collector`], which the request path
 //! implements.
 
+pub mod admin_access;
 pub mod admin_http;
 pub mod metrics;
 pub mod otlp;

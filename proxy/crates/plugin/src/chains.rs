@@ -127,7 +127,10 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
             };
             let at = |message: String| ConfigError {
                 pos: u.defined_at.clone(),
-                message: format!("plugin `{name}` on {on}: {message}"),
+                message: portcullis_config::envsubst::redact(
+                    format!("plugin `{name}` on {on}: {message}"),
+                    &u.substituted,
+                ),
             };
             // Instantiating runs the plugin's start-up and `configure`,
             // which validates the config; a plugin that cannot start is

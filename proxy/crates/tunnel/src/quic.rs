@@ -423,7 +423,9 @@ pub async fn dial(
         .connect_with(config, addr, bare_host)
         .map_err(|e| format!("QUIC to {host}:{port}: {e}"))?
         .await
-        .map_err(|e| format!("QUIC handshake with {host}:{port}: {e}"))?;
+        .map_err(|e| {
+            portcullis_net::tls_errors::explain(format!("QUIC handshake with {host}:{port}: {e}"))
+        })?;
     let (mut control, mut recv) = conn
         .open_bi()
         .await

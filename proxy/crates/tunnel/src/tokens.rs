@@ -27,6 +27,41 @@ pub fn hash_token(token: &str) -> String {
     )
 }
 
+/// Tokens that examples publish (this repository's deploy/ shipped
+/// `change-me`) or that people type when asked for one: a tokens file
+/// holding one of their hashes lets in anyone who read the example.
+const PLACEHOLDERS: &[&str] = &[
+    "change-me",
+    "changeme",
+    "change_me",
+    "replace-me",
+    "REPLACE-ME",
+    "replaceme",
+    "token",
+    "secret",
+    "password",
+    "example",
+    "test",
+    "admin",
+];
+
+/// Whether `token` is a placeholder from an example, never to be used.
+pub fn is_placeholder(token: &str) -> bool {
+    let token = token.trim();
+    PLACEHOLDERS.iter().any(|p| p.eq_ignore_ascii_case(token))
+}
+
+/// The placeholder whose hash `hash` is, if any.
+fn placeholder_of(hash: &[u8; 32]) -> Option<&'static str> {
+    PLACEHOLDERS.iter().copied().find(|p| {
+        let candidate: [u8; 32] = Sha256::digest(p.as_bytes()).into();
+        candidate == *hash
+    })
+}
+
+/// How to make a token and its line in the tokens file, for errors.
+pub const HOW_TO_MAKE_A_TOKEN: &str = "make a random one with `head -c 32 /dev/urandom | base64 > token` and put `portcullis hash-token < token` here";
+
 /// Compares in time independent of where the inputs differ (`subtle`:
 /// `black_box` alone promises nothing about constant time).
 pub(super) fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
@@ -106,7 +141,11 @@ impl Tokens {
         if state.seen == Some(stamp) {
             return Ok(());
         }
-        let text = std::fs::read_to_string(&self.path).map_err(|e| format!("{shown}: {e}"))?;
+        let text = portcullis_net::files::read_bounded_text(
+            &self.path,
+            portcullis_net::files::SMALL_LIMIT,
+        )
+        .map_err(|e| format!("{shown}: {e}"))?;
         let hashes = parse(&text).map_err(|e| format!("{shown}: {e}"))?;
         if state.seen.is_some() {
             tracing::info!(file = %shown, runtimes = hashes.len(), "tokens file reloaded");
@@ -203,6 +242,11 @@ fn parse(text: &str) -> Result<HashMap<String, [u8; 32]>, String> {
                     "runtime `{id}`: `{hash}` is not a token hash; make one with `portcullis hash-token`"
                 )
             })?;
+        if let Some(token) = placeholder_of(&bytes) {
+            return Err(format!(
+                "runtime `{id}`: this is the hash of `{token}`, a placeholder anyone can read in examples, so anyone could connect as `{id}` and take its traffic; {HOW_TO_MAKE_A_TOKEN}"
+            ));
+        }
         out.insert(id, bytes);
     }
     Ok(out)
@@ -282,5 +326,18 @@ mod tests {
         assert!(parse("rt: md5:00").unwrap_err().contains("hash-token"));
         assert!(parse("[1, 2]").is_err());
         assert!(parse("").unwrap().is_empty());
+        assert!(parse("{}").unwrap().is_empty());
+    }
+
+    #[test]
+    fn refuses_the_hash_of_a_placeholder_token() {
+        for token in ["change-me", "REPLACE-ME", "secret"] {
+            let err = parse(&format!("rt-a: {}", hash_token(token))).unwrap_err();
+            assert!(err.contains(&format!("hash of `{token}`")), "{err}");
+            assert!(err.contains("runtime `rt-a`"), "{err}");
+        }
+        assert!(is_placeholder(" Change-Me\n"));
+        assert!(!is_placeholder("3q2+7w8vLJHkL0sFQm1r"));
+        assert!(parse(&format!("rt-a: {}", hash_token("3q2+7w8vLJHkL0sFQm1r"))).is_ok());
     }
 }

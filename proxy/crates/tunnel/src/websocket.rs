@@ -38,10 +38,9 @@ pub async fn dial(
         Some(connector) => {
             let name = rustls_pki_types::ServerName::try_from(bare_host.to_owned())
                 .map_err(|e| format!("server name {host}: {e}"))?;
-            let stream = connector
-                .connect(name, tcp)
-                .await
-                .map_err(|e| format!("TLS with {host}: {e}"))?;
+            let stream = connector.connect(name, tcp).await.map_err(|e| {
+                portcullis_net::tls_errors::explain(format!("TLS with {host}: {e}"))
+            })?;
             handshake(request, stream, &url).await
         }
         None => handshake(request, tcp, &url).await,

@@ -150,24 +150,10 @@ pub(super) fn listener_tls(
         None => None,
         Some(ca) => {
             let path = ctx.path(ca)?;
-            match CertificateDer::pem_file_iter(&path)
-                .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-            {
-                Ok(roots) if !roots.is_empty() => {
-                    Some(portcullis_net::tls_listen::ClientAuth { roots, optional })
-                }
-                Ok(_) => {
-                    ctx.err(
-                        &ca.referenced,
-                        format!("{} holds no PEM certificate", path.display()),
-                    );
-                    return None;
-                }
+            match portcullis_net::pem::certificates(&path) {
+                Ok(roots) => Some(portcullis_net::tls_listen::ClientAuth { roots, optional }),
                 Err(e) => {
-                    ctx.err(
-                        &ca.referenced,
-                        format!("cannot read client CA file {}: {e}", path.display()),
-                    );
+                    ctx.err(&ca.referenced, format!("client_ca: {e}"));
                     return None;
                 }
             }

@@ -14,8 +14,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery};
 use http::{HeaderName, HeaderValue, Method, StatusCode, Uri, header};
-use rustls_pki_types::CertificateDer;
-use rustls_pki_types::pem::PemObject;
 use serde_saphyr::{Location, Spanned};
 
 use super::RequestIds;
@@ -98,6 +96,10 @@ struct Ctx<'e> {
     /// Policy files that did not parse: a name unknown here may be defined
     /// in one of them, which an "unknown upstream" error then says.
     unparsed: &'e [Arc<str>],
+    /// Values that came from the environment or a file (a secret, maybe),
+    /// each with the reference it came from: an error names the
+    /// reference, never the value.
+    substituted: Vec<(String, String)>,
 }
 
 /// `s`, or `true`/`false` for any spelling YAML has for those (1.1's
@@ -127,10 +129,18 @@ impl Ctx<'_> {
 
     pub(super) fn err(&mut self, loc: &Location, message: impl Into<String>) {
         let pos = self.pos(loc);
-        self.errors.push(ConfigError {
-            pos,
-            message: message.into(),
-        });
+        let message = crate::envsubst::redact(message.into(), &self.substituted);
+        self.errors.push(ConfigError { pos, message });
+    }
+
+    /// Notes that `raw` expanded to `value`, to keep `value` out of errors.
+    pub(super) fn substituted(&mut self, raw: &str, value: &str) {
+        // A value written in the file itself (a default, `:+true`) is no
+        // secret, and replacing it would garble messages that use it.
+        if raw.contains("${") && !value.is_empty() && !raw.contains(value) {
+            self.substituted
+                .push((value.to_owned(), format!("value of {raw}")));
+        }
     }
 
     /// The value with `${ENV}` references expanded.
@@ -146,7 +156,10 @@ impl Ctx<'_> {
 
     pub(super) fn text(&mut self, t: &Text) -> Option<String> {
         match expand(&t.value.0, self.env) {
-            Ok(v) => Some(v),
+            Ok(v) => {
+                self.substituted(&t.value.0, &v);
+                Some(v)
+            }
             Err(e) => {
                 self.err(&t.referenced, e);
                 None
@@ -293,6 +306,7 @@ pub(super) fn build(
         errors: Vec::new(),
         files: Vec::new(),
         unparsed,
+        substituted: Vec::new(),
     };
     let mut listeners = Vec::new();
     let mut upstreams: Vec<Arc<Upstream>> = Vec::new();

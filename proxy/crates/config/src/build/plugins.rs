@@ -74,7 +74,7 @@ pub(super) fn plugin_bytes(ctx: &mut Ctx, path: &Text) -> Option<(std::path::Pat
         return Some((text.into(), bytes.to_vec()));
     }
     let file = ctx.path(path)?;
-    match std::fs::read(&file) {
+    match portcullis_net::files::read_bounded(&file, portcullis_net::files::PLUGIN_LIMIT) {
         Ok(bytes) => Some((file, bytes)),
         Err(e) => {
             let hint = if e.kind() == std::io::ErrorKind::NotFound {
@@ -119,6 +119,7 @@ pub(super) fn plugin_use(
         );
         return None;
     };
+    let from = ctx.substituted.len();
     let config_json = match &u.config {
         Some(c) => {
             let mut value = c.value.clone();
@@ -127,6 +128,9 @@ pub(super) fn plugin_use(
         }
         None => "{}".to_owned(),
     };
+    // The plugin's own refusals may quote its config: what came from the
+    // environment or a file is kept out of them too.
+    let substituted: Arc<[(String, String)]> = ctx.substituted[from..].into();
     let fail = ctx.parse_or(&u.fail, FailMode::Closed, |s| match s {
         "closed" => Ok(FailMode::Closed),
         "open" => Ok(FailMode::Open),
@@ -161,6 +165,7 @@ pub(super) fn plugin_use(
     });
     Some(PluginUse {
         plugin,
+        substituted,
         fresh_instances,
         config_json,
         fail,
@@ -177,7 +182,10 @@ pub(super) fn resolve_config(ctx: &mut Ctx, value: &mut serde_json::Value, at: &
     use serde_json::Value;
     match value {
         Value::String(s) => match expand(s, ctx.env) {
-            Ok(v) => *s = v,
+            Ok(v) => {
+                ctx.substituted(s, &v);
+                *s = v;
+            }
             Err(e) => ctx.err(at, format!("in plugin config: {e}")),
         },
         Value::Array(items) => items.iter_mut().for_each(|v| resolve_config(ctx, v, at)),
@@ -194,11 +202,19 @@ pub(super) fn resolve_config(ctx: &mut Ctx, value: &mut serde_json::Value, at: &
                     .unwrap_or(Path::new("."))
                     .join(&file);
                 ctx.files.push(path.clone());
-                match std::fs::read_to_string(&path) {
+                match portcullis_net::files::read_bounded_text(
+                    &path,
+                    portcullis_net::files::SMALL_LIMIT,
+                ) {
                     // Secrets mounted from files usually end in a newline
                     // that is not part of the secret.
                     Ok(text) => {
-                        *value = Value::String(text.trim_end_matches(['\n', '\r']).to_owned())
+                        let secret = text.trim_end_matches(['\n', '\r']);
+                        if !secret.is_empty() {
+                            let reference = format!("contents of {}", path.display());
+                            ctx.substituted.push((secret.to_owned(), reference));
+                        }
+                        *value = Value::String(secret.to_owned())
                     }
                     Err(e) => ctx.err(
                         at,

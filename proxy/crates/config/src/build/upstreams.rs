@@ -75,17 +75,9 @@ pub(super) fn tls_settings(ctx: &mut Ctx, raw: &Option<crate::raw::RawTls>) -> T
     if let Some(t) = &raw.ca_file
         && let Some(path) = ctx.path(t)
     {
-        match CertificateDer::pem_file_iter(&path).and_then(|it| it.collect::<Result<Vec<_>, _>>())
-        {
-            Ok(certs) if !certs.is_empty() => ca_certs = certs,
-            Ok(_) => ctx.err(
-                &t.referenced,
-                format!("{} holds no PEM certificate", path.display()),
-            ),
-            Err(e) => ctx.err(
-                &t.referenced,
-                format!("cannot read CA file {}: {e}", path.display()),
-            ),
+        match portcullis_net::pem::certificates(&path) {
+            Ok(certs) => ca_certs = certs,
+            Err(e) => ctx.err(&t.referenced, format!("ca_file: {e}")),
         }
     }
     let server_name = raw.server_name.as_ref().and_then(|t| {

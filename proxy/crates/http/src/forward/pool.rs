@@ -486,7 +486,9 @@ impl ConnPool {
                 })?,
             };
             let tls = self.tls.connect(name, tcp).await.map_err(|e| {
-                ForwardError::Unreachable(format!("TLS handshake with {host}:{port}: {e}"))
+                ForwardError::Unreachable(portcullis_net::tls_errors::explain(format!(
+                    "TLS handshake with {host}:{port}: {e}"
+                )))
             })?;
             let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
             if self.http2 && !h2 {

@@ -61,15 +61,27 @@ impl std::fmt::Debug for Token {
 }
 
 impl Token {
-    fn read(&self) -> Result<String, String> {
+    /// The token, trimmed; an error for an empty or placeholder one.
+    pub fn read(&self) -> Result<String, String> {
         let token = match self {
             Token::Value(v) => v.clone(),
-            Token::File(p) => std::fs::read_to_string(p)
-                .map_err(|e| format!("reading the token file {}: {e}", p.display()))?,
+            Token::File(p) => {
+                portcullis_net::files::read_bounded_text(p, portcullis_net::files::SMALL_LIMIT)
+                    .map_err(|e| format!("reading the token file {}: {e}", p.display()))?
+            }
         };
         let token = token.trim().to_owned();
         if token.is_empty() {
             return Err("the token is empty".into());
+        }
+        if crate::tokens::is_placeholder(&token) {
+            let source = match self {
+                Token::Value(_) => "PORTCULLIS_TOKEN".to_owned(),
+                Token::File(p) => format!("the token file {}", p.display()),
+            };
+            return Err(format!(
+                "{source} holds `{token}`, a placeholder from an example, not this runtime's token: make a random one with `head -c 32 /dev/urandom | base64`, and give the tunnel server its hash (`portcullis hash-token`)"
+            ));
         }
         Ok(token)
     }
@@ -194,7 +206,6 @@ pub struct Dialer {
 impl Dialer {
     /// Prepares TLS for `wss://` servers.
     pub fn new(options: ClientOptions) -> anyhow::Result<Dialer> {
-        use anyhow::Context;
         anyhow::ensure!(!options.servers.is_empty(), "give --server");
         for server in &options.servers {
             anyhow::ensure!(
@@ -220,11 +231,8 @@ impl Dialer {
         {
             let mut settings = portcullis_config::TlsSettings::default();
             if let Some(ca) = &options.ca {
-                use rustls_pki_types::CertificateDer;
-                use rustls_pki_types::pem::PemObject;
-                settings.ca_certs = CertificateDer::pem_file_iter(ca)
-                    .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-                    .with_context(|| format!("reading --ca {}", ca.display()))?;
+                settings.ca_certs = portcullis_net::pem::certificates(ca)
+                    .map_err(|e| anyhow::anyhow!("--ca: {e}"))?;
             }
             Some(portcullis_http::forward::client_tls_config(&settings))
         } else {

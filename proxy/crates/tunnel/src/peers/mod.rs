@@ -98,13 +98,8 @@ pub(super) struct PeerTls {
 
 impl PeerTls {
     fn load(files: &PeerTlsFiles) -> Result<PeerTls, String> {
-        use rustls_pki_types::pem::PemObject;
-        let roots = rustls_pki_types::CertificateDer::pem_file_iter(&files.ca)
-            .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-            .map_err(|e| format!("reading peer CA {}: {e}", files.ca.display()))?;
-        if roots.is_empty() {
-            return Err(format!("{} holds no certificate", files.ca.display()));
-        }
+        let roots =
+            portcullis_net::pem::certificates(&files.ca).map_err(|e| format!("--peer-ca: {e}"))?;
         let auth = portcullis_net::tls_listen::ClientAuth {
             roots: roots.clone(),
             optional: false,

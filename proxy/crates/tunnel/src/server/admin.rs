@@ -5,10 +5,25 @@ use super::*;
 pub(super) fn admin(req: Request<Incoming>, shared: &Shared) -> portcullis_obs::admin_http::Answer {
     let path = req.uri().path();
     // Both endpoints only read; HEAD is GET without the body.
-    if matches!(path, "/" | "/status" | "/metrics")
+    if matches!(path, "/" | "/status" | "/metrics" | "/readyz" | "/healthz")
         && !matches!(*req.method(), http::Method::GET | http::Method::HEAD)
     {
         return portcullis_obs::admin_http::method_not_allowed(path, "GET, HEAD");
+    }
+    if path == "/healthz" {
+        return portcullis_obs::admin_http::json(
+            StatusCode::OK,
+            serde_json::json!({ "alive": true }),
+        );
+    }
+    if path == "/readyz" {
+        let ready = !shared.draining.load(std::sync::atomic::Ordering::Relaxed);
+        let status = if ready {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        };
+        return portcullis_obs::admin_http::json(status, serde_json::json!({ "ready": ready }));
     }
     let runtimes = shared.registry.snapshot();
     match path {
@@ -139,7 +154,7 @@ pub(super) fn admin(req: Request<Incoming>, shared: &Shared) -> portcullis_obs::
         }
         _ => portcullis_obs::admin_http::json(
             StatusCode::NOT_FOUND,
-            serde_json::json!({"error": "not found", "endpoints": ["GET /status", "GET /metrics"]}),
+            serde_json::json!({"error": "not found", "endpoints": ["GET / (status page)", "GET /status", "GET /metrics", "GET /readyz", "GET /healthz"]}),
         ),
     }
 }

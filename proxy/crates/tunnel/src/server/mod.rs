@@ -103,6 +103,10 @@ struct Shared {
     tracing: Option<(Arc<Tracing>, Arc<UpstreamPool>)>,
     /// [`ServerOptions::public_connection_limits`].
     public_connection_limits: (u32, Duration),
+    /// Set at SIGTERM: `/readyz` answers 503 from then on.
+    draining: std::sync::atomic::AtomicBool,
+    /// [`ServerOptions::shutdown_delay`].
+    shutdown_delay: Duration,
 }
 
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
@@ -244,6 +248,8 @@ impl TunnelServer {
                 rate_limit,
                 tracing: options.tracing.as_ref().map(tracing_from).transpose()?,
                 public_connection_limits: options.public_connection_limits,
+                draining: std::sync::atomic::AtomicBool::new(false),
+                shutdown_delay: options.shutdown_delay,
             }),
         })
     }
@@ -265,10 +271,15 @@ impl TunnelServer {
 
     /// Serves the admin endpoint on `addr`: `/status` lists the connected
     /// runtimes, `/metrics` has them as gauges.
-    pub async fn serve_admin(&self, addr: SocketAddr) -> std::io::Result<SocketAddr> {
+    pub async fn serve_admin(
+        &self,
+        addr: SocketAddr,
+        access: portcullis_obs::admin_access::AdminAccess,
+    ) -> std::io::Result<SocketAddr> {
         let shared = self.shared.clone();
         portcullis_obs::admin_http::serve_with(
             addr,
+            access,
             Arc::new(move |req| {
                 let shared = shared.clone();
                 Box::pin(async move { admin(req, &shared) })
@@ -373,9 +384,22 @@ impl TunnelServer {
             tracing::info!(addr = %tunnel_addr, "tunnel QUIC listening");
         }
         let accepting = accept_tunnels(self.tunnel, quic.clone(), to_workers, stop.clone());
-        tokio::select! {
-            _ = shutdown => {}
-            _ = accepting => {}
+        tokio::pin!(accepting);
+        let accept_ended = tokio::select! {
+            _ = shutdown => false,
+            _ = &mut accepting => true,
+        };
+        // Not ready from now on; still serving for the delay, so the
+        // balancers see /readyz fail and stop sending before we stop.
+        self.shared
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        if !accept_ended && !self.shared.shutdown_delay.is_zero() {
+            tracing::info!(delay = ?self.shared.shutdown_delay, "draining: /readyz answers 503; serving until the delay ends");
+            tokio::select! {
+                _ = tokio::time::sleep(self.shared.shutdown_delay) => {}
+                _ = &mut accepting => {}
+            }
         }
         tracing::info!("shutting down");
         // The public side first: its requests in flight finish through

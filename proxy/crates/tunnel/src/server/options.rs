@@ -41,6 +41,11 @@ pub struct ServerOptions {
     pub quic_congestion: crate::quic::Congestion,
     /// Admin listener; `None` turns it off.
     pub admin: Option<SocketAddr>,
+    /// Who may use the admin listener.
+    pub admin_access: portcullis_obs::admin_access::AdminAccess,
+    /// How long after SIGTERM the server keeps serving with `/readyz`
+    /// answering 503, so balancers stop sending first.
+    pub shutdown_delay: Duration,
     /// Worker threads, each with its own event loop.
     pub workers: usize,
     /// Public connections served at once (all workers together); more
