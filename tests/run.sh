@@ -69,7 +69,7 @@ fi
 if ! { command -v unshare && command -v mount; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq util-linux mount >/dev/null
 fi
-# Every fuzz target for 30 s from its committed corpus (nightly and
+# Every fuzz target for 30 s (10 s in CI) from its committed corpus (nightly and
 # cargo-fuzz installed when missing; instrumented build in a target
 # directory of its own).
 echo "== fuzz"
