@@ -50,7 +50,8 @@ fn the_readmes_first_policy_checks_and_every_docs_page_is_linked() {
     );
     let from = readme.find("## A first policy").expect("the section");
     let block = &readme[from..];
-    let block = &block[block.find("```yaml\n").expect("a yaml block") + 8..];
+    let start = "```yaml policy\n";
+    let block = &block[block.find(start).expect("a yaml block") + start.len()..];
     let block = &block[..block.find("```").expect("its end")];
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("app.yaml"), block).unwrap();
@@ -78,7 +79,6 @@ fn the_readmes_first_policy_checks_and_every_docs_page_is_linked() {
 /// a file of the repository lands on one that exists.
 #[test]
 fn every_link_in_the_docs_lands() {
-    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     // GitHub's anchor of a heading: lower case, spaces to dashes, other
     // punctuation dropped.
     let anchors = |page: &std::path::Path| -> Vec<String> {
@@ -97,13 +97,7 @@ fn every_link_in_the_docs_lands() {
             })
             .collect()
     };
-    let mut pages = vec![repo.join("README.md"), repo.join("deploy/README.md")];
-    for entry in std::fs::read_dir(repo.join("docs")).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_some_and(|e| e == "md") {
-            pages.push(path);
-        }
-    }
+    let pages = pages();
     let mut links = 0;
     for page in &pages {
         let text = std::fs::read_to_string(page).unwrap();
@@ -159,4 +153,137 @@ fn the_commands_reference_is_what_the_binary_prints() {
     let printed = String::from_utf8(out.stdout).unwrap();
     assert!(printed.contains("`--admin-token-file FILE`"), "{printed}");
     assert_eq!(&page[from..to], printed, "docs/commands.md is out of date");
+}
+
+/// docs/metrics.md has a row for every metric family the code defines
+/// (a `"portcullis_…"` name in the proxy's sources), and no row for one
+/// it does not.
+#[test]
+fn the_metrics_reference_lists_every_family_the_code_defines() {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut in_code = std::collections::BTreeSet::new();
+    let mut dirs = vec![repo.join("proxy/src"), repo.join("proxy/crates")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                for quote in ["\"portcullis_", "HELP portcullis_"] {
+                    for (at, _) in text.match_indices(quote) {
+                        let name: String = text[at + quote.len() - "portcullis_".len()..]
+                            .chars()
+                            .take_while(|c| {
+                                c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_'
+                            })
+                            .collect();
+                        let family = ["_bucket", "_count", "_sum"]
+                            .iter()
+                            .find_map(|s| name.strip_suffix(s))
+                            .unwrap_or(&name)
+                            .to_owned();
+                        in_code.insert(family);
+                    }
+                }
+            }
+        }
+    }
+    assert!(in_code.len() > 30, "{in_code:?}");
+    let page = std::fs::read_to_string(repo.join("docs/metrics.md")).unwrap();
+    let in_doc: std::collections::BTreeSet<String> = page
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `portcullis_"))
+        .map(|l| format!("portcullis_{}", &l[..l.find('`').unwrap()]))
+        .collect();
+    let undocumented: Vec<_> = in_code.difference(&in_doc).collect();
+    let gone: Vec<_> = in_doc.difference(&in_code).collect();
+    assert!(
+        undocumented.is_empty(),
+        "not in docs/metrics.md: {undocumented:?}"
+    );
+    assert!(
+        gone.is_empty(),
+        "in docs/metrics.md, not in the code: {gone:?}"
+    );
+}
+
+/// The Markdown pages a user reads: the README, deploy/README.md and
+/// every page in docs/.
+fn pages() -> Vec<std::path::PathBuf> {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut pages = vec![repo.join("README.md"), repo.join("deploy/README.md")];
+    for entry in std::fs::read_dir(repo.join("docs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "md") {
+            pages.push(path);
+        }
+    }
+    pages.sort();
+    pages
+}
+
+/// Every YAML block marked as a policy (```` ```yaml policy ````) in the
+/// README and docs/ is one `portcullis check` takes as it is.
+#[test]
+fn every_policy_block_in_the_docs_passes_check() {
+    let mut checked = 0;
+    for page in pages() {
+        let text = std::fs::read_to_string(&page).unwrap();
+        let start = "```yaml policy\n";
+        for (at, _) in text.match_indices(start) {
+            let block = &text[at + start.len()..];
+            let block = &block[..block.find("```").expect("the block's end")];
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("policy.yaml"), block).unwrap();
+            let (ok, _, stderr) = check(dir.path());
+            let line = text[..at].lines().count() + 1;
+            assert!(
+                ok,
+                "{}:{line}: the policy block fails check:\n{stderr}",
+                page.display()
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 7, "{checked} policy blocks");
+}
+
+/// The fields of each standard plugin's table in docs/plugins.md are the
+/// fields of that plugin's `Config` (its serde struct, read from its
+/// source): a field added, renamed or removed fails here.
+#[test]
+fn the_standard_plugins_tables_list_their_config_fields() {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let page = std::fs::read_to_string(repo.join("docs/plugins.md")).unwrap();
+    let mut plugins = 0;
+    for section in page.split("\n### `builtin:").skip(1) {
+        let name = &section[..section.find('`').unwrap()];
+        let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+        let documented: std::collections::BTreeSet<&str> = section
+            .lines()
+            .filter(|l| l.starts_with("| `") && !l.starts_with("| `field"))
+            .map(|l| l[3..].split('`').next().unwrap())
+            .collect();
+        let source = std::fs::read_to_string(repo.join(format!("plugins/{name}/src/lib.rs")))
+            .unwrap_or_else(|_| panic!("no plugins/{name}"));
+        let body = &source[source.find("pub struct Config {").expect("a Config")..];
+        let body = &body[..body.find("\n}").unwrap()];
+        let fields: std::collections::BTreeSet<&str> = body
+            .lines()
+            .skip(1)
+            .map(str::trim)
+            .filter(|l| !l.starts_with("//") && !l.starts_with("#[") && l.contains(':'))
+            .map(|l| {
+                l.split(':')
+                    .next()
+                    .unwrap()
+                    .trim_start_matches("pub ")
+                    .trim()
+            })
+            .collect();
+        assert_eq!(documented, fields, "docs/plugins.md's table for {name}");
+        plugins += 1;
+    }
+    assert_eq!(plugins, 7, "a table per standard plugin");
 }

@@ -7,6 +7,7 @@
 
 mod build;
 pub mod builtin_plugins;
+mod diagnose;
 pub mod envsubst;
 mod features;
 mod listener;

@@ -4,8 +4,6 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use serde_saphyr::{DefaultMessageFormatter, MessageFormatter};
-
 use super::raw::PolicyFile;
 use super::{Config, ConfigError, ConfigErrors, Pos, build};
 
@@ -135,14 +133,12 @@ pub fn load_partial(
         let file: Arc<str> = source.name.as_str().into();
         match parse(&source.text) {
             Ok(policy) => files.push((file, policy)),
-            Err(e) => {
-                let (line, column) = e.location().map_or((0, 0), |l| (l.line(), l.column()));
-                let message = DefaultMessageFormatter.format_message(&e).into_owned();
-                errors.push(ConfigError {
-                    pos: Pos { file, line, column },
-                    message,
-                });
-            }
+            // Every structural mistake in the file, not only the first.
+            Err(_) => errors.extend(crate::diagnose::structural_errors(
+                &file,
+                &source.text,
+                |text| parse(text).map(|_| ()),
+            )),
         }
     }
     let unparsed: Vec<Arc<str>> = errors.iter().map(|e| e.pos.file.clone()).collect();
