@@ -279,3 +279,36 @@ routes: [{{ name: held, match: {{ path: /slow }}, upstream: held }}]
         .metrics_showing(&[r#"portcullis_requests_total{route="held",code="499"} 2"#.into()])
         .await;
 }
+
+/// `/metrics` carries the process's own families under the names every
+/// Prometheus exporter uses, with this process's values: its resident
+/// memory, open descriptors and start time.
+#[tokio::test]
+async fn the_process_families_describe_the_running_proxy() {
+    let proxy = ProxyProcess::start(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+routes: [{ name: ok, match: { path: /ok }, respond: { status: 200 } }]
+"#,
+        &[],
+    )
+    .await;
+    let text = client::get(&proxy.admin_url("/metrics")).await;
+    let text = String::from_utf8_lossy(&text.body).into_owned();
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} "))?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name}:\n{text}"))
+    };
+    let rss_kib = value("process_resident_memory_bytes") / 1024.0;
+    let measured = proxy.rss_kib() as f64;
+    // The same figure the kernel gives for the process, within what a
+    // scrape allocates in between.
+    assert!(
+        (rss_kib - measured).abs() < measured * 0.5,
+        "{rss_kib} KiB vs {measured} KiB"
+    );
+    assert!(value("process_open_fds") >= 4.0, "listeners, admin, stdio");
+    assert!(value("process_max_fds") >= value("process_open_fds"));
+    assert!(text.contains("# TYPE process_cpu_seconds_total counter"));
+}

@@ -359,7 +359,15 @@ mod tests {
     fn a_syntax_error_ends_the_search_and_odd_input_does_not_panic() {
         let found = errors("routes: [ { name: a\nlisteners: - x\n");
         assert_eq!(found.len(), 1, "{found:?}");
-        for odd in ["", "-", "- - -", ":", "routes:\n  -", "\u{3000}routes: x", "a: b\n\t- c"] {
+        for odd in [
+            "",
+            "-",
+            "- - -",
+            ":",
+            "routes:\n  -",
+            "\u{3000}routes: x",
+            "a: b\n\t- c",
+        ] {
             let _ = errors(odd);
         }
     }
@@ -368,6 +376,9 @@ mod tests {
     fn a_misspelt_field_is_named_with_the_one_meant_and_not_reported_missing() {
         let found = errors("listeners:\n  - name: a\n    bnd: x\n");
         assert_eq!(found.len(), 1, "{found:?}");
-        assert!(found[0].starts_with("3:5: unknown field `bnd` (did you mean `bind`?)"), "{found:?}");
+        assert!(
+            found[0].starts_with("3:5: unknown field `bnd` (did you mean `bind`?)"),
+            "{found:?}"
+        );
     }
 }

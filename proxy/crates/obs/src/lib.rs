@@ -11,6 +11,7 @@ pub mod admin_access;
 pub mod admin_http;
 pub mod metrics;
 pub mod otlp;
+pub mod process_metrics;
 pub mod request_id;
 pub mod status_page;
 pub mod telemetry;

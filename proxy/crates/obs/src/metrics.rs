@@ -345,6 +345,8 @@ pub fn render(out: &mut String) {
             );
         }
     }
+    // What every exporter serves about its own process.
+    crate::process_metrics::render(out);
 }
 
 fn render_family(out: &mut String, family: Family, totals: &[(String, Totals)]) {
