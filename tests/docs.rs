@@ -287,3 +287,69 @@ fn the_standard_plugins_tables_list_their_config_fields() {
     }
     assert_eq!(plugins, 7, "a table per standard plugin");
 }
+
+/// Every field the policy format takes, as the parser itself lists them
+/// (an unknown field's error names the fields of its place), is in
+/// docs/policy.md or, for a plugin's use, docs/plugins.md: a field added
+/// to the format without a word in the reference fails here.
+#[test]
+fn every_policy_field_is_in_the_reference() {
+    let probe = r#"zz_probe: 1
+listeners:
+  - name: http
+    bind: "127.0.0.1:0"
+    zz_probe: 1
+    tls: { cert: a, key: b, zz_probe: 1 }
+upstreams:
+  - name: u
+    endpoints: ["http://127.0.0.1:1"]
+    zz_probe: 1
+    timeouts: { zz_probe: 1 }
+    tls: { zz_probe: 1 }
+    health_check: { path: /, zz_probe: 1 }
+    retry_budget: { zz_probe: 1 }
+plugins:
+  - { name: p, path: "builtin:header-rules", zz_probe: 1 }
+routes:
+  - name: r
+    zz_probe: 1
+    match: { path: /, zz_probe: 1 }
+    respond: { status: 200, zz_probe: 1 }
+    redirect: { to: /x, zz_probe: 1 }
+    rate_limit: { rate: 1/s, zz_probe: 1 }
+    auth_request: { upstream: u, path: /, zz_probe: 1, cache: { ttl: 1s, zz_probe: 1 } }
+    mirror: { upstream: u, zz_probe: 1 }
+    compress: { zz_probe: 1 }
+    error_cors: { allow_origins: ["*"], zz_probe: 1 }
+    request_headers: { add: {}, zz_probe: 1 }
+    plugins: [{ use: p, zz_probe: 1 }]
+tracing: { upstream: u, zz_probe: 1 }
+"#;
+    let dir = crate::support::policy_dir(probe, &[]);
+    let (ok, _, stderr) = check(dir.path());
+    assert!(!ok);
+    let lists: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("unknown field `zz_probe`"))
+        .filter_map(|l| l.split("the fields here are ").nth(1))
+        .collect();
+    assert_eq!(lists.len(), 21, "a probe in every section:\n{stderr}");
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let docs = std::fs::read_to_string(repo.join("docs/policy.md")).unwrap()
+        + &std::fs::read_to_string(repo.join("docs/plugins.md")).unwrap();
+    let mut missing = std::collections::BTreeSet::new();
+    for field in lists.iter().flat_map(|l| l.split(", ")) {
+        let field = field.trim().trim_matches('`');
+        let named = docs.contains(&format!("`{field}`"))
+            || docs.contains(&format!(" {field}:"))
+            || docs.contains(&format!("\n{field}:"))
+            || docs.contains(&format!("{{{field}:"));
+        if !named {
+            missing.insert(field.to_owned());
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "not in docs/policy.md or docs/plugins.md: {missing:?}"
+    );
+}
