@@ -27,6 +27,8 @@ fi
 export CARGO_TARGET_DIR="${CARGO_FUZZ_TARGET_DIR:-${CARGO_TARGET_DIR:-/tmp/portcullis-target}-fuzz}"
 
 rustup toolchain list | grep -q "^$NIGHTLY" || rustup toolchain install --profile minimal "$NIGHTLY"
+rustup component list --toolchain "$NIGHTLY" --installed 2>/dev/null | grep -q '^clippy' \
+  || rustup component add --toolchain "$NIGHTLY" clippy
 # No target reads a plugin: the build leaves the built-in ones out (this
 # nightly has no wasm32-wasip2 to build them with).
 export PORTCULLIS_NO_BUILTIN_PLUGINS=1
@@ -42,6 +44,11 @@ fi
 # nothing the bounds checks do not, at twice the build and run time.
 # Debug assertions on: an overflowing length is a finding.
 flags=(--sanitizer none --debug-assertions)
+# The targets are linted as they are built: clippy-driver compiles the
+# fuzz crate (lints as errors), rustc the rest (the proxy's crates are
+# linted by the main build). No separate check of every dependency.
+export RUSTC_WORKSPACE_WRAPPER="$(rustc +"$NIGHTLY" --print sysroot)/bin/clippy-driver"
+export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 cargo +"$NIGHTLY" fuzz build "${flags[@]}"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
