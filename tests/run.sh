@@ -38,8 +38,17 @@ if command -v rustup >/dev/null 2>&1; then
   done
 fi
 
-echo "== plugins (wasm32-wasip2 components, used by the tests)"
-plugins/build.sh
+# Every workspace is linted by the build that also serves the tests:
+# clippy-driver compiles the workspaces' own crates (every target, lints
+# as errors), rustc their dependencies, which are so built once instead
+# of also checked for a separate `cargo clippy` (10 of a new machine's 40
+# minutes). The same lints as `cargo clippy --all-targets -- -D
+# warnings`, which stays clean.
+CLIPPY_DRIVER="$(rustc --print sysroot)/bin/clippy-driver"
+export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
+
+echo "== plugins (wasm32-wasip2 components, used by the tests), linted"
+RUSTC_WORKSPACE_WRAPPER="$CLIPPY_DRIVER" plugins/build.sh
 # The Python and JavaScript examples (componentize-py from PyPI, with
 # python3-venv if missing; componentize-js from npm, with nodejs and npm
 # if missing).
@@ -51,16 +60,7 @@ cargo fmt --all --manifest-path plugins/Cargo.toml -- --check
 cargo fmt --all --manifest-path proxy/fuzz/Cargo.toml -- --check
 # proxy/fuzz's lock follows the main one (see its Cargo.toml).
 cargo metadata --locked --format-version 1 --manifest-path proxy/fuzz/Cargo.toml >/dev/null
-echo "== lint: plugins (wasm32-wasip2)"
-cargo clippy --locked --manifest-path plugins/Cargo.toml --target wasm32-wasip2 -- -D warnings
-# The workspace is linted by the build the tests run: clippy-driver
-# compiles its own crates (every target, lints as errors), rustc the
-# dependencies, which are so built once instead of also checked for a
-# separate `cargo clippy` (10 of a new machine's 40 minutes). The same
-# as `cargo clippy --all-targets -- -D warnings`, which stays clean.
 echo "== build, linted"
-CLIPPY_DRIVER="$(rustc --print sysroot)/bin/clippy-driver"
-export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 RUSTC_WORKSPACE_WRAPPER="$CLIPPY_DRIVER" cargo test --locked --workspace --all-targets --no-run
 # The fuzz targets' libFuzzer is C++: a C++ compiler, installed if
 # missing (as root, with apt-get). tests/fuzz.sh lints them as it builds
