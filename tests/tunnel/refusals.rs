@@ -173,18 +173,7 @@ pub(super) fn no_credential_from_deploy_or_an_example_lets_anyone_in() {
     let dir = tempfile::tempdir().unwrap();
     let tokens = dir.path().join("tokens.yaml");
     std::fs::write(&tokens, format!("rt-a: {}\n", hash("change-me"))).unwrap();
-    let out = std::process::Command::new(crate::support::binary())
-        .args([
-            "tunnel-server",
-            "--public",
-            "127.0.0.1:0",
-            "--tunnel-listen",
-            "127.0.0.1:0",
-        ])
-        .args(["--domain", DOMAIN, "--admin", "off", "--tokens"])
-        .arg(&tokens)
-        .output()
-        .expect("run portcullis");
+    let out = server_command(&dir).output().expect("run portcullis");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("tokens.yaml"), "{stderr}");

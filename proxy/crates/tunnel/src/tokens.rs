@@ -53,10 +53,18 @@ pub fn is_placeholder(token: &str) -> bool {
 
 /// The placeholder whose hash `hash` is, if any.
 fn placeholder_of(hash: &[u8; 32]) -> Option<&'static str> {
-    PLACEHOLDERS.iter().copied().find(|p| {
-        let candidate: [u8; 32] = Sha256::digest(p.as_bytes()).into();
-        candidate == *hash
-    })
+    // Hashed once, not for every entry of every tokens file read.
+    static HASHES: std::sync::OnceLock<Vec<[u8; 32]>> = std::sync::OnceLock::new();
+    let hashes = HASHES.get_or_init(|| {
+        PLACEHOLDERS
+            .iter()
+            .map(|p| Sha256::digest(p.as_bytes()).into())
+            .collect()
+    });
+    hashes
+        .iter()
+        .position(|h| h == hash)
+        .map(|i| PLACEHOLDERS[i])
 }
 
 /// How to make a token and its line in the tokens file, for errors.

@@ -48,6 +48,7 @@ mod options;
 mod public;
 mod public_h3;
 mod registry;
+mod worker;
 
 use admin::*;
 use endpoint::*;
@@ -58,6 +59,7 @@ pub(crate) use public::Public;
 use public::*;
 use registry::*;
 pub use registry::{Registry, RuntimeStatus, Tunnel, TunnelStatus};
+use worker::*;
 
 /// A bound tunnel server, ready to run.
 pub struct TunnelServer {
@@ -428,188 +430,4 @@ impl TunnelServer {
         .await;
         Ok(())
     }
-}
-
-/// A worker's public side: its socket and TLS, the balance over the
-/// workers' sockets with its inbox of connections handed over, the
-/// HTTP/3 connections handed to it, and its peer listener socket.
-struct PublicSide {
-    listener: std::net::TcpListener,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    balance: Arc<Balance>,
-    inbox: UnboundedReceiver<Handoff>,
-    h3: Option<UnboundedReceiver<public_h3::Handed>>,
-    peer: Option<std::net::TcpListener>,
-}
-
-/// What only the first worker gets.
-struct FirstWorker {
-    /// The public HTTP/3 endpoint (`--http3`), with where to hand each
-    /// connection it accepts: every worker, in turn.
-    h3: Option<(
-        std::net::UdpSocket,
-        quinn::ServerConfig,
-        Vec<tokio::sync::mpsc::UnboundedSender<public_h3::Handed>>,
-    )>,
-    /// Where the worker sends its runtime, which the tunnel QUIC endpoint
-    /// is registered with.
-    runtime: tokio::sync::oneshot::Sender<tokio::runtime::Handle>,
-    /// Cancelled once the other workers are done: until then, this
-    /// worker keeps driving the endpoint's socket.
-    release: CancellationToken,
-}
-
-/// What stops a tunnel server, in order.
-#[derive(Clone, Default)]
-struct Stops {
-    /// The public side: no new connections, those open finish.
-    public: CancellationToken,
-    /// The tunnels, once the public side is done with them.
-    tunnels: CancellationToken,
-}
-
-/// One worker thread: its public socket (with the balance over the
-/// workers' sockets and its inbox, and the HTTP/3 connections handed to
-/// it), and the tunnels handed to it. Says `drained` once its public side
-/// is done after a stop.
-fn worker(
-    index: usize,
-    PublicSide {
-        listener: public,
-        tls: public_tls,
-        balance,
-        inbox,
-        h3: h3_inbox,
-        peer,
-    }: PublicSide,
-    first: Option<FirstWorker>,
-    mut tunnels: UnboundedReceiver<Arrival>,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    shared: Arc<Shared>,
-    (stops, drained): (Stops, tokio::sync::oneshot::Sender<()>),
-) {
-    let stop = stops.public;
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(worker = index, error = %e, "cannot start worker runtime");
-            return;
-        }
-    };
-    let (h3, release) = match first {
-        Some(first) => {
-            let _ = first.runtime.send(runtime.handle().clone());
-            (first.h3, Some(first.release))
-        }
-        None => (None, None),
-    };
-    runtime.block_on(async move {
-        tokio::spawn(portcullis_http::server::timer_anchor());
-        let tracker = TaskTracker::new();
-        let tunnel_tasks = TaskTracker::new();
-        let serving = Public::new(index, shared.clone());
-        if let Some((socket, config, workers)) = h3 {
-            tracker.spawn(public_h3::accept(
-                socket,
-                config,
-                serving.slots(),
-                workers,
-                stop.clone(),
-            ));
-        }
-        if let Some(h3_inbox) = h3_inbox {
-            tracker.spawn(public_h3::serve(
-                h3_inbox,
-                serving.clone(),
-                tracker.clone(),
-                stop.clone(),
-            ));
-        }
-        // Requests peers forward: served here as this worker's public
-        // ones are, through its tunnels when it drives any of the
-        // runtime's; drained with the public side.
-        if let Some(listener) = peer {
-            match TcpListener::from_std(listener) {
-                Ok(listener) => {
-                    let tls = shared.peers.as_ref().and_then(|p| p.tls.as_ref());
-                    let tls = tls.map(|t| t.acceptor.clone());
-                    let shared = shared.clone();
-                    let answer = move |req, from| answer_peer(req, from, shared.clone(), index);
-                    tracker.spawn(super::peers::listen(
-                        listener,
-                        tls,
-                        answer,
-                        tracker.clone(),
-                        stop.clone(),
-                    ));
-                }
-                Err(e) => {
-                    tracing::error!(worker = index, error = %e, "cannot register the peer listener")
-                }
-            }
-        }
-        match TcpListener::from_std(public) {
-            Ok(public) => {
-                tracker.spawn(accept_public(
-                    (public, public_tls, balance, inbox),
-                    serving,
-                    tracker.clone(),
-                    stop.clone(),
-                ));
-            }
-            Err(e) => {
-                tracing::error!(worker = index, error = %e, "cannot register the public listener")
-            }
-        }
-        loop {
-            let arrival = tokio::select! {
-                t = tunnels.recv() => match t { Some(t) => t, None => break },
-                _ = stop.cancelled() => break,
-            };
-            let (stream, peer) = match arrival {
-                Arrival::Tcp(stream, peer) => (stream, peer),
-                Arrival::Quic(incoming) => {
-                    // Accepted here, so the connection is driven by this
-                    // worker's thread.
-                    tunnel_tasks.spawn(serve_quic_tunnel(
-                        *incoming,
-                        index,
-                        shared.clone(),
-                        stops.tunnels.clone(),
-                    ));
-                    continue;
-                }
-            };
-            match TcpStream::from_std(stream) {
-                Ok(stream) => {
-                    tunnel_tasks.spawn(serve_tunnel(
-                        stream,
-                        peer,
-                        index,
-                        tls.clone(),
-                        shared.clone(),
-                        stops.tunnels.clone(),
-                    ));
-                }
-                Err(e) => {
-                    tracing::warn!(peer = %peer, error = %e, "cannot register a tunnel connection")
-                }
-            }
-        }
-        tracker.close();
-        tracker.wait().await;
-        if shared.tracing.is_some() {
-            // The spans of this worker's last public requests.
-            portcullis_obs::otlp::flush_and_wait().await;
-        }
-        let _ = drained.send(());
-        tunnel_tasks.close();
-        tunnel_tasks.wait().await;
-        if let Some(release) = release {
-            release.cancelled().await;
-        }
-    });
 }
