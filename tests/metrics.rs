@@ -103,6 +103,129 @@ async fn a_reload_keeps_counting_into_the_same_counters() {
         .await;
 }
 
+#[tokio::test]
+async fn body_bytes_count_by_route_and_forwarding_by_upstream() {
+    // Echoes the request body; `/app/slow` answers after the route's
+    // timeout.
+    let up = upstream::serve(|req| async move {
+        if req.uri().path() == "/app/slow" {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
+        let status = if req.uri().path() == "/app/missing" {
+            404
+        } else {
+            200
+        };
+        let body = http_body_util::BodyExt::collect(req.into_body())
+            .await
+            .unwrap();
+        let mut resp = Response::new(full(body.to_bytes()));
+        *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap();
+        resp
+    })
+    .await;
+    // Lets in requests that carry a cookie.
+    let auth = upstream::serve(|req| async move {
+        let mut resp = Response::new(full(""));
+        if !req.headers().contains_key("cookie") {
+            *resp.status_mut() = hyper::StatusCode::UNAUTHORIZED;
+        }
+        resp
+    })
+    .await;
+    let policy = format!(
+        r#"
+listeners: [{{ name: main, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: app, endpoints: ["{app}"] }}
+  - {{ name: down, endpoints: ["http://127.0.0.1:{down}"] }}
+  - {{ name: auth, endpoints: ["{auth}"] }}
+routes:
+  - {{ name: slow, match: {{ path: /app/slow }}, upstream: app, timeout: 200ms }}
+  - {{ name: app, match: {{ path_prefix: /app }}, upstream: app }}
+  - {{ name: down, match: {{ path: /down }}, upstream: down }}
+  - name: guarded
+    match: {{ path: /guarded }}
+    upstream: app
+    auth_request: {{ upstream: auth, path: /check }}
+  - name: unguardable
+    match: {{ path: /unguardable }}
+    upstream: app
+    auth_request: {{ upstream: down, path: /check }}
+"#,
+        app = up.url(),
+        auth = auth.url(),
+        down = closed_port()
+    );
+    let proxy = ProxyProcess::start(&policy, &[]).await;
+    let http = client::http1();
+    // A small body (read whole before it goes), and a streamed one of
+    // unknown length, larger than the proxy reads ahead.
+    let small = hyper::Request::post(proxy.url("/app/echo"))
+        .body(client::body(vec![b'a'; 1000]))
+        .unwrap();
+    let answer = client::send(&http, small).await;
+    assert_eq!((answer.status.as_u16(), answer.body.len()), (200, 1000));
+    let (tx, sent) = client::streamed_post(proxy.url("/app/echo"));
+    for _ in 0..10 {
+        tx.send(bytes::Bytes::from(vec![b'b'; 10_000]))
+            .await
+            .unwrap();
+    }
+    drop(tx);
+    let answer = sent.await.unwrap();
+    assert_eq!((answer.status.as_u16(), answer.body.len()), (200, 100_000));
+    assert_eq!(client::get(&proxy.url("/app/missing")).await.status, 404);
+    assert_eq!(client::get(&proxy.url("/app/slow")).await.status, 504);
+    for _ in 0..2 {
+        assert_eq!(client::get(&proxy.url("/down")).await.status, 502);
+    }
+    // Auth subrequests count under the auth service's upstream.
+    assert_eq!(client::get(&proxy.url("/guarded")).await.status, 401);
+    let signed_in = hyper::Request::get(proxy.url("/guarded"))
+        .header("cookie", "session=1")
+        .body(client::body(""))
+        .unwrap();
+    assert_eq!(client::send(&http, signed_in).await.status, 200);
+    assert_eq!(client::get(&proxy.url("/unguardable")).await.status, 503);
+    let text = proxy
+        .metrics_showing(&[
+            r#"portcullis_request_bytes_total{route="app"} 101000"#.into(),
+            r#"portcullis_upstream_responses_total{upstream="app",code="200"} 3"#.into(),
+            r#"portcullis_upstream_responses_total{upstream="auth",code="200"} 1"#.into(),
+            r#"portcullis_upstream_responses_total{upstream="auth",code="401"} 1"#.into(),
+            r#"portcullis_upstream_responses_total{upstream="app",code="404"} 1"#.into(),
+            r#"portcullis_upstream_errors_total{upstream="app",reason="timeout"} 1"#.into(),
+            r#"portcullis_upstream_errors_total{upstream="down",reason="connect"} 3"#.into(),
+            r#"portcullis_upstream_header_duration_seconds_count{upstream="app"} 4"#.into(),
+            r#"portcullis_upstream_header_duration_seconds_count{upstream="auth"} 2"#.into(),
+        ])
+        .await;
+    // The response bytes are the bodies the client got: the two echoes,
+    // the 404's empty body; the proxy's own error bodies for the rest.
+    let value = |prefix: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
+    };
+    assert_eq!(
+        value(r#"portcullis_response_bytes_total{route="app"} "#),
+        101_000
+    );
+    assert!(value(r#"portcullis_response_bytes_total{route="down"} "#) > 0);
+    assert_eq!(value(r#"portcullis_request_bytes_total{route="down"} "#), 0);
+    // Failures are not timed, and no upstream was answered `down`.
+    assert!(
+        !text.contains(r#"portcullis_upstream_header_duration_seconds_count{upstream="down"}"#),
+        "{text}"
+    );
+    assert!(
+        !text.contains(r#"portcullis_upstream_responses_total{upstream="down""#),
+        "{text}"
+    );
+}
+
 /// A listener with short client timeouts, and a local answer.
 const EDGE: &str = r#"
 listeners: [{ name: edge, bind: "127.0.0.1:0", header_read_timeout: 300ms, keepalive_timeout: 1s }]

@@ -148,12 +148,22 @@ pub(super) async fn upstream_mode_fronts_one_service() {
     assert_eq!(a.status, 200);
     assert_eq!(a.json()["upstream"], "single");
     assert_eq!(a.json()["target"], "/any/path?q=1");
-    // The server counts it by runtime, the client's routing core by route.
+    let req = server
+        .request("rt-b", "POST", "/upload")
+        .body(body(vec![b'a'; 1000]))
+        .unwrap();
+    let b = client::send(&client::http1(), req).await;
+    assert_eq!(b.json()["body_len"], 1000);
+    // The server counts them by runtime, the client's routing core by
+    // route: the bytes are the bodies the public client sent and got.
+    let sent = a.body.len() + b.body.len();
     server
         .process
         .metrics_showing(&[
-            r#"portcullis_tunnel_requests_total{runtime="rt-b",code="200"} 1"#.into(),
-            r#"portcullis_tunnel_request_duration_seconds_count{runtime="rt-b"} 1"#.into(),
+            r#"portcullis_tunnel_requests_total{runtime="rt-b",code="200"} 2"#.into(),
+            r#"portcullis_tunnel_request_duration_seconds_count{runtime="rt-b"} 2"#.into(),
+            r#"portcullis_tunnel_request_bytes_total{runtime="rt-b"} 1000"#.into(),
+            format!(r#"portcullis_tunnel_response_bytes_total{{runtime="rt-b"}} {sent}"#),
         ])
         .await;
 }

@@ -87,14 +87,26 @@ pub async fn check(
     };
     let params = matchit::Params::new();
     let answer = pool.send(out, &params, auth.timeout, None);
+    // Counted in the auth service's upstream metrics as forwarded
+    // requests are in theirs.
+    let asked_at = std::time::Instant::now();
     let (resp, held) = match tokio::time::timeout(auth.timeout, answer).await {
         Ok(Ok(answer)) => answer,
-        Ok(Err(e)) => return Err(unavailable(route, &pool.spec.name, &e.to_string(), origin)),
+        Ok(Err(e)) => {
+            if let Some(why) = e.upstream_error() {
+                pool.stats.failed(why);
+            }
+            return Err(unavailable(route, &pool.spec.name, &e.to_string(), origin));
+        }
         Err(_) => {
+            pool.stats
+                .failed(portcullis_obs::metrics::UpstreamError::Timeout);
             let e = format!("no answer within {:?}", auth.timeout);
             return Err(unavailable(route, &pool.spec.name, &e, origin));
         }
     };
+    pool.stats
+        .record(resp.status().as_u16(), asked_at.elapsed());
     // The status decides. The body is read to pass a refusal's on, and so
     // that the connection can serve again; one too large, cut or slow is
     // left out (and its connection closed), whatever the status said.

@@ -93,9 +93,22 @@ impl Body {
                 seen: 0,
                 max: u64::MAX,
                 tee: None,
+                counted: None,
             }),
         };
         Some(progress)
+    }
+
+    /// Counts the bytes of a body still to be streamed from the client in
+    /// `stats` (its route's or runtime's), when the body is dropped: all
+    /// of it once read, or as much as came before the request ended. A
+    /// body in memory or empty is left as it is (a GET costs nothing).
+    pub fn count_into(&mut self, stats: &'static metrics::RouteStats) {
+        if self.track().is_some()
+            && let Body::Tracked { inner } = self
+        {
+            inner.counted = Some(stats);
+        }
     }
 
     /// A copy of a body still to be streamed from the client, fed as the
@@ -132,6 +145,16 @@ pub struct Tracked {
     max: u64,
     /// Where a copy of each frame goes (a mirror), while it keeps up.
     tee: Option<Box<crate::tee::Sender>>,
+    /// Where the bytes read are counted, when the body is dropped.
+    counted: Option<&'static metrics::RouteStats>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        if let Some(stats) = self.counted {
+            stats.received(self.seen);
+        }
+    }
 }
 
 /// A request body over its route's `max_request_body`: the error the body
@@ -180,6 +203,7 @@ impl http_body::Body for Body {
                     seen,
                     max,
                     tee,
+                    ..
                 } = &mut **inner;
                 let polled = Pin::new(&mut *inner).poll_frame(cx);
                 match &polled {
@@ -396,10 +420,15 @@ impl http_body::Body for ResponseBody {
                 log.aborted = false;
             }
         }
-        if let (Poll::Ready(Some(Ok(frame))), Some(log)) = (&polled, this.log.as_mut())
+        if let Poll::Ready(Some(Ok(frame))) = &polled
             && let Some(data) = frame.data_ref()
         {
-            log.bytes_sent += data.len() as u64;
+            if let Some(log) = this.log.as_mut() {
+                log.bytes_sent += data.len() as u64;
+            }
+            if let Some(counted) = this.counted.as_mut() {
+                counted.sent += data.len() as u64;
+            }
         }
         if let (Poll::Ready(Some(Err(e))), Some(log)) = (&polled, this.log.as_mut()) {
             log.aborted = true;

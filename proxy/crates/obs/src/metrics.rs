@@ -1,6 +1,7 @@
 //! Request metrics: responses by route (or, on the tunnel server, by
-//! runtime) and status code, and latency histograms, for the admin
-//! listener's `/metrics`.
+//! runtime) and status code, latency histograms and body bytes; and the
+//! same by upstream for what the routes forward (responses, failures,
+//! time to the response head), for the admin listener's `/metrics`.
 //!
 //! Every request writes a few counters, so they are kept per thread shard
 //! ([`portcullis_net::shard`]), each on its own cache lines: the workers never write
@@ -36,8 +37,9 @@ const BUCKETS_US: [u64; 14] = [
 
 /// Distinct status codes one shard of a route counts by code. A route
 /// answers with a handful (200, 304, 404, 502...); any beyond these count
-/// under `code="other"` rather than growing the shard.
-const CODES: usize = 12;
+/// under `code="other"` rather than growing the shard (ten keep the shard
+/// at two cache lines with the byte counters).
+const CODES: usize = 10;
 
 /// One thread's counters for one route.
 #[repr(align(128))]
@@ -52,6 +54,10 @@ struct Shard {
     buckets: [AtomicU64; BUCKETS_US.len() + 1],
     /// Sum of the latencies, in microseconds.
     sum_us: AtomicU64,
+    /// Body bytes received from the client and sent to it (routes and
+    /// runtimes; an upstream's are its routes').
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
 }
 
 /// What requests are counted by: the routing core's routes, or the tunnel
@@ -60,26 +66,98 @@ struct Shard {
 enum Family {
     Route,
     Runtime,
+    Upstream,
 }
 
 impl Family {
-    /// The label, the counter's name, the histogram's name, and what the
-    /// empty label value means.
-    fn names(self) -> (&'static str, &'static str, &'static str, &'static str) {
+    /// The label, the counter's name and help, the histogram's name and
+    /// help.
+    fn names(self) -> [&'static str; 5] {
         match self {
-            Family::Route => (
+            Family::Route => [
                 "route",
                 "portcullis_requests_total",
+                "Responses by route and status code (route=\"\": no route matched).",
                 "portcullis_request_duration_seconds",
-                "no route matched",
-            ),
-            Family::Runtime => (
+                "From the request head's arrival to the end of the response body \
+                 (or the client leaving), by route.",
+            ],
+            Family::Runtime => [
                 "runtime",
                 "portcullis_tunnel_requests_total",
+                "Responses by runtime and status code (runtime=\"\": no known runtime).",
                 "portcullis_tunnel_request_duration_seconds",
-                "no known runtime",
-            ),
+                "From the request head's arrival to the end of the response body \
+                 (or the client leaving), by runtime.",
+            ],
+            Family::Upstream => [
+                "upstream",
+                "portcullis_upstream_responses_total",
+                "Responses upstreams gave to forwarded requests, by upstream and status code.",
+                "portcullis_upstream_header_duration_seconds",
+                "From sending a forwarded request to its response head, by upstream \
+                 (answered requests only).",
+            ],
         }
+    }
+
+    /// The byte counters' names; `None` where bytes are not counted.
+    fn byte_names(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            Family::Route => Some((
+                "portcullis_request_bytes_total",
+                "portcullis_response_bytes_total",
+            )),
+            Family::Runtime => Some((
+                "portcullis_tunnel_request_bytes_total",
+                "portcullis_tunnel_response_bytes_total",
+            )),
+            Family::Upstream => None,
+        }
+    }
+}
+
+/// Why forwarding to an upstream failed, as counted in
+/// `portcullis_upstream_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum UpstreamError {
+    /// No connection: refused, DNS, TLS handshake.
+    Connect = 1,
+    /// Connecting took longer than the connect timeout.
+    ConnectTimeout,
+    /// No response head within the request timeout.
+    Timeout,
+    /// The connection failed after the request was sent (reset, closed,
+    /// a malformed answer).
+    Failed,
+    /// `max_requests` already in flight: refused without trying.
+    Overloaded,
+}
+
+impl UpstreamError {
+    const ALL: [UpstreamError; 5] = [
+        UpstreamError::Connect,
+        UpstreamError::ConnectTimeout,
+        UpstreamError::Timeout,
+        UpstreamError::Failed,
+        UpstreamError::Overloaded,
+    ];
+
+    fn reason(self) -> &'static str {
+        match self {
+            UpstreamError::Connect => "connect",
+            UpstreamError::ConnectTimeout => "connect_timeout",
+            UpstreamError::Timeout => "timeout",
+            UpstreamError::Failed => "failed",
+            UpstreamError::Overloaded => "overloaded",
+        }
+    }
+
+    /// The failure a code slot holds, if any: failures count in the same
+    /// slots as statuses, under codes no HTTP status uses (1 to 5).
+    fn of_code(code: u16) -> Option<UpstreamError> {
+        Self::ALL.into_iter().find(|e| *e as u16 == code)
     }
 }
 
@@ -111,6 +189,20 @@ impl RouteStats {
         let bucket = BUCKETS_US.partition_point(|&le| le < us);
         shard.buckets[bucket].fetch_add(1, Relaxed);
         shard.sum_us.fetch_add(us, Relaxed);
+    }
+
+    /// Counts `bytes` of request body received from a client.
+    pub fn received(&self, bytes: u64) {
+        let shard = self.shards[this_thread()].get_or_init(Box::default);
+        shard.bytes_in.fetch_add(bytes, Relaxed);
+    }
+
+    /// Counts a request an upstream did not answer (an upstream's
+    /// counters only).
+    pub fn failed(&self, why: UpstreamError) {
+        self.shards[this_thread()]
+            .get_or_init(Box::default)
+            .count(why as u16);
     }
 }
 
@@ -169,6 +261,12 @@ pub fn unrouted() -> &'static RouteStats {
 /// The counters of a tunnel server's runtime (an id from its tokens file).
 pub fn runtime(id: &str) -> &'static RouteStats {
     stats(Family::Runtime, &Arc::from(id))
+}
+
+/// The counters of the upstream named `name`: what the routes forward
+/// there.
+pub fn upstream(name: &Arc<str>) -> &'static RouteStats {
+    stats(Family::Upstream, name)
 }
 
 /// The counters of tunnel-server requests for no known runtime.
@@ -245,6 +343,8 @@ pub struct Pending {
     pub status: u16,
     /// When the request head arrived.
     pub start: Instant,
+    /// Response body bytes sent so far.
+    pub sent: u64,
 }
 
 impl Pending {
@@ -259,6 +359,7 @@ impl Pending {
             stats,
             status: CLIENT_CLOSED_REQUEST,
             start,
+            sent: 0,
         }
     }
 }
@@ -270,6 +371,10 @@ pub const CLIENT_CLOSED_REQUEST: u16 = 499;
 impl Drop for Pending {
     fn drop(&mut self) {
         self.stats.record(self.status, self.start.elapsed());
+        if self.sent != 0 {
+            let shard = self.stats.shards[this_thread()].get_or_init(Box::default);
+            shard.bytes_out.fetch_add(self.sent, Relaxed);
+        }
     }
 }
 
@@ -279,6 +384,14 @@ struct Totals {
     other: u64,
     buckets: [u64; BUCKETS_US.len() + 1],
     sum_us: u64,
+    bytes_in: u64,
+    bytes_out: u64,
+}
+
+impl Totals {
+    fn answered(&self) -> bool {
+        self.other != 0 || !self.codes.is_empty()
+    }
 }
 
 impl RouteStats {
@@ -288,6 +401,8 @@ impl RouteStats {
             other: 0,
             buckets: [0; BUCKETS_US.len() + 1],
             sum_us: 0,
+            bytes_in: 0,
+            bytes_out: 0,
         };
         for shard in self.shards.iter().filter_map(OnceLock::get) {
             for (code, count) in shard.codes.iter().zip(&shard.counts) {
@@ -302,6 +417,8 @@ impl RouteStats {
                 *sum += b.load(Relaxed);
             }
             t.sum_us += shard.sum_us.load(Relaxed);
+            t.bytes_in += shard.bytes_in.load(Relaxed);
+            t.bytes_out += shard.bytes_out.load(Relaxed);
         }
         t
     }
@@ -317,7 +434,7 @@ pub fn render(out: &mut String) {
         .copied()
         .collect();
     all.sort_by(|a, b| (a.family, &a.name).cmp(&(b.family, &b.name)));
-    for family in [Family::Route, Family::Runtime] {
+    for family in [Family::Route, Family::Runtime, Family::Upstream] {
         let totals: Vec<_> = all
             .iter()
             .filter(|r| r.family == family)
@@ -350,24 +467,51 @@ pub fn render(out: &mut String) {
 }
 
 fn render_family(out: &mut String, family: Family, totals: &[(String, Totals)]) {
-    let (by, total, duration, empty) = family.names();
-    let _ = writeln!(
-        out,
-        "# HELP {total} Responses by {by} and status code ({by}=\"\": {empty}).\n\
-         # TYPE {total} counter"
-    );
+    let [by, total, total_help, duration, duration_help] = family.names();
+    let _ = writeln!(out, "# HELP {total} {total_help}\n# TYPE {total} counter");
     for (name, t) in totals {
-        for (code, n) in &t.codes {
+        for (code, n) in t.codes.iter().filter(|(c, _)| **c >= 100) {
             let _ = writeln!(out, "{total}{{{by}=\"{name}\",code=\"{code}\"}} {n}");
         }
         if t.other != 0 {
             let _ = writeln!(out, "{total}{{{by}=\"{name}\",code=\"other\"}} {}", t.other);
         }
     }
+    if family == Family::Upstream {
+        let errors = "portcullis_upstream_errors_total";
+        let _ = writeln!(
+            out,
+            "# HELP {errors} Forwarded requests an upstream did not answer, by upstream and \
+             reason (connect, connect_timeout, timeout, failed, overloaded).\n# TYPE {errors} counter"
+        );
+        for (name, t) in totals {
+            for (code, n) in &t.codes {
+                if let Some(e) = UpstreamError::of_code(*code) {
+                    let reason = e.reason();
+                    let _ = writeln!(out, "{errors}{{{by}=\"{name}\",reason=\"{reason}\"}} {n}");
+                }
+            }
+        }
+    }
+    if let Some((received, sent)) = family.byte_names() {
+        for (metric, help, pick) in [
+            (received, "Request body bytes received from clients", true),
+            (sent, "Response body bytes sent to clients", false),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {metric} {help}, by {by}.\n# TYPE {metric} counter"
+            );
+            // Like the histogram, only for what answered something.
+            for (name, t) in totals.iter().filter(|(_, t)| t.answered()) {
+                let n = if pick { t.bytes_in } else { t.bytes_out };
+                let _ = writeln!(out, "{metric}{{{by}=\"{name}\"}} {n}");
+            }
+        }
+    }
     let _ = writeln!(
         out,
-        "# HELP {duration} From the request head's arrival to the end of the response \
-         body (or the client leaving), by {by}.\n# TYPE {duration} histogram"
+        "# HELP {duration} {duration_help}\n# TYPE {duration} histogram"
     );
     for (name, t) in totals {
         let count: u64 = t.buckets.iter().sum();
@@ -485,7 +629,9 @@ mod tests {
             stats,
             status: 200,
             start: Instant::now() - Duration::from_millis(30),
+            sent: 1234,
         });
+        stats.received(99);
         let mut out = String::new();
         render(&mut out);
         let r = r#"route="unit-render \"quoted\"""#;
@@ -498,6 +644,8 @@ mod tests {
             format!("portcullis_request_duration_seconds_bucket{{{r},le=\"0.05\"}} 2"),
             format!("portcullis_request_duration_seconds_bucket{{{r},le=\"+Inf\"}} 2"),
             format!("portcullis_request_duration_seconds_count{{{r}}} 2"),
+            format!("portcullis_request_bytes_total{{{r}}} 99"),
+            format!("portcullis_response_bytes_total{{{r}}} 1234"),
         ] {
             assert!(out.lines().any(|l| l == line), "no {line:?} in\n{out}");
         }
@@ -527,6 +675,32 @@ mod tests {
         let totals = stats.totals();
         assert_eq!(totals.codes.get(&200), Some(&2));
         assert_eq!(totals.codes.get(&404), Some(&1));
+    }
+
+    #[test]
+    fn upstream_failures_count_apart_from_its_answers() {
+        let up = upstream(&Arc::from("unit-upstream"));
+        up.record(200, Duration::from_micros(700));
+        up.record(503, Duration::from_micros(700));
+        up.failed(UpstreamError::Connect);
+        up.failed(UpstreamError::Connect);
+        up.failed(UpstreamError::Timeout);
+        let mut out = String::new();
+        render(&mut out);
+        let u = r#"upstream="unit-upstream""#;
+        for line in [
+            format!("portcullis_upstream_responses_total{{{u},code=\"200\"}} 1"),
+            format!("portcullis_upstream_responses_total{{{u},code=\"503\"}} 1"),
+            format!("portcullis_upstream_errors_total{{{u},reason=\"connect\"}} 2"),
+            format!("portcullis_upstream_errors_total{{{u},reason=\"timeout\"}} 1"),
+            // Only answers are timed.
+            format!("portcullis_upstream_header_duration_seconds_count{{{u}}} 2"),
+        ] {
+            assert!(out.lines().any(|l| l == line), "no {line:?} in\n{out}");
+        }
+        // Failures are no status code, and upstreams count no bytes.
+        assert!(!out.contains(&format!("{u},code=\"1\"")), "{out}");
+        assert!(!out.contains(&format!("bytes_total{{{u}}}")), "{out}");
     }
 
     #[test]

@@ -58,6 +58,25 @@ impl ForwardError {
         }
     }
 
+    /// The upstream's failure, as its metrics count it; `None` when the
+    /// upstream is not to blame (the client's body, a bad path parameter,
+    /// a client that left).
+    pub fn upstream_error(&self) -> Option<portcullis_obs::metrics::UpstreamError> {
+        use portcullis_obs::metrics::UpstreamError as E;
+        match self {
+            ForwardError::Unreachable(_) => Some(E::Connect),
+            ForwardError::ConnectTimeout => Some(E::ConnectTimeout),
+            ForwardError::Timeout(_) => Some(E::Timeout),
+            ForwardError::Failed(_) => Some(E::Failed),
+            ForwardError::Overloaded(_) => Some(E::Overloaded),
+            ForwardError::BadTarget(_)
+            | ForwardError::RequestBody(_)
+            | ForwardError::RequestBodyTimeout(_)
+            | ForwardError::ClientGone
+            | ForwardError::BodyTooLarge => None,
+        }
+    }
+
     /// The short text put in the JSON error body.
     pub fn public_message(&self) -> &'static str {
         match self {

@@ -65,6 +65,9 @@ pub struct UpstreamPool {
     /// robin, worked out once).
     schedule: Box<[u16]>,
     next: AtomicUsize,
+    /// Its counters in `/metrics` (responses, failures, time to the
+    /// answer's head), found once here rather than by name per request.
+    pub stats: &'static portcullis_obs::metrics::RouteStats,
 }
 
 /// What to send: the parts of the client request the proxy keeps.
@@ -158,6 +161,7 @@ impl UpstreamPool {
                 _ => Box::default(),
             },
             next: AtomicUsize::new(0),
+            stats: portcullis_obs::metrics::upstream(&spec.name),
             spec,
         }
     }

@@ -73,6 +73,7 @@ impl Pipeline {
             compress: (coding, head),
         };
         let mut body: Body = body.into();
+        body.count_into(self.stats[found.route]);
         let asked = (&parts.method, &parts.uri, parts.version);
         if let Err(resp) = self
             .guard(&routed, conn, asked, &mut parts.headers, &mut body)
@@ -122,8 +123,8 @@ impl Pipeline {
         };
         out.body = body;
         let watch = watchable(conn, f.asked.2);
-        // Only a request that is logged reads the clock here.
-        let asked = f.log.is_some().then(Instant::now);
+        // For the upstream's time to answer, in its metrics and the log.
+        let asked = Instant::now();
         let sent = pool.send(out, &routed.params, timeout, watch).await;
         self.upstream_answer(&routed, pool, f, sent, (extra, asked))
     }

@@ -56,7 +56,7 @@ impl Pipeline {
         pool: &UpstreamPool,
         mut f: Forwarding<'_, '_>,
         sent: Result<(Response<Body>, forward::Held), ForwardError>,
-        ((set_cookie, client_upgrade), asked): (Extra, Option<Instant>),
+        ((set_cookie, client_upgrade), asked): (Extra, Instant),
     ) -> (Response<Body>, forward::Held) {
         let route = routed.route;
         let (mut resp, held) = match sent {
@@ -72,8 +72,10 @@ impl Pipeline {
             Ok(sent) => sent,
             Err(e) => return failed(routed, pool, &f, &e),
         };
-        if let (Some(log), Some(asked)) = (f.log.as_mut(), asked) {
-            log.upstream_header = Some(asked.elapsed());
+        let took = asked.elapsed();
+        pool.stats.record(resp.status().as_u16(), took);
+        if let Some(log) = f.log.as_mut() {
+            log.upstream_header = Some(took);
             log.endpoint = answered_by(pool, &held, &routed.params);
         }
         if let Some(cookie) = set_cookie {
@@ -194,6 +196,9 @@ pub(super) fn failed(
 ) -> (Response<Body>, forward::Held) {
     let (route, origin) = (routed.route, routed.origin.as_ref());
     log_forward_error(route, &pool.spec.name, e, f.request_id);
+    if let Some(why) = e.upstream_error() {
+        pool.stats.failed(why);
+    }
     let resp = match e {
         ForwardError::BodyTooLarge => too_large(route, f.asked.2, origin),
         e => error_response(e.status(), e.public_message(), Some(route), origin),

@@ -74,6 +74,10 @@ where
     // Watched for the client breaking its body's framing, which the
     // tunnel's send reports as its own failure.
     let progress = req.body_mut().track();
+    // Counted once, where the public reached, as the request is.
+    if origin == Origin::Public {
+        req.body_mut().count_into(stats);
+    }
     let result = match &target {
         Target::Tunnel(tunnel) => {
             let _counted = crate::Active::count(&tunnel.active);
