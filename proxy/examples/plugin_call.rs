@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use portcullis::plugin::{self, Decision, RequestFacts};
+use portcullis::plugin::{self, RequestFacts, Verdict};
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -72,9 +72,9 @@ fn main() -> anyhow::Result<()> {
                 }
                 if i == 0 {
                     decision = match d {
-                        Ok(Decision::Forward(_)) => "forward".into(),
-                        Ok(Decision::Respond(r)) => format!("respond {}", r.status),
-                        Ok(Decision::ReadBody(n)) => format!("read-body {n}"),
+                        Ok(Verdict::Continue(_)) => "forward".into(),
+                        Ok(Verdict::Respond(r)) => format!("respond {}", r.status),
+                        Ok(Verdict::ReadBody(n)) => format!("read-body {n}"),
                         Err(e) => format!("error: {e}"),
                     };
                 }

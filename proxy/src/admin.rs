@@ -341,7 +341,7 @@ fn metrics(reloader: &Reloader) -> String {
         let (route, peak, cap) = b.memory_use();
         let labels = format!(
             "{{plugin=\"{}\",route=\"{}\"}}",
-            label(&b.plugin),
+            label(b.name()),
             label(route.unwrap_or(""))
         );
         peaks.push((labels.clone(), peak as f64));

@@ -143,8 +143,8 @@ fn plugin_count(plugin: &str, name: &str) -> u64 {
 /// route's chain.
 pub fn plugin_bindings(
     pipeline: &portcullis_http::pipeline::Pipeline,
-) -> Vec<&Arc<portcullis_plugin::Binding>> {
-    let mut bindings: Vec<&Arc<portcullis_plugin::Binding>> = Vec::new();
+) -> Vec<&Arc<dyn portcullis_plugin::Plugin>> {
+    let mut bindings: Vec<&Arc<dyn portcullis_plugin::Plugin>> = Vec::new();
     for chain in &pipeline.chains().routes {
         for b in chain.iter() {
             if !bindings.iter().any(|seen| Arc::ptr_eq(seen, b)) {
@@ -162,7 +162,7 @@ fn plugin_uses(pipeline: &portcullis_http::pipeline::Pipeline) -> Vec<serde_json
         .map(|b| {
             let (route, peak, cap) = b.memory_use();
             serde_json::json!({
-                "plugin": &*b.plugin,
+                "plugin": &**b.name(),
                 "route": route,
                 "calls": b.calls(),
                 "memory_peak_bytes": peak,

@@ -21,8 +21,7 @@ use crate::body::Body;
 use crate::conn_info::ConnInfo;
 use portcullis_config::{Config, FailMode, Route};
 use portcullis_plugin::{
-    self as plugin, Binding, Decision, Hooks, LocalResponse, PluginError, RequestFacts,
-    ResponseHead,
+    self as plugin, LocalAnswer, Plugin, PluginError, RequestFacts, ResponseVerdict, Verdict,
 };
 
 /// What the request hooks decided.
@@ -53,7 +52,7 @@ struct Progress {
 
 /// A chain stopped at the plugin that asked for the request body.
 pub struct PendingBody<'a> {
-    chain: &'a [Arc<Binding>],
+    chain: &'a [Arc<dyn Plugin>],
     /// Index (among the request hooks) of the plugin that asked.
     at: usize,
     max: u32,
@@ -69,7 +68,7 @@ pub struct PluginContext<'a> {
     request_headers: http::HeaderMap,
     /// Borrowed from the pipeline, which outlives the request: no
     /// reference count shared by the workers to bump per request.
-    chain: &'a [Arc<Binding>],
+    chain: &'a [Arc<dyn Plugin>],
     /// Another upstream (index), if a plugin chose one.
     pub upstream: Option<usize>,
     /// The path to send, if a plugin set one (it replaces the route's rewrite).
@@ -145,7 +144,7 @@ const FOR_THE_PLUGIN: &str = "request body too large for the route's plugin";
 /// no allocation) unless one asks for the body.
 #[allow(clippy::too_many_arguments)]
 pub fn on_request<'a>(
-    chain: &'a [Arc<Binding>],
+    chain: &'a [Arc<dyn Plugin>],
     method: &http::Method,
     uri: &http::Uri,
     headers: &mut http::HeaderMap,
@@ -196,7 +195,7 @@ impl<'a> PendingBody<'a> {
             Err((status, message)) => {
                 let plugin = request_hooks(self.chain)
                     .nth(self.at)
-                    .map(|b| b.plugin.clone());
+                    .map(|b| b.name().clone());
                 return RequestOutcome::Answer(json_error(
                     status,
                     message,
@@ -213,31 +212,33 @@ impl<'a> PendingBody<'a> {
             // again with it).
             let mut asked = i == self.at;
             loop {
-                let result = match binding
-                    .on_request_with_body(&mut progress.facts, headers, &bytes)
-                    .await
+                let facts = &mut progress.facts;
+                let result = match plugin::offload::on_request_with_body(
+                    binding, facts, headers, &bytes,
+                )
+                .await
                 {
                     Ok(result) => result,
                     Err(plugin::Lost) => {
-                        tracing::error!(plugin = %binding.plugin, route = %route.name, "plugin call lost before it ran");
+                        tracing::error!(plugin = %binding.name(), route = %route.name, "plugin call lost before it ran");
                         return RequestOutcome::Answer(json_error(
                             StatusCode::SERVICE_UNAVAILABLE,
                             "plugin call lost",
                             route,
-                            Some(&binding.plugin),
+                            Some(binding.name()),
                         ));
                     }
                 };
-                match after_call(binding, result, &mut progress, headers, route, config) {
+                match after_call(&**binding, result, &mut progress, route, config) {
                     Flow::Next => break,
                     Flow::Answer(resp) => return RequestOutcome::Answer(resp),
                     Flow::WantsBody(_) if !asked => asked = true,
                     Flow::WantsBody(_) => {
                         let e = PluginError::Trap {
-                            plugin: binding.plugin.clone(),
+                            plugin: binding.name().clone(),
                             message: "asked for the body twice".into(),
                         };
-                        match fail(binding, route, &e) {
+                        match fail(&**binding, route, &e) {
                             Some(resp) => return RequestOutcome::Answer(resp),
                             None => break,
                         }
@@ -250,14 +251,14 @@ impl<'a> PendingBody<'a> {
 }
 
 /// The plugins of `chain` with a request hook, in order.
-fn request_hooks(chain: &[Arc<Binding>]) -> impl Iterator<Item = &Arc<Binding>> {
-    chain.iter().filter(|b| b.hooks.contains(Hooks::REQUEST))
+fn request_hooks(chain: &[Arc<dyn Plugin>]) -> impl Iterator<Item = &Arc<dyn Plugin>> {
+    chain.iter().filter(|b| b.hooks().request)
 }
 
 /// Runs the request hooks of a request whose body no plugin has asked for
 /// (yet): stops at the first that asks.
 fn run<'a>(
-    chain: &'a [Arc<Binding>],
+    chain: &'a [Arc<dyn Plugin>],
     mut progress: Progress,
     headers: &mut http::HeaderMap,
     route: &Route,
@@ -265,7 +266,7 @@ fn run<'a>(
 ) -> Step<'a> {
     for (at, binding) in request_hooks(chain).enumerate() {
         let result = binding.on_request(&mut progress.facts, headers, None);
-        match after_call(binding, result, &mut progress, headers, route, config) {
+        match after_call(&**binding, result, &mut progress, route, config) {
             Flow::Next => {}
             Flow::Answer(resp) => return Step::Done(RequestOutcome::Answer(resp)),
             Flow::WantsBody(max) => {
@@ -291,19 +292,17 @@ enum Flow {
     WantsBody(u32),
 }
 
-/// Applies one plugin's answer (or failure) to the request.
+/// Applies one plugin's verdict (or failure) to the request; its header
+/// edits are made already.
 fn after_call(
-    binding: &Binding,
-    result: Result<Decision, PluginError>,
+    binding: &dyn Plugin,
+    result: Result<Verdict, PluginError>,
     progress: &mut Progress,
-    headers: &mut http::HeaderMap,
     route: &Route,
     config: &Config,
 ) -> Flow {
     match result {
-        Ok(Decision::Forward(f)) => {
-            // Later plugins read the request as edited.
-            plugin::apply_edits(headers, &f.headers, &binding.plugin);
+        Ok(Verdict::Continue(f)) => {
             if let Some(p) = f.path {
                 match plugin_path(&p) {
                     Some(pq) => {
@@ -313,7 +312,7 @@ fn after_call(
                         progress.path = Some(pq);
                     }
                     None => {
-                        tracing::warn!(plugin = %binding.plugin, route = %route.name, path = %p, "plugin set an invalid path");
+                        tracing::warn!(plugin = %binding.name(), route = %route.name, path = %p, "plugin set an invalid path");
                         return Flow::Answer(misbehaved(
                             binding,
                             route,
@@ -326,7 +325,7 @@ fn after_call(
                 match config.upstream_index(&name) {
                     Some(u) => progress.upstream = Some(u),
                     None => {
-                        tracing::warn!(plugin = %binding.plugin, route = %route.name, upstream = %name, "plugin chose an unknown upstream");
+                        tracing::warn!(plugin = %binding.name(), route = %route.name, upstream = %name, "plugin chose an unknown upstream");
                         return Flow::Answer(misbehaved(
                             binding,
                             route,
@@ -337,8 +336,8 @@ fn after_call(
             }
             Flow::Next
         }
-        Ok(Decision::Respond(local)) => Flow::Answer(local_answer(binding, route, local)),
-        Ok(Decision::ReadBody(max)) => Flow::WantsBody(max),
+        Ok(Verdict::Respond(local)) => Flow::Answer(local_answer(binding, route, local)),
+        Ok(Verdict::ReadBody(max)) => Flow::WantsBody(max),
         Err(e) => match fail(binding, route, &e) {
             Some(resp) => Flow::Answer(resp),
             None => Flow::Next,
@@ -351,30 +350,27 @@ fn after_call(
 /// proxy's own errors (`error`, `status`, `route`, `plugin`, and gRPC's
 /// terms for a gRPC client), so clients parse one shape whoever refused
 /// them; any other body is the plugin's and goes as it is.
-fn local_answer(binding: &Binding, route: &Route, local: LocalResponse) -> Response<Body> {
+fn local_answer(binding: &dyn Plugin, route: &Route, local: LocalAnswer) -> Response<Body> {
     let status = StatusCode::from_u16(local.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut resp = match error_message(status, &local.body) {
-        Some(message) => json_error(status, &message, route, Some(&binding.plugin)),
+        Some(message) => json_error(status, &message, route, Some(binding.name())),
         None => {
             let mut resp = Response::new(Body::full(local.body));
             *resp.status_mut() = status;
             resp
         }
     };
-    let framing = |h: &plugin::Header| {
-        h.name.eq_ignore_ascii_case("content-type") || h.name.eq_ignore_ascii_case("content-length")
-    };
     let ours = resp.headers().contains_key(header::CONTENT_TYPE);
-    let edits = plugin::HeaderEdits {
-        remove: Vec::new(),
-        set: Vec::new(),
-        add: local
-            .headers
-            .into_iter()
-            .filter(|h| !(ours && framing(h)))
-            .collect(),
-    };
-    plugin::apply_edits(resp.headers_mut(), &edits, &binding.plugin);
+    let mut name = None;
+    for (n, value) in local.headers {
+        // `None`: another value of the field before.
+        name = n.or(name);
+        let Some(n) = &name else { continue };
+        let framing = *n == header::CONTENT_TYPE || *n == header::CONTENT_LENGTH;
+        if !(ours && framing) {
+            resp.headers_mut().append(n.clone(), value);
+        }
+    }
     resp
 }
 
@@ -410,23 +406,23 @@ pub fn error_message(status: StatusCode, body: &[u8]) -> Option<String> {
 }
 
 /// The 500 for a plugin that answered something the proxy cannot carry out.
-fn misbehaved(binding: &Binding, route: &Route, message: &str) -> Response<Body> {
+fn misbehaved(binding: &dyn Plugin, route: &Route, message: &str) -> Response<Body> {
     json_error(
         StatusCode::INTERNAL_SERVER_ERROR,
         message,
         route,
-        Some(&binding.plugin),
+        Some(binding.name()),
     )
 }
 
 /// What the request hooks leave for the forwarding and the response hooks.
 fn finish<'a>(
-    chain: &'a [Arc<Binding>],
+    chain: &'a [Arc<dyn Plugin>],
     progress: Progress,
     headers: &http::HeaderMap,
 ) -> RequestOutcome<'a> {
     // Response hooks read the request too; keep it only when one will.
-    let wants_response = chain.iter().any(|b| b.hooks.contains(Hooks::RESPONSE));
+    let wants_response = chain.iter().any(|b| b.hooks().response);
     if !wants_response && progress.upstream.is_none() && progress.path.is_none() {
         return RequestOutcome::Forward(None);
     }
@@ -446,23 +442,23 @@ fn finish<'a>(
 
 /// Logs a plugin failure and applies its failure policy: `Some` answer
 /// when closed, `None` (carry on) when open.
-fn fail(binding: &Binding, route: &Route, e: &PluginError) -> Option<Response<Body>> {
+fn fail(binding: &dyn Plugin, route: &Route, e: &PluginError) -> Option<Response<Body>> {
     {
         let mut c = plugin::counters().lock().unwrap_or_else(|p| p.into_inner());
-        *c.entry((binding.plugin.clone(), "failures".into()))
+        *c.entry((binding.name().clone(), "failures".into()))
             .or_default() += 1;
         if matches!(e, PluginError::Timeout { .. }) {
-            *c.entry((binding.plugin.clone(), "deadline_hits".into()))
+            *c.entry((binding.name().clone(), "deadline_hits".into()))
                 .or_default() += 1;
         }
     }
-    match binding.fail {
+    match binding.fail() {
         FailMode::Closed => {
-            tracing::warn!(plugin = %binding.plugin, route = %route.name, error = %e, "plugin failed; request refused (fail: closed)");
+            tracing::warn!(plugin = %binding.name(), route = %route.name, error = %e, "plugin failed; request refused (fail: closed)");
             Some(plugin_error(route, e))
         }
         FailMode::Open => {
-            tracing::warn!(plugin = %binding.plugin, route = %route.name, error = %e, "plugin failed; request let through (fail: open)");
+            tracing::warn!(plugin = %binding.name(), route = %route.name, error = %e, "plugin failed; request let through (fail: open)");
             None
         }
     }
@@ -476,23 +472,16 @@ pub fn on_response(
     resp: &mut http::response::Parts,
 ) -> Option<Response<Body>> {
     let chain = ctx.chain;
-    for binding in chain
-        .iter()
-        .rev()
-        .filter(|b| b.hooks.contains(Hooks::RESPONSE))
-    {
-        let head = ResponseHead {
-            status: resp.status.as_u16(),
-        };
-        match binding.on_response(
-            &mut ctx.facts,
-            &mut ctx.request_headers,
-            head,
-            &mut resp.headers,
-        ) {
-            Ok(edits) => plugin::apply_edits(&mut resp.headers, &edits, &binding.plugin),
+    for binding in chain.iter().rev().filter(|b| b.hooks().response) {
+        let status = resp.status.as_u16();
+        let facts = &mut ctx.facts;
+        match binding.on_response(facts, &mut ctx.request_headers, status, &mut resp.headers) {
+            Ok(ResponseVerdict::Continue) => {}
+            Ok(ResponseVerdict::Respond(local)) => {
+                return Some(local_answer(&**binding, route, local));
+            }
             Err(e) => {
-                if let Some(answer) = fail(binding, route, &e) {
+                if let Some(answer) = fail(&**binding, route, &e) {
                     return Some(answer);
                 }
             }

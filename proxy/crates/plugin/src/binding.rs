@@ -1,4 +1,6 @@
-//! A plugin attached with one config: its idle instances per thread, and the calls into it under a deadline and a memory cap.
+//! A component plugin attached with one config: its idle instances per
+//! thread, and the calls into it under a deadline and a memory cap
+//! (`component.rs` is how the driver sees it).
 
 use super::*;
 
@@ -24,7 +26,7 @@ pub struct Binding {
     /// Failure policy.
     pub fail: FailMode,
     /// Which calls the plugin wants.
-    pub hooks: Hooks,
+    pub(super) hooks: crate::seam::Hooks,
     pub(super) pre: PolicyPre<State>,
     pub(super) engine: Engine,
     pub(super) config_json: String,
@@ -49,26 +51,6 @@ impl std::fmt::Debug for Binding {
 }
 
 impl Binding {
-    /// The calls made to this plugin use (both hooks) since its
-    /// configuration was loaded.
-    pub fn calls(&self) -> u64 {
-        self.idle
-            .iter()
-            .map(|s| s.calls.load(std::sync::atomic::Ordering::Relaxed))
-            .sum()
-    }
-
-    /// The route the binding is on (`None`: the global chain), the
-    /// largest memory one of its instances has reached (its image and
-    /// `configure` included), and its cap, in bytes.
-    pub fn memory_use(&self) -> (Option<&str>, usize, usize) {
-        (
-            self.route.as_deref(),
-            self.memory_peak.load(std::sync::atomic::Ordering::Relaxed),
-            self.memory,
-        )
-    }
-
     /// Starts a call's deadline ([`cpu_deadline`]: the call's first tick
     /// reads its thread's CPU clock, later ones only if it runs on).
     pub(super) fn arm(store: &mut Store<State>) {
@@ -178,7 +160,7 @@ impl Binding {
     /// reads through host calls only what it needs, and the request head
     /// and route records are built only if it asks, so a header-only check
     /// pays for one header. A failed instance is dropped, not reused.
-    pub fn on_request(
+    pub(super) fn call_on_request(
         &self,
         req: &mut Option<RequestFacts>,
         headers: &mut http::HeaderMap,
@@ -213,7 +195,7 @@ impl Binding {
 
     /// Calls `on-response`, lending the request (facts, headers) and the
     /// response's headers to the instance for the call.
-    pub fn on_response(
+    pub(super) fn call_on_response(
         &self,
         req: &mut Option<RequestFacts>,
         req_headers: &mut http::HeaderMap,

@@ -28,7 +28,7 @@ pub fn empty_route() -> RouteInfo {
 #[derive(Debug, Default, Clone)]
 pub struct Chains {
     /// By route index.
-    pub routes: Vec<Arc<[Arc<Binding>]>>,
+    pub routes: Vec<Arc<[Arc<dyn Plugin>]>>,
 }
 
 /// Compiles every plugin the config uses, instantiates each use once and
@@ -113,7 +113,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
             let mut binding = Binding {
                 plugin: name.clone(),
                 fail: u.fail,
-                hooks: Hooks::empty(),
+                hooks: seam::Hooks::default(),
                 pre,
                 engine,
                 config_json: u.config_json.clone(),
@@ -150,14 +150,18 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                 Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
             }
             Binding::arm(&mut inst.store);
-            binding.hooks = match inst.policy.call_hooks(&mut inst.store) {
+            let hooks = match inst.policy.call_hooks(&mut inst.store) {
                 Ok(h) => h,
                 Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
+            };
+            binding.hooks = seam::Hooks {
+                request: hooks.contains(WitHooks::REQUEST),
+                response: hooks.contains(WitHooks::RESPONSE),
             };
             // Not kept: idle instances are per thread, and this is not a
             // worker's; kept, it would hold a pool slot for nothing.
             drop(inst);
-            Ok(Some(Arc::new(binding)))
+            Ok(Some(Arc::new(binding) as Arc<dyn Plugin>))
         }
     };
 

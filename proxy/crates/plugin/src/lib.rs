@@ -15,9 +15,11 @@
 //!   fails its own request, runs on its thread no longer than the
 //!   deadline, and touches nothing else.
 //!
-//! Here: the host's limits and errors; `host.rs` the engine and compile
-//! caches, `binding.rs` a plugin with its config and its calls,
-//! `chains.rs` the routes' chains, `facts.rs` what a plugin is told.
+//! Here: the host's limits and errors; `seam.rs` the interface every kind
+//! of plugin implements and the request path calls; `host.rs` the engine
+//! and compile caches, `binding.rs` a component plugin with its config and
+//! its calls, `component.rs` that plugin behind the seam, `chains.rs` the
+//! routes' chains, `facts.rs` what a plugin is told.
 
 mod bindings;
 mod cpu_deadline;
@@ -37,9 +39,9 @@ use std::time::Duration;
 use wasmtime::component::{Component, Func, HasSelf, Linker, TypedFunc};
 use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
 
+use bindings::Hooks as WitHooks;
 pub use bindings::{
-    Decision, Forward, Header, HeaderEdits, Hooks, LocalResponse, RequestHead, ResponseHead,
-    RouteInfo,
+    Decision, Forward, Header, HeaderEdits, LocalResponse, RequestHead, ResponseHead, RouteInfo,
 };
 use bindings::{Policy, PolicyPre};
 use lift::Lifted;
@@ -52,14 +54,17 @@ use portcullis_net::shard::{SHARDS, this_thread as shard};
 
 mod binding;
 mod chains;
+mod component;
 mod facts;
 mod host;
+pub mod seam;
 
 pub use binding::Binding;
 use binding::*;
 pub use chains::{Chains, empty_head, empty_route, prepare};
 pub use facts::{RequestFacts, apply_edits, to_wit_headers};
 pub use host::{PluginHost, disk_cache_outcomes, forget_unused, host, use_disk_cache};
+pub use seam::{Hooks, LocalAnswer, Plugin, ResponseVerdict, Steer, Verdict};
 
 /// How often the epoch advances; deadlines are whole ticks.
 const TICK: Duration = Duration::from_millis(1);

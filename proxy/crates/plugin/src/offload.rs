@@ -21,7 +21,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 
 use bytes::Bytes;
 
-use super::{Binding, Decision, PluginError, RequestFacts};
+use super::{Plugin, PluginError, RequestFacts, Verdict};
 
 /// Bodies from this size on go to the plugin threads. Below it the call
 /// costs less than the hand-off would save (at webhook-signature's rate,
@@ -72,48 +72,47 @@ static QUEUE: LazyLock<Option<mpsc::Sender<Job>>> = LazyLock::new(|| {
 #[derive(Debug)]
 pub struct Lost;
 
-impl Binding {
-    /// [`Binding::on_request`] with the request body, on a plugin thread
-    /// when the body is large ([`OFFLOAD_AT`]). The facts and headers move
-    /// to the call's thread and back, as they move into the instance.
-    pub async fn on_request_with_body(
-        self: &Arc<Self>,
-        req: &mut Option<RequestFacts>,
-        headers: &mut http::HeaderMap,
-        body: &Bytes,
-    ) -> Result<Result<Decision, PluginError>, Lost> {
-        let queue = match &*QUEUE {
-            Some(queue) if body.len() >= OFFLOAD_AT => queue,
-            _ => return Ok(self.on_request(req, headers, Some(body))),
-        };
-        let (done, result) = tokio::sync::oneshot::channel();
-        let binding = self.clone();
-        let mut facts = req.take();
-        let mut moved = std::mem::take(headers);
-        let body = body.clone();
-        let job: Job = Box::new(move || {
-            // A request whose client left while it waited is not worked on.
-            if done.is_closed() {
-                return;
-            }
-            let call = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                binding.on_request(&mut facts, &mut moved, Some(&body))
-            }));
-            let _ = done.send(call.map(|result| (facts, moved, result)));
-        });
-        if queue.send(job).is_err() {
-            return Err(Lost);
+/// [`Plugin::on_request`] with the request body, on a plugin thread
+/// when the body is large ([`OFFLOAD_AT`]) and the plugin's calls may
+/// run anywhere. The facts and headers move to the call's thread and
+/// back, as they move into the instance.
+pub async fn on_request_with_body(
+    plugin: &Arc<dyn Plugin>,
+    req: &mut Option<RequestFacts>,
+    headers: &mut http::HeaderMap,
+    body: &Bytes,
+) -> Result<Result<Verdict, PluginError>, Lost> {
+    let queue = match &*QUEUE {
+        Some(queue) if body.len() >= OFFLOAD_AT && plugin.runs_anywhere() => queue,
+        _ => return Ok(plugin.on_request(req, headers, Some(body))),
+    };
+    let (done, result) = tokio::sync::oneshot::channel();
+    let binding = plugin.clone();
+    let mut facts = req.take();
+    let mut moved = std::mem::take(headers);
+    let body = body.clone();
+    let job: Job = Box::new(move || {
+        // A request whose client left while it waited is not worked on.
+        if done.is_closed() {
+            return;
         }
-        match result.await {
-            Ok(Ok((facts, moved, result))) => {
-                *req = facts;
-                *headers = moved;
-                Ok(result)
-            }
-            // A panic in the call is the host's bug: it unwinds into the
-            // request's task, as it would have inline.
-            Ok(Err(panic)) => std::panic::resume_unwind(panic),
-            Err(_) => Err(Lost),
+        let call = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            binding.on_request(&mut facts, &mut moved, Some(&body))
+        }));
+        let _ = done.send(call.map(|result| (facts, moved, result)));
+    });
+    if queue.send(job).is_err() {
+        return Err(Lost);
+    }
+    match result.await {
+        Ok(Ok((facts, moved, result))) => {
+            *req = facts;
+            *headers = moved;
+            Ok(result)
         }
+        // A panic in the call is the host's bug: it unwinds into the
+        // request's task, as it would have inline.
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => Err(Lost),
     }
 }

@@ -1,0 +1,111 @@
+//! The one interface a kind of plugin implements, and all the phase
+//! driver (`portcullis-http`'s `chain.rs`) sees of a plugin: the driver
+//! runs every kind the same way and never names a kind's own types.
+//!
+//! Kinds: WebAssembly components against `wit/policy.wit` (`component.rs`,
+//! over the instances of `binding.rs`). A new kind (the proxy-wasm ABI
+//! that Envoy's filters are built for, say) is a type implementing
+//! [`Plugin`] and a branch in `chains::prepare` that tells its files
+//! apart; nothing in the driver changes.
+//!
+//! A call is lent the request (its facts and headers, moved in and back,
+//! never copied) and edits the header maps in place; what is not a header
+//! edit comes back as a verdict.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use portcullis_config::FailMode;
+
+use crate::{PluginError, RequestFacts};
+
+/// Which calls a plugin wants; the driver skips the others (a plugin
+/// with no response hook costs the response nothing).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Hooks {
+    /// [`Plugin::on_request`].
+    pub request: bool,
+    /// [`Plugin::on_response`].
+    pub response: bool,
+}
+
+/// What a request-side call decided; header edits are made already.
+#[derive(Debug)]
+pub enum Verdict {
+    /// Go on to the next plugin, then the upstream.
+    Continue(Steer),
+    /// Answer the request with this; it goes no further.
+    Respond(LocalAnswer),
+    /// Call again with the request body, read up to this many bytes
+    /// (more: 413). The body the plugin then sees is what is forwarded.
+    ReadBody(u32),
+}
+
+/// Where the request goes, when a plugin changed it.
+#[derive(Debug, Default)]
+pub struct Steer {
+    /// A new path (with `?query` perhaps); it replaces the route's rewrite.
+    pub path: Option<String>,
+    /// Another upstream of the policies, by name.
+    pub upstream: Option<String>,
+}
+
+/// What a response-side call decided; header edits are made already.
+#[derive(Debug)]
+pub enum ResponseVerdict {
+    /// Send the upstream's response on (as edited).
+    Continue,
+    /// Send this instead.
+    Respond(LocalAnswer),
+}
+
+/// An answer a plugin made itself.
+#[derive(Debug)]
+pub struct LocalAnswer {
+    /// Its status (an invalid one is answered 500).
+    pub status: u16,
+    /// Its headers.
+    pub headers: http::HeaderMap,
+    /// Its body.
+    pub body: Bytes,
+}
+
+/// A plugin attached with one config (a "use" of it on a route or the
+/// global chain), as the driver calls it.
+pub trait Plugin: Send + Sync + std::fmt::Debug {
+    /// The plugin's name, for logs, errors and metrics.
+    fn name(&self) -> &Arc<str>;
+    /// What a failed call does to its request.
+    fn fail(&self) -> FailMode;
+    /// Which calls it wants.
+    fn hooks(&self) -> Hooks;
+    /// The route the use is on (`None`: the global chain), the largest
+    /// memory it has reached, and its cap, in bytes.
+    fn memory_use(&self) -> (Option<&str>, usize, usize);
+    /// The calls made to it since its configuration was loaded.
+    fn calls(&self) -> u64;
+    /// Whether a call may run on another thread than the request's (a
+    /// large body's call then runs on a plugin thread, [`crate::offload`]);
+    /// a kind whose state lives on its worker thread says no.
+    fn runs_anywhere(&self) -> bool;
+
+    /// The request head, and its body once the plugin asked for it
+    /// ([`Verdict::ReadBody`]). `facts` and `headers` are lent for the
+    /// call; `facts` is `None` only for a use that never reads them.
+    fn on_request(
+        &self,
+        facts: &mut Option<RequestFacts>,
+        headers: &mut http::HeaderMap,
+        body: Option<&[u8]>,
+    ) -> Result<Verdict, PluginError>;
+
+    /// The upstream's response head, `status` and `headers` (edited in
+    /// place), with the request as forwarded.
+    fn on_response(
+        &self,
+        facts: &mut Option<RequestFacts>,
+        request_headers: &mut http::HeaderMap,
+        status: u16,
+        headers: &mut http::HeaderMap,
+    ) -> Result<ResponseVerdict, PluginError>;
+}
