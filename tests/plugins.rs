@@ -19,6 +19,7 @@ mod header_rules;
 mod host_limits;
 mod isolation;
 mod packaging;
+mod proxy_wasm;
 mod standard;
 mod webhooks;
 

@@ -64,7 +64,12 @@ fn main() -> anyhow::Result<()> {
                     route: index,
                     params: Vec::new(),
                 });
-                let d = binding.on_request(&mut facts, &mut headers, None);
+                let mut stream = plugin::Stream::NONE;
+                let d = binding.on_request(&mut stream, &mut facts, &mut headers, None);
+                // A proxy-wasm filter's context ends with its request.
+                if stream != plugin::Stream::NONE {
+                    binding.end(stream);
+                }
                 let took = start.elapsed();
                 // The first tenth warms caches and instances up.
                 if i >= calls / 10 {

@@ -43,11 +43,44 @@ pub enum Step<'a> {
 }
 
 /// What the request hooks have set so far.
-struct Progress {
+struct Progress<'a> {
     /// Lent to each call; `None` only while lent.
     facts: Option<RequestFacts>,
     upstream: Option<usize>,
     path: Option<PathAndQuery>,
+    streams: Streams<'a>,
+}
+
+/// What plugins keep of the request between calls ([`plugin::Stream`]),
+/// by their place in the chain; ended when the request is over, however
+/// it ends (this is dropped with the request). Empty, and allocation-free,
+/// for plugins that keep nothing.
+struct Streams<'a> {
+    chain: &'a [Arc<dyn Plugin>],
+    held: Vec<(usize, plugin::Stream)>,
+}
+
+impl Streams<'_> {
+    fn get(&self, at: usize) -> plugin::Stream {
+        self.held
+            .iter()
+            .find(|(i, _)| *i == at)
+            .map_or(plugin::Stream::NONE, |(_, s)| *s)
+    }
+
+    fn set(&mut self, at: usize, stream: plugin::Stream) {
+        if stream != plugin::Stream::NONE && !self.held.iter().any(|(i, _)| *i == at) {
+            self.held.push((at, stream));
+        }
+    }
+}
+
+impl Drop for Streams<'_> {
+    fn drop(&mut self) {
+        for (at, stream) in self.held.drain(..) {
+            self.chain[at].end(stream);
+        }
+    }
 }
 
 /// A chain stopped at the plugin that asked for the request body.
@@ -56,7 +89,7 @@ pub struct PendingBody<'a> {
     /// Index (among the request hooks) of the plugin that asked.
     at: usize,
     max: u32,
-    progress: Progress,
+    progress: Progress<'a>,
 }
 
 /// What the response hooks need, kept from the request hooks.
@@ -73,6 +106,7 @@ pub struct PluginContext<'a> {
     pub upstream: Option<usize>,
     /// The path to send, if a plugin set one (it replaces the route's rewrite).
     pub path: Option<PathAndQuery>,
+    streams: Streams<'a>,
 }
 
 fn plugin_error(route: &Route, e: &PluginError) -> Response<Body> {
@@ -172,6 +206,10 @@ pub fn on_request<'a>(
         }),
         upstream: None,
         path: None,
+        streams: Streams {
+            chain,
+            held: Vec::new(),
+        },
     };
     run(chain, progress, headers, route, config)
 }
@@ -195,7 +233,7 @@ impl<'a> PendingBody<'a> {
             Err((status, message)) => {
                 let plugin = request_hooks(self.chain)
                     .nth(self.at)
-                    .map(|b| b.name().clone());
+                    .map(|(_, b)| b.name().clone());
                 return RequestOutcome::Answer(json_error(
                     status,
                     message,
@@ -206,18 +244,24 @@ impl<'a> PendingBody<'a> {
         };
         *body = Body::full(bytes.clone());
         let mut progress = self.progress;
-        for (i, binding) in request_hooks(self.chain).enumerate().skip(self.at) {
+        for (i, (place, binding)) in request_hooks(self.chain).enumerate().skip(self.at) {
             // The plugin that asked for the body has had its one ask; a
             // later one may ask once (the body is in hand: it is called
             // again with it).
             let mut asked = i == self.at;
             loop {
                 let facts = &mut progress.facts;
-                let result = match plugin::offload::on_request_with_body(
-                    binding, facts, headers, &bytes,
+                let mut stream = progress.streams.get(place);
+                let called = plugin::offload::on_request_with_body(
+                    binding,
+                    &mut stream,
+                    facts,
+                    headers,
+                    &bytes,
                 )
-                .await
-                {
+                .await;
+                progress.streams.set(place, stream);
+                let result = match called {
                     Ok(result) => result,
                     Err(plugin::Lost) => {
                         tracing::error!(plugin = %binding.name(), route = %route.name, "plugin call lost before it ran");
@@ -250,22 +294,25 @@ impl<'a> PendingBody<'a> {
     }
 }
 
-/// The plugins of `chain` with a request hook, in order.
-fn request_hooks(chain: &[Arc<dyn Plugin>]) -> impl Iterator<Item = &Arc<dyn Plugin>> {
-    chain.iter().filter(|b| b.hooks().request)
+/// The plugins of `chain` with a request hook, in order, with their
+/// places in the chain.
+fn request_hooks(chain: &[Arc<dyn Plugin>]) -> impl Iterator<Item = (usize, &Arc<dyn Plugin>)> {
+    chain.iter().enumerate().filter(|(_, b)| b.hooks().request)
 }
 
 /// Runs the request hooks of a request whose body no plugin has asked for
 /// (yet): stops at the first that asks.
 fn run<'a>(
     chain: &'a [Arc<dyn Plugin>],
-    mut progress: Progress,
+    mut progress: Progress<'a>,
     headers: &mut http::HeaderMap,
     route: &Route,
     config: &Config,
 ) -> Step<'a> {
-    for (at, binding) in request_hooks(chain).enumerate() {
-        let result = binding.on_request(&mut progress.facts, headers, None);
+    for (at, (place, binding)) in request_hooks(chain).enumerate() {
+        let mut stream = progress.streams.get(place);
+        let result = binding.on_request(&mut stream, &mut progress.facts, headers, None);
+        progress.streams.set(place, stream);
         match after_call(&**binding, result, &mut progress, route, config) {
             Flow::Next => {}
             Flow::Answer(resp) => return Step::Done(RequestOutcome::Answer(resp)),
@@ -297,7 +344,7 @@ enum Flow {
 fn after_call(
     binding: &dyn Plugin,
     result: Result<Verdict, PluginError>,
-    progress: &mut Progress,
+    progress: &mut Progress<'_>,
     route: &Route,
     config: &Config,
 ) -> Flow {
@@ -418,7 +465,7 @@ fn misbehaved(binding: &dyn Plugin, route: &Route, message: &str) -> Response<Bo
 /// What the request hooks leave for the forwarding and the response hooks.
 fn finish<'a>(
     chain: &'a [Arc<dyn Plugin>],
-    progress: Progress,
+    progress: Progress<'a>,
     headers: &http::HeaderMap,
 ) -> RequestOutcome<'a> {
     // Response hooks read the request too; keep it only when one will.
@@ -437,6 +484,7 @@ fn finish<'a>(
         chain,
         upstream: progress.upstream,
         path: progress.path,
+        streams: progress.streams,
     })))
 }
 
@@ -472,10 +520,20 @@ pub fn on_response(
     resp: &mut http::response::Parts,
 ) -> Option<Response<Body>> {
     let chain = ctx.chain;
-    for binding in chain.iter().rev().filter(|b| b.hooks().response) {
+    let responders = chain.iter().enumerate().rev();
+    for (place, binding) in responders.filter(|(_, b)| b.hooks().response) {
         let status = resp.status.as_u16();
         let facts = &mut ctx.facts;
-        match binding.on_response(facts, &mut ctx.request_headers, status, &mut resp.headers) {
+        let mut stream = ctx.streams.get(place);
+        let called = binding.on_response(
+            &mut stream,
+            facts,
+            &mut ctx.request_headers,
+            status,
+            &mut resp.headers,
+        );
+        ctx.streams.set(place, stream);
+        match called {
             Ok(ResponseVerdict::Continue) => {}
             Ok(ResponseVerdict::Respond(local)) => {
                 return Some(local_answer(&**binding, route, local));

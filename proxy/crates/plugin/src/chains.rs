@@ -55,18 +55,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
     // Compile (CPU-heavy) off the async workers.
     let modules = config.plugins.clone();
     let compiled = tokio::task::spawn_blocking(move || {
-        modules
-            .iter()
-            .map(|m| {
-                host.compile(m).and_then(|c| {
-                    // A plugin importing more than the plugin WASI set
-                    // (files, sockets) is refused here, naming the import.
-                    host.linker
-                        .instantiate_pre(&c)
-                        .map_err(|e| format!("{} cannot be linked: {e:#}", m.path.display()))
-                })
-            })
-            .collect::<Vec<_>>()
+        modules.iter().map(|m| compile(host, m)).collect::<Vec<_>>()
     })
     .await
     .map_err(|e| {
@@ -78,15 +67,8 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
     let mut errors = Vec::new();
     let mut pres = Vec::with_capacity(compiled.len());
     for (module, result) in config.plugins.iter().zip(compiled) {
-        match result.and_then(|pre| {
-            PolicyPre::new(pre).map_err(|e| {
-                format!(
-                    "{} does not export the portcullis:policy world: {e:#}",
-                    module.path.display()
-                )
-            })
-        }) {
-            Ok(pre) => pres.push(Some(pre)),
+        match result {
+            Ok(kind) => pres.push(Some(kind)),
             Err(message) => {
                 errors.push(ConfigError {
                     pos: module.defined_at.clone(),
@@ -109,7 +91,33 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
         let on = route.map_or_else(|| "the global chain".to_owned(), |r| format!("route `{r}`"));
         let route: Option<Arc<str>> = route.map(Arc::from);
         async move {
-            let Some(pre) = pre else { return Ok(None) };
+            let pre = match pre {
+                None => return Ok(None),
+                Some(Kind::Filter(module)) => {
+                    let settings = crate::proxy_wasm::Settings {
+                        name: name.clone(),
+                        fail: u.fail,
+                        root_id: Arc::from(""),
+                        config: filter_config(&u.config_json),
+                        vm_config: bytes::Bytes::new(),
+                        timeout: u.timeout,
+                        memory: u.memory,
+                        route_names,
+                        route,
+                    };
+                    return match crate::proxy_wasm::ProxyWasm::new(&engine, &module, settings) {
+                        Ok(filter) => Ok(Some(Arc::new(filter) as Arc<dyn Plugin>)),
+                        Err(message) => Err(ConfigError {
+                            pos: u.defined_at.clone(),
+                            message: portcullis_config::envsubst::redact(
+                                format!("plugin `{name}` on {on}: {message}"),
+                                &u.substituted,
+                            ),
+                        }),
+                    };
+                }
+                Some(Kind::Component(pre)) => pre,
+            };
             let mut binding = Binding {
                 plugin: name.clone(),
                 fail: u.fail,
@@ -189,5 +197,56 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
         Ok(Chains { routes })
     } else {
         Err(ConfigErrors(errors))
+    }
+}
+
+/// A plugin module compiled: a component, or a proxy-wasm filter.
+#[derive(Clone)]
+enum Kind {
+    Component(PolicyPre<State>),
+    Filter(wasmtime::Module),
+}
+
+/// Compiles `m` as the kind its file is: a core module exporting the
+/// proxy-wasm ABI is a filter, anything else must be a component of the
+/// `portcullis:policy` world.
+fn compile(host: &PluginHost, m: &PluginModule) -> Result<Kind, String> {
+    if file_kind::is_core_module(&m.bytes) {
+        let module = wasmtime::Module::new(&host.engine, &m.bytes)
+            .map_err(|e| format!("plugin {}: invalid module: {e:#}", m.path.display()))?;
+        if !crate::proxy_wasm::is_filter(&module) {
+            return Err(format!(
+                "plugin {}: a core WebAssembly module that exports no proxy_abi_version_0_2_1 \
+                 (or _0_2_0): neither a proxy-wasm filter nor a component. Build a \
+                 portcullis plugin for wasm32-wasip2 (plugins/build.sh does), or a proxy-wasm \
+                 filter with a proxy-wasm SDK",
+                m.path.display()
+            ));
+        }
+        return Ok(Kind::Filter(module));
+    }
+    let c = host.compile(m)?;
+    // A plugin importing more than the plugin WASI set (files, sockets) is
+    // refused here, naming the import.
+    let pre = host
+        .linker
+        .instantiate_pre(&c)
+        .map_err(|e| format!("{} cannot be linked: {e:#}", m.path.display()))?;
+    PolicyPre::new(pre).map(Kind::Component).map_err(|e| {
+        format!(
+            "{} does not export the portcullis:policy world: {e:#}",
+            m.path.display()
+        )
+    })
+}
+
+/// A filter's configuration bytes from the use's `config`: a string as
+/// its text, any other value as its JSON, none as nothing (Envoy's
+/// `configuration`, which is bytes).
+fn filter_config(json: &str) -> bytes::Bytes {
+    match serde_json::from_str::<serde_json::Value>(json) {
+        Ok(serde_json::Value::String(text)) => text.into(),
+        Ok(serde_json::Value::Null) => bytes::Bytes::new(),
+        _ => bytes::Bytes::copy_from_slice(json.as_bytes()),
     }
 }

@@ -41,6 +41,7 @@ impl seam::Plugin for Binding {
 
     fn on_request(
         &self,
+        _stream: &mut seam::Stream,
         facts: &mut Option<RequestFacts>,
         headers: &mut http::HeaderMap,
         body: Option<&[u8]>,
@@ -61,6 +62,7 @@ impl seam::Plugin for Binding {
 
     fn on_response(
         &self,
+        _stream: &mut seam::Stream,
         facts: &mut Option<RequestFacts>,
         request_headers: &mut http::HeaderMap,
         status: u16,

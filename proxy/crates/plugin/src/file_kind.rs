@@ -39,6 +39,11 @@ pub fn explain(bytes: &[u8], error: &wasmtime::Error) -> String {
         .join(" ")
 }
 
+/// Whether `bytes` are a core WebAssembly module (not a component).
+pub fn is_core_module(bytes: &[u8]) -> bool {
+    bytes.len() >= 8 && &bytes[..4] == MAGIC && bytes[4..8] == CORE_MODULE
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -21,7 +21,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 
 use bytes::Bytes;
 
-use super::{Plugin, PluginError, RequestFacts, Verdict};
+use super::{Plugin, PluginError, RequestFacts, Stream, Verdict};
 
 /// Bodies from this size on go to the plugin threads. Below it the call
 /// costs less than the hand-off would save (at webhook-signature's rate,
@@ -78,13 +78,14 @@ pub struct Lost;
 /// back, as they move into the instance.
 pub async fn on_request_with_body(
     plugin: &Arc<dyn Plugin>,
+    stream: &mut Stream,
     req: &mut Option<RequestFacts>,
     headers: &mut http::HeaderMap,
     body: &Bytes,
 ) -> Result<Result<Verdict, PluginError>, Lost> {
     let queue = match &*QUEUE {
         Some(queue) if body.len() >= OFFLOAD_AT && plugin.runs_anywhere() => queue,
-        _ => return Ok(plugin.on_request(req, headers, Some(body))),
+        _ => return Ok(plugin.on_request(stream, req, headers, Some(body))),
     };
     let (done, result) = tokio::sync::oneshot::channel();
     let binding = plugin.clone();
@@ -97,7 +98,9 @@ pub async fn on_request_with_body(
             return;
         }
         let call = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            binding.on_request(&mut facts, &mut moved, Some(&body))
+            // Only kinds that keep no stream run here (`runs_anywhere`).
+            let mut none = Stream::NONE;
+            binding.on_request(&mut none, &mut facts, &mut moved, Some(&body))
         }));
         let _ = done.send(call.map(|result| (facts, moved, result)));
     });

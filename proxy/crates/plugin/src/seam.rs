@@ -70,6 +70,18 @@ pub struct LocalAnswer {
     pub body: Bytes,
 }
 
+/// What a plugin keeps of one request between its calls (a proxy-wasm
+/// filter's HTTP context), as an opaque number the driver holds for the
+/// request and gives back to every call; [`Stream::NONE`] for kinds that
+/// keep nothing, which never make the driver allocate for it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stream(pub u64);
+
+impl Stream {
+    /// Nothing kept.
+    pub const NONE: Stream = Stream(0);
+}
+
 /// A plugin attached with one config (a "use" of it on a route or the
 /// global chain), as the driver calls it.
 pub trait Plugin: Send + Sync + std::fmt::Debug {
@@ -94,6 +106,7 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
     /// call; `facts` is `None` only for a use that never reads them.
     fn on_request(
         &self,
+        stream: &mut Stream,
         facts: &mut Option<RequestFacts>,
         headers: &mut http::HeaderMap,
         body: Option<&[u8]>,
@@ -103,9 +116,15 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
     /// place), with the request as forwarded.
     fn on_response(
         &self,
+        stream: &mut Stream,
         facts: &mut Option<RequestFacts>,
         request_headers: &mut http::HeaderMap,
         status: u16,
         headers: &mut http::HeaderMap,
     ) -> Result<ResponseVerdict, PluginError>;
+
+    /// The request is over (answered, failed or left): what `stream`
+    /// holds is freed. Called once for each stream a call set, on the
+    /// request's thread.
+    fn end(&self, _stream: Stream) {}
 }

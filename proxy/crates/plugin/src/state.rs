@@ -59,14 +59,7 @@ impl State {
                 .build(),
             plugin,
             table: handle_table(),
-            limits: MemoryCap {
-                max: memory,
-                hit: false,
-                peak: 0,
-                step: 0,
-                serving: false,
-                shared_peak: peak,
-            },
+            limits: MemoryCap::new(memory, peak),
             deadline: CpuDeadline::new(timeout),
             request: None,
             route_names,
@@ -119,6 +112,19 @@ pub struct MemoryCap {
 }
 
 impl MemoryCap {
+    /// A cap of `max` bytes; `shared_peak` is raised to the largest size
+    /// reached.
+    pub fn new(max: usize, shared_peak: Arc<AtomicUsize>) -> MemoryCap {
+        MemoryCap {
+            max,
+            hit: false,
+            peak: 0,
+            step: 0,
+            serving: false,
+            shared_peak,
+        }
+    }
+
     /// Whether the instance is too near its cap to be reused: less room
     /// left than two of its largest growths while serving. Runtimes with
     /// a garbage collector (SpiderMonkey, as componentize-js builds it)

@@ -1,0 +1,81 @@
+//! A header filter as Envoy users write them: refuses requests carrying
+//! `x-deny` with its own 403, otherwise tags the request with its
+//! configuration and the path it saw, drops `x-remove-me`, and tags the
+//! response with the status it saw.
+
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, ContextType, LogLevel};
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Trace);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+        Box::new(Root { tag: String::new() })
+    });
+}}
+
+struct Root {
+    tag: String,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let config = self.get_plugin_configuration().unwrap_or_default();
+        match String::from_utf8(config) {
+            // A configuration of "refuse" is refused, as a filter refuses
+            // a configuration it cannot use.
+            Ok(tag) if tag != "refuse" => {
+                log::info!("configured with tag {tag}");
+                self.tag = tag;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Filter {
+            tag: self.tag.clone(),
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct Filter {
+    tag: String,
+}
+
+impl Context for Filter {}
+
+impl HttpContext for Filter {
+    fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        if self.get_http_request_header("x-deny").is_some() {
+            self.send_http_response(
+                403,
+                vec![("x-denied-by", "proxy-wasm-headers")],
+                Some(b"denied by the filter\n"),
+            );
+            return Action::Pause;
+        }
+        let path = self.get_http_request_header(":path").unwrap_or_default();
+        let method = self.get_http_request_header(":method").unwrap_or_default();
+        self.set_http_request_header("x-pw-tag", Some(&self.tag));
+        self.set_http_request_header("x-pw-saw", Some(&format!("{method} {path}")));
+        self.set_http_request_header("x-remove-me", None);
+        self.add_http_request_header("x-pw-added", "one");
+        self.add_http_request_header("x-pw-added", "two");
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        let status = self.get_http_response_header(":status").unwrap_or_default();
+        self.set_http_response_header("x-pw-status", Some(&status));
+        let count = self.get_http_response_headers().len();
+        self.set_http_response_header("x-pw-response-fields", Some(&count.to_string()));
+        Action::Continue
+    }
+}

@@ -1,0 +1,373 @@
+//! The host calls of the proxy-wasm ABI 0.2.1 (module `env`), as the
+//! `proxy-wasm` SDKs import them: logs, clocks, the plugin's
+//! configuration, the HTTP header maps with their pseudo-headers, local
+//! responses and properties. A call the host does not offer yet traps with
+//! its name when made (see `stub_missing`), so a module that imports it
+//! but never calls it still runs.
+
+use http::{HeaderMap, HeaderName, HeaderValue};
+use wasmtime::{Caller, Linker};
+
+use super::guest::{Status, give, read, write, write_u32};
+use super::{VmState, map};
+use crate::seam::LocalAnswer;
+
+type C<'a> = Caller<'a, VmState>;
+type R = wasmtime::Result<i32>;
+
+const REQUEST_HEADERS: i32 = 0;
+const RESPONSE_HEADERS: i32 = 2;
+const PLUGIN_CONFIGURATION: i32 = 7;
+const VM_CONFIGURATION: i32 = 6;
+
+fn ok(s: Status) -> R {
+    Ok(s as i32)
+}
+
+/// Adds the ABI's calls to `linker`.
+pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
+    let env = "env";
+    linker.func_wrap(
+        env,
+        "proxy_log",
+        |mut c: C<'_>, level: i32, ptr: i32, len: i32| -> R {
+            let message = read(&mut c, ptr, len)?;
+            let message = String::from_utf8_lossy(&message);
+            let plugin = &*c.data().plugin;
+            match level {
+                0 => tracing::trace!(plugin, "{message}"),
+                1 => tracing::debug!(plugin, "{message}"),
+                2 => tracing::info!(plugin, "{message}"),
+                3 => tracing::warn!(plugin, "{message}"),
+                _ => tracing::error!(plugin, "{message}"),
+            }
+            ok(Status::Ok)
+        },
+    )?;
+    linker.func_wrap(env, "proxy_get_log_level", |mut c: C<'_>, ret: i32| -> R {
+        use tracing::level_filters::LevelFilter;
+        let level = match LevelFilter::current() {
+            LevelFilter::TRACE => 0,
+            LevelFilter::DEBUG => 1,
+            LevelFilter::INFO => 2,
+            LevelFilter::WARN => 3,
+            LevelFilter::ERROR => 4,
+            _ => 5,
+        };
+        write_u32(&mut c, ret, level)?;
+        ok(Status::Ok)
+    })?;
+    linker.func_wrap(
+        env,
+        "proxy_get_current_time_nanoseconds",
+        |mut c: C<'_>, ret: i32| -> R {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            write(&mut c, ret, &now.to_le_bytes())?;
+            ok(Status::Ok)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_get_buffer_bytes",
+        |mut c: C<'_>, kind: i32, start: i32, max: i32, ret_ptr: i32, ret_len: i32| -> R {
+            let buffer = match kind {
+                PLUGIN_CONFIGURATION => c.data().config.clone(),
+                VM_CONFIGURATION => c.data().vm_config.clone(),
+                _ => return ok(Status::NotFound),
+            };
+            let start = (start as u32 as usize).min(buffer.len());
+            let end = start.saturating_add(max as u32 as usize).min(buffer.len());
+            // Nothing to give: the return pointers stay null, which the
+            // SDKs read as an empty buffer, as from Envoy.
+            if start == end {
+                return ok(Status::Ok);
+            }
+            give(&mut c, &buffer[start..end], (ret_ptr, ret_len))
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_get_header_map_pairs",
+        |mut c: C<'_>, kind: i32, ret_ptr: i32, ret_len: i32| -> R {
+            let Some(pairs) = pairs(c.data(), kind) else {
+                return ok(Status::NotFound);
+            };
+            let bytes = map::serialize(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
+            give(&mut c, &bytes, (ret_ptr, ret_len))
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_set_header_map_pairs",
+        |mut c: C<'_>, kind: i32, ptr: i32, len: i32| -> R {
+            let bytes = read(&mut c, ptr, len)?;
+            let Some(pairs) = map::deserialize(&bytes) else {
+                return ok(Status::SerializationFailure);
+            };
+            let Some(headers) = headers_mut(c.data_mut(), kind) else {
+                return ok(Status::NotFound);
+            };
+            headers.clear();
+            for (k, v) in &pairs {
+                if !k.starts_with(b":") {
+                    append(c.data_mut(), kind, k, v);
+                }
+            }
+            for (k, v) in pairs.iter().filter(|(k, _)| k.starts_with(b":")) {
+                set_pseudo(c.data_mut(), k, v);
+            }
+            ok(Status::Ok)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_get_header_map_value",
+        |mut c: C<'_>, kind: i32, key_ptr: i32, key_len: i32, ret_ptr: i32, ret_len: i32| -> R {
+            let key = read(&mut c, key_ptr, key_len)?;
+            let value = if key.starts_with(b":") {
+                pseudo(c.data(), kind, &key)
+            } else {
+                let headers = match kind {
+                    REQUEST_HEADERS => &c.data().call.request_headers,
+                    RESPONSE_HEADERS => &c.data().call.response_headers,
+                    _ => return ok(Status::NotFound),
+                };
+                HeaderName::from_bytes(&key)
+                    .ok()
+                    .and_then(|name| headers.get(name))
+                    .map(|v| v.as_bytes().to_vec())
+            };
+            match value {
+                Some(value) if value.is_empty() => ok(Status::Ok),
+                Some(value) => give(&mut c, &value, (ret_ptr, ret_len)),
+                None => ok(Status::NotFound),
+            }
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_replace_header_map_value",
+        |mut c: C<'_>, kind: i32, key_ptr: i32, key_len: i32, ptr: i32, len: i32| -> R {
+            let key = read(&mut c, key_ptr, key_len)?;
+            let value = read(&mut c, ptr, len)?;
+            if key.starts_with(b":") {
+                set_pseudo(c.data_mut(), &key, &value);
+                return ok(Status::Ok);
+            }
+            if let Some(h) = headers_mut(c.data_mut(), kind)
+                && let Ok(name) = HeaderName::from_bytes(&key)
+            {
+                h.remove(&name);
+            }
+            append(c.data_mut(), kind, &key, &value);
+            ok(Status::Ok)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_add_header_map_value",
+        |mut c: C<'_>, kind: i32, key_ptr: i32, key_len: i32, ptr: i32, len: i32| -> R {
+            let key = read(&mut c, key_ptr, key_len)?;
+            let value = read(&mut c, ptr, len)?;
+            if key.starts_with(b":") {
+                set_pseudo(c.data_mut(), &key, &value);
+            } else {
+                append(c.data_mut(), kind, &key, &value);
+            }
+            ok(Status::Ok)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_remove_header_map_value",
+        |mut c: C<'_>, kind: i32, key_ptr: i32, key_len: i32| -> R {
+            let key = read(&mut c, key_ptr, key_len)?;
+            if let Some(h) = headers_mut(c.data_mut(), kind)
+                && let Ok(name) = HeaderName::from_bytes(&key)
+            {
+                h.remove(&name);
+            }
+            ok(Status::Ok)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_send_local_response",
+        |mut c: C<'_>,
+         status: i32,
+         _details_ptr: i32,
+         _details_len: i32,
+         body_ptr: i32,
+         body_len: i32,
+         headers_ptr: i32,
+         headers_len: i32,
+         _grpc_status: i32|
+         -> R {
+            let body = read(&mut c, body_ptr, body_len)?;
+            let bytes = read(&mut c, headers_ptr, headers_len)?;
+            let Some(pairs) = map::deserialize(&bytes) else {
+                return ok(Status::SerializationFailure);
+            };
+            let mut headers = HeaderMap::new();
+            for (k, v) in pairs {
+                match (HeaderName::from_bytes(k), HeaderValue::from_bytes(v)) {
+                    (Ok(k), Ok(v)) => {
+                        headers.append(k, v);
+                    }
+                    _ => tracing::warn!(plugin = %c.data().plugin, "plugin set an invalid header; skipped"),
+                }
+            }
+            c.data_mut().call.local = Some(LocalAnswer {
+                status: status as u16,
+                headers,
+                body: body.into(),
+            });
+            ok(Status::Ok)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_get_property",
+        |mut c: C<'_>, path_ptr: i32, path_len: i32, ret_ptr: i32, ret_len: i32| -> R {
+            let path = read(&mut c, path_ptr, path_len)?;
+            match super::properties::get(c.data(), &path) {
+                Some(value) if value.is_empty() => ok(Status::Ok),
+                Some(value) => give(&mut c, &value, (ret_ptr, ret_len)),
+                None => ok(Status::NotFound),
+            }
+        },
+    )?;
+    // Calls that only say "go on": every request runs to its end here,
+    // and the context to act for is the one being called.
+    linker.func_wrap(env, "proxy_set_effective_context", |_: C<'_>, _id: i32| {
+        ok(Status::Ok)
+    })?;
+    linker.func_wrap(env, "proxy_continue_stream", |_: C<'_>, _kind: i32| {
+        ok(Status::Ok)
+    })?;
+    linker.func_wrap(env, "proxy_continue_request", |_: C<'_>| ok(Status::Ok))?;
+    linker.func_wrap(env, "proxy_continue_response", |_: C<'_>| ok(Status::Ok))?;
+    linker.func_wrap(env, "proxy_done", |_: C<'_>| ok(Status::Ok))?;
+    Ok(())
+}
+
+/// Every header of `kind`'s map with its pseudo-headers first, as Envoy
+/// lists them; `None` for a map the call has none of.
+fn pairs(state: &VmState, kind: i32) -> Option<Vec<(Vec<u8>, Vec<u8>)>> {
+    let (names, headers): (&[&[u8]], _) = match kind {
+        REQUEST_HEADERS => (
+            &[b":authority", b":path", b":method", b":scheme"],
+            &state.call.request_headers,
+        ),
+        RESPONSE_HEADERS => (&[b":status"], &state.call.response_headers),
+        _ => return None,
+    };
+    let mut out: Vec<(Vec<u8>, Vec<u8>)> = names
+        .iter()
+        .filter_map(|n| Some((n.to_vec(), pseudo(state, kind, n)?)))
+        .collect();
+    out.extend(
+        headers
+            .iter()
+            .map(|(k, v)| (k.as_str().as_bytes().to_vec(), v.as_bytes().to_vec())),
+    );
+    Some(out)
+}
+
+/// A pseudo-header's value, from the request's facts or the response's
+/// status.
+fn pseudo(state: &VmState, kind: i32, name: &[u8]) -> Option<Vec<u8>> {
+    let call = &state.call;
+    if kind == RESPONSE_HEADERS {
+        return (name == b":status")
+            .then(|| call.status.map(|s| s.to_string().into_bytes()))
+            .flatten();
+    }
+    let facts = call.facts.as_ref()?;
+    let value = match name {
+        b":method" => facts.method.as_str().to_owned(),
+        b":scheme" => if facts.tls { "https" } else { "http" }.to_owned(),
+        b":path" => match (&call.path, &facts.rewritten) {
+            (Some(p), _) => p.clone(),
+            (None, Some(pq)) => pq.as_str().to_owned(),
+            (None, None) => facts
+                .uri
+                .path_and_query()
+                .map_or("/", |p| p.as_str())
+                .to_owned(),
+        },
+        b":authority" => match facts.uri.authority() {
+            Some(a) => a.as_str().to_owned(),
+            None => {
+                let host = call.request_headers.get(http::header::HOST)?;
+                return Some(host.as_bytes().to_vec());
+            }
+        },
+        _ => return None,
+    };
+    Some(value.into_bytes())
+}
+
+/// A pseudo-header set by the plugin: `:path` changes where the request
+/// goes, `:authority` its `Host`; the others are the proxy's to keep.
+fn set_pseudo(state: &mut VmState, name: &[u8], value: &[u8]) {
+    match name {
+        b":path" => state.call.path = Some(String::from_utf8_lossy(value).into_owned()),
+        b":authority" => {
+            if let Ok(v) = HeaderValue::from_bytes(value) {
+                state.call.request_headers.insert(http::header::HOST, v);
+            }
+        }
+        _ => {
+            tracing::debug!(plugin = %state.plugin, name = %String::from_utf8_lossy(name), "plugin set a pseudo-header the proxy keeps; ignored")
+        }
+    }
+}
+
+fn headers_mut(state: &mut VmState, kind: i32) -> Option<&mut HeaderMap> {
+    match kind {
+        REQUEST_HEADERS => Some(&mut state.call.request_headers),
+        RESPONSE_HEADERS => Some(&mut state.call.response_headers),
+        _ => None,
+    }
+}
+
+fn append(state: &mut VmState, kind: i32, key: &[u8], value: &[u8]) {
+    let plugin = state.plugin.clone();
+    let Some(headers) = headers_mut(state, kind) else {
+        return;
+    };
+    match (HeaderName::from_bytes(key), HeaderValue::from_bytes(value)) {
+        (Ok(k), Ok(v)) => {
+            headers.append(k, v);
+        }
+        _ => {
+            tracing::warn!(plugin = %plugin, header = %String::from_utf8_lossy(key), "plugin set an invalid header; skipped")
+        }
+    }
+}
+
+/// Defines every function `module` imports as a call that fails its
+/// request naming itself; the host's own calls, added after with
+/// shadowing allowed, replace those it offers. proxy-wasm SDKs import the
+/// whole ABI, and most filters call a handful of it.
+pub fn stub_imports(
+    linker: &mut Linker<VmState>,
+    module: &wasmtime::Module,
+) -> wasmtime::Result<()> {
+    for import in module.imports() {
+        let (m, name) = (import.module(), import.name());
+        let wasmtime::ExternType::Func(ty) = import.ty() else {
+            continue;
+        };
+        let what = format!("{m}::{name}");
+        linker.func_new(m, name, ty, move |_, _, _| {
+            wasmtime::bail!(
+                "the plugin called {what}, which this proxy-wasm host does not offer yet"
+            )
+        })?;
+    }
+    Ok(())
+}

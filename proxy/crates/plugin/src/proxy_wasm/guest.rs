@@ -1,0 +1,85 @@
+//! Reading and writing a proxy-wasm guest's memory from a host call:
+//! bounds-checked slices, and results handed over in memory the guest
+//! allocates (`proxy_on_memory_allocate`, or `malloc` for SDKs that
+//! export that), as the ABI's `return_*` pointers expect.
+
+use wasmtime::{Caller, Extern, Memory};
+
+use super::VmState;
+
+/// The ABI's status codes, as Envoy returns them (the SDKs panic on any
+/// other).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum Status {
+    Ok = 0,
+    NotFound = 1,
+    SerializationFailure = 3,
+}
+
+fn memory(caller: &mut Caller<'_, VmState>) -> wasmtime::Result<Memory> {
+    match caller.get_export("memory") {
+        Some(Extern::Memory(m)) => Ok(m),
+        _ => wasmtime::bail!("the module exports no memory"),
+    }
+}
+
+/// `len` bytes at `ptr`, copied out.
+pub fn read(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> wasmtime::Result<Vec<u8>> {
+    let mem = memory(caller)?;
+    let (ptr, len) = (ptr as u32 as usize, len as u32 as usize);
+    match mem.data(&caller).get(ptr..ptr.saturating_add(len)) {
+        Some(bytes) => Ok(bytes.to_vec()),
+        None => wasmtime::bail!("a host call was given memory out of bounds"),
+    }
+}
+
+/// Writes `bytes` at `ptr`.
+pub fn write(caller: &mut Caller<'_, VmState>, ptr: i32, bytes: &[u8]) -> wasmtime::Result<()> {
+    let mem = memory(caller)?;
+    let ptr = ptr as u32 as usize;
+    match mem
+        .data_mut(caller)
+        .get_mut(ptr..ptr.saturating_add(bytes.len()))
+    {
+        Some(dst) => {
+            dst.copy_from_slice(bytes);
+            Ok(())
+        }
+        None => wasmtime::bail!("a host call was given memory out of bounds"),
+    }
+}
+
+/// Writes a 32-bit word at `ptr`.
+pub fn write_u32(caller: &mut Caller<'_, VmState>, ptr: i32, value: u32) -> wasmtime::Result<()> {
+    write(caller, ptr, &value.to_le_bytes())
+}
+
+/// Hands `bytes` to the guest: allocated by its allocator, the address
+/// and length written at `ret_ptr` and `ret_len`.
+pub fn give(
+    caller: &mut Caller<'_, VmState>,
+    bytes: &[u8],
+    (ret_ptr, ret_len): (i32, i32),
+) -> wasmtime::Result<i32> {
+    let alloc = ["proxy_on_memory_allocate", "malloc"]
+        .into_iter()
+        .find_map(|name| caller.get_export(name).and_then(Extern::into_func))
+        .ok_or_else(|| {
+            wasmtime::format_err!(
+                "the module exports no allocator (proxy_on_memory_allocate or malloc)"
+            )
+        })?;
+    let alloc = alloc.typed::<i32, i32>(&caller)?;
+    let at = alloc.call(&mut *caller, bytes.len() as i32)?;
+    if at == 0 && !bytes.is_empty() {
+        wasmtime::bail!(
+            "the module's allocator returned null for {} bytes",
+            bytes.len()
+        );
+    }
+    write(caller, at, bytes)?;
+    write_u32(caller, ret_ptr, at as u32)?;
+    write_u32(caller, ret_len, bytes.len() as u32)?;
+    Ok(Status::Ok as i32)
+}

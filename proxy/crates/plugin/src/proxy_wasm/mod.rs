@@ -1,0 +1,348 @@
+//! Envoy's proxy-wasm filters (ABI 0.2.1 and 0.2.0, core modules built
+//! for `wasm32-wasip1` or `wasm32-unknown-unknown`) as a kind of plugin
+//! behind the seam ([`crate::seam::Plugin`]).
+//!
+//! As in Envoy, a filter runs in a VM (one instance of the module) per
+//! worker thread, which lives across requests: its root context is
+//! configured once when the VM starts, and each request gets an HTTP
+//! context on the VM of the thread it runs on, from its request headers to
+//! its end (`proxy_on_done`, `proxy_on_log`, `proxy_on_delete`). Every call
+//! runs under the use's CPU deadline and memory cap; a call that traps,
+//! runs out of time or memory fails its request (by the use's `fail`
+//! mode), and its VM is dropped with the contexts on it: the requests
+//! still on it fail their next call, and the thread's next request starts
+//! a fresh VM.
+//!
+//! Here: the use and its VMs; `vm.rs` a VM's start and calls, `abi.rs`
+//! and `wasi.rs` the host calls, `properties.rs` the attributes,
+//! `map.rs` the serialized header map, `guest.rs` the guest's memory.
+
+mod abi;
+mod guest;
+mod map;
+mod properties;
+mod vm;
+mod wasi;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use portcullis_config::FailMode;
+use portcullis_net::shard::{SHARDS, this_thread};
+use wasmtime::{Engine, InstancePre, Linker, Module};
+
+use crate::cpu_deadline::CpuDeadline;
+use crate::seam::{self, LocalAnswer, ResponseVerdict, Steer, Stream, Verdict};
+use crate::state::MemoryCap;
+use crate::{PluginError, RequestFacts};
+use vm::Vm;
+
+/// The exports that make a core module a proxy-wasm filter.
+const ABI_VERSIONS: [&str; 2] = ["proxy_abi_version_0_2_1", "proxy_abi_version_0_2_0"];
+
+/// Whether `module` is a proxy-wasm filter.
+pub fn is_filter(module: &Module) -> bool {
+    module.exports().any(|e| ABI_VERSIONS.contains(&e.name()))
+}
+
+/// What a VM's store holds: the use's settings, and what the current call
+/// is lent of its request.
+pub struct VmState {
+    plugin: Arc<str>,
+    root_id: Arc<str>,
+    /// `proxy_get_buffer_bytes`' plugin and VM configurations.
+    config: Bytes,
+    vm_config: Bytes,
+    route_names: Arc<[Arc<str>]>,
+    limits: MemoryCap,
+    deadline: CpuDeadline,
+    call: Call,
+}
+
+/// What a call is lent, moved in for it and back after.
+#[derive(Default)]
+struct Call {
+    facts: Option<RequestFacts>,
+    request_headers: http::HeaderMap,
+    response_headers: http::HeaderMap,
+    /// The response's status, in a response call.
+    status: Option<u16>,
+    /// The answer the filter sent (`proxy_send_local_response`).
+    local: Option<LocalAnswer>,
+    /// The `:path` the filter set.
+    path: Option<String>,
+}
+
+/// A proxy-wasm filter attached with one config.
+pub struct ProxyWasm {
+    name: Arc<str>,
+    fail: FailMode,
+    root_id: Arc<str>,
+    config: Bytes,
+    vm_config: Bytes,
+    timeout: Duration,
+    memory: usize,
+    engine: Engine,
+    pre: InstancePre<VmState>,
+    route_names: Arc<[Arc<str>]>,
+    route: Option<Arc<str>>,
+    memory_peak: Arc<AtomicUsize>,
+    /// Each thread shard's VM: `None` until its first request, and after
+    /// one failed.
+    vms: [Mutex<Option<Box<Vm>>>; SHARDS],
+    calls: AtomicU64,
+    /// Numbers the VMs, so a request's stream names the one it is on.
+    generations: AtomicU64,
+}
+
+impl std::fmt::Debug for ProxyWasm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyWasm")
+            .field("plugin", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How a use is set up.
+pub struct Settings {
+    pub name: Arc<str>,
+    pub fail: FailMode,
+    pub root_id: Arc<str>,
+    pub config: Bytes,
+    pub vm_config: Bytes,
+    pub timeout: Duration,
+    pub memory: usize,
+    pub route_names: Arc<[Arc<str>]>,
+    pub route: Option<Arc<str>>,
+}
+
+/// A stream: the VM's shard (8 bits), its generation (24) and the HTTP
+/// context's id (32).
+fn stream(shard: usize, generation: u64, context: u32) -> Stream {
+    Stream(((shard as u64) << 56) | ((generation & 0xff_ffff) << 32) | u64::from(context))
+}
+
+fn parts(s: Stream) -> (usize, u64, u32) {
+    ((s.0 >> 56) as usize, (s.0 >> 32) & 0xff_ffff, s.0 as u32)
+}
+
+impl ProxyWasm {
+    /// The use of `module` with `settings`: linked, and started once
+    /// (configured) to check that it starts, which `check` reports.
+    pub fn new(engine: &Engine, module: &Module, settings: Settings) -> Result<ProxyWasm, String> {
+        let mut linker: Linker<VmState> = Linker::new(engine);
+        linker.allow_shadowing(true);
+        let linked = abi::stub_imports(&mut linker, module)
+            .and_then(|()| abi::add_to_linker(&mut linker))
+            .and_then(|()| wasi::add_to_linker(&mut linker))
+            .and_then(|()| linker.instantiate_pre(module));
+        let pre = linked.map_err(|e| format!("cannot be linked: {e:#}"))?;
+        let filter = ProxyWasm {
+            name: settings.name,
+            fail: settings.fail,
+            root_id: settings.root_id,
+            config: settings.config,
+            vm_config: settings.vm_config,
+            timeout: settings.timeout,
+            memory: settings.memory,
+            engine: engine.clone(),
+            pre,
+            route_names: settings.route_names,
+            route: settings.route,
+            memory_peak: Default::default(),
+            vms: std::array::from_fn(|_| Mutex::new(None)),
+            calls: AtomicU64::new(0),
+            generations: AtomicU64::new(0),
+        };
+        // Started and dropped: VMs are per worker thread, and this is not
+        // a worker's.
+        filter.start().map_err(|e| e.to_string())?;
+        Ok(filter)
+    }
+
+    fn start(&self) -> Result<Box<Vm>, PluginError> {
+        let generation = self.generations.fetch_add(1, Ordering::Relaxed);
+        let state = VmState {
+            plugin: self.name.clone(),
+            root_id: self.root_id.clone(),
+            config: self.config.clone(),
+            vm_config: self.vm_config.clone(),
+            route_names: self.route_names.clone(),
+            limits: MemoryCap::new(self.memory, self.memory_peak.clone()),
+            deadline: CpuDeadline::new(self.timeout),
+            call: Call::default(),
+        };
+        Vm::start(self, state, generation)
+    }
+
+    /// Runs `f` on this thread's VM (started if there is none), or on the
+    /// VM `stream` names; a VM whose call failed is dropped.
+    fn on_vm<T>(
+        &self,
+        stream: &mut Stream,
+        f: impl FnOnce(&mut Vm, &mut Stream) -> Result<T, PluginError>,
+    ) -> Result<T, PluginError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let shard = if *stream == Stream::NONE {
+            this_thread()
+        } else {
+            parts(*stream).0
+        };
+        let mut slot = self.vms[shard].lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            if *stream != Stream::NONE {
+                return Err(self.lost());
+            }
+            *slot = Some(self.start()?);
+        }
+        let Some(vm) = slot.as_mut() else {
+            unreachable!("started above")
+        };
+        if *stream != Stream::NONE && parts(*stream).1 != vm.generation & 0xff_ffff {
+            return Err(self.lost());
+        }
+        if *stream == Stream::NONE {
+            let id = vm.new_context(self)?;
+            *stream = stream_of(shard, vm.generation, id);
+        }
+        let result = f(vm, stream);
+        if result.is_err() {
+            tracing::warn!(plugin = %self.name, "proxy-wasm VM failed; a fresh one takes its place");
+            *crate::state::counters()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry((self.name.clone(), "vm_restarts".into()))
+                .or_default() += 1;
+            *slot = None;
+        }
+        result
+    }
+
+    fn lost(&self) -> PluginError {
+        PluginError::Trap {
+            plugin: self.name.clone(),
+            message: "the request's VM failed on an earlier call".into(),
+        }
+    }
+}
+
+fn stream_of(shard: usize, generation: u64, id: u32) -> Stream {
+    stream(shard, generation, id)
+}
+
+impl seam::Plugin for ProxyWasm {
+    fn name(&self) -> &Arc<str> {
+        &self.name
+    }
+
+    fn fail(&self) -> FailMode {
+        self.fail
+    }
+
+    fn hooks(&self) -> seam::Hooks {
+        // The SDKs export every callback: a filter that does nothing on
+        // the response still has its context ended then.
+        seam::Hooks {
+            request: true,
+            response: true,
+        }
+    }
+
+    fn memory_use(&self) -> (Option<&str>, usize, usize) {
+        (
+            self.route.as_deref(),
+            self.memory_peak.load(Ordering::Relaxed),
+            self.memory,
+        )
+    }
+
+    fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    /// A VM lives on its worker thread.
+    fn runs_anywhere(&self) -> bool {
+        false
+    }
+
+    fn on_request(
+        &self,
+        stream: &mut Stream,
+        facts: &mut Option<RequestFacts>,
+        headers: &mut http::HeaderMap,
+        body: Option<&[u8]>,
+    ) -> Result<Verdict, PluginError> {
+        if body.is_some() {
+            return Err(PluginError::Trap {
+                plugin: self.name.clone(),
+                message: "proxy-wasm request bodies are not offered yet".into(),
+            });
+        }
+        self.on_vm(stream, |vm, stream| {
+            let call = Call {
+                facts: facts.take(),
+                request_headers: std::mem::take(headers),
+                ..Call::default()
+            };
+            let (call, action) = vm.request_headers(self, parts(*stream).2, call);
+            *facts = call.facts;
+            *headers = call.request_headers;
+            let action = action?;
+            if let Some(local) = call.local {
+                return Ok(Verdict::Respond(local));
+            }
+            if action != 0 {
+                return Err(PluginError::Trap {
+                    plugin: self.name.clone(),
+                    message: "paused the request with nothing to resume it".into(),
+                });
+            }
+            Ok(Verdict::Continue(Steer {
+                path: call.path,
+                upstream: None,
+            }))
+        })
+    }
+
+    fn on_response(
+        &self,
+        stream: &mut Stream,
+        facts: &mut Option<RequestFacts>,
+        request_headers: &mut http::HeaderMap,
+        status: u16,
+        headers: &mut http::HeaderMap,
+    ) -> Result<ResponseVerdict, PluginError> {
+        self.on_vm(stream, |vm, stream| {
+            let call = Call {
+                facts: facts.take(),
+                request_headers: std::mem::take(request_headers),
+                response_headers: std::mem::take(headers),
+                status: Some(status),
+                ..Call::default()
+            };
+            let (call, action) = vm.response_headers(self, parts(*stream).2, call);
+            *facts = call.facts;
+            *request_headers = call.request_headers;
+            *headers = call.response_headers;
+            action?;
+            Ok(match call.local {
+                Some(local) => ResponseVerdict::Respond(local),
+                None => ResponseVerdict::Continue,
+            })
+        })
+    }
+
+    fn end(&self, stream: Stream) {
+        let (shard, generation, id) = parts(stream);
+        let mut slot = self.vms[shard].lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(vm) = slot.as_mut()
+            && vm.generation & 0xff_ffff == generation
+            && let Err(e) = vm.end(self, id)
+        {
+            tracing::warn!(plugin = %self.name, error = %e, "proxy-wasm VM failed ending a request; a fresh one takes its place");
+            *slot = None;
+        }
+    }
+}

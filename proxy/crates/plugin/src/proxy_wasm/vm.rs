@@ -1,0 +1,191 @@
+//! One VM of a proxy-wasm filter: its start as Envoy runs it
+//! (`_initialize` or `_start`, the root context, `proxy_on_vm_start`,
+//! `proxy_on_configure`), and the calls of its HTTP contexts, each under
+//! the use's deadline and memory cap.
+
+use wasmtime::{Func, Instance, Store, Val};
+
+use super::{Call, ProxyWasm, VmState};
+use crate::PluginError;
+
+/// The root context's id; HTTP contexts count up from the next.
+const ROOT: i32 = 1;
+
+pub struct Vm {
+    store: Store<VmState>,
+    instance: Instance,
+    pub generation: u64,
+    next: u32,
+}
+
+impl Vm {
+    pub fn start(
+        filter: &ProxyWasm,
+        state: VmState,
+        generation: u64,
+    ) -> Result<Box<Vm>, PluginError> {
+        let mut store = Store::new(&filter.engine, state);
+        store.limiter(|s| &mut s.limits);
+        store.epoch_deadline_callback(|mut s| Ok(s.data_mut().deadline.on_tick()));
+        arm(&mut store);
+        let setup = |message: String| PluginError::Setup {
+            plugin: filter.name.clone(),
+            message,
+        };
+        let instance = filter
+            .pre
+            .instantiate(&mut store)
+            .map_err(|e| setup(format!("{e:#}")))?;
+        let mut vm = Box::new(Vm {
+            store,
+            instance,
+            generation,
+            next: ROOT as u32 + 1,
+        });
+        // A reactor (`_initialize`) or, from older toolchains, a command
+        // whose `_start` sets the runtime up, as Envoy calls them.
+        for start in ["_initialize", "_start"] {
+            if vm.instance.get_func(&mut vm.store, start).is_some() {
+                vm.call(filter, start, &[], 0)?;
+                break;
+            }
+        }
+        vm.call(filter, "proxy_on_context_create", &[ROOT, 0], 0)?;
+        let vm_config = vm.store.data().vm_config.len() as i32;
+        if vm.call(filter, "proxy_on_vm_start", &[ROOT, vm_config], 1)? == Some(0) {
+            return Err(setup(
+                "refused to start (proxy_on_vm_start returned false)".into(),
+            ));
+        }
+        let config = vm.store.data().config.len() as i32;
+        if vm.call(filter, "proxy_on_configure", &[ROOT, config], 1)? == Some(0) {
+            return Err(setup(
+                "refused its configuration (proxy_on_configure returned false)".into(),
+            ));
+        }
+        vm.store.data_mut().limits.serving = true;
+        Ok(vm)
+    }
+
+    /// A new HTTP context under the root context: its id.
+    pub fn new_context(&mut self, filter: &ProxyWasm) -> Result<u32, PluginError> {
+        let id = self.next;
+        self.next = self.next.wrapping_add(1).max(ROOT as u32 + 1);
+        self.call(filter, "proxy_on_context_create", &[id as i32, ROOT], 0)?;
+        Ok(id)
+    }
+
+    /// `proxy_on_request_headers` for context `id`, lent `call`: the call
+    /// back, and the filter's action (0: continue, 1: pause).
+    pub fn request_headers(
+        &mut self,
+        filter: &ProxyWasm,
+        id: u32,
+        call: Call,
+    ) -> (Call, Result<i32, PluginError>) {
+        // The pseudo-headers count as fields, as in Envoy.
+        let n = call.request_headers.len() as i32 + 4;
+        self.lent(filter, "proxy_on_request_headers", id, n, call)
+    }
+
+    /// `proxy_on_response_headers`, likewise.
+    pub fn response_headers(
+        &mut self,
+        filter: &ProxyWasm,
+        id: u32,
+        call: Call,
+    ) -> (Call, Result<i32, PluginError>) {
+        let n = call.response_headers.len() as i32 + 1;
+        self.lent(filter, "proxy_on_response_headers", id, n, call)
+    }
+
+    fn lent(
+        &mut self,
+        filter: &ProxyWasm,
+        name: &str,
+        id: u32,
+        fields: i32,
+        call: Call,
+    ) -> (Call, Result<i32, PluginError>) {
+        self.store.data_mut().call = call;
+        // ABI 0.2.1 passes end_of_stream; 0.2.0 does not.
+        let result = match self.params(name) {
+            Some(3) => self.call(filter, name, &[id as i32, fields, 0], 1),
+            _ => self.call(filter, name, &[id as i32, fields], 1),
+        };
+        let call = std::mem::take(&mut self.store.data_mut().call);
+        (call, result.map(|r| r.unwrap_or(0)))
+    }
+
+    /// Ends context `id`: `proxy_on_done`, `proxy_on_log`,
+    /// `proxy_on_delete`, as Envoy ends a stream.
+    pub fn end(&mut self, filter: &ProxyWasm, id: u32) -> Result<(), PluginError> {
+        for (name, results) in [
+            ("proxy_on_done", 1),
+            ("proxy_on_log", 0),
+            ("proxy_on_delete", 0),
+        ] {
+            if self.instance.get_func(&mut self.store, name).is_some() {
+                self.call(filter, name, &[id as i32], results)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn params(&mut self, name: &str) -> Option<usize> {
+        let f = self.instance.get_func(&mut self.store, name)?;
+        Some(f.ty(&self.store).params().len())
+    }
+
+    /// Calls export `name` with `args` under a fresh deadline; its one
+    /// result, if it has `results` (a missing export is a setup error).
+    fn call(
+        &mut self,
+        filter: &ProxyWasm,
+        name: &str,
+        args: &[i32],
+        results: usize,
+    ) -> Result<Option<i32>, PluginError> {
+        let Some(f): Option<Func> = self.instance.get_func(&mut self.store, name) else {
+            return Err(PluginError::Setup {
+                plugin: filter.name.clone(),
+                message: format!("the module does not export {name}"),
+            });
+        };
+        let args: Vec<Val> = args.iter().map(|a| Val::I32(*a)).collect();
+        let mut out = vec![Val::I32(0); results];
+        arm(&mut self.store);
+        match f.call(&mut self.store, &args, &mut out) {
+            Ok(()) => Ok(out.first().and_then(Val::i32)),
+            Err(e) => Err(classify(filter, e, &self.store)),
+        }
+    }
+}
+
+fn arm(store: &mut Store<VmState>) {
+    store.set_epoch_deadline(1);
+    store.data_mut().deadline.arm();
+}
+
+fn classify(filter: &ProxyWasm, e: wasmtime::Error, store: &Store<VmState>) -> PluginError {
+    let plugin = filter.name.clone();
+    if matches!(
+        e.downcast_ref::<wasmtime::Trap>(),
+        Some(wasmtime::Trap::Interrupt)
+    ) {
+        return PluginError::Timeout {
+            plugin,
+            timeout: filter.timeout,
+        };
+    }
+    if store.data().limits.hit {
+        return PluginError::OutOfMemory {
+            plugin,
+            cap: filter.memory,
+        };
+    }
+    PluginError::Trap {
+        plugin,
+        message: e.root_cause().to_string(),
+    }
+}
