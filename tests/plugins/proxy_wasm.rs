@@ -162,3 +162,71 @@ routes: [{ name: r, match: { path: /r }, respond: { status: 204 }, plugins: [{ u
         "{stderr}"
     );
 }
+
+/// What a header filter did to one exchange, as seen from outside: what
+/// the upstream got of the filter's headers, and what the client got.
+#[derive(Debug, PartialEq)]
+struct Seen {
+    status: u16,
+    upstream: Vec<(String, Option<String>)>,
+    response: Vec<(String, Option<String>)>,
+    body: Option<String>,
+}
+
+/// The same request through `addr` (Envoy or Portcullis), reduced to
+/// what the filter decides.
+async fn seen_through(addr: std::net::SocketAddr, path: &str, headers: &[(&str, &str)]) -> Seen {
+    let mut req = Request::get(format!("http://{addr}{path}"));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let a = client::send(&client::http1(), req.body(body(Bytes::new())).unwrap()).await;
+    let json: Option<serde_json::Value> = serde_json::from_slice(&a.body).ok();
+    let upstream = ["x-pw-tag", "x-pw-saw", "x-pw-added", "x-remove-me"]
+        .iter()
+        .map(|h| {
+            let v = json
+                .as_ref()
+                .and_then(|j| j["headers"][*h].as_str().map(str::to_owned));
+            (h.to_string(), v)
+        })
+        .collect();
+    let response = ["x-pw-status", "x-denied-by", "content-type"]
+        .iter()
+        .map(|h| (h.to_string(), a.header(h).map(str::to_owned)))
+        .collect();
+    Seen {
+        status: a.status.as_u16(),
+        upstream,
+        response,
+        // The upstream's echo differs by proxy (each adds its own
+        // forwarding headers): only a body the filter made is compared.
+        body: json
+            .is_none()
+            .then(|| String::from_utf8_lossy(&a.body).into_owned()),
+    }
+}
+
+/// Envoy is the reference: the same filter and requests through Envoy
+/// 1.40 and through Portcullis give the same answers.
+#[tokio::test]
+pub(super) async fn a_header_filter_behaves_as_in_envoy() {
+    let app = upstream::echo("app").await;
+    let filter = plugin_file("proxy-wasm-headers");
+    let envoy = crate::support::envoy::Envoy::with_filter(&filter, "blue", app.addr).await;
+    let dir = policy_dir(&headers_policy(&app.url(), "blue"), &["proxy-wasm-headers"]);
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let cases: [(&str, &[(&str, &str)]); 5] = [
+        ("/pw/a?q=1", &[("x-remove-me", "secret")]),
+        ("/pw/b", &[]),
+        ("/pw/c", &[("x-deny", "1")]),
+        // An error answer with no body goes as the filter made it.
+        ("/pw/e", &[("x-deny", "quietly")]),
+        ("/pw/d?x=%20y", &[("x-remove-me", "a"), ("x-other", "b")]),
+    ];
+    for (path, headers) in cases {
+        let reference = seen_through(envoy.addr, path, headers).await;
+        let ours = seen_through(proxy.addr, path, headers).await;
+        assert_eq!(ours, reference, "{path} {headers:?}");
+    }
+}

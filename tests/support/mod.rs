@@ -6,6 +6,7 @@
 pub mod browser;
 pub mod client;
 pub mod configmap;
+pub mod envoy;
 pub mod process;
 pub mod tls;
 pub mod upstream;

@@ -53,6 +53,10 @@ impl Context for Filter {}
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        if self.get_http_request_header("x-deny").as_deref() == Some("quietly") {
+            self.send_http_response(401, vec![], None);
+            return Action::Pause;
+        }
         if self.get_http_request_header("x-deny").is_some() {
             self.send_http_response(
                 403,

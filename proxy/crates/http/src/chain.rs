@@ -276,6 +276,11 @@ impl<'a> PendingBody<'a> {
                 match after_call(&**binding, result, &mut progress, route, config) {
                     Flow::Next => break,
                     Flow::Answer(resp) => return RequestOutcome::Answer(resp),
+                    Flow::Local(resp) => {
+                        let resp =
+                            local_through(self.chain, place, &mut progress, headers, route, resp);
+                        return RequestOutcome::Answer(resp);
+                    }
                     Flow::WantsBody(_) if !asked => asked = true,
                     Flow::WantsBody(_) => {
                         let e = PluginError::Trap {
@@ -316,6 +321,10 @@ fn run<'a>(
         match after_call(&**binding, result, &mut progress, route, config) {
             Flow::Next => {}
             Flow::Answer(resp) => return Step::Done(RequestOutcome::Answer(resp)),
+            Flow::Local(resp) => {
+                let resp = local_through(chain, place, &mut progress, headers, route, resp);
+                return Step::Done(RequestOutcome::Answer(resp));
+            }
             Flow::WantsBody(max) => {
                 return Step::ReadBody(Box::new(PendingBody {
                     chain,
@@ -331,6 +340,8 @@ fn run<'a>(
 
 /// What a plugin's answer leaves the chain to do.
 enum Flow {
+    /// Answer the request with what the plugin made.
+    Local(Response<Body>),
     /// On to the next plugin.
     Next,
     /// Answer the request with this.
@@ -383,7 +394,7 @@ fn after_call(
             }
             Flow::Next
         }
-        Ok(Verdict::Respond(local)) => Flow::Answer(local_answer(binding, route, local)),
+        Ok(Verdict::Respond(local)) => Flow::Local(local_answer(binding, route, local)),
         Ok(Verdict::ReadBody(max)) => Flow::WantsBody(max),
         Err(e) => match fail(binding, route, &e) {
             Some(resp) => Flow::Answer(resp),
@@ -399,7 +410,11 @@ fn after_call(
 /// them; any other body is the plugin's and goes as it is.
 fn local_answer(binding: &dyn Plugin, route: &Route, local: LocalAnswer) -> Response<Body> {
     let status = StatusCode::from_u16(local.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut resp = match error_message(status, &local.body) {
+    let shaped = local
+        .error_shape
+        .then(|| error_message(status, &local.body))
+        .flatten();
+    let mut resp = match shaped {
         Some(message) => json_error(status, &message, route, Some(binding.name())),
         None => {
             let mut resp = Response::new(Body::full(local.body));
@@ -419,6 +434,44 @@ fn local_answer(binding: &dyn Plugin, route: &Route, local: LocalAnswer) -> Resp
         }
     }
     resp
+}
+
+/// A plugin's own answer on its way out through the response hooks of
+/// the plugins up to it (last first) that see local answers, as Envoy
+/// sends a filter's local reply through the filters it has passed.
+fn local_through(
+    chain: &[Arc<dyn Plugin>],
+    upto: usize,
+    progress: &mut Progress<'_>,
+    request_headers: &mut http::HeaderMap,
+    route: &Route,
+    resp: Response<Body>,
+) -> Response<Body> {
+    let (mut parts, body) = resp.into_parts();
+    let passed = chain[..=upto].iter().enumerate().rev();
+    for (place, binding) in passed.filter(|(_, b)| b.hooks().response && b.hooks().local_answers) {
+        let mut stream = progress.streams.get(place);
+        let status = parts.status.as_u16();
+        let facts = &mut progress.facts;
+        let called = binding.on_response(
+            &mut stream,
+            facts,
+            request_headers,
+            status,
+            &mut parts.headers,
+        );
+        progress.streams.set(place, stream);
+        match called {
+            Ok(ResponseVerdict::Continue) => {}
+            Ok(ResponseVerdict::Respond(local)) => return local_answer(&**binding, route, local),
+            Err(e) => {
+                if let Some(answer) = fail(&**binding, route, &e) {
+                    return answer;
+                }
+            }
+        }
+    }
+    Response::from_parts(parts, body)
 }
 
 /// The path a plugin set, when it can be sent: origin form (`/...`,

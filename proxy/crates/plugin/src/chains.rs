@@ -165,6 +165,8 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
             binding.hooks = seam::Hooks {
                 request: hooks.contains(WitHooks::REQUEST),
                 response: hooks.contains(WitHooks::RESPONSE),
+                // `on-response` is the upstream's response's, by contract.
+                local_answers: false,
             };
             // Not kept: idle instances are per thread, and this is not a
             // worker's; kept, it would hold a pool slot for nothing.

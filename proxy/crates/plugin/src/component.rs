@@ -90,6 +90,7 @@ impl Binding {
             status: local.status,
             headers,
             body: local.body.into(),
+            error_shape: true,
         }
     }
 }

@@ -27,6 +27,10 @@ pub struct Hooks {
     pub request: bool,
     /// [`Plugin::on_response`].
     pub response: bool,
+    /// Whether its response hook also sees the answers plugins make
+    /// (its own, and those of plugins after it), as Envoy passes a local
+    /// reply through the filters the request went through.
+    pub local_answers: bool,
 }
 
 /// What a request-side call decided; header edits are made already.
@@ -68,6 +72,11 @@ pub struct LocalAnswer {
     pub headers: http::HeaderMap,
     /// Its body.
     pub body: Bytes,
+    /// Whether an error answer with no body (or the component SDK's
+    /// `{"error": ...}` alone) takes the shape of the proxy's own errors;
+    /// otherwise it goes exactly as made (a proxy-wasm filter's, as in
+    /// Envoy).
+    pub error_shape: bool,
 }
 
 /// What a plugin keeps of one request between its calls (a proxy-wasm

@@ -219,10 +219,15 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     _ => tracing::warn!(plugin = %c.data().plugin, "plugin set an invalid header; skipped"),
                 }
             }
+            // As Envoy's local replies: a body without a type is text.
+            if !body.is_empty() && !headers.contains_key(http::header::CONTENT_TYPE) {
+                headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+            }
             c.data_mut().call.local = Some(LocalAnswer {
                 status: status as u16,
                 headers,
                 body: body.into(),
+                error_shape: false,
             });
             ok(Status::Ok)
         },

@@ -247,6 +247,7 @@ impl seam::Plugin for ProxyWasm {
         seam::Hooks {
             request: true,
             response: true,
+            local_answers: true,
         }
     }
 
