@@ -80,6 +80,7 @@ fn main() -> anyhow::Result<()> {
                         Ok(Verdict::Continue(_)) => "forward".into(),
                         Ok(Verdict::Respond(r)) => format!("respond {}", r.status),
                         Ok(Verdict::ReadBody(n)) => format!("read-body {n}"),
+                        Ok(Verdict::Callout(c)) => format!("callout to {}", c.upstream),
                         Err(e) => format!("error: {e}"),
                     };
                 }

@@ -181,8 +181,20 @@ async fn seen_through(addr: std::net::SocketAddr, path: &str, headers: &[(&str, 
         req = req.header(*k, *v);
     }
     let a = client::send(&client::http1(), req.body(body(Bytes::new())).unwrap()).await;
+    let upstream = ["x-pw-tag", "x-pw-saw", "x-pw-added", "x-remove-me"];
+    seen(
+        a,
+        &upstream,
+        &["x-pw-status", "x-denied-by", "content-type"],
+    )
+}
+
+/// `a` reduced to what a filter decides: the `upstream` headers the echo
+/// upstream got, the `response` headers the client got, and a body the
+/// filter made.
+fn seen(a: Answer, upstream: &[&str], response: &[&str]) -> Seen {
     let json: Option<serde_json::Value> = serde_json::from_slice(&a.body).ok();
-    let upstream = ["x-pw-tag", "x-pw-saw", "x-pw-added", "x-remove-me"]
+    let upstream = upstream
         .iter()
         .map(|h| {
             let v = json
@@ -191,7 +203,7 @@ async fn seen_through(addr: std::net::SocketAddr, path: &str, headers: &[(&str, 
             (h.to_string(), v)
         })
         .collect();
-    let response = ["x-pw-status", "x-denied-by", "content-type"]
+    let response = response
         .iter()
         .map(|h| (h.to_string(), a.header(h).map(str::to_owned)))
         .collect();
@@ -229,4 +241,125 @@ pub(super) async fn a_header_filter_behaves_as_in_envoy() {
         let ours = seen_through(proxy.addr, path, headers).await;
         assert_eq!(ours, reference, "{path} {headers:?}");
     }
+}
+
+/// An authorization service: `GET /check` with `authorization: Bearer
+/// good` is 200 naming the user (and a body), anything else 403.
+async fn authz() -> Upstream {
+    upstream::serve(|req| async move {
+        let good = req.uri().path() == "/check"
+            && req.method() == hyper::Method::GET
+            && req
+                .headers()
+                .get("authorization")
+                .is_some_and(|v| v == "Bearer good");
+        let mut resp = Response::new(upstream::full(if good { "ok-body" } else { "" }));
+        if good {
+            resp.headers_mut()
+                .insert("x-user", HeaderValue::from_static("alice"));
+        } else {
+            *resp.status_mut() = hyper::StatusCode::FORBIDDEN;
+        }
+        resp
+    })
+    .await
+}
+
+fn auth_policy(app: &str, authz: &str) -> String {
+    format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: app, endpoints: ["{app}"] }}
+  - {{ name: authz, endpoints: ["{authz}"] }}
+  - {{ name: down, endpoints: ["http://127.0.0.1:{down}"] }}
+plugins: [{{ name: auth, path: proxy-wasm-auth.wasm }}]
+routes:
+  - {{ name: guarded, match: {{ path: /guarded }}, upstream: app, plugins: [{{ use: auth, config: authz }}] }}
+  - {{ name: misnamed, match: {{ path: /misnamed }}, upstream: app, plugins: [{{ use: auth, config: nope }}] }}
+  - {{ name: unreachable, match: {{ path: /unreachable }}, upstream: app, plugins: [{{ use: auth, config: down }}] }}
+"#,
+        down = crate::support::closed_port()
+    )
+}
+
+#[tokio::test]
+pub(super) async fn an_auth_filter_calls_an_upstream_and_decides_from_its_answer() {
+    let app = upstream::echo("app").await;
+    let authz = authz().await;
+    let dir = policy_dir(&auth_policy(&app.url(), &authz.url()), &["proxy-wasm-auth"]);
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let http = client::http1();
+    let get = |path: &str, token: Option<&str>| {
+        let mut req = Request::get(proxy.url(path));
+        if let Some(token) = token {
+            req = req.header("authorization", token);
+        }
+        client::send(&http, req.body(body(Bytes::new())).unwrap())
+    };
+    // Allowed: on to the upstream with what the answer said.
+    let a = get("/guarded", Some("Bearer good")).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.json()["headers"]["x-user"], "alice");
+    assert_eq!(a.json()["headers"]["x-auth-body"], "ok-body");
+    // Refused: the filter's 401, with the status it got.
+    let a = get("/guarded", Some("Bearer bad")).await;
+    assert_eq!(a.status, 401);
+    assert_eq!(a.header("x-auth-status"), Some("403"));
+    assert_eq!(a.body, "unauthorized\n");
+    // An upstream the policies do not have: the call is refused at once
+    // (Envoy's BadArgument), and the filter says so.
+    let a = get("/misnamed", Some("Bearer good")).await;
+    assert_eq!(a.status, 500);
+    assert_eq!(a.header("x-dispatch-error"), Some("BadArgument"));
+    // An upstream that cannot be reached: the filter gets Envoy's 503.
+    let a = get("/unreachable", Some("Bearer good")).await;
+    assert_eq!(a.status, 401);
+    assert_eq!(a.header("x-auth-status"), Some("503"));
+    // The callouts count in the auth service's upstream metrics.
+    proxy
+        .metrics_showing(&[
+            r#"portcullis_upstream_responses_total{upstream="authz",code="200"} 1"#.into(),
+            r#"portcullis_upstream_responses_total{upstream="authz",code="403"} 1"#.into(),
+            r#"portcullis_upstream_errors_total{upstream="down",reason="connect"} 1"#.into(),
+        ])
+        .await;
+}
+
+/// The auth filter's callouts, through Envoy and through Portcullis:
+/// allowed, refused, an unknown cluster, one that does not answer.
+#[tokio::test]
+pub(super) async fn an_auth_filter_calls_out_as_in_envoy() {
+    let app = upstream::echo("app").await;
+    let authz = authz().await;
+    let down: std::net::SocketAddr = format!("127.0.0.1:{}", crate::support::closed_port())
+        .parse()
+        .unwrap();
+    let filter = plugin_file("proxy-wasm-auth");
+    let dir = policy_dir(&auth_policy(&app.url(), &authz.url()), &["proxy-wasm-auth"]);
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let clusters = [("app", app.addr), ("authz", authz.addr), ("down", down)];
+    for (config, path) in [
+        ("authz", "/guarded"),
+        ("nope", "/misnamed"),
+        ("down", "/unreachable"),
+    ] {
+        let envoy = crate::support::envoy::Envoy::with_clusters(&filter, config, &clusters).await;
+        for token in ["Bearer good", "Bearer bad"] {
+            let reference = auth_seen(envoy.addr, path, token).await;
+            let ours = auth_seen(proxy.addr, path, token).await;
+            assert_eq!(ours, reference, "{config} {token}");
+        }
+    }
+}
+
+/// What the auth filter decided for one request through `addr`.
+async fn auth_seen(addr: std::net::SocketAddr, path: &str, token: &str) -> Seen {
+    let req = Request::get(format!("http://{addr}{path}"))
+        .header("authorization", token)
+        .body(body(Bytes::new()))
+        .unwrap();
+    let a = client::send(&client::http1(), req).await;
+    let response = ["x-auth-status", "x-dispatch-error", "content-type"];
+    seen(a, &["x-user", "x-auth-body"], &response)
 }

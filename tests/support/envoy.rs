@@ -47,6 +47,16 @@ impl Envoy {
     /// Envoy with one listener (port 0) routing everything to `upstream`
     /// through the proxy-wasm filter `filter` given `configuration`.
     pub async fn with_filter(filter: &Path, configuration: &str, upstream: SocketAddr) -> Envoy {
+        Self::with_clusters(filter, configuration, &[("app", upstream)]).await
+    }
+
+    /// [`Envoy::with_filter`] with these clusters (the first is where
+    /// requests go), which the filter's HTTP calls may name.
+    pub async fn with_clusters(
+        filter: &Path,
+        configuration: &str,
+        clusters: &[(&str, SocketAddr)],
+    ) -> Envoy {
         let dir = tempfile::tempdir().expect("tempdir");
         let config = format!(
             r#"
@@ -62,7 +72,7 @@ static_resources:
           stat_prefix: main
           route_config:
             virtual_hosts:
-            - {{ name: all, domains: ["*"], routes: [{{ match: {{ prefix: "/" }}, route: {{ cluster: app }} }}] }}
+            - {{ name: all, domains: ["*"], routes: [{{ match: {{ prefix: "/" }}, route: {{ cluster: {first} }} }}] }}
           http_filters:
           - name: envoy.filters.http.wasm
             typed_config:
@@ -79,17 +89,16 @@ static_resources:
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
   clusters:
-  - name: app
-    connect_timeout: 2s
-    type: STATIC
-    load_assignment:
-      cluster_name: app
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }} }}
-"#,
+{clusters}"#,
             filter = filter.display().to_string(),
-            port = upstream.port(),
+            first = clusters[0].0,
+            clusters = clusters
+                .iter()
+                .map(|(name, addr)| format!(
+                    "  - {{ name: {name}, connect_timeout: 2s, type: STATIC, load_assignment: {{ cluster_name: {name}, endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }} }}] }}] }} }}\n",
+                    addr.port()
+                ))
+                .collect::<String>(),
         );
         let config_path = dir.path().join("envoy.yaml");
         std::fs::write(&config_path, config).expect("write envoy.yaml");

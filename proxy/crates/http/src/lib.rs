@@ -10,6 +10,7 @@ pub mod auth_cache;
 pub mod auth_request;
 pub mod body;
 pub mod body_progress;
+pub mod callout;
 pub mod chain;
 pub mod client_watch;
 pub mod collector;

@@ -81,6 +81,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
     // Uses of modules that failed to compile are skipped (their error is
     // reported); the others are still checked, so one run lists all.
     let route_names: Arc<[Arc<str>]> = config.routes.iter().map(|r| r.name.clone()).collect();
+    let upstreams: Arc<[Arc<str>]> = config.upstreams.iter().map(|u| u.name.clone()).collect();
     let bind = |u: &PluginUse, route: Option<&str>| {
         let module = &config.plugins[u.plugin];
         let pre = pres[u.plugin].clone();
@@ -88,6 +89,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
         let u = u.clone();
         let name = module.name.clone();
         let route_names = route_names.clone();
+        let upstreams = upstreams.clone();
         let on = route.map_or_else(|| "the global chain".to_owned(), |r| format!("route `{r}`"));
         let route: Option<Arc<str>> = route.map(Arc::from);
         async move {
@@ -103,6 +105,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                         timeout: u.timeout,
                         memory: u.memory,
                         route_names,
+                        upstreams: upstreams.clone(),
                         route,
                     };
                     return match crate::proxy_wasm::ProxyWasm::new(&engine, &module, settings) {

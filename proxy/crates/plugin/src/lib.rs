@@ -65,7 +65,9 @@ use binding::*;
 pub use chains::{Chains, empty_head, empty_route, prepare};
 pub use facts::{RequestFacts, apply_edits, to_wit_headers};
 pub use host::{PluginHost, disk_cache_outcomes, forget_unused, host, use_disk_cache};
-pub use seam::{Hooks, LocalAnswer, Plugin, ResponseVerdict, Steer, Stream, Verdict};
+pub use seam::{
+    Callout, CalloutAnswer, Hooks, LocalAnswer, Plugin, ResponseVerdict, Steer, Stream, Verdict,
+};
 
 /// How often the epoch advances; deadlines are whole ticks.
 const TICK: Duration = Duration::from_millis(1);

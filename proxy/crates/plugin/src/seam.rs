@@ -1,5 +1,5 @@
 //! The one interface a kind of plugin implements, and all the phase
-//! driver (`portcullis-http`'s `chain.rs`) sees of a plugin: the driver
+//! driver (`portcullis-http`'s `chain/`) sees of a plugin: the driver
 //! runs every kind the same way and never names a kind's own types.
 //!
 //! Kinds: WebAssembly components against `wit/policy.wit` (`component.rs`,
@@ -43,7 +43,51 @@ pub enum Verdict {
     /// Call again with the request body, read up to this many bytes
     /// (more: 413). The body the plugin then sees is what is forwarded.
     ReadBody(u32),
+    /// Send this request to an upstream of the policies and give the
+    /// plugin its answer ([`Plugin::on_callout`]) before it decides.
+    Callout(Callout),
 }
+
+/// A request a plugin makes to an upstream of the policies while it
+/// decides (token introspection, an external authorizer).
+#[derive(Debug)]
+pub struct Callout {
+    /// The upstream, by its name in the policies (an unknown one fails
+    /// the callout).
+    pub upstream: String,
+    /// Method, path (with query) and `Host`.
+    pub method: http::Method,
+    pub path: String,
+    pub authority: Option<String>,
+    /// Its other headers.
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+    /// How long the whole answer may take.
+    pub timeout: std::time::Duration,
+}
+
+/// What came of a [`Callout`].
+#[derive(Debug)]
+pub enum CalloutAnswer {
+    /// The upstream's answer, its body read whole (up to
+    /// [`MAX_CALLOUT_BODY`]).
+    Answered {
+        status: u16,
+        headers: http::HeaderMap,
+        body: Bytes,
+    },
+    /// No answer: unreachable, too large, an unknown upstream; or, with
+    /// `timed_out`, none within the callout's timeout.
+    Failed {
+        /// Whether the timeout ran out.
+        timed_out: bool,
+        /// What happened, for the log.
+        why: String,
+    },
+}
+
+/// The largest callout answer body read; a larger one fails the callout.
+pub const MAX_CALLOUT_BODY: usize = 1 << 20;
 
 /// Where the request goes, when a plugin changed it.
 #[derive(Debug, Default)]
@@ -131,6 +175,21 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
         status: u16,
         headers: &mut http::HeaderMap,
     ) -> Result<ResponseVerdict, PluginError>;
+
+    /// The answer to the [`Verdict::Callout`] the last request-side call
+    /// returned; decides as `on_request` does.
+    fn on_callout(
+        &self,
+        _stream: &mut Stream,
+        _facts: &mut Option<RequestFacts>,
+        _headers: &mut http::HeaderMap,
+        _answer: CalloutAnswer,
+    ) -> Result<Verdict, PluginError> {
+        Err(PluginError::Trap {
+            plugin: self.name().clone(),
+            message: "answered a callout it never made".into(),
+        })
+    }
 
     /// The request is over (answered, failed or left): what `stream`
     /// holds is freed. Called once for each stream a call set, on the

@@ -242,12 +242,10 @@ impl Pipeline {
         );
         let outcome = match step {
             chain::Step::Done(outcome) => outcome,
-            // Boxed: reading the body is a large future, and inline it
-            // would make every request's future larger, copied on every
-            // move, plugins or not.
-            chain::Step::ReadBody(pending) => {
-                Box::pin(pending.read(body, headers, route, config)).await
-            }
+            // Boxed: reading the body or a callout is a large future, and
+            // inline it would make every request's future larger, copied
+            // on every move, plugins or not.
+            step => Box::pin(self.steps(step, conn, body, headers, route)).await,
         };
         match outcome {
             chain::RequestOutcome::Forward(ctx) => Ok(ctx),
@@ -260,6 +258,51 @@ impl Pipeline {
             }
             chain::RequestOutcome::Answer(resp) => Err(resp),
         }
+    }
+
+    /// Takes the chain's steps that wait (a body to read, a callout to
+    /// send) until it is done.
+    async fn steps<'c>(
+        &'c self,
+        mut step: chain::Step<'c>,
+        conn: &ConnInfo,
+        body: &mut Body,
+        headers: &mut http::HeaderMap,
+        route: &Route,
+    ) -> chain::RequestOutcome<'c> {
+        let config = &*self.config;
+        loop {
+            step = match step {
+                chain::Step::Done(outcome) => return outcome,
+                chain::Step::ReadBody(pending) => pending.read(body, headers, route, config).await,
+                chain::Step::Callout(mut pending) => {
+                    let answer = match pending.request() {
+                        Some(request) => self.callout(conn, request).await,
+                        None => plugin::CalloutAnswer::Failed {
+                            timed_out: false,
+                            why: "no request".into(),
+                        },
+                    };
+                    if let plugin::CalloutAnswer::Failed { why, .. } = &answer {
+                        tracing::info!(route = %route.name, plugin = pending.plugin(), error = %why, "plugin callout failed");
+                    }
+                    pending.answered(answer, headers, route, config)
+                }
+            };
+        }
+    }
+
+    /// Sends a plugin's callout to the upstream it names.
+    async fn callout(&self, conn: &ConnInfo, request: plugin::Callout) -> plugin::CalloutAnswer {
+        let Some(index) = self.config.upstream_index(&request.upstream) else {
+            let why = format!("no upstream `{}` in the policies", request.upstream);
+            return plugin::CalloutAnswer::Failed {
+                timed_out: false,
+                why,
+            };
+        };
+        let pool = &self.upstreams[conn.worker % self.upstreams.len()][index];
+        crate::callout::send(pool, request).await
     }
 
     /// The answer of a route that answers here (a health probe, a

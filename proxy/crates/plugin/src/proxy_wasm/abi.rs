@@ -17,6 +17,8 @@ type R = wasmtime::Result<i32>;
 
 const REQUEST_HEADERS: i32 = 0;
 const RESPONSE_HEADERS: i32 = 2;
+const HTTP_CALL_RESPONSE_HEADERS: i32 = 6;
+const HTTP_CALL_RESPONSE_BODY: i32 = 4;
 const PLUGIN_CONFIGURATION: i32 = 7;
 const VM_CONFIGURATION: i32 = 6;
 
@@ -75,6 +77,10 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             let buffer = match kind {
                 PLUGIN_CONFIGURATION => c.data().config.clone(),
                 VM_CONFIGURATION => c.data().vm_config.clone(),
+                HTTP_CALL_RESPONSE_BODY => match &c.data().call.answer {
+                    Some((_, body)) => body.clone(),
+                    None => return ok(Status::NotFound),
+                },
                 _ => return ok(Status::NotFound),
             };
             let start = (start as u32 as usize).min(buffer.len());
@@ -126,7 +132,15 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         "proxy_get_header_map_value",
         |mut c: C<'_>, kind: i32, key_ptr: i32, key_len: i32, ret_ptr: i32, ret_len: i32| -> R {
             let key = read(&mut c, key_ptr, key_len)?;
-            let value = if key.starts_with(b":") {
+            let value = if kind == HTTP_CALL_RESPONSE_HEADERS {
+                let answer = c.data().call.answer.as_ref();
+                let pairs = answer.map_or(&[][..], |(pairs, _)| pairs.as_slice());
+                let key = key.to_ascii_lowercase();
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .map(|(_, v)| v.clone())
+            } else if key.starts_with(b":") {
                 pseudo(c.data(), kind, &key)
             } else {
                 let headers = match kind {
@@ -244,15 +258,21 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             }
         },
     )?;
-    // Calls that only say "go on": every request runs to its end here,
-    // and the context to act for is the one being called.
+    // The context to act for is the one being called.
     linker.func_wrap(env, "proxy_set_effective_context", |_: C<'_>, _id: i32| {
         ok(Status::Ok)
     })?;
-    linker.func_wrap(env, "proxy_continue_stream", |_: C<'_>, _kind: i32| {
+    // Resuming the request (stream 0) lets it go on once the call returns.
+    linker.func_wrap(env, "proxy_continue_stream", |mut c: C<'_>, kind: i32| {
+        if kind == 0 {
+            c.data_mut().call.resumed = true;
+        }
         ok(Status::Ok)
     })?;
-    linker.func_wrap(env, "proxy_continue_request", |_: C<'_>| ok(Status::Ok))?;
+    linker.func_wrap(env, "proxy_continue_request", |mut c: C<'_>| {
+        c.data_mut().call.resumed = true;
+        ok(Status::Ok)
+    })?;
     linker.func_wrap(env, "proxy_continue_response", |_: C<'_>| ok(Status::Ok))?;
     linker.func_wrap(env, "proxy_done", |_: C<'_>| ok(Status::Ok))?;
     Ok(())
@@ -261,6 +281,9 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
 /// Every header of `kind`'s map with its pseudo-headers first, as Envoy
 /// lists them; `None` for a map the call has none of.
 fn pairs(state: &VmState, kind: i32) -> Option<Vec<(Vec<u8>, Vec<u8>)>> {
+    if kind == HTTP_CALL_RESPONSE_HEADERS {
+        return state.call.answer.as_ref().map(|(pairs, _)| pairs.clone());
+    }
     let (names, headers): (&[&[u8]], _) = match kind {
         REQUEST_HEADERS => (
             &[b":authority", b":path", b":method", b":scheme"],

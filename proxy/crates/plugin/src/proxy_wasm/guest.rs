@@ -14,6 +14,7 @@ use super::VmState;
 pub enum Status {
     Ok = 0,
     NotFound = 1,
+    BadArgument = 2,
     SerializationFailure = 3,
 }
 

@@ -18,6 +18,7 @@
 //! `map.rs` the serialized header map, `guest.rs` the guest's memory.
 
 mod abi;
+mod callout;
 mod guest;
 mod map;
 mod properties;
@@ -34,7 +35,7 @@ use portcullis_net::shard::{SHARDS, this_thread};
 use wasmtime::{Engine, InstancePre, Linker, Module};
 
 use crate::cpu_deadline::CpuDeadline;
-use crate::seam::{self, LocalAnswer, ResponseVerdict, Steer, Stream, Verdict};
+use crate::seam::{self, LocalAnswer, ResponseVerdict, Stream, Verdict};
 use crate::state::MemoryCap;
 use crate::{PluginError, RequestFacts};
 use vm::Vm;
@@ -56,6 +57,9 @@ pub struct VmState {
     config: Bytes,
     vm_config: Bytes,
     route_names: Arc<[Arc<str>]>,
+    /// The policies' upstreams, which `proxy_http_call` may name.
+    upstreams: Arc<[Arc<str>]>,
+    next_token: u32,
     limits: MemoryCap,
     deadline: CpuDeadline,
     call: Call,
@@ -73,7 +77,18 @@ struct Call {
     local: Option<LocalAnswer>,
     /// The `:path` the filter set.
     path: Option<String>,
+    /// Callouts the filter made in this call (`proxy_http_call`), by
+    /// token.
+    callouts: Vec<(u32, crate::seam::Callout)>,
+    /// Whether it resumed the request (`proxy_continue_stream`).
+    resumed: bool,
+    /// The callout answer being delivered: its headers (`:status` among
+    /// them) and body.
+    answer: Option<(Pairs, Bytes)>,
 }
+
+/// Header fields as the ABI hands them over: name and value bytes.
+type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
 
 /// A proxy-wasm filter attached with one config.
 pub struct ProxyWasm {
@@ -87,6 +102,7 @@ pub struct ProxyWasm {
     engine: Engine,
     pre: InstancePre<VmState>,
     route_names: Arc<[Arc<str>]>,
+    upstreams: Arc<[Arc<str>]>,
     route: Option<Arc<str>>,
     memory_peak: Arc<AtomicUsize>,
     /// Each thread shard's VM: `None` until its first request, and after
@@ -115,6 +131,8 @@ pub struct Settings {
     pub timeout: Duration,
     pub memory: usize,
     pub route_names: Arc<[Arc<str>]>,
+    /// The policies' upstreams, by name.
+    pub upstreams: Arc<[Arc<str>]>,
     pub route: Option<Arc<str>>,
 }
 
@@ -136,6 +154,7 @@ impl ProxyWasm {
         linker.allow_shadowing(true);
         let linked = abi::stub_imports(&mut linker, module)
             .and_then(|()| abi::add_to_linker(&mut linker))
+            .and_then(|()| callout::add_to_linker(&mut linker))
             .and_then(|()| wasi::add_to_linker(&mut linker))
             .and_then(|()| linker.instantiate_pre(module));
         let pre = linked.map_err(|e| format!("cannot be linked: {e:#}"))?;
@@ -150,6 +169,7 @@ impl ProxyWasm {
             engine: engine.clone(),
             pre,
             route_names: settings.route_names,
+            upstreams: settings.upstreams,
             route: settings.route,
             memory_peak: Default::default(),
             vms: std::array::from_fn(|_| Mutex::new(None)),
@@ -170,6 +190,8 @@ impl ProxyWasm {
             config: self.config.clone(),
             vm_config: self.vm_config.clone(),
             route_names: self.route_names.clone(),
+            upstreams: self.upstreams.clone(),
+            next_token: 1,
             limits: MemoryCap::new(self.memory, self.memory_peak.clone()),
             deadline: CpuDeadline::new(self.timeout),
             call: Call::default(),
@@ -287,23 +309,24 @@ impl seam::Plugin for ProxyWasm {
                 request_headers: std::mem::take(headers),
                 ..Call::default()
             };
-            let (call, action) = vm.request_headers(self, parts(*stream).2, call);
-            *facts = call.facts;
-            *headers = call.request_headers;
+            let id = parts(*stream).2;
+            let (mut call, action) = vm.request_headers(self, id, call);
+            *facts = call.facts.take();
+            *headers = std::mem::take(&mut call.request_headers);
             let action = action?;
-            if let Some(local) = call.local {
-                return Ok(Verdict::Respond(local));
-            }
-            if action != 0 {
-                return Err(PluginError::Trap {
-                    plugin: self.name.clone(),
-                    message: "paused the request with nothing to resume it".into(),
-                });
-            }
-            Ok(Verdict::Continue(Steer {
-                path: call.path,
-                upstream: None,
-            }))
+            callout::verdict(self, vm, id, call, action)
+        })
+    }
+
+    fn on_callout(
+        &self,
+        stream: &mut Stream,
+        facts: &mut Option<RequestFacts>,
+        headers: &mut http::HeaderMap,
+        answer: crate::seam::CalloutAnswer,
+    ) -> Result<Verdict, PluginError> {
+        self.on_vm(stream, |vm, stream| {
+            callout::answer(self, vm, parts(*stream).2, (facts, headers), answer)
         })
     }
 

@@ -16,6 +16,9 @@ pub struct Vm {
     instance: Instance,
     pub generation: u64,
     next: u32,
+    /// Each HTTP context's callouts not yet answered, and the path it set
+    /// before it paused for them.
+    pub waiting: std::collections::HashMap<u32, super::callout::Waiting>,
 }
 
 impl Vm {
@@ -41,6 +44,7 @@ impl Vm {
             instance,
             generation,
             next: ROOT as u32 + 1,
+            waiting: Default::default(),
         });
         // A reactor (`_initialize`) or, from older toolchains, a command
         // whose `_start` sets the runtime up, as Envoy calls them.
@@ -117,9 +121,30 @@ impl Vm {
         (call, result.map(|r| r.unwrap_or(0)))
     }
 
+    /// `proxy_on_http_call_response` for callout `token` (on the root
+    /// context, as Envoy calls it; the SDKs find the HTTP context), lent
+    /// `call` with the answer in it.
+    pub fn http_call_response(
+        &mut self,
+        filter: &ProxyWasm,
+        token: u32,
+        call: Call,
+    ) -> (Call, Result<(), PluginError>) {
+        let (headers, body) = call
+            .answer
+            .as_ref()
+            .map_or((0, 0), |(h, b)| (h.len() as i32, b.len() as i32));
+        self.store.data_mut().call = call;
+        let args = [ROOT, token as i32, headers, body, 0];
+        let result = self.call(filter, "proxy_on_http_call_response", &args, 0);
+        let call = std::mem::take(&mut self.store.data_mut().call);
+        (call, result.map(|_| ()))
+    }
+
     /// Ends context `id`: `proxy_on_done`, `proxy_on_log`,
     /// `proxy_on_delete`, as Envoy ends a stream.
     pub fn end(&mut self, filter: &ProxyWasm, id: u32) -> Result<(), PluginError> {
+        self.waiting.remove(&id);
         for (name, results) in [
             ("proxy_on_done", 1),
             ("proxy_on_log", 0),

@@ -6,16 +6,16 @@
 //! and forwarded exactly as the plugin saw it. Response hooks run in
 //! reverse order on the upstream's response head.
 
-use std::future::Future;
+mod body;
+mod callout;
+
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header;
 use http::uri::PathAndQuery;
 use http::{Response, StatusCode};
-use http_body_util::BodyExt;
 
 use crate::body::Body;
 use crate::conn_info::ConnInfo;
@@ -23,6 +23,8 @@ use portcullis_config::{Config, FailMode, Route};
 use portcullis_plugin::{
     self as plugin, LocalAnswer, Plugin, PluginError, RequestFacts, ResponseVerdict, Verdict,
 };
+
+pub use callout::PendingCallout;
 
 /// What the request hooks decided.
 pub enum RequestOutcome<'a> {
@@ -40,6 +42,10 @@ pub enum Step<'a> {
     /// A plugin asked for the body: read it with [`PendingBody::read`],
     /// which runs the rest of the chain.
     ReadBody(Box<PendingBody<'a>>),
+    /// A plugin made a callout: send it ([`PendingCallout::request`])
+    /// and give its answer to [`PendingCallout::answered`], which runs
+    /// the rest of the chain.
+    Callout(Box<PendingCallout<'a>>),
 }
 
 /// What the request hooks have set so far.
@@ -122,57 +128,6 @@ fn json_error(
     crate::answers::json_error(status, message, Some(route), plugin)
 }
 
-/// Reads the request body into memory, up to `max` bytes. A client that
-/// sends none of it for `timeout` is answered 408 (nginx's
-/// client_body_timeout): a webhook trickled in byte by byte must not hold
-/// its connection for ever.
-async fn read_body(
-    mut body: Body,
-    headers: &http::HeaderMap,
-    max: u32,
-    timeout: Duration,
-) -> Result<Bytes, (StatusCode, &'static str)> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > u64::from(max)) {
-        return Err((StatusCode::PAYLOAD_TOO_LARGE, FOR_THE_PLUGIN));
-    }
-    let progress = body.track();
-    let mut collect = std::pin::pin!(http_body_util::Limited::new(body, max as usize).collect());
-    let mut sleep = std::pin::pin!(tokio::time::sleep(timeout));
-    let collected = std::future::poll_fn(|cx| {
-        loop {
-            if let Poll::Ready(collected) = collect.as_mut().poll(cx) {
-                return Poll::Ready(Some(collected));
-            }
-            if sleep.as_mut().poll(cx).is_pending() {
-                return Poll::Pending;
-            }
-            // The body moved since the timer was set: wait on from then.
-            match progress.as_deref().and_then(|p| p.wait_ends(timeout)) {
-                Some(later) => sleep.as_mut().reset(later),
-                None => return Poll::Ready(None),
-            }
-        }
-    })
-    .await;
-    match collected {
-        Some(Ok(collected)) => Ok(collected.to_bytes()),
-        Some(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-            Err((StatusCode::PAYLOAD_TOO_LARGE, FOR_THE_PLUGIN))
-        }
-        // The route's own limit, below the plugin's.
-        Some(Err(e)) if e.is::<crate::body::TooLarge>() => {
-            Err((StatusCode::PAYLOAD_TOO_LARGE, "request body too large"))
-        }
-        Some(Err(_)) => Err((StatusCode::BAD_REQUEST, "request body could not be read")),
-        None => Err((StatusCode::REQUEST_TIMEOUT, "request body timeout")),
-    }
-}
-
-const FOR_THE_PLUGIN: &str = "request body too large for the route's plugin";
-
 /// Runs the request hooks of `chain`, without waiting on anything: a
 /// plain function, so a route's plugins cost no future of their own (and
 /// no allocation) unless one asks for the body.
@@ -211,92 +166,7 @@ pub fn on_request<'a>(
             held: Vec::new(),
         },
     };
-    run(chain, progress, headers, route, config)
-}
-
-impl<'a> PendingBody<'a> {
-    /// Reads the request body (up to the plugin's bound) into memory,
-    /// forwards exactly those bytes, and runs the rest of the chain with
-    /// them, starting again at the plugin that asked. Calls given a large
-    /// body run on a plugin thread ([`plugin::offload`]).
-    pub async fn read(
-        self,
-        body: &mut Body,
-        headers: &mut http::HeaderMap,
-        route: &Route,
-        config: &Config,
-    ) -> RequestOutcome<'a> {
-        let taken = std::mem::replace(body, Body::empty());
-        let timeout = config.request_timeout(route);
-        let bytes = match read_body(taken, headers, self.max, timeout).await {
-            Ok(bytes) => bytes,
-            Err((status, message)) => {
-                let plugin = request_hooks(self.chain)
-                    .nth(self.at)
-                    .map(|(_, b)| b.name().clone());
-                return RequestOutcome::Answer(json_error(
-                    status,
-                    message,
-                    route,
-                    plugin.as_deref(),
-                ));
-            }
-        };
-        *body = Body::full(bytes.clone());
-        let mut progress = self.progress;
-        for (i, (place, binding)) in request_hooks(self.chain).enumerate().skip(self.at) {
-            // The plugin that asked for the body has had its one ask; a
-            // later one may ask once (the body is in hand: it is called
-            // again with it).
-            let mut asked = i == self.at;
-            loop {
-                let facts = &mut progress.facts;
-                let mut stream = progress.streams.get(place);
-                let called = plugin::offload::on_request_with_body(
-                    binding,
-                    &mut stream,
-                    facts,
-                    headers,
-                    &bytes,
-                )
-                .await;
-                progress.streams.set(place, stream);
-                let result = match called {
-                    Ok(result) => result,
-                    Err(plugin::Lost) => {
-                        tracing::error!(plugin = %binding.name(), route = %route.name, "plugin call lost before it ran");
-                        return RequestOutcome::Answer(json_error(
-                            StatusCode::SERVICE_UNAVAILABLE,
-                            "plugin call lost",
-                            route,
-                            Some(binding.name()),
-                        ));
-                    }
-                };
-                match after_call(&**binding, result, &mut progress, route, config) {
-                    Flow::Next => break,
-                    Flow::Answer(resp) => return RequestOutcome::Answer(resp),
-                    Flow::Local(resp) => {
-                        let resp =
-                            local_through(self.chain, place, &mut progress, headers, route, resp);
-                        return RequestOutcome::Answer(resp);
-                    }
-                    Flow::WantsBody(_) if !asked => asked = true,
-                    Flow::WantsBody(_) => {
-                        let e = PluginError::Trap {
-                            plugin: binding.name().clone(),
-                            message: "asked for the body twice".into(),
-                        };
-                        match fail(&**binding, route, &e) {
-                            Some(resp) => return RequestOutcome::Answer(resp),
-                            None => break,
-                        }
-                    }
-                }
-            }
-        }
-        finish(self.chain, progress, headers)
-    }
+    run_from(chain, 0, progress, headers, None, route, config)
 }
 
 /// The plugins of `chain` with a request hook, in order, with their
@@ -305,37 +175,102 @@ fn request_hooks(chain: &[Arc<dyn Plugin>]) -> impl Iterator<Item = (usize, &Arc
     chain.iter().enumerate().filter(|(_, b)| b.hooks().request)
 }
 
-/// Runs the request hooks of a request whose body no plugin has asked for
-/// (yet): stops at the first that asks.
-fn run<'a>(
+/// Runs the request hooks from the `start`th on, inline (`body`: the
+/// request body, once read for a plugin): stops at the first that asks
+/// for the body or makes a callout.
+fn run_from<'a>(
     chain: &'a [Arc<dyn Plugin>],
+    start: usize,
     mut progress: Progress<'a>,
     headers: &mut http::HeaderMap,
+    body: Option<Bytes>,
     route: &Route,
     config: &Config,
 ) -> Step<'a> {
-    for (at, (place, binding)) in request_hooks(chain).enumerate() {
+    for (at, (place, binding)) in request_hooks(chain).enumerate().skip(start) {
         let mut stream = progress.streams.get(place);
-        let result = binding.on_request(&mut stream, &mut progress.facts, headers, None);
+        let given = body.as_deref();
+        let result = binding.on_request(&mut stream, &mut progress.facts, headers, given);
         progress.streams.set(place, stream);
-        match after_call(&**binding, result, &mut progress, route, config) {
-            Flow::Next => {}
-            Flow::Answer(resp) => return Step::Done(RequestOutcome::Answer(resp)),
-            Flow::Local(resp) => {
-                let resp = local_through(chain, place, &mut progress, headers, route, resp);
-                return Step::Done(RequestOutcome::Answer(resp));
-            }
-            Flow::WantsBody(max) => {
-                return Step::ReadBody(Box::new(PendingBody {
-                    chain,
-                    at,
-                    max,
-                    progress,
-                }));
-            }
-        }
+        let flow = after_call(&**binding, result, &mut progress, route, config);
+        let waiting = Waiting {
+            chain,
+            at,
+            place,
+            body: body.clone(),
+        };
+        progress = match waiting.step(flow, progress, headers, route) {
+            Ok(progress) => progress,
+            Err(step) => return step,
+        };
     }
     Step::Done(finish(chain, progress, headers))
+}
+
+/// Where the chain stands when a plugin's call is done.
+struct Waiting<'a> {
+    chain: &'a [Arc<dyn Plugin>],
+    /// The plugin's index among the request hooks, and place in the chain.
+    at: usize,
+    place: usize,
+    /// The request body, when it has been read for a plugin.
+    body: Option<Bytes>,
+}
+
+impl<'a> Waiting<'a> {
+    /// What `flow` makes of the chain: its progress back to go on to the
+    /// next plugin, or the step to take.
+    #[allow(clippy::result_large_err)] // unboxed as everywhere on this path
+    fn step(
+        self,
+        flow: Flow,
+        mut progress: Progress<'a>,
+        headers: &mut http::HeaderMap,
+        route: &Route,
+    ) -> Result<Progress<'a>, Step<'a>> {
+        let Waiting {
+            chain,
+            at,
+            place,
+            body,
+        } = self;
+        let answer = |resp| Err(Step::Done(RequestOutcome::Answer(resp)));
+        match flow {
+            Flow::Next => Ok(progress),
+            Flow::Answer(resp) => answer(resp),
+            Flow::Local(resp) => answer(local_through(
+                chain,
+                place,
+                &mut progress,
+                headers,
+                route,
+                resp,
+            )),
+            Flow::WantsBody(_) if body.is_some() => {
+                let binding = &chain[place];
+                let e = PluginError::Trap {
+                    plugin: binding.name().clone(),
+                    message: "asked for the body twice".into(),
+                };
+                match fail(&**binding, route, &e) {
+                    Some(resp) => answer(resp),
+                    None => Ok(progress),
+                }
+            }
+            Flow::WantsBody(max) => Err(Step::ReadBody(Box::new(PendingBody {
+                chain,
+                at,
+                max,
+                progress,
+            }))),
+            Flow::Callout(request) => Err(Step::Callout(Box::new(PendingCallout::new(
+                (chain, at, place),
+                progress,
+                request,
+                body,
+            )))),
+        }
+    }
 }
 
 /// What a plugin's answer leaves the chain to do.
@@ -348,6 +283,8 @@ enum Flow {
     Answer(Response<Body>),
     /// The plugin wants the body, up to this many bytes.
     WantsBody(u32),
+    /// The plugin made a callout and waits for its answer.
+    Callout(plugin::Callout),
 }
 
 /// Applies one plugin's verdict (or failure) to the request; its header
@@ -396,6 +333,7 @@ fn after_call(
         }
         Ok(Verdict::Respond(local)) => Flow::Local(local_answer(binding, route, local)),
         Ok(Verdict::ReadBody(max)) => Flow::WantsBody(max),
+        Ok(Verdict::Callout(request)) => Flow::Callout(request),
         Err(e) => match fail(binding, route, &e) {
             Some(resp) => Flow::Answer(resp),
             None => Flow::Next,

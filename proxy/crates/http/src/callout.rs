@@ -1,0 +1,79 @@
+//! A plugin's callout sent to an upstream of the policies through its
+//! pool (balancing, TLS, retries and metrics as for forwarded requests),
+//! and its answer read whole for the plugin.
+
+use std::time::Instant;
+
+use http::header::{self, HeaderValue};
+use http::uri::PathAndQuery;
+use http_body_util::BodyExt;
+use portcullis_plugin::seam::{Callout, CalloutAnswer, MAX_CALLOUT_BODY};
+
+use crate::body::Body;
+use crate::forward::{Outgoing, UpstreamPool};
+
+/// Sends `c` through `pool` and reads the answer within its timeout.
+pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
+    let Ok(path) = PathAndQuery::try_from(c.path.as_str()) else {
+        let why = format!("`{}` is not a request path", c.path);
+        return CalloutAnswer::Failed {
+            timed_out: false,
+            why,
+        };
+    };
+    let mut headers = c.headers;
+    if let Some(authority) = c.authority.and_then(|a| HeaderValue::from_str(&a).ok()) {
+        headers.insert(header::HOST, authority);
+    }
+    if !c.body.is_empty() {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(c.body.len()));
+    }
+    let out = Outgoing {
+        method: c.method,
+        path,
+        headers,
+        body: Body::full(c.body),
+        affinity: None,
+    };
+    let params = matchit::Params::new();
+    let asked = Instant::now();
+    let whole = async {
+        let (resp, held) = pool
+            .send(out, &params, c.timeout, None)
+            .await
+            .map_err(|e| {
+                if let Some(why) = e.upstream_error() {
+                    pool.stats.failed(why);
+                }
+                e.to_string()
+            })?;
+        pool.stats.record(resp.status().as_u16(), asked.elapsed());
+        let (parts, body) = resp.into_parts();
+        let body = http_body_util::Limited::new(body, MAX_CALLOUT_BODY)
+            .collect()
+            .await
+            .map_err(|e| format!("reading the answer: {e}"))?
+            .to_bytes();
+        drop(held);
+        Ok::<_, String>(CalloutAnswer::Answered {
+            status: parts.status.as_u16(),
+            headers: parts.headers,
+            body,
+        })
+    };
+    match tokio::time::timeout(c.timeout, whole).await {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(why)) => CalloutAnswer::Failed {
+            timed_out: false,
+            why,
+        },
+        Err(_) => {
+            pool.stats
+                .failed(portcullis_obs::metrics::UpstreamError::Timeout);
+            CalloutAnswer::Failed {
+                timed_out: true,
+                why: format!("no answer within {:?}", c.timeout),
+            }
+        }
+    }
+}

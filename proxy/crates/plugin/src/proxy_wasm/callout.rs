@@ -1,0 +1,201 @@
+//! `proxy_http_call` and its answer: a filter's call to an upstream of
+//! the policies (Envoy's cluster) becomes the seam's callout, and the
+//! answer comes back through `proxy_on_http_call_response`, with the
+//! answer's headers and body readable as Envoy offers them (header map 6,
+//! buffer 4).
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use bytes::Bytes;
+use wasmtime::{Caller, Linker};
+
+use super::guest::{Status, read, write_u32};
+use super::vm::Vm;
+use super::{Call, ProxyWasm, VmState, map};
+use crate::PluginError;
+use crate::seam::{Callout, CalloutAnswer, Steer, Verdict};
+
+/// The body of Envoy's answer to an HTTP call that reached no upstream.
+const UNREACHABLE: &[u8] = b"upstream connect error or disconnect/reset before headers";
+
+/// A context's callouts not yet answered, in the order made.
+#[derive(Default)]
+pub struct Waiting {
+    /// By token; the callout itself until it is handed to the driver.
+    calls: VecDeque<(u32, Option<Callout>)>,
+    /// The `:path` the filter set before it paused.
+    path: Option<String>,
+}
+
+/// Adds `proxy_http_call` to `linker`.
+pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
+    linker.func_wrap(
+        "env",
+        "proxy_http_call",
+        |mut c: Caller<'_, VmState>,
+         up_ptr: i32,
+         up_len: i32,
+         headers_ptr: i32,
+         headers_len: i32,
+         body_ptr: i32,
+         body_len: i32,
+         _trailers_ptr: i32,
+         _trailers_len: i32,
+         timeout_ms: i32,
+         ret_token: i32|
+         -> wasmtime::Result<i32> {
+            let upstream = String::from_utf8_lossy(&read(&mut c, up_ptr, up_len)?).into_owned();
+            let bytes = read(&mut c, headers_ptr, headers_len)?;
+            let body = read(&mut c, body_ptr, body_len)?;
+            // An unknown cluster, or a head without its pseudo-headers,
+            // is refused as Envoy refuses them.
+            if !c.data().upstreams.iter().any(|u| **u == *upstream) {
+                return Ok(Status::BadArgument as i32);
+            }
+            let Some(pairs) = map::deserialize(&bytes) else {
+                return Ok(Status::SerializationFailure as i32);
+            };
+            let Some(callout) = callout(upstream, &pairs, body, timeout_ms) else {
+                return Ok(Status::BadArgument as i32);
+            };
+            let token = c.data().next_token;
+            c.data_mut().next_token = token.wrapping_add(1).max(1);
+            c.data_mut().call.callouts.push((token, callout));
+            write_u32(&mut c, ret_token, token)?;
+            Ok(Status::Ok as i32)
+        },
+    )?;
+    Ok(())
+}
+
+/// The callout a filter's serialized head describes: `None` without
+/// `:method`, `:path` and `:authority`.
+fn callout(upstream: String, pairs: &[(&[u8], &[u8])], body: Vec<u8>, ms: i32) -> Option<Callout> {
+    let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
+    let (mut method, mut path, mut authority) = (None, None, None);
+    let mut headers = http::HeaderMap::new();
+    for (k, v) in pairs {
+        match *k {
+            b":method" => method = http::Method::from_bytes(v).ok(),
+            b":path" => path = Some(text(v)),
+            b":authority" => authority = Some(text(v)),
+            k if k.starts_with(b":") => {}
+            k => {
+                if let (Ok(k), Ok(v)) = (
+                    http::HeaderName::from_bytes(k),
+                    http::HeaderValue::from_bytes(v),
+                ) {
+                    headers.append(k, v);
+                }
+            }
+        }
+    }
+    Some(Callout {
+        upstream,
+        method: method?,
+        path: path?,
+        authority: Some(authority?),
+        headers,
+        body: body.into(),
+        timeout: Duration::from_millis(ms.max(1) as u64),
+    })
+}
+
+/// What a request-side call that returned `action` decided.
+pub fn verdict(
+    filter: &ProxyWasm,
+    vm: &mut Vm,
+    id: u32,
+    mut call: Call,
+    action: i32,
+) -> Result<Verdict, PluginError> {
+    let waiting = vm.waiting.entry(id).or_default();
+    waiting
+        .calls
+        .extend(call.callouts.drain(..).map(|(t, c)| (t, Some(c))));
+    if call.path.is_some() {
+        waiting.path = call.path.take();
+    }
+    if let Some(local) = call.local.take() {
+        return Ok(Verdict::Respond(local));
+    }
+    if action == 0 || call.resumed {
+        return Ok(Verdict::Continue(Steer {
+            path: waiting.path.take(),
+            upstream: None,
+        }));
+    }
+    // Paused: on the next callout not yet sent. (A callout made by a
+    // filter that goes on is never answered: the request does not wait.)
+    if let Some(next) = waiting.calls.iter_mut().find_map(|(_, c)| c.take()) {
+        return Ok(Verdict::Callout(next));
+    }
+    Err(PluginError::Trap {
+        plugin: filter.name.clone(),
+        message: "paused the request with nothing to resume it".into(),
+    })
+}
+
+/// Gives context `id` the answer to its oldest callout; what it decides.
+pub fn answer(
+    filter: &ProxyWasm,
+    vm: &mut Vm,
+    id: u32,
+    (facts, headers): (&mut Option<crate::RequestFacts>, &mut http::HeaderMap),
+    answer: CalloutAnswer,
+) -> Result<Verdict, PluginError> {
+    let token = vm
+        .waiting
+        .get_mut(&id)
+        .and_then(|w| w.calls.pop_front())
+        .map(|(token, _)| token)
+        .ok_or_else(|| PluginError::Trap {
+            plugin: filter.name.clone(),
+            message: "answered a callout it never made".into(),
+        })?;
+    // As Envoy's HTTP calls end: one that found no upstream is the
+    // router's 503, one that timed out an answer without headers.
+    let answer = match answer {
+        CalloutAnswer::Failed {
+            timed_out: false, ..
+        } => {
+            let body = Bytes::from_static(UNREACHABLE);
+            let pairs = vec![
+                (b":status".to_vec(), b"503".to_vec()),
+                (
+                    b"content-length".to_vec(),
+                    body.len().to_string().into_bytes(),
+                ),
+                (b"content-type".to_vec(), b"text/plain".to_vec()),
+            ];
+            (pairs, body)
+        }
+        CalloutAnswer::Answered {
+            status,
+            headers,
+            body,
+        } => {
+            let mut pairs = vec![(b":status".to_vec(), status.to_string().into_bytes())];
+            pairs.extend(
+                headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str().as_bytes().to_vec(), v.as_bytes().to_vec())),
+            );
+            (pairs, body)
+        }
+        CalloutAnswer::Failed { .. } => (Vec::new(), Bytes::new()),
+    };
+    let call = Call {
+        facts: facts.take(),
+        request_headers: std::mem::take(headers),
+        answer: Some(answer),
+        ..Call::default()
+    };
+    let (mut call, result) = vm.http_call_response(filter, token, call);
+    *facts = call.facts.take();
+    *headers = std::mem::take(&mut call.request_headers);
+    result?;
+    // Still paused unless it resumed the request.
+    verdict(filter, vm, id, call, 1)
+}
