@@ -323,6 +323,25 @@ fn metrics(reloader: &Reloader) -> String {
         "Counters plugins keep through host.count, and each plugin's failures (name=\"failures\").",
         &counters,
     );
+    let gauges: Vec<_> = portcullis_plugin::filter_gauges()
+        .into_iter()
+        .map(|((plugin, name), v)| {
+            let labels = format!(
+                "{{plugin=\"{}\",name=\"{}\"}}",
+                label(&plugin),
+                label(&name)
+            );
+            (labels, v as f64)
+        })
+        .collect();
+    if !gauges.is_empty() {
+        metric(
+            "portcullis_plugin_gauge",
+            "gauge",
+            "Gauges proxy-wasm filters define and set (proxy_define_metric), by plugin and name.",
+            &gauges,
+        );
+    }
     if let Some([loaded, compiled, refused]) = portcullis_plugin::disk_cache_outcomes() {
         metric(
             "portcullis_plugin_cache_total",

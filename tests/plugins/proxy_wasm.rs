@@ -363,3 +363,46 @@ async fn auth_seen(addr: std::net::SocketAddr, path: &str, token: &str) -> Seen 
     let response = ["x-auth-status", "x-dispatch-error", "content-type"];
     seen(a, &["x-user", "x-auth-body"], &response)
 }
+
+#[tokio::test]
+pub(super) async fn filters_share_data_across_vms_and_export_metrics() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: counter, path: proxy-wasm-shared.wasm }}]
+routes: [{{ name: counted, match: {{ path_prefix: /c }}, upstream: app, plugins: [{{ use: counter }}] }}]
+"#,
+            app.url()
+        ),
+        &["proxy-wasm-shared"],
+    );
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    // Connections of their own, so requests land on every worker's VM;
+    // the shared count is one across them, each request counted once.
+    let mut seen = Vec::new();
+    for i in 0..6 {
+        let mut conn = client::Connection::open(proxy.addr).await;
+        let req = Request::get(proxy.url(&format!("/c/{}", "x".repeat(i))))
+            .body(body(Bytes::new()))
+            .unwrap();
+        let a = conn.send(req).await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        let n: u64 = a.json()["headers"]["x-shared-count"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        seen.push(n);
+    }
+    assert_eq!(seen, vec![1, 2, 3, 4, 5, 6]);
+    proxy
+        .metrics_showing(&[
+            r#"portcullis_plugin_counter_total{plugin="counter",name="requests"} 6"#.into(),
+            // The last path: /c/xxxxx.
+            r#"portcullis_plugin_gauge{plugin="counter",name="last_path_len"} 8"#.into(),
+        ])
+        .await;
+}

@@ -58,6 +58,7 @@ mod component;
 mod facts;
 mod host;
 mod proxy_wasm;
+pub use proxy_wasm::gauges as filter_gauges;
 pub mod seam;
 
 pub use binding::Binding;

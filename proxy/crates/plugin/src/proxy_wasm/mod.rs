@@ -22,6 +22,7 @@ mod callout;
 mod guest;
 mod map;
 mod properties;
+mod shared;
 mod vm;
 mod wasi;
 
@@ -42,6 +43,8 @@ use vm::Vm;
 
 /// The exports that make a core module a proxy-wasm filter.
 const ABI_VERSIONS: [&str; 2] = ["proxy_abi_version_0_2_1", "proxy_abi_version_0_2_0"];
+
+pub use shared::gauges;
 
 /// Whether `module` is a proxy-wasm filter.
 pub fn is_filter(module: &Module) -> bool {
@@ -155,6 +158,7 @@ impl ProxyWasm {
         let linked = abi::stub_imports(&mut linker, module)
             .and_then(|()| abi::add_to_linker(&mut linker))
             .and_then(|()| callout::add_to_linker(&mut linker))
+            .and_then(|()| shared::add_to_linker(&mut linker))
             .and_then(|()| wasi::add_to_linker(&mut linker))
             .and_then(|()| linker.instantiate_pre(module));
         let pre = linked.map_err(|e| format!("cannot be linked: {e:#}"))?;
