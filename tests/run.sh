@@ -25,7 +25,7 @@ if [ "$(cat "$marker" 2>/dev/null)" != "$PWD" ]; then
     cargo clean --manifest-path plugins/Cargo.toml -p "$crate" >/dev/null 2>&1 || true
     cargo clean --manifest-path plugins/Cargo.toml --target wasm32-wasip2 -p "$crate" >/dev/null 2>&1 || true
   done
-  for crate in proxy-wasm-auth proxy-wasm-headers proxy-wasm-misbehave proxy-wasm-shared; do
+  for crate in proxy-wasm-auth proxy-wasm-body proxy-wasm-headers proxy-wasm-misbehave proxy-wasm-shared; do
     cargo clean --manifest-path plugins/proxy-wasm/Cargo.toml --target wasm32-wasip1 -p "$crate" >/dev/null 2>&1 || true
   done
   echo "$PWD" > "$marker"

@@ -63,6 +63,7 @@ fn main() -> anyhow::Result<()> {
                     client_cert: None,
                     route: index,
                     params: Vec::new(),
+                    bodiless: true,
                 });
                 let mut stream = plugin::Stream::NONE;
                 let d = binding.on_request(&mut stream, &mut facts, &mut headers, None);

@@ -406,3 +406,100 @@ routes: [{{ name: counted, match: {{ path_prefix: /c }}, upstream: app, plugins:
         ])
         .await;
 }
+
+/// A filter importing a call that is in neither the proxy-wasm ABI nor
+/// WASI is refused at load, naming the import.
+#[test]
+pub(super) fn an_import_outside_the_abi_is_refused_by_name() {
+    // A core module exporting the ABI version, importing `env`'s
+    // `not_in_the_abi`: sections by hand (type, import, function,
+    // export, code).
+    let mut wasm = b"\0asm\x01\0\0\0".to_vec();
+    wasm.extend([1, 4, 1, 0x60, 0, 0]);
+    let (module, field) = (b"env", b"not_in_the_abi");
+    let mut import = vec![1, module.len() as u8];
+    import.extend(module);
+    import.push(field.len() as u8);
+    import.extend(field);
+    import.extend([0, 0]);
+    wasm.extend([2, import.len() as u8]);
+    wasm.extend(import);
+    wasm.extend([3, 2, 1, 0]);
+    let name = b"proxy_abi_version_0_2_1";
+    let mut export = vec![1, name.len() as u8];
+    export.extend(name);
+    export.extend([0, 1]);
+    wasm.extend([7, export.len() as u8]);
+    wasm.extend(export);
+    wasm.extend([10, 4, 1, 2, 0, 0x0b]);
+    let dir = policy_dir(
+        r#"
+plugins: [{ name: odd, path: odd.wasm }]
+routes: [{ name: r, match: { path: /r }, respond: { status: 204 }, plugins: [{ use: odd }] }]
+"#,
+        &[],
+    );
+    std::fs::write(dir.path().join("odd.wasm"), wasm).unwrap();
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains("plugin `odd` on route `r`")
+            && stderr.contains("cannot be linked")
+            && stderr.contains("not_in_the_abi"),
+        "{stderr}"
+    );
+}
+
+/// A POST of `payload` through `addr`, with `x-inspect` when `inspect`.
+async fn body_seen(addr: std::net::SocketAddr, payload: &'static str, inspect: bool) -> Seen {
+    let mut req = Request::post(format!("http://{addr}/b"));
+    if inspect {
+        req = req.header("x-inspect", "1");
+    }
+    let a = client::send(&client::http1(), req.body(body(payload)).unwrap()).await;
+    let json: Option<serde_json::Value> = serde_json::from_slice(&a.body).ok();
+    let mut seen = seen(a, &["x-body-seen"], &["content-type"]);
+    // The body the upstream got, by its length.
+    let len = json.map(|j| j["body_len"].to_string());
+    seen.upstream.push(("body_len".into(), len));
+    seen
+}
+
+#[tokio::test]
+pub(super) async fn a_body_filter_reads_and_rewrites_the_request_body() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: inspect, path: proxy-wasm-body.wasm }}]
+routes: [{{ name: b, match: {{ path: /b }}, upstream: app, plugins: [{{ use: inspect }}] }}]
+"#,
+            app.url()
+        ),
+        &["proxy-wasm-body"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let upstream = |s: &Seen| (s.upstream[0].1.clone(), s.upstream[1].1.clone());
+    // Inspected: the upstream gets the rewritten body, and its length.
+    let a = body_seen(proxy.addr, "hello", true).await;
+    assert_eq!(a.status, 200);
+    assert_eq!(
+        upstream(&a),
+        (Some("5".into()), Some("15".into())),
+        "hello (checked)"
+    );
+    // Refused from the body: the filter's answer, the upstream not asked.
+    let a = body_seen(proxy.addr, "this is forbidden", true).await;
+    assert_eq!(
+        (a.status, a.body.as_deref()),
+        (403, Some("forbidden body\n"))
+    );
+    // Not inspected (the headers went on): the body passes untouched.
+    let a = body_seen(proxy.addr, "forbidden or not", false).await;
+    assert_eq!(upstream(&a), (None, Some("16".into())));
+    // No body: the headers ended the request, nothing is paused.
+    let a = body_seen(proxy.addr, "", true).await;
+    assert_eq!((a.status, upstream(&a).1), (200, Some("0".into())));
+}

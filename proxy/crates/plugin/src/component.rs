@@ -53,6 +53,7 @@ impl seam::Plugin for Binding {
                 Verdict::Continue(Steer {
                     path: f.path,
                     upstream: f.upstream,
+                    body: None,
                 })
             }
             Decision::Respond(local) => Verdict::Respond(self.answer(local)),

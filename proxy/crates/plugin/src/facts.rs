@@ -27,6 +27,8 @@ pub struct RequestFacts {
     pub route: usize,
     /// The route's path parameters (empty for routes without any).
     pub params: Vec<(String, String)>,
+    /// Whether the request has no body (its head ended it).
+    pub bodiless: bool,
 }
 
 impl RequestFacts {

@@ -96,6 +96,9 @@ pub struct Steer {
     pub path: Option<String>,
     /// Another upstream of the policies, by name.
     pub upstream: Option<String>,
+    /// A new request body, from a call given the body: later plugins
+    /// and the upstream get it instead.
+    pub body: Option<Bytes>,
 }
 
 /// What a response-side call decided; header edits are made already.

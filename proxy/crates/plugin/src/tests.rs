@@ -12,6 +12,7 @@ fn facts(uri: &str) -> RequestFacts {
         client_cert: None,
         route: 1,
         params: vec![("name".into(), "hooks".into())],
+        bodiless: true,
     }
 }
 

@@ -73,7 +73,7 @@ impl<'a> PendingBody<'a> {
     ) -> Step<'a> {
         let taken = std::mem::replace(body, Body::empty());
         let timeout = config.request_timeout(route);
-        let bytes = match read_body(taken, headers, self.max, timeout).await {
+        let mut bytes = match read_body(taken, headers, self.max, timeout).await {
             Ok(bytes) => bytes,
             Err((status, message)) => {
                 let plugin = request_hooks(self.chain)
@@ -118,7 +118,15 @@ impl<'a> PendingBody<'a> {
                         )));
                     }
                 };
-                match after_call(&**binding, result, &mut progress, route, config) {
+                let flow = after_call(&**binding, result, &mut progress, route, config);
+                // A plugin's new body: what later plugins and the upstream get.
+                if let Some(new) = progress.body.take() {
+                    headers.insert(header::CONTENT_LENGTH, new.len().into());
+                    headers.remove(header::TRANSFER_ENCODING);
+                    *body = Body::full(new.clone());
+                    bytes = new;
+                }
+                match flow {
                     Flow::Next => break,
                     Flow::Answer(resp) => return Step::Done(RequestOutcome::Answer(resp)),
                     Flow::Local(resp) => {

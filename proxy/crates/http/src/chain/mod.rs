@@ -54,6 +54,8 @@ struct Progress<'a> {
     facts: Option<RequestFacts>,
     upstream: Option<usize>,
     path: Option<PathAndQuery>,
+    /// The request body a plugin set, for the body read to take.
+    body: Option<Bytes>,
     streams: Streams<'a>,
 }
 
@@ -134,8 +136,7 @@ fn json_error(
 #[allow(clippy::too_many_arguments)]
 pub fn on_request<'a>(
     chain: &'a [Arc<dyn Plugin>],
-    method: &http::Method,
-    uri: &http::Uri,
+    (method, uri, bodiless): (&http::Method, &http::Uri, bool),
     headers: &mut http::HeaderMap,
     path: &str,
     params: &matchit::Params<'_, '_>,
@@ -158,9 +159,11 @@ pub fn on_request<'a>(
                 .iter()
                 .map(|(k, v)| (k.to_owned(), v.to_owned()))
                 .collect(),
+            bodiless,
         }),
         upstream: None,
         path: None,
+        body: None,
         streams: Streams {
             chain,
             held: Vec::new(),
@@ -298,6 +301,9 @@ fn after_call(
 ) -> Flow {
     match result {
         Ok(Verdict::Continue(f)) => {
+            if let Some(body) = f.body {
+                progress.body = Some(body);
+            }
             if let Some(p) = f.path {
                 match plugin_path(&p) {
                     Some(pq) => {

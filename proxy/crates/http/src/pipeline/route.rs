@@ -229,10 +229,10 @@ impl Pipeline {
         }
         let config = &*self.config;
         let facts = (index, route);
+        let bodiless = http_body::Body::is_end_stream(&*body);
         let step = chain::on_request(
             chain,
-            method,
-            uri,
+            (method, uri, bodiless),
             headers,
             path,
             &routed.params,

@@ -17,6 +17,7 @@ type R = wasmtime::Result<i32>;
 
 const REQUEST_HEADERS: i32 = 0;
 const RESPONSE_HEADERS: i32 = 2;
+const HTTP_REQUEST_BODY: i32 = 0;
 const HTTP_CALL_RESPONSE_HEADERS: i32 = 6;
 const HTTP_CALL_RESPONSE_BODY: i32 = 4;
 const PLUGIN_CONFIGURATION: i32 = 7;
@@ -77,6 +78,10 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             let buffer = match kind {
                 PLUGIN_CONFIGURATION => c.data().config.clone(),
                 VM_CONFIGURATION => c.data().vm_config.clone(),
+                HTTP_REQUEST_BODY => match &c.data().call.request_body {
+                    Some(body) => body.clone(),
+                    None => return ok(Status::NotFound),
+                },
                 HTTP_CALL_RESPONSE_BODY => match &c.data().call.answer {
                     Some((_, body)) => body.clone(),
                     None => return ok(Status::NotFound),
@@ -91,6 +96,32 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 return ok(Status::Ok);
             }
             give(&mut c, &buffer[start..end], (ret_ptr, ret_len))
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_set_buffer_bytes",
+        |mut c: C<'_>, kind: i32, start: i32, size: i32, ptr: i32, len: i32| -> R {
+            let data = read(&mut c, ptr, len)?;
+            let call = &mut c.data_mut().call;
+            let Some(body) = call
+                .request_body
+                .as_ref()
+                .filter(|_| kind == HTTP_REQUEST_BODY)
+            else {
+                return ok(Status::NotFound);
+            };
+            // As Envoy edits a buffer: replace it whole, prepend, or append.
+            let (start, size) = (start as u32 as usize, size as u32 as usize);
+            let new = match (start, size) {
+                (0, n) if n >= body.len() => data,
+                (0, 0) => [data.as_slice(), body].concat(),
+                (s, _) if s >= body.len() => [body.as_ref(), data.as_slice()].concat(),
+                _ => return ok(Status::BadArgument),
+            };
+            call.request_body = Some(new.into());
+            call.body_changed = true;
+            ok(Status::Ok)
         },
     )?;
     linker.func_wrap(
@@ -377,10 +408,12 @@ fn append(state: &mut VmState, kind: i32, key: &[u8], value: &[u8]) {
     }
 }
 
-/// Defines every function `module` imports as a call that fails its
-/// request naming itself; the host's own calls, added after with
-/// shadowing allowed, replace those it offers. proxy-wasm SDKs import the
-/// whole ABI, and most filters call a handful of it.
+/// Defines every function of the proxy-wasm ABI (`env::proxy_*`) and of
+/// WASI preview 1 that `module` imports as a call that fails its request
+/// naming itself; the host's own calls, added after with shadowing
+/// allowed, replace those it offers. The SDKs import the whole ABI, and
+/// most filters call a handful of it. Any other import is left undefined,
+/// so linking refuses the module naming it (and `check` reports it).
 pub fn stub_imports(
     linker: &mut Linker<VmState>,
     module: &wasmtime::Module,
@@ -390,6 +423,10 @@ pub fn stub_imports(
         let wasmtime::ExternType::Func(ty) = import.ty() else {
             continue;
         };
+        let abi = m == "env" && name.starts_with("proxy_");
+        if !abi && m != "wasi_snapshot_preview1" {
+            continue;
+        }
         let what = format!("{m}::{name}");
         linker.func_new(m, name, ty, move |_, _, _| {
             wasmtime::bail!(

@@ -16,6 +16,11 @@ use super::{Call, ProxyWasm, VmState, map};
 use crate::PluginError;
 use crate::seam::{Callout, CalloutAnswer, Steer, Verdict};
 
+/// The most of a request body a filter that pauses for it gets (Envoy's
+/// default buffer limit, `per_connection_buffer_limit_bytes`); more is
+/// 413, as from Envoy.
+const MAX_BUFFERED_BODY: u32 = 1 << 20;
+
 /// The body of Envoy's answer to an HTTP call that reached no upstream.
 const UNREACHABLE: &[u8] = b"upstream connect error or disconnect/reset before headers";
 
@@ -108,7 +113,7 @@ pub fn verdict(
     vm: &mut Vm,
     id: u32,
     mut call: Call,
-    action: i32,
+    (action, body_to_come): (i32, bool),
 ) -> Result<Verdict, PluginError> {
     let waiting = vm.waiting.entry(id).or_default();
     waiting
@@ -124,12 +129,21 @@ pub fn verdict(
         return Ok(Verdict::Continue(Steer {
             path: waiting.path.take(),
             upstream: None,
+            body: call
+                .body_changed
+                .then(|| call.request_body.take())
+                .flatten(),
         }));
     }
     // Paused: on the next callout not yet sent. (A callout made by a
     // filter that goes on is never answered: the request does not wait.)
     if let Some(next) = waiting.calls.iter_mut().find_map(|(_, c)| c.take()) {
         return Ok(Verdict::Callout(next));
+    }
+    // Paused on the headers of a request with a body: it wants the body,
+    // which is read whole, up to Envoy's default buffer limit.
+    if body_to_come {
+        return Ok(Verdict::ReadBody(MAX_BUFFERED_BODY));
     }
     Err(PluginError::Trap {
         plugin: filter.name.clone(),
@@ -197,5 +211,5 @@ pub fn answer(
     *headers = std::mem::take(&mut call.request_headers);
     result?;
     // Still paused unless it resumed the request.
-    verdict(filter, vm, id, call, 1)
+    verdict(filter, vm, id, call, (1, false))
 }

@@ -88,6 +88,9 @@ struct Call {
     /// The callout answer being delivered: its headers (`:status` among
     /// them) and body.
     answer: Option<(Pairs, Bytes)>,
+    /// The request body, in a body call; and whether the filter changed it.
+    request_body: Option<Bytes>,
+    body_changed: bool,
 }
 
 /// Header fields as the ABI hands them over: name and value bytes.
@@ -301,24 +304,24 @@ impl seam::Plugin for ProxyWasm {
         headers: &mut http::HeaderMap,
         body: Option<&[u8]>,
     ) -> Result<Verdict, PluginError> {
-        if body.is_some() {
-            return Err(PluginError::Trap {
-                plugin: self.name.clone(),
-                message: "proxy-wasm request bodies are not offered yet".into(),
-            });
-        }
         self.on_vm(stream, |vm, stream| {
+            let bodiless = facts.as_ref().is_none_or(|f| f.bodiless);
             let call = Call {
                 facts: facts.take(),
                 request_headers: std::mem::take(headers),
+                request_body: body.map(Bytes::copy_from_slice),
                 ..Call::default()
             };
             let id = parts(*stream).2;
-            let (mut call, action) = vm.request_headers(self, id, call);
+            let (mut call, action) = match body {
+                None => vm.request_headers(self, id, call, bodiless),
+                Some(_) => vm.request_body(self, id, call),
+            };
             *facts = call.facts.take();
             *headers = std::mem::take(&mut call.request_headers);
             let action = action?;
-            callout::verdict(self, vm, id, call, action)
+            let body_to_come = body.is_none() && !bodiless;
+            callout::verdict(self, vm, id, call, (action, body_to_come))
         })
     }
 

@@ -86,10 +86,28 @@ impl Vm {
         filter: &ProxyWasm,
         id: u32,
         call: Call,
+        end_of_stream: bool,
     ) -> (Call, Result<i32, PluginError>) {
         // The pseudo-headers count as fields, as in Envoy.
         let n = call.request_headers.len() as i32 + 4;
-        self.lent(filter, "proxy_on_request_headers", id, n, call)
+        self.lent(
+            filter,
+            "proxy_on_request_headers",
+            (id, n, end_of_stream),
+            call,
+        )
+    }
+
+    /// `proxy_on_request_body` with the whole body (end of stream: the
+    /// proxy reads it whole first), likewise.
+    pub fn request_body(
+        &mut self,
+        filter: &ProxyWasm,
+        id: u32,
+        call: Call,
+    ) -> (Call, Result<i32, PluginError>) {
+        let n = call.request_body.as_ref().map_or(0, |b| b.len() as i32);
+        self.lent(filter, "proxy_on_request_body", (id, n, true), call)
     }
 
     /// `proxy_on_response_headers`, likewise.
@@ -100,22 +118,21 @@ impl Vm {
         call: Call,
     ) -> (Call, Result<i32, PluginError>) {
         let n = call.response_headers.len() as i32 + 1;
-        self.lent(filter, "proxy_on_response_headers", id, n, call)
+        self.lent(filter, "proxy_on_response_headers", (id, n, false), call)
     }
 
     fn lent(
         &mut self,
         filter: &ProxyWasm,
         name: &str,
-        id: u32,
-        fields: i32,
+        (id, size, end_of_stream): (u32, i32, bool),
         call: Call,
     ) -> (Call, Result<i32, PluginError>) {
         self.store.data_mut().call = call;
         // ABI 0.2.1 passes end_of_stream; 0.2.0 does not.
         let result = match self.params(name) {
-            Some(3) => self.call(filter, name, &[id as i32, fields, 0], 1),
-            _ => self.call(filter, name, &[id as i32, fields], 1),
+            Some(3) => self.call(filter, name, &[id as i32, size, end_of_stream as i32], 1),
+            _ => self.call(filter, name, &[id as i32, size], 1),
         };
         let call = std::mem::take(&mut self.store.data_mut().call);
         (call, result.map(|r| r.unwrap_or(0)))

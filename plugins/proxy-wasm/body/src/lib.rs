@@ -1,0 +1,55 @@
+//! A request-body filter as Envoy users write them: with `x-inspect`, it
+//! pauses the headers and buffers the body; a body that says `forbidden`
+//! is refused (403), any other goes on with ` (checked)` appended and
+//! its original length in `x-body-seen`.
+
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, ContextType};
+
+proxy_wasm::main! {{
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root) });
+}}
+
+struct Root;
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Inspect))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct Inspect;
+
+impl Context for Inspect {}
+
+impl HttpContext for Inspect {
+    fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+        if end_of_stream || self.get_http_request_header("x-inspect").is_none() {
+            return Action::Continue;
+        }
+        // The body may change length: its length goes, as Envoy filters
+        // that rewrite bodies do (Envoy would send the old one).
+        self.set_http_request_header("content-length", None);
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = self.get_http_request_body(0, body_size).unwrap_or_default();
+        if body.windows(9).any(|w| w == b"forbidden") {
+            self.send_http_response(403, vec![], Some(b"forbidden body\n"));
+            return Action::Pause;
+        }
+        self.set_http_request_header("x-body-seen", Some(&body.len().to_string()));
+        self.set_http_request_body(body_size, 0, b" (checked)");
+        Action::Continue
+    }
+}
