@@ -20,6 +20,7 @@ mod host_limits;
 mod isolation;
 mod packaging;
 mod proxy_wasm;
+mod proxy_wasm_bodies;
 mod standard;
 mod webhooks;
 

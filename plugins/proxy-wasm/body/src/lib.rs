@@ -2,6 +2,13 @@
 //! pauses the headers and buffers the body; a body that says `forbidden`
 //! is refused (403), any other goes on with ` (checked)` appended and
 //! its original length in `x-body-seen`.
+//!
+//! On the response, with `x-redact: stream` on the request it does what
+//! the SDK's `http_body` example does: lets the head go without its
+//! length, keeps the body's pieces until the last, and replaces
+//! `secret` in it with `[redacted]`. With `x-redact: hold` it holds the
+//! head until the body is in, and also says how long the body was in
+//! `x-body-was`.
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
@@ -16,7 +23,7 @@ impl Context for Root {}
 
 impl RootContext for Root {
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Inspect))
+        Some(Box::new(Inspect { redact: None }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -24,12 +31,16 @@ impl RootContext for Root {
     }
 }
 
-struct Inspect;
+struct Inspect {
+    /// `x-redact` of the request.
+    redact: Option<String>,
+}
 
 impl Context for Inspect {}
 
 impl HttpContext for Inspect {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+        self.redact = self.get_http_request_header("x-redact");
         if end_of_stream || self.get_http_request_header("x-inspect").is_none() {
             return Action::Continue;
         }
@@ -50,6 +61,44 @@ impl HttpContext for Inspect {
         }
         self.set_http_request_header("x-body-seen", Some(&body.len().to_string()));
         self.set_http_request_body(body_size, 0, b" (checked)");
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+        if end_of_stream {
+            return Action::Continue;
+        }
+        match self.redact.as_deref() {
+            Some("stream") => {
+                // The body may change length: its length must go before
+                // the head does.
+                self.set_http_response_header("content-length", None);
+                Action::Continue
+            }
+            Some("hold") => Action::Pause,
+            _ => Action::Continue,
+        }
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.redact.is_none() {
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = self
+            .get_http_response_body(0, body_size)
+            .unwrap_or_default();
+        let text = String::from_utf8_lossy(&body);
+        if text.contains("secret") {
+            let redacted = text.replace("secret", "[redacted]");
+            self.set_http_response_body(0, body_size, redacted.as_bytes());
+        }
+        if self.redact.as_deref() == Some("hold") {
+            self.set_http_response_header("content-length", None);
+            self.set_http_response_header("x-body-was", Some(&body_size.to_string()));
+        }
         Action::Continue
     }
 }

@@ -64,14 +64,13 @@ impl seam::Plugin for Binding {
     fn on_response(
         &self,
         _stream: &mut seam::Stream,
-        facts: &mut Option<RequestFacts>,
-        request_headers: &mut http::HeaderMap,
-        status: u16,
-        headers: &mut http::HeaderMap,
+        lent: seam::ResponseLent<'_>,
     ) -> Result<ResponseVerdict, PluginError> {
-        let head = ResponseHead { status };
-        let edits = self.call_on_response(facts, request_headers, head, headers)?;
-        apply_edits(headers, &edits, &self.plugin);
+        let head = ResponseHead {
+            status: lent.status,
+        };
+        let edits = self.call_on_response(lent.facts, lent.request_headers, head, lent.headers)?;
+        apply_edits(lent.headers, &edits, &self.plugin);
         Ok(ResponseVerdict::Continue)
     }
 }

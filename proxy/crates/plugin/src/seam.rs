@@ -3,10 +3,10 @@
 //! runs every kind the same way and never names a kind's own types.
 //!
 //! Kinds: WebAssembly components against `wit/policy.wit` (`component.rs`,
-//! over the instances of `binding.rs`). A new kind (the proxy-wasm ABI
-//! that Envoy's filters are built for, say) is a type implementing
-//! [`Plugin`] and a branch in `chains::prepare` that tells its files
-//! apart; nothing in the driver changes.
+//! over the instances of `binding.rs`), and Envoy's proxy-wasm filters
+//! (`proxy_wasm/`). A new kind is a type implementing [`Plugin`] and a
+//! branch in `chains::compile` that tells its files apart; nothing in the
+//! driver changes.
 //!
 //! A call is lent the request (its facts and headers, moved in and back,
 //! never copied) and edits the header maps in place; what is not a header
@@ -31,6 +31,11 @@ pub struct Hooks {
     /// (its own, and those of plugins after it), as Envoy passes a local
     /// reply through the filters the request went through.
     pub local_answers: bool,
+    /// [`Plugin::on_response_body`] for each piece of every response
+    /// body as it streams, as Envoy calls a filter's body callback; a
+    /// plugin that wants a body whole asks from its head hook instead
+    /// ([`ResponseVerdict::ReadBody`]).
+    pub response_body: bool,
 }
 
 /// What a request-side call decided; header edits are made already.
@@ -101,13 +106,47 @@ pub struct Steer {
     pub body: Option<Bytes>,
 }
 
-/// What a response-side call decided; header edits are made already.
+/// What a response head call decided; header edits are made already.
 #[derive(Debug)]
 pub enum ResponseVerdict {
     /// Send the upstream's response on (as edited).
     Continue,
     /// Send this instead.
     Respond(LocalAnswer),
+    /// Hold the head until the body is read whole, up to this many bytes
+    /// (more: 500), then call [`Plugin::on_response_body`] with all of it.
+    ReadBody(u32),
+}
+
+/// What a response body call decided.
+#[derive(Debug)]
+pub enum BodyVerdict {
+    /// Send on what it was given, or this in its place.
+    Continue(Option<Bytes>),
+    /// Keep what it was given and call again with it and the next piece
+    /// (Envoy's `StopIterationAndBuffer`); at the end of the body, the
+    /// same as `Continue(None)`.
+    Pause,
+    /// Send this answer instead; once the head has gone, the response is
+    /// cut off instead (as Envoy resets the stream).
+    Respond(LocalAnswer),
+}
+
+/// The largest response body buffered for a plugin that pauses on it
+/// (Envoy's default buffer limit); more fails the response.
+pub const MAX_BUFFERED_BODY: u32 = 1 << 20;
+
+/// What a response call is lent: the request as forwarded, and the
+/// response head (edited in place by a head call; a body call after the
+/// head went reads what went).
+pub struct ResponseLent<'a> {
+    pub facts: &'a mut Option<RequestFacts>,
+    pub request_headers: &'a mut http::HeaderMap,
+    pub status: u16,
+    pub headers: &'a mut http::HeaderMap,
+    /// Whether the response has no body (in a head call), or this is its
+    /// last piece (in a body call).
+    pub end_of_stream: bool,
 }
 
 /// An answer a plugin made itself.
@@ -168,16 +207,25 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
         body: Option<&[u8]>,
     ) -> Result<Verdict, PluginError>;
 
-    /// The upstream's response head, `status` and `headers` (edited in
-    /// place), with the request as forwarded.
+    /// The upstream's response head (edited in place), with the request
+    /// as forwarded.
     fn on_response(
         &self,
         stream: &mut Stream,
-        facts: &mut Option<RequestFacts>,
-        request_headers: &mut http::HeaderMap,
-        status: u16,
-        headers: &mut http::HeaderMap,
+        lent: ResponseLent<'_>,
     ) -> Result<ResponseVerdict, PluginError>;
+
+    /// A piece of the response body (all of it, when the head call asked
+    /// to read it whole), for a plugin whose [`Hooks::response_body`] is
+    /// set or whose head call returned [`ResponseVerdict::ReadBody`].
+    fn on_response_body(
+        &self,
+        _stream: &mut Stream,
+        _lent: ResponseLent<'_>,
+        _body: &[u8],
+    ) -> Result<BodyVerdict, PluginError> {
+        Ok(BodyVerdict::Continue(None))
+    }
 
     /// The answer to the [`Verdict::Callout`] the last request-side call
     /// returned; decides as `on_request` does.

@@ -8,6 +8,8 @@
 
 mod body;
 mod callout;
+mod response;
+mod response_body;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +27,8 @@ use portcullis_plugin::{
 };
 
 pub use callout::PendingCallout;
+pub use response::{HeldHead, ResponseStep, on_response, read_whole};
+pub use response_body::filter_body;
 
 /// What the request hooks decided.
 pub enum RequestOutcome<'a> {
@@ -74,6 +78,14 @@ impl Streams<'_> {
             .iter()
             .find(|(i, _)| *i == at)
             .map_or(plugin::Stream::NONE, |(_, s)| *s)
+    }
+
+    /// What `at` keeps, taken out: the taker ends it.
+    fn take(&mut self, at: usize) -> plugin::Stream {
+        match self.held.iter().position(|(i, _)| *i == at) {
+            Some(i) => self.held.swap_remove(i).1,
+            None => plugin::Stream::NONE,
+        }
     }
 
     fn set(&mut self, at: usize, stream: plugin::Stream) {
@@ -383,6 +395,7 @@ fn local_answer(binding: &dyn Plugin, route: &Route, local: LocalAnswer) -> Resp
 /// A plugin's own answer on its way out through the response hooks of
 /// the plugins up to it (last first) that see local answers, as Envoy
 /// sends a filter's local reply through the filters it has passed.
+#[allow(clippy::result_large_err)] // unboxed as everywhere on this path
 fn local_through(
     chain: &[Arc<dyn Plugin>],
     upto: usize,
@@ -392,30 +405,66 @@ fn local_through(
     resp: Response<Body>,
 ) -> Response<Body> {
     let (mut parts, body) = resp.into_parts();
+    let mut bytes = body.in_memory().unwrap_or_default();
     let passed = chain[..=upto].iter().enumerate().rev();
     for (place, binding) in passed.filter(|(_, b)| b.hooks().response && b.hooks().local_answers) {
         let mut stream = progress.streams.get(place);
-        let status = parts.status.as_u16();
         let facts = &mut progress.facts;
-        let called = binding.on_response(
-            &mut stream,
-            facts,
-            request_headers,
-            status,
-            &mut parts.headers,
-        );
+        let lent = lend(facts, request_headers, &mut parts, bytes.is_empty());
+        let called = binding.on_response(&mut stream, lent);
+        // Its body in hand: given whole to a plugin that wants it.
+        let called = match called {
+            Ok(ResponseVerdict::ReadBody(_)) => Ok(true),
+            Ok(ResponseVerdict::Continue) => Ok(binding.hooks().response_body && !bytes.is_empty()),
+            Ok(ResponseVerdict::Respond(local)) => Err(Ok(local)),
+            Err(e) => Err(Err(e)),
+        }
+        .and_then(|wants_body| {
+            if !wants_body {
+                return Ok(());
+            }
+            let lent = lend(facts, request_headers, &mut parts, true);
+            match binding.on_response_body(&mut stream, lent, &bytes.clone()) {
+                Ok(plugin::BodyVerdict::Continue(Some(new))) => {
+                    parts
+                        .headers
+                        .insert(header::CONTENT_LENGTH, new.len().into());
+                    bytes = new;
+                    Ok(())
+                }
+                Ok(plugin::BodyVerdict::Continue(None) | plugin::BodyVerdict::Pause) => Ok(()),
+                Ok(plugin::BodyVerdict::Respond(local)) => Err(Ok(local)),
+                Err(e) => Err(Err(e)),
+            }
+        });
         progress.streams.set(place, stream);
         match called {
-            Ok(ResponseVerdict::Continue) => {}
-            Ok(ResponseVerdict::Respond(local)) => return local_answer(&**binding, route, local),
-            Err(e) => {
+            Ok(()) => {}
+            Err(Ok(local)) => return local_answer(&**binding, route, local),
+            Err(Err(e)) => {
                 if let Some(answer) = fail(&**binding, route, &e) {
                     return answer;
                 }
             }
         }
     }
-    Response::from_parts(parts, body)
+    Response::from_parts(parts, Body::full(bytes))
+}
+
+/// What a response call is lent.
+fn lend<'a>(
+    facts: &'a mut Option<RequestFacts>,
+    request_headers: &'a mut http::HeaderMap,
+    parts: &'a mut http::response::Parts,
+    end_of_stream: bool,
+) -> plugin::ResponseLent<'a> {
+    plugin::ResponseLent {
+        facts,
+        request_headers,
+        status: parts.status.as_u16(),
+        headers: &mut parts.headers,
+        end_of_stream,
+    }
 }
 
 /// The path a plugin set, when it can be sent: origin form (`/...`,
@@ -485,18 +534,21 @@ fn finish<'a>(
     })))
 }
 
+/// Counts a plugin failure in the plugin's metrics.
+fn count_failure(binding: &dyn Plugin, e: &PluginError) {
+    let mut c = plugin::counters().lock().unwrap_or_else(|p| p.into_inner());
+    *c.entry((binding.name().clone(), "failures".into()))
+        .or_default() += 1;
+    if matches!(e, PluginError::Timeout { .. }) {
+        *c.entry((binding.name().clone(), "deadline_hits".into()))
+            .or_default() += 1;
+    }
+}
+
 /// Logs a plugin failure and applies its failure policy: `Some` answer
 /// when closed, `None` (carry on) when open.
 fn fail(binding: &dyn Plugin, route: &Route, e: &PluginError) -> Option<Response<Body>> {
-    {
-        let mut c = plugin::counters().lock().unwrap_or_else(|p| p.into_inner());
-        *c.entry((binding.name().clone(), "failures".into()))
-            .or_default() += 1;
-        if matches!(e, PluginError::Timeout { .. }) {
-            *c.entry((binding.name().clone(), "deadline_hits".into()))
-                .or_default() += 1;
-        }
-    }
+    count_failure(binding, e);
     match binding.fail() {
         FailMode::Closed => {
             tracing::warn!(plugin = %binding.name(), route = %route.name, error = %e, "plugin failed; request refused (fail: closed)");
@@ -507,40 +559,4 @@ fn fail(binding: &dyn Plugin, route: &Route, e: &PluginError) -> Option<Response
             None
         }
     }
-}
-
-/// Runs the response hooks, last plugin first, on an upstream response
-/// head. `Some` is the answer to send instead when a plugin fails closed.
-pub fn on_response(
-    ctx: &mut PluginContext<'_>,
-    route: &Route,
-    resp: &mut http::response::Parts,
-) -> Option<Response<Body>> {
-    let chain = ctx.chain;
-    let responders = chain.iter().enumerate().rev();
-    for (place, binding) in responders.filter(|(_, b)| b.hooks().response) {
-        let status = resp.status.as_u16();
-        let facts = &mut ctx.facts;
-        let mut stream = ctx.streams.get(place);
-        let called = binding.on_response(
-            &mut stream,
-            facts,
-            &mut ctx.request_headers,
-            status,
-            &mut resp.headers,
-        );
-        ctx.streams.set(place, stream);
-        match called {
-            Ok(ResponseVerdict::Continue) => {}
-            Ok(ResponseVerdict::Respond(local)) => {
-                return Some(local_answer(&**binding, route, local));
-            }
-            Err(e) => {
-                if let Some(answer) = fail(&**binding, route, &e) {
-                    return Some(answer);
-                }
-            }
-        }
-    }
-    None
 }

@@ -126,7 +126,11 @@ impl Pipeline {
         // For the upstream's time to answer, in its metrics and the log.
         let asked = Instant::now();
         let sent = pool.send(out, &routed.params, timeout, watch).await;
-        self.upstream_answer(&routed, pool, f, sent, (extra, asked))
+        match self.upstream_answer(&routed, pool, f, sent, (extra, asked)) {
+            Answered::Ready(answer) => answer,
+            // Boxed: only a plugin holding the head pays for this future.
+            Answered::BodyFirst(first) => Box::pin(self.body_first(&routed, pool, *first)).await,
+        }
     }
 
     /// The route for a request's host and path, or its answer: a

@@ -50,14 +50,14 @@ impl Pipeline {
     /// The upstream's answer as the client gets it: the route's and its
     /// plugins' edits, or an upgrade spliced through; or the proxy's
     /// error answer.
-    pub(super) fn upstream_answer(
+    pub(super) fn upstream_answer<'c>(
         &self,
         routed: &Routed<'_, '_>,
         pool: &UpstreamPool,
-        mut f: Forwarding<'_, '_>,
+        mut f: Forwarding<'c, '_>,
         sent: Result<(Response<Body>, forward::Held), ForwardError>,
         ((set_cookie, client_upgrade), asked): (Extra, Instant),
-    ) -> (Response<Body>, forward::Held) {
+    ) -> Answered<'c> {
         let route = routed.route;
         let (mut resp, held) = match sent {
             // Only an upgrade the client asked for may switch protocols
@@ -67,10 +67,10 @@ impl Pipeline {
             {
                 let e =
                     ForwardError::Failed("upstream switched protocols without being asked".into());
-                return failed(routed, pool, &f, &e);
+                return Answered::Ready(failed(routed, pool, &f, &e));
             }
             Ok(sent) => sent,
-            Err(e) => return failed(routed, pool, &f, &e),
+            Err(e) => return Answered::Ready(failed(routed, pool, &f, &e)),
         };
         let took = asked.elapsed();
         pool.stats.record(resp.status().as_u16(), took);
@@ -94,20 +94,67 @@ impl Pipeline {
             let (parts, _) = resp.into_parts();
             let mut r = Response::from_parts(parts, Body::empty());
             *r.version_mut() = Version::HTTP_11;
-            return (r, forward::Held::default());
+            return Answered::Ready((r, forward::Held::default()));
         }
         let (mut parts, body) = resp.into_parts();
         // Before the hop-by-hop pass takes Transfer-Encoding.
         forward::single_content_length(&mut parts.headers);
         let _ = forward::remove_hop_by_hop(&mut parts.headers, false);
-        if let Some(ctx) = f.plugins.as_mut()
-            && let Some(answer) = chain::on_response(ctx, route, &mut parts)
-        {
-            return (answer, forward::Held::default());
+        let mut body = body;
+        if let Some(ctx) = f.plugins.as_mut() {
+            let end_of_stream = http_body::Body::is_end_stream(&body);
+            match chain::on_response(ctx, route, &mut parts, end_of_stream) {
+                chain::ResponseStep::Go => body = chain::filter_body(ctx, route, &parts, body),
+                chain::ResponseStep::Answer(answer) => {
+                    return Answered::Ready((answer, forward::Held::default()));
+                }
+                chain::ResponseStep::ReadBody(head) => {
+                    let ctx = f.plugins.take();
+                    let held = held.with_read_timeout(pool.spec.timeouts.read);
+                    return Answered::BodyFirst(Box::new(BodyFirst {
+                        ctx,
+                        parts,
+                        body,
+                        held,
+                        head,
+                    }));
+                }
+            }
         }
         parts.version = Version::HTTP_11;
         let resp = respond_as_route(routed, Response::from_parts(parts, body));
-        (resp, held.with_read_timeout(pool.spec.timeouts.read))
+        Answered::Ready((resp, held.with_read_timeout(pool.spec.timeouts.read)))
+    }
+
+    /// The answer of a response whose head a plugin holds for its body:
+    /// the body read whole, the plugins run on it, and the answer made
+    /// with what they left.
+    pub(super) async fn body_first(
+        &self,
+        routed: &Routed<'_, '_>,
+        pool: &UpstreamPool,
+        first: BodyFirst<'_>,
+    ) -> (Response<Body>, forward::Held) {
+        let BodyFirst {
+            ctx,
+            mut parts,
+            body,
+            held,
+            head,
+        } = first;
+        let Some(mut ctx) = ctx else {
+            unreachable!("a plugin held the head")
+        };
+        let reading = (body, pool.spec.timeouts.read);
+        let read = chain::read_whole(&mut ctx, routed.route, &mut parts, reading, head).await;
+        match read {
+            Ok(bytes) => {
+                parts.version = Version::HTTP_11;
+                let resp = Response::from_parts(parts, Body::full(bytes));
+                (respond_as_route(routed, resp), held)
+            }
+            Err(answer) => (answer, forward::Held::default()),
+        }
     }
 
     /// The request as it goes upstream, its body still to be set: its path
@@ -175,6 +222,24 @@ impl Pipeline {
         };
         Ok((out, (set_cookie, client_upgrade)))
     }
+}
+
+/// The upstream's answer as [`Pipeline::upstream_answer`] leaves it.
+pub(super) enum Answered<'c> {
+    /// Ready to send.
+    Ready((Response<Body>, forward::Held)),
+    /// A plugin holds its head until the body is read
+    /// ([`Pipeline::body_first`]; boxed: few routes take it).
+    BodyFirst(Box<BodyFirst<'c>>),
+}
+
+/// A response whose head a plugin holds for its body.
+pub(super) struct BodyFirst<'c> {
+    ctx: Option<Box<chain::PluginContext<'c>>>,
+    parts: http::response::Parts,
+    body: Body,
+    held: forward::Held,
+    head: chain::HeldHead,
 }
 
 /// What the answer gets besides the upstream's: the affinity cookie to

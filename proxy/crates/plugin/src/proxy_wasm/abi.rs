@@ -18,6 +18,7 @@ type R = wasmtime::Result<i32>;
 const REQUEST_HEADERS: i32 = 0;
 const RESPONSE_HEADERS: i32 = 2;
 const HTTP_REQUEST_BODY: i32 = 0;
+const HTTP_RESPONSE_BODY: i32 = 1;
 const HTTP_CALL_RESPONSE_HEADERS: i32 = 6;
 const HTTP_CALL_RESPONSE_BODY: i32 = 4;
 const PLUGIN_CONFIGURATION: i32 = 7;
@@ -78,7 +79,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             let buffer = match kind {
                 PLUGIN_CONFIGURATION => c.data().config.clone(),
                 VM_CONFIGURATION => c.data().vm_config.clone(),
-                HTTP_REQUEST_BODY => match &c.data().call.request_body {
+                HTTP_REQUEST_BODY | HTTP_RESPONSE_BODY => match body_mut(c.data_mut(), kind) {
                     Some(body) => body.clone(),
                     None => return ok(Status::NotFound),
                 },
@@ -103,24 +104,20 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         "proxy_set_buffer_bytes",
         |mut c: C<'_>, kind: i32, start: i32, size: i32, ptr: i32, len: i32| -> R {
             let data = read(&mut c, ptr, len)?;
-            let call = &mut c.data_mut().call;
-            let Some(body) = call
-                .request_body
-                .as_ref()
-                .filter(|_| kind == HTTP_REQUEST_BODY)
-            else {
+            let state = c.data_mut();
+            let Some(body) = body_mut(state, kind) else {
                 return ok(Status::NotFound);
             };
             // As Envoy edits a buffer: replace it whole, prepend, or append.
             let (start, size) = (start as u32 as usize, size as u32 as usize);
             let new = match (start, size) {
                 (0, n) if n >= body.len() => data,
-                (0, 0) => [data.as_slice(), body].concat(),
-                (s, _) if s >= body.len() => [body.as_ref(), data.as_slice()].concat(),
+                (0, 0) => [data.as_slice(), &body[..]].concat(),
+                (s, _) if s >= body.len() => [&body[..], data.as_slice()].concat(),
                 _ => return ok(Status::BadArgument),
             };
-            call.request_body = Some(new.into());
-            call.body_changed = true;
+            *body = new.into();
+            state.call.body_changed = true;
             ok(Status::Ok)
         },
     )?;
@@ -382,6 +379,15 @@ fn set_pseudo(state: &mut VmState, name: &[u8], value: &[u8]) {
         _ => {
             tracing::debug!(plugin = %state.plugin, name = %String::from_utf8_lossy(name), "plugin set a pseudo-header the proxy keeps; ignored")
         }
+    }
+}
+
+/// The request or response body a body call holds.
+fn body_mut(state: &mut VmState, kind: i32) -> Option<&mut bytes::Bytes> {
+    match kind {
+        HTTP_REQUEST_BODY => state.call.request_body.as_mut(),
+        HTTP_RESPONSE_BODY => state.call.response_body.as_mut(),
+        _ => None,
     }
 }
 

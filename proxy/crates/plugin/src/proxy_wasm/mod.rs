@@ -88,8 +88,10 @@ struct Call {
     /// The callout answer being delivered: its headers (`:status` among
     /// them) and body.
     answer: Option<(Pairs, Bytes)>,
-    /// The request body, in a body call; and whether the filter changed it.
+    /// The request or response body, in a body call; and whether the
+    /// filter changed it.
     request_body: Option<Bytes>,
+    response_body: Option<Bytes>,
     body_changed: bool,
 }
 
@@ -257,6 +259,29 @@ impl ProxyWasm {
     }
 }
 
+/// Runs `f` with a call lent `lent` (and `body`, a response body), and
+/// gives what it lent back: the call (with what the filter left in it)
+/// and `f`'s result.
+fn lend<T>(
+    lent: seam::ResponseLent<'_>,
+    body: Option<Bytes>,
+    f: impl FnOnce(Call) -> (Call, T),
+) -> (Call, T) {
+    let call = Call {
+        facts: lent.facts.take(),
+        request_headers: std::mem::take(lent.request_headers),
+        response_headers: std::mem::take(lent.headers),
+        status: Some(lent.status),
+        response_body: body,
+        ..Call::default()
+    };
+    let (mut call, out) = f(call);
+    *lent.facts = call.facts.take();
+    *lent.request_headers = std::mem::take(&mut call.request_headers);
+    *lent.headers = std::mem::take(&mut call.response_headers);
+    (call, out)
+}
+
 fn stream_of(shard: usize, generation: u64, id: u32) -> Stream {
     stream(shard, generation, id)
 }
@@ -277,6 +302,7 @@ impl seam::Plugin for ProxyWasm {
             request: true,
             response: true,
             local_answers: true,
+            response_body: true,
         }
     }
 
@@ -315,7 +341,7 @@ impl seam::Plugin for ProxyWasm {
             let id = parts(*stream).2;
             let (mut call, action) = match body {
                 None => vm.request_headers(self, id, call, bodiless),
-                Some(_) => vm.request_body(self, id, call),
+                Some(_) => vm.body(self, id, call, (false, true)),
             };
             *facts = call.facts.take();
             *headers = std::mem::take(&mut call.request_headers);
@@ -340,27 +366,48 @@ impl seam::Plugin for ProxyWasm {
     fn on_response(
         &self,
         stream: &mut Stream,
-        facts: &mut Option<RequestFacts>,
-        request_headers: &mut http::HeaderMap,
-        status: u16,
-        headers: &mut http::HeaderMap,
+        lent: seam::ResponseLent<'_>,
     ) -> Result<ResponseVerdict, PluginError> {
         self.on_vm(stream, |vm, stream| {
-            let call = Call {
-                facts: facts.take(),
-                request_headers: std::mem::take(request_headers),
-                response_headers: std::mem::take(headers),
-                status: Some(status),
-                ..Call::default()
-            };
-            let (call, action) = vm.response_headers(self, parts(*stream).2, call);
-            *facts = call.facts;
-            *request_headers = call.request_headers;
-            *headers = call.response_headers;
-            action?;
+            let end_of_stream = lent.end_of_stream;
+            let (call, action) = lend(lent, None, |call| {
+                vm.response_headers(self, parts(*stream).2, call, end_of_stream)
+            });
+            let action = action?;
             Ok(match call.local {
                 Some(local) => ResponseVerdict::Respond(local),
+                // Paused on the head of a response with a body: the body
+                // is read whole, then given to the filter (as Envoy
+                // buffers it while the head waits).
+                None if action == 1 && !end_of_stream => {
+                    ResponseVerdict::ReadBody(seam::MAX_BUFFERED_BODY)
+                }
                 None => ResponseVerdict::Continue,
+            })
+        })
+    }
+
+    fn on_response_body(
+        &self,
+        stream: &mut Stream,
+        lent: seam::ResponseLent<'_>,
+        body: &[u8],
+    ) -> Result<seam::BodyVerdict, PluginError> {
+        self.on_vm(stream, |vm, stream| {
+            let end_of_stream = lent.end_of_stream;
+            let given = Some(Bytes::copy_from_slice(body));
+            let (mut call, action) = lend(lent, given, |call| {
+                vm.body(self, parts(*stream).2, call, (true, end_of_stream))
+            });
+            let action = action?;
+            Ok(match call.local.take() {
+                Some(local) => seam::BodyVerdict::Respond(local),
+                None if action == 1 && !end_of_stream => seam::BodyVerdict::Pause,
+                None => seam::BodyVerdict::Continue(
+                    call.body_changed
+                        .then(|| call.response_body.take())
+                        .flatten(),
+                ),
             })
         })
     }

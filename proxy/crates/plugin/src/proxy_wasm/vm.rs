@@ -98,27 +98,35 @@ impl Vm {
         )
     }
 
-    /// `proxy_on_request_body` with the whole body (end of stream: the
-    /// proxy reads it whole first), likewise.
-    pub fn request_body(
-        &mut self,
-        filter: &ProxyWasm,
-        id: u32,
-        call: Call,
-    ) -> (Call, Result<i32, PluginError>) {
-        let n = call.request_body.as_ref().map_or(0, |b| b.len() as i32);
-        self.lent(filter, "proxy_on_request_body", (id, n, true), call)
-    }
-
     /// `proxy_on_response_headers`, likewise.
     pub fn response_headers(
         &mut self,
         filter: &ProxyWasm,
         id: u32,
         call: Call,
+        end_of_stream: bool,
     ) -> (Call, Result<i32, PluginError>) {
         let n = call.response_headers.len() as i32 + 1;
-        self.lent(filter, "proxy_on_response_headers", (id, n, false), call)
+        let args = (id, n, end_of_stream);
+        self.lent(filter, "proxy_on_response_headers", args, call)
+    }
+
+    /// `proxy_on_request_body` or `proxy_on_response_body` (`response`)
+    /// with the body the call holds (for a response, what the filter kept
+    /// by pausing and the new piece), likewise.
+    pub fn body(
+        &mut self,
+        filter: &ProxyWasm,
+        id: u32,
+        call: Call,
+        (response, end_of_stream): (bool, bool),
+    ) -> (Call, Result<i32, PluginError>) {
+        let (name, body) = match response {
+            false => ("proxy_on_request_body", &call.request_body),
+            true => ("proxy_on_response_body", &call.response_body),
+        };
+        let n = body.as_ref().map_or(0, |b| b.len() as i32);
+        self.lent(filter, name, (id, n, end_of_stream), call)
     }
 
     fn lent(
