@@ -342,6 +342,15 @@ fn metrics(reloader: &Reloader) -> String {
             &gauges,
         );
     }
+    let histograms = plugin_histograms();
+    if !histograms.is_empty() {
+        metric(
+            "portcullis_plugin_histogram",
+            "histogram",
+            "Histograms proxy-wasm filters define and record into (proxy_define_metric), by plugin and name, in Envoy's default buckets.",
+            &histograms,
+        );
+    }
     if let Some([loaded, compiled, refused]) = portcullis_plugin::disk_cache_outcomes() {
         metric(
             "portcullis_plugin_cache_total",
@@ -418,4 +427,28 @@ fn metrics(reloader: &Reloader) -> String {
     }
     portcullis_obs::metrics::render(&mut out);
     out
+}
+
+/// The samples of the filters' histograms: each one's cumulative buckets,
+/// sum and count (suffixes before the labels, under the family's name).
+fn plugin_histograms() -> Vec<(String, f64)> {
+    let mut samples = Vec::new();
+    for ((plugin, name), h) in portcullis_plugin::filter_histograms() {
+        let labels = format!("plugin=\"{}\",name=\"{}\"", label(&plugin), label(&name));
+        let mut cumulative = 0;
+        for (le, n) in portcullis_plugin::FILTER_HISTOGRAM_BUCKETS
+            .iter()
+            .zip(h.buckets)
+        {
+            cumulative += n;
+            samples.push((
+                format!("_bucket{{{labels},le=\"{le}\"}}"),
+                cumulative as f64,
+            ));
+        }
+        samples.push((format!("_bucket{{{labels},le=\"+Inf\"}}"), h.count as f64));
+        samples.push((format!("_sum{{{labels}}}"), h.sum));
+        samples.push((format!("_count{{{labels}}}"), h.count as f64));
+    }
+    samples
 }

@@ -365,7 +365,7 @@ async fn auth_seen(addr: std::net::SocketAddr, path: &str, token: &str) -> Seen 
 }
 
 #[tokio::test]
-pub(super) async fn filters_share_data_across_vms_and_export_metrics() {
+pub(super) async fn filters_share_data_and_queues_tick_and_export_metrics() {
     let app = upstream::echo("app").await;
     let dir = policy_dir(
         &format!(
@@ -403,8 +403,42 @@ routes: [{{ name: counted, match: {{ path_prefix: /c }}, upstream: app, plugins:
             r#"portcullis_plugin_counter_total{plugin="counter",name="requests"} 6"#.into(),
             // The last path: /c/xxxxx.
             r#"portcullis_plugin_gauge{plugin="counter",name="last_path_len"} 8"#.into(),
+            // A histogram of the path lengths (3 to 8).
+            r#"portcullis_plugin_histogram_bucket{plugin="counter",name="path_len",le="5"} 3"#
+                .into(),
+            r#"portcullis_plugin_histogram_bucket{plugin="counter",name="path_len",le="10"} 6"#
+                .into(),
+            r#"portcullis_plugin_histogram_sum{plugin="counter",name="path_len"} 33"#.into(),
+            r#"portcullis_plugin_histogram_count{plugin="counter",name="path_len"} 6"#.into(),
+            // Every path went through the shared queue to its owner.
+            r#"portcullis_plugin_counter_total{plugin="counter",name="dequeued"} 6"#.into(),
+            // Its VMs tick (every 10 ms) once started.
+            r#"portcullis_plugin_gauge{plugin="counter",name="ticking"} 1"#.into(),
         ])
         .await;
+    // The ticks go on, counted in shared data, which requests read.
+    let ticks = |text: &str| -> u64 {
+        let line = r#"portcullis_plugin_counter_total{plugin="counter",name="ticks"} "#;
+        let at = text.lines().find_map(|l| l.strip_prefix(line));
+        at.map_or(0, |n| n.parse().unwrap())
+    };
+    let first = ticks(&proxy.metrics_showing(&[]).await);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // Two ticks on: the first of them has added to shared data by then.
+    while ticks(&proxy.metrics_showing(&[]).await) < first + 2 {
+        assert!(Instant::now() < deadline, "no tick after {first}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let a = client::get(&proxy.url("/c/t")).await;
+    let shared: u64 = a.json()["headers"]["x-shared-ticks"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        shared > first,
+        "{shared} ticks in shared data, {first} counted before"
+    );
 }
 
 /// A filter importing a call that is in neither the proxy-wasm ABI nor

@@ -109,7 +109,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                         route,
                     };
                     return match crate::proxy_wasm::ProxyWasm::new(&engine, &module, settings) {
-                        Ok(filter) => Ok(Some(Arc::new(filter) as Arc<dyn Plugin>)),
+                        Ok(filter) => Ok(Some(filter as Arc<dyn Plugin>)),
                         Err(message) => Err(ConfigError {
                             pos: u.defined_at.clone(),
                             message: portcullis_config::envsubst::redact(

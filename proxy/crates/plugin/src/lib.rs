@@ -58,7 +58,10 @@ mod component;
 mod facts;
 mod host;
 mod proxy_wasm;
-pub use proxy_wasm::gauges as filter_gauges;
+pub use proxy_wasm::{
+    HISTOGRAM_BUCKETS as FILTER_HISTOGRAM_BUCKETS, Histogram as FilterHistogram,
+    gauges as filter_gauges, histograms as filter_histograms,
+};
 pub mod seam;
 
 pub use binding::Binding;

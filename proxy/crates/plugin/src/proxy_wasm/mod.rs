@@ -22,12 +22,14 @@ mod callout;
 mod guest;
 mod map;
 mod properties;
+mod queue;
 mod shared;
+mod tick;
 mod vm;
 mod wasi;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -44,7 +46,7 @@ use vm::Vm;
 /// The exports that make a core module a proxy-wasm filter.
 const ABI_VERSIONS: [&str; 2] = ["proxy_abi_version_0_2_1", "proxy_abi_version_0_2_0"];
 
-pub use shared::gauges;
+pub use shared::{BUCKETS as HISTOGRAM_BUCKETS, Histogram, gauges, histograms};
 
 /// Whether `module` is a proxy-wasm filter.
 pub fn is_filter(module: &Module) -> bool {
@@ -65,6 +67,10 @@ pub struct VmState {
     next_token: u32,
     limits: MemoryCap,
     deadline: CpuDeadline,
+    /// The tick period the root context set (`None`: no ticks).
+    tick: Option<Duration>,
+    /// The VM this is.
+    home: queue::Home,
     call: Call,
 }
 
@@ -119,6 +125,8 @@ pub struct ProxyWasm {
     calls: AtomicU64,
     /// Numbers the VMs, so a request's stream names the one it is on.
     generations: AtomicU64,
+    /// Itself, for its VMs' tickers (which stop when it is dropped).
+    me: Weak<ProxyWasm>,
 }
 
 impl std::fmt::Debug for ProxyWasm {
@@ -157,13 +165,19 @@ fn parts(s: Stream) -> (usize, u64, u32) {
 impl ProxyWasm {
     /// The use of `module` with `settings`: linked, and started once
     /// (configured) to check that it starts, which `check` reports.
-    pub fn new(engine: &Engine, module: &Module, settings: Settings) -> Result<ProxyWasm, String> {
+    pub fn new(
+        engine: &Engine,
+        module: &Module,
+        settings: Settings,
+    ) -> Result<Arc<ProxyWasm>, String> {
         let mut linker: Linker<VmState> = Linker::new(engine);
         linker.allow_shadowing(true);
         let linked = abi::stub_imports(&mut linker, module)
             .and_then(|()| abi::add_to_linker(&mut linker))
             .and_then(|()| callout::add_to_linker(&mut linker))
             .and_then(|()| shared::add_to_linker(&mut linker))
+            .and_then(|()| tick::add_to_linker(&mut linker))
+            .and_then(|()| queue::add_to_linker(&mut linker))
             .and_then(|()| wasi::add_to_linker(&mut linker))
             .and_then(|()| linker.instantiate_pre(module));
         let pre = linked.map_err(|e| format!("cannot be linked: {e:#}"))?;
@@ -184,15 +198,59 @@ impl ProxyWasm {
             vms: std::array::from_fn(|_| Mutex::new(None)),
             calls: AtomicU64::new(0),
             generations: AtomicU64::new(0),
+            me: Weak::new(),
         };
         // Started and dropped: VMs are per worker thread, and this is not
         // a worker's.
-        filter.start().map_err(|e| e.to_string())?;
-        Ok(filter)
+        filter.start(this_thread()).map_err(|e| e.to_string())?;
+        Ok(Arc::new_cyclic(|me| ProxyWasm {
+            me: me.clone(),
+            ..filter
+        }))
     }
 
-    fn start(&self) -> Result<Box<Vm>, PluginError> {
+    /// Shard `shard`'s VM slot, locked.
+    fn slot(&self, shard: usize) -> MutexGuard<'_, Option<Box<Vm>>> {
+        self.vms[shard].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the VM `home` names, if it still runs; a VM whose call
+    /// failed is dropped.
+    fn on_home(
+        &self,
+        home: &queue::Home,
+        f: impl FnOnce(&mut Vm, &ProxyWasm) -> Result<(), PluginError>,
+    ) {
+        let mut slot = self.slot(home.shard);
+        let Some(vm) = slot.as_mut().filter(|vm| vm.generation == home.generation) else {
+            return;
+        };
+        match f(vm, self) {
+            Ok(()) => tick::keep_ticking(self, home.shard, vm),
+            Err(e) => {
+                tracing::warn!(plugin = %self.name, error = %e, "proxy-wasm VM failed outside a request; a fresh one takes its place");
+                self.count_restart();
+                *slot = None;
+            }
+        }
+    }
+
+    /// Counts a VM dropped for a failure.
+    fn count_restart(&self) {
+        *crate::state::counters()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((self.name.clone(), "vm_restarts".into()))
+            .or_default() += 1;
+    }
+
+    fn start(&self, shard: usize) -> Result<Box<Vm>, PluginError> {
         let generation = self.generations.fetch_add(1, Ordering::Relaxed);
+        let home = queue::Home {
+            filter: self.me.clone(),
+            shard,
+            generation,
+        };
         let state = VmState {
             plugin: self.name.clone(),
             root_id: self.root_id.clone(),
@@ -203,6 +261,8 @@ impl ProxyWasm {
             next_token: 1,
             limits: MemoryCap::new(self.memory, self.memory_peak.clone()),
             deadline: CpuDeadline::new(self.timeout),
+            tick: None,
+            home,
             call: Call::default(),
         };
         Vm::start(self, state, generation)
@@ -221,12 +281,12 @@ impl ProxyWasm {
         } else {
             parts(*stream).0
         };
-        let mut slot = self.vms[shard].lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = self.slot(shard);
         if slot.is_none() {
             if *stream != Stream::NONE {
                 return Err(self.lost());
             }
-            *slot = Some(self.start()?);
+            *slot = Some(self.start(shard)?);
         }
         let Some(vm) = slot.as_mut() else {
             unreachable!("started above")
@@ -241,12 +301,10 @@ impl ProxyWasm {
         let result = f(vm, stream);
         if result.is_err() {
             tracing::warn!(plugin = %self.name, "proxy-wasm VM failed; a fresh one takes its place");
-            *crate::state::counters()
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .entry((self.name.clone(), "vm_restarts".into()))
-                .or_default() += 1;
+            self.count_restart();
             *slot = None;
+        } else {
+            tick::keep_ticking(self, shard, vm);
         }
         result
     }
@@ -414,7 +472,7 @@ impl seam::Plugin for ProxyWasm {
 
     fn end(&self, stream: Stream) {
         let (shard, generation, id) = parts(stream);
-        let mut slot = self.vms[shard].lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = self.slot(shard);
         if let Some(vm) = slot.as_mut()
             && vm.generation & 0xff_ffff == generation
             && let Err(e) = vm.end(self, id)

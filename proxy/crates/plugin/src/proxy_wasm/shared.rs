@@ -1,7 +1,8 @@
 //! What filters share across VMs (every worker's, every filter's, as in
 //! Envoy with no `vm_id`): shared data with compare-and-swap, and the
-//! metrics they define, counters into `portcullis_plugin_counter_total`
-//! and gauges into `portcullis_plugin_gauge`, labelled with the plugin.
+//! metrics they define, counters into `portcullis_plugin_counter_total`,
+//! gauges into `portcullis_plugin_gauge` and histograms into
+//! `portcullis_plugin_histogram`, labelled with the plugin.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -46,6 +47,22 @@ struct Metrics {
     defined: Vec<MetricKey>,
     ids: HashMap<MetricKey, u32>,
     gauges: HashMap<(Arc<str>, String), i64>,
+    histograms: HashMap<(Arc<str>, String), Histogram>,
+}
+
+/// Envoy's default histogram bucket bounds (its `supported_buckets`).
+pub const BUCKETS: [f64; 19] = [
+    0.5, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0,
+    60000.0, 300000.0, 600000.0, 1800000.0, 3600000.0,
+];
+
+/// A histogram's values: how many fell at or under each of [`BUCKETS`]
+/// (not cumulative), their sum and count.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Histogram {
+    pub buckets: [u64; BUCKETS.len()],
+    pub sum: f64,
+    pub count: u64,
 }
 
 fn metrics() -> &'static Mutex<Metrics> {
@@ -62,6 +79,18 @@ pub fn gauges() -> Vec<((Arc<str>, String), i64)> {
     let m = metrics().lock().unwrap_or_else(|p| p.into_inner());
     let mut all: Vec<_> = m.gauges.iter().map(|(k, v)| (k.clone(), *v)).collect();
     all.sort();
+    all
+}
+
+/// Every histogram filters recorded into, by plugin and name.
+pub fn histograms() -> Vec<((Arc<str>, String), Histogram)> {
+    let m = metrics().lock().unwrap_or_else(|p| p.into_inner());
+    let mut all: Vec<_> = m
+        .histograms
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    all.sort_by(|a, b| a.0.cmp(&b.0));
     all
 }
 
@@ -151,7 +180,13 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
     linker.func_wrap(
         "env",
         "proxy_record_metric",
-        |_: C<'_>, id: i32, value: i64| -> R { Ok(update(id, |_| value)) },
+        |_: C<'_>, id: i32, value: i64| -> R {
+            if let Some(key) = defined(id).filter(|k| k.kind == HISTOGRAM) {
+                record(key, value);
+                return Ok(Status::Ok as i32);
+            }
+            Ok(update(id, |_| value))
+        },
     )?;
     linker.func_wrap(
         "env",
@@ -185,8 +220,22 @@ fn defined(id: i32) -> Option<MetricKey> {
     m.defined.get((id as u32).checked_sub(1)? as usize).cloned()
 }
 
+/// Records `value` in a histogram, as Envoy's record of an unsigned
+/// value (a negative one is a huge one there; here it counts as 0).
+fn record(key: MetricKey, value: i64) {
+    let value = value.max(0) as f64;
+    let mut m = metrics().lock().unwrap_or_else(|p| p.into_inner());
+    let h = m.histograms.entry((key.plugin, key.name)).or_default();
+    if let Some(i) = BUCKETS.iter().position(|le| value <= *le) {
+        h.buckets[i] += 1;
+    }
+    h.sum += value;
+    h.count += 1;
+}
+
 /// Sets metric `id` to `f` of its value. Counters only go up (as
-/// Prometheus requires); histograms are not offered yet.
+/// Prometheus requires); a histogram is recorded into, not set or
+/// incremented (`BadArgument`, as from Envoy).
 fn update(id: i32, f: impl FnOnce(i64) -> i64) -> i32 {
     let Some(key) = defined(id) else {
         return Status::NotFound as i32;

@@ -19,6 +19,8 @@ pub struct Vm {
     /// Each HTTP context's callouts not yet answered, and the path it set
     /// before it paused for them.
     pub waiting: std::collections::HashMap<u32, super::callout::Waiting>,
+    /// The period its ticker runs at, if one does.
+    pub ticking: Option<std::time::Duration>,
 }
 
 impl Vm {
@@ -45,6 +47,7 @@ impl Vm {
             generation,
             next: ROOT as u32 + 1,
             waiting: Default::default(),
+            ticking: None,
         });
         // A reactor (`_initialize`) or, from older toolchains, a command
         // whose `_start` sets the runtime up, as Envoy calls them.
@@ -164,6 +167,25 @@ impl Vm {
         let result = self.call(filter, "proxy_on_http_call_response", &args, 0);
         let call = std::mem::take(&mut self.store.data_mut().call);
         (call, result.map(|_| ()))
+    }
+
+    /// The tick period the filter set.
+    pub fn tick_period(&self) -> Option<std::time::Duration> {
+        self.store.data().tick
+    }
+
+    /// `proxy_on_tick` on the root context.
+    pub fn tick(&mut self, filter: &ProxyWasm) -> Result<(), PluginError> {
+        self.store.data_mut().call = Call::default();
+        self.call(filter, "proxy_on_tick", &[ROOT], 0).map(|_| ())
+    }
+
+    /// `proxy_on_queue_ready` on the root context for queue `token`.
+    pub fn queue_ready(&mut self, filter: &ProxyWasm, token: u32) -> Result<(), PluginError> {
+        self.store.data_mut().call = Call::default();
+        let args = [ROOT, token as i32];
+        self.call(filter, "proxy_on_queue_ready", &args, 0)
+            .map(|_| ())
     }
 
     /// Ends context `id`: `proxy_on_done`, `proxy_on_log`,
