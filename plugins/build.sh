@@ -17,13 +17,14 @@ for crate in webhook-signature header-rules jwt-auth ip-allow basic-auth client-
   cp "$out/${crate//-/_}.wasm" "dist/$crate.wasm"
 done
 
-# Envoy proxy-wasm filters (test fixtures of the proxy-wasm host): core
+# Envoy proxy-wasm filters (test fixtures of the proxy-wasm host, and
+# bench/plugins.sh's filter): core
 # modules for wasm32-wasip1, their own workspace.
 if command -v rustup >/dev/null 2>&1 && ! rustup target list --installed | grep -qx wasm32-wasip1; then
   rustup target add wasm32-wasip1
 fi
 cargo build --locked --release --target wasm32-wasip1 --manifest-path proxy-wasm/Cargo.toml
-for crate in auth body headers misbehave shared; do
+for crate in auth body headers misbehave require shared; do
   cp "$CARGO_TARGET_DIR/wasm32-wasip1/release/proxy_wasm_$crate.wasm" "dist/proxy-wasm-$crate.wasm"
 done
 ls -l dist

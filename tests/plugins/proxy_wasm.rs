@@ -537,3 +537,33 @@ routes: [{{ name: b, match: {{ path: /b }}, upstream: app, plugins: [{{ use: ins
     let a = body_seen(proxy.addr, "", true).await;
     assert_eq!((a.status, upstream(&a).1), (200, Some("0".into())));
 }
+
+/// The benchmark's filter (bench/plugins.sh) decides as in Envoy: a
+/// request with the configured header goes on, one without is 401.
+#[tokio::test]
+pub(super) async fn the_benchmark_filter_behaves_as_in_envoy() {
+    let app = upstream::echo("app").await;
+    let filter = plugin_file("proxy-wasm-require");
+    let envoy = crate::support::envoy::Envoy::with_filter(&filter, "authorization", app.addr).await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: pw, path: proxy-wasm-require.wasm }}]
+routes: [{{ name: pw, match: {{ path: /pw }}, upstream: app, plugins: [{{ use: pw, config: authorization }}] }}]
+"#,
+            app.url()
+        ),
+        &["proxy-wasm-require"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let with: &[(&str, &str)] = &[("authorization", "Bearer x")];
+    for headers in [with, &[], &[("x-api-key", "k")]] {
+        let reference = seen_through(envoy.addr, "/pw", headers).await;
+        let ours = seen_through(proxy.addr, "/pw", headers).await;
+        assert_eq!(ours, reference, "{headers:?}");
+        let expected = if headers == with { 200 } else { 401 };
+        assert_eq!(ours.status, expected, "{headers:?}");
+    }
+}

@@ -1,7 +1,8 @@
 //! A header filter as Envoy users write them: refuses requests carrying
 //! `x-deny` with its own 403, otherwise tags the request with its
 //! configuration and the path it saw, drops `x-remove-me`, and tags the
-//! response with the status it saw.
+//! response with the status it saw. Its VM configuration and root id,
+//! when set, tag the request too (`x-pw-vm`, `x-pw-root`).
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
@@ -9,17 +10,29 @@ use proxy_wasm::types::{Action, ContextType, LogLevel};
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Trace);
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(Root { tag: String::new() })
+        Box::new(Root { tag: String::new(), vm: String::new(), root: String::new() })
     });
 }}
 
 struct Root {
     tag: String,
+    vm: String,
+    root: String,
 }
 
 impl Context for Root {}
 
 impl RootContext for Root {
+    fn on_vm_start(&mut self, _size: usize) -> bool {
+        let vm = self.get_vm_configuration().unwrap_or_default();
+        self.vm = String::from_utf8_lossy(&vm).into_owned();
+        let root = self
+            .get_property(vec!["plugin_root_id"])
+            .unwrap_or_default();
+        self.root = String::from_utf8_lossy(&root).into_owned();
+        true
+    }
+
     fn on_configure(&mut self, _size: usize) -> bool {
         let config = self.get_plugin_configuration().unwrap_or_default();
         match String::from_utf8(config) {
@@ -37,6 +50,8 @@ impl RootContext for Root {
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Filter {
             tag: self.tag.clone(),
+            vm: self.vm.clone(),
+            root: self.root.clone(),
         }))
     }
 
@@ -47,6 +62,8 @@ impl RootContext for Root {
 
 struct Filter {
     tag: String,
+    vm: String,
+    root: String,
 }
 
 impl Context for Filter {}
@@ -68,6 +85,12 @@ impl HttpContext for Filter {
         let path = self.get_http_request_header(":path").unwrap_or_default();
         let method = self.get_http_request_header(":method").unwrap_or_default();
         self.set_http_request_header("x-pw-tag", Some(&self.tag));
+        if !self.vm.is_empty() {
+            self.set_http_request_header("x-pw-vm", Some(&self.vm));
+        }
+        if !self.root.is_empty() {
+            self.set_http_request_header("x-pw-root", Some(&self.root));
+        }
         self.set_http_request_header("x-pw-saw", Some(&format!("{method} {path}")));
         self.set_http_request_header("x-remove-me", None);
         self.add_http_request_header("x-pw-added", "one");

@@ -46,6 +46,10 @@ pub struct PluginUse {
     /// A new instance for every request (nothing can carry over between
     /// requests) instead of reusing idle ones.
     pub fresh_instances: bool,
+    /// A proxy-wasm filter's root id and VM configuration (as JSON, like
+    /// `config_json`); set only for filters (a component refuses them).
+    pub root_id: Option<Arc<str>>,
+    pub vm_config_json: Option<String>,
     /// Where it was attached.
     pub defined_at: Pos,
 }

@@ -124,6 +124,11 @@ pub struct RawPluginUse {
     pub enabled: Option<Text>,
     /// `reuse` (default) or `per-request`.
     pub instances: Option<Text>,
+    /// A proxy-wasm filter's root id (Envoy's `root_id`; default empty).
+    pub root_id: Option<Text>,
+    /// A proxy-wasm filter's VM configuration (Envoy's
+    /// `vm_config.configuration`), given as `config` is.
+    pub vm_config: Option<Spanned<serde_json::Value>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -99,9 +99,12 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                     let settings = crate::proxy_wasm::Settings {
                         name: name.clone(),
                         fail: u.fail,
-                        root_id: Arc::from(""),
+                        root_id: u.root_id.clone().unwrap_or_else(|| Arc::from("")),
                         config: filter_config(&u.config_json),
-                        vm_config: bytes::Bytes::new(),
+                        vm_config: u
+                            .vm_config_json
+                            .as_deref()
+                            .map_or_else(bytes::Bytes::new, filter_config),
                         timeout: u.timeout,
                         memory: u.memory,
                         route_names,
@@ -118,6 +121,14 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                             ),
                         }),
                     };
+                }
+                Some(Kind::Component(_)) if u.root_id.is_some() || u.vm_config_json.is_some() => {
+                    return Err(ConfigError {
+                        pos: u.defined_at.clone(),
+                        message: format!(
+                            "plugin `{name}` on {on}: `root_id` and `vm_config` are for proxy-wasm filters; this is a component"
+                        ),
+                    });
                 }
                 Some(Kind::Component(pre)) => pre,
             };

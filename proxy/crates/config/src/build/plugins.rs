@@ -120,13 +120,19 @@ pub(super) fn plugin_use(
         return None;
     };
     let from = ctx.substituted.len();
+    let resolved = |ctx: &mut Ctx<'_>, c: &Spanned<serde_json::Value>| {
+        let mut value = c.value.clone();
+        resolve_config(ctx, &mut value, &c.referenced);
+        value.to_string()
+    };
     let config_json = match &u.config {
-        Some(c) => {
-            let mut value = c.value.clone();
-            resolve_config(ctx, &mut value, &c.referenced);
-            value.to_string()
-        }
+        Some(c) => resolved(ctx, c),
         None => "{}".to_owned(),
+    };
+    let vm_config_json = u.vm_config.as_ref().map(|c| resolved(ctx, c));
+    let root_id = match &u.root_id {
+        Some(t) => Some(Arc::from(ctx.text(t)?.trim())),
+        None => None,
     };
     // The plugin's own refusals may quote its config: what came from the
     // environment or a file is kept out of them too.
@@ -167,6 +173,8 @@ pub(super) fn plugin_use(
         plugin,
         substituted,
         fresh_instances,
+        root_id,
+        vm_config_json,
         config_json,
         fail,
         timeout,

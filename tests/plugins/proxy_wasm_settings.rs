@@ -1,0 +1,64 @@
+//! What the policies give an Envoy proxy-wasm filter besides `config`:
+//! its root id and VM configuration, as Envoy's `root_id` and
+//! `vm_config.configuration`.
+
+use super::*;
+
+#[tokio::test]
+pub(super) async fn a_filter_gets_its_root_id_and_vm_configuration() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: pw, path: proxy-wasm-headers.wasm }}]
+routes:
+  - name: set
+    match: {{ path: /set }}
+    upstream: app
+    plugins: [{{ use: pw, config: blue, root_id: main, vm_config: {{ shards: 2 }} }}]
+  - {{ name: text, match: {{ path: /text }}, upstream: app, plugins: [{{ use: pw, config: blue, vm_config: "as text" }}] }}
+  - {{ name: unset, match: {{ path: /unset }}, upstream: app, plugins: [{{ use: pw, config: blue }}] }}
+"#,
+            app.url()
+        ),
+        &["proxy-wasm-headers"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let seen = |path: &'static str| {
+        let url = proxy.url(path);
+        async move {
+            let headers = client::get(&url).await.json()["headers"].clone();
+            let get = |h: &str| headers[h].as_str().map(str::to_owned);
+            (get("x-pw-root"), get("x-pw-vm"))
+        }
+    };
+    // A mapping reaches the filter as JSON, a string as its text.
+    assert_eq!(
+        seen("/set").await,
+        (Some("main".into()), Some(r#"{"shards":2}"#.into()))
+    );
+    assert_eq!(seen("/text").await, (None, Some("as text".into())));
+    assert_eq!(seen("/unset").await, (None, None));
+}
+
+/// `root_id` and `vm_config` mean nothing to a component: `check` says
+/// so, naming the plugin and where it is used.
+#[test]
+pub(super) fn a_component_refuses_root_id_and_vm_config() {
+    let dir = policy_dir(
+        r#"
+plugins: [{ name: key, path: example-require-header.wasm }]
+routes: [{ name: r, match: { path: /r }, respond: { status: 204 }, plugins: [{ use: key, root_id: main }] }]
+"#,
+        &["example-require-header"],
+    );
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains("plugin `key` on route `r`")
+            && stderr.contains("`root_id` and `vm_config`"),
+        "{stderr}"
+    );
+}
