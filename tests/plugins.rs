@@ -21,6 +21,7 @@ mod isolation;
 mod packaging;
 mod proxy_wasm;
 mod proxy_wasm_bodies;
+mod proxy_wasm_isolation;
 mod proxy_wasm_settings;
 mod standard;
 mod webhooks;

@@ -127,7 +127,14 @@ pub struct ProxyWasm {
     generations: AtomicU64,
     /// Itself, for its VMs' tickers (which stop when it is dropped).
     me: Weak<ProxyWasm>,
+    /// VMs dropped for a failure in the current second, and when it began.
+    restarts: Mutex<(std::time::Instant, u32)>,
 }
+
+/// The most VMs a use starts again in a second after failures: a filter
+/// that fails every call costs its workers at most this many starts, and
+/// its requests fail at once for the rest of the second.
+const MAX_RESTARTS_PER_SECOND: u32 = 10;
 
 impl std::fmt::Debug for ProxyWasm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -199,6 +206,7 @@ impl ProxyWasm {
             calls: AtomicU64::new(0),
             generations: AtomicU64::new(0),
             me: Weak::new(),
+            restarts: Mutex::new((std::time::Instant::now(), 0)),
         };
         // Started and dropped: VMs are per worker thread, and this is not
         // a worker's.
@@ -235,13 +243,32 @@ impl ProxyWasm {
         }
     }
 
-    /// Counts a VM dropped for a failure.
+    /// Whether a VM may start now: not while this second's restarts are
+    /// spent.
+    fn may_restart(&self) -> Result<(), PluginError> {
+        let (since, dropped) = *self.restarts.lock().unwrap_or_else(|p| p.into_inner());
+        if dropped < MAX_RESTARTS_PER_SECOND || since.elapsed() >= Duration::from_secs(1) {
+            return Ok(());
+        }
+        count(&self.name, "vm_restarts_refused");
+        Err(PluginError::Trap {
+            plugin: self.name.clone(),
+            message: format!(
+                "its VMs failed {dropped} times within a second; none starts again until the second is out"
+            ),
+        })
+    }
+
+    /// Counts a VM dropped for a failure, against this second's restarts.
     fn count_restart(&self) {
-        *crate::state::counters()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry((self.name.clone(), "vm_restarts".into()))
-            .or_default() += 1;
+        {
+            let mut restarts = self.restarts.lock().unwrap_or_else(|p| p.into_inner());
+            if restarts.0.elapsed() >= Duration::from_secs(1) {
+                *restarts = (std::time::Instant::now(), 0);
+            }
+            restarts.1 += 1;
+        }
+        count(&self.name, "vm_restarts");
     }
 
     fn start(&self, shard: usize) -> Result<Box<Vm>, PluginError> {
@@ -286,6 +313,7 @@ impl ProxyWasm {
             if *stream != Stream::NONE {
                 return Err(self.lost());
             }
+            self.may_restart()?;
             *slot = Some(self.start(shard)?);
         }
         let Some(vm) = slot.as_mut() else {
@@ -338,6 +366,15 @@ fn lend<T>(
     *lent.request_headers = std::mem::take(&mut call.request_headers);
     *lent.headers = std::mem::take(&mut call.response_headers);
     (call, out)
+}
+
+/// Adds one to the plugin's counter `name`.
+fn count(plugin: &Arc<str>, name: &str) {
+    *crate::state::counters()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry((plugin.clone(), name.into()))
+        .or_default() += 1;
 }
 
 fn stream_of(shard: usize, generation: u64, id: u32) -> Stream {

@@ -1,0 +1,113 @@
+//! Envoy proxy-wasm filters that misbehave: each failure confined to its
+//! request and its VM, the VM replaced, and a filter failing without end
+//! kept from restarting VMs without end.
+
+use super::*;
+
+async fn misbehave(conn: &mut client::Connection, url: String, how: Option<&str>) -> Answer {
+    let mut req = Request::get(url);
+    if let Some(how) = how {
+        req = req.header("x-misbehave", how);
+    }
+    conn.send(req.body(body(Bytes::new())).unwrap()).await
+}
+
+#[tokio::test]
+pub(super) async fn a_filter_that_loops_traps_or_hoards_fails_its_request_and_gets_a_fresh_vm() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: bad, path: proxy-wasm-misbehave.wasm }}]
+routes:
+  - {{ name: closed, match: {{ path: /closed }}, upstream: app, plugins: [{{ use: bad, timeout: 50ms, memory: 16MiB }}] }}
+  - {{ name: open, match: {{ path: /open }}, upstream: app, plugins: [{{ use: bad, timeout: 50ms, fail: open }}] }}
+  - {{ name: plain, match: {{ path: /plain }}, upstream: app }}
+"#,
+            app.url()
+        ),
+        &["proxy-wasm-misbehave"],
+    );
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    // One connection: its requests stay on one worker, so on one VM.
+    let mut conn = client::Connection::open(proxy.addr).await;
+    let url = |p: &str| proxy.url(p);
+    for n in 1..=3 {
+        let a = misbehave(&mut conn, url("/closed"), None).await;
+        assert_eq!(a.header("x-vm-requests"), Some(n.to_string().as_str()));
+    }
+    // Each failure fails its own request, closed, by its kind; the next
+    // request finds a fresh VM (its count starts again), and a route
+    // without the filter never noticed.
+    for (how, status, error) in [
+        ("loop", 503, "plugin timed out"),
+        ("trap", 500, "plugin failed"),
+        ("hoard", 500, "plugin ran out of memory"),
+    ] {
+        let a = misbehave(&mut conn, url("/closed"), Some(how)).await;
+        assert_eq!(a.status, status, "{how}: {:?}", a.body);
+        assert_eq!(a.json()["error"], error, "{how}");
+        assert_eq!(a.json()["plugin"], "bad", "{how}");
+        let a = misbehave(&mut conn, url("/closed"), None).await;
+        assert_eq!(a.header("x-vm-requests"), Some("1"), "after {how}");
+        assert_eq!(client::get(&url("/plain")).await.status, 200);
+    }
+    // fail: open lets the request through without the filter's word.
+    let a = misbehave(&mut conn, url("/open"), Some("trap")).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert!(a.header("x-vm-requests").is_none());
+    proxy
+        .metrics_showing(&[
+            r#"portcullis_plugin_counter_total{plugin="bad",name="vm_restarts"} 4"#.into(),
+            r#"portcullis_plugin_counter_total{plugin="bad",name="deadline_hits"} 1"#.into(),
+        ])
+        .await;
+}
+
+/// A filter that fails every call gets at most 10 fresh VMs a second;
+/// the requests past that fail at once, without a VM start, and are
+/// counted.
+#[tokio::test]
+pub(super) async fn a_filter_failing_without_end_restarts_at_most_ten_times_a_second() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: bad, path: proxy-wasm-misbehave.wasm }}]
+routes: [{{ name: closed, match: {{ path: /closed }}, upstream: app, plugins: [{{ use: bad }}] }}]
+"#,
+            app.url()
+        ),
+        &["proxy-wasm-misbehave"],
+    );
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let mut conn = client::Connection::open(proxy.addr).await;
+    let started = Instant::now();
+    for _ in 0..15 {
+        let a = misbehave(&mut conn, proxy.url("/closed"), Some("trap")).await;
+        assert_eq!(a.status, 500, "{:?}", a.body);
+    }
+    let counter =
+        |name: &str| format!(r#"portcullis_plugin_counter_total{{plugin="bad",name="{name}"}} "#);
+    let text = proxy.metrics_showing(&[]).await;
+    let value = |name: &str| -> u64 {
+        let prefix = counter(name);
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .map_or(0, |n| n.parse().unwrap())
+    };
+    let (restarts, refused) = (value("vm_restarts"), value("vm_restarts_refused"));
+    assert_eq!(restarts + refused, 15, "{text}");
+    // Fifteen requests take far less than a second here: the limit held.
+    if started.elapsed() < Duration::from_millis(900) {
+        assert_eq!((restarts, refused), (10, 5));
+    }
+    // A second on, VMs start again.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let a = misbehave(&mut conn, proxy.url("/closed"), None).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+}
