@@ -104,11 +104,11 @@ routes: [{ name: r, match: { path: /r }, respond: { status: 204 }, plugins: [{ u
 /// What a header filter did to one exchange, as seen from outside: what
 /// the upstream got of the filter's headers, and what the client got.
 #[derive(Debug, PartialEq)]
-struct Seen {
-    status: u16,
-    upstream: Vec<(String, Option<String>)>,
+pub(super) struct Seen {
+    pub(super) status: u16,
+    pub(super) upstream: Vec<(String, Option<String>)>,
     response: Vec<(String, Option<String>)>,
-    body: Option<String>,
+    pub(super) body: Option<String>,
 }
 
 /// The same request through `addr` (Envoy or Portcullis), reduced to
@@ -422,13 +422,17 @@ routes: [{ name: r, match: { path: /r }, respond: { status: 204 }, plugins: [{ u
     );
 }
 
-/// A POST of `payload` through `addr`, with `x-inspect` when `inspect`.
-async fn body_seen(addr: std::net::SocketAddr, payload: &'static str, inspect: bool) -> Seen {
+/// A POST of `payload` through `addr`, with `x-inspect: inspect`.
+pub(super) async fn body_seen(
+    addr: std::net::SocketAddr,
+    payload: impl Into<Bytes>,
+    inspect: Option<&str>,
+) -> Seen {
     let mut req = Request::post(format!("http://{addr}/b"));
-    if inspect {
-        req = req.header("x-inspect", "1");
+    if let Some(inspect) = inspect {
+        req = req.header("x-inspect", inspect);
     }
-    let a = client::send(&client::http1(), req.body(body(payload)).unwrap()).await;
+    let a = client::send(&client::http1(), req.body(body(payload.into())).unwrap()).await;
     let json: Option<serde_json::Value> = serde_json::from_slice(&a.body).ok();
     let mut seen = seen(a, &["x-body-seen"], &["content-type"]);
     // The body the upstream got, by its length.
@@ -455,7 +459,7 @@ routes: [{{ name: b, match: {{ path: /b }}, upstream: app, plugins: [{{ use: ins
     let proxy = Proxy::start_dir(dir, &[]).await;
     let upstream = |s: &Seen| (s.upstream[0].1.clone(), s.upstream[1].1.clone());
     // Inspected: the upstream gets the rewritten body, and its length.
-    let a = body_seen(proxy.addr, "hello", true).await;
+    let a = body_seen(proxy.addr, "hello", Some("1")).await;
     assert_eq!(a.status, 200);
     assert_eq!(
         upstream(&a),
@@ -463,16 +467,16 @@ routes: [{{ name: b, match: {{ path: /b }}, upstream: app, plugins: [{{ use: ins
         "hello (checked)"
     );
     // Refused from the body: the filter's answer, the upstream not asked.
-    let a = body_seen(proxy.addr, "this is forbidden", true).await;
+    let a = body_seen(proxy.addr, "this is forbidden", Some("1")).await;
     assert_eq!(
         (a.status, a.body.as_deref()),
         (403, Some("forbidden body\n"))
     );
     // Not inspected (the headers went on): the body passes untouched.
-    let a = body_seen(proxy.addr, "forbidden or not", false).await;
+    let a = body_seen(proxy.addr, "forbidden or not", None).await;
     assert_eq!(upstream(&a), (None, Some("16".into())));
     // No body: the headers ended the request, nothing is paused.
-    let a = body_seen(proxy.addr, "", true).await;
+    let a = body_seen(proxy.addr, "", Some("1")).await;
     assert_eq!((a.status, upstream(&a).1), (200, Some("0".into())));
 }
 

@@ -1,7 +1,9 @@
-//! Response bodies through Envoy proxy-wasm filters: streamed piece by
-//! piece to a filter that keeps them until the last, or read whole while
-//! a filter holds the head; Envoy as the reference.
+//! Bodies through Envoy proxy-wasm filters: request and response bodies
+//! streamed piece by piece to a filter that keeps them until the last, or
+//! a response body read whole while a filter holds the head; Envoy as the
+//! reference.
 
+use super::proxy_wasm::body_seen;
 use super::*;
 use http_body_util::BodyExt;
 
@@ -143,5 +145,73 @@ pub(super) async fn a_response_body_filter_behaves_as_in_envoy() {
         let reference = redacted(envoy.addr, path, how).await;
         let ours = redacted(proxy.addr, path, how).await;
         assert_eq!(ours, reference, "{path} {how:?}");
+    }
+}
+
+fn request_bodies_policy(upstream: &str) -> String {
+    format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{upstream}"] }}]
+plugins: [{{ name: inspect, path: proxy-wasm-body.wasm }}]
+routes: [{{ name: b, match: {{ path: /b }}, upstream: app, plugins: [{{ use: inspect }}] }}]
+"#
+    )
+}
+
+/// A filter that lets the request head go and keeps the body's pieces
+/// until the last: it may refuse the body then (the upstream request is
+/// stopped, the client gets the filter's answer) or change it.
+#[tokio::test]
+pub(super) async fn a_filter_inspects_a_streamed_request_body() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(&request_bodies_policy(&app.url()), &["proxy-wasm-body"]);
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let body_len = |s: &super::proxy_wasm::Seen| s.upstream[1].1.clone();
+    let a = body_seen(proxy.addr, "hello", Some("stream")).await;
+    assert_eq!(
+        (a.status, body_len(&a)),
+        (200, Some("16".into())),
+        "hello (streamed)"
+    );
+    let a = body_seen(proxy.addr, "this is forbidden", Some("stream")).await;
+    assert_eq!(
+        (a.status, a.body.as_deref()),
+        (403, Some("forbidden body\n"))
+    );
+    // Kept past the buffer limit: 413, as from Envoy.
+    let a = body_seen(proxy.addr, vec![b'a'; 2 << 20], Some("stream")).await;
+    assert_eq!(a.status, 413, "{:?}", a.body);
+    // Bodies it does not keep pass as they are, however large.
+    let a = body_seen(proxy.addr, vec![b'a'; 2 << 20], None).await;
+    assert_eq!((a.status, body_len(&a)), (200, Some("2097152".into())));
+}
+
+#[tokio::test]
+pub(super) async fn a_streamed_request_body_filter_behaves_as_in_envoy() {
+    let app = upstream::echo("app").await;
+    let filter = plugin_file("proxy-wasm-body");
+    let envoy = crate::support::envoy::Envoy::with_filter(&filter, "", app.addr).await;
+    let dir = policy_dir(&request_bodies_policy(&app.url()), &["proxy-wasm-body"]);
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    let big = Bytes::from(vec![b'a'; 2 << 20]);
+    let cases: [(Bytes, Option<&str>); 5] = [
+        (Bytes::from_static(b"hello"), Some("stream")),
+        (Bytes::from_static(b"this is forbidden"), Some("stream")),
+        (Bytes::from_static(b"forbidden or not"), None),
+        (big.clone(), Some("stream")),
+        (big, None),
+    ];
+    for (payload, how) in cases {
+        let len = payload.len();
+        let reference = body_seen(envoy.addr, payload.clone(), how).await;
+        let ours = body_seen(proxy.addr, payload, how).await;
+        if reference.status == 413 {
+            // The limit is the proxy's, and so is the answer's shape
+            // (Envoy's text, Portcullis's JSON error): the status agrees.
+            assert_eq!(ours.status, 413, "{len} bytes, {how:?}: {ours:?}");
+            continue;
+        }
+        assert_eq!(ours, reference, "{len} bytes, {how:?}");
     }
 }

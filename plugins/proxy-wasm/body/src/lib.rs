@@ -1,7 +1,10 @@
 //! A request-body filter as Envoy users write them: with `x-inspect`, it
 //! pauses the headers and buffers the body; a body that says `forbidden`
 //! is refused (403), any other goes on with ` (checked)` appended and
-//! its original length in `x-body-seen`.
+//! its original length in `x-body-seen`. With `x-inspect: stream` it
+//! does the same as Envoy filters do it: lets the headers go (without
+//! their length), keeps the body's pieces until the last, then refuses it
+//! or appends ` (streamed)`.
 //!
 //! On the response, with `x-redact: stream` on the request it does what
 //! the SDK's `http_body` example does: lets the head go without its
@@ -23,7 +26,11 @@ impl Context for Root {}
 
 impl RootContext for Root {
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Inspect { redact: None }))
+        Some(Box::new(Inspect {
+            redact: None,
+            inspect: false,
+            stream: false,
+        }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -34,6 +41,10 @@ impl RootContext for Root {
 struct Inspect {
     /// `x-redact` of the request.
     redact: Option<String>,
+    /// Whether the request body is inspected (`x-inspect`), and streams
+    /// (`x-inspect: stream`).
+    inspect: bool,
+    stream: bool,
 }
 
 impl Context for Inspect {}
@@ -41,7 +52,14 @@ impl Context for Inspect {}
 impl HttpContext for Inspect {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         self.redact = self.get_http_request_header("x-redact");
-        if end_of_stream || self.get_http_request_header("x-inspect").is_none() {
+        let inspect = self.get_http_request_header("x-inspect");
+        if end_of_stream || inspect.is_none() {
+            return Action::Continue;
+        }
+        self.inspect = true;
+        if inspect.as_deref() == Some("stream") {
+            self.stream = true;
+            self.set_http_request_header("content-length", None);
             return Action::Continue;
         }
         // The body may change length: its length goes, as Envoy filters
@@ -51,6 +69,9 @@ impl HttpContext for Inspect {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !self.inspect {
+            return Action::Continue;
+        }
         if !end_of_stream {
             return Action::Pause;
         }
@@ -58,6 +79,10 @@ impl HttpContext for Inspect {
         if body.windows(9).any(|w| w == b"forbidden") {
             self.send_http_response(403, vec![], Some(b"forbidden body\n"));
             return Action::Pause;
+        }
+        if self.stream {
+            self.set_http_request_body(body_size, 0, b" (streamed)");
+            return Action::Continue;
         }
         self.set_http_request_header("x-body-seen", Some(&body.len().to_string()));
         self.set_http_request_body(body_size, 0, b" (checked)");

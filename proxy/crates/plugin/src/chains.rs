@@ -182,6 +182,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                 // `on-response` is the upstream's response's, by contract.
                 local_answers: false,
                 response_body: false,
+                request_body: false,
             };
             // Not kept: idle instances are per thread, and this is not a
             // worker's; kept, it would hold a pool slot for nothing.

@@ -36,6 +36,9 @@ pub struct Hooks {
     /// plugin that wants a body whole asks from its head hook instead
     /// ([`ResponseVerdict::ReadBody`]).
     pub response_body: bool,
+    /// [`Plugin::on_request_body`] for each piece of a request body it has
+    /// not been given whole, as it streams to the upstream.
+    pub request_body: bool,
 }
 
 /// What a request-side call decided; header edits are made already.
@@ -132,6 +135,14 @@ pub enum BodyVerdict {
     Respond(LocalAnswer),
 }
 
+/// What a request body call is lent: the request as forwarded.
+pub struct RequestLent<'a> {
+    pub facts: &'a mut Option<RequestFacts>,
+    pub headers: &'a mut http::HeaderMap,
+    /// Whether this is the body's last piece.
+    pub end_of_stream: bool,
+}
+
 /// The largest response body buffered for a plugin that pauses on it
 /// (Envoy's default buffer limit); more fails the response.
 pub const MAX_BUFFERED_BODY: u32 = 1 << 20;
@@ -214,6 +225,19 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
         stream: &mut Stream,
         lent: ResponseLent<'_>,
     ) -> Result<ResponseVerdict, PluginError>;
+
+    /// A piece of the request body as it streams to the upstream, for a
+    /// plugin whose [`Hooks::request_body`] is set and that was not given
+    /// the body whole. Its head has gone: an answer (or a failure, closed)
+    /// stops the upstream request and is the client's answer.
+    fn on_request_body(
+        &self,
+        _stream: &mut Stream,
+        _lent: RequestLent<'_>,
+        _body: &[u8],
+    ) -> Result<BodyVerdict, PluginError> {
+        Ok(BodyVerdict::Continue(None))
+    }
 
     /// A piece of the response body (all of it, when the head call asked
     /// to read it whole), for a plugin whose [`Hooks::response_body`] is

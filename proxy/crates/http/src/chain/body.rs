@@ -89,6 +89,9 @@ impl<'a> PendingBody<'a> {
         };
         *body = Body::full(bytes.clone());
         let mut progress = self.progress;
+        progress.whole_from = request_hooks(self.chain)
+            .nth(self.at)
+            .map(|(place, _)| place);
         for (i, (place, binding)) in request_hooks(self.chain).enumerate().skip(self.at) {
             // The plugin that asked for the body has had its one ask; a
             // later one may ask once (the body is in hand: it is called

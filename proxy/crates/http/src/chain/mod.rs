@@ -7,9 +7,9 @@
 //! reverse order on the upstream's response head.
 
 mod body;
+mod body_stream;
 mod callout;
 mod response;
-mod response_body;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,9 +26,9 @@ use portcullis_plugin::{
     self as plugin, LocalAnswer, Plugin, PluginError, RequestFacts, ResponseVerdict, Verdict,
 };
 
+pub use body_stream::{filter_request_body, filter_response_body, stopped_body};
 pub use callout::PendingCallout;
 pub use response::{HeldHead, ResponseStep, on_response, read_whole};
-pub use response_body::filter_body;
 
 /// What the request hooks decided.
 pub enum RequestOutcome<'a> {
@@ -60,6 +60,9 @@ struct Progress<'a> {
     path: Option<PathAndQuery>,
     /// The request body a plugin set, for the body read to take.
     body: Option<Bytes>,
+    /// The place in the chain from which plugins were given the request
+    /// body whole (the one that asked, and those after it).
+    whole_from: Option<usize>,
     streams: Streams<'a>,
 }
 
@@ -126,7 +129,23 @@ pub struct PluginContext<'a> {
     pub upstream: Option<usize>,
     /// The path to send, if a plugin set one (it replaces the route's rewrite).
     pub path: Option<PathAndQuery>,
+    /// Where plugins were given the request body whole from (see
+    /// `Progress`).
+    whole_from: Option<usize>,
+    /// What the request body's plugins decided once its head went: set by
+    /// [`filter_request_body`].
+    body_stop: Option<Arc<body_stream::BodyStop>>,
     streams: Streams<'a>,
+}
+
+impl Drop for PluginContext<'_> {
+    /// Before the streams end: a request body still streaming calls no
+    /// plugin after this.
+    fn drop(&mut self) {
+        if let Some(stop) = &self.body_stop {
+            stop.end();
+        }
+    }
 }
 
 fn plugin_error(route: &Route, e: &PluginError) -> Response<Body> {
@@ -176,6 +195,7 @@ pub fn on_request<'a>(
         upstream: None,
         path: None,
         body: None,
+        whole_from: None,
         streams: Streams {
             chain,
             held: Vec::new(),
@@ -515,7 +535,9 @@ fn finish<'a>(
     headers: &http::HeaderMap,
 ) -> RequestOutcome<'a> {
     // Response hooks read the request too; keep it only when one will.
-    let wants_response = chain.iter().any(|b| b.hooks().response);
+    let wants_response = chain
+        .iter()
+        .any(|b| b.hooks().response || b.hooks().request_body);
     if !wants_response && progress.upstream.is_none() && progress.path.is_none() {
         return RequestOutcome::Forward(None);
     }
@@ -530,6 +552,8 @@ fn finish<'a>(
         chain,
         upstream: progress.upstream,
         path: progress.path,
+        whole_from: progress.whole_from,
+        body_stop: None,
         streams: progress.streams,
     })))
 }

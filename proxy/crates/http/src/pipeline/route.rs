@@ -252,7 +252,14 @@ impl Pipeline {
             step => Box::pin(self.steps(step, conn, body, headers, route)).await,
         };
         match outcome {
-            chain::RequestOutcome::Forward(ctx) => Ok(ctx),
+            chain::RequestOutcome::Forward(mut ctx) => {
+                // Plugins that see every body get it as it streams up.
+                if let Some(c) = ctx.as_mut() {
+                    let taken = std::mem::replace(body, Body::empty());
+                    *body = chain::filter_request_body(c, headers, route, taken);
+                }
+                Ok(ctx)
+            }
             // A body too large for the plugin (or the route), or a
             // plugin's own 413: the client may still be sending it.
             chain::RequestOutcome::Answer(resp)

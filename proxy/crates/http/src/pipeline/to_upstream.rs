@@ -70,7 +70,14 @@ impl Pipeline {
                 return Answered::Ready(failed(routed, pool, &f, &e));
             }
             Ok(sent) => sent,
-            Err(e) => return Answered::Ready(failed(routed, pool, &f, &e)),
+            Err(e) => {
+                // A plugin that stopped the request body answers it.
+                let stopped = f.plugins.as_mut();
+                if let Some(answer) = stopped.and_then(|c| chain::stopped_body(c, routed.route)) {
+                    return Answered::Ready((answer, forward::Held::default()));
+                }
+                return Answered::Ready(failed(routed, pool, &f, &e));
+            }
         };
         let took = asked.elapsed();
         pool.stats.record(resp.status().as_u16(), took);
@@ -104,7 +111,9 @@ impl Pipeline {
         if let Some(ctx) = f.plugins.as_mut() {
             let end_of_stream = http_body::Body::is_end_stream(&body);
             match chain::on_response(ctx, route, &mut parts, end_of_stream) {
-                chain::ResponseStep::Go => body = chain::filter_body(ctx, route, &parts, body),
+                chain::ResponseStep::Go => {
+                    body = chain::filter_response_body(ctx, route, &parts, body)
+                }
                 chain::ResponseStep::Answer(answer) => {
                     return Answered::Ready((answer, forward::Held::default()));
                 }

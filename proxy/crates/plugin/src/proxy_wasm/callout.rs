@@ -107,6 +107,18 @@ fn callout(upstream: String, pairs: &[(&[u8], &[u8])], body: Vec<u8>, ms: i32) -
     })
 }
 
+/// Keeps what a call that goes on to another (a head call before a body
+/// call) left: its callouts and path.
+pub fn keep(vm: &mut Vm, id: u32, call: &mut Call) {
+    let waiting = vm.waiting.entry(id).or_default();
+    waiting
+        .calls
+        .extend(call.callouts.drain(..).map(|(t, c)| (t, Some(c))));
+    if call.path.is_some() {
+        waiting.path = call.path.take();
+    }
+}
+
 /// What a request-side call that returned `action` decided.
 pub fn verdict(
     filter: &ProxyWasm,
@@ -115,13 +127,8 @@ pub fn verdict(
     mut call: Call,
     (action, body_to_come): (i32, bool),
 ) -> Result<Verdict, PluginError> {
+    keep(vm, id, &mut call);
     let waiting = vm.waiting.entry(id).or_default();
-    waiting
-        .calls
-        .extend(call.callouts.drain(..).map(|(t, c)| (t, Some(c))));
-    if call.path.is_some() {
-        waiting.path = call.path.take();
-    }
     if let Some(local) = call.local.take() {
         return Ok(Verdict::Respond(local));
     }

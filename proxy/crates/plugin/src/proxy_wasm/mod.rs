@@ -345,6 +345,22 @@ impl ProxyWasm {
     }
 }
 
+/// What a body call that returned `action` decided; `body` takes the
+/// body the call holds.
+fn body_verdict(
+    call: &mut Call,
+    action: i32,
+    end_of_stream: bool,
+    body: impl FnOnce(&mut Call) -> Option<Bytes>,
+) -> seam::BodyVerdict {
+    match call.local.take() {
+        Some(local) => seam::BodyVerdict::Respond(local),
+        None if action == 1 && !end_of_stream => seam::BodyVerdict::Pause,
+        None if call.body_changed => seam::BodyVerdict::Continue(body(call)),
+        None => seam::BodyVerdict::Continue(None),
+    }
+}
+
 /// Runs `f` with a call lent `lent` (and `body`, a response body), and
 /// gives what it lent back: the call (with what the filter left in it)
 /// and `f`'s result.
@@ -398,6 +414,7 @@ impl seam::Plugin for ProxyWasm {
             response: true,
             local_answers: true,
             response_body: true,
+            request_body: true,
         }
     }
 
@@ -425,15 +442,33 @@ impl seam::Plugin for ProxyWasm {
         headers: &mut http::HeaderMap,
         body: Option<&[u8]>,
     ) -> Result<Verdict, PluginError> {
+        let fresh = *stream == Stream::NONE;
         self.on_vm(stream, |vm, stream| {
             let bodiless = facts.as_ref().is_none_or(|f| f.bodiless);
+            let id = parts(*stream).2;
+            // A body read for a plugin before this one: this one's head
+            // call comes first, as the body is there to follow.
+            if fresh && body.is_some() {
+                let call = Call {
+                    facts: facts.take(),
+                    request_headers: std::mem::take(headers),
+                    ..Call::default()
+                };
+                let (mut call, action) = vm.request_headers(self, id, call, false);
+                *facts = call.facts.take();
+                *headers = std::mem::take(&mut call.request_headers);
+                action?;
+                if let Some(local) = call.local.take() {
+                    return Ok(Verdict::Respond(local));
+                }
+                callout::keep(vm, id, &mut call);
+            }
             let call = Call {
                 facts: facts.take(),
                 request_headers: std::mem::take(headers),
                 request_body: body.map(Bytes::copy_from_slice),
                 ..Call::default()
             };
-            let id = parts(*stream).2;
             let (mut call, action) = match body {
                 None => vm.request_headers(self, id, call, bodiless),
                 Some(_) => vm.body(self, id, call, (false, true)),
@@ -443,6 +478,29 @@ impl seam::Plugin for ProxyWasm {
             let action = action?;
             let body_to_come = body.is_none() && !bodiless;
             callout::verdict(self, vm, id, call, (action, body_to_come))
+        })
+    }
+
+    fn on_request_body(
+        &self,
+        stream: &mut Stream,
+        lent: seam::RequestLent<'_>,
+        body: &[u8],
+    ) -> Result<seam::BodyVerdict, PluginError> {
+        self.on_vm(stream, |vm, stream| {
+            let call = Call {
+                facts: lent.facts.take(),
+                request_headers: std::mem::take(lent.headers),
+                request_body: Some(Bytes::copy_from_slice(body)),
+                ..Call::default()
+            };
+            let eos = lent.end_of_stream;
+            let (mut call, action) = vm.body(self, parts(*stream).2, call, (false, eos));
+            *lent.facts = call.facts.take();
+            *lent.headers = std::mem::take(&mut call.request_headers);
+            Ok(body_verdict(&mut call, action?, eos, |c| {
+                c.request_body.take()
+            }))
         })
     }
 
@@ -494,16 +552,8 @@ impl seam::Plugin for ProxyWasm {
             let (mut call, action) = lend(lent, given, |call| {
                 vm.body(self, parts(*stream).2, call, (true, end_of_stream))
             });
-            let action = action?;
-            Ok(match call.local.take() {
-                Some(local) => seam::BodyVerdict::Respond(local),
-                None if action == 1 && !end_of_stream => seam::BodyVerdict::Pause,
-                None => seam::BodyVerdict::Continue(
-                    call.body_changed
-                        .then(|| call.response_body.take())
-                        .flatten(),
-                ),
-            })
+            let taken = |c: &mut Call| c.response_body.take();
+            Ok(body_verdict(&mut call, action?, end_of_stream, taken))
         })
     }
 

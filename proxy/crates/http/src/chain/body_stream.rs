@@ -1,0 +1,352 @@
+//! A body streamed through the body hooks of the plugins that see every
+//! body ([`plugin::Hooks::request_body`], [`plugin::Hooks::response_body`]),
+//! piece by piece, as Envoy runs a filter's body callbacks: each plugin
+//! (in chain order for a request, last first for a response) gets each
+//! piece and may pass it on, replace it, or keep it to see with the next
+//! (up to [`plugin::seam::MAX_BUFFERED_BODY`]).
+//!
+//! Once the head has gone, what stops a body (a plugin's answer, its
+//! failure when closed, a kept body past the bound) stops it there: a
+//! request body ends the upstream request with the client answered by
+//! the plugin ([`stopped_body`]: 413 past the bound, as from Envoy); a
+//! response body is cut off, as Envoy resets the stream.
+
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, ready};
+
+use bytes::BytesMut;
+use http_body::Frame;
+
+use super::*;
+use crate::body::BodyError;
+
+/// What stopped a request body once its head had gone, for the answer.
+enum Stopped {
+    Answer(LocalAnswer),
+    TooLarge,
+    Failed(PluginError),
+}
+
+/// Between a request body streaming to the upstream and its request:
+/// whether the request's plugins still take calls, and what stopped the
+/// body.
+#[derive(Default)]
+pub struct BodyStop {
+    ended: AtomicBool,
+    stopped: Mutex<Option<(usize, Stopped)>>,
+}
+
+impl BodyStop {
+    /// The request's plugin streams end: no call after this.
+    pub(super) fn end(&self) {
+        self.ended.store(true, Ordering::Release);
+    }
+}
+
+/// `body` through the request body hooks of `ctx`'s plugins that see
+/// every body and were not given it whole; `body` itself (no allocation)
+/// when there are none. `headers` are the request's as forwarded.
+pub fn filter_request_body(
+    ctx: &mut PluginContext<'_>,
+    headers: &http::HeaderMap,
+    route: &Route,
+    body: Body,
+) -> Body {
+    let chain = ctx.chain;
+    let before = ctx.whole_from.unwrap_or(chain.len());
+    let seeing = |(_, b): &(usize, &Arc<dyn Plugin>)| b.hooks().request_body;
+    if !chain[..before].iter().enumerate().any(|p| seeing(&p))
+        || http_body::Body::is_end_stream(&body)
+    {
+        return body;
+    }
+    let stop = Arc::new(BodyStop::default());
+    ctx.body_stop = Some(stop.clone());
+    let stages = (chain[..before].iter().enumerate())
+        .filter(seeing)
+        .map(|(place, b)| Stage {
+            plugin: b.clone(),
+            place,
+            stream: ctx.streams.get(place),
+            kept: None,
+        })
+        .collect();
+    Body::boxed(Filtered {
+        inner: body,
+        stages,
+        facts: ctx.facts.clone(),
+        side: Side::Request {
+            headers: headers.clone(),
+            stop,
+        },
+        route: route.name.clone(),
+        ended: false,
+        after: None,
+    })
+}
+
+/// The client's answer when a plugin stopped the request body (the
+/// upstream request failed for it); `None` when none did.
+pub fn stopped_body(ctx: &mut PluginContext<'_>, route: &Route) -> Option<Response<Body>> {
+    let stop = ctx.body_stop.as_ref()?;
+    let (place, why) = stop
+        .stopped
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()?;
+    let binding = &*ctx.chain[place];
+    Some(match why {
+        Stopped::Answer(local) => local_answer(binding, route, local),
+        Stopped::TooLarge => json_error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request body too large for the route's plugin",
+            route,
+            Some(binding.name()),
+        ),
+        Stopped::Failed(e) => plugin_error(route, &e),
+    })
+}
+
+/// `body` through the response body hooks of `ctx`'s plugins that see
+/// every body; `body` itself (no allocation) when none does. Their
+/// streams are ended with the body, as Envoy logs a stream once its
+/// response is sent.
+pub fn filter_response_body(
+    ctx: &mut PluginContext<'_>,
+    route: &Route,
+    resp: &http::response::Parts,
+    body: Body,
+) -> Body {
+    let chain = ctx.chain;
+    let seeing = |b: &Arc<dyn Plugin>| b.hooks().response_body;
+    if !chain.iter().any(seeing) || http_body::Body::is_end_stream(&body) {
+        return body;
+    }
+    let stages = (chain.iter().enumerate().rev())
+        .filter(|(_, b)| seeing(b))
+        .map(|(place, b)| Stage {
+            plugin: b.clone(),
+            place,
+            stream: ctx.streams.take(place),
+            kept: None,
+        })
+        .collect();
+    let mut head = Response::new(()).into_parts().0;
+    head.status = resp.status;
+    head.headers = resp.headers.clone();
+    Body::boxed(Filtered {
+        inner: body,
+        stages,
+        facts: ctx.facts.take(),
+        side: Side::Response {
+            request_headers: std::mem::take(&mut ctx.request_headers),
+            head,
+        },
+        route: route.name.clone(),
+        ended: false,
+        after: None,
+    })
+}
+
+/// One plugin's place in the body's way.
+struct Stage {
+    plugin: Arc<dyn Plugin>,
+    place: usize,
+    stream: plugin::Stream,
+    /// What it kept to see with the next piece.
+    kept: Option<BytesMut>,
+}
+
+enum Side {
+    /// A request body: its headers as forwarded, and where to leave what
+    /// stopped it (the request's plugins own their streams).
+    Request {
+        headers: http::HeaderMap,
+        stop: Arc<BodyStop>,
+    },
+    /// A response body: the request as forwarded and the head as sent;
+    /// the stages own their streams, ended with the body.
+    Response {
+        request_headers: http::HeaderMap,
+        head: http::response::Parts,
+    },
+}
+
+struct Filtered {
+    inner: Body,
+    stages: Vec<Stage>,
+    facts: Option<RequestFacts>,
+    side: Side,
+    route: Arc<str>,
+    /// Whether the plugins have seen the end of the body.
+    ended: bool,
+    /// The trailers, held while the last data goes.
+    after: Option<Frame<Bytes>>,
+}
+
+impl Filtered {
+    /// `piece` through every stage: what comes out the end.
+    fn run(&mut self, mut piece: Bytes, end_of_stream: bool) -> Result<Bytes, BodyError> {
+        if let Side::Request { stop, .. } = &self.side
+            && stop.ended.load(Ordering::Acquire)
+        {
+            return Ok(piece);
+        }
+        for stage in &mut self.stages {
+            let given = match stage.kept.take() {
+                Some(mut kept) => {
+                    kept.extend_from_slice(&piece);
+                    kept.freeze()
+                }
+                None => piece,
+            };
+            let called = call(
+                stage,
+                &mut self.facts,
+                &mut self.side,
+                &given,
+                end_of_stream,
+            );
+            let name = stage.plugin.name();
+            let route = &self.route;
+            let stopped = match called {
+                Ok(plugin::BodyVerdict::Continue(new)) => {
+                    piece = new.unwrap_or(given);
+                    continue;
+                }
+                Ok(plugin::BodyVerdict::Pause) if end_of_stream => {
+                    piece = given;
+                    continue;
+                }
+                Ok(plugin::BodyVerdict::Pause)
+                    if given.len() <= plugin::seam::MAX_BUFFERED_BODY as usize =>
+                {
+                    stage.kept = Some(BytesMut::from(given));
+                    return Ok(Bytes::new());
+                }
+                Ok(plugin::BodyVerdict::Pause) => {
+                    tracing::warn!(plugin = %name, route = %route, "body too large for the plugin to keep; stopped");
+                    Stopped::TooLarge
+                }
+                Ok(plugin::BodyVerdict::Respond(local)) => Stopped::Answer(local),
+                Err(e) => {
+                    count_failure(&*stage.plugin, &e);
+                    if stage.plugin.fail() == FailMode::Open {
+                        tracing::warn!(plugin = %name, route = %route, error = %e, "plugin failed on a body; body let through (fail: open)");
+                        piece = given;
+                        continue;
+                    }
+                    tracing::warn!(plugin = %name, route = %route, error = %e, "plugin failed on a body; stopped (fail: closed)");
+                    Stopped::Failed(e)
+                }
+            };
+            let place = stage.place;
+            return Err(self.stop(place, stopped));
+        }
+        Ok(piece)
+    }
+
+    /// Leaves what stopped a request body for its answer; the error that
+    /// ends the body.
+    fn stop(&self, place: usize, stopped: Stopped) -> BodyError {
+        match &self.side {
+            Side::Request { stop, .. } => {
+                *stop.stopped.lock().unwrap_or_else(|p| p.into_inner()) = Some((place, stopped));
+                "a plugin stopped the request body".into()
+            }
+            Side::Response { .. } => {
+                if let Stopped::Answer(_) = stopped {
+                    tracing::warn!(route = %self.route, "plugin answered after the response head went; response cut off");
+                }
+                "a plugin stopped the response body".into()
+            }
+        }
+    }
+}
+
+/// One stage's call on `body`.
+fn call(
+    stage: &mut Stage,
+    facts: &mut Option<RequestFacts>,
+    side: &mut Side,
+    body: &[u8],
+    end_of_stream: bool,
+) -> Result<plugin::BodyVerdict, PluginError> {
+    match side {
+        Side::Request { headers, .. } => {
+            let lent = plugin::RequestLent {
+                facts,
+                headers,
+                end_of_stream,
+            };
+            stage.plugin.on_request_body(&mut stage.stream, lent, body)
+        }
+        Side::Response {
+            request_headers,
+            head,
+        } => {
+            let lent = lend(facts, request_headers, head, end_of_stream);
+            stage.plugin.on_response_body(&mut stage.stream, lent, body)
+        }
+    }
+}
+
+impl Drop for Filtered {
+    /// A response body's stages end their streams (a request body's are
+    /// the request's plugins' to end).
+    fn drop(&mut self) {
+        if let Side::Response { .. } = self.side {
+            for stage in self.stages.drain(..) {
+                if stage.stream != plugin::Stream::NONE {
+                    stage.plugin.end(stage.stream);
+                }
+            }
+        }
+    }
+}
+
+impl http_body::Body for Filtered {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = self.get_mut();
+        loop {
+            if this.ended {
+                return Poll::Ready(this.after.take().map(Ok));
+            }
+            let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+            let (piece, end_of_stream) = match frame {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => (data, http_body::Body::is_end_stream(&this.inner)),
+                    // Trailers end the body: the plugins see its end first.
+                    Err(trailers) => {
+                        this.after = Some(trailers);
+                        (Bytes::new(), true)
+                    }
+                },
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+                None => (Bytes::new(), true),
+            };
+            this.ended = end_of_stream;
+            let out = this.run(piece, end_of_stream)?;
+            if !out.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(out))));
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended && self.after.is_none()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        // A plugin may change the length: only its end is known.
+        http_body::SizeHint::default()
+    }
+}
