@@ -62,3 +62,56 @@ routes: [{ name: r, match: { path: /r }, respond: { status: 204 }, plugins: [{ u
         "{stderr}"
     );
 }
+
+/// A filter whose root context fetches what it checks from a service
+/// (from a tick, outside any request) gets the answer, in Portcullis as
+/// in Envoy: requests soon carry what it fetched.
+#[tokio::test]
+pub(super) async fn a_root_context_calls_out_from_a_tick_as_in_envoy() {
+    let app = upstream::echo("app").await;
+    let keys = upstream::serve(|req| async move {
+        let found = req.uri().path() == "/keys";
+        let mut resp = Response::new(upstream::full(if found { "k1" } else { "" }));
+        if !found {
+            *resp.status_mut() = hyper::StatusCode::NOT_FOUND;
+        }
+        resp
+    })
+    .await;
+    let filter = plugin_file("proxy-wasm-keys");
+    let clusters = [("app", app.addr), ("keys", keys.addr)];
+    let envoy = crate::support::envoy::Envoy::with_clusters(&filter, "", &clusters).await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}, {{ name: keys, endpoints: ["{}"] }}]
+plugins: [{{ name: keyed, path: proxy-wasm-keys.wasm }}]
+routes: [{{ name: k, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ use: keyed }}] }}]
+"#,
+            app.url(),
+            keys.url()
+        ),
+        &["proxy-wasm-keys"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    for addr in [envoy.addr, proxy.addr] {
+        // One connection: its requests stay on one worker's VM, whose
+        // first request starts it (and its ticks).
+        let mut conn = client::Connection::open(addr).await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let req = Request::get(format!("http://{addr}/r"))
+                .body(body(Bytes::new()))
+                .unwrap();
+            let a = conn.send(req).await;
+            let got = a.json()["headers"]["x-keys"].as_str().map(str::to_owned);
+            if got.as_deref() == Some("k1") {
+                break;
+            }
+            assert_eq!(got.as_deref(), Some("none"), "{addr}");
+            assert!(Instant::now() < deadline, "{addr}: never got the keys");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}

@@ -77,3 +77,34 @@ pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
         }
     }
 }
+
+/// The routing core's pools as a plugin's way out for callouts made
+/// outside requests ([`portcullis_plugin::Callouts`]): a configuration's
+/// upstreams by name, per worker.
+pub struct PoolCallouts {
+    pub config: std::sync::Arc<portcullis_config::Config>,
+    /// `upstreams[worker][upstream]`, as the pipeline holds them.
+    pub upstreams: Vec<Vec<std::sync::Arc<UpstreamPool>>>,
+}
+
+impl portcullis_plugin::Callouts for PoolCallouts {
+    fn send(
+        &self,
+        shard: usize,
+        callout: Callout,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = CalloutAnswer> + Send>> {
+        let pool = self
+            .config
+            .upstream_index(&callout.upstream)
+            .map(|i| self.upstreams[shard % self.upstreams.len()][i].clone());
+        Box::pin(async move {
+            match pool {
+                Some(pool) => send(&pool, callout).await,
+                None => CalloutAnswer::Failed {
+                    timed_out: false,
+                    why: format!("no upstream `{}` in the policies", callout.upstream),
+                },
+            }
+        })
+    }
+}

@@ -31,6 +31,16 @@ pub struct Chains {
     pub routes: Vec<Arc<[Arc<dyn Plugin>]>>,
 }
 
+impl Chains {
+    /// Gives every plugin where to send the callouts it makes outside
+    /// requests.
+    pub fn set_callouts(&self, callouts: &Arc<dyn crate::seam::Callouts>) {
+        for plugin in self.routes.iter().flat_map(|chain| chain.iter()) {
+            plugin.set_callouts(callouts.clone());
+        }
+    }
+}
+
 /// Compiles every plugin the config uses, instantiates each use once and
 /// asks the plugin to validate its config. Errors name the plugin, the
 /// route and the place in the policy files.

@@ -94,6 +94,19 @@ pub enum CalloutAnswer {
     },
 }
 
+/// Sends callouts a plugin makes outside any request (a proxy-wasm
+/// filter's root context, from a tick, say), through the upstreams of
+/// the configuration the plugin serves; given to each plugin when its
+/// pipeline is made ([`Plugin::set_callouts`]).
+pub trait Callouts: Send + Sync {
+    /// Sends `callout` through the pools of worker `shard`.
+    fn send(
+        &self,
+        shard: usize,
+        callout: Callout,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = CalloutAnswer> + Send>>;
+}
+
 /// The largest callout answer body read; a larger one fails the callout.
 pub const MAX_CALLOUT_BODY: usize = 1 << 20;
 
@@ -265,6 +278,10 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
             message: "answered a callout it never made".into(),
         })
     }
+
+    /// Where to send the callouts it makes outside requests; kinds that
+    /// make none ignore it.
+    fn set_callouts(&self, _callouts: Arc<dyn Callouts>) {}
 
     /// The request is over (answered, failed or left): what `stream`
     /// holds is freed. Called once for each stream a call set, on the

@@ -235,6 +235,12 @@ impl Pipeline {
             .collect();
         let route_states =
             route_state::build(&config, previous.map(|p| (&*p.config, &p.route_states[..])));
+        // Plugins' callouts outside requests go out through these pools.
+        let callouts: Arc<dyn plugin::Callouts> = Arc::new(crate::callout::PoolCallouts {
+            config: config.clone(),
+            upstreams: upstreams.clone(),
+        });
+        chains.set_callouts(&callouts);
         Pipeline {
             config,
             chains,

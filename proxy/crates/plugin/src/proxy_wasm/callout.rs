@@ -158,26 +158,12 @@ pub fn verdict(
     })
 }
 
-/// Gives context `id` the answer to its oldest callout; what it decides.
-pub fn answer(
-    filter: &ProxyWasm,
-    vm: &mut Vm,
-    id: u32,
-    (facts, headers): (&mut Option<crate::RequestFacts>, &mut http::HeaderMap),
-    answer: CalloutAnswer,
-) -> Result<Verdict, PluginError> {
-    let token = vm
-        .waiting
-        .get_mut(&id)
-        .and_then(|w| w.calls.pop_front())
-        .map(|(token, _)| token)
-        .ok_or_else(|| PluginError::Trap {
-            plugin: filter.name.clone(),
-            message: "answered a callout it never made".into(),
-        })?;
-    // As Envoy's HTTP calls end: one that found no upstream is the
-    // router's 503, one that timed out an answer without headers.
-    let answer = match answer {
+/// A callout's answer as `proxy_on_http_call_response` offers it: its
+/// headers (`:status` first) and body. As Envoy's HTTP calls end: one
+/// that found no upstream is the router's 503, one that timed out an
+/// answer without headers.
+fn answer_pairs(answer: CalloutAnswer) -> (super::Pairs, Bytes) {
+    match answer {
         CalloutAnswer::Failed {
             timed_out: false, ..
         } => {
@@ -206,7 +192,60 @@ pub fn answer(
             (pairs, body)
         }
         CalloutAnswer::Failed { .. } => (Vec::new(), Bytes::new()),
+    }
+}
+
+/// Sends the callouts a root context made (in a tick, say: outside any
+/// request) through `filter`'s callouts, each answered on the VM at
+/// `home` if it still runs.
+pub fn send_from_root(filter: &ProxyWasm, home: &super::queue::Home, calls: Vec<(u32, Callout)>) {
+    let (Some(callouts), Ok(runtime)) = (
+        filter.callouts.get().cloned(),
+        tokio::runtime::Handle::try_current(),
+    ) else {
+        if !calls.is_empty() {
+            tracing::warn!(plugin = %filter.name, "an HTTP call from a root context outside a worker is not sent");
+        }
+        return;
     };
+    for (token, callout) in calls {
+        let (callouts, home) = (callouts.clone(), home.clone());
+        runtime.spawn(async move {
+            let answer = callouts.send(home.shard, callout).await;
+            let Some(filter) = home.filter.upgrade() else {
+                return;
+            };
+            filter.on_home(&home, |vm, filter| {
+                let call = Call {
+                    answer: Some(answer_pairs(answer)),
+                    ..Call::default()
+                };
+                let (call, result) = vm.http_call_response(filter, token, call);
+                vm.root_calls(filter, call);
+                result
+            });
+        });
+    }
+}
+
+/// Gives context `id` the answer to its oldest callout; what it decides.
+pub fn answer(
+    filter: &ProxyWasm,
+    vm: &mut Vm,
+    id: u32,
+    (facts, headers): (&mut Option<crate::RequestFacts>, &mut http::HeaderMap),
+    answer: CalloutAnswer,
+) -> Result<Verdict, PluginError> {
+    let token = vm
+        .waiting
+        .get_mut(&id)
+        .and_then(|w| w.calls.pop_front())
+        .map(|(token, _)| token)
+        .ok_or_else(|| PluginError::Trap {
+            plugin: filter.name.clone(),
+            message: "answered a callout it never made".into(),
+        })?;
+    let answer = answer_pairs(answer);
     let call = Call {
         facts: facts.take(),
         request_headers: std::mem::take(headers),

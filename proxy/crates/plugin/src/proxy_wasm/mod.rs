@@ -29,7 +29,7 @@ mod vm;
 mod wasi;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -129,6 +129,8 @@ pub struct ProxyWasm {
     me: Weak<ProxyWasm>,
     /// VMs dropped for a failure in the current second, and when it began.
     restarts: Mutex<(std::time::Instant, u32)>,
+    /// Where its root contexts' HTTP calls go.
+    callouts: OnceLock<Arc<dyn seam::Callouts>>,
 }
 
 /// The most VMs a use starts again in a second after failures: a filter
@@ -207,6 +209,7 @@ impl ProxyWasm {
             generations: AtomicU64::new(0),
             me: Weak::new(),
             restarts: Mutex::new((std::time::Instant::now(), 0)),
+            callouts: OnceLock::new(),
         };
         // Started and dropped: VMs are per worker thread, and this is not
         // a worker's.
@@ -314,7 +317,13 @@ impl ProxyWasm {
                 return Err(self.lost());
             }
             self.may_restart()?;
-            *slot = Some(self.start(shard)?);
+            let mut vm = self.start(shard)?;
+            // The HTTP calls its start made (a key set fetched when
+            // configured, say), sent now that it is on its worker.
+            let started = std::mem::take(&mut vm.started_calls);
+            let home = vm.home();
+            callout::send_from_root(self, &home, started);
+            *slot = Some(vm);
         }
         let Some(vm) = slot.as_mut() else {
             unreachable!("started above")
@@ -555,6 +564,10 @@ impl seam::Plugin for ProxyWasm {
             let taken = |c: &mut Call| c.response_body.take();
             Ok(body_verdict(&mut call, action?, end_of_stream, taken))
         })
+    }
+
+    fn set_callouts(&self, callouts: Arc<dyn seam::Callouts>) {
+        let _ = self.callouts.set(callouts);
     }
 
     fn end(&self, stream: Stream) {

@@ -21,6 +21,12 @@ pub struct Vm {
     pub waiting: std::collections::HashMap<u32, super::callout::Waiting>,
     /// The period its ticker runs at, if one does.
     pub ticking: Option<std::time::Duration>,
+    /// HTTP calls its root context made while it started, to send once it
+    /// is on its worker.
+    pub started_calls: Vec<(u32, crate::seam::Callout)>,
+    /// The exports called so far, with their parameter counts (`None`: not
+    /// exported): looked up by name once, not on every call.
+    exports: Vec<(&'static str, Option<(Func, usize)>)>,
 }
 
 impl Vm {
@@ -48,11 +54,13 @@ impl Vm {
             next: ROOT as u32 + 1,
             waiting: Default::default(),
             ticking: None,
+            started_calls: Vec::new(),
+            exports: Vec::new(),
         });
         // A reactor (`_initialize`) or, from older toolchains, a command
         // whose `_start` sets the runtime up, as Envoy calls them.
         for start in ["_initialize", "_start"] {
-            if vm.instance.get_func(&mut vm.store, start).is_some() {
+            if vm.export(start).is_some() {
                 vm.call(filter, start, &[], 0)?;
                 break;
             }
@@ -71,6 +79,7 @@ impl Vm {
             ));
         }
         vm.store.data_mut().limits.serving = true;
+        vm.started_calls = std::mem::take(&mut vm.store.data_mut().call.callouts);
         Ok(vm)
     }
 
@@ -135,7 +144,7 @@ impl Vm {
     fn lent(
         &mut self,
         filter: &ProxyWasm,
-        name: &str,
+        name: &'static str,
         (id, size, end_of_stream): (u32, i32, bool),
         call: Call,
     ) -> (Call, Result<i32, PluginError>) {
@@ -176,16 +185,39 @@ impl Vm {
 
     /// `proxy_on_tick` on the root context.
     pub fn tick(&mut self, filter: &ProxyWasm) -> Result<(), PluginError> {
-        self.store.data_mut().call = Call::default();
-        self.call(filter, "proxy_on_tick", &[ROOT], 0).map(|_| ())
+        self.on_root(filter, "proxy_on_tick", &[ROOT])
     }
 
     /// `proxy_on_queue_ready` on the root context for queue `token`.
     pub fn queue_ready(&mut self, filter: &ProxyWasm, token: u32) -> Result<(), PluginError> {
+        self.on_root(filter, "proxy_on_queue_ready", &[ROOT, token as i32])
+    }
+
+    /// A call on the root context, outside any request; the HTTP calls it
+    /// made are sent.
+    fn on_root(
+        &mut self,
+        filter: &ProxyWasm,
+        name: &'static str,
+        args: &[i32],
+    ) -> Result<(), PluginError> {
         self.store.data_mut().call = Call::default();
-        let args = [ROOT, token as i32];
-        self.call(filter, "proxy_on_queue_ready", &args, 0)
-            .map(|_| ())
+        self.call(filter, name, args, 0)?;
+        let call = std::mem::take(&mut self.store.data_mut().call);
+        self.root_calls(filter, call);
+        Ok(())
+    }
+
+    /// Sends the HTTP calls a root context call left in `call`.
+    pub fn root_calls(&mut self, filter: &ProxyWasm, call: Call) {
+        if !call.callouts.is_empty() {
+            super::callout::send_from_root(filter, &self.home(), call.callouts);
+        }
+    }
+
+    /// Which VM this is.
+    pub fn home(&self) -> super::queue::Home {
+        self.store.data().home.clone()
     }
 
     /// Ends context `id`: `proxy_on_done`, `proxy_on_log`,
@@ -197,16 +229,31 @@ impl Vm {
             ("proxy_on_log", 0),
             ("proxy_on_delete", 0),
         ] {
-            if self.instance.get_func(&mut self.store, name).is_some() {
+            if self.export(name).is_some() {
                 self.call(filter, name, &[id as i32], results)?;
             }
         }
         Ok(())
     }
 
-    fn params(&mut self, name: &str) -> Option<usize> {
-        let f = self.instance.get_func(&mut self.store, name)?;
-        Some(f.ty(&self.store).params().len())
+    fn params(&mut self, name: &'static str) -> Option<usize> {
+        self.export(name).map(|(_, n)| n)
+    }
+
+    /// Export `name` and its parameter count, if the module has it.
+    fn export(&mut self, name: &'static str) -> Option<(Func, usize)> {
+        // A dozen names, all literals: a scan beats hashing each.
+        let known = self
+            .exports
+            .iter()
+            .find(|(n, _)| std::ptr::eq(*n, name) || *n == name);
+        if let Some((_, found)) = known {
+            return *found;
+        }
+        let found = self.instance.get_func(&mut self.store, name);
+        let found = found.map(|f| (f, f.ty(&self.store).params().len()));
+        self.exports.push((name, found));
+        found
     }
 
     /// Calls export `name` with `args` under a fresh deadline; its one
@@ -214,20 +261,25 @@ impl Vm {
     fn call(
         &mut self,
         filter: &ProxyWasm,
-        name: &str,
+        name: &'static str,
         args: &[i32],
         results: usize,
     ) -> Result<Option<i32>, PluginError> {
-        let Some(f): Option<Func> = self.instance.get_func(&mut self.store, name) else {
+        let Some((f, _)) = self.export(name) else {
             return Err(PluginError::Setup {
                 plugin: filter.name.clone(),
                 message: format!("the module does not export {name}"),
             });
         };
-        let args: Vec<Val> = args.iter().map(|a| Val::I32(*a)).collect();
-        let mut out = vec![Val::I32(0); results];
+        // On the stack: the ABI's calls take at most five.
+        let mut given: [Val; 5] = std::array::from_fn(|_| Val::I32(0));
+        for (slot, a) in given.iter_mut().zip(args) {
+            *slot = Val::I32(*a);
+        }
+        let mut out = [Val::I32(0)];
         arm(&mut self.store);
-        match f.call(&mut self.store, &args, &mut out) {
+        let (given, out) = (&given[..args.len()], &mut out[..results.min(1)]);
+        match f.call(&mut self.store, given, out) {
             Ok(()) => Ok(out.first().and_then(Val::i32)),
             Err(e) => Err(classify(filter, e, &self.store)),
         }
