@@ -71,6 +71,8 @@ pub struct VmState {
     tick: Option<Duration>,
     /// The VM this is.
     home: queue::Home,
+    /// Its memory and allocator, once instantiated.
+    exports: guest::Exports,
     call: Call,
 }
 
@@ -293,6 +295,7 @@ impl ProxyWasm {
             deadline: CpuDeadline::new(self.timeout),
             tick: None,
             home,
+            exports: guest::Exports::default(),
             call: Call::default(),
         };
         Vm::start(self, state, generation)
