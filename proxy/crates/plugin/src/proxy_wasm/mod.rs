@@ -123,8 +123,10 @@ pub struct ProxyWasm {
     memory_peak: Arc<AtomicUsize>,
     /// Each thread shard's VM: `None` until its first request, and after
     /// one failed.
-    vms: [Mutex<Option<Box<Vm>>>; SHARDS],
-    calls: AtomicU64,
+    vms: [VmSlot; SHARDS],
+    /// Calls by shard, each on its own cache line: one counter shared by
+    /// the workers would move between their cores on every call.
+    calls: [Count; SHARDS],
     /// Numbers the VMs, so a request's stream names the one it is on.
     generations: AtomicU64,
     /// Itself, for its VMs' tickers (which stop when it is dropped).
@@ -147,6 +149,17 @@ impl std::fmt::Debug for ProxyWasm {
             .finish_non_exhaustive()
     }
 }
+
+/// A shard's VM, its lock alone on its cache line (the workers lock
+/// theirs on every call).
+#[derive(Default)]
+#[repr(align(128))]
+struct VmSlot(Mutex<Option<Box<Vm>>>);
+
+/// A counter alone on its cache line.
+#[derive(Default)]
+#[repr(align(128))]
+struct Count(AtomicU64);
 
 /// How a use is set up.
 pub struct Settings {
@@ -206,8 +219,8 @@ impl ProxyWasm {
             upstreams: settings.upstreams,
             route: settings.route,
             memory_peak: Default::default(),
-            vms: std::array::from_fn(|_| Mutex::new(None)),
-            calls: AtomicU64::new(0),
+            vms: std::array::from_fn(|_| VmSlot::default()),
+            calls: std::array::from_fn(|_| Count::default()),
             generations: AtomicU64::new(0),
             me: Weak::new(),
             restarts: Mutex::new((std::time::Instant::now(), 0)),
@@ -224,7 +237,7 @@ impl ProxyWasm {
 
     /// Shard `shard`'s VM slot, locked.
     fn slot(&self, shard: usize) -> MutexGuard<'_, Option<Box<Vm>>> {
-        self.vms[shard].lock().unwrap_or_else(|p| p.into_inner())
+        self.vms[shard].0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs `f` on the VM `home` names, if it still runs; a VM whose call
@@ -308,12 +321,12 @@ impl ProxyWasm {
         stream: &mut Stream,
         f: impl FnOnce(&mut Vm, &mut Stream) -> Result<T, PluginError>,
     ) -> Result<T, PluginError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
         let shard = if *stream == Stream::NONE {
             this_thread()
         } else {
             parts(*stream).0
         };
+        self.calls[shard].0.fetch_add(1, Ordering::Relaxed);
         let mut slot = self.slot(shard);
         if slot.is_none() {
             if *stream != Stream::NONE {
@@ -439,7 +452,7 @@ impl seam::Plugin for ProxyWasm {
     }
 
     fn calls(&self) -> u64 {
-        self.calls.load(Ordering::Relaxed)
+        self.calls.iter().map(|c| c.0.load(Ordering::Relaxed)).sum()
     }
 
     /// A VM lives on its worker thread.

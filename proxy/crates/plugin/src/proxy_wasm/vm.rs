@@ -24,9 +24,54 @@ pub struct Vm {
     /// HTTP calls its root context made while it started, to send once it
     /// is on its worker.
     pub started_calls: Vec<(u32, crate::seam::Callout)>,
-    /// The exports called so far, typed, with their parameter counts
-    /// (`None`: not exported): looked up by name once, not on every call.
-    exports: Vec<(&'static str, Option<(Typed, usize)>)>,
+    /// The exports called so far, typed, with their parameter counts, by
+    /// [`Export`] (`Some(None)`: not exported): looked up by name once,
+    /// not on every call.
+    exports: [Option<Option<(Typed, usize)>>; Export::COUNT],
+}
+
+/// The exports a VM calls.
+#[derive(Debug, Clone, Copy)]
+pub enum Export {
+    Initialize,
+    Start,
+    ContextCreate,
+    VmStart,
+    Configure,
+    RequestHeaders,
+    ResponseHeaders,
+    RequestBody,
+    ResponseBody,
+    HttpCallResponse,
+    Tick,
+    QueueReady,
+    Done,
+    Log,
+    Delete,
+}
+
+impl Export {
+    const COUNT: usize = 15;
+
+    fn name(self) -> &'static str {
+        match self {
+            Export::Initialize => "_initialize",
+            Export::Start => "_start",
+            Export::ContextCreate => "proxy_on_context_create",
+            Export::VmStart => "proxy_on_vm_start",
+            Export::Configure => "proxy_on_configure",
+            Export::RequestHeaders => "proxy_on_request_headers",
+            Export::ResponseHeaders => "proxy_on_response_headers",
+            Export::RequestBody => "proxy_on_request_body",
+            Export::ResponseBody => "proxy_on_response_body",
+            Export::HttpCallResponse => "proxy_on_http_call_response",
+            Export::Tick => "proxy_on_tick",
+            Export::QueueReady => "proxy_on_queue_ready",
+            Export::Done => "proxy_on_done",
+            Export::Log => "proxy_on_log",
+            Export::Delete => "proxy_on_delete",
+        }
+    }
 }
 
 /// An export, typed by its shape (the ABI's are all of `i32`s): a typed
@@ -116,25 +161,25 @@ impl Vm {
             waiting: Default::default(),
             ticking: None,
             started_calls: Vec::new(),
-            exports: Vec::new(),
+            exports: Default::default(),
         });
         // A reactor (`_initialize`) or, from older toolchains, a command
         // whose `_start` sets the runtime up, as Envoy calls them.
-        for start in ["_initialize", "_start"] {
+        for start in [Export::Initialize, Export::Start] {
             if vm.export(start).is_some() {
                 vm.call(filter, start, &[], 0)?;
                 break;
             }
         }
-        vm.call(filter, "proxy_on_context_create", &[ROOT, 0], 0)?;
+        vm.call(filter, Export::ContextCreate, &[ROOT, 0], 0)?;
         let vm_config = vm.store.data().vm_config.len() as i32;
-        if vm.call(filter, "proxy_on_vm_start", &[ROOT, vm_config], 1)? == Some(0) {
+        if vm.call(filter, Export::VmStart, &[ROOT, vm_config], 1)? == Some(0) {
             return Err(setup(
                 "refused to start (proxy_on_vm_start returned false)".into(),
             ));
         }
         let config = vm.store.data().config.len() as i32;
-        if vm.call(filter, "proxy_on_configure", &[ROOT, config], 1)? == Some(0) {
+        if vm.call(filter, Export::Configure, &[ROOT, config], 1)? == Some(0) {
             return Err(setup(
                 "refused its configuration (proxy_on_configure returned false)".into(),
             ));
@@ -148,7 +193,7 @@ impl Vm {
     pub fn new_context(&mut self, filter: &ProxyWasm) -> Result<u32, PluginError> {
         let id = self.next;
         self.next = self.next.wrapping_add(1).max(ROOT as u32 + 1);
-        self.call(filter, "proxy_on_context_create", &[id as i32, ROOT], 0)?;
+        self.call(filter, Export::ContextCreate, &[id as i32, ROOT], 0)?;
         Ok(id)
     }
 
@@ -163,12 +208,7 @@ impl Vm {
     ) -> (Call, Result<i32, PluginError>) {
         // The pseudo-headers count as fields, as in Envoy.
         let n = call.request_headers.len() as i32 + 4;
-        self.lent(
-            filter,
-            "proxy_on_request_headers",
-            (id, n, end_of_stream),
-            call,
-        )
+        self.lent(filter, Export::RequestHeaders, (id, n, end_of_stream), call)
     }
 
     /// `proxy_on_response_headers`, likewise.
@@ -181,7 +221,7 @@ impl Vm {
     ) -> (Call, Result<i32, PluginError>) {
         let n = call.response_headers.len() as i32 + 1;
         let args = (id, n, end_of_stream);
-        self.lent(filter, "proxy_on_response_headers", args, call)
+        self.lent(filter, Export::ResponseHeaders, args, call)
     }
 
     /// `proxy_on_request_body` or `proxy_on_response_body` (`response`)
@@ -195,8 +235,8 @@ impl Vm {
         (response, end_of_stream): (bool, bool),
     ) -> (Call, Result<i32, PluginError>) {
         let (name, body) = match response {
-            false => ("proxy_on_request_body", &call.request_body),
-            true => ("proxy_on_response_body", &call.response_body),
+            false => (Export::RequestBody, &call.request_body),
+            true => (Export::ResponseBody, &call.response_body),
         };
         let n = body.as_ref().map_or(0, |b| b.len() as i32);
         self.lent(filter, name, (id, n, end_of_stream), call)
@@ -205,7 +245,7 @@ impl Vm {
     fn lent(
         &mut self,
         filter: &ProxyWasm,
-        name: &'static str,
+        name: Export,
         (id, size, end_of_stream): (u32, i32, bool),
         call: Call,
     ) -> (Call, Result<i32, PluginError>) {
@@ -234,7 +274,7 @@ impl Vm {
             .map_or((0, 0), |(h, b)| (h.len() as i32, b.len() as i32));
         self.store.data_mut().call = call;
         let args = [ROOT, token as i32, headers, body, 0];
-        let result = self.call(filter, "proxy_on_http_call_response", &args, 0);
+        let result = self.call(filter, Export::HttpCallResponse, &args, 0);
         let call = std::mem::take(&mut self.store.data_mut().call);
         (call, result.map(|_| ()))
     }
@@ -246,12 +286,12 @@ impl Vm {
 
     /// `proxy_on_tick` on the root context.
     pub fn tick(&mut self, filter: &ProxyWasm) -> Result<(), PluginError> {
-        self.on_root(filter, "proxy_on_tick", &[ROOT])
+        self.on_root(filter, Export::Tick, &[ROOT])
     }
 
     /// `proxy_on_queue_ready` on the root context for queue `token`.
     pub fn queue_ready(&mut self, filter: &ProxyWasm, token: u32) -> Result<(), PluginError> {
-        self.on_root(filter, "proxy_on_queue_ready", &[ROOT, token as i32])
+        self.on_root(filter, Export::QueueReady, &[ROOT, token as i32])
     }
 
     /// A call on the root context, outside any request; the HTTP calls it
@@ -259,7 +299,7 @@ impl Vm {
     fn on_root(
         &mut self,
         filter: &ProxyWasm,
-        name: &'static str,
+        name: Export,
         args: &[i32],
     ) -> Result<(), PluginError> {
         self.store.data_mut().call = Call::default();
@@ -285,11 +325,7 @@ impl Vm {
     /// `proxy_on_delete`, as Envoy ends a stream.
     pub fn end(&mut self, filter: &ProxyWasm, id: u32) -> Result<(), PluginError> {
         self.waiting.remove(&id);
-        for (name, results) in [
-            ("proxy_on_done", 1),
-            ("proxy_on_log", 0),
-            ("proxy_on_delete", 0),
-        ] {
+        for (name, results) in [(Export::Done, 1), (Export::Log, 0), (Export::Delete, 0)] {
             if self.export(name).is_some() {
                 self.call(filter, name, &[id as i32], results)?;
             }
@@ -297,24 +333,21 @@ impl Vm {
         Ok(())
     }
 
-    fn params(&mut self, name: &'static str) -> Option<usize> {
+    fn params(&mut self, name: Export) -> Option<usize> {
         self.export(name).map(|(_, n)| n)
     }
 
     /// Export `name` and its parameter count, if the module has it.
-    fn export(&mut self, name: &'static str) -> Option<(Typed, usize)> {
-        // A dozen names, all literals: a scan beats hashing each.
-        let known = self
-            .exports
-            .iter()
-            .find(|(n, _)| std::ptr::eq(*n, name) || *n == name);
-        if let Some((_, found)) = known {
-            return found.clone();
+    fn export(&mut self, name: Export) -> Option<(&Typed, usize)> {
+        let slot = &mut self.exports[name as usize];
+        if slot.is_none() {
+            let found = self.instance.get_func(&mut self.store, name.name());
+            *slot =
+                Some(found.map(|f| (Typed::of(f, &self.store), f.ty(&self.store).params().len())));
         }
-        let found = self.instance.get_func(&mut self.store, name);
-        let found = found.map(|f| (Typed::of(f, &self.store), f.ty(&self.store).params().len()));
-        self.exports.push((name, found.clone()));
-        found
+        slot.as_ref()
+            .and_then(|found| found.as_ref())
+            .map(|(f, n)| (f, *n))
     }
 
     /// Calls export `name` with `args` under a fresh deadline; its one
@@ -322,15 +355,18 @@ impl Vm {
     fn call(
         &mut self,
         filter: &ProxyWasm,
-        name: &'static str,
+        name: Export,
         args: &[i32],
         results: usize,
     ) -> Result<Option<i32>, PluginError> {
-        let Some((f, _)) = self.export(name) else {
+        if self.export(name).is_none() {
             return Err(PluginError::Setup {
                 plugin: filter.name.clone(),
-                message: format!("the module does not export {name}"),
+                message: format!("the module does not export {}", name.name()),
             });
+        }
+        let Some(Some((f, _))) = &self.exports[name as usize] else {
+            unreachable!("found above")
         };
         arm(&mut self.store);
         match f.call(&mut self.store, args) {
