@@ -355,11 +355,7 @@ routes: [{{ name: counted, match: {{ path_prefix: /c }}, upstream: app, plugins:
         ])
         .await;
     // The ticks go on, counted in shared data, which requests read.
-    let ticks = |text: &str| -> u64 {
-        let line = r#"portcullis_plugin_counter_total{plugin="counter",name="ticks"} "#;
-        let at = text.lines().find_map(|l| l.strip_prefix(line));
-        at.map_or(0, |n| n.parse().unwrap())
-    };
+    let ticks = |text: &str| plugin_counter(text, "counter", "ticks");
     let first = ticks(&proxy.metrics_showing(&[]).await);
     let deadline = Instant::now() + Duration::from_secs(10);
     // Two ticks on: the first of them has added to shared data by then.
@@ -377,6 +373,14 @@ routes: [{{ name: counted, match: {{ path_prefix: /c }}, upstream: app, plugins:
         shared > first,
         "{shared} ticks in shared data, {first} counted before"
     );
+}
+
+/// Plugin `plugin`'s counter `name` in the `/metrics` text `text` (0
+/// while it is not there).
+pub(super) fn plugin_counter(text: &str, plugin: &str, name: &str) -> u64 {
+    let prefix = format!(r#"portcullis_plugin_counter_total{{plugin="{plugin}",name="{name}"}} "#);
+    let at = text.lines().find_map(|l| l.strip_prefix(&prefix));
+    at.map_or(0, |n| n.parse().unwrap())
 }
 
 /// A filter importing a call that is in neither the proxy-wasm ABI nor

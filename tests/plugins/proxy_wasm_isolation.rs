@@ -91,15 +91,8 @@ routes: [{{ name: closed, match: {{ path: /closed }}, upstream: app, plugins: [{
         let a = misbehave(&mut conn, proxy.url("/closed"), Some("trap")).await;
         assert_eq!(a.status, 500, "{:?}", a.body);
     }
-    let counter =
-        |name: &str| format!(r#"portcullis_plugin_counter_total{{plugin="bad",name="{name}"}} "#);
     let text = proxy.metrics_showing(&[]).await;
-    let value = |name: &str| -> u64 {
-        let prefix = counter(name);
-        text.lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .map_or(0, |n| n.parse().unwrap())
-    };
+    let value = |name: &str| super::proxy_wasm::plugin_counter(&text, "bad", name);
     let (restarts, refused) = (value("vm_restarts"), value("vm_restarts_refused"));
     assert_eq!(restarts + refused, 15, "{text}");
     // Fifteen requests take far less than a second here: the limit held.
