@@ -15,6 +15,7 @@ use crate::support::upstream::{self, Upstream};
 use crate::support::{Proxy, plugin_file, policy_dir};
 
 mod checks;
+mod contract;
 mod header_rules;
 mod host_limits;
 mod isolation;

@@ -317,8 +317,9 @@ pub(super) async fn assert_api_needs_the_key(url: &str) {
 
 /// Users' plugins are built against the contract of their day: one built
 /// against `portcullis:policy@0.2.0` (before `client-certificate`) loads
-/// on this 0.2.1 host and its host calls (the head, a header through the
-/// linker's shortcut) answer as before.
+/// on this 0.3 host, its host calls (the head, a header through the
+/// linker's shortcut) answer as before, and its `on-response` edits go
+/// out as they did.
 #[tokio::test]
 pub(super) async fn a_plugin_built_against_the_previous_contract_still_runs() {
     let app = upstream::echo("app").await;
@@ -345,4 +346,5 @@ routes: [{{ name: any, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ 
         answer.json()["headers"]["x-contract"],
         "0.2.0 /some/path here"
     );
+    assert_eq!(answer.headers["x-contract"], "0.2.0 200");
 }

@@ -5,7 +5,7 @@
 // `host` is imported from its WIT name; a thrown string is the `err` of a
 // `result`.
 
-import { requestHeader, count } from 'portcullis:policy/host@0.2.1';
+import { requestHeader, count } from 'portcullis:policy/host@0.3.0';
 
 // The route's header, set once per instance by `configure`.
 let header = '';
@@ -62,6 +62,16 @@ export function onRequest(body) {
   };
 }
 
+// The world's other calls; the hooks above and the decisions in onRequest
+// mean the proxy never makes them.
+export function onCallout(outcome) {
+  throw new Error('no callout was made');
+}
+
 export function onResponse(response) {
-  return keep;
+  return { tag: 'forward', val: keep };
+}
+
+export function onResponseBody(response, body) {
+  return { tag: 'forward', val: { headers: keep } };
 }

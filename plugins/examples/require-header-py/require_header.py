@@ -64,5 +64,14 @@ class WitWorld(wit_world.WitWorld):
         body = json.dumps({"error": "missing header"}).encode()
         return types.Decision_Respond(types.LocalResponse(status=403, headers=head, body=body))
 
-    def on_response(self, response: types.ResponseHead) -> types.HeaderEdits:
-        return types.HeaderEdits(remove=[], set=[], add=[])
+    # The world's other calls; the hooks above and the decisions in
+    # on_request mean the proxy never makes them.
+    def on_callout(self, outcome: types.CalloutResult) -> types.Decision:
+        raise AssertionError("no callout was made")
+
+    def on_response(self, response: types.ResponseHead) -> types.ResponseDecision:
+        return types.ResponseDecision_Forward(types.HeaderEdits(remove=[], set=[], add=[]))
+
+    def on_response_body(self, response: types.ResponseHead, body: bytes) -> types.ResponseBodyDecision:
+        keep = types.ResponseEdits(headers=types.HeaderEdits(remove=[], set=[], add=[]), body=None)
+        return types.ResponseBodyDecision_Forward(keep)

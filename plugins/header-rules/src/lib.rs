@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use portcullis_sdk::{
-    Decision, Header, HeaderEdits, Hooks, LocalResponse, Plugin, RequestHead, ResponseHead,
-    RouteInfo, header,
+    Decision, Header, HeaderEdits, Hooks, LocalResponse, Plugin, RequestHead, ResponseDecision,
+    ResponseHead, RouteInfo, header,
 };
 use serde::Deserialize;
 
@@ -154,33 +154,38 @@ impl Plugin for HeaderRules {
         req: &RequestHead,
         _route: &RouteInfo,
         _resp: &ResponseHead,
-    ) -> HeaderEdits {
-        let mut edits = c.response.to_wit();
-        let Some(cors) = &c.cors else {
-            return edits;
-        };
-        // Added, not set: the upstream's own `Vary` (Accept-Encoding, say)
-        // must survive, or caches mix up its variants.
-        if cors.varies_by_origin() {
-            edits.add.push(header("vary", "Origin"));
-        }
-        if let Some(origin) = req.header_str("origin")
-            && let Some(allowed) = cors.allow_origin(&origin)
-        {
-            edits.set.extend(cors.common(allowed));
-            if !cors.expose_headers.is_empty() {
-                edits.set.push(header(
-                    "access-control-expose-headers",
-                    &cors.expose_headers.join(", "),
-                ));
-            }
-        } else if !cors.varies_by_origin() {
-            // A plain `*` does not vary, so it goes on every response, a
-            // cached one included, whoever asked first.
-            edits.set.push(header("access-control-allow-origin", "*"));
-        }
-        edits
+    ) -> ResponseDecision {
+        portcullis_sdk::edit_response(response_edits(c, req))
     }
+}
+
+/// The response's header changes: the configured ones, and CORS's.
+fn response_edits(c: &Config, req: &RequestHead) -> HeaderEdits {
+    let mut edits = c.response.to_wit();
+    let Some(cors) = &c.cors else {
+        return edits;
+    };
+    // Added, not set: the upstream's own `Vary` (Accept-Encoding, say)
+    // must survive, or caches mix up its variants.
+    if cors.varies_by_origin() {
+        edits.add.push(header("vary", "Origin"));
+    }
+    if let Some(origin) = req.header_str("origin")
+        && let Some(allowed) = cors.allow_origin(&origin)
+    {
+        edits.set.extend(cors.common(allowed));
+        if !cors.expose_headers.is_empty() {
+            edits.set.push(header(
+                "access-control-expose-headers",
+                &cors.expose_headers.join(", "),
+            ));
+        }
+    } else if !cors.varies_by_origin() {
+        // A plain `*` does not vary, so it goes on every response, a
+        // cached one included, whoever asked first.
+        edits.set.push(header("access-control-allow-origin", "*"));
+    }
+    edits
 }
 
 portcullis_sdk::plugin!(HeaderRules);

@@ -61,7 +61,8 @@ pub use bindings::portcullis::policy::types::RequestHead as RequestFields;
 /// The fields of a route (what [`RouteInfo`] derefs to).
 pub use bindings::portcullis::policy::types::RouteInfo as RouteFields;
 pub use bindings::portcullis::policy::types::{
-    Certificate, Decision, Forward, Header, HeaderEdits, Hooks, LocalResponse, ResponseHead,
+    Callout, CalloutResponse, CalloutResult, Certificate, Decision, Forward, Header, HeaderEdits,
+    Hooks, LocalResponse, ResponseBodyDecision, ResponseDecision, ResponseEdits, ResponseHead,
 };
 
 use std::cell::OnceCell;
@@ -134,14 +135,42 @@ pub trait Plugin {
         body: Option<&[u8]>,
     ) -> Decision;
 
-    /// Edits the response head (needs [`Hooks::RESPONSE`] in `HOOKS`).
+    /// Decides again with what came of the [`Callout`] the last decision
+    /// made ([`Decision::Callout`]); may call out again. Instances serve
+    /// many requests: read what the decision needs from `request` again
+    /// rather than keep it between the calls.
+    fn on_callout(
+        _config: &Self::Config,
+        _request: &RequestHead,
+        _route: &RouteInfo,
+        _result: CalloutResult,
+    ) -> Decision {
+        respond(500, "plugin made a callout it does not handle")
+    }
+
+    /// Decides on the response head (needs [`Hooks::RESPONSE`] in
+    /// `HOOKS`): edit it ([`edit_response`]), answer instead, or read its
+    /// body first ([`read_response_body`]).
     fn on_response(
         _config: &Self::Config,
         _request: &RequestHead,
         _route: &RouteInfo,
         _response: &ResponseHead,
-    ) -> HeaderEdits {
-        no_edits()
+    ) -> ResponseDecision {
+        edit_response(no_edits())
+    }
+
+    /// Decides on the response with its whole body, after
+    /// [`Plugin::on_response`] asked for it: keep it ([`keep_body`]),
+    /// replace it ([`replace_body`]), edit the head, or answer instead.
+    fn on_response_body(
+        _config: &Self::Config,
+        _request: &RequestHead,
+        _route: &RouteInfo,
+        _response: &ResponseHead,
+        _body: Vec<u8>,
+    ) -> ResponseBodyDecision {
+        keep_body()
     }
 }
 
@@ -222,17 +251,51 @@ pub fn read_body(max: u32) -> Decision {
     Decision::ReadBody(max)
 }
 
+/// Send the response on with these header changes.
+pub fn edit_response(headers: HeaderEdits) -> ResponseDecision {
+    ResponseDecision::Forward(headers)
+}
+
+/// Hold the response until its body is read, up to `max` bytes (at most
+/// 1 MiB; a larger body is answered 500), then decide in
+/// [`Plugin::on_response_body`].
+pub fn read_response_body(max: u32) -> ResponseDecision {
+    ResponseDecision::ReadBody(max)
+}
+
+/// Send the response body as it came.
+pub fn keep_body() -> ResponseBodyDecision {
+    ResponseBodyDecision::Forward(ResponseEdits {
+        headers: no_edits(),
+        body: None,
+    })
+}
+
+/// Send `body` in place of the upstream's (its length set to match).
+pub fn replace_body(body: Vec<u8>) -> ResponseBodyDecision {
+    ResponseBodyDecision::Forward(ResponseEdits {
+        headers: no_edits(),
+        body: Some(body),
+    })
+}
+
 /// Answer with a small JSON error body: `{"error": message}`, which the
 /// proxy gives the shape of its own errors (adding `status`, `route` and
 /// `plugin`) for an error status.
 pub fn respond(status: u16, message: &str) -> Decision {
-    Decision::Respond(LocalResponse {
+    Decision::Respond(error_response(status, message))
+}
+
+/// The answer [`respond`] makes, for [`ResponseDecision::Respond`] and
+/// [`ResponseBodyDecision::Respond`].
+pub fn error_response(status: u16, message: &str) -> LocalResponse {
+    LocalResponse {
         status,
         headers: vec![header("content-type", "application/json")],
         body: serde_json::json!({ "error": message })
             .to_string()
             .into_bytes(),
-    })
+    }
 }
 
 /// Whether `name` can be a header name (an RFC 9110 token), for checking
@@ -325,6 +388,16 @@ impl ResponseHead {
     }
 }
 
+impl CalloutResponse {
+    /// The answer's first value of a header (name in any case).
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| h.value.as_slice())
+    }
+}
+
 impl RouteInfo {
     /// A path parameter.
     pub fn param(&self, name: &str) -> Option<&str> {
@@ -374,7 +447,19 @@ macro_rules! plugin {
                 }
             }
 
-            fn on_response(response: $crate::ResponseHead) -> $crate::HeaderEdits {
+            fn on_callout(outcome: $crate::CalloutResult) -> $crate::Decision {
+                match __PORTCULLIS_CONFIG.get() {
+                    Some(c) => <$plugin as $crate::Plugin>::on_callout(
+                        c,
+                        &$crate::RequestHead::current(),
+                        &$crate::RouteInfo::current(),
+                        outcome,
+                    ),
+                    None => $crate::respond(500, "plugin called before configure"),
+                }
+            }
+
+            fn on_response(response: $crate::ResponseHead) -> $crate::ResponseDecision {
                 match __PORTCULLIS_CONFIG.get() {
                     Some(c) => <$plugin as $crate::Plugin>::on_response(
                         c,
@@ -382,7 +467,23 @@ macro_rules! plugin {
                         &$crate::RouteInfo::current(),
                         &response,
                     ),
-                    None => $crate::no_edits(),
+                    None => $crate::edit_response($crate::no_edits()),
+                }
+            }
+
+            fn on_response_body(
+                response: $crate::ResponseHead,
+                body: Vec<u8>,
+            ) -> $crate::ResponseBodyDecision {
+                match __PORTCULLIS_CONFIG.get() {
+                    Some(c) => <$plugin as $crate::Plugin>::on_response_body(
+                        c,
+                        &$crate::RequestHead::current(),
+                        &$crate::RouteInfo::current(),
+                        &response,
+                        body,
+                    ),
+                    None => $crate::keep_body(),
                 }
             }
         }

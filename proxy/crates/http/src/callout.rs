@@ -42,20 +42,23 @@ pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
             .send(out, &params, c.timeout, None)
             .await
             .map_err(|e| {
-                if let Some(why) = e.upstream_error() {
+                let why = e.upstream_error();
+                if let Some(why) = why {
                     pool.stats.failed(why);
                 }
-                e.to_string()
+                // The pool's own response timeout is the callout's.
+                let timed_out = why == Some(portcullis_obs::metrics::UpstreamError::Timeout);
+                (timed_out, e.to_string())
             })?;
         pool.stats.record(resp.status().as_u16(), asked.elapsed());
         let (parts, body) = resp.into_parts();
         let body = http_body_util::Limited::new(body, MAX_CALLOUT_BODY)
             .collect()
             .await
-            .map_err(|e| format!("reading the answer: {e}"))?
+            .map_err(|e| (false, format!("reading the answer: {e}")))?
             .to_bytes();
         drop(held);
-        Ok::<_, String>(CalloutAnswer::Answered {
+        Ok::<_, (bool, String)>(CalloutAnswer::Answered {
             status: parts.status.as_u16(),
             headers: parts.headers,
             body,
@@ -63,10 +66,7 @@ pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
     };
     match tokio::time::timeout(c.timeout, whole).await {
         Ok(Ok(answer)) => answer,
-        Ok(Err(why)) => CalloutAnswer::Failed {
-            timed_out: false,
-            why,
-        },
+        Ok(Err((timed_out, why))) => CalloutAnswer::Failed { timed_out, why },
         Err(_) => {
             pool.stats
                 .failed(portcullis_obs::metrics::UpstreamError::Timeout);

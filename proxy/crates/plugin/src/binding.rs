@@ -4,19 +4,87 @@
 
 use super::*;
 
+/// A component linked and checked against the contract it was built
+/// for: 0.3, or 0.2 (`contract_v0_2.rs`).
+#[derive(Clone)]
+pub(super) enum Pre {
+    Now(PolicyPre<State>),
+    V0_2(bindings::v0_2::PolicyPre<State>),
+}
+
+impl Pre {
+    fn instance_pre(&self) -> &wasmtime::component::InstancePre<State> {
+        match self {
+            Pre::Now(p) => p.instance_pre(),
+            Pre::V0_2(p) => p.instance_pre(),
+        }
+    }
+}
+
+/// An instance's exports, by contract.
+pub(super) enum Exports {
+    Now(Policy),
+    V0_2(bindings::v0_2::Policy),
+}
+
+impl Exports {
+    pub(super) fn configure(
+        &self,
+        store: &mut Store<State>,
+        config: &str,
+    ) -> wasmtime::Result<Result<(), String>> {
+        match self {
+            Exports::Now(p) => p.call_configure(store, config),
+            Exports::V0_2(p) => p.call_configure(store, config),
+        }
+    }
+
+    pub(super) fn validate_config(
+        &self,
+        store: &mut Store<State>,
+        config: &str,
+    ) -> wasmtime::Result<Result<(), String>> {
+        match self {
+            Exports::Now(p) => p.call_validate_config(store, config),
+            Exports::V0_2(p) => p.call_validate_config(store, config),
+        }
+    }
+
+    /// Whether it wants requests, and responses.
+    pub(super) fn hooks(&self, store: &mut Store<State>) -> wasmtime::Result<(bool, bool)> {
+        use bindings::v0_2::Hooks as Old;
+        Ok(match self {
+            Exports::Now(p) => {
+                let h = p.call_hooks(store)?;
+                (
+                    h.contains(WitHooks::REQUEST),
+                    h.contains(WitHooks::RESPONSE),
+                )
+            }
+            Exports::V0_2(p) => {
+                let h = p.call_hooks(store)?;
+                (h.contains(Old::REQUEST), h.contains(Old::RESPONSE))
+            }
+        })
+    }
+}
+
 /// One live plugin instance, kept boxed: checked out and back in on every
 /// call, it moves as a pointer rather than as ~100 bytes copied by
 /// `memcpy` three times a call.
 pub(super) struct Instance {
     pub(super) store: Store<State>,
-    pub(super) policy: Policy,
+    pub(super) policy: Exports,
     /// The `on-request` export, type-checked at instantiation as
-    /// [`OnRequest`].
+    /// [`OnRequest`] of its contract's `decision`.
     pub(super) on_request: Func,
 }
 
 /// `on-request`, its result lifted through [`lift`]'s shortcut.
-pub(super) type OnRequest<'a> = TypedFunc<(Option<&'a [u8]>,), (Lifted,)>;
+pub(super) type OnRequest<'a, D> = TypedFunc<(Option<&'a [u8]>,), (Lifted<D>,)>;
+
+/// What a call is lent of the response: its head and headers.
+pub(super) type ResponseParts<'a> = (ResponseHead, &'a mut http::HeaderMap);
 
 /// A plugin attached with one config: instantiates on demand, keeps idle
 /// instances, and applies the deadline and memory cap to every call.
@@ -27,7 +95,7 @@ pub struct Binding {
     pub fail: FailMode,
     /// Which calls the plugin wants.
     pub(super) hooks: crate::seam::Hooks,
-    pub(super) pre: PolicyPre<State>,
+    pub(super) pre: Pre,
     pub(super) engine: Engine,
     pub(super) config_json: String,
     pub(super) timeout: Duration,
@@ -106,13 +174,34 @@ impl Binding {
             .instance_pre()
             .instantiate(&mut store)
             .map_err(|e| setup(format!("{e:#}")))?;
-        let policy = Policy::new(&mut store, &instance).map_err(|e| setup(format!("{e:#}")))?;
-        let on_request = *instance
-            .get_typed_func::<(Option<&[u8]>,), (Lifted,)>(&mut store, "on-request")
-            .map_err(|e| setup(format!("{e:#}")))?
-            .func();
+        let (policy, on_request) = match &self.pre {
+            Pre::Now(_) => (
+                Exports::Now(
+                    Policy::new(&mut store, &instance).map_err(|e| setup(format!("{e:#}")))?,
+                ),
+                instance
+                    .get_typed_func::<(Option<&[u8]>,), (Lifted<Decision>,)>(
+                        &mut store,
+                        "on-request",
+                    )
+                    .map(|f| *f.func()),
+            ),
+            Pre::V0_2(_) => (
+                Exports::V0_2(
+                    bindings::v0_2::Policy::new(&mut store, &instance)
+                        .map_err(|e| setup(format!("{e:#}")))?,
+                ),
+                instance
+                    .get_typed_func::<(Option<&[u8]>,), (Lifted<bindings::v0_2::Decision>,)>(
+                        &mut store,
+                        "on-request",
+                    )
+                    .map(|f| *f.func()),
+            ),
+        };
+        let on_request = on_request.map_err(|e| setup(format!("{e:#}")))?;
         Self::arm(&mut store);
-        let configured = policy.call_configure(&mut store, &self.config_json);
+        let configured = policy.configure(&mut store, &self.config_json);
         store.data_mut().limits.serving = true;
         match configured {
             Ok(Ok(())) => Ok(Box::new(Instance {
@@ -155,70 +244,125 @@ impl Binding {
         }
     }
 
-    /// Calls `on-request`. The request's facts and headers are lent to the
-    /// instance for the call (moved in and back, not copied); the plugin
-    /// reads through host calls only what it needs, and the request head
-    /// and route records are built only if it asks, so a header-only check
-    /// pays for one header. A failed instance is dropped, not reused.
+    /// Runs `call` on an instance lent the request's facts and headers
+    /// (moved in and back, not copied), and the response's headers when
+    /// given: the plugin reads through host calls only what it needs, and
+    /// the request head and route records are built only if it asks, so a
+    /// header-only check pays for one header. A failed instance is
+    /// dropped, not reused.
+    fn lent<R>(
+        &self,
+        req: &mut Option<RequestFacts>,
+        headers: &mut http::HeaderMap,
+        mut response: Option<&mut http::HeaderMap>,
+        call: impl FnOnce(&mut Instance) -> wasmtime::Result<R>,
+    ) -> Result<R, PluginError> {
+        let mut inst = self.checkout()?;
+        Self::arm(&mut inst.store);
+        // Header maps are swapped in and back (between calls the store
+        // holds empty ones; a swap neither makes nor drops one). The
+        // facts are moved: a swap of their ~250 bytes went word by word
+        // in a loop, where a move is one copy and leaves a `None` to drop.
+        let data = inst.store.data_mut();
+        data.request = req.take();
+        std::mem::swap(&mut data.request_headers, headers);
+        if let Some(r) = response.as_deref_mut() {
+            std::mem::swap(&mut data.response_headers, r);
+        }
+        let result = call(&mut inst);
+        let data = inst.store.data_mut();
+        std::mem::swap(&mut data.request_headers, headers);
+        if let Some(r) = response {
+            std::mem::swap(&mut data.response_headers, r);
+        }
+        *req = data.request.take();
+        match result {
+            Ok(r) => {
+                self.checkin(inst);
+                Ok(r)
+            }
+            Err(e) => Err(self.classify(e, &inst.store)),
+        }
+    }
+
+    /// Calls `on-request`.
     pub(super) fn call_on_request(
         &self,
         req: &mut Option<RequestFacts>,
         headers: &mut http::HeaderMap,
         body: Option<&[u8]>,
     ) -> Result<Decision, PluginError> {
-        let mut inst = self.checkout()?;
-        Self::arm(&mut inst.store);
-        // The header map is swapped in and back (between calls the store
-        // holds an empty one; a swap neither makes nor drops one). The
-        // facts are moved: a swap of their ~250 bytes went word by word
-        // in a loop, where a move is one copy and leaves a `None` to drop.
-        let data = inst.store.data_mut();
-        data.request = req.take();
-        std::mem::swap(&mut data.request_headers, headers);
-        // SAFETY: `on_request` was type-checked as `OnRequest` when the
-        // instance was made.
-        let on_request = unsafe { OnRequest::new_unchecked(inst.on_request) };
-        let result = on_request
-            .call(&mut inst.store, (body,))
-            .map(|(Lifted(decision),)| decision);
-        let data = inst.store.data_mut();
-        std::mem::swap(&mut data.request_headers, headers);
-        *req = data.request.take();
-        match result {
-            Ok(d) => {
-                self.checkin(inst);
-                Ok(d)
+        self.lent(req, headers, None, |inst| match inst.policy {
+            Exports::Now(_) => {
+                // SAFETY: `on_request` was type-checked as this
+                // `OnRequest` when the instance was made.
+                let f = unsafe { OnRequest::<Decision>::new_unchecked(inst.on_request) };
+                f.call(&mut inst.store, (body,)).map(|(Lifted(d),)| d)
             }
-            Err(e) => Err(self.classify(e, &inst.store)),
-        }
+            Exports::V0_2(_) => {
+                // SAFETY: as above, with 0.2's `decision`.
+                let f = unsafe {
+                    OnRequest::<bindings::v0_2::Decision>::new_unchecked(inst.on_request)
+                };
+                let (Lifted(d),) = f.call(&mut inst.store, (body,))?;
+                Ok(crate::contract_v0_2::decision(d))
+            }
+        })
     }
 
-    /// Calls `on-response`, lending the request (facts, headers) and the
-    /// response's headers to the instance for the call.
+    /// Calls `on-callout` with what came of the plugin's callout.
+    pub(super) fn call_on_callout(
+        &self,
+        req: &mut Option<RequestFacts>,
+        headers: &mut http::HeaderMap,
+        result: CalloutResult,
+    ) -> Result<Decision, PluginError> {
+        self.lent(req, headers, None, |inst| match &inst.policy {
+            Exports::Now(p) => p.call_on_callout(&mut inst.store, &result),
+            Exports::V0_2(_) => Err(never_asked("on-callout")),
+        })
+    }
+
+    /// Calls `on-response`, lending the request and the response's headers.
     pub(super) fn call_on_response(
         &self,
         req: &mut Option<RequestFacts>,
         req_headers: &mut http::HeaderMap,
-        resp: ResponseHead,
-        resp_headers: &mut http::HeaderMap,
-    ) -> Result<HeaderEdits, PluginError> {
-        let mut inst = self.checkout()?;
-        Self::arm(&mut inst.store);
-        let data = inst.store.data_mut();
-        data.request = req.take();
-        std::mem::swap(&mut data.request_headers, req_headers);
-        std::mem::swap(&mut data.response_headers, resp_headers);
-        let result = inst.policy.call_on_response(&mut inst.store, resp);
-        let data = inst.store.data_mut();
-        std::mem::swap(&mut data.request_headers, req_headers);
-        std::mem::swap(&mut data.response_headers, resp_headers);
-        *req = data.request.take();
-        match result {
-            Ok(edits) => {
-                self.checkin(inst);
-                Ok(edits)
+        (head, headers): ResponseParts<'_>,
+    ) -> Result<ResponseDecision, PluginError> {
+        self.lent(req, req_headers, Some(headers), |inst| match &inst.policy {
+            Exports::Now(p) => p.call_on_response(&mut inst.store, head),
+            Exports::V0_2(p) => {
+                let head = bindings::v0_2::ResponseHead {
+                    status: head.status,
+                };
+                let edits = p.call_on_response(&mut inst.store, head)?;
+                Ok(ResponseDecision::Forward(crate::contract_v0_2::edits(
+                    edits,
+                )))
             }
-            Err(e) => Err(self.classify(e, &inst.store)),
-        }
+        })
     }
+
+    /// Calls `on-response-body` with the whole body, lending as
+    /// `on-response` does.
+    pub(super) fn call_on_response_body(
+        &self,
+        req: &mut Option<RequestFacts>,
+        req_headers: &mut http::HeaderMap,
+        (head, headers): ResponseParts<'_>,
+        body: &[u8],
+    ) -> Result<ResponseBodyDecision, PluginError> {
+        self.lent(req, req_headers, Some(headers), |inst| match &inst.policy {
+            Exports::Now(p) => p.call_on_response_body(&mut inst.store, head, body),
+            Exports::V0_2(_) => Err(never_asked("on-response-body")),
+        })
+    }
+}
+
+/// A call the driver makes only after a decision 0.2 cannot give.
+fn never_asked(call: &str) -> wasmtime::Error {
+    wasmtime::Error::msg(format!(
+        "{call} called on a 0.2 component, which never asks for it"
+    ))
 }

@@ -173,22 +173,19 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                 Err(e) => return Err(at(e.to_string())),
             };
             Binding::arm(&mut inst.store);
-            match inst
-                .policy
-                .call_validate_config(&mut inst.store, &u.config_json)
-            {
+            match inst.policy.validate_config(&mut inst.store, &u.config_json) {
                 Ok(Ok(())) => {}
                 Ok(Err(m)) => return Err(at(format!("invalid config: {m}"))),
                 Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
             }
             Binding::arm(&mut inst.store);
-            let hooks = match inst.policy.call_hooks(&mut inst.store) {
+            let (request, response) = match inst.policy.hooks(&mut inst.store) {
                 Ok(h) => h,
                 Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
             };
             binding.hooks = seam::Hooks {
-                request: hooks.contains(WitHooks::REQUEST),
-                response: hooks.contains(WitHooks::RESPONSE),
+                request,
+                response,
                 // `on-response` is the upstream's response's, by contract.
                 local_answers: false,
                 response_body: false,
@@ -231,7 +228,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
 /// A plugin module compiled: a component, or a proxy-wasm filter.
 #[derive(Clone)]
 enum Kind {
-    Component(PolicyPre<State>),
+    Component(Pre),
     Filter(wasmtime::Module),
 }
 
@@ -260,12 +257,19 @@ fn compile(host: &PluginHost, m: &PluginModule) -> Result<Kind, String> {
         .linker
         .instantiate_pre(&c)
         .map_err(|e| format!("{} cannot be linked: {e:#}", m.path.display()))?;
-    PolicyPre::new(pre).map(Kind::Component).map_err(|e| {
-        format!(
-            "{} does not export the portcullis:policy world: {e:#}",
-            m.path.display()
-        )
-    })
+    // The contract first; a component built against 0.2 has no
+    // `on-callout` and fails that check, then passes 0.2's.
+    let now = match PolicyPre::new(pre.clone()) {
+        Ok(p) => return Ok(Kind::Component(Pre::Now(p))),
+        Err(e) => e,
+    };
+    if let Ok(p) = bindings::v0_2::PolicyPre::new(pre) {
+        return Ok(Kind::Component(Pre::V0_2(p)));
+    }
+    Err(format!(
+        "{} does not export the portcullis:policy world (0.3, or 0.2): {now:#}",
+        m.path.display()
+    ))
 }
 
 /// A filter's configuration bytes from the use's `config`: a string as

@@ -23,8 +23,12 @@ use wasmtime::component::{ComponentType, Lift, Linker, LinkerInstance, Lower};
 
 use super::state::State;
 
-/// The interface both calls live in, as the bindings name it.
-const HOST: &str = "portcullis:policy/host@0.2.1";
+/// The interfaces both calls live in, as the bindings name them: the
+/// contract's and 0.2's.
+const HOSTS: [&str; 2] = [
+    "portcullis:policy/host@0.3.0",
+    "portcullis:policy/host@0.2.1",
+];
 
 /// Names up to this long (all the usual ones) are lifted onto the stack.
 const INLINE: usize = 64;
@@ -33,9 +37,11 @@ const INLINE: usize = 64;
 /// `linker` (which must already hold them) with the versions here.
 pub fn add_to_linker(linker: &mut Linker<State>) -> wasmtime::Result<()> {
     linker.allow_shadowing(true);
-    let mut host = linker.instance(HOST)?;
-    define(&mut host, "request-header", |s| &s.request_headers)?;
-    define(&mut host, "response-header", |s| &s.response_headers)?;
+    for name in HOSTS {
+        let mut host = linker.instance(name)?;
+        define(&mut host, "request-header", |s| &s.request_headers)?;
+        define(&mut host, "response-header", |s| &s.response_headers)?;
+    }
     linker.allow_shadowing(false);
     Ok(())
 }

@@ -175,6 +175,7 @@ impl PluginHost {
         let mut linker = Linker::new(&engine);
         wasi::add_to_linker(&mut linker)?;
         Policy::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?;
+        bindings::v0_2::Policy::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?;
         header_call::add_to_linker(&mut linker)?;
         let ticker = engine.weak();
         std::thread::Builder::new()

@@ -22,6 +22,7 @@
 //! routes' chains, `facts.rs` what a plugin is told.
 
 mod bindings;
+mod contract_v0_2;
 mod cpu_deadline;
 mod disk_cache;
 mod file_kind;
@@ -41,7 +42,8 @@ use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Stor
 
 use bindings::Hooks as WitHooks;
 pub use bindings::{
-    Decision, Forward, Header, HeaderEdits, LocalResponse, RequestHead, ResponseHead, RouteInfo,
+    CalloutResult, Decision, Forward, Header, HeaderEdits, LocalResponse, RequestHead,
+    ResponseBodyDecision, ResponseDecision, ResponseHead, RouteInfo,
 };
 use bindings::{Policy, PolicyPre};
 use lift::Lifted;

@@ -10,15 +10,49 @@
 //! change" and checks what the full lift would check of them (the empty
 //! lists' pointers aligned and inside memory). Any other answer, or one
 //! that fails those checks, takes the full lift, which also makes the
-//! error for a malformed one.
+//! error for a malformed one. Both contracts' `decision` (0.3, and 0.2
+//! without `callout`) lay `forward` out alike; only their sizes differ.
 
 use wasmtime::component::__internal::{CanonicalAbiInfo, InstanceType, InterfaceType, LiftContext};
 use wasmtime::component::{ComponentType, Lift};
 
-use super::bindings::{Decision, Forward, HeaderEdits};
+use super::bindings::{self, v0_2};
+
+/// A `decision` of either contract, and its `forward` with nothing in it.
+pub trait DecisionType: ComponentType + Lift {
+    fn unchanged() -> Self;
+}
+
+impl DecisionType for bindings::Decision {
+    fn unchanged() -> Self {
+        bindings::Decision::Forward(bindings::Forward {
+            headers: bindings::HeaderEdits {
+                remove: Vec::new(),
+                set: Vec::new(),
+                add: Vec::new(),
+            },
+            path: None,
+            upstream: None,
+        })
+    }
+}
+
+impl DecisionType for v0_2::Decision {
+    fn unchanged() -> Self {
+        v0_2::Decision::Forward(v0_2::portcullis::policy::types::Forward {
+            headers: v0_2::HeaderEdits {
+                remove: Vec::new(),
+                set: Vec::new(),
+                add: Vec::new(),
+            },
+            path: None,
+            upstream: None,
+        })
+    }
+}
 
 /// A lifted `decision`.
-pub struct Lifted(pub Decision);
+pub struct Lifted<D>(pub D);
 
 // The canonical ABI layout (32-bit) the shortcut reads: the variant's case
 // in byte 0 and its payload at 4; `forward` is `header-edits` (three lists
@@ -33,25 +67,32 @@ const UPSTREAM_CASE: usize = 40;
 const LIST_ALIGN: u32 = 4;
 // The layout above, checked against wasmtime's own at compile time.
 const _: () = {
-    assert!(<Decision as ComponentType>::SIZE32 == 52);
-    assert!(<Forward as ComponentType>::SIZE32 == 48);
-    assert!(<HeaderEdits as ComponentType>::SIZE32 == 24);
-    assert!(<Decision as ComponentType>::ALIGN32 == 4);
+    use v0_2::portcullis::policy::types as old;
+    assert!(<v0_2::Decision as ComponentType>::SIZE32 == OLD_SIZE);
+    assert!(<old::Forward as ComponentType>::SIZE32 == 48);
+    assert!(<old::HeaderEdits as ComponentType>::SIZE32 == 24);
+    assert!(<v0_2::Decision as ComponentType>::ALIGN32 == 4);
+    assert!(<bindings::Forward as ComponentType>::SIZE32 == 48);
+    assert!(<bindings::HeaderEdits as ComponentType>::SIZE32 == 24);
+    assert!(<bindings::Decision as ComponentType>::ALIGN32 == 4);
 };
+/// The size of 0.2's `decision` (0.3's is larger, for `callout`).
+const OLD_SIZE: usize = 52;
 
 fn word(bytes: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(bytes[at..at + 4].try_into().expect("four bytes"))
 }
 
-/// Whether `bytes` (a `decision`) is `forward` with nothing in it, as the
-/// full lift would accept it.
-fn forward_unchanged(bytes: &[u8], memory_len: usize) -> bool {
+/// Whether `bytes` (a `decision` of `size` bytes) is `forward` with nothing
+/// in it, as the full lift would accept it.
+fn forward_unchanged(bytes: &[u8], size: usize, memory_len: usize) -> bool {
     let pointer_ok = |at: usize| {
         let ptr = word(bytes, at);
         ptr.is_multiple_of(LIST_ALIGN) && ptr as usize <= memory_len
     };
     // Written out rather than looped: this runs on every call.
-    bytes.len() == <Decision as ComponentType>::SIZE32
+    bytes.len() == size
+        && bytes.len() > UPSTREAM_CASE
         && bytes[0] == FORWARD_CASE
         && bytes[PATH_CASE] == 0
         && bytes[UPSTREAM_CASE] == 0
@@ -61,38 +102,26 @@ fn forward_unchanged(bytes: &[u8], memory_len: usize) -> bool {
         && pointer_ok(LIST_PTRS[2])
 }
 
-fn unchanged() -> Decision {
-    Decision::Forward(Forward {
-        headers: HeaderEdits {
-            remove: Vec::new(),
-            set: Vec::new(),
-            add: Vec::new(),
-        },
-        path: None,
-        upstream: None,
-    })
-}
-
-// SAFETY: `Lifted` is `Decision` under another name: the same lowered
-// representation, ABI and type check, so wasmtime's guarantees for
-// `Decision` hold for it.
-unsafe impl ComponentType for Lifted {
-    type Lower = <Decision as ComponentType>::Lower;
-    const ABI: CanonicalAbiInfo = <Decision as ComponentType>::ABI;
+// SAFETY: `Lifted<D>` is `D` under another name: the same lowered
+// representation, ABI and type check, so wasmtime's guarantees for `D`
+// hold for it.
+unsafe impl<D: DecisionType> ComponentType for Lifted<D> {
+    type Lower = D::Lower;
+    const ABI: CanonicalAbiInfo = D::ABI;
 
     fn typecheck(ty: &InterfaceType, types: &InstanceType<'_>) -> wasmtime::Result<()> {
-        <Decision as ComponentType>::typecheck(ty, types)
+        D::typecheck(ty, types)
     }
 }
 
-// SAFETY: as above; every lift either reads only `bytes` or is `Decision`'s.
-unsafe impl Lift for Lifted {
+// SAFETY: as above; every lift either reads only `bytes` or is `D`'s.
+unsafe impl<D: DecisionType> Lift for Lifted<D> {
     fn linear_lift_from_flat(
         cx: &mut LiftContext<'_>,
         ty: InterfaceType,
         src: &Self::Lower,
     ) -> wasmtime::Result<Self> {
-        Decision::linear_lift_from_flat(cx, ty, src).map(Lifted)
+        D::linear_lift_from_flat(cx, ty, src).map(Lifted)
     }
 
     fn linear_lift_from_memory(
@@ -100,10 +129,10 @@ unsafe impl Lift for Lifted {
         ty: InterfaceType,
         bytes: &[u8],
     ) -> wasmtime::Result<Self> {
-        if forward_unchanged(bytes, cx.memory().len()) {
-            return Ok(Lifted(unchanged()));
+        if forward_unchanged(bytes, D::SIZE32, cx.memory().len()) {
+            return Ok(Lifted(D::unchanged()));
         }
-        Decision::linear_lift_from_memory(cx, ty, bytes).map(Lifted)
+        D::linear_lift_from_memory(cx, ty, bytes).map(Lifted)
     }
 }
 
@@ -113,8 +142,8 @@ mod tests {
 
     /// A `forward` with nothing in it, as a guest lays it out: empty
     /// lists with dangling (aligned) pointers.
-    fn empty_forward() -> Vec<u8> {
-        let mut bytes = vec![0u8; 52];
+    fn empty_forward(size: usize) -> Vec<u8> {
+        let mut bytes = vec![0u8; size];
         for at in LIST_PTRS {
             bytes[at..at + 4].copy_from_slice(&4u32.to_le_bytes());
         }
@@ -124,29 +153,31 @@ mod tests {
     #[test]
     fn only_an_empty_forward_takes_the_shortcut() {
         let memory = 1 << 16;
-        assert!(forward_unchanged(&empty_forward(), memory));
-        // Any content, another case, or what the full lift would refuse,
-        // goes the long way.
-        for at in LIST_LENS {
-            let mut b = empty_forward();
-            b[at] = 1;
-            assert!(!forward_unchanged(&b, memory), "list length at {at}");
+        let sizes = [OLD_SIZE, <bindings::Decision as ComponentType>::SIZE32];
+        assert!(sizes[1] > sizes[0], "0.3 adds `callout`");
+        for size in sizes {
+            let unchanged = |b: &[u8]| forward_unchanged(b, size, memory);
+            assert!(unchanged(&empty_forward(size)));
+            // Any content, another case, or what the full lift would
+            // refuse, goes the long way.
+            for at in LIST_LENS {
+                let mut b = empty_forward(size);
+                b[at] = 1;
+                assert!(!unchanged(&b), "list length at {at}");
+            }
+            for at in [0, PATH_CASE, UPSTREAM_CASE] {
+                let mut b = empty_forward(size);
+                b[at] = 1;
+                assert!(!unchanged(&b), "case byte at {at}");
+            }
+            for at in LIST_PTRS {
+                let mut b = empty_forward(size);
+                b[at] = 5;
+                assert!(!unchanged(&b), "misaligned pointer at {at}");
+                b[at..at + 4].copy_from_slice(&(memory as u32 + 4).to_le_bytes());
+                assert!(!unchanged(&b), "pointer past memory at {at}");
+            }
+            assert!(!unchanged(&empty_forward(size)[..48]));
         }
-        for at in [0, PATH_CASE, UPSTREAM_CASE] {
-            let mut b = empty_forward();
-            b[at] = 1;
-            assert!(!forward_unchanged(&b, memory), "case byte at {at}");
-        }
-        for at in LIST_PTRS {
-            let mut b = empty_forward();
-            b[at] = 5;
-            assert!(!forward_unchanged(&b, memory), "misaligned pointer at {at}");
-            b[at..at + 4].copy_from_slice(&(memory as u32 + 4).to_le_bytes());
-            assert!(
-                !forward_unchanged(&b, memory),
-                "pointer past memory at {at}"
-            );
-        }
-        assert!(!forward_unchanged(&empty_forward()[..48], memory));
     }
 }
