@@ -13,7 +13,7 @@ fi
 cargo build --locked --release --target wasm32-wasip2
 mkdir -p dist
 out="$CARGO_TARGET_DIR/wasm32-wasip2/release"
-for crate in webhook-signature header-rules jwt-auth ip-allow basic-auth client-cert-allow canary-route example-require-header fixture-loop-forever fixture-busy fixture-forward fixture-trap fixture-grow-memory fixture-sleep fixture-escape fixture-hoard fixture-contract-0-2-0 fixture-contract-0-3; do
+for crate in webhook-signature header-rules jwt-auth ip-allow basic-auth client-cert-allow canary-route token-introspection example-require-header fixture-loop-forever fixture-busy fixture-forward fixture-trap fixture-grow-memory fixture-sleep fixture-escape fixture-hoard fixture-contract-0-2-0 fixture-contract-0-3; do
   cp "$out/${crate//-/_}.wasm" "dist/$crate.wasm"
 done
 

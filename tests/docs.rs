@@ -285,7 +285,7 @@ fn the_standard_plugins_tables_list_their_config_fields() {
         assert_eq!(documented, fields, "docs/plugins.md's table for {name}");
         plugins += 1;
     }
-    assert_eq!(plugins, 7, "a table per standard plugin");
+    assert_eq!(plugins, 8, "a table per standard plugin");
 }
 
 /// Every field the policy format takes, as the parser itself lists them

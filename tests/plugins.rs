@@ -18,6 +18,7 @@ mod checks;
 mod contract;
 mod header_rules;
 mod host_limits;
+mod introspection;
 mod isolation;
 mod packaging;
 mod proxy_wasm;

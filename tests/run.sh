@@ -21,11 +21,12 @@ if [ "$(cat "$marker" 2>/dev/null)" != "$PWD" ]; then
     cargo clean -p "$crate" >/dev/null 2>&1 || true
   done
   for crate in portcullis-sdk webhook-signature header-rules jwt-auth ip-allow basic-auth client-cert-allow canary-route \
-      example-require-header fixture-loop-forever fixture-busy fixture-forward fixture-trap fixture-grow-memory fixture-sleep fixture-escape fixture-hoard fixture-contract-0-2-0; do
+      token-introspection example-require-header fixture-loop-forever fixture-busy fixture-forward fixture-trap \
+      fixture-grow-memory fixture-sleep fixture-escape fixture-hoard fixture-contract-0-2-0 fixture-contract-0-3; do
     cargo clean --manifest-path plugins/Cargo.toml -p "$crate" >/dev/null 2>&1 || true
     cargo clean --manifest-path plugins/Cargo.toml --target wasm32-wasip2 -p "$crate" >/dev/null 2>&1 || true
   done
-  for crate in proxy-wasm-auth proxy-wasm-body proxy-wasm-headers proxy-wasm-misbehave proxy-wasm-shared; do
+  for crate in proxy-wasm-auth proxy-wasm-body proxy-wasm-headers proxy-wasm-keys proxy-wasm-misbehave proxy-wasm-require proxy-wasm-shared; do
     cargo clean --manifest-path plugins/proxy-wasm/Cargo.toml --target wasm32-wasip1 -p "$crate" >/dev/null 2>&1 || true
   done
   echo "$PWD" > "$marker"
@@ -102,7 +103,7 @@ cargo test --locked --workspace --doc
 # the allocator's, not the bindings).
 cargo test --locked --manifest-path plugins/Cargo.toml --lib \
   -p portcullis-sdk -p webhook-signature -p jwt-auth -p ip-allow -p basic-auth -p canary-route \
-  -p client-cert-allow
+  -p client-cert-allow -p token-introspection
 # The Kubernetes manifests in deploy/: rendered, validated against the
 # schemas, their args and policies checked by the binary just built.
 echo "== deploy"

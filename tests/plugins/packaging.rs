@@ -145,7 +145,7 @@ routes:
     let (ok, _, stderr) = crate::support::check(bad.path());
     assert!(!ok);
     assert!(
-        stderr.contains("no built-in plugin `nope`; the built-in plugins are webhook-signature, header-rules, jwt-auth, ip-allow, basic-auth, client-cert-allow, canary-route"),
+        stderr.contains("no built-in plugin `nope`; the built-in plugins are webhook-signature, header-rules, jwt-auth, ip-allow, basic-auth, client-cert-allow, canary-route, token-introspection"),
         "{stderr}"
     );
 }

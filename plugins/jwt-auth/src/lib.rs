@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use hmac::{Hmac, Mac};
-use portcullis_sdk::{Decision, HeaderEdits, Plugin, RequestHead, RouteInfo, header};
+use portcullis_sdk::{Decision, HeaderEdits, Plugin, RequestHead, RouteInfo, bearer, header};
 use serde::Deserialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -246,18 +246,8 @@ pub fn verify(
     {
         return Err(Refusal::Issuer);
     }
-    if !config.audiences.is_empty() {
-        let ok = match claims.get("aud") {
-            Some(Value::String(a)) => config.audiences.contains(a),
-            Some(Value::Array(list)) => list
-                .iter()
-                .filter_map(Value::as_str)
-                .any(|a| config.audiences.iter().any(|x| x == a)),
-            _ => false,
-        };
-        if !ok {
-            return Err(Refusal::Audience);
-        }
+    if !bearer::audience_ok(claims.get("aud"), &config.audiences) {
+        return Err(Refusal::Audience);
     }
     Ok(claims)
 }
@@ -269,35 +259,6 @@ fn times(claims: &serde_json::Map<String, Value>) -> cache::Verified {
         nbf: claims.get("nbf").and_then(Value::as_u64),
         edits: portcullis_sdk::no_edits(),
     }
-}
-
-/// The header edits for a request let through without a token
-/// (`required: false`): the claim headers go, or a client could name
-/// itself in `X-User` and the upstream would take it as verified.
-fn anonymous_edits(config: &Config) -> HeaderEdits {
-    let mut edits = portcullis_sdk::no_edits();
-    edits.remove = config
-        .claims_to_headers
-        .values()
-        .map(|name| name.to_ascii_lowercase())
-        .collect();
-    edits
-}
-
-/// The header edits a verified token's claims make.
-fn claim_edits(config: &Config, claims: &serde_json::Map<String, Value>) -> HeaderEdits {
-    let mut edits = portcullis_sdk::no_edits();
-    for (claim, name) in &config.claims_to_headers {
-        // Never pass through a client-sent copy of a claim header.
-        edits.remove.push(name.to_ascii_lowercase());
-        let value = match claims.get(claim) {
-            Some(Value::String(s)) => s.clone(),
-            Some(v @ (Value::Number(_) | Value::Bool(_))) => v.to_string(),
-            _ => continue,
-        };
-        edits.set.push(header(name, &value));
-    }
-    edits
 }
 
 /// Verifies `token` once; later requests with the same token are served
@@ -332,7 +293,7 @@ fn verify_and_keep(
     let text = std::str::from_utf8(token).map_err(|_| Refusal::Malformed)?;
     let claims = verify(config, keys(config), text, now)?;
     let verified = cache::Verified {
-        edits: claim_edits(config, &claims),
+        edits: bearer::claim_edits(&config.claims_to_headers, &claims),
         ..times(&claims)
     };
     let edits = verified.edits.clone();
@@ -360,11 +321,11 @@ impl Plugin for JwtAuth {
         _body: Option<&[u8]>,
     ) -> Decision {
         let authorization = req.header("authorization");
-        let Some(token) = authorization.as_deref().and_then(bearer) else {
+        let Some(token) = authorization.as_deref().and_then(bearer::token) else {
             return if c.required {
                 unauthorized("missing bearer token")
             } else {
-                portcullis_sdk::forward_with(anonymous_edits(c))
+                portcullis_sdk::forward_with(bearer::anonymous_edits(&c.claims_to_headers))
             };
         };
         match decide(c, token, portcullis_sdk::now_unix_ms() / 1000) {
@@ -372,17 +333,6 @@ impl Plugin for JwtAuth {
             Err(why) => refused(why),
         }
     }
-}
-
-/// The token of an `Authorization: Bearer` value. The scheme is
-/// case-insensitive (RFC 9110, 11.1); the token stays bytes until a cache
-/// miss needs it as text.
-fn bearer(value: &[u8]) -> Option<&[u8]> {
-    let (scheme, token) = value.split_at_checked(7)?;
-    scheme
-        .eq_ignore_ascii_case(b"bearer ")
-        .then(|| token.trim_ascii())
-        .filter(|t| !t.is_empty())
 }
 
 /// The config's keys, decoded once per instance.
@@ -519,17 +469,6 @@ mod tests {
             decide(&c, b"\xff.\xfe.\xfd", 1000).unwrap_err(),
             Refusal::Malformed
         );
-    }
-
-    #[test]
-    fn the_bearer_scheme_is_case_insensitive_and_needs_a_token() {
-        assert_eq!(bearer(b"Bearer abc"), Some(&b"abc"[..]));
-        assert_eq!(bearer(b"BEARER  abc \t"), Some(&b"abc"[..]));
-        assert_eq!(bearer(b"bearer abc"), Some(&b"abc"[..]));
-        assert_eq!(bearer(b"Bearer "), None);
-        assert_eq!(bearer(b"Bearer"), None);
-        assert_eq!(bearer(b"Basic YWxhZGRpbjpvcGVuc2VzYW1l"), None);
-        assert_eq!(bearer(b"Bearerabc"), None);
     }
 
     #[test]

@@ -21,10 +21,18 @@
 //! portcullis_sdk::plugin!(RequireHeader);
 //! ```
 //!
+//! A plugin that asks another service before it decides returns
+//! [`Decision::Callout`] from `on_request` and decides in
+//! [`Plugin::on_callout`] (the standard `token-introspection` plugin is
+//! one); one that reads or rewrites response bodies returns
+//! [`read_response_body`] from [`Plugin::on_response`] and decides in
+//! [`Plugin::on_response_body`].
+//!
 //! Build with `cargo build --release --target wasm32-wasip2`; the `.wasm`
 //! file is the component a policy names. This example is built and tested
 //! as `plugins/examples/require-header`.
 
+pub mod bearer;
 pub mod recycling;
 
 // The plugin's allocator: see `recycling`. Off with

@@ -16,6 +16,7 @@ const BUILTIN: &[&str] = &[
     "basic-auth",
     "client-cert-allow",
     "canary-route",
+    "token-introspection",
 ];
 
 fn main() {
