@@ -24,7 +24,7 @@ pub fn names() -> String {
 mod tests {
     #[test]
     fn every_standard_plugin_is_built_in_as_a_component() {
-        assert_eq!(super::PLUGINS.len(), 7, "{}", super::names());
+        assert_eq!(super::PLUGINS.len(), 8, "{}", super::names());
         for (name, bytes) in super::PLUGINS {
             // A component's preamble: `\0asm`, then layer 1.
             assert_eq!(&bytes[..4], b"\0asm", "{name}");
