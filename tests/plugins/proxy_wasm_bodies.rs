@@ -215,3 +215,125 @@ pub(super) async fn a_streamed_request_body_filter_behaves_as_in_envoy() {
         assert_eq!(ours, reference, "{len} bytes, {how:?}");
     }
 }
+
+/// An upstream for a gRPC-like exchange over HTTP/2: it answers with the
+/// request trailers it got (`name=value;...`, sorted) as its body and a
+/// `grpc-status: 0` trailer.
+async fn trailers_echo() -> Upstream {
+    upstream::serve(|req: Request<hyper::body::Incoming>| async move {
+        let got = req.into_body().collect().await.unwrap();
+        let mut seen: Vec<String> = got
+            .trailers()
+            .map(|t| {
+                t.iter()
+                    .map(|(k, v)| format!("{k}={}", v.to_str().unwrap()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        seen.sort();
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let frames = [
+            hyper::body::Frame::data(Bytes::from(seen.join(";"))),
+            hyper::body::Frame::trailers(trailers),
+        ];
+        let stream = futures_util::stream::iter(frames.map(Ok::<_, std::io::Error>));
+        Response::new(http_body_util::StreamBody::new(stream).boxed())
+    })
+    .await
+}
+
+/// What a client sees of a gRPC-like call: the HTTP status, the
+/// `grpc-status` and `grpc-message` of the head (a trailers-only answer),
+/// those of the trailers (with the filter's `x-pw-grpc-status`), and the
+/// body.
+#[derive(Debug, PartialEq)]
+struct Called {
+    status: u16,
+    head: (Option<String>, Option<String>),
+    trailers: (Option<String>, Option<String>),
+    body: Bytes,
+}
+
+/// A gRPC-like call through `addr` over HTTP/2 with the request trailer
+/// `trailer` (and `x-remove-me`).
+async fn trailed_call(addr: std::net::SocketAddr, trailer: (&'static str, &'static str)) -> Called {
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert(trailer.0, HeaderValue::from_static(trailer.1));
+    trailers.insert("x-remove-me", HeaderValue::from_static("gone"));
+    let frames = [
+        hyper::body::Frame::data(Bytes::from_static(b"\0\0\0\0\0")),
+        hyper::body::Frame::trailers(trailers),
+    ];
+    let stream = futures_util::stream::iter(frames.map(Ok::<_, std::io::Error>));
+    let req = Request::post(format!("http://{addr}/pkg.Service/Call"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(http_body_util::StreamBody::new(stream).boxed())
+        .unwrap();
+    let resp = client::h2c().request(req).await.expect("response head");
+    let status = resp.status().as_u16();
+    let named = |h: &http::HeaderMap, n: &str| h.get(n).map(|v| v.to_str().unwrap().to_owned());
+    let head = (
+        named(resp.headers(), "grpc-status"),
+        named(resp.headers(), "grpc-message"),
+    );
+    let got = resp.into_body().collect().await.expect("whole response");
+    let t = got.trailers().cloned().unwrap_or_default();
+    Called {
+        status,
+        head,
+        trailers: (named(&t, "grpc-status"), named(&t, "x-pw-grpc-status")),
+        body: got.to_bytes(),
+    }
+}
+
+/// Trailers both ways through a filter that reads and edits them, and
+/// answers on a request trailer; Envoy as the reference.
+#[tokio::test]
+pub(super) async fn a_filter_reads_and_edits_trailers_as_in_envoy() {
+    let app = trailers_echo().await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"], http2: true }}]
+plugins: [{{ name: pw, path: proxy-wasm-headers.wasm }}]
+routes: [{{ name: grpc, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ use: pw, config: t }}] }}]
+"#,
+            app.url()
+        ),
+        &["proxy-wasm-headers"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+
+    // Request trailers reach the upstream as the filter left them (one
+    // removed, one added with the count it was given); the response's
+    // reach the client with the filter's copy of its `grpc-status`.
+    let passed = trailed_call(proxy.addr, ("x-checksum", "abc")).await;
+    assert_eq!(passed.status, 200, "{passed:?}");
+    assert_eq!(&passed.body[..], b"x-checksum=abc;x-pw-trailers=2");
+    let zero = Some("0".to_owned());
+    assert_eq!(passed.trailers, (zero.clone(), zero));
+    // A filter's answer on the trailers stops the request there, and a
+    // gRPC client gets it in gRPC's terms, as from Envoy: 403 is
+    // PERMISSION_DENIED, the body its message.
+    let denied = trailed_call(proxy.addr, ("x-deny", "yes")).await;
+    assert_eq!(denied.status, 200, "{denied:?}");
+    assert_eq!(
+        denied.head,
+        (
+            Some("7".into()),
+            Some("denied by the filter's trailer check%0A".into())
+        )
+    );
+    assert!(denied.body.is_empty());
+
+    let filter = plugin_file("proxy-wasm-headers");
+    let envoy = crate::support::envoy::Envoy::with_filter_h2(&filter, "t", app.addr).await;
+    for trailer in [("x-checksum", "abc"), ("x-deny", "yes")] {
+        let reference = trailed_call(envoy.addr, trailer).await;
+        let ours = trailed_call(proxy.addr, trailer).await;
+        assert_eq!(ours, reference, "{trailer:?}");
+    }
+}

@@ -115,3 +115,55 @@ routes: [{{ name: k, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ us
         }
     }
 }
+
+/// A filter that calls out and goes on (an audit record) sends the call
+/// without the request waiting for it, in Envoy and here: the audit
+/// upstream never answers, and the request is answered all the same.
+#[tokio::test]
+pub(super) async fn a_call_a_filter_does_not_wait_for_is_sent_as_in_envoy() {
+    let app = upstream::echo("app").await;
+    let (sent, mut audited) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let audit = upstream::serve(move |req: Request<hyper::body::Incoming>| {
+        let sent = sent.clone();
+        async move {
+            use http_body_util::BodyExt;
+            let line = format!("{} {}", req.method(), req.uri().path());
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let _ = sent.send(format!("{line} {}", String::from_utf8_lossy(&body)));
+            std::future::pending().await
+        }
+    })
+    .await;
+    let filter = plugin_file("proxy-wasm-headers");
+    let clusters = [("app", app.addr), ("audit", audit.addr)];
+    let envoy = crate::support::envoy::Envoy::with_clusters(&filter, "t", &clusters).await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}, {{ name: audit, endpoints: ["{}"] }}]
+plugins: [{{ name: pw, path: proxy-wasm-headers.wasm }}]
+routes: [{{ name: a, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ use: pw, config: t }}] }}]
+"#,
+            app.url(),
+            audit.url()
+        ),
+        &["proxy-wasm-headers"],
+    );
+    let proxy = Proxy::start_dir(dir, &[]).await;
+    for addr in [envoy.addr, proxy.addr] {
+        let req = Request::get(format!("http://{addr}/orders?id=7"))
+            .header("x-audit", "audit")
+            .body(body(Bytes::new()))
+            .unwrap();
+        let a = client::send(&client::http1(), req).await;
+        assert_eq!(a.status, 200, "{addr}: {:?}", a.body);
+        assert_eq!(a.json()["headers"]["x-pw-audit"], "sent", "{addr}");
+        let got = tokio::time::timeout(Duration::from_secs(10), audited.recv()).await;
+        assert_eq!(
+            got.expect("the audit call arrives").as_deref(),
+            Some("POST /audit /orders?id=7"),
+            "{addr}"
+        );
+    }
+}

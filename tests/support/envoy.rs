@@ -50,6 +50,12 @@ impl Envoy {
         Self::with_clusters(filter, configuration, &[("app", upstream)]).await
     }
 
+    /// [`Envoy::with_filter`] speaking HTTP/2 to the upstream (for
+    /// trailers, which Envoy sends upstream only over HTTP/2).
+    pub async fn with_filter_h2(filter: &Path, configuration: &str, upstream: SocketAddr) -> Envoy {
+        Self::start(filter, configuration, &[("app", upstream)], true).await
+    }
+
     /// [`Envoy::with_filter`] with these clusters (the first is where
     /// requests go), which the filter's HTTP calls may name.
     pub async fn with_clusters(
@@ -57,6 +63,20 @@ impl Envoy {
         configuration: &str,
         clusters: &[(&str, SocketAddr)],
     ) -> Envoy {
+        Self::start(filter, configuration, clusters, false).await
+    }
+
+    async fn start(
+        filter: &Path,
+        configuration: &str,
+        clusters: &[(&str, SocketAddr)],
+        http2: bool,
+    ) -> Envoy {
+        let protocol = if http2 {
+            r#", typed_extension_protocol_options: { envoy.extensions.upstreams.http.v3.HttpProtocolOptions: { "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions, explicit_http_config: { http2_protocol_options: {} } } }"#
+        } else {
+            ""
+        };
         let dir = tempfile::tempdir().expect("tempdir");
         let config = format!(
             r#"
@@ -95,7 +115,7 @@ static_resources:
             clusters = clusters
                 .iter()
                 .map(|(name, addr)| format!(
-                    "  - {{ name: {name}, connect_timeout: 2s, type: STATIC, load_assignment: {{ cluster_name: {name}, endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }} }}] }}] }} }}\n",
+                    "  - {{ name: {name}, connect_timeout: 2s, type: STATIC, load_assignment: {{ cluster_name: {name}, endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }} }}] }}] }}{protocol} }}\n",
                     addr.port()
                 ))
                 .collect::<String>(),

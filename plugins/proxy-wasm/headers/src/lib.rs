@@ -2,7 +2,13 @@
 //! `x-deny` with its own 403, otherwise tags the request with its
 //! configuration and the path it saw, drops `x-remove-me`, and tags the
 //! response with the status it saw. Its VM configuration and root id,
-//! when set, tag the request too (`x-pw-vm`, `x-pw-root`).
+//! when set, tag the request too (`x-pw-vm`, `x-pw-root`). On trailers
+//! (a gRPC call's, say) it does the same: a request trailer `x-deny`
+//! is refused with 403; otherwise `x-remove-me` goes and `x-pw-trailers`
+//! counts the fields it was given; a response's trailers get
+//! `x-pw-grpc-status` with their `grpc-status`. With `x-audit: CLUSTER`
+//! it posts the path it saw to `/audit` on that cluster and goes on
+//! without waiting for the answer.
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
@@ -92,6 +98,20 @@ impl HttpContext for Filter {
             self.set_http_request_header("x-pw-root", Some(&self.root));
         }
         self.set_http_request_header("x-pw-saw", Some(&format!("{method} {path}")));
+        if let Some(cluster) = self.get_http_request_header("x-audit") {
+            let headers = vec![
+                (":method", "POST"),
+                (":path", "/audit"),
+                (":authority", "audit"),
+            ];
+            let timeout = std::time::Duration::from_secs(5);
+            let sent =
+                self.dispatch_http_call(&cluster, headers, Some(path.as_bytes()), vec![], timeout);
+            self.set_http_request_header(
+                "x-pw-audit",
+                Some(if sent.is_ok() { "sent" } else { "refused" }),
+            );
+        }
         self.set_http_request_header("x-remove-me", None);
         self.add_http_request_header("x-pw-added", "one");
         self.add_http_request_header("x-pw-added", "two");
@@ -103,6 +123,24 @@ impl HttpContext for Filter {
         self.set_http_response_header("x-pw-status", Some(&status));
         let count = self.get_http_response_headers().len();
         self.set_http_response_header("x-pw-response-fields", Some(&count.to_string()));
+        Action::Continue
+    }
+
+    fn on_http_request_trailers(&mut self, trailers: usize) -> Action {
+        if self.get_http_request_trailer("x-deny").is_some() {
+            self.send_http_response(403, vec![], Some(b"denied by the filter's trailer check\n"));
+            return Action::Pause;
+        }
+        self.set_http_request_trailer("x-remove-me", None);
+        self.add_http_request_trailer("x-pw-trailers", &trailers.to_string());
+        Action::Continue
+    }
+
+    fn on_http_response_trailers(&mut self, _trailers: usize) -> Action {
+        let status = self
+            .get_http_response_trailer("grpc-status")
+            .unwrap_or_default();
+        self.set_http_response_trailer("x-pw-grpc-status", Some(&status));
         Action::Continue
     }
 }

@@ -116,7 +116,7 @@ pub fn json_error(
     let mut resp = json_response(status, &body);
     // A gRPC client gets it in gRPC's terms (see `grpc_local`).
     resp.extensions_mut()
-        .insert(crate::grpc_local::LocalError(message.into()));
+        .insert(crate::grpc_local::LocalError(message.into(), None));
     resp
 }
 

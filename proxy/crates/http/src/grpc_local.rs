@@ -6,18 +6,21 @@
 //! given this, it reports UNAVAILABLE with "upstream unreachable", the
 //! same words the access log and a JSON client get.
 //!
-//! Only answers the proxy makes itself change (marked [`LocalError`]);
-//! an upstream's or a plugin's own answers pass as they are. The access
-//! log and metrics keep the HTTP status the proxy chose.
+//! Only answers the proxy makes itself change (marked [`LocalError`]),
+//! and a proxy-wasm filter's, as Envoy converts a filter's local reply
+//! ([`portcullis_plugin::GrpcReply`]); an upstream's or a component's own
+//! answers pass as they are. The access log and metrics keep the HTTP
+//! status the proxy chose.
 
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Response, StatusCode};
 
 use crate::body::Body;
 
-/// Marks a response the proxy made for an error, with its message.
+/// Marks a response the proxy made for an error, with its message, and
+/// the gRPC status it gets (none: the HTTP status's mapping).
 #[derive(Debug, Clone)]
-pub struct LocalError(pub Box<str>);
+pub struct LocalError(pub Box<str>, pub Option<u16>);
 
 /// Whether a request is gRPC (or gRPC-Web): a POST whose content type is
 /// `application/grpc…`. The method is looked at first, so requests that
@@ -33,10 +36,10 @@ pub fn is_grpc(method: &Method, headers: &HeaderMap) -> bool {
 /// error, then trailers-only with the status gRPC gives that HTTP status
 /// (Envoy's and gRPC's own mapping).
 pub fn answer(resp: Response<Body>, content_type: Option<HeaderValue>) -> Response<Body> {
-    let Some(LocalError(message)) = resp.extensions().get::<LocalError>().cloned() else {
+    let Some(LocalError(message, code)) = resp.extensions().get::<LocalError>().cloned() else {
         return resp;
     };
-    let code = grpc_code(resp.status());
+    let code = code.unwrap_or_else(|| grpc_code(resp.status()));
     let (mut parts, _) = resp.into_parts();
     parts.status = StatusCode::OK;
     parts.headers.remove(header::CONTENT_LENGTH);
@@ -98,7 +101,7 @@ mod tests {
             .insert("retry-after", HeaderValue::from(1));
         local
             .extensions_mut()
-            .insert(LocalError("upstream overloaded".into()));
+            .insert(LocalError("upstream overloaded".into(), None));
         let grpc = answer(
             local,
             Some(HeaderValue::from_static("application/grpc+proto")),

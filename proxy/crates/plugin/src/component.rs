@@ -207,6 +207,7 @@ impl Binding {
             headers,
             body: local.body.into(),
             error_shape: true,
+            grpc: seam::GrpcReply::AsMade,
         }
     }
 }

@@ -34,10 +34,12 @@ pub struct Hooks {
     /// [`Plugin::on_response_body`] for each piece of every response
     /// body as it streams, as Envoy calls a filter's body callback; a
     /// plugin that wants a body whole asks from its head hook instead
-    /// ([`ResponseVerdict::ReadBody`]).
+    /// ([`ResponseVerdict::ReadBody`]); and [`Plugin::on_response_trailers`]
+    /// for its trailers.
     pub response_body: bool,
     /// [`Plugin::on_request_body`] for each piece of a request body it has
-    /// not been given whole, as it streams to the upstream.
+    /// not been given whole, as it streams to the upstream, and
+    /// [`Plugin::on_request_trailers`] for its trailers.
     pub request_body: bool,
 }
 
@@ -187,6 +189,22 @@ pub struct LocalAnswer {
     /// otherwise it goes exactly as made (a proxy-wasm filter's, as in
     /// Envoy).
     pub error_shape: bool,
+    /// How it reaches a gRPC client.
+    pub grpc: GrpcReply,
+}
+
+/// How a plugin's answer reaches a gRPC client (a `POST` of
+/// `application/grpc...`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrpcReply {
+    /// As made: its status and body (a component's, whose error answers
+    /// take the proxy's error shape, which gRPC clients get in gRPC's
+    /// terms anyway).
+    AsMade,
+    /// In gRPC's terms, as Envoy sends a filter's local reply: HTTP 200,
+    /// "trailers-only", `grpc-status` this code or, without one, the HTTP
+    /// status's mapping, and the body as `grpc-message`.
+    TrailersOnly(Option<u16>),
 }
 
 /// What a plugin keeps of one request between its calls (a proxy-wasm
@@ -262,6 +280,31 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
         _body: &[u8],
     ) -> Result<BodyVerdict, PluginError> {
         Ok(BodyVerdict::Continue(None))
+    }
+
+    /// The request's trailers, after the last piece of its body, for a
+    /// plugin whose [`Hooks::request_body`] is set (edited in place). An
+    /// answer (or a failure, closed) stops the upstream request as a body
+    /// call's does.
+    fn on_request_trailers(
+        &self,
+        _stream: &mut Stream,
+        _lent: RequestLent<'_>,
+        _trailers: &mut http::HeaderMap,
+    ) -> Result<Option<LocalAnswer>, PluginError> {
+        Ok(None)
+    }
+
+    /// The response's trailers, after the last piece of its body, for a
+    /// plugin whose [`Hooks::response_body`] is set (edited in place). The
+    /// head has gone: an answer cuts the response off.
+    fn on_response_trailers(
+        &self,
+        _stream: &mut Stream,
+        _lent: ResponseLent<'_>,
+        _trailers: &mut http::HeaderMap,
+    ) -> Result<Option<LocalAnswer>, PluginError> {
+        Ok(None)
     }
 
     /// The answer to the [`Verdict::Callout`] the last request-side call

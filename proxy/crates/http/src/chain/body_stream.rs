@@ -5,6 +5,9 @@
 //! piece and may pass it on, replace it, or keep it to see with the next
 //! (up to [`plugin::seam::MAX_BUFFERED_BODY`]).
 //!
+//! Trailers follow the body's end through the same plugins
+//! ([`plugin::Plugin::on_request_trailers`] and `on_response_trailers`).
+//!
 //! Once the head has gone, what stops a body (a plugin's answer, its
 //! failure when closed, a kept body past the bound) stops it there: a
 //! request body ends the upstream request with the client answered by
@@ -231,21 +234,43 @@ impl Filtered {
                     Stopped::TooLarge
                 }
                 Ok(plugin::BodyVerdict::Respond(local)) => Stopped::Answer(local),
-                Err(e) => {
-                    count_failure(&*stage.plugin, &e);
-                    if stage.plugin.fail() == FailMode::Open {
-                        tracing::warn!(plugin = %name, route = %route, error = %e, "plugin failed on a body; body let through (fail: open)");
+                Err(e) => match failed(stage, route, e) {
+                    Some(stopped) => stopped,
+                    None => {
                         piece = given;
                         continue;
                     }
-                    tracing::warn!(plugin = %name, route = %route, error = %e, "plugin failed on a body; stopped (fail: closed)");
-                    Stopped::Failed(e)
-                }
+                },
             };
             let place = stage.place;
             return Err(self.stop(place, stopped));
         }
         Ok(piece)
+    }
+
+    /// The trailers held in `after` through every stage, in the body's
+    /// order, each editing them in place (Envoy's trailers callbacks).
+    fn run_trailers(&mut self) -> Result<(), BodyError> {
+        let Some(Ok(mut trailers)) = self.after.take().map(Frame::into_trailers) else {
+            return Ok(());
+        };
+        let ended =
+            matches!(&self.side, Side::Request { stop, .. } if stop.ended.load(Ordering::Acquire));
+        for stage in self.stages.iter_mut().filter(|_| !ended) {
+            let called = call_trailers(stage, &mut self.facts, &mut self.side, &mut trailers);
+            let stopped = match called {
+                Ok(None) => continue,
+                Ok(Some(local)) => Stopped::Answer(local),
+                Err(e) => match failed(stage, &self.route, e) {
+                    Some(stopped) => stopped,
+                    None => continue,
+                },
+            };
+            let place = stage.place;
+            return Err(self.stop(place, stopped));
+        }
+        self.after = Some(Frame::trailers(trailers));
+        Ok(())
     }
 
     /// Leaves what stopped a request body for its answer; the error that
@@ -262,6 +287,49 @@ impl Filtered {
                 }
                 "a plugin stopped the response body".into()
             }
+        }
+    }
+}
+
+/// A stage's failed call under its `fail` mode: `None` to go on (open),
+/// or what stops the body (closed).
+fn failed(stage: &Stage, route: &str, e: PluginError) -> Option<Stopped> {
+    let name = stage.plugin.name();
+    count_failure(&*stage.plugin, &e);
+    if stage.plugin.fail() == FailMode::Open {
+        tracing::warn!(plugin = %name, route = %route, error = %e, "plugin failed on a body; body let through (fail: open)");
+        return None;
+    }
+    tracing::warn!(plugin = %name, route = %route, error = %e, "plugin failed on a body; stopped (fail: closed)");
+    Some(Stopped::Failed(e))
+}
+
+/// One stage's call on the trailers.
+fn call_trailers(
+    stage: &mut Stage,
+    facts: &mut Option<RequestFacts>,
+    side: &mut Side,
+    trailers: &mut http::HeaderMap,
+) -> Result<Option<LocalAnswer>, PluginError> {
+    match side {
+        Side::Request { headers, .. } => {
+            let lent = plugin::RequestLent {
+                facts,
+                headers,
+                end_of_stream: true,
+            };
+            stage
+                .plugin
+                .on_request_trailers(&mut stage.stream, lent, trailers)
+        }
+        Side::Response {
+            request_headers,
+            head,
+        } => {
+            let lent = lend(facts, request_headers, head, true);
+            stage
+                .plugin
+                .on_response_trailers(&mut stage.stream, lent, trailers)
         }
     }
 }
@@ -335,6 +403,7 @@ impl http_body::Body for Filtered {
             };
             this.ended = end_of_stream;
             let out = this.run(piece, end_of_stream)?;
+            this.run_trailers()?;
             if !out.is_empty() {
                 return Poll::Ready(Some(Ok(Frame::data(out))));
             }

@@ -393,8 +393,13 @@ fn local_answer(binding: &dyn Plugin, route: &Route, local: LocalAnswer) -> Resp
     let mut resp = match shaped {
         Some(message) => json_error(status, &message, route, Some(binding.name())),
         None => {
-            let mut resp = Response::new(Body::full(local.body));
+            let mut resp = Response::new(Body::full(local.body.clone()));
             *resp.status_mut() = status;
+            if let plugin::GrpcReply::TrailersOnly(code) = local.grpc {
+                let message = String::from_utf8_lossy(&local.body).into();
+                let marker = crate::grpc_local::LocalError(message, code);
+                resp.extensions_mut().insert(marker);
+            }
             resp
         }
     };

@@ -1,9 +1,9 @@
 //! The host calls of the proxy-wasm ABI 0.2.1 (module `env`), as the
 //! `proxy-wasm` SDKs import them: logs, clocks, the plugin's
-//! configuration, the HTTP header maps with their pseudo-headers, local
-//! responses and properties. A call the host does not offer yet traps with
-//! its name when made (see `stub_missing`), so a module that imports it
-//! but never calls it still runs.
+//! configuration, the HTTP header maps (with their pseudo-headers) and
+//! trailers, local responses and properties. A call the host does not
+//! offer yet traps with its name when made (see `stub_missing`), so a
+//! module that imports it but never calls it still runs.
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 use wasmtime::{Caller, Linker};
@@ -16,7 +16,9 @@ type C<'a> = Caller<'a, VmState>;
 type R = wasmtime::Result<i32>;
 
 const REQUEST_HEADERS: i32 = 0;
+const REQUEST_TRAILERS: i32 = 1;
 const RESPONSE_HEADERS: i32 = 2;
+const RESPONSE_TRAILERS: i32 = 3;
 const HTTP_REQUEST_BODY: i32 = 0;
 const HTTP_RESPONSE_BODY: i32 = 1;
 const HTTP_CALL_RESPONSE_HEADERS: i32 = 6;
@@ -150,7 +152,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 }
             }
             for (k, v) in pairs.iter().filter(|(k, _)| k.starts_with(b":")) {
-                set_pseudo(c.data_mut(), k, v);
+                set_pseudo(c.data_mut(), kind, k, v);
             }
             ok(Status::Ok)
         },
@@ -171,10 +173,8 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             } else if key.starts_with(b":") {
                 pseudo(c.data(), kind, &key)
             } else {
-                let headers = match kind {
-                    REQUEST_HEADERS => &c.data().call.request_headers,
-                    RESPONSE_HEADERS => &c.data().call.response_headers,
-                    _ => return ok(Status::NotFound),
+                let Some(headers) = headers(c.data(), kind) else {
+                    return ok(Status::NotFound);
                 };
                 HeaderName::from_bytes(&key)
                     .ok()
@@ -195,7 +195,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             let key = read(&mut c, key_ptr, key_len)?;
             let value = read(&mut c, ptr, len)?;
             if key.starts_with(b":") {
-                set_pseudo(c.data_mut(), &key, &value);
+                set_pseudo(c.data_mut(), kind, &key, &value);
                 return ok(Status::Ok);
             }
             if let Some(h) = headers_mut(c.data_mut(), kind)
@@ -214,7 +214,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             let key = read(&mut c, key_ptr, key_len)?;
             let value = read(&mut c, ptr, len)?;
             if key.starts_with(b":") {
-                set_pseudo(c.data_mut(), &key, &value);
+                set_pseudo(c.data_mut(), kind, &key, &value);
             } else {
                 append(c.data_mut(), kind, &key, &value);
             }
@@ -245,7 +245,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
          body_len: i32,
          headers_ptr: i32,
          headers_len: i32,
-         _grpc_status: i32|
+         grpc_status: i32|
          -> R {
             let body = read(&mut c, body_ptr, body_len)?;
             let bytes = read(&mut c, headers_ptr, headers_len)?;
@@ -265,11 +265,15 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             if !body.is_empty() && !headers.contains_key(http::header::CONTENT_TYPE) {
                 headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
             }
+            // A gRPC client gets it as from Envoy: with the filter's gRPC
+            // status (-1: none, the HTTP status's mapping).
+            let code = u16::try_from(grpc_status).ok();
             c.data_mut().call.local = Some(LocalAnswer {
                 status: status as u16,
                 headers,
                 body: body.into(),
                 error_shape: false,
+                grpc: crate::seam::GrpcReply::TrailersOnly(code),
             });
             ok(Status::Ok)
         },
@@ -312,14 +316,12 @@ fn pairs(state: &VmState, kind: i32) -> Option<Vec<(Vec<u8>, Vec<u8>)>> {
     if kind == HTTP_CALL_RESPONSE_HEADERS {
         return state.call.answer.as_ref().map(|(pairs, _)| pairs.clone());
     }
-    let (names, headers): (&[&[u8]], _) = match kind {
-        REQUEST_HEADERS => (
-            &[b":authority", b":path", b":method", b":scheme"],
-            &state.call.request_headers,
-        ),
-        RESPONSE_HEADERS => (&[b":status"], &state.call.response_headers),
-        _ => return None,
+    let names: &[&[u8]] = match kind {
+        REQUEST_HEADERS => &[b":authority", b":path", b":method", b":scheme"],
+        RESPONSE_HEADERS => &[b":status"],
+        _ => &[],
     };
+    let headers = headers(state, kind)?;
     let mut out: Vec<(Vec<u8>, Vec<u8>)> = names
         .iter()
         .filter_map(|n| Some((n.to_vec(), pseudo(state, kind, n)?)))
@@ -340,6 +342,9 @@ fn pseudo(state: &VmState, kind: i32, name: &[u8]) -> Option<Vec<u8>> {
         return (name == b":status")
             .then(|| call.status.map(|s| s.to_string().into_bytes()))
             .flatten();
+    }
+    if kind != REQUEST_HEADERS {
+        return None;
     }
     let facts = call.facts.as_ref()?;
     let value = match name {
@@ -366,10 +371,14 @@ fn pseudo(state: &VmState, kind: i32, name: &[u8]) -> Option<Vec<u8>> {
     Some(value.into_bytes())
 }
 
-/// A pseudo-header set by the plugin: `:path` changes where the request
-/// goes, `:authority` its `Host`; the others are the proxy's to keep.
-fn set_pseudo(state: &mut VmState, name: &[u8], value: &[u8]) {
+/// A pseudo-header set by the plugin on the request head: `:path`
+/// changes where the request goes, `:authority` its `Host`; the others
+/// (and any on another map) are the proxy's to keep.
+fn set_pseudo(state: &mut VmState, kind: i32, name: &[u8], value: &[u8]) {
     match name {
+        _ if kind != REQUEST_HEADERS => {
+            tracing::debug!(plugin = %state.plugin, name = %String::from_utf8_lossy(name), "plugin set a pseudo-header outside the request head; ignored")
+        }
         b":path" => state.call.path = Some(String::from_utf8_lossy(value).into_owned()),
         b":authority" => {
             if let Ok(v) = HeaderValue::from_bytes(value) {
@@ -391,10 +400,21 @@ fn body_mut(state: &mut VmState, kind: i32) -> Option<&mut bytes::Bytes> {
     }
 }
 
+/// The header map `kind` names, if the call has it.
+fn headers(state: &VmState, kind: i32) -> Option<&HeaderMap> {
+    match kind {
+        REQUEST_HEADERS => Some(&state.call.request_headers),
+        RESPONSE_HEADERS => Some(&state.call.response_headers),
+        REQUEST_TRAILERS | RESPONSE_TRAILERS => state.call.trailers.as_deref(),
+        _ => None,
+    }
+}
+
 fn headers_mut(state: &mut VmState, kind: i32) -> Option<&mut HeaderMap> {
     match kind {
         REQUEST_HEADERS => Some(&mut state.call.request_headers),
         RESPONSE_HEADERS => Some(&mut state.call.response_headers),
+        REQUEST_TRAILERS | RESPONSE_TRAILERS => state.call.trailers.as_deref_mut(),
         _ => None,
     }
 }

@@ -128,11 +128,21 @@ pub fn verdict(
     (action, body_to_come): (i32, bool),
 ) -> Result<Verdict, PluginError> {
     keep(vm, id, &mut call);
+    let home = vm.home();
     let waiting = vm.waiting.entry(id).or_default();
     if let Some(local) = call.local.take() {
         return Ok(Verdict::Respond(local));
     }
     if action == 0 || call.resumed {
+        // Callouts made by a filter that goes on (an audit record, say):
+        // sent without the request waiting, each answered on this VM
+        // when it comes, as Envoy answers them.
+        let going: Vec<(u32, Callout)> = (waiting.calls.drain(..))
+            .filter_map(|(token, c)| Some((token, c?)))
+            .collect();
+        if !going.is_empty() {
+            send_from_root(filter, &home, going);
+        }
         return Ok(Verdict::Continue(Steer {
             path: waiting.path.take(),
             upstream: None,
@@ -142,8 +152,7 @@ pub fn verdict(
                 .flatten(),
         }));
     }
-    // Paused: on the next callout not yet sent. (A callout made by a
-    // filter that goes on is never answered: the request does not wait.)
+    // Paused: on the next callout not yet sent.
     if let Some(next) = waiting.calls.iter_mut().find_map(|(_, c)| c.take()) {
         return Ok(Verdict::Callout(next));
     }
@@ -196,8 +205,9 @@ fn answer_pairs(answer: CalloutAnswer) -> (super::Pairs, Bytes) {
 }
 
 /// Sends the callouts a root context made (in a tick, say: outside any
-/// request) through `filter`'s callouts, each answered on the VM at
-/// `home` if it still runs.
+/// request), or a request's context made and did not wait for, through
+/// `filter`'s callouts, each answered on the VM at `home` if it still
+/// runs.
 pub fn send_from_root(filter: &ProxyWasm, home: &super::queue::Home, calls: Vec<(u32, Callout)>) {
     let (Some(callouts), Ok(runtime)) = (
         filter.callouts.get().cloned(),

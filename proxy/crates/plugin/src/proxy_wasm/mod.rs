@@ -18,6 +18,7 @@
 //! `map.rs` the serialized header map, `guest.rs` the guest's memory.
 
 mod abi;
+mod bodies;
 mod callout;
 mod guest;
 mod map;
@@ -101,6 +102,9 @@ struct Call {
     request_body: Option<Bytes>,
     response_body: Option<Bytes>,
     body_changed: bool,
+    /// The request's or response's trailers, in a trailers call (boxed:
+    /// rare, and every call moves a `Call`).
+    trailers: Option<Box<http::HeaderMap>>,
 }
 
 /// Header fields as the ABI hands them over: name and value bytes.
@@ -370,45 +374,6 @@ impl ProxyWasm {
     }
 }
 
-/// What a body call that returned `action` decided; `body` takes the
-/// body the call holds.
-fn body_verdict(
-    call: &mut Call,
-    action: i32,
-    end_of_stream: bool,
-    body: impl FnOnce(&mut Call) -> Option<Bytes>,
-) -> seam::BodyVerdict {
-    match call.local.take() {
-        Some(local) => seam::BodyVerdict::Respond(local),
-        None if action == 1 && !end_of_stream => seam::BodyVerdict::Pause,
-        None if call.body_changed => seam::BodyVerdict::Continue(body(call)),
-        None => seam::BodyVerdict::Continue(None),
-    }
-}
-
-/// Runs `f` with a call lent `lent` (and `body`, a response body), and
-/// gives what it lent back: the call (with what the filter left in it)
-/// and `f`'s result.
-fn lend<T>(
-    lent: seam::ResponseLent<'_>,
-    body: Option<Bytes>,
-    f: impl FnOnce(Call) -> (Call, T),
-) -> (Call, T) {
-    let call = Call {
-        facts: lent.facts.take(),
-        request_headers: std::mem::take(lent.request_headers),
-        response_headers: std::mem::take(lent.headers),
-        status: Some(lent.status),
-        response_body: body,
-        ..Call::default()
-    };
-    let (mut call, out) = f(call);
-    *lent.facts = call.facts.take();
-    *lent.request_headers = std::mem::take(&mut call.request_headers);
-    *lent.headers = std::mem::take(&mut call.response_headers);
-    (call, out)
-}
-
 /// Adds one to the plugin's counter `name`.
 fn count(plugin: &Arc<str>, name: &str) {
     *crate::state::counters()
@@ -523,9 +488,31 @@ impl seam::Plugin for ProxyWasm {
             let (mut call, action) = vm.body(self, parts(*stream).2, call, (false, eos));
             *lent.facts = call.facts.take();
             *lent.headers = std::mem::take(&mut call.request_headers);
-            Ok(body_verdict(&mut call, action?, eos, |c| {
+            Ok(bodies::body_verdict(&mut call, action?, eos, |c| {
                 c.request_body.take()
             }))
+        })
+    }
+
+    fn on_request_trailers(
+        &self,
+        stream: &mut Stream,
+        lent: seam::RequestLent<'_>,
+        trailers: &mut http::HeaderMap,
+    ) -> Result<Option<LocalAnswer>, PluginError> {
+        self.on_vm(stream, |vm, stream| {
+            bodies::request_trailers(self, vm, parts(*stream).2, lent, trailers)
+        })
+    }
+
+    fn on_response_trailers(
+        &self,
+        stream: &mut Stream,
+        lent: seam::ResponseLent<'_>,
+        trailers: &mut http::HeaderMap,
+    ) -> Result<Option<LocalAnswer>, PluginError> {
+        self.on_vm(stream, |vm, stream| {
+            bodies::response_trailers(self, vm, parts(*stream).2, lent, trailers)
         })
     }
 
@@ -548,7 +535,7 @@ impl seam::Plugin for ProxyWasm {
     ) -> Result<ResponseVerdict, PluginError> {
         self.on_vm(stream, |vm, stream| {
             let end_of_stream = lent.end_of_stream;
-            let (call, action) = lend(lent, None, |call| {
+            let (call, action) = bodies::lend(lent, None, |call| {
                 vm.response_headers(self, parts(*stream).2, call, end_of_stream)
             });
             let action = action?;
@@ -574,11 +561,16 @@ impl seam::Plugin for ProxyWasm {
         self.on_vm(stream, |vm, stream| {
             let end_of_stream = lent.end_of_stream;
             let given = Some(Bytes::copy_from_slice(body));
-            let (mut call, action) = lend(lent, given, |call| {
+            let (mut call, action) = bodies::lend(lent, given, |call| {
                 vm.body(self, parts(*stream).2, call, (true, end_of_stream))
             });
             let taken = |c: &mut Call| c.response_body.take();
-            Ok(body_verdict(&mut call, action?, end_of_stream, taken))
+            Ok(bodies::body_verdict(
+                &mut call,
+                action?,
+                end_of_stream,
+                taken,
+            ))
         })
     }
 

@@ -42,6 +42,8 @@ pub enum Export {
     ResponseHeaders,
     RequestBody,
     ResponseBody,
+    RequestTrailers,
+    ResponseTrailers,
     HttpCallResponse,
     Tick,
     QueueReady,
@@ -51,7 +53,7 @@ pub enum Export {
 }
 
 impl Export {
-    const COUNT: usize = 15;
+    const COUNT: usize = 17;
 
     fn name(self) -> &'static str {
         match self {
@@ -64,6 +66,8 @@ impl Export {
             Export::ResponseHeaders => "proxy_on_response_headers",
             Export::RequestBody => "proxy_on_request_body",
             Export::ResponseBody => "proxy_on_response_body",
+            Export::RequestTrailers => "proxy_on_request_trailers",
+            Export::ResponseTrailers => "proxy_on_response_trailers",
             Export::HttpCallResponse => "proxy_on_http_call_response",
             Export::Tick => "proxy_on_tick",
             Export::QueueReady => "proxy_on_queue_ready",
@@ -240,6 +244,30 @@ impl Vm {
         };
         let n = body.as_ref().map_or(0, |b| b.len() as i32);
         self.lent(filter, name, (id, n, end_of_stream), call)
+    }
+
+    /// `proxy_on_request_trailers` or `proxy_on_response_trailers`
+    /// (`response`) with the trailers the call holds, likewise; a module
+    /// without the export lets them go.
+    pub fn trailers(
+        &mut self,
+        filter: &ProxyWasm,
+        id: u32,
+        call: Call,
+        response: bool,
+    ) -> (Call, Result<i32, PluginError>) {
+        let name = match response {
+            false => Export::RequestTrailers,
+            true => Export::ResponseTrailers,
+        };
+        if self.export(name).is_none() {
+            return (call, Ok(0));
+        }
+        let n = call.trailers.as_ref().map_or(0, |t| t.len() as i32);
+        self.store.data_mut().call = call;
+        let result = self.call(filter, name, &[id as i32, n], 1);
+        let call = std::mem::take(&mut self.store.data_mut().call);
+        (call, result.map(|r| r.unwrap_or(0)))
     }
 
     fn lent(

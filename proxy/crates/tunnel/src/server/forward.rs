@@ -38,7 +38,10 @@ pub(super) fn error(status: StatusCode, message: &str, runtime: Option<&str>) ->
     // A gRPC client gets it in gRPC's terms, as the routing core's own
     // errors (`portcullis_http::grpc_local`).
     resp.extensions_mut()
-        .insert(portcullis_http::grpc_local::LocalError(message.into()));
+        .insert(portcullis_http::grpc_local::LocalError(
+            message.into(),
+            None,
+        ));
     resp
 }
 

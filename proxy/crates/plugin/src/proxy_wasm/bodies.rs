@@ -1,0 +1,90 @@
+//! What a filter is lent for its body and trailers calls, and what those
+//! calls decided.
+
+use bytes::Bytes;
+
+use super::vm::Vm;
+use super::{Call, ProxyWasm};
+use crate::PluginError;
+use crate::seam::{self, LocalAnswer};
+
+/// What a body call that returned `action` decided; `body` takes the
+/// body the call holds.
+pub(super) fn body_verdict(
+    call: &mut Call,
+    action: i32,
+    end_of_stream: bool,
+    body: impl FnOnce(&mut Call) -> Option<Bytes>,
+) -> seam::BodyVerdict {
+    match call.local.take() {
+        Some(local) => seam::BodyVerdict::Respond(local),
+        None if action == 1 && !end_of_stream => seam::BodyVerdict::Pause,
+        None if call.body_changed => seam::BodyVerdict::Continue(body(call)),
+        None => seam::BodyVerdict::Continue(None),
+    }
+}
+
+/// Runs `f` with a call lent `lent` (and `body`, a response body), and
+/// gives what it lent back: the call (with what the filter left in it)
+/// and `f`'s result.
+pub(super) fn lend<T>(
+    lent: seam::ResponseLent<'_>,
+    body: Option<Bytes>,
+    f: impl FnOnce(Call) -> (Call, T),
+) -> (Call, T) {
+    let call = Call {
+        facts: lent.facts.take(),
+        request_headers: std::mem::take(lent.request_headers),
+        response_headers: std::mem::take(lent.headers),
+        status: Some(lent.status),
+        response_body: body,
+        ..Call::default()
+    };
+    let (mut call, out) = f(call);
+    *lent.facts = call.facts.take();
+    *lent.request_headers = std::mem::take(&mut call.request_headers);
+    *lent.headers = std::mem::take(&mut call.response_headers);
+    (call, out)
+}
+
+/// `proxy_on_request_trailers` with `trailers` (edited in place) and the
+/// request lent; the filter's answer, if it made one. A pause on the
+/// trailers waits for nothing here (no call is pending): they go on.
+pub(super) fn request_trailers(
+    filter: &ProxyWasm,
+    vm: &mut Vm,
+    id: u32,
+    lent: seam::RequestLent<'_>,
+    trailers: &mut http::HeaderMap,
+) -> Result<Option<LocalAnswer>, PluginError> {
+    let call = Call {
+        facts: lent.facts.take(),
+        request_headers: std::mem::take(lent.headers),
+        trailers: Some(Box::new(std::mem::take(trailers))),
+        ..Call::default()
+    };
+    let (mut call, action) = vm.trailers(filter, id, call, false);
+    *lent.facts = call.facts.take();
+    *lent.headers = std::mem::take(&mut call.request_headers);
+    *trailers = call.trailers.take().map(|t| *t).unwrap_or_default();
+    action?;
+    Ok(call.local.take())
+}
+
+/// `proxy_on_response_trailers`, likewise.
+pub(super) fn response_trailers(
+    filter: &ProxyWasm,
+    vm: &mut Vm,
+    id: u32,
+    lent: seam::ResponseLent<'_>,
+    trailers: &mut http::HeaderMap,
+) -> Result<Option<LocalAnswer>, PluginError> {
+    let given = std::mem::take(trailers);
+    let (mut call, action) = lend(lent, None, |mut call| {
+        call.trailers = Some(Box::new(given));
+        vm.trailers(filter, id, call, true)
+    });
+    *trailers = call.trailers.take().map(|t| *t).unwrap_or_default();
+    action?;
+    Ok(call.local.take())
+}
