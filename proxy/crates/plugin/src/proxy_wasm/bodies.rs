@@ -30,16 +30,16 @@ pub(super) fn body_verdict(
 pub(super) fn lend<T>(
     lent: seam::ResponseLent<'_>,
     body: Option<Bytes>,
-    f: impl FnOnce(Call) -> (Call, T),
-) -> (Call, T) {
-    let call = Call {
+    f: impl FnOnce(Box<Call>) -> (Box<Call>, T),
+) -> (Box<Call>, T) {
+    let call = Box::new(Call {
         facts: lent.facts.take(),
         request_headers: std::mem::take(lent.request_headers),
         response_headers: std::mem::take(lent.headers),
         status: Some(lent.status),
         response_body: body,
         ..Call::default()
-    };
+    });
     let (mut call, out) = f(call);
     *lent.facts = call.facts.take();
     *lent.request_headers = std::mem::take(&mut call.request_headers);
@@ -57,12 +57,12 @@ pub(super) fn request_trailers(
     lent: seam::RequestLent<'_>,
     trailers: &mut http::HeaderMap,
 ) -> Result<Option<LocalAnswer>, PluginError> {
-    let call = Call {
+    let call = Box::new(Call {
         facts: lent.facts.take(),
         request_headers: std::mem::take(lent.headers),
         trailers: Some(Box::new(std::mem::take(trailers))),
         ..Call::default()
-    };
+    });
     let (mut call, action) = vm.trailers(filter, id, call, false);
     *lent.facts = call.facts.take();
     *lent.headers = std::mem::take(&mut call.request_headers);

@@ -124,7 +124,7 @@ pub fn verdict(
     filter: &ProxyWasm,
     vm: &mut Vm,
     id: u32,
-    mut call: Call,
+    mut call: Box<Call>,
     (action, body_to_come): (i32, bool),
 ) -> Result<Verdict, PluginError> {
     keep(vm, id, &mut call);
@@ -226,10 +226,10 @@ pub fn send_from_root(filter: &ProxyWasm, home: &super::queue::Home, calls: Vec<
                 return;
             };
             filter.on_home(&home, |vm, filter| {
-                let call = Call {
+                let call = Box::new(Call {
                     answer: Some(answer_pairs(answer)),
                     ..Call::default()
-                };
+                });
                 let (call, result) = vm.http_call_response(filter, token, call);
                 vm.root_calls(filter, call);
                 result
@@ -256,12 +256,12 @@ pub fn answer(
             message: "answered a callout it never made".into(),
         })?;
     let answer = answer_pairs(answer);
-    let call = Call {
+    let call = Box::new(Call {
         facts: facts.take(),
         request_headers: std::mem::take(headers),
         answer: Some(answer),
         ..Call::default()
-    };
+    });
     let (mut call, result) = vm.http_call_response(filter, token, call);
     *facts = call.facts.take();
     *headers = std::mem::take(&mut call.request_headers);

@@ -74,7 +74,7 @@ pub struct VmState {
     home: queue::Home,
     /// Its memory and allocator, once instantiated.
     exports: guest::Exports,
-    call: Call,
+    call: Box<Call>,
 }
 
 /// What a call is lent, moved in for it and back after.
@@ -103,7 +103,7 @@ struct Call {
     response_body: Option<Bytes>,
     body_changed: bool,
     /// The request's or response's trailers, in a trailers call (boxed:
-    /// rare, and every call moves a `Call`).
+    /// rare).
     trailers: Option<Box<http::HeaderMap>>,
 }
 
@@ -313,7 +313,7 @@ impl ProxyWasm {
             tick: None,
             home,
             exports: guest::Exports::default(),
-            call: Call::default(),
+            call: Box::default(),
         };
         Vm::start(self, state, generation)
     }
@@ -439,11 +439,11 @@ impl seam::Plugin for ProxyWasm {
             // A body read for a plugin before this one: this one's head
             // call comes first, as the body is there to follow.
             if fresh && body.is_some() {
-                let call = Call {
+                let call = Box::new(Call {
                     facts: facts.take(),
                     request_headers: std::mem::take(headers),
                     ..Call::default()
-                };
+                });
                 let (mut call, action) = vm.request_headers(self, id, call, false);
                 *facts = call.facts.take();
                 *headers = std::mem::take(&mut call.request_headers);
@@ -453,12 +453,12 @@ impl seam::Plugin for ProxyWasm {
                 }
                 callout::keep(vm, id, &mut call);
             }
-            let call = Call {
+            let call = Box::new(Call {
                 facts: facts.take(),
                 request_headers: std::mem::take(headers),
                 request_body: body.map(Bytes::copy_from_slice),
                 ..Call::default()
-            };
+            });
             let (mut call, action) = match body {
                 None => vm.request_headers(self, id, call, bodiless),
                 Some(_) => vm.body(self, id, call, (false, true)),
@@ -478,12 +478,12 @@ impl seam::Plugin for ProxyWasm {
         body: &[u8],
     ) -> Result<seam::BodyVerdict, PluginError> {
         self.on_vm(stream, |vm, stream| {
-            let call = Call {
+            let call = Box::new(Call {
                 facts: lent.facts.take(),
                 request_headers: std::mem::take(lent.headers),
                 request_body: Some(Bytes::copy_from_slice(body)),
                 ..Call::default()
-            };
+            });
             let eos = lent.end_of_stream;
             let (mut call, action) = vm.body(self, parts(*stream).2, call, (false, eos));
             *lent.facts = call.facts.take();

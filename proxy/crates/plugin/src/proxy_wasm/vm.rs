@@ -207,9 +207,9 @@ impl Vm {
         &mut self,
         filter: &ProxyWasm,
         id: u32,
-        call: Call,
+        call: Box<Call>,
         end_of_stream: bool,
-    ) -> (Call, Result<i32, PluginError>) {
+    ) -> (Box<Call>, Result<i32, PluginError>) {
         // The pseudo-headers count as fields, as in Envoy.
         let n = call.request_headers.len() as i32 + 4;
         self.lent(filter, Export::RequestHeaders, (id, n, end_of_stream), call)
@@ -220,9 +220,9 @@ impl Vm {
         &mut self,
         filter: &ProxyWasm,
         id: u32,
-        call: Call,
+        call: Box<Call>,
         end_of_stream: bool,
-    ) -> (Call, Result<i32, PluginError>) {
+    ) -> (Box<Call>, Result<i32, PluginError>) {
         let n = call.response_headers.len() as i32 + 1;
         let args = (id, n, end_of_stream);
         self.lent(filter, Export::ResponseHeaders, args, call)
@@ -235,9 +235,9 @@ impl Vm {
         &mut self,
         filter: &ProxyWasm,
         id: u32,
-        call: Call,
+        call: Box<Call>,
         (response, end_of_stream): (bool, bool),
-    ) -> (Call, Result<i32, PluginError>) {
+    ) -> (Box<Call>, Result<i32, PluginError>) {
         let (name, body) = match response {
             false => (Export::RequestBody, &call.request_body),
             true => (Export::ResponseBody, &call.response_body),
@@ -253,9 +253,9 @@ impl Vm {
         &mut self,
         filter: &ProxyWasm,
         id: u32,
-        call: Call,
+        call: Box<Call>,
         response: bool,
-    ) -> (Call, Result<i32, PluginError>) {
+    ) -> (Box<Call>, Result<i32, PluginError>) {
         let name = match response {
             false => Export::RequestTrailers,
             true => Export::ResponseTrailers,
@@ -264,9 +264,10 @@ impl Vm {
             return (call, Ok(0));
         }
         let n = call.trailers.as_ref().map_or(0, |t| t.len() as i32);
-        self.store.data_mut().call = call;
+        // Swapped, not moved: a `Call` is ~800 bytes, a box one word.
+        let spare = std::mem::replace(&mut self.store.data_mut().call, call);
         let result = self.call(filter, name, &[id as i32, n], 1);
-        let call = std::mem::take(&mut self.store.data_mut().call);
+        let call = std::mem::replace(&mut self.store.data_mut().call, spare);
         (call, result.map(|r| r.unwrap_or(0)))
     }
 
@@ -275,15 +276,15 @@ impl Vm {
         filter: &ProxyWasm,
         name: Export,
         (id, size, end_of_stream): (u32, i32, bool),
-        call: Call,
-    ) -> (Call, Result<i32, PluginError>) {
-        self.store.data_mut().call = call;
+        call: Box<Call>,
+    ) -> (Box<Call>, Result<i32, PluginError>) {
+        let spare = std::mem::replace(&mut self.store.data_mut().call, call);
         // ABI 0.2.1 passes end_of_stream; 0.2.0 does not.
         let result = match self.params(name) {
             Some(3) => self.call(filter, name, &[id as i32, size, end_of_stream as i32], 1),
             _ => self.call(filter, name, &[id as i32, size], 1),
         };
-        let call = std::mem::take(&mut self.store.data_mut().call);
+        let call = std::mem::replace(&mut self.store.data_mut().call, spare);
         (call, result.map(|r| r.unwrap_or(0)))
     }
 
@@ -294,16 +295,16 @@ impl Vm {
         &mut self,
         filter: &ProxyWasm,
         token: u32,
-        call: Call,
-    ) -> (Call, Result<(), PluginError>) {
+        call: Box<Call>,
+    ) -> (Box<Call>, Result<(), PluginError>) {
         let (headers, body) = call
             .answer
             .as_ref()
             .map_or((0, 0), |(h, b)| (h.len() as i32, b.len() as i32));
-        self.store.data_mut().call = call;
+        let spare = std::mem::replace(&mut self.store.data_mut().call, call);
         let args = [ROOT, token as i32, headers, body, 0];
         let result = self.call(filter, Export::HttpCallResponse, &args, 0);
-        let call = std::mem::take(&mut self.store.data_mut().call);
+        let call = std::mem::replace(&mut self.store.data_mut().call, spare);
         (call, result.map(|_| ()))
     }
 
@@ -330,15 +331,15 @@ impl Vm {
         name: Export,
         args: &[i32],
     ) -> Result<(), PluginError> {
-        self.store.data_mut().call = Call::default();
+        let spare = std::mem::take(&mut self.store.data_mut().call);
         self.call(filter, name, args, 0)?;
-        let call = std::mem::take(&mut self.store.data_mut().call);
+        let call = std::mem::replace(&mut self.store.data_mut().call, spare);
         self.root_calls(filter, call);
         Ok(())
     }
 
     /// Sends the HTTP calls a root context call left in `call`.
-    pub fn root_calls(&mut self, filter: &ProxyWasm, call: Call) {
+    pub fn root_calls(&mut self, filter: &ProxyWasm, call: Box<Call>) {
         if !call.callouts.is_empty() {
             super::callout::send_from_root(filter, &self.home(), call.callouts);
         }
