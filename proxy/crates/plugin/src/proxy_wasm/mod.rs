@@ -77,7 +77,7 @@ pub struct VmState {
     call: Box<Call>,
 }
 
-/// What a call is lent, moved in for it and back after.
+/// What a call is lent, swapped into the store for it and back after.
 #[derive(Default)]
 struct Call {
     facts: Option<RequestFacts>,

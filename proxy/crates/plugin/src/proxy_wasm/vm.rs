@@ -264,10 +264,7 @@ impl Vm {
             return (call, Ok(0));
         }
         let n = call.trailers.as_ref().map_or(0, |t| t.len() as i32);
-        // Swapped, not moved: a `Call` is ~800 bytes, a box one word.
-        let spare = std::mem::replace(&mut self.store.data_mut().call, call);
-        let result = self.call(filter, name, &[id as i32, n], 1);
-        let call = std::mem::replace(&mut self.store.data_mut().call, spare);
+        let (call, result) = self.with_call(call, |vm| vm.call(filter, name, &[id as i32, n], 1));
         (call, result.map(|r| r.unwrap_or(0)))
     }
 
@@ -278,14 +275,26 @@ impl Vm {
         (id, size, end_of_stream): (u32, i32, bool),
         call: Box<Call>,
     ) -> (Box<Call>, Result<i32, PluginError>) {
-        let spare = std::mem::replace(&mut self.store.data_mut().call, call);
-        // ABI 0.2.1 passes end_of_stream; 0.2.0 does not.
-        let result = match self.params(name) {
-            Some(3) => self.call(filter, name, &[id as i32, size, end_of_stream as i32], 1),
-            _ => self.call(filter, name, &[id as i32, size], 1),
-        };
-        let call = std::mem::replace(&mut self.store.data_mut().call, spare);
+        let (call, result) = self.with_call(call, |vm| {
+            // ABI 0.2.1 passes end_of_stream; 0.2.0 does not.
+            match vm.params(name) {
+                Some(3) => vm.call(filter, name, &[id as i32, size, end_of_stream as i32], 1),
+                _ => vm.call(filter, name, &[id as i32, size], 1),
+            }
+        });
         (call, result.map(|r| r.unwrap_or(0)))
+    }
+
+    /// Runs `f` with `call` in the store for its host calls; `call` back
+    /// after. Swapped with the store's spare box, not moved: a `Call` is
+    /// ~800 bytes, a box one word.
+    fn with_call<T>(&mut self, call: Box<Call>, f: impl FnOnce(&mut Self) -> T) -> (Box<Call>, T) {
+        let spare = std::mem::replace(&mut self.store.data_mut().call, call);
+        let out = f(self);
+        (
+            std::mem::replace(&mut self.store.data_mut().call, spare),
+            out,
+        )
     }
 
     /// `proxy_on_http_call_response` for callout `token` (on the root
@@ -301,10 +310,10 @@ impl Vm {
             .answer
             .as_ref()
             .map_or((0, 0), |(h, b)| (h.len() as i32, b.len() as i32));
-        let spare = std::mem::replace(&mut self.store.data_mut().call, call);
         let args = [ROOT, token as i32, headers, body, 0];
-        let result = self.call(filter, Export::HttpCallResponse, &args, 0);
-        let call = std::mem::replace(&mut self.store.data_mut().call, spare);
+        let (call, result) = self.with_call(call, |vm| {
+            vm.call(filter, Export::HttpCallResponse, &args, 0)
+        });
         (call, result.map(|_| ()))
     }
 
@@ -331,9 +340,8 @@ impl Vm {
         name: Export,
         args: &[i32],
     ) -> Result<(), PluginError> {
-        let spare = std::mem::take(&mut self.store.data_mut().call);
-        self.call(filter, name, args, 0)?;
-        let call = std::mem::replace(&mut self.store.data_mut().call, spare);
+        let (call, result) = self.with_call(Box::default(), |vm| vm.call(filter, name, args, 0));
+        result?;
         self.root_calls(filter, call);
         Ok(())
     }
