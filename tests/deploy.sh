@@ -31,7 +31,7 @@ for kustomization in deploy/*/kustomization.yaml; do
   "$venv/bin/kubernetes-validate" --strict -k "$KUBERNETES" "$work/$name.yaml"
   # Every ConfigMap key that is a policy file, written out and checked as
   # the mounted directory it becomes.
-  # Each container's args (a line each, split by 0x1f) are parsed by
+  # Each portcullis container's args (a line each, split by 0x1f) are parsed by
   # portcullis itself (`--help` after them: a flag or value it refuses
   # fails).
   "$venv/bin/python" - "$work/$name.yaml" "$work/$name-policies" "$work/$name.args" <<'PY'
@@ -47,8 +47,9 @@ with open(args, "w") as lines:
                     os.makedirs(out, exist_ok=True)
                     open(os.path.join(out, key), "w").write(text)
         pod = (doc.get("spec") or {}).get("template", {}).get("spec", {})
+        # Only portcullis' own containers (a Redis beside it has its own).
         for c in pod.get("containers", []):
-            if c.get("args"):
+            if c.get("args") and c.get("name") == "portcullis":
                 lines.write("\x1f".join(c["args"]) + "\n")
 PY
   while IFS=$'\x1f' read -r -a args; do

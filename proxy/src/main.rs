@@ -120,12 +120,7 @@ fn main() -> ExitCode {
             shutdown_delay,
             workers,
             max_connections,
-            peers,
-            peer_listen,
-            peer_token_file,
-            peer_cert,
-            peer_key,
-            peer_ca,
+            peer_flags,
             public_rate_limit,
             public_rate_burst,
             otlp_endpoint,
@@ -139,49 +134,12 @@ fn main() -> ExitCode {
             let Some(admin_access) = admin_access(admin_token_file) else {
                 return ExitCode::from(2);
             };
-            let peers = if peers.is_empty() && peer_listen.is_none() {
-                if peer_cert.is_some() {
-                    eprintln!(
-                        "portcullis tunnel-server: --peer-cert is for peers: give --peers or --peer-listen too"
-                    );
+            let peers = match peer_flags.options() {
+                Ok(peers) => peers,
+                Err(e) => {
+                    eprintln!("portcullis tunnel-server: {e}");
                     return ExitCode::from(2);
                 }
-                None
-            } else {
-                let token = match (peer_token_file, std::env::var("PORTCULLIS_PEER_TOKEN")) {
-                    (Some(file), _) => match portcullis::files::read_bounded_text(
-                        &file,
-                        portcullis::files::SMALL_LIMIT,
-                    ) {
-                        Ok(token) => token,
-                        Err(e) => {
-                            eprintln!(
-                                "portcullis tunnel-server: cannot read the peer token file {}: {e}",
-                                file.display()
-                            );
-                            return ExitCode::from(2);
-                        }
-                    },
-                    (None, Ok(token)) => token,
-                    (None, Err(_)) => {
-                        eprintln!(
-                            "portcullis tunnel-server: --peers and --peer-listen need the peers' token: give --peer-token-file FILE or set PORTCULLIS_PEER_TOKEN"
-                        );
-                        return ExitCode::from(2);
-                    }
-                };
-                let tls = match (peer_cert, peer_key, peer_ca) {
-                    (Some(cert), Some(key), Some(ca)) => {
-                        Some(portcullis::tunnel::peers::PeerTlsFiles { cert, key, ca })
-                    }
-                    _ => None,
-                };
-                Some(portcullis::tunnel::peers::PeerOptions {
-                    listen: peer_listen,
-                    peers,
-                    token,
-                    tls,
-                })
             };
             portcullis::telemetry::init();
             let options = portcullis::tunnel::server::ServerOptions {

@@ -8,6 +8,7 @@ pub mod client;
 pub mod configmap;
 pub mod envoy;
 pub mod process;
+pub mod redis;
 pub mod tls;
 pub mod upstream;
 

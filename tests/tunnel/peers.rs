@@ -1,22 +1,74 @@
-//! Tunnel-server replicas forwarding to each other (`--peers`,
-//! `--peer-listen`): a public request that reaches a replica holding no
-//! tunnel of its runtime is served through a peer that holds one.
+//! Tunnel-server replicas sharing a registry in a real `redis-server`
+//! (`--registry`, `--peer-listen`): a public request that reaches a
+//! replica holding no tunnel of its runtime is served through the
+//! replica that holds one; moves, crashes, takeovers and a Redis that
+//! goes away.
 
 use super::*;
+use crate::support::redis::Redis;
 
-/// The token the test's replicas share, in a file.
-fn peer_token_file() -> (tempfile::TempDir, String) {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("peer-token");
-    std::fs::write(&file, "peer-token-0123456789\n").unwrap();
-    let path = file.display().to_string();
-    (dir, path)
+/// A Redis and the token the test's replicas share, in a file.
+struct Group {
+    redis: Redis,
+    _dir: tempfile::TempDir,
+    token: String,
 }
 
-/// A plain tunnel server with `extra` arguments.
-async fn replica(extra: &[&str]) -> TunnelServer {
-    let any = "127.0.0.1:0".parse().unwrap();
-    TunnelServer::start_in_with(tokens_dir(), any, any, extra).await
+impl Group {
+    async fn start() -> Group {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("peer-token");
+        std::fs::write(&file, "peer-token-0123456789\n").unwrap();
+        Group {
+            redis: Redis::start().await,
+            token: file.display().to_string(),
+            _dir: dir,
+        }
+    }
+
+    /// A replica in the group with `extra` arguments, returned once the
+    /// registry is up for it.
+    async fn replica(&self, extra: &[&str]) -> TunnelServer {
+        let any = "127.0.0.1:0".parse().unwrap();
+        let mut args = vec![
+            "--registry",
+            &self.redis.url,
+            "--peer-token-file",
+            &self.token,
+        ];
+        if !extra.contains(&"--peer-listen") {
+            args.extend(["--peer-listen", "127.0.0.1:0"]);
+        }
+        args.extend_from_slice(extra);
+        let server = TunnelServer::start_in_with(tokens_dir(), any, any, &args).await;
+        server
+            .process
+            .wait_status("the registry up", |s| s["registry"]["state"] == "up")
+            .await;
+        server
+    }
+
+    /// Waits until `server`'s map shows `n` other servers holding a
+    /// runtime (the tests give each holder one), and returns its status.
+    async fn sees(&self, server: &TunnelServer, n: usize) -> serde_json::Value {
+        let _ = self;
+        server
+            .process
+            .wait_status(&format!("{n} peers holding runtimes"), |s| {
+                s["peers"].as_array().is_some_and(|p| {
+                    p.len() == n && p.iter().all(|p| p["runtimes"].as_u64() > Some(0))
+                })
+            })
+            .await
+    }
+}
+
+/// A server's instance id, as its status shows it.
+async fn instance(server: &TunnelServer) -> String {
+    server.process.status().await["instance"]
+        .as_str()
+        .unwrap()
+        .to_owned()
 }
 
 /// Peer certificates from one CA, written into `dir`: B's (the listener)
@@ -53,147 +105,387 @@ fn peer_tls(
     (pki, a_pki, b, a)
 }
 
+/// A loopback port free now, for a listener whose address must be known
+/// before it starts (to advertise another name for it).
+fn free_port() -> u16 {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    probe.local_addr().unwrap().port()
+}
+
 /// Borrowed arguments, to join with others.
 fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
 
-/// Replica A with peer certificates (`a_tls`), listing its peer as
-/// `localhost:port` (the name B's certificate carries); returned once
-/// that peer is up over TLS, holding one runtime.
-async fn listing_by_name(port: u16, token: &str, a_tls: &[String]) -> TunnelServer {
-    let by_name = format!("localhost:{port}");
-    let peers = ["--peers", &by_name, "--peer-token-file", token];
-    let a = replica(&[&peers[..], &strs(a_tls)].concat()).await;
-    a.process
-        .wait_status("peer B up over TLS with its runtime", |s| {
-            s["peers"]
-                .as_array()
-                .is_some_and(|peers| peers.iter().any(|p| p["up"] == true && p["runtimes"] == 1))
-        })
-        .await;
-    a
-}
-
-/// Replica B, listening for peers, holding rt-a's tunnel (to `upstream`),
-/// and replica A listing B as its peer; returned once A has seen that B
-/// holds it (with rt-a's client, to keep).
+/// Replica B holding rt-a's tunnel (to `upstream`) and replica A, which
+/// holds none; returned once A has seen that B holds it (with rt-a's
+/// client, to keep).
 async fn holding_for_a_peer(
+    group: &Group,
     upstream: &str,
-    token: &str,
 ) -> (TunnelServer, TunnelServer, ProxyProcess) {
-    let b = replica(&["--peer-listen", "127.0.0.1:0", "--peer-token-file", token]).await;
-    let b_peer = b.process.addrs["peer listening"].to_string();
-    let a = replica(&["--peers", &b_peer, "--peer-token-file", token]).await;
+    let b = group.replica(&[]).await;
+    let a = group.replica(&[]).await;
     let client = b
         .client("rt-a", TOKENS[0].1, &["--upstream", upstream])
         .await;
-    a.process
-        .wait_status("peer B holding rt-a", |s| s["peers"][0]["runtimes"] == 1)
-        .await;
+    group.sees(&a, 1).await;
     (a, b, client)
 }
 
-/// `/runtimes` on a peer listener, with `token` (none when `None`).
-async fn ask_peer(peer: SocketAddr, token: Option<&str>) -> Answer {
-    let mut req = Request::get(format!("http://{peer}/runtimes"));
-    if let Some(token) = token {
-        req = req.header("x-portcullis-peer-token", token);
-    }
-    client::send(&client::h2c(), req.body(body(Bytes::new())).unwrap()).await
+/// A public balancer in front of tunnel endpoints: each connection goes
+/// to the next backend that takes it, as a Kubernetes Service sends a
+/// client to a live pod.
+struct Balancer {
+    url: String,
+    task: tokio::task::JoinHandle<()>,
 }
 
-/// Replica A has no tunnels; B holds rt-a's (an echo upstream) and rt-b's
-/// (a WebSocket echo). Requests to A for either runtime reach them
-/// through B: the client's address and forwarding headers as if B's own
-/// public side had taken them, a streamed body whole, a WebSocket both
-/// ways, the access line naming the peer. The peer port takes nothing
-/// without the shared token. When B goes away, A answers 503 again.
+impl Balancer {
+    async fn start(backends: Vec<SocketAddr>) -> Balancer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("ws://{}", listener.local_addr().unwrap());
+        let task = tokio::spawn(async move {
+            let mut next = 0;
+            while let Ok((mut public, _)) = listener.accept().await {
+                let mut backend = None;
+                for i in 0..backends.len() {
+                    let to = backends[(next + i) % backends.len()];
+                    if let Ok(stream) = tokio::net::TcpStream::connect(to).await {
+                        next = (next + i + 1) % backends.len();
+                        backend = Some(stream);
+                        break;
+                    }
+                }
+                let Some(mut backend) = backend else { continue };
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy_bidirectional(&mut public, &mut backend).await;
+                });
+            }
+        });
+        Balancer { url, task }
+    }
+}
+
+impl Drop for Balancer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Three replicas; B holds rt-a's tunnel (an echo upstream) and C rt-b's
+/// (a WebSocket echo). A public request to any replica reaches the right
+/// runtime: through the holder, with the client's address and forwarding
+/// headers as if the holder's own public side had taken them, a streamed
+/// body whole, a WebSocket both ways, the access line naming the peer.
+/// The registry holds one entry per runtime and holder; the peer port
+/// takes nothing without the shared token.
 #[tokio::test]
-async fn a_replica_without_the_runtimes_tunnel_serves_it_through_a_peer() {
+async fn a_public_request_to_any_replica_reaches_the_right_runtime() {
     let echo = upstream::echo("behind-b").await;
     let ws = upstream::websocket_echo().await;
-    let (_token_dir, token) = peer_token_file();
-    let mut b = replica(&["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token]).await;
+    let group = Group::start().await;
+    let mut a = group.replica(&[]).await;
+    let mut b = group.replica(&[]).await;
+    let c = group.replica(&[]).await;
     let b_peer = b.process.addrs["peer listening"];
-    let mut a = replica(&["--peers", &b_peer.to_string(), "--peer-token-file", &token]).await;
-    let url = echo.url();
-    let _rt_a = b.client("rt-a", TOKENS[0].1, &["--upstream", &url]).await;
-    let url = ws.url();
-    let _rt_b = b.client("rt-b", TOKENS[1].1, &["--upstream", &url]).await;
-
-    // Before A has heard of B's runtimes (or with no peers at all) this
-    // is a 503; the status shows when it has.
-    let status = a
-        .process
-        .wait_status("peer B holding two runtimes", |s| {
-            s["peers"][0]["runtimes"] == 2 && s["peers"][0]["up"] == true
-        })
+    let _rt_a = b
+        .client("rt-a", TOKENS[0].1, &["--upstream", &echo.url()])
         .await;
-    assert_eq!(
-        status["peers"][0]["address"],
-        b_peer.to_string(),
-        "{status:#}"
-    );
-    assert_eq!(status["peers"][0]["self"], false, "{status:#}");
+    let _rt_b = c
+        .client("rt-b", TOKENS[1].1, &["--upstream", &ws.url()])
+        .await;
+    let status = group.sees(&a, 2).await;
+    let b_status = status["peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["address"] == b_peer.to_string())
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(b_status["instance"], instance(&b).await, "{status:#}");
+    assert_eq!(status["registry"]["url"], group.redis.url, "{status:#}");
 
-    let answer = a.get("rt-a", "/via-a?x=1").await;
-    assert_eq!(answer.status, 200, "{:?}", answer.body);
-    let seen = answer.json();
-    assert_eq!(seen["upstream"], "behind-b");
-    assert_eq!(seen["target"], "/via-a?x=1");
-    assert!(
-        seen["headers"].get("x-portcullis-peer-token").is_none(),
-        "the peer token must not reach the runtime: {seen:#}"
-    );
+    for (server, name) in [(&a, "a"), (&b, "b"), (&c, "c")] {
+        let answer = server.get("rt-a", &format!("/via-{name}?x=1")).await;
+        assert_eq!(answer.status, 200, "{name}: {:?}", answer.body);
+        let seen = answer.json();
+        assert_eq!(seen["upstream"], "behind-b");
+        assert_eq!(seen["target"], format!("/via-{name}?x=1"));
+        assert!(
+            seen["headers"].get("x-portcullis-peer-token").is_none(),
+            "the peer token must not reach the runtime: {seen:#}"
+        );
+    }
     let seen = a.streamed_post_with_forwarding_headers("rt-a").await;
     assert!(
         seen["headers"].get("x-portcullis-peer-token").is_none(),
         "{seen:#}"
     );
     a.websocket_echo("rt-b").await;
+    b.websocket_echo("rt-b").await;
     let line = a.process.wait_for_log(&format!("peer {b_peer}")).await;
     assert!(line.contains("/via-a"), "{line}");
     let line = b.process.wait_for_log("from peer 127.0.0.1:").await;
     assert!(line.contains("/via-a"), "{line}");
-    // A GET, a POST and a WebSocket went through the peer.
+    // A GET and a POST went to B, a WebSocket to C.
     a.process
-        .metrics_showing(&[format!(
-            "portcullis_tunnel_peer_forwarded_total{{peer=\"{b_peer}\"}} 3"
-        )])
+        .metrics_showing(&[
+            format!("portcullis_tunnel_peer_forwarded_total{{peer=\"{b_peer}\"}} 2"),
+            "portcullis_tunnel_registry_up 1".to_owned(),
+            "portcullis_tunnel_peers 2".to_owned(),
+        ])
         .await;
-    assert_eq!(a.process.status().await["peers"][0]["forwarded"], 3);
+    let (b_id, c_id) = (instance(&b).await, instance(&c).await);
+    assert_eq!(
+        group.redis.holders().await,
+        [("rt-a".to_owned(), b_id), ("rt-b".to_owned(), c_id)]
+    );
 
-    // Only peers with the token are answered; someone trying the port
-    // by hand over HTTP/1.1 is told what it is.
-    assert_eq!(ask_peer(b_peer, None).await.status, 401);
-    let by_hand = client::get(&format!("http://{b_peer}/runtimes")).await;
+    // Only peers with the token are answered; someone trying the port by
+    // hand over HTTP/1.1 is told what it is.
+    let by_hand = client::get(&format!("http://{b_peer}/")).await;
     assert_eq!(by_hand.status, 401);
     let error = by_hand.json()["error"]
         .as_str()
         .unwrap_or_default()
         .to_owned();
     assert!(error.contains("peer token"), "{error}");
-    assert_eq!(
-        ask_peer(b_peer, Some("peer-token-0123456788")).await.status,
-        401
-    );
-    let listed = ask_peer(b_peer, Some("peer-token-0123456789")).await;
-    assert_eq!(listed.status, 200, "{:?}", listed.body);
-    assert_eq!(
-        listed.json()["runtimes"],
-        serde_json::json!(["rt-a", "rt-b"])
-    );
     let forged = Request::get(format!("http://{b_peer}/"))
         .header("host", format!("rt-a.{DOMAIN}"))
+        .header("x-portcullis-peer-token", "peer-token-0123456788")
         .body(body(Bytes::new()))
         .unwrap();
     assert_eq!(client::send(&client::h2c(), forged).await.status, 401);
     b.process.wait_for_log("wrong or missing peer token").await;
+}
 
-    // Gone: at once, before A's next poll has noticed, B cannot take a
-    // connection, so A leaves it out and answers as for a runtime with
-    // no tunnel anywhere.
+/// A client that moves from B to C (its old process gone, a new one
+/// dialling C) is served through C from every replica within a second
+/// of C holding it: the registry's change reaches A at once, not at a
+/// poll.
+#[tokio::test]
+async fn a_client_that_moves_is_served_on_its_new_replica_within_a_second() {
+    let echo = upstream::echo("moving").await;
+    let group = Group::start().await;
+    let (mut a, b, client) = holding_for_a_peer(&group, &echo.url()).await;
+    let c = group.replica(&[]).await;
+    assert_eq!(a.get("rt-a", "/before").await.status, 200);
+    drop(client);
+    b.process
+        .wait_status("rt-a gone from B", |s| {
+            s["runtimes"] == serde_json::json!([])
+        })
+        .await;
+    let _moved = c
+        .client("rt-a", TOKENS[0].1, &["--upstream", &echo.url()])
+        .await;
+    c.wait_connections("rt-a", 2).await;
+    let held = Instant::now();
+    loop {
+        let answer = a.get("rt-a", "/after-move").await;
+        if answer.status == 200 {
+            assert_eq!(answer.json()["upstream"], "moving");
+            break;
+        }
+        assert!(
+            held.elapsed() < Duration::from_secs(1),
+            "A still answers {} a second after C holds rt-a: {:?}",
+            answer.status,
+            answer.body
+        );
+    }
+    let c_peer = c.process.addrs["peer listening"];
+    a.process.wait_for_log(&format!("peer {c_peer}")).await;
+}
+
+/// SIGKILL of the replica holding a runtime: its client reconnects
+/// through the balancer to another replica and is served there within
+/// its backoff, by every replica; the dead replica's registry entries
+/// are gone once its lease ends, deleted by a survivor.
+#[tokio::test]
+async fn a_killed_replicas_runtimes_are_served_elsewhere_and_its_entries_expire() {
+    let echo = upstream::echo("survivor").await;
+    let group = Group::start().await;
+    let mut b = group.replica(&[]).await;
+    let c = group.replica(&[]).await;
+    let a = group.replica(&[]).await;
+    // The balancer sends the client to B first.
+    let balancer = Balancer::start(vec![b.tunnel, c.tunnel]).await;
+    let _client = b
+        .client_via(
+            &balancer.url,
+            "rt-a",
+            TOKENS[0].1,
+            &["--upstream", &echo.url(), "--connections", "1"],
+        )
+        .await;
+    b.wait_connections("rt-a", 1).await;
+    let b_id = instance(&b).await;
+    assert_eq!(
+        group.redis.holders().await,
+        [("rt-a".to_owned(), b_id.clone())]
+    );
+    b.process.signal("KILL");
+    b.process.wait_exit(Duration::from_secs(10)).await;
+    c.wait_connections("rt-a", 1).await;
+    for server in [&a, &c] {
+        let answer = server.get("rt-a", "/after-kill").await;
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        assert_eq!(answer.json()["upstream"], "survivor");
+    }
+    // B's entry outlives it only until its lease ends.
+    let c_id = instance(&c).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let holders = group.redis.holders().await;
+        if holders == [("rt-a".to_owned(), c_id.clone())] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "B's entries stay: {holders:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = a
+        .process
+        .wait_status("B gone from A's map", |s| {
+            s["peers"]
+                .as_array()
+                .is_some_and(|p| p.iter().all(|p| p["instance"] != b_id.as_str()))
+        })
+        .await;
+    assert_eq!(
+        status["peers"].as_array().map(Vec::len),
+        Some(1),
+        "{status:#}"
+    );
+}
+
+/// Redis killed mid-traffic: requests for the runtime held locally never
+/// fail, forwarding goes on by the last known map, and `/status` and
+/// `/metrics` say the registry is down. When Redis comes back (empty)
+/// every replica re-registers what it holds, so a replica started after
+/// finds both runtimes.
+#[tokio::test]
+async fn when_redis_goes_away_local_runtimes_are_served_and_the_registry_catches_up() {
+    let echo_a = upstream::echo("local-a").await;
+    let echo_b = upstream::echo("remote-b").await;
+    let mut group = Group::start().await;
+    let a = group.replica(&[]).await;
+    let b = group.replica(&[]).await;
+    let _rt_a = a
+        .client("rt-a", TOKENS[0].1, &["--upstream", &echo_a.url()])
+        .await;
+    let _rt_b = b
+        .client("rt-b", TOKENS[1].1, &["--upstream", &echo_b.url()])
+        .await;
+    group.sees(&a, 1).await;
+
+    let public = a.public;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut answered = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let req = Request::get(format!("http://{public}/during"))
+                    .header("host", format!("rt-a.{DOMAIN}"))
+                    .body(body(Bytes::new()))
+                    .unwrap();
+                let answer = client::send(&client::http1(), req).await;
+                assert_eq!(answer.status, 200, "request {answered}: {:?}", answer.body);
+                answered += 1;
+            }
+            answered
+        })
+    };
+    group.redis.kill().await;
+    a.process
+        .wait_status("the registry down", |s| s["registry"]["state"] == "down")
+        .await;
+    a.process
+        .metrics_showing(&[
+            "portcullis_tunnel_registry_up 0".to_owned(),
+            "portcullis_tunnel_registry_lost_total 1".to_owned(),
+        ])
+        .await;
+    let forwarded = a.get("rt-b", "/by-the-last-map").await;
+    assert_eq!(forwarded.status, 200, "{:?}", forwarded.body);
+    assert_eq!(forwarded.json()["upstream"], "remote-b");
+
+    group.redis.restart().await;
+    for server in [&a, &b] {
+        server
+            .process
+            .wait_status("the registry up again", |s| s["registry"]["state"] == "up")
+            .await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let answered = traffic.await.unwrap();
+    assert!(answered > 0);
+    let late = group.replica(&[]).await;
+    group.sees(&late, 2).await;
+    for (runtime, upstream) in [("rt-a", "local-a"), ("rt-b", "remote-b")] {
+        let answer = late.get(runtime, "/late").await;
+        assert_eq!(answer.status, 200, "{runtime}: {:?}", answer.body);
+        assert_eq!(answer.json()["upstream"], upstream);
+    }
+}
+
+/// A takeover across replicas: a newer client of rt-a connects to C
+/// while an older one holds it on B. B learns it from the registry and
+/// closes the older client's tunnel, telling it it was replaced, as one
+/// server does; every replica then serves rt-a through C.
+#[tokio::test]
+async fn a_takeover_across_replicas_closes_the_stale_tunnel() {
+    let old = upstream::echo("old-client").await;
+    let new = upstream::echo("new-client").await;
+    let group = Group::start().await;
+    let (a, mut b, mut old_client) = holding_for_a_peer(&group, &old.url()).await;
+    let c = group.replica(&[]).await;
+    assert_eq!(a.get("rt-a", "/x").await.json()["upstream"], "old-client");
+    let _new_client = c
+        .client("rt-a", TOKENS[0].1, &["--upstream", &new.url()])
+        .await;
+    b.process
+        .wait_for_log("another client took over this runtime")
+        .await;
+    let line = old_client.wait_for_log("another client took over").await;
+    assert!(line.contains("rt-a"), "{line}");
+    let exited = old_client.wait_exit(Duration::from_secs(20)).await;
+    assert!(
+        !exited.success(),
+        "the replaced client must exit with an error"
+    );
+    b.process
+        .wait_status("rt-a gone from B", |s| {
+            s["runtimes"] == serde_json::json!([])
+        })
+        .await;
+    let c_id = instance(&c).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while group.redis.holders().await != [("rt-a".to_owned(), c_id.clone())] {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            group.redis.holders().await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for server in [&a, &b, &c] {
+        let answer = server.get("rt-a", "/after").await;
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        assert_eq!(answer.json()["upstream"], "new-client");
+    }
+}
+
+/// A holder that dies is left out at once, before its lease ends: A
+/// cannot connect to it, answers as for a runtime with no tunnel
+/// anywhere, and says so.
+#[tokio::test]
+async fn a_holder_that_cannot_be_reached_is_left_out_at_once() {
+    let echo = upstream::echo("behind-b").await;
+    let group = Group::start().await;
+    let (mut a, mut b, _client) = holding_for_a_peer(&group, &echo.url()).await;
     b.process.signal("KILL");
     b.process.wait_exit(Duration::from_secs(10)).await;
     let answer = a.get("rt-a", "/after").await;
@@ -202,129 +494,72 @@ async fn a_replica_without_the_runtimes_tunnel_serves_it_through_a_peer() {
     a.process.wait_for_log("peer unreachable").await;
 }
 
-/// Two peers hold the runtime and one dies: requests go on through the
-/// other from the first, since a peer that takes no connection has been
-/// sent nothing and the next can be tried.
+/// Bad flags stop the server at start and say which: the removed
+/// `--peers`, a registry without a peer listener or token, a short token,
+/// a password in the URL.
 #[tokio::test]
-async fn when_one_of_two_holding_peers_dies_the_other_serves_at_once() {
-    let echo = upstream::echo("two-holders").await;
-    let (_token_dir, token) = peer_token_file();
-    let listen = ["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token];
-    let mut b = replica(&listen).await;
-    let c = replica(&listen).await;
-    let (b_peer, c_peer) = (
-        b.process.addrs["peer listening"],
-        c.process.addrs["peer listening"],
-    );
-    let peers = format!("{b_peer},{c_peer}");
-    let a = replica(&["--peers", &peers, "--peer-token-file", &token]).await;
-    let url = echo.url();
-    let _client = b
-        .client_via(
-            &format!("{},{}", b.url, c.url),
-            "rt-a",
-            TOKENS[0].1,
-            &["--upstream", &url, "--connections", "1"],
-        )
-        .await;
-    b.wait_connections("rt-a", 1).await;
-    c.wait_connections("rt-a", 1).await;
-    a.process
-        .wait_status("both peers holding rt-a", |s| {
-            s["peers"]
-                .as_array()
-                .is_some_and(|p| p.len() == 2 && p.iter().all(|p| p["runtimes"] == 1))
-        })
-        .await;
-
-    b.process.signal("KILL");
-    b.process.wait_exit(Duration::from_secs(10)).await;
-    for i in 0..6 {
-        let answer = a.get("rt-a", &format!("/n{i}")).await;
-        assert_eq!(answer.status, 200, "request {i}: {:?}", answer.body);
-        assert_eq!(answer.json()["upstream"], "two-holders");
-    }
-    let status = a.process.status().await;
-    let listed = |addr: SocketAddr| {
-        status["peers"]
-            .as_array()
-            .and_then(|p| p.iter().find(|p| p["address"] == addr.to_string()))
-            .cloned()
-            .unwrap_or_default()
-    };
-    assert_eq!(listed(b_peer)["up"], false, "{status:#}");
-    assert_eq!(listed(c_peer)["up"], true, "{status:#}");
-}
-
-/// A replica listed among its own peers (a headless Service's name
-/// resolves to every pod, itself included) knows itself by its instance
-/// id and does not forward to itself.
-#[tokio::test]
-async fn a_replica_among_its_own_peers_leaves_itself_out() {
-    let (_token_dir, token) = peer_token_file();
-    // The peer port is known only once bound, so the replica names
-    // itself through a port taken for it first.
-    let port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap().port()
-    };
-    let listen = format!("127.0.0.1:{port}");
-    let a = replica(&[
-        "--peer-listen",
-        &listen,
-        "--peers",
-        &listen,
-        "--peer-token-file",
-        &token,
-    ])
-    .await;
-    let status = a
-        .process
-        .wait_status("itself among its peers", |s| s["peers"][0]["up"] == true)
-        .await;
-    assert_eq!(status["peers"][0]["self"], true, "{status:#}");
-    assert_eq!(
-        status["peers"][0]["instance"], status["instance"],
-        "{status:#}"
-    );
-    a.process
-        .metrics_showing(&["portcullis_tunnel_peers{state=\"up\"} 0".to_owned()])
-        .await;
-}
-
-/// A short or missing peer token stops the server at start, naming it.
-#[tokio::test]
-async fn a_missing_or_short_peer_token_is_refused_at_start() {
+async fn bad_registry_flags_are_refused_at_start() {
     let dir = tokens_dir();
     let short = dir.path().join("short");
     std::fs::write(&short, "tiny\n").unwrap();
     let short = short.display().to_string();
-    for (extra, message) in [
-        (&[][..], "need the peers' token"),
-        (&["--peer-token-file", &short][..], "at least 16 characters"),
+    let listen = [
+        "--registry",
+        "redis://127.0.0.1:1",
+        "--peer-listen",
+        "127.0.0.1:0",
+    ];
+    for (args, message) in [
+        (&["--peers", "127.0.0.1:1"][..], "--peers was removed"),
+        (
+            &["--registry", "redis://127.0.0.1:1"][..],
+            "needs --peer-listen",
+        ),
+        (&listen[..], "needs the peers' token"),
+        (
+            &[&listen[..], &["--peer-token-file", &short]].concat()[..],
+            "at least 16 characters",
+        ),
+        (
+            &[
+                "--registry",
+                "redis://:pw@127.0.0.1:1",
+                "--peer-listen",
+                "127.0.0.1:0",
+            ][..],
+            "holds a password",
+        ),
+        (
+            &[
+                "--registry",
+                "127.0.0.1:6379",
+                "--peer-listen",
+                "127.0.0.1:0",
+            ][..],
+            "not a Redis URL",
+        ),
     ] {
         let out = server_command(&dir)
-            .args(["--peers", "127.0.0.1:1"])
-            .args(extra)
+            .args(args)
             .env_remove("PORTCULLIS_PEER_TOKEN")
             .output()
             .unwrap();
-        assert!(!out.status.success());
+        assert!(!out.status.success(), "{args:?}");
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.contains(message), "{stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
     }
 }
 
 /// A rolling restart: the replica holding the tunnel is stopped while a
 /// request a peer forwarded to it is in flight. It stops taking new
 /// ones, finishes that one (through its tunnel, which closes only
-/// after), and exits cleanly; the forwarding replica's client gets the
-/// answer.
+/// after), withdraws from the registry and exits cleanly; the forwarding
+/// replica's client gets the answer.
 #[tokio::test]
 async fn a_stopping_peer_finishes_the_requests_forwarded_to_it() {
     let (up, mut arrived, release) = upstream::holding().await;
-    let (_token_dir, token) = peer_token_file();
-    let (a, mut b, _client) = holding_for_a_peer(&up.url(), &token).await;
+    let group = Group::start().await;
+    let (a, mut b, _client) = holding_for_a_peer(&group, &up.url()).await;
     let in_flight = a.slow_in_flight("rt-a", &mut arrived).await;
     b.process.signal("TERM");
     b.process.wait_for_log("shutting down").await;
@@ -334,6 +569,8 @@ async fn a_stopping_peer_finishes_the_requests_forwarded_to_it() {
     assert_eq!(answer.body, "done /slow");
     let status = b.process.wait_exit(Duration::from_secs(20)).await;
     assert!(status.success(), "{status:?}");
+    // Withdrawn at once, not after the lease.
+    assert_eq!(group.redis.holders().await, []);
 }
 
 /// A burst of public requests for a peer's runtime shares one connection
@@ -348,8 +585,8 @@ async fn a_stopping_peer_finishes_the_requests_forwarded_to_it() {
 #[tokio::test]
 async fn bursts_of_requests_share_the_peer_link_and_cancelling_them_leaves_it_up() {
     let (up, mut arrived, release) = upstream::holding().await;
-    let (_token_dir, token) = peer_token_file();
-    let (a, mut b, _client) = holding_for_a_peer(&up.url(), &token).await;
+    let group = Group::start().await;
+    let (a, mut b, _client) = holding_for_a_peer(&group, &up.url()).await;
 
     // Fifty at once on a link not yet dialled: B sees them all come from
     // one connection.
@@ -426,18 +663,34 @@ async fn bursts_of_requests_share_the_peer_link_and_cancelling_them_leaves_it_up
 #[tokio::test]
 async fn requests_waiting_on_a_failed_dial_to_a_peer_share_its_failure() {
     let echo = upstream::echo("behind-b").await;
-    let (token_dir, token) = peer_token_file();
-    let (_, _, b_tls, a_tls) = peer_tls(token_dir.path());
-    let listen = ["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token];
-    let b = replica(&[&listen[..], &strs(&b_tls)].concat()).await;
-    let relay = super::Relay::start(b.process.addrs["peer listening"]).await;
+    let group = Group::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (_, _, b_tls, a_tls) = peer_tls(dir.path());
+    // B is reached through a relay, which it advertises by the name its
+    // certificate carries.
+    let b_listen = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let relay = super::Relay::start(b_listen).await;
+    let (listen, advertise) = (
+        b_listen.to_string(),
+        format!("localhost:{}", relay.addr.port()),
+    );
+    let b = group
+        .replica(
+            &[
+                &["--peer-listen", &listen, "--peer-advertise", &advertise][..],
+                &strs(&b_tls),
+            ]
+            .concat(),
+        )
+        .await;
     let _rt = b
         .client("rt-a", TOKENS[0].1, &["--upstream", &echo.url()])
         .await;
-    let mut a = listing_by_name(relay.addr.port(), &token, &a_tls).await;
+    let mut a = group.replica(&strs(&a_tls)).await;
+    group.sees(&a, 1).await;
 
     // From now on B takes connections and says nothing (a process that
-    // hangs); A's polls go on over the connection it has.
+    // hangs).
     relay.black_hole();
     const BURST: u64 = 10;
     let mut burst = TunnelServer::h2_requests(&a.h2().await, "rt-a", BURST);
@@ -452,98 +705,80 @@ async fn requests_waiting_on_a_failed_dial_to_a_peer_share_its_failure() {
 /// Peers across a network they do not trust speak mutual TLS
 /// (`--peer-cert`, `--peer-key`, `--peer-ca`). Requests cross as they do
 /// over cleartext. Each side checks the other's certificate against the
-/// peer CA, and the dialling side also checks the name it listed the
-/// peer by. The peer port refuses plain HTTP, a client without a
+/// peer CA, and the dialling side also checks the name the peer
+/// advertises. The peer port refuses plain HTTP, a client without a
 /// certificate, and one from another CA, and goes on serving.
 #[tokio::test]
 async fn peers_with_certificates_speak_mutual_tls() {
     use crate::support::tls::{self, TestPki};
     let echo = upstream::echo("behind-b").await;
-    let (token_dir, token) = peer_token_file();
+    let group = Group::start().await;
+    let dir = tempfile::tempdir().unwrap();
     // B's certificate names only `localhost`; A presents its own from the
     // same CA.
-    let (pki, a_pki, b_tls, a_tls) = peer_tls(token_dir.path());
-    let mut b = replica(
-        &[
-            &["--peer-listen", "127.0.0.1:0", "--peer-token-file", &token][..],
-            &strs(&b_tls),
-        ]
-        .concat(),
-    )
-    .await;
+    let (pki, a_pki, b_tls, a_tls) = peer_tls(dir.path());
+    let port = free_port();
+    let (listen, by_name) = (format!("127.0.0.1:{port}"), format!("localhost:{port}"));
+    let mut b = group
+        .replica(
+            &[
+                &["--peer-listen", &listen, "--peer-advertise", &by_name][..],
+                &strs(&b_tls),
+            ]
+            .concat(),
+        )
+        .await;
     let b_peer = b.process.addrs["peer listening"];
     let _rt = b
         .client("rt-a", TOKENS[0].1, &["--upstream", &echo.url()])
         .await;
-    // Listed by the name its certificate carries: up, and forwarded to.
-    let a = listing_by_name(b_peer.port(), &token, &a_tls).await;
+    // Advertised by the name its certificate carries: forwarded to.
+    let a = group.replica(&strs(&a_tls)).await;
+    group.sees(&a, 1).await;
     let answer = a.get("rt-a", "/over-tls").await;
     assert_eq!(answer.status, 200, "{:?}", answer.body);
     assert_eq!(answer.json()["upstream"], "behind-b");
     assert_eq!(answer.json()["target"], "/over-tls");
 
-    // Listed by an address its certificate does not name: never up, and
-    // the status says why.
-    let by_address = b_peer.to_string();
-    let wrong = replica(
-        &[
-            &["--peers", &by_address, "--peer-token-file", &token][..],
-            &strs(&a_tls),
-        ]
-        .concat(),
-    )
-    .await;
-    let status = wrong
-        .process
-        .wait_status("peer B refused for its name", |s| {
-            s["peers"][0]["error"]
-                .as_str()
-                .is_some_and(|e| e.contains("TLS handshake"))
-        })
+    // A replica advertising an address its certificate does not name:
+    // never reached, and the status says why.
+    let wrong = group
+        .replica(&[&["--peer-advertise", "127.0.0.1:0"][..], &strs(&b_tls)].concat())
         .await;
-    assert_eq!(status["peers"][0]["up"], false, "{status:#}");
-    let error = status["peers"][0]["error"].as_str().unwrap();
-    assert!(error.contains("not valid for name"), "{error}");
-    assert_eq!(wrong.get("rt-a", "/x").await.status, 503);
+    let _rt_b = wrong
+        .client("rt-b", TOKENS[1].1, &["--upstream", &echo.url()])
+        .await;
+    group.sees(&a, 2).await;
+    assert_eq!(a.get("rt-b", "/x").await.status, 503);
+    let status = a.process.status().await;
+    let errors: Vec<&str> = status["peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["error"].as_str())
+        .collect();
+    assert!(
+        errors.len() == 1 && errors[0].contains("not valid for name"),
+        "{status:#}"
+    );
 
     // The port by hand: plain HTTP is told it speaks TLS; TLS without a
     // certificate, or with one from another CA, fails the handshake.
-    let plain = client::raw(b_peer, b"GET /runtimes HTTP/1.1\r\nhost: x\r\n\r\n").await;
+    let plain = client::raw(b_peer, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await;
     assert!(plain.starts_with("HTTP/1.1 400"), "{plain}");
     assert!(plain.contains("speaks TLS"), "{plain}");
-    let none = tls::https_get(
-        b_peer,
-        "localhost",
-        &pki.ca_pem,
-        &[b"http/1.1"],
-        "/runtimes",
-    )
-    .await;
+    let none = tls::https_get(b_peer, "localhost", &pki.ca_pem, &[b"http/1.1"], "/").await;
     assert!(none.is_err(), "{none:?}");
     let stranger = TestPki::for_names(&["localhost"]);
-    let other = tls::https_get_as(
-        b_peer,
-        "localhost",
-        &pki.ca_pem,
-        &stranger,
-        "/runtimes",
-        &[],
-    )
-    .await;
+    let other = tls::https_get_as(b_peer, "localhost", &pki.ca_pem, &stranger, "/", &[]).await;
     assert!(other.is_err(), "{other:?}");
     b.process.wait_for_log("peer connection refused").await;
-    // A peer's certificate and the token: listed, after all that.
+    // A peer's certificate and the token: answered (not a peer endpoint,
+    // but past the handshake and the token check).
     let token_header = [("x-portcullis-peer-token", "peer-token-0123456789")];
-    let (_, listed) = tls::https_get_as(
-        b_peer,
-        "localhost",
-        &pki.ca_pem,
-        &a_pki,
-        "/runtimes",
-        &token_header,
-    )
-    .await
-    .unwrap();
-    assert_eq!(listed.status, 200, "{:?}", listed.body);
-    assert_eq!(listed.json()["runtimes"], serde_json::json!(["rt-a"]));
+    let (_, answered) =
+        tls::https_get_as(b_peer, "localhost", &pki.ca_pem, &a_pki, "/", &token_header)
+            .await
+            .unwrap();
+    assert_eq!(answered.status, 404, "{:?}", answered.body);
 }

@@ -23,6 +23,7 @@ pub mod head_deadline;
 pub mod linger;
 pub mod pem;
 pub mod proxy_protocol;
+pub mod redis_target;
 pub mod resolve;
 pub mod shard;
 pub mod shared_dial;

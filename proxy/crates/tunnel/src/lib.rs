@@ -53,6 +53,17 @@ pub struct Hello {
     pub token: String,
 }
 
+/// When a client instance started: the number its instance id begins with
+/// (`<unix-ms>-<random>`); 0 when absent. The most recently started
+/// instance of a runtime's client wins its tunnels.
+pub(crate) fn instance_started(instance: &str) -> u128 {
+    instance
+        .split('-')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
 impl Hello {
     /// The hello in a handshake's header fields, looked up by `field`
     /// (lower-case name → value, empty when absent).

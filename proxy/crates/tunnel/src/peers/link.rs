@@ -2,14 +2,14 @@
 
 use super::*;
 
-/// The name a peer's certificate must carry: the host of the `--peers`
-/// entry it was listed by (an IP address entry: that address).
+/// The name a peer's certificate must carry: the host of the address it
+/// advertises (`--peer-advertise`; an IP address: that address).
 pub(super) fn server_name(entry: &str) -> rustls_pki_types::ServerName<'static> {
     let host = entry.rsplit_once(':').map_or(entry, |(host, _)| host);
     let host = host.trim_start_matches('[').trim_end_matches(']');
     rustls_pki_types::ServerName::try_from(host.to_owned()).unwrap_or_else(|_| {
         // Not a name a certificate can carry: nothing will verify, and
-        // the poll's error says so.
+        // the dial's error says so.
         rustls_pki_types::ServerName::try_from("invalid.peer.name").expect("a valid name")
     })
 }
@@ -23,19 +23,20 @@ pub(super) type LinkTls = (
 /// A connection to one peer, made when first needed and again after it
 /// closes.
 pub(crate) struct Link {
-    pub addr: SocketAddr,
+    /// The peer's advertised address, `host:port`.
+    pub addr: String,
     pub(super) tls: Option<LinkTls>,
     pub(super) sender: Mutex<Option<SendRequest<Body>>>,
     /// One dial at a time, its failure shared with those waiting on it.
     pub(super) dialling: portcullis_net::shared_dial::SharedDial<String>,
-    /// Requests forwarded on it (polls not counted).
+    /// Requests forwarded on it.
     pub(super) sent: AtomicU64,
     /// Forwarded requests waiting for the peer's answer head.
     pub(super) active: AtomicUsize,
 }
 
 impl Link {
-    pub(super) fn new(addr: SocketAddr, tls: Option<LinkTls>) -> Link {
+    pub(super) fn new(addr: String, tls: Option<LinkTls>) -> Link {
         Link {
             addr,
             tls,
@@ -72,7 +73,7 @@ impl Link {
 
     /// A new connection to the peer: TCP, TLS when peers speak it, HTTP/2.
     pub(super) async fn dial(&self) -> Result<SendRequest<Body>, String> {
-        let tcp = tokio::time::timeout(POLL_TIMEOUT, TcpStream::connect(self.addr))
+        let tcp = tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(self.addr.as_str()))
             .await
             .map_err(|_| "connect timed out".to_owned())?
             .map_err(|e| format!("connect: {e}"))?;
@@ -80,7 +81,7 @@ impl Link {
         match &self.tls {
             None => self.h2(tcp).await,
             Some((connector, name)) => {
-                let tls = tokio::time::timeout(POLL_TIMEOUT, connector.connect(name.clone(), tcp))
+                let tls = tokio::time::timeout(DIAL_TIMEOUT, connector.connect(name.clone(), tcp))
                     .await
                     .map_err(|_| "TLS handshake timed out".to_owned())?
                     .map_err(|e| format!("TLS handshake: {e}"))?;
@@ -103,7 +104,7 @@ impl Link {
                     portcullis_http::forward::error_chain(&e)
                 )
             })?;
-        let addr = self.addr;
+        let addr = self.addr.clone();
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(peer = %addr, error = %e, "peer connection ended");
@@ -132,15 +133,6 @@ impl Link {
     ) -> Result<Response<Incoming>, String> {
         self.sent.fetch_add(1, Ordering::Relaxed);
         let _counted = crate::Active::count(&self.active);
-        sender
-            .send_request(req)
-            .await
-            .map_err(|e| portcullis_http::forward::error_chain(&e))
-    }
-
-    /// Sends one request (shaped for HTTP/2) to the peer.
-    pub(super) async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, String> {
-        let mut sender = self.ready().await?;
         sender
             .send_request(req)
             .await

@@ -1,4 +1,4 @@
-//! The peer listener: other replicas' polls and forwarded requests, over TLS when set.
+//! The peer listener: requests other replicas forward, over TLS when set.
 
 use super::*;
 

@@ -1,12 +1,24 @@
 use super::*;
+use std::collections::HashSet;
+
+fn options(token: &str) -> PeerOptions {
+    PeerOptions {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        advertise: "127.0.0.1:1".into(),
+        registry: portcullis_net::redis_target::RedisTarget::new(
+            "--registry",
+            "redis://127.0.0.1:1",
+            None,
+            None,
+        )
+        .unwrap(),
+        token: token.into(),
+        tls: None,
+    }
+}
 
 fn peers() -> Peers {
-    let options = PeerOptions {
-        listen: None,
-        peers: Vec::new(),
-        token: "a-peer-token-of-some-length".into(),
-        tls: None,
-    };
+    let options = options("a-peer-token-of-some-length");
     Peers::new(&options, "1-self".into(), 2).unwrap()
 }
 
@@ -26,18 +38,13 @@ fn only_the_group_token_is_authentic() {
 
 #[test]
 fn short_tokens_are_refused() {
-    let options = PeerOptions {
-        listen: None,
-        peers: Vec::new(),
-        token: "short".into(),
-        tls: None,
-    };
+    let options = options("short");
     let e = Peers::new(&options, "1-x".into(), 1).err().unwrap();
     assert!(e.to_string().contains("at least 16"), "{e}");
 }
 
 #[test]
-fn a_peer_is_verified_by_the_host_it_was_listed_by() {
+fn a_peer_is_verified_by_the_host_it_advertises() {
     use rustls_pki_types::ServerName;
     let name = |entry: &str| server_name(entry).to_str().into_owned();
     assert_eq!(name("tunnel-peers.ns.svc:7946"), "tunnel-peers.ns.svc");
@@ -49,70 +56,81 @@ fn a_peer_is_verified_by_the_host_it_was_listed_by() {
     assert_eq!(name("[fd00::7]:7946"), "fd00::7");
 }
 
-#[test]
-fn a_server_never_forwards_to_itself_and_takes_turns_among_holders() {
-    let peers = peers();
-    {
-        let mut table = peers.lock();
-        for (port, instance) in [(1, "1-self"), (2, "2-other"), (3, "3-third")] {
-            let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-            table.peers.insert(
-                addr,
-                Peer {
-                    links: (0..3).map(|_| Arc::new(Link::new(addr, None))).collect(),
-                    seen: Some(Seen {
-                        instance: instance.into(),
-                        generation: 1,
-                        runtimes: ["rt-a".to_owned()].into_iter().collect(),
-                        since: SystemTime::now(),
-                    }),
-                    error: None,
-                },
-            );
-        }
+fn holding(client: &str, port: u16) -> directory::Holding {
+    directory::Holding {
+        client: client.into(),
+        conns: 1,
+        since: 0,
+        addr: format!("127.0.0.1:{port}"),
     }
-    let picked: HashSet<u16> = (0..4)
-        .map(|i| peers.holders("rt-a", i)[0].addr.port())
-        .collect();
-    assert_eq!(picked, [2, 3].into_iter().collect());
-    assert_eq!(peers.holders("rt-a", 0).len(), 2, "both, to try in turn");
-    assert!(peers.holders("rt-b", 0).is_empty());
-    // One that cannot be reached is left out until a poll answers.
-    peers.lost("127.0.0.1:2".parse().unwrap(), "connect: refused");
-    let left: Vec<u16> = peers
-        .holders("rt-a", 0)
-        .iter()
-        .map(|l| l.addr.port())
-        .collect();
-    assert_eq!(left, [3]);
-    // Each worker forwards on a connection of its own.
-    for worker in 0..2 {
-        let link = peers.holders("rt-a", worker)[0].clone();
-        let table = peers.lock();
-        let peer = &table.peers[&link.addr];
-        assert!(Arc::ptr_eq(&link, &peer.links[worker]), "worker {worker}");
-        assert!(
-            !Arc::ptr_eq(&link, &peer.links[1 - worker]),
-            "worker {worker}"
-        );
-    }
-    let status = peers.snapshot();
-    assert!(status[0].itself && !status[1].itself, "{status:?}");
 }
 
-#[tokio::test]
-async fn an_unchanged_registry_is_answered_without_the_list() {
-    let list = || vec!["rt-a".to_owned()];
-    let runtimes = async |query| {
-        let resp = presence(query, "9-me", (4, list));
-        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        serde_json::from_slice::<Presence>(&bytes).unwrap().runtimes
-    };
-    assert_eq!(runtimes(None).await, Some(list()));
-    let stale = Some("instance=9-me&generation=3");
-    assert_eq!(runtimes(stale).await, Some(list()));
-    let restarted = Some("instance=8-old&generation=4");
-    assert_eq!(runtimes(restarted).await, Some(list()));
-    let current = Some("instance=9-me&generation=4");
-    assert_eq!(runtimes(current).await, None);
+fn ports(links: &[Arc<Link>]) -> Vec<String> {
+    links.iter().map(|l| l.addr.clone()).collect()
+}
+
+#[test]
+fn holders_take_turns_and_each_worker_has_its_own_link() {
+    let peers = peers();
+    peers.held("2-other".into(), "rt-a".into(), holding("5-c", 2));
+    peers.held("3-third".into(), "rt-a".into(), holding("5-c", 3));
+    let picked: HashSet<String> = (0..4)
+        .map(|i| peers.holders("rt-a", i)[0].addr.clone())
+        .collect();
+    assert_eq!(picked.len(), 2, "{picked:?}");
+    assert_eq!(peers.holders("rt-a", 0).len(), 2, "both, to try in turn");
+    assert!(peers.holders("rt-b", 0).is_empty());
+    // One that cannot be reached is left out for a while.
+    peers.lost("127.0.0.1:2", "connect: refused");
+    assert_eq!(ports(&peers.holders("rt-a", 0)), ["127.0.0.1:3"]);
+    let status = peers.snapshot();
+    assert_eq!(status[0].error.as_deref(), Some("connect: refused"));
+    // Each worker forwards on a connection of its own.
+    let (a, b) = (peers.holders("rt-a", 0), peers.holders("rt-a", 1));
+    assert!(!Arc::ptr_eq(&a[0], &b[0]));
+    assert!(Arc::ptr_eq(&peers.holders("rt-a", 0)[0], &a[0]));
+}
+
+#[test]
+fn released_and_forgotten_servers_leave_the_map() {
+    let peers = peers();
+    peers.held("2-other".into(), "rt-a".into(), holding("5-c", 2));
+    peers.held("2-other".into(), "rt-b".into(), holding("5-c", 2));
+    peers.held("3-third".into(), "rt-b".into(), holding("5-c", 3));
+    peers.released("2-other", "rt-a");
+    assert!(peers.holders("rt-a", 0).is_empty());
+    assert_eq!(peers.snapshot().len(), 2);
+    peers.forget("2-other");
+    assert_eq!(ports(&peers.holders("rt-b", 0)), ["127.0.0.1:3"]);
+    assert_eq!(peers.servers(), ["3-third"]);
+    peers.replace(vec![("4-new".into(), "rt-c".into(), holding("5-c", 4))]);
+    assert!(peers.holders("rt-b", 0).is_empty());
+    assert_eq!(ports(&peers.holders("rt-c", 0)), ["127.0.0.1:4"]);
+    assert_eq!(peers.servers(), ["4-new"]);
+}
+
+#[test]
+fn the_newest_client_wins_wherever_it_connected() {
+    let peers = peers();
+    peers.held(
+        "2-other".into(),
+        "rt-a".into(),
+        holding("1700000000500-x", 2),
+    );
+    assert!(peers.newer_elsewhere("rt-a", "1700000000000-y"));
+    assert!(!peers.newer_elsewhere("rt-a", "1700000000900-z"));
+    assert!(!peers.newer_elsewhere("rt-b", "1-y"));
+}
+
+#[test]
+fn the_registry_state_counts_losses() {
+    let peers = peers();
+    assert!(!peers.registry().up);
+    peers.registry_state(None);
+    assert!(peers.registry().up);
+    peers.registry_state(Some("connection refused".into()));
+    let state = peers.registry();
+    assert!(!state.up);
+    assert_eq!(state.lost, 1);
+    assert_eq!(state.error.as_deref(), Some("connection refused"));
 }

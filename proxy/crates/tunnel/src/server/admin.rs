@@ -45,6 +45,7 @@ pub(super) fn admin(req: Request<Incoming>, shared: &Shared) -> portcullis_obs::
                 },
                 "quic_congestion": shared.quic_congestion.name(),
                 "instance": shared.peers.as_ref().map(|p| p.instance.clone()),
+                "registry": shared.peers.as_ref().map(|p| registry_status(p)),
                 "peers": shared.peers.as_ref().map(|p| p.snapshot()),
                 "runtimes": runtimes.iter().map(|r| serde_json::json!({
                     "id": r.id,
@@ -105,23 +106,32 @@ pub(super) fn admin(req: Request<Incoming>, shared: &Shared) -> portcullis_obs::
                 &per(&|r| r.tunnels.iter().map(|t| t.active as f64).sum()),
             );
             if let Some(peers) = &shared.peers {
+                let registry = peers.registry();
+                metric(
+                    &mut out,
+                    "portcullis_tunnel_registry_up",
+                    "gauge",
+                    "1 while this server is connected to the shared registry (--registry), 0 while it serves from its last known map.",
+                    &[(String::new(), if registry.up { 1.0 } else { 0.0 })],
+                );
+                metric(
+                    &mut out,
+                    "portcullis_tunnel_registry_lost_total",
+                    "counter",
+                    "Times the connection to the shared registry was lost.",
+                    &[(String::new(), registry.lost as f64)],
+                );
                 let peers = peers.snapshot();
-                let count =
-                    |up: bool| peers.iter().filter(|p| !p.itself && p.up == up).count() as f64;
                 metric(
                     &mut out,
                     "portcullis_tunnel_peers",
                     "gauge",
-                    "Peer servers, by whether their last poll answered.",
-                    &[
-                        ("{state=\"up\"}".to_owned(), count(true)),
-                        ("{state=\"down\"}".to_owned(), count(false)),
-                    ],
+                    "Other servers holding runtimes, as the registry says.",
+                    &[(String::new(), peers.len() as f64)],
                 );
                 let per_peer = |value: &dyn Fn(&crate::peers::PeerStatus) -> f64| {
                     peers
                         .iter()
-                        .filter(|p| !p.itself)
                         .map(|p| (format!("{{peer=\"{}\"}}", label(&p.address)), value(p)))
                         .collect::<Vec<_>>()
                 };
@@ -157,4 +167,17 @@ pub(super) fn admin(req: Request<Incoming>, shared: &Shared) -> portcullis_obs::
             serde_json::json!({"error": "not found", "endpoints": ["GET / (status page)", "GET /status", "GET /metrics", "GET /readyz", "GET /healthz"]}),
         ),
     }
+}
+
+/// The shared registry as `/status` shows it.
+fn registry_status(peers: &crate::peers::Peers) -> serde_json::Value {
+    let state = peers.registry();
+    serde_json::json!({
+        "url": peers.registry.url,
+        "state": if state.up { "up" } else { "down" },
+        "since": state.since.map(portcullis_obs::admin_http::rfc3339),
+        "error": state.error,
+        "lost": state.lost,
+        "advertise": peers.advertise,
+    })
 }

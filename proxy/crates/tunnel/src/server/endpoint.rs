@@ -231,7 +231,20 @@ pub(super) async fn run_tunnel(
         stats: portcullis_obs::metrics::runtime(&runtime),
         closed: CancellationToken::new(),
     });
-    let Added { replaced, stale } = shared.registry.add(&runtime, tunnel.clone());
+    // A newer client of the runtime holds it on another server: this
+    // one is turned away as it would be here.
+    let newer_elsewhere = shared
+        .peers
+        .as_ref()
+        .is_some_and(|p| p.newer_elsewhere(&runtime, &tunnel.instance));
+    let Added { replaced, stale } = if newer_elsewhere {
+        Added {
+            replaced: vec![tunnel.clone()],
+            stale: Vec::new(),
+        }
+    } else {
+        shared.registry.add(&runtime, tunnel.clone())
+    };
     if !replaced.iter().any(|t| t.id == tunnel.id) {
         tracing::info!(runtime, peer = %peer, slot, transport, worker, "tunnel connected");
     }
@@ -239,13 +252,7 @@ pub(super) async fn run_tunnel(
         tracing::info!(runtime, old = %old.remote, new = %peer, slot, "client dialled this slot again; closing its previous tunnel");
         old.closed.cancel();
     }
-    for old in replaced {
-        tracing::warn!(runtime, old = %old.remote, new = %peer, "another client took over this runtime; closing the older client's tunnel");
-        tokio::spawn(async move {
-            let _ = control(&old, crate::REPLACED).await;
-            old.closed.cancel();
-        });
-    }
+    close_replaced(replaced, &runtime, &peer.to_string());
     // Ends when the client stops answering or its token is no longer
     // valid; the select below then drops the connection.
     let pings = measure_rtt(tunnel.clone(), shared, &runtime);
@@ -276,6 +283,18 @@ pub(super) async fn run_tunnel(
         // A QUIC connection lives while any handle does (requests in
         // flight hold some); the others are cut off like HTTP/2's.
         quic.close("closed by the server");
+    }
+}
+
+/// Tells the clients behind `old` that another client (`by`) took over
+/// `runtime`, and closes their tunnels.
+pub(super) fn close_replaced(old: Vec<Arc<Tunnel>>, runtime: &str, by: &str) {
+    for old in old {
+        tracing::warn!(runtime, old = %old.remote, new = by, "another client took over this runtime; closing the older client's tunnel");
+        tokio::spawn(async move {
+            let _ = control(&old, crate::REPLACED).await;
+            old.closed.cancel();
+        });
     }
 }
 

@@ -55,7 +55,7 @@ pub(super) async fn forward<B>(
     worker: usize,
     shared: &Shared,
     origin: Origin,
-    (stats, via): (&mut &'static RouteStats, &mut Option<SocketAddr>),
+    (stats, via): (&mut &'static RouteStats, &mut Option<String>),
 ) -> Response<Body>
 where
     B: http_body::Body + Into<Body>,
@@ -98,11 +98,11 @@ where
             for link in holders {
                 match link.ready().await {
                     Ok(sender) => {
-                        *via = Some(link.addr);
+                        *via = Some(link.addr.clone());
                         sent = Some(link.forward(sender, req).await);
                         break;
                     }
-                    Err(e) => peers.lost(link.addr, &e),
+                    Err(e) => peers.lost(&link.addr, &e),
                 }
             }
             match sent {
@@ -120,7 +120,7 @@ where
             "request body could not be read",
             Some(runtime),
         ),
-        Err(e) => failed(&target, &e, runtime, request_id.as_ref(), *via),
+        Err(e) => failed(&target, &e, runtime, request_id.as_ref(), via.as_deref()),
     }
 }
 
@@ -335,7 +335,7 @@ fn failed(
     e: &str,
     runtime: &str,
     request_id: Option<&HeaderValue>,
-    via: Option<SocketAddr>,
+    via: Option<&str>,
 ) -> Response<Body> {
     let request_id = portcullis_obs::request_id::text(request_id);
     match target {
@@ -348,7 +348,7 @@ fn failed(
             )
         }
         Target::Peers(_) => {
-            let peer = via.map(|p| p.to_string()).unwrap_or_default();
+            let peer = via.unwrap_or_default();
             tracing::warn!(runtime, peer, request_id, error = %e, "request through a peer failed");
             error(
                 StatusCode::BAD_GATEWAY,

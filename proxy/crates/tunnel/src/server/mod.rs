@@ -97,7 +97,7 @@ struct Shared {
     quic_congestion: super::quic::Congestion,
     /// `Alt-Svc` for HTTPS responses when HTTP/3 is served.
     alt_svc: Option<HeaderValue>,
-    /// The other replicas (`--peers`).
+    /// The other replicas, found through the registry (`--registry`).
     peers: Option<Arc<super::peers::Peers>>,
     /// The public side's limit per client.
     rate_limit: Option<portcullis_http::rate_limit::RateLimit>,
@@ -109,6 +109,24 @@ struct Shared {
     draining: std::sync::atomic::AtomicBool,
     /// [`ServerOptions::shutdown_delay`].
     shutdown_delay: Duration,
+}
+
+/// This server's holdings as the shared registry sees them: what the
+/// registry of tunnels holds, and closing tunnels a newer client holds
+/// elsewhere.
+impl crate::peers::directory::Local for Shared {
+    fn changed(&self) -> &tokio::sync::Notify {
+        &self.registry.changed
+    }
+
+    fn held(&self) -> Vec<crate::peers::directory::Held> {
+        self.registry.held()
+    }
+
+    fn superseded(&self, runtime: &str, newer: &str) {
+        let old = self.registry.superseded(runtime, newer);
+        close_replaced(old, runtime, "a newer client on another server");
+    }
 }
 
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
@@ -200,23 +218,28 @@ impl TunnelServer {
             }
             None => None,
         };
-        let peers = match &options.peers {
-            Some(peers) => Some(Arc::new(super::peers::Peers::new(
-                peers,
+        // A socket per worker, as for the public side: with clients
+        // dialling a single balanced address, most requests may reach a
+        // runtime through a peer, and one worker would carry them all.
+        let mut peer_listeners = Vec::new();
+        let mut peers = None;
+        if let Some(options) = &options.peers {
+            let addr = options.listen;
+            let peer_err = || format!("cannot bind the peer listener on {addr}");
+            let bound;
+            (bound, peer_listeners) =
+                portcullis_net::sockets::worker_sockets(addr, workers).with_context(peer_err)?;
+            let mut options = options.clone();
+            // Advertised with port 0 (`--peer-listen HOST:0`): the port
+            // it was given.
+            if let Some(host) = options.advertise.strip_suffix(":0") {
+                options.advertise = format!("{host}:{}", bound.port());
+            }
+            peers = Some(Arc::new(super::peers::Peers::new(
+                &options,
                 super::client::instance_id(),
                 workers,
-            )?)),
-            None => None,
-        };
-        // A socket per worker, as for the public side: with peers'
-        // clients dialling a single balanced address, most requests may
-        // reach a runtime through a peer, and one worker would carry them
-        // all.
-        let mut peer_listeners = Vec::new();
-        if let Some(addr) = options.peers.as_ref().and_then(|p| p.listen) {
-            let peer_err = || format!("cannot bind the peer listener on {addr}");
-            (_, peer_listeners) =
-                portcullis_net::sockets::worker_sockets(addr, workers).with_context(peer_err)?;
+            )?));
         }
         let alt_svc = h3.as_ref().map(|_| {
             let port = options.http3_advertised_port.unwrap_or(public_addr.port());
@@ -359,7 +382,11 @@ impl TunnelServer {
             public_done.push(drained_rx);
         }
         if let Some(peers) = &self.shared.peers {
-            tokio::spawn(peers.clone().poll(stop.clone()));
+            tokio::spawn(crate::peers::directory::run(
+                peers.clone(),
+                self.shared.clone(),
+                stop.clone(),
+            ));
         }
         let quic = match self.tunnel_quic {
             Some((socket, config)) => {

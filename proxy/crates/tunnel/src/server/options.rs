@@ -51,8 +51,8 @@ pub struct ServerOptions {
     /// Public connections served at once (all workers together); more
     /// wait in the kernel's accept queue.
     pub max_connections: usize,
-    /// Other replicas to forward to, and where they forward to this one
-    /// (`--peers`, `--peer-listen`).
+    /// The registry shared with other replicas, and where they forward
+    /// to this one (`--registry`, `--peer-listen`, `--peer-advertise`).
     pub peers: Option<crate::peers::PeerOptions>,
     /// Public requests per client beyond which they are answered 429
     /// (`--public-rate-limit`, `COUNT/s|m|h`), and how many more at once.

@@ -308,8 +308,8 @@ impl Phases for Shared {
     }
 }
 
-/// Answers on the peer listener: a poll for this server's runtimes, or a
-/// request a peer forwards, carrying the client's address.
+/// Answers on the peer listener: a request a peer forwards, carrying the
+/// client's address.
 pub(super) async fn answer_peer(
     req: Request<Incoming>,
     from: SocketAddr,
@@ -330,17 +330,7 @@ pub(super) async fn answer_peer(
         .host()
         .is_some_and(|h| h.to_ascii_lowercase().ends_with(&shared.suffix));
     if !for_runtime {
-        return plain(
-            if req.uri().path() == "/runtimes" && req.method() == http::Method::GET {
-                crate::peers::presence(
-                    req.uri().query(),
-                    &peers.instance,
-                    shared.registry.presence(),
-                )
-            } else {
-                error(StatusCode::NOT_FOUND, "not a peer endpoint", None)
-            },
-        );
+        return plain(error(StatusCode::NOT_FOUND, "not a peer endpoint", None));
     }
     let client = req
         .headers()

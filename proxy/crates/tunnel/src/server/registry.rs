@@ -75,9 +75,9 @@ impl Sender {
 pub struct Registry {
     pub(super) runtimes: Mutex<HashMap<String, Runtime>>,
     pub(super) next_id: AtomicU64,
-    /// Changes whenever a tunnel comes or goes, so peers polling for the
-    /// runtimes get the list only when it may have changed.
-    pub(super) generation: AtomicU64,
+    /// Told whenever a tunnel comes or goes, so the registry in Redis
+    /// (when shared) is brought up to date.
+    pub(super) changed: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -94,16 +94,6 @@ pub(super) struct Added {
     pub(super) replaced: Vec<Arc<Tunnel>>,
     /// Earlier tunnels of the same slot, given up on by the client.
     pub(super) stale: Vec<Arc<Tunnel>>,
-}
-
-/// When a client instance started: the number its instance id begins with
-/// (`<unix-ms>-<random>`); 0 when absent.
-pub(super) fn started(instance: &str) -> u128 {
-    instance
-        .split('-')
-        .next()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
 }
 
 impl Registry {
@@ -145,7 +135,7 @@ impl Registry {
     /// server may not have noticed yet.
     pub(super) fn add(&self, runtime: &str, tunnel: Arc<Tunnel>) -> Added {
         let mut runtimes = self.lock();
-        self.generation.fetch_add(1, Ordering::Relaxed);
+        self.changed.notify_one();
         let entry = runtimes.entry(runtime.to_owned()).or_default();
         let mut added = Added::default();
         if entry.instance == tunnel.instance || entry.tunnels.is_empty() {
@@ -154,7 +144,9 @@ impl Registry {
                 added.stale.push(entry.tunnels.swap_remove(i));
             }
             entry.tunnels.push(tunnel);
-        } else if started(&tunnel.instance) > started(&entry.instance) {
+        } else if crate::instance_started(&tunnel.instance)
+            > crate::instance_started(&entry.instance)
+        {
             entry.instance = tunnel.instance.clone();
             added.replaced = std::mem::replace(&mut entry.tunnels, vec![tunnel]);
         } else {
@@ -165,7 +157,7 @@ impl Registry {
 
     pub(super) fn remove(&self, runtime: &str, id: u64) {
         let mut runtimes = self.lock();
-        self.generation.fetch_add(1, Ordering::Relaxed);
+        self.changed.notify_one();
         if let Some(entry) = runtimes.get_mut(runtime) {
             entry.tunnels.retain(|t| t.id != id);
             if entry.tunnels.is_empty() {
@@ -174,15 +166,39 @@ impl Registry {
         }
     }
 
-    /// The registry's generation, and how to list its runtimes (for a
-    /// peer's poll).
-    pub(super) fn presence(&self) -> (u64, impl FnOnce() -> Vec<String> + '_) {
-        let generation = self.generation.load(Ordering::Relaxed);
-        (generation, move || {
-            let mut ids: Vec<String> = self.lock().keys().cloned().collect();
-            ids.sort();
-            ids
-        })
+    /// What this server holds, for the shared registry.
+    pub(super) fn held(&self) -> Vec<crate::peers::directory::Held> {
+        self.lock()
+            .iter()
+            .filter(|(_, r)| !r.tunnels.is_empty())
+            .map(|(id, r)| crate::peers::directory::Held {
+                runtime: id.clone(),
+                client: r.instance.clone(),
+                conns: r.tunnels.len(),
+                since: r
+                    .tunnels
+                    .iter()
+                    .map(|t| t.since)
+                    .min()
+                    .unwrap_or(SystemTime::UNIX_EPOCH),
+            })
+            .collect()
+    }
+
+    /// Takes out the tunnels of `runtime` whose client started before
+    /// `newer`, which holds it elsewhere: they are to be closed.
+    pub(super) fn superseded(&self, runtime: &str, newer: &str) -> Vec<Arc<Tunnel>> {
+        let mut runtimes = self.lock();
+        let Some(entry) = runtimes.get_mut(runtime) else {
+            return Vec::new();
+        };
+        if crate::instance_started(&entry.instance) >= crate::instance_started(newer) {
+            return Vec::new();
+        }
+        let gone = std::mem::take(&mut entry.tunnels);
+        runtimes.remove(runtime);
+        self.changed.notify_one();
+        gone
     }
 
     /// Connected runtimes for the admin endpoint, by id.

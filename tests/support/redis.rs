@@ -1,0 +1,113 @@
+//! A real `redis-server` (Debian's package; the test command installs it)
+//! on a loopback port, without persistence, for the shared registry and
+//! rate limits.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// A running `redis-server`; killed when dropped.
+pub struct Redis {
+    child: Option<Child>,
+    pub port: u16,
+    /// `redis://127.0.0.1:PORT`.
+    pub url: String,
+    dir: tempfile::TempDir,
+}
+
+/// A loopback port free now (redis-server takes no port 0).
+fn free_port() -> u16 {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
+    probe.local_addr().expect("probe address").port()
+}
+
+impl Redis {
+    /// Starts one on a free port, returning once it accepts connections.
+    pub async fn start() -> Redis {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        let mut redis = Redis {
+            child: None,
+            port,
+            url: format!("redis://127.0.0.1:{port}"),
+            dir,
+        };
+        redis.restart().await;
+        redis
+    }
+
+    /// Starts it (again) on its port, with no data: a Redis that lost
+    /// everything, as one without persistence does when it restarts.
+    pub async fn restart(&mut self) {
+        let mut child = Command::new(
+            std::env::var("PORTCULLIS_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into()),
+        )
+        .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no", "--loglevel", "notice"])
+        .arg("--dir")
+        .arg(self.dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("redis-server (Debian's redis-server package; tests/run.sh installs it)");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(20), async {
+            let mut seen = Vec::new();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if line.contains("Ready to accept connections") {
+                    return Ok(());
+                }
+                seen.push(line);
+            }
+            Err(seen)
+        })
+        .await;
+        match ready {
+            Ok(Ok(())) => {}
+            Ok(Err(seen)) => panic!("redis-server exited on port {}: {seen:?}", self.port),
+            Err(_) => panic!("redis-server not ready within 20s on port {}", self.port),
+        }
+        // Its log goes on being read, so it never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        self.child = Some(child);
+    }
+
+    /// Kills it (SIGKILL) and waits for it to be gone.
+    pub async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill().await;
+        }
+    }
+
+    /// A connection for the test's own commands.
+    pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url.as_str())
+            .expect("a Redis URL")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to the test's redis-server")
+    }
+
+    /// The runtimes each tunnel server holds, as the registry records
+    /// them: `(runtime, server instance)` fields, sorted.
+    pub async fn holders(&self) -> Vec<(String, String)> {
+        let mut conn = self.connection().await;
+        let fields: Vec<String> = redis::cmd("HKEYS")
+            .arg("{portcullis-tunnels}:holders")
+            .query_async(&mut conn)
+            .await
+            .expect("HKEYS");
+        let mut out: Vec<(String, String)> = fields
+            .iter()
+            .filter_map(|f| f.split_once('\n'))
+            .map(|(r, s)| (r.to_owned(), s.to_owned()))
+            .collect();
+        out.sort();
+        out
+    }
+}
