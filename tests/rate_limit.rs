@@ -183,3 +183,98 @@ routes:
         "{err}"
     );
 }
+
+/// Two routing-core replicas with `--state` sharing a route's limit
+/// (`shared: true`): a load spread over both admits the limit once, not
+/// once per replica; another route's unshared limit stays each
+/// replica's. With the store gone each replica keeps serving under its
+/// own limit, and says so.
+#[tokio::test]
+async fn replicas_share_a_limit_through_the_state_store_and_fall_back_to_their_own() {
+    use crate::support::process::ProxyProcess;
+    use crate::support::redis::Redis;
+    let app = upstream::echo("app").await;
+    let mut redis = Redis::start().await;
+    // A burst of 20 and then one request every 6 minutes: any short run
+    // admits exactly 20 per counter.
+    let policy = format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+routes:
+  - {{ name: login, match: {{ path: /login }}, upstream: app, rate_limit: {{ rate: 10/h, burst: 19, shared: true }} }}
+  - {{ name: own, match: {{ path: /own }}, upstream: app, rate_limit: {{ rate: 10/h, burst: 19 }} }}
+"#,
+        app.url()
+    );
+    let replicas = [
+        ProxyProcess::start(&policy, &["--state", &redis.url]).await,
+        ProxyProcess::start(&policy, &["--state", &redis.url]).await,
+    ];
+    for r in &replicas {
+        r.wait_status("the state store up", |s| s["state"]["state"] == "up")
+            .await;
+    }
+    // 30 requests to each, at once: 20 pass in all.
+    let admitted = |path: &'static str, replicas: &[&ProxyProcess]| {
+        let urls: Vec<String> = replicas.iter().map(|r| r.url(path)).collect();
+        async move {
+            let each = urls.into_iter().map(|url| {
+                tokio::spawn(async move {
+                    let mut passed = 0;
+                    for _ in 0..30 {
+                        let answer = client::get(&url).await;
+                        match answer.status.as_u16() {
+                            200 => passed += 1,
+                            429 => assert!(answer.headers.contains_key("retry-after")),
+                            other => panic!("{url}: {other}"),
+                        }
+                    }
+                    passed
+                })
+            });
+            let mut total = 0;
+            for passed in futures_util::future::join_all(each).await {
+                total += passed.unwrap();
+            }
+            total
+        }
+    };
+    let both = [&replicas[0], &replicas[1]];
+    let shared = admitted("/login", &both).await;
+    assert!(
+        (18..=22).contains(&shared),
+        "shared: {shared} passed, not 20"
+    );
+    assert_eq!(
+        admitted("/own", &both).await,
+        40,
+        "an unshared limit is each replica's"
+    );
+    replicas[0]
+        .metrics_showing(&["portcullis_state_store_up 1".to_owned()])
+        .await;
+    let status = replicas[0].status().await;
+    assert!(
+        status["state"]["counted"].as_u64() >= Some(30),
+        "{status:#}"
+    );
+
+    // The store gone: each replica counts for itself again.
+    redis.kill().await;
+    for r in &replicas {
+        r.wait_status("the state store down", |s| s["state"]["state"] == "down")
+            .await;
+        r.metrics_showing(&["portcullis_state_store_up 0".to_owned()])
+            .await;
+    }
+    let alone = admitted("/login", &[&replicas[0]]).await;
+    assert_eq!(alone, 20, "the first replica's own limit");
+    let alone = admitted("/login", &[&replicas[1]]).await;
+    assert_eq!(alone, 20, "the second replica's own limit");
+    let status = replicas[1].status().await;
+    assert!(
+        status["state"]["counted_locally"].as_u64() >= Some(30),
+        "{status:#}"
+    );
+}

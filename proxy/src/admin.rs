@@ -425,6 +425,30 @@ fn metrics(reloader: &Reloader) -> String {
             &samples(|e| e.2),
         );
     }
+    if let Some(state) = portcullis_http::shared_limit::state() {
+        use std::sync::atomic::Ordering::Relaxed;
+        metric(
+            "portcullis_state_store_up",
+            "gauge",
+            "1 while the state store (--state) is connected; 0 while shared rate limits count locally.",
+            &[(String::new(), f64::from(u8::from(state.status().up)))],
+        );
+        metric(
+            "portcullis_rate_limit_shared_total",
+            "counter",
+            "Requests of shared rate limits, by where they were counted: `store` (across replicas), `local` (the store down, slow or failing).",
+            &[
+                (
+                    "{counted=\"store\"}".to_owned(),
+                    state.counted.load(Relaxed) as f64,
+                ),
+                (
+                    "{counted=\"local\"}".to_owned(),
+                    state.fell_back.load(Relaxed) as f64,
+                ),
+            ],
+        );
+    }
     portcullis_obs::metrics::render(&mut out);
     out
 }

@@ -38,6 +38,7 @@ pub fn status_json(reloader: &Reloader) -> serde_json::Value {
         "policies": reloader.dir().map_or_else(|| "built-in".to_owned(), |d| d.display().to_string()),
         "ready": control.shared().is_ready(),
         "draining": control.shared().is_draining(),
+        "state": state_store(),
         "config": {
             "generation": s.generation,
             "fingerprint": s.fingerprint,
@@ -170,4 +171,20 @@ fn plugin_uses(pipeline: &portcullis_http::pipeline::Pipeline) -> Vec<serde_json
             })
         })
         .collect()
+}
+
+/// The state store (`--state`) as `/status` shows it; null without one.
+fn state_store() -> serde_json::Value {
+    let Some(state) = portcullis_http::shared_limit::state() else {
+        return serde_json::Value::Null;
+    };
+    let status = state.status();
+    serde_json::json!({
+        "url": state.target.url,
+        "state": if status.up { "up" } else { "down" },
+        "since": status.since.map(rfc3339),
+        "error": status.error,
+        "counted": state.counted.load(std::sync::atomic::Ordering::Relaxed),
+        "counted_locally": state.fell_back.load(std::sync::atomic::Ordering::Relaxed),
+    })
 }

@@ -67,6 +67,9 @@ pub(crate) enum Command {
         /// JavaScript plugin). Without it, plugins compile at every start.
         #[arg(long, value_name = "DIR", env = "PORTCULLIS_PLUGIN_CACHE")]
         plugin_cache: Option<PathBuf>,
+        /// The state store replicas share.
+        #[command(flatten)]
+        state_flags: portcullis::state_flags::StateFlags,
     },
     /// The public side of outbound tunnels: forwards requests for
     /// `<runtime-id>.<domain>` through that runtime's tunnel.

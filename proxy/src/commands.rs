@@ -100,6 +100,8 @@ pub struct ServeOptions {
     pub admin_access: AdminAccess,
     /// When the policies are reloaded.
     pub watch: WatchOptions,
+    /// The state store replicas share (`--state`).
+    pub state: Option<portcullis_net::redis_target::RedisTarget>,
 }
 
 /// `portcullis serve`: loads, binds, serves until SIGTERM or SIGINT (and
@@ -108,6 +110,10 @@ pub struct ServeOptions {
 pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
     let stop = shutdown_signal();
     let hangup = crate::reload::hangup_handler();
+    // Before the policies: their shared limits need it.
+    if let Some(state) = options.state.clone() {
+        portcullis_http::shared_limit::connect(state).map_err(anyhow::Error::msg)?;
+    }
     let config =
         load(options.policies.as_deref()).map_err(|e| anyhow::anyhow!("invalid policies:\n{e}"))?;
     let server = Server::bind(config, options.workers).await?;

@@ -15,6 +15,7 @@ pub mod commands;
 pub mod dev_certs;
 pub mod peer_flags;
 pub mod reload;
+pub mod state_flags;
 
 pub use portcullis_config as config;
 pub use portcullis_http::{

@@ -262,7 +262,15 @@ fn main() -> ExitCode {
             watch_debounce,
             watch_poll,
             plugin_cache,
+            state_flags,
         } => {
+            let state = match state_flags.target() {
+                Ok(state) => state,
+                Err(e) => {
+                    eprintln!("portcullis serve: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             let Some(admin_access) = admin_access(admin_token_file) else {
                 return ExitCode::from(2);
             };
@@ -286,6 +294,7 @@ fn main() -> ExitCode {
                     debounce: watch_debounce,
                     poll: watch_poll,
                 },
+                state,
             };
             // The control plane (signals, drain, reloads) is light; the
             // worker threads run their own runtimes.

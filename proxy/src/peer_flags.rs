@@ -79,7 +79,11 @@ pub struct PeerFlags {
 }
 
 /// A secret from `file`, or else from the environment variable `env`.
-fn secret(file: Option<PathBuf>, env: &str, what: &str) -> Result<Option<String>, String> {
+pub(crate) fn secret(
+    file: Option<PathBuf>,
+    env: &str,
+    what: &str,
+) -> Result<Option<String>, String> {
     match file {
         Some(file) => {
             portcullis_net::files::read_bounded_text(&file, portcullis_net::files::SMALL_LIMIT)

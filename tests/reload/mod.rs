@@ -509,7 +509,7 @@ routes:
     let status = proxy.status().await;
     assert_eq!(
         status["config"]["rate_limits"],
-        serde_json::json!([{ "route": "hooks", "rate": "1/h", "burst": 0, "key": "client" }]),
+        serde_json::json!([{ "route": "hooks", "rate": "1/h", "burst": 0, "key": "client", "shared": false }]),
         "{status:#}"
     );
     assert_eq!(hooks().await, 200);

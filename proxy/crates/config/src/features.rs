@@ -100,6 +100,9 @@ pub struct RateLimitSpec {
     pub key: LimitKey,
     /// The rate as written, for `/status`.
     pub described: String,
+    /// Counted across every replica in the state store (`serve --state`),
+    /// not by this process alone.
+    pub shared: bool,
 }
 
 /// A route's `mirror`: the share of its requests also sent elsewhere.

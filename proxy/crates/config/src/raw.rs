@@ -292,6 +292,7 @@ pub struct RawRateLimit {
     pub rate: Text,
     pub burst: Option<Text>,
     pub key: Option<Text>,
+    pub shared: Option<Text>,
 }
 
 /// A route's `compress`: `true`/`false` (or a `${VAR}` giving one), or

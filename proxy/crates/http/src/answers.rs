@@ -26,8 +26,10 @@ pub fn error_response(
     resp
 }
 
-/// Takes one request from `limit` for the key it counts by.
-pub(crate) fn take_rate(
+/// Takes one request from `limit` for the key it counts by: in the
+/// state store when the limit is shared and the store answers in time,
+/// else here.
+pub(crate) async fn take_rate(
     limit: &crate::rate_limit::RateLimit,
     conn: &ConnInfo,
     headers: &http::HeaderMap,
@@ -43,6 +45,15 @@ pub(crate) fn take_rate(
             Some(crate::rate_limit::ip_key(client, &mut buf))
         }
     };
+    if let (Some(prefix), Some(state)) = (&limit.shared, crate::shared_limit::state()) {
+        let mut cell = Vec::with_capacity(prefix.len() + key.map_or(0, <[u8]>::len));
+        cell.extend_from_slice(prefix);
+        cell.extend_from_slice(key.unwrap_or_default());
+        // Boxed: only shared limits pay for the store's future.
+        if let Some(taken) = Box::pin(state.take(&cell, limit.steps())).await {
+            return taken;
+        }
+    }
     limit.take(key)
 }
 

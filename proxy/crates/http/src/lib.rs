@@ -27,4 +27,5 @@ pub mod rate_limit;
 pub mod request_head;
 pub mod route_state;
 pub mod server;
+pub mod shared_limit;
 pub mod tee;

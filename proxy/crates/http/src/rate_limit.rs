@@ -44,6 +44,10 @@ pub struct RateLimit {
     epoch: Instant,
     /// The rate as written, for `/status`.
     pub described: String,
+    /// For a limit shared across replicas (`shared: true`), the prefix of
+    /// its cells' keys in the state store: the route and the limit, so a
+    /// changed limit starts afresh as a local one does.
+    pub shared: Option<Vec<u8>>,
 }
 
 /// A keyed limit's map: key hash to due time. The keys are already
@@ -94,15 +98,31 @@ impl std::fmt::Debug for RateLimit {
 pub const MAX_KEYS: usize = 100_000;
 
 impl RateLimit {
-    /// A fresh limit as a route's policy states it.
-    pub fn from_spec(spec: &RateLimitSpec) -> Self {
+    /// A fresh limit as route `route`'s policy states it.
+    pub fn from_spec(route: &str, spec: &RateLimitSpec) -> Self {
         let key = spec.key.clone();
-        RateLimit::new(
+        let mut limit = RateLimit::new(
             spec.count,
             spec.period,
             spec.burst,
             key,
             spec.described.clone(),
+        );
+        if spec.shared {
+            let prefix = format!(
+                "portcullis:rate:{route}:{}/{}:{}:",
+                spec.described, spec.burst, limit.interval
+            );
+            limit.shared = Some(prefix.into_bytes());
+        }
+        limit
+    }
+
+    /// The steady interval between requests and the burst's tolerance.
+    pub fn steps(&self) -> (Duration, Duration) {
+        (
+            Duration::from_nanos(self.interval),
+            Duration::from_nanos(self.tolerance),
         )
     }
 
@@ -122,6 +142,7 @@ impl RateLimit {
             whole: AtomicU64::new(0),
             epoch: Instant::now(),
             described,
+            shared: None,
         }
     }
 
@@ -185,6 +206,7 @@ pub fn describe(spec: &RateLimitSpec) -> serde_json::Value {
         "rate": spec.described,
         "burst": spec.burst,
         "key": key,
+        "shared": spec.shared,
     })
 }
 

@@ -53,7 +53,12 @@ fn state_of(
         earlier
             .filter(|(_, old, _)| old.rate_limit.as_ref() == Some(spec))
             .and_then(|(_, _, state)| state.rate_limit.clone())
-            .unwrap_or_else(|| Arc::new(RateLimit::from_spec(spec)))
+            .unwrap_or_else(|| {
+                if spec.shared && crate::shared_limit::state().is_none() {
+                    tracing::warn!(route = %route.name, "rate_limit is shared, but serve has no --state: each replica counts for itself");
+                }
+                Arc::new(RateLimit::from_spec(&route.name, spec))
+            })
     });
     // An index names the same upstream only when the names agree.
     let same_upstream = |old: &Config, i: usize| {

@@ -202,6 +202,7 @@ pub(super) fn rate_limit(ctx: &mut Ctx, raw: &Spanned<RawRateLimit>) -> Option<R
             },
         }),
     };
+    let shared = ctx.flag(&l.shared, false);
     let ((count, period), burst, key) = (rate?, burst?, key?);
     let described = ctx.text(&l.rate)?.trim().to_owned();
     Some(RateLimitSpec {
@@ -210,6 +211,7 @@ pub(super) fn rate_limit(ctx: &mut Ctx, raw: &Spanned<RawRateLimit>) -> Option<R
         burst,
         key,
         described,
+        shared,
     })
 }
 

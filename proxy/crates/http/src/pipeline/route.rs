@@ -180,7 +180,7 @@ impl Pipeline {
             ..
         } = routed;
         if let Some(limit) = &state.rate_limit
-            && let Err(wait) = take_rate(limit, conn, headers)
+            && let Err(wait) = take_rate(limit, conn, headers).await
         {
             return Err(rate_limited(route, wait, origin.as_ref()));
         }
