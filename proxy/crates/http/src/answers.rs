@@ -34,17 +34,9 @@ pub(crate) async fn take_rate(
     conn: &ConnInfo,
     headers: &http::HeaderMap,
 ) -> Result<(), Duration> {
-    use crate::rate_limit::LimitKey;
     let mut buf = [0u8; 16];
-    let key = match &limit.key {
-        LimitKey::Route => None,
-        LimitKey::Header(name) => Some(headers.get(name).map_or(&[][..], |v| v.as_bytes())),
-        LimitKey::Client => {
-            let trust = conn.listener.trust_forwarded_headers;
-            let client = portcullis_net::client_addr::client_of(conn.client.ip(), trust, headers);
-            Some(crate::rate_limit::ip_key(client, &mut buf))
-        }
-    };
+    let trust = conn.listener.trust_forwarded_headers;
+    let key = limit.key_of((conn.client.ip(), trust), headers, &mut buf);
     if let (Some(prefix), Some(state)) = (&limit.shared, crate::shared_limit::state()) {
         let mut cell = Vec::with_capacity(prefix.len() + key.map_or(0, <[u8]>::len));
         cell.extend_from_slice(prefix);
@@ -101,12 +93,18 @@ pub(crate) fn too_large(
 /// `resp`, closing its HTTP/1 connection after it with a lingering close
 /// (HTTP/2 and HTTP/3 reset the one stream instead).
 pub(crate) fn closing(mut resp: Response<Body>, version: Version) -> Response<Body> {
+    close_after(&mut resp, version);
+    resp
+}
+
+/// Marks `resp` to close its HTTP/1 connection after it, lingering (see
+/// [`Linger`]); the routing core's 413s, and the tunnel server's.
+pub fn close_after<B>(resp: &mut Response<B>, version: Version) {
     if version < Version::HTTP_2 {
         resp.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
         resp.extensions_mut().insert(Linger);
     }
-    resp
 }
 
 /// The proxy's JSON error answer: `{"error", "status", "route", "plugin"?}`.
@@ -116,16 +114,29 @@ pub fn json_error(
     route: Option<&Route>,
     plugin: Option<&str>,
 ) -> Response<Body> {
+    let extra = plugin.map(|p| ("plugin", p));
+    json_error_about(status, message, ("route", route.map(|r| &*r.name)), extra)
+}
+
+/// The JSON error answer of the proxy's every side: `{"error", "status",
+/// FIELD: what it is about}` (`route` in the routing core, `runtime` on
+/// the tunnel server's public side), and `extra` when set; over gRPC, in
+/// gRPC's terms (see `grpc_local`).
+pub fn json_error_about(
+    status: StatusCode,
+    message: &str,
+    (field, about): (&str, Option<&str>),
+    extra: Option<(&str, &str)>,
+) -> Response<Body> {
     let mut body = serde_json::json!({
         "error": message,
         "status": status.as_u16(),
-        "route": route.map(|r| &*r.name),
     });
-    if let Some(plugin) = plugin {
-        body["plugin"] = plugin.into();
+    body[field] = about.into();
+    if let Some((name, value)) = extra {
+        body[name] = value.into();
     }
     let mut resp = json_response(status, &body);
-    // A gRPC client gets it in gRPC's terms (see `grpc_local`).
     resp.extensions_mut()
         .insert(crate::grpc_local::LocalError(message.into(), None));
     resp

@@ -118,6 +118,25 @@ impl RateLimit {
         limit
     }
 
+    /// What a request is counted by (see [`LimitKey`]), from the
+    /// connection's peer address, whether its forwarding headers are
+    /// trusted, and its headers; `buf` holds an address key.
+    pub fn key_of<'a>(
+        &self,
+        (peer, trust_forwarded): (IpAddr, bool),
+        headers: &'a http::HeaderMap,
+        buf: &'a mut [u8; 16],
+    ) -> Option<&'a [u8]> {
+        match &self.key {
+            LimitKey::Route => None,
+            LimitKey::Header(name) => Some(headers.get(name).map_or(&[][..], |v| v.as_bytes())),
+            LimitKey::Client => {
+                let client = portcullis_net::client_addr::client_of(peer, trust_forwarded, headers);
+                Some(ip_key(client, buf))
+            }
+        }
+    }
+
     /// The steady interval between requests and the burst's tolerance.
     pub fn steps(&self) -> (Duration, Duration) {
         (

@@ -138,6 +138,23 @@ fn valid_host(h: &str) -> bool {
     name_ok && port_ok
 }
 
+/// The checks every request head passes before it is routed, on the
+/// routing core's listeners and the tunnel server's public side alike:
+/// its host ([`request_host`]) and its body's coding
+/// ([`unsupported_coding`]).
+pub fn admit_head<'a>(
+    version: Version,
+    uri: &'a Uri,
+    headers: &'a HeaderMap,
+    body: &impl http_body::Body,
+) -> Result<Option<Cow<'a, str>>, Refused> {
+    let host = request_host(version, uri, headers)?;
+    if unsupported_coding(headers, body) {
+        return Err(Refused::Coding);
+    }
+    Ok(host)
+}
+
 /// Whether a request body's transfer coding is one the proxy cannot pass
 /// on: hyper reads a body by its final `chunked` coding, and the body
 /// would reach the upstream with the codings before it (`gzip, chunked`)

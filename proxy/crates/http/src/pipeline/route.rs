@@ -32,13 +32,11 @@ impl Pipeline {
                 None,
             ));
         }
-        let host = match request_head::request_host(parts.version, &parts.uri, &parts.headers) {
+        let host = match request_head::admit_head(parts.version, &parts.uri, &parts.headers, &body)
+        {
             Ok(host) => host,
             Err(refused) => return done(refused_response(&refused)),
         };
-        if request_head::unsupported_coding(&parts.headers, &body) {
-            return done(refused_response(&request_head::Refused::Coding));
-        }
         let Some(path) = request_head::normalize_path(parts.uri.path()) else {
             return done(error_response(
                 StatusCode::BAD_REQUEST,

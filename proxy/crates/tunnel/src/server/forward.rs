@@ -28,21 +28,9 @@ pub(super) fn host_of<B>(req: &Request<B>) -> Option<String> {
         .map(Cow::into_owned)
 }
 
+/// The proxy's JSON error, about a runtime: `{"error", "status", "runtime"}`.
 pub(super) fn error(status: StatusCode, message: &str, runtime: Option<&str>) -> Response<Body> {
-    let body = serde_json::json!({
-        "error": message,
-        "status": status.as_u16(),
-        "runtime": runtime,
-    });
-    let mut resp = portcullis_http::answers::json_response(status, &body);
-    // A gRPC client gets it in gRPC's terms, as the routing core's own
-    // errors (`portcullis_http::grpc_local`).
-    resp.extensions_mut()
-        .insert(portcullis_http::grpc_local::LocalError(
-            message.into(),
-            None,
-        ));
-    resp
+    portcullis_http::answers::json_error_about(status, message, ("runtime", runtime), None)
 }
 
 /// Sends a request through its runtime's tunnel, or to a peer that holds
@@ -112,7 +100,12 @@ where
         }
     };
     match result {
-        Ok(resp) => answer(resp, (public_upgrade, upgrade), origin, runtime),
+        Ok(resp) => answer(
+            resp,
+            (public_upgrade, upgrade),
+            (origin, &shared.upgrades),
+            runtime,
+        ),
         // The client's 400, as the routing core answers it; the runtime
         // got a cut request.
         Err(_) if progress.as_deref().is_some_and(BodyProgress::malformed) => error(
@@ -139,15 +132,11 @@ fn admit<B>(
 where
     B: http_body::Body,
 {
-    let host = match request_head::request_host(req.version(), req.uri(), req.headers()) {
+    let host = match request_head::admit_head(req.version(), req.uri(), req.headers(), req.body()) {
         Ok(Some(host)) => host.into_owned(),
         Ok(None) => return Err(error(StatusCode::BAD_REQUEST, "request has no host", None)),
         Err(refused) => return Err(error(refused.status(), refused.message(), None)),
     };
-    if request_head::unsupported_coding(req.headers(), req.body()) {
-        let refused = request_head::Refused::Coding;
-        return Err(error(refused.status(), refused.message(), None));
-    }
     let Some(runtime) = host.strip_suffix(&shared.suffix) else {
         return Err(error(
             StatusCode::NOT_FOUND,
@@ -190,13 +179,9 @@ where
     if origin == Origin::Public
         && let Some(limit) = &shared.rate_limit
     {
-        let client = portcullis_net::client_addr::client_of(
-            peer.ip(),
-            shared.trust_forwarded_headers,
-            req.headers(),
-        );
         let mut buf = [0u8; 16];
-        if let Err(wait) = limit.take(Some(portcullis_http::rate_limit::ip_key(client, &mut buf))) {
+        let trust = shared.trust_forwarded_headers;
+        if let Err(wait) = limit.take(limit.key_of((peer.ip(), trust), req.headers(), &mut buf)) {
             let mut resp = error(
                 StatusCode::TOO_MANY_REQUESTS,
                 "rate limit exceeded",
@@ -300,13 +285,14 @@ where
 fn answer(
     mut resp: Response<Incoming>,
     (public_upgrade, upgrade): (Option<hyper::upgrade::OnUpgrade>, Option<HeaderValue>),
-    origin: Origin,
+    (origin, upgrades): (Origin, &TaskTracker),
     runtime: &str,
 ) -> Response<Body> {
     let upgraded = match (public_upgrade, upgrade) {
         (Some(public), Some(protocol)) if resp.status() == StatusCode::OK => {
             let tunnel_side = hyper::upgrade::on(&mut resp);
-            splice(public, tunnel_side, runtime.to_owned());
+            let what = runtime.into();
+            portcullis_http::forward::upgrade::splice(upgrades, public, tunnel_side, what);
             Some(protocol)
         }
         _ => None,
@@ -357,26 +343,4 @@ fn failed(
             )
         }
     }
-}
-
-/// Copies both ways between the public client's upgraded connection and
-/// the tunnel stream, once both are ready.
-pub(super) fn splice(
-    public: hyper::upgrade::OnUpgrade,
-    tunnel: hyper::upgrade::OnUpgrade,
-    runtime: String,
-) {
-    tokio::spawn(async move {
-        let (public, tunnel) = match tokio::try_join!(public, tunnel) {
-            Ok(pair) => pair,
-            Err(e) => {
-                tracing::warn!(runtime, error = %e, "upgrade through the tunnel failed");
-                return;
-            }
-        };
-        let (mut public, mut tunnel) = (TokioIo::new(public), TokioIo::new(tunnel));
-        if let Err(e) = tokio::io::copy_bidirectional(&mut public, &mut tunnel).await {
-            tracing::debug!(runtime, error = %e, "upgraded connection through the tunnel ended with an error");
-        }
-    });
 }

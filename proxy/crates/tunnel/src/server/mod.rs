@@ -109,6 +109,8 @@ struct Shared {
     draining: std::sync::atomic::AtomicBool,
     /// [`ServerOptions::shutdown_delay`].
     shutdown_delay: Duration,
+    /// Public WebSockets spliced through tunnels.
+    upgrades: TaskTracker,
 }
 
 /// This server's holdings as the shared registry sees them: what the
@@ -275,6 +277,7 @@ impl TunnelServer {
                 public_connection_limits: options.public_connection_limits,
                 draining: std::sync::atomic::AtomicBool::new(false),
                 shutdown_delay: options.shutdown_delay,
+                upgrades: TaskTracker::new(),
             }),
         })
     }

@@ -293,11 +293,8 @@ impl Phases for Shared {
         // The routing core refused a body the client may still be
         // sending: close after the answer, lingering, as the core does on
         // its own listeners (`portcullis_net::linger`).
-        if resp.status() == StatusCode::PAYLOAD_TOO_LARGE && version < Version::HTTP_2 {
-            resp.headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            resp.extensions_mut()
-                .insert(portcullis_http::answers::Linger);
+        if resp.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            portcullis_http::answers::close_after(resp, version);
         }
         if conn.origin == Origin::Public
             && version < Version::HTTP_3
