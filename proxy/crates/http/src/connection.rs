@@ -181,3 +181,49 @@ where
         }
     })
 }
+
+/// How an accepted connection opens: its listener's name (for metrics and
+/// logs), whether a PROXY header comes first, and the TLS acceptor with
+/// the answer to plain HTTP sent to it.
+pub struct Opening<'a> {
+    pub listener: &'a str,
+    pub proxy_protocol: bool,
+    pub tls: Option<(&'a tokio_rustls::TlsAcceptor, &'a str)>,
+}
+
+/// Reads an accepted connection's PROXY header and TLS handshake within
+/// `limit` (or until `stop`): the stream and the client it names, or
+/// `None` once a refusal is counted in the listener's connection errors
+/// and logged. The routing core's listeners and the tunnel server's
+/// public side open their connections here, in each connection's task.
+pub async fn open_accepted(
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    how: Opening<'_>,
+    limit: Duration,
+    stop: &tokio_util::sync::CancellationToken,
+) -> Option<(portcullis_net::tls_listen::Opened, SocketAddr)> {
+    use portcullis_net::tls_listen::NotOpened;
+    let opened = portcullis_net::tls_listen::open(stream, peer, how.proxy_protocol, how.tls);
+    let opened = tokio::select! {
+        opened = tokio::time::timeout(limit, opened) => opened,
+        _ = stop.cancelled() => return None,
+    };
+    let name = how.listener;
+    match opened {
+        Ok(Ok(opened)) => return Some(opened),
+        Ok(Err(NotOpened::ProxyHeader(e))) => {
+            portcullis_obs::metrics::count_connection_error(name, "proxy_protocol");
+            tracing::debug!(peer = %peer, listener = name, error = %e, "connection closed");
+        }
+        Ok(Err(NotOpened::Tls(refused))) => {
+            portcullis_obs::metrics::count_connection_error(name, refused.reason());
+            tracing::debug!(peer = %peer, listener = name, "connection closed: {refused}");
+        }
+        Err(_) => {
+            portcullis_obs::metrics::connection_timed_out(name);
+            tracing::debug!(peer = %peer, listener = name, "no PROXY protocol header or TLS handshake within the header-read timeout; closed");
+        }
+    }
+    None
+}

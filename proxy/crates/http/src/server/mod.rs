@@ -32,7 +32,7 @@ use portcullis_net::balance::{Accepting, Balance, Counted, Handoff};
 use portcullis_net::drain::Connections;
 use portcullis_net::h1_or_h2;
 
-use portcullis_net::tls_listen::{NotOpened, Opened};
+use portcullis_net::tls_listen::Opened;
 
 mod control;
 mod dns_refresh;

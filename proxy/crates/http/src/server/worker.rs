@@ -223,39 +223,32 @@ pub(super) async fn accept_loop(
             stop.clone(),
         );
         tracker.spawn(async move {
-            let limit = current.spec.header_read_timeout;
-            let tls = current.spec.tls.as_ref().map(|t| (&t.acceptor, PLAIN_ON_HTTPS));
-            let opened = portcullis_net::tls_listen::open(stream, client, current.spec.proxy_protocol, tls);
-            let opened = tokio::time::timeout(limit, opened);
-            let opened = tokio::select! {
-                opened = opened => opened,
-                _ = stop.cancelled() => return,
+            let how = crate::connection::Opening {
+                listener: &current.spec.name,
+                proxy_protocol: current.spec.proxy_protocol,
+                tls: current
+                    .spec
+                    .tls
+                    .as_ref()
+                    .map(|t| (&t.acceptor, PLAIN_ON_HTTPS)),
             };
-            let name = &current.spec.name;
+            let limit = current.spec.header_read_timeout;
+            let opened = crate::connection::open_accepted(stream, client, how, limit, &stop);
+            let Some((opened, client)) = opened.await else {
+                return;
+            };
             let served = (&pipeline, &tracker_, &connections);
             match opened {
-                Ok(Ok((Opened::Tcp(stream), client))) => {
+                Opened::Tcp(stream) => {
                     let socket = ClientSocket::of(&stream);
                     let conn = (stream, socket, None);
                     serve_connection(conn, client, &current, worker, served, (permit, counted));
                 }
-                Ok(Ok((Opened::Tls(stream), client))) => {
+                Opened::Tls(stream) => {
                     let socket = ClientSocket::of(stream.get_ref().0);
                     let facts = portcullis_net::tls_listen::ClientFacts::of(&stream);
                     let conn = (*stream, socket, Some(facts));
                     serve_connection(conn, client, &current, worker, served, (permit, counted));
-                }
-                Ok(Err(NotOpened::ProxyHeader(e))) => {
-                    portcullis_obs::metrics::count_connection_error(name, "proxy_protocol");
-                    tracing::debug!(peer = %client, error = %e, "connection closed");
-                }
-                Ok(Err(NotOpened::Tls(refused))) => {
-                    portcullis_obs::metrics::count_connection_error(name, refused.reason());
-                    tracing::debug!(peer = %client, listener = %name, "connection closed: {refused}");
-                }
-                Err(_) => {
-                    portcullis_obs::metrics::connection_timed_out(name);
-                    tracing::debug!(peer = %client, "no PROXY protocol header or TLS handshake within the header-read timeout; closed");
                 }
             }
         });

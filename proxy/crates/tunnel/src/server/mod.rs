@@ -38,7 +38,7 @@ use portcullis_http::forward::{Held, UpstreamPool};
 use portcullis_http::phases::{Entry, Phases, RequestCtx};
 use portcullis_http::request_head;
 use portcullis_net::balance::{Accepting, Balance, Handoff};
-use portcullis_net::tls_listen::{NotOpened, Opened, open};
+use portcullis_net::tls_listen::Opened;
 use portcullis_obs::metrics::RouteStats;
 
 mod admin;

@@ -44,29 +44,21 @@ pub(super) async fn accept_public(
         // holds a slot no longer).
         let (public, tls, stop) = (public.clone(), tls.clone(), stop.clone());
         tracker.spawn(async move {
-            let deadline = tokio::time::Instant::now() + PUBLIC_HEADER_READ_TIMEOUT;
-            let tls = tls.as_ref().map(|t| (t, PLAIN_ON_HTTPS));
-            let opened = open(stream, peer, public.shared.proxy_protocol, tls);
-            let opened = tokio::time::timeout_at(deadline, opened);
-            let opened = tokio::select! {
-                opened = opened => opened,
-                _ = stop.cancelled() => return,
+            let how = portcullis_http::connection::Opening {
+                listener: "public",
+                proxy_protocol: public.shared.proxy_protocol,
+                tls: tls.as_ref().map(|t| (t, PLAIN_ON_HTTPS)),
             };
-            match opened {
-                Ok(Ok((Opened::Tcp(stream), client))) => public.serve(stream, client, None).await,
-                Ok(Ok((Opened::Tls(stream), client))) => {
+            let limit = PUBLIC_HEADER_READ_TIMEOUT;
+            let opened =
+                portcullis_http::connection::open_accepted(stream, peer, how, limit, &stop);
+            match opened.await {
+                Some((Opened::Tcp(stream), client)) => public.serve(stream, client, None).await,
+                Some((Opened::Tls(stream), client)) => {
                     let version = stream.get_ref().1.protocol_version();
                     public.serve(*stream, client, version).await
                 }
-                Ok(Err(NotOpened::ProxyHeader(e))) => {
-                    tracing::debug!(peer = %peer, error = %e, "public connection closed");
-                    portcullis_obs::metrics::count_connection_error("public", "proxy_protocol");
-                }
-                Ok(Err(NotOpened::Tls(refused))) => {
-                    tracing::debug!(peer = %peer, "public connection closed: {refused}");
-                    portcullis_obs::metrics::count_connection_error("public", refused.reason());
-                }
-                Err(_) => portcullis_obs::metrics::connection_timed_out("public"),
+                None => {}
             }
             drop((permit, counted));
         });
