@@ -108,9 +108,9 @@ for i in $(seq "$MOVES"); do
   # B's answer turns 503 once the tunnel is gone.
   while curl -sf -o /dev/null -H "Host: mover.bench.test" "http://127.0.0.1:$B_PUB/"; do sleep 0.01; done
   lines=$(wc -l < "$WORK/a.log")
-  client mover "$A_TUN"; new=$!
-  # Polls B every millisecond; prints when it first answers 200 (Unix s).
-  served=$(python3 - "$B_PUB" <<'PY'
+  # Polls B every millisecond from before the client starts; writes when
+  # B first answers 200 (Unix s).
+  python3 - "$B_PUB" > "$WORK/served" <<'PY' &
 import http.client, sys, time
 port = int(sys.argv[1])
 deadline = time.time() + 10
@@ -121,7 +121,10 @@ while time.time() < deadline:
         print(f"{time.time():.6f}"); break
     c.close(); time.sleep(0.001)
 PY
-)
+  poller=$!
+  sleep 0.5
+  client mover "$A_TUN"; new=$!
+  wait "$poller"; served=$(cat "$WORK/served")
   connected=$(tail -n +"$((lines + 1))" "$WORK/a.log" | python3 -c '
 import json, sys, datetime
 for line in sys.stdin:
@@ -165,7 +168,7 @@ EOF
 mkdir -p "$WORK/core"; mv "$WORK/core.yaml" "$WORK/core/"
 RUST_LOG=warn "$BIN" serve --policies "$WORK/core" --workers 1 --admin off --state "redis://127.0.0.1:$REDIS" & PIDS+=($!)
 CORE_PID=$!
-wait_port "$CORE"
+for _ in $(seq 100); do curl -sf -o /dev/null "http://127.0.0.1:$CORE/local" && break; sleep 0.1; done
 # with_cpu's figures, and Redis's CPU per request (us) after them.
 limit_run() {
   local r1 r2 out

@@ -12,9 +12,12 @@ use tokio::process::{Child, Command};
 pub struct Redis {
     child: Option<Child>,
     pub port: u16,
-    /// `redis://127.0.0.1:PORT`.
+    /// `redis://127.0.0.1:PORT`, or `rediss://localhost:PORT` with TLS.
     pub url: String,
     dir: tempfile::TempDir,
+    /// Its TLS certificate, key and CA files and its password, when it
+    /// speaks TLS and wants one.
+    secure: Option<(std::path::PathBuf, String)>,
 }
 
 /// A loopback port free now (redis-server takes no port 0).
@@ -33,27 +36,77 @@ impl Redis {
             port,
             url: format!("redis://127.0.0.1:{port}"),
             dir,
+            secure: None,
         };
         redis.restart().await;
         redis
     }
 
+    /// Starts one that speaks only TLS (a certificate for `localhost`
+    /// from `pki`) and wants `password`; its CA is at [`Redis::ca`].
+    pub async fn start_tls(pki: &super::tls::TestPki, password: &str) -> Redis {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for (file, pem) in [
+            ("redis.crt", &pki.leaf_pem),
+            ("redis.key", &pki.leaf_key_pem),
+            ("ca.crt", &pki.ca_pem),
+        ] {
+            std::fs::write(dir.path().join(file), pem).expect("write a TLS file");
+        }
+        let port = free_port();
+        let mut redis = Redis {
+            child: None,
+            port,
+            url: format!("rediss://localhost:{port}"),
+            secure: Some((dir.path().to_owned(), password.to_owned())),
+            dir,
+        };
+        redis.restart().await;
+        redis
+    }
+
+    /// The CA file of a TLS one.
+    pub fn ca(&self) -> std::path::PathBuf {
+        self.dir.path().join("ca.crt")
+    }
+
     /// Starts it (again) on its port, with no data: a Redis that lost
     /// everything, as one without persistence does when it restarts.
     pub async fn restart(&mut self) {
-        let mut child = Command::new(
+        let mut command = Command::new(
             std::env::var("PORTCULLIS_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into()),
-        )
-        .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no", "--loglevel", "notice"])
-        .arg("--dir")
-        .arg(self.dir.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("redis-server (Debian's redis-server package; tests/run.sh installs it)");
+        );
+        let port = self.port.to_string();
+        match &self.secure {
+            None => command.args(["--port", &port]),
+            Some((dir, password)) => command
+                .args([
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    &port,
+                    "--tls-auth-clients",
+                    "no",
+                ])
+                .arg("--tls-cert-file")
+                .arg(dir.join("redis.crt"))
+                .arg("--tls-key-file")
+                .arg(dir.join("redis.key"))
+                .arg("--tls-ca-cert-file")
+                .arg(dir.join("ca.crt"))
+                .args(["--requirepass", password]),
+        };
+        let mut child = command
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--loglevel", "notice"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("redis-server (Debian's redis-server package; tests/run.sh installs it)");
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(stdout).lines();
         let ready = tokio::time::timeout(Duration::from_secs(20), async {

@@ -478,6 +478,90 @@ async fn a_takeover_across_replicas_closes_the_stale_tunnel() {
     }
 }
 
+/// A registry over TLS (`rediss://` with `--registry-ca`) that wants a
+/// password (`--registry-password-file`): replicas share it as over
+/// cleartext; a wrong password keeps the registry down and says why.
+#[tokio::test]
+async fn the_registry_speaks_tls_with_a_password_from_a_file() {
+    let echo = upstream::echo("over-tls").await;
+    let pki = crate::support::tls::TestPki::for_names(&["localhost"]);
+    let redis = Redis::start_tls(&pki, "registry-password-0123").await;
+    let dir = tempfile::tempdir().unwrap();
+    let (token, right, wrong) = (
+        dir.path().join("token"),
+        dir.path().join("password"),
+        dir.path().join("wrong"),
+    );
+    std::fs::write(&token, "peer-token-0123456789\n").unwrap();
+    std::fs::write(&right, "registry-password-0123\n").unwrap();
+    std::fs::write(&wrong, "not-the-password\n").unwrap();
+    let ca = redis.ca().display().to_string();
+    let (token, right, wrong) = (
+        token.display().to_string(),
+        right.display().to_string(),
+        wrong.display().to_string(),
+    );
+    let replica = |password: &str| {
+        let args = [
+            "--registry",
+            &redis.url,
+            "--registry-ca",
+            &ca,
+            "--registry-password-file",
+            password,
+            "--peer-listen",
+            "127.0.0.1:0",
+            "--peer-token-file",
+            &token,
+        ]
+        .map(str::to_owned);
+        async move {
+            let any = "127.0.0.1:0".parse().unwrap();
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            TunnelServer::start_in_with(tokens_dir(), any, any, &args).await
+        }
+    };
+    let b = replica(&right).await;
+    let a = replica(&right).await;
+    for server in [&a, &b] {
+        server
+            .process
+            .wait_status("the registry up over TLS", |s| {
+                s["registry"]["state"] == "up"
+            })
+            .await;
+    }
+    let _client = b
+        .client("rt-a", TOKENS[0].1, &["--upstream", &echo.url()])
+        .await;
+    let status = a
+        .process
+        .wait_status("B holding rt-a", |s| s["peers"][0]["runtimes"] == 1)
+        .await;
+    assert_eq!(status["registry"]["url"], redis.url, "{status:#}");
+    assert_eq!(a.get("rt-a", "/tls").await.json()["upstream"], "over-tls");
+
+    let locked_out = replica(&wrong).await;
+    let status = locked_out
+        .process
+        .wait_status("the registry refusing the password", |s| {
+            s["registry"]["error"]
+                .as_str()
+                .is_some_and(|e| !e.is_empty())
+        })
+        .await;
+    assert_eq!(status["registry"]["state"], "down", "{status:#}");
+    let error = status["registry"]["error"]
+        .as_str()
+        .unwrap()
+        .to_ascii_lowercase();
+    assert!(error.contains("pass") || error.contains("auth"), "{error}");
+    assert!(
+        !format!("{status}").contains("not-the-password"),
+        "the password must not show: {status:#}"
+    );
+}
+
 /// A holder that dies is left out at once, before its lease ends: A
 /// cannot connect to it, answers as for a runtime with no tunnel
 /// anywhere, and says so.
