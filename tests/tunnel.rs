@@ -33,6 +33,7 @@ mod agree;
 mod local_tls;
 mod peers;
 mod quic;
+mod registry;
 
 const DOMAIN: &str = "tunnel.test";
 
