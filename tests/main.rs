@@ -3,6 +3,7 @@
 
 mod support;
 
+mod access_log;
 mod admin_access;
 mod architecture;
 mod auth_request;

@@ -70,6 +70,9 @@ pub(crate) enum Command {
         /// The state store replicas share.
         #[command(flatten)]
         state_flags: portcullis::state_flags::StateFlags,
+        /// Where access lines go, and how they are batched.
+        #[command(flatten)]
+        access_log: portcullis::log_flags::AccessLogFlags,
     },
     /// The public side of outbound tunnels: forwards requests for
     /// `<runtime-id>.<domain>` through that runtime's tunnel.
@@ -186,6 +189,9 @@ pub(crate) enum Command {
         /// The registry shared with other replicas and the peer link.
         #[command(flatten)]
         peer_flags: portcullis::peer_flags::PeerFlags,
+        /// Where access lines go, and how they are batched.
+        #[command(flatten)]
+        access_log: portcullis::log_flags::AccessLogFlags,
         /// Public requests per client (`100/s`, `600/m`, `COUNT/h`) beyond
         /// which they are answered 429 with Retry-After. The client is the
         /// connection's (or PROXY header's) address, or with
@@ -343,6 +349,9 @@ pub(crate) enum Command {
         /// JavaScript plugin). Without it, plugins compile at every start.
         #[arg(long, value_name = "DIR", env = "PORTCULLIS_PLUGIN_CACHE")]
         plugin_cache: Option<PathBuf>,
+        /// Where access lines go, and how they are batched.
+        #[command(flatten)]
+        access_log: portcullis::log_flags::AccessLogFlags,
     },
     /// Read a token on stdin and print its hash for the tokens file.
     #[command(after_help = "Example:\n  \

@@ -13,6 +13,7 @@ pub mod admin;
 pub mod admin_status;
 pub mod commands;
 pub mod dev_certs;
+pub mod log_flags;
 pub mod peer_flags;
 pub mod reload;
 pub mod state_flags;

@@ -33,7 +33,11 @@ fn run_on<F: std::future::Future<Output = anyhow::Result<()>>>(
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(work()) {
+    let result = runtime.block_on(work());
+    // Every access line out before the process ends; a destination that
+    // blocks (a pipe nobody reads) holds the exit up to this long.
+    portcullis::telemetry::finish(Duration::from_secs(5));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // Logs go to stderr too: saying it twice would print every line
@@ -121,6 +125,7 @@ fn main() -> ExitCode {
             workers,
             max_connections,
             peer_flags,
+            access_log,
             public_rate_limit,
             public_rate_burst,
             otlp_endpoint,
@@ -141,7 +146,10 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            portcullis::telemetry::init();
+            if let Err(e) = portcullis::telemetry::init(access_log.settings()) {
+                eprintln!("portcullis: {e}");
+                return ExitCode::from(2);
+            }
             let options = portcullis::tunnel::server::ServerOptions {
                 public,
                 public_tls: public_cert.zip(public_key),
@@ -199,6 +207,7 @@ fn main() -> ExitCode {
             admin_token_file,
             open_listeners,
             plugin_cache,
+            access_log,
         } => {
             let Some(admin_access) = admin_access(admin_token_file) else {
                 return ExitCode::from(2);
@@ -223,7 +232,10 @@ fn main() -> ExitCode {
                 );
                 return ExitCode::from(2);
             }
-            portcullis::telemetry::init();
+            if let Err(e) = portcullis::telemetry::init(access_log.settings()) {
+                eprintln!("portcullis: {e}");
+                return ExitCode::from(2);
+            }
             let options = portcullis::commands::TunnelClientOptions {
                 client: ClientOptions {
                     servers: server,
@@ -263,6 +275,7 @@ fn main() -> ExitCode {
             watch_poll,
             plugin_cache,
             state_flags,
+            access_log,
         } => {
             let state = match state_flags.target() {
                 Ok(state) => state,
@@ -282,7 +295,10 @@ fn main() -> ExitCode {
                 delay: shutdown_delay,
                 grace: grace_period,
             };
-            portcullis::telemetry::init();
+            if let Err(e) = portcullis::telemetry::init(access_log.settings()) {
+                eprintln!("portcullis: {e}");
+                return ExitCode::from(2);
+            }
             let options = portcullis::commands::ServeOptions {
                 policies,
                 workers,

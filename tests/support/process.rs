@@ -100,6 +100,10 @@ impl ProxyProcess {
         child
             .args(args)
             .args(admin_args)
+            // Access lines within moments, not the second a deployment
+            // batches them for: tests wait for them. A test's `env` may
+            // set it back.
+            .env("PORTCULLIS_ACCESS_LOG_FLUSH", "10ms")
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .env("PORTCULLIS_LOG_FORMAT", "json")
             .env("RUST_LOG", "info")

@@ -169,7 +169,7 @@ where
                 let reason = portcullis_obs::metrics::connection_error(listener, &*e);
                 if let Some(e) = portcullis_net::unparsed_head::refused(&*e) {
                     let status = clock.refused();
-                    portcullis_net::unparsed_head::log(listener, client, worker, status, e);
+                    portcullis_obs::access_log::refused_head(listener, (client, worker), status, e);
                 } else {
                     tracing::debug!(%client, error = %e, reason, "connection ended with an error");
                 }

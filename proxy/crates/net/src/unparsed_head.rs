@@ -8,8 +8,6 @@
 //! in its place; and the connection's end writes an access line naming
 //! hyper's reason, since no request ever reached the access log.
 
-use std::net::SocketAddr;
-
 use http::StatusCode;
 
 /// The proxy's answer in place of hyper's automatic `head` (its status
@@ -50,34 +48,6 @@ fn message(status: StatusCode) -> &'static str {
         StatusCode::URI_TOO_LONG => "request target too long",
         _ => "malformed request head",
     }
-}
-
-/// The target of access-log lines (these and [`portcullis_obs::telemetry`]'s);
-/// `RUST_LOG=access=off` silences them.
-pub const ACCESS_TARGET: &str = "access";
-
-/// Writes the access line of a connection whose head hyper refused:
-/// `status` the answer's (0 when none was seen), `error` hyper's reason
-/// ("invalid HTTP header parsed", "message head is too large", ...).
-pub fn log(listener: &str, client: SocketAddr, worker: usize, status: u16, error: &hyper::Error) {
-    let status = match status {
-        0 if error.is_parse_too_large() => 431,
-        0 => 400,
-        s => s,
-    };
-    tracing::info!(
-        target: ACCESS_TARGET,
-        method = "-",
-        path = "-",
-        status,
-        route = "-",
-        upstream = "-",
-        client = %client,
-        worker,
-        listener,
-        error = %error,
-        "request head refused"
-    );
 }
 
 /// The parse error behind a connection's end, if hyper refused a head.

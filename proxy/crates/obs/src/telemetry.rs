@@ -8,11 +8,18 @@ use http::Method;
 use http::uri::PathAndQuery;
 use tracing_subscriber::EnvFilter;
 
+/// Whether logs are JSON lines (`PORTCULLIS_LOG_FORMAT=json`) rather than text.
+pub fn json_format() -> bool {
+    std::env::var("PORTCULLIS_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"))
+}
+
 /// Installs the global subscriber: text or JSON (`PORTCULLIS_LOG_FORMAT`),
-/// filtered by `RUST_LOG` (default `info`). Logs go to stderr.
-pub fn init() {
+/// filtered by `RUST_LOG` (default `info`), to stderr; and starts the
+/// access log's writer with `access` (its destination, buffer and flush
+/// interval). Fails when the access log's file cannot be opened.
+pub fn init(access: crate::access_log::Settings) -> Result<(), String> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let json = std::env::var("PORTCULLIS_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    let json = json_format();
     // Colours only for a person at a terminal: in a file or `kubectl logs`
     // the escape codes are noise around every field.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
@@ -31,9 +38,16 @@ pub fn init() {
     } else {
         builder.try_init()
     };
+    crate::access_log::start(access)
 }
 
-pub use portcullis_net::unparsed_head::ACCESS_TARGET;
+/// Writes the access log's last lines, waiting at most `limit` for a
+/// destination that blocks: at exit.
+pub fn finish(limit: Duration) {
+    crate::access_log::finish(limit);
+}
+
+pub use crate::access_log::TARGET as ACCESS_TARGET;
 
 /// One request's access-log record, written when dropped (that is, when the
 /// response body has been sent, or the client went away).
@@ -98,7 +112,7 @@ impl AccessLog {
         start: Instant,
         needed: bool,
     ) -> Option<Box<AccessLog>> {
-        let wanted = needed || tracing::enabled!(target: ACCESS_TARGET, tracing::Level::INFO);
+        let wanted = needed || crate::access_log::enabled();
         wanted.then(|| {
             Box::new(AccessLog {
                 method: method.clone(),
@@ -172,32 +186,48 @@ impl Drop for AccessLog {
             AccessLogging::Errors if self.status >= 400 => {}
             AccessLogging::Errors | AccessLogging::Off => return,
         }
+        // Kept for its span alone (`access=off`).
+        if !crate::access_log::enabled() {
+            return;
+        }
         let path = self.path.as_ref().map_or("/", |p| p.as_str());
-        // Whole microseconds over 1000, which prints as at most three
-        // decimals; `as_secs_f64() * 1000.0` printed 0.19051300000000002.
-        let duration_ms = self.start.elapsed().as_micros() as f64 / 1000.0;
-        tracing::info!(
-            target: ACCESS_TARGET,
-            method = %self.method,
-            path,
-            status = self.status,
-            route = self.route.as_deref().unwrap_or("-"),
-            upstream = self.upstream.as_deref().unwrap_or("-"),
-            endpoint = %self.endpoint.as_ref().map_or(&"-" as &dyn std::fmt::Display, |e| e),
-            duration_ms,
+        // Whole microseconds, printed as milliseconds with three decimals.
+        let duration = self.start.elapsed().as_micros();
+        crate::access_log::write(self.worker, None, |line| {
+            line.display("method", &self.method);
+            line.str("path", path);
+            line.uint("status", self.status.into());
+            line.str("route", self.route.as_deref().unwrap_or("-"));
+            line.str("upstream", self.upstream.as_deref().unwrap_or("-"));
+            match &self.endpoint {
+                Some(endpoint) => line.display("endpoint", endpoint),
+                None => line.display("endpoint", &"-"),
+            }
+            line.millis("duration_ms", duration);
             // Absent when no upstream answered (a local answer, a 502).
-            upstream_header_ms = self.upstream_header.map(|d| d.as_micros() as f64 / 1000.0),
-            bytes = self.bytes_sent,
-            client = %self.client,
-            worker = self.worker,
-            aborted = self.aborted,
-            request_id = crate::request_id::text(self.request_id.as_ref()),
+            if let Some(took) = self.upstream_header {
+                line.millis("upstream_header_ms", took.as_micros());
+            }
+            line.uint("bytes", self.bytes_sent);
+            line.display("client", &self.client);
+            line.uint("worker", self.worker as u64);
+            line.bool("aborted", self.aborted);
+            line.str(
+                "request_id",
+                crate::request_id::text(self.request_id.as_ref()),
+            );
             // Absent (not "-") in cleartext: most deployments have no TLS
             // here and should not pay for the fields.
-            tls = self.tls,
-            client_cert = self.client_cert.as_ref().map(|c| c.identity.subject.as_str()),
+            if let Some(tls) = self.tls {
+                line.str("tls", tls);
+            }
+            if let Some(cert) = &self.client_cert {
+                line.str("client_cert", &cert.identity.subject);
+            }
             // Absent without `tracing`, as `tls` in cleartext.
-            trace_id = trace_id.as_ref().and_then(|t| std::str::from_utf8(t).ok()),
-        );
+            if let Some(id) = trace_id.as_ref().and_then(|t| std::str::from_utf8(t).ok()) {
+                line.str("trace_id", id);
+            }
+        });
     }
 }

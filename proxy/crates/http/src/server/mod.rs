@@ -386,6 +386,8 @@ impl Server {
             "shutting down: closed listeners, draining connections"
         );
         control.stop_accepting.cancel();
+        // What was served until now is out before the wait.
+        portcullis_obs::access_log::flush();
         let all_done = futures_util::future::join_all(done);
         match tokio::time::timeout(drain.grace, all_done).await {
             Ok(_) => tracing::info!("drained; all connections closed"),

@@ -92,6 +92,14 @@ pub fn render(out: &mut String) {
             );
         }
     }
+    let _ = writeln!(
+        out,
+        "# HELP portcullis_access_log_dropped_total Access-log lines not written: the \
+         destination did not keep up (a blocked pipe) or failed (a full disk).\n\
+         # TYPE portcullis_access_log_dropped_total counter\n\
+         portcullis_access_log_dropped_total {}",
+        crate::access_log::dropped()
+    );
     // What every exporter serves about its own process.
     crate::process_metrics::render(out);
 }

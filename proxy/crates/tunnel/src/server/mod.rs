@@ -434,6 +434,7 @@ impl TunnelServer {
             }
         }
         tracing::info!("shutting down");
+        portcullis_obs::access_log::flush();
         // The public side first: its requests in flight finish through
         // the tunnels (any worker's), which close only after.
         stops.public.cancel();
