@@ -259,8 +259,9 @@ def idle(port, n, mb, pids):
         if not start.startswith("HTTP/1.1 200"):
             sys.exit(f"idle: answered {start!r}")
         conns.append(conn)
-    # Let the allocators settle (mimalloc frees pages after a delay).
-    time.sleep(1)
+    # Let the allocators settle (mimalloc frees pages after a delay), and
+    # Portcullis park the idle HTTP/1 connections (within a second).
+    time.sleep(2)
     print(f"{(rss_kib(pids) - before) / n:.0f}")
 
 

@@ -89,7 +89,8 @@ def serve_under_valgrind(tool, binary, policies, port, token, path, n, out):
         # regalloc2's reused buffers is cleared (memset), by up to ~45
         # million instructions, ~22,000 per request of a run; serially
         # the count is the same every run, and cancels out.
-        env=dict(os.environ, RUST_LOG="error", RAYON_NUM_THREADS="1"),
+        # BENCH_RUST_LOG=info counts the access line too (to stderr, a file).
+        env=dict(os.environ, RUST_LOG=os.environ.get("BENCH_RUST_LOG", "error"), RAYON_NUM_THREADS="1"),
     )
     try:
         deadline = time.monotonic() + 300  # plugins compile slowly under valgrind

@@ -16,6 +16,7 @@ mod dns;
 mod docs;
 mod errors;
 mod health_check;
+mod idle_connections;
 mod lifecycle;
 mod metrics;
 mod mirror;

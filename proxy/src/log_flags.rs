@@ -29,8 +29,8 @@ pub struct AccessLogFlags {
         value_parser = parse_buffer
     )]
     pub access_log_buffer: usize,
-    /// And at least this often, on drain and at exit, as nginx's
-    /// `flush=`.
+    /// Buffered access lines are written at least this often, and at the
+    /// drain and at exit, as nginx's `flush=`.
     #[arg(
         long,
         value_name = "DURATION",

@@ -221,6 +221,7 @@ routes:
     // Had the call held the worker, `/long` would have been answered (at
     // its deadline) before the worker read `/plain`: its access line would
     // come first.
+    proxy.wait_for_log(r#""path":"/plain""#).await;
     let logs = proxy.logs.lock().unwrap().clone();
     let access = |path: &str| {
         logs.iter().position(|l| {

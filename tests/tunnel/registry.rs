@@ -116,13 +116,22 @@ async fn a_killed_replicas_runtimes_are_served_elsewhere_and_its_entries_expire(
     b.process.signal("KILL");
     b.process.wait_exit(Duration::from_secs(10)).await;
     c.wait_connections("rt-a", 1).await;
+    // A learns of C's tunnel from the registry, a moment later.
+    let c_id = instance(&c).await;
+    a.process
+        .wait_status("C holding rt-a in A's map", |s| {
+            s["peers"].as_array().is_some_and(|p| {
+                p.iter()
+                    .any(|p| p["instance"] == c_id.as_str() && p["runtimes"] == 1)
+            })
+        })
+        .await;
     for server in [&a, &c] {
         let answer = server.get("rt-a", "/after-kill").await;
         assert_eq!(answer.status, 200, "{:?}", answer.body);
         assert_eq!(answer.json()["upstream"], "survivor");
     }
     // B's entry outlives it only until its lease ends.
-    let c_id = instance(&c).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let holders = group.redis.holders().await;

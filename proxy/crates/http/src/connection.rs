@@ -160,7 +160,8 @@ where
     let served = connections.watch_retiring(builder.serve(io, service), retire);
     // A combinator, not an async block: one would hold the connection
     // twice (see `head_deadline::Within`).
-    let served = head_deadline::within(served, clock.clone(), header_read_timeout);
+    let served = head_deadline::within(served, clock.clone(), header_read_timeout)
+        .parking(head_deadline::PARK_AFTER);
     served.map(move |outcome| {
         let listener = listener.as_ref();
         match outcome {

@@ -36,7 +36,35 @@ pub struct Builder {
     pub http1: http1::Builder,
     /// Cleartext HTTP/2 (prior knowledge).
     pub http2: http2::Builder<TokioExecutor>,
+    /// How long a parked HTTP/1 connection may stay idle (the keep-alive
+    /// timeout less the idle time before it was parked); `None`: as long
+    /// as the client keeps it.
+    pub parked_for: Option<std::time::Duration>,
 }
+
+/// A socket whose HTTP/1 connection may be parked while idle: hyper
+/// closes its side (dropping its buffers) and the socket is kept until
+/// bytes arrive, then served by a new hyper connection. The socket says
+/// when hyper's close was for parking (see `head_deadline::Within::parking`).
+pub trait Park {
+    /// True, once, when hyper closed the connection only to be parked.
+    fn take_to_park(&self) -> bool;
+    /// Bytes arrived on the parked connection: hyper serves it again.
+    fn unpark(&self);
+}
+
+/// The error that ends a parked connection idle for longer than
+/// [`Builder::parked_for`]: the keep-alive timeout.
+#[derive(Debug)]
+pub struct KeepAliveTimeout;
+
+impl std::fmt::Display for KeepAliveTimeout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("idle keep-alive connection timed out")
+    }
+}
+
+impl StdError for KeepAliveTimeout {}
 
 impl Builder {
     /// Both protocols with hyper's defaults.
@@ -44,6 +72,7 @@ impl Builder {
         Builder {
             http1: http1::Builder::new(),
             http2: http2::Builder::new(TokioExecutor::new()),
+            parked_for: None,
         }
     }
 
@@ -51,7 +80,7 @@ impl Builder {
     /// HTTP/1 upgrades (WebSocket) are allowed.
     pub fn serve<I, S>(self: &Arc<Self>, io: I, service: S) -> Connection<I, S>
     where
-        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        I: AsyncRead + AsyncWrite + Park + Unpin + Send + 'static,
         S: HttpService<Incoming>,
     {
         Connection {
@@ -198,8 +227,22 @@ pin_project_lite::pin_project! {
             builder: Arc<Builder>,
             service: Option<S>,
         },
-        H1 { #[pin] conn: http1::UpgradeableConnection<Io<I>, S> },
+        // Boxed: a parked connection frees hyper's state with its buffers.
+        H1 {
+            conn: Option<Box<http1::UpgradeableConnection<Io<I>, S>>>,
+            builder: Arc<Builder>,
+        },
         H2 { #[pin] conn: http2::Connection<Io<I>, S, TokioExecutor> },
+        /// An idle HTTP/1 connection kept without hyper: waiting for its
+        /// next bytes, read into the rewind's few bytes.
+        Parked {
+            io: Option<Rewind<I>>,
+            service: Option<S>,
+            builder: Arc<Builder>,
+            // Boxed: only parked connections have one.
+            timeout: Option<Pin<Box<tokio::time::Sleep>>>,
+            counted: ParkedCount,
+        },
         /// Shut down before the protocol was known.
         Closed,
     }
@@ -207,7 +250,7 @@ pin_project_lite::pin_project! {
 
 impl<I, S, B> crate::drain::Graceful for Connection<I, S>
 where
-    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    I: AsyncRead + AsyncWrite + Park + Unpin + Send + 'static,
     S: HttpService<Incoming, ResBody = B>,
     S::Error: Into<ConnError>,
     B: http_body::Body + Send + 'static,
@@ -221,8 +264,12 @@ where
     fn graceful_shutdown(self: Pin<&mut Self>) {
         let mut state = self.project().state;
         match state.as_mut().project() {
-            StateProj::Sniffing { .. } => state.set(State::Closed),
-            StateProj::H1 { conn } => conn.graceful_shutdown(),
+            StateProj::Sniffing { .. } | StateProj::Parked { .. } => state.set(State::Closed),
+            StateProj::H1 { conn, .. } => {
+                if let Some(conn) = conn {
+                    Pin::new(&mut **conn).graceful_shutdown();
+                }
+            }
             StateProj::H2 { conn } => conn.graceful_shutdown(),
             StateProj::Closed => {}
         }
@@ -231,7 +278,7 @@ where
 
 impl<I, S, B> Future for Connection<I, S>
 where
-    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    I: AsyncRead + AsyncWrite + Park + Unpin + Send + 'static,
     S: HttpService<Incoming, ResBody = B>,
     S::Error: Into<ConnError>,
     B: http_body::Body + Send + 'static,
@@ -264,16 +311,121 @@ where
                         }
                     } else {
                         State::H1 {
-                            conn: builder.http1.serve_connection(io, service).with_upgrades(),
+                            conn: Some(Box::new(
+                                builder.http1.serve_connection(io, service).with_upgrades(),
+                            )),
+                            builder: builder.clone(),
                         }
                     };
                     state.set(next);
                 }
-                StateProj::H1 { conn } => return conn.poll(cx).map_err(Into::into),
+                StateProj::H1 { conn, builder } => {
+                    let Some(served) = conn.as_mut() else {
+                        return Poll::Ready(Ok(()));
+                    };
+                    ready!(Pin::new(&mut **served).poll(cx))?;
+                    // Closed: for good, or to be parked.
+                    let Some(parked) = conn.take().and_then(|c| parked(*c, builder)) else {
+                        return Poll::Ready(Ok(()));
+                    };
+                    state.set(parked);
+                }
+                StateProj::Parked {
+                    io,
+                    service,
+                    builder,
+                    timeout,
+                    ..
+                } => {
+                    if let Some(t) = timeout
+                        && t.as_mut().poll(cx).is_ready()
+                    {
+                        return Poll::Ready(Err(Box::new(KeepAliveTimeout)));
+                    }
+                    let rewind = io.as_mut().expect("until served");
+                    let mut buf = ReadBuf::new(&mut rewind.sniffed.bytes);
+                    ready!(Pin::new(&mut rewind.io).poll_read(cx, &mut buf))?;
+                    let n = buf.filled().len();
+                    if n == 0 {
+                        // The client closed its idle connection.
+                        return Poll::Ready(Ok(()));
+                    }
+                    rewind.sniffed = Sniffed {
+                        len: n as u8,
+                        ..rewind.sniffed
+                    };
+                    rewind.io.unpark();
+                    let rewind = io.take().expect("until served");
+                    let service = service.take().expect("until served");
+                    let conn = builder
+                        .http1
+                        .serve_connection(TokioIo::new(rewind), service)
+                        .with_upgrades();
+                    let builder = builder.clone();
+                    state.set(State::H1 {
+                        conn: Some(Box::new(conn)),
+                        builder,
+                    });
+                }
                 StateProj::H2 { conn } => return conn.poll(cx).map_err(Into::into),
                 StateProj::Closed => return Poll::Ready(Ok(())),
             }
         }
+    }
+}
+
+/// The parked state of a connection hyper closed, when it closed to be
+/// parked (its socket says) with no byte left unread; `None` when the
+/// connection ends.
+fn parked<I, S, B>(
+    conn: http1::UpgradeableConnection<Io<I>, S>,
+    builder: &Arc<Builder>,
+) -> Option<State<I, S>>
+where
+    I: AsyncRead + AsyncWrite + Park + Unpin + Send + 'static,
+    S: HttpService<Incoming, ResBody = B>,
+    S::Error: Into<ConnError>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<ConnError>,
+{
+    let parts = conn.into_parts()?;
+    let rewind = parts.io.into_inner();
+    if !rewind.io.take_to_park() || !parts.read_buf.is_empty() {
+        return None;
+    }
+    Some(State::Parked {
+        io: Some(Rewind {
+            sniffed: Sniffed::default(),
+            ..rewind
+        }),
+        service: Some(parts.service),
+        builder: builder.clone(),
+        timeout: builder.parked_for.map(|d| Box::pin(tokio::time::sleep(d))),
+        counted: ParkedCount::new(),
+    })
+}
+
+static PARKED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// HTTP/1 connections parked now, in the whole process.
+pub fn parked_connections() -> u64 {
+    PARKED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// One parked connection in [`parked_connections`], while it lives.
+struct ParkedCount;
+
+impl ParkedCount {
+    fn new() -> ParkedCount {
+        PARKED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        ParkedCount
+    }
+}
+
+impl Drop for ParkedCount {
+    fn drop(&mut self) {
+        PARKED.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -306,6 +458,23 @@ mod tests {
     use super::*;
     use crate::drain::Graceful;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    // Sockets of tests that never park.
+    impl Park for tokio::io::DuplexStream {
+        fn take_to_park(&self) -> bool {
+            false
+        }
+
+        fn unpark(&self) {}
+    }
+
+    impl<R, W> Park for tokio::io::Join<R, W> {
+        fn take_to_park(&self) -> bool {
+            false
+        }
+
+        fn unpark(&self) {}
+    }
 
     async fn sniffed(sent: &[&[u8]]) -> (bool, Vec<u8>) {
         let (mut client, mut server) = tokio::io::duplex(1024);

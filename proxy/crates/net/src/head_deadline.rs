@@ -26,7 +26,7 @@ use std::future::Future;
 use std::ops::Deref;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU32, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -48,7 +48,15 @@ use crate::linger::Lingering;
 /// the connection is to linger; and whether hyper's read buffer grew
 /// large ([`HeadClock::grown`]).
 #[derive(Debug, Default)]
-pub struct HeadClock(AtomicU32, AtomicU16, AtomicBool, AtomicBool);
+pub struct HeadClock(AtomicU32, AtomicU16, AtomicBool, AtomicBool, AtomicU8);
+
+/// [`HeadClock`]'s parking states (see [`Within::parking`]).
+const AWAKE: u8 = 0;
+/// hyper is to read the end of the stream, and close its connection so
+/// that the socket can be kept without it.
+const TO_PARK: u8 = 1;
+/// The socket is kept without hyper, until bytes arrive.
+const PARKED: u8 = 2;
 
 const PHASE: u32 = 0b11;
 /// No request yet: the first head is awaited from the accept.
@@ -171,6 +179,34 @@ impl HeadClock {
         }
     }
 
+    /// The state of an HTTP/1 connection that is between requests, waits
+    /// for no head byte, and could be parked; `None` for any other (busy,
+    /// HTTP/2, upgraded, to linger or close). Two equal snapshots a while
+    /// apart mean no request came in between: the request count is part.
+    fn idle(&self) -> Option<u32> {
+        let s = self.load() & !UNFLUSHED;
+        let parkable = s & PHASE == IDLE && s & (OFF | UPGRADED) == 0;
+        let closing = self.2.load(Ordering::Relaxed) || self.3.load(Ordering::Relaxed);
+        (parkable && !closing).then_some(s)
+    }
+
+    /// Whether hyper is to read the end of the stream (see [`Within::parking`]).
+    fn to_park(&self) -> bool {
+        self.4.load(Ordering::Relaxed) == TO_PARK
+    }
+
+    /// Takes a connection hyper closed to be parked: true once, when it was.
+    pub fn take_to_park(&self) -> bool {
+        self.4
+            .compare_exchange(TO_PARK, PARKED, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// Notes that the parked connection is served by hyper again.
+    pub fn unpark(&self) {
+        self.4.store(AWAKE, Ordering::Relaxed);
+    }
+
     /// The head being awaited, if it is to be timed: its state, which
     /// changes when another head is awaited.
     fn awaited(&self) -> Option<u32> {
@@ -183,6 +219,12 @@ impl HeadClock {
         }
     }
 }
+
+/// How long an HTTP/1 connection idles between requests before it is
+/// parked, at most twice this (see [`Within::parking`]): longer than any
+/// pause between a client's back-to-back requests, short beside the
+/// keep-alive timeout (75 s) that idle connections wait out.
+pub const PARK_AFTER: Duration = Duration::from_millis(500);
 
 /// A read buffer larger than this marks the connection [`HeadClock::grown`].
 /// hyper's buffer starts at 8 KiB and doubles with each read that fills
@@ -205,7 +247,35 @@ where
         deadline: tokio::time::sleep(limit),
         clock,
         limit,
+        park: None,
     }
+}
+
+impl<F, C> Within<F, C> {
+    /// Parks the HTTP/1 connection once it has been idle between
+    /// requests for `after` to twice `after`: hyper reads the end of the
+    /// stream and closes its side, and `h1_or_h2` keeps the socket with
+    /// no buffer until bytes arrive (see [`crate::h1_or_h2`]), so an idle
+    /// keep-alive connection holds no read or write buffer. The check
+    /// shares the head deadline's timer: no timer work per request, one
+    /// timer reset per `after` per connection.
+    pub fn parking(mut self, after: Duration) -> Self {
+        self.park = Some(Park {
+            after,
+            armed: false,
+            seen: None,
+        });
+        self
+    }
+}
+
+/// [`Within`]'s idle check.
+struct Park {
+    after: Duration,
+    /// The deadline is set for the check (not for a head).
+    armed: bool,
+    /// The connection's idle state at the last check.
+    seen: Option<u32>,
 }
 
 pin_project_lite::pin_project! {
@@ -221,6 +291,7 @@ pin_project_lite::pin_project! {
         clock: C,
         limit: Duration,
         timed: Option<u32>,
+        park: Option<Park>,
     }
 }
 
@@ -233,7 +304,7 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
-        if let Poll::Ready(out) = this.served.poll(cx) {
+        if let Poll::Ready(out) = this.served.as_mut().poll(cx) {
             return Poll::Ready(Some(out));
         }
         let awaited = this.clock.awaited();
@@ -243,14 +314,52 @@ where
             if awaited.is_some() {
                 let at = tokio::time::Instant::now() + *this.limit;
                 this.deadline.as_mut().reset(at);
+                if let Some(park) = this.park.as_mut() {
+                    park.armed = false;
+                }
             }
             *this.timed = awaited;
         }
-        // An untimed deadline is not polled; if it was registered, it
-        // wakes the connection once, for nothing.
-        if this.timed.is_some() && this.deadline.poll(cx).is_ready() {
-            return Poll::Ready(None);
+        if this.timed.is_some() {
+            if this.deadline.poll(cx).is_ready() {
+                return Poll::Ready(None);
+            }
+            return Poll::Pending;
         }
+        // An untimed deadline is not polled, unless parking uses it; if
+        // it was registered, it wakes the connection once, for nothing.
+        let Some(park) = this.park.as_mut() else {
+            return Poll::Pending;
+        };
+        if this.clock.load() & (OFF | UPGRADED) != 0 {
+            // HTTP/2 or another protocol now: never parked.
+            *this.park = None;
+            return Poll::Pending;
+        }
+        if this.clock.4.load(Ordering::Relaxed) == PARKED {
+            park.armed = false;
+            return Poll::Pending;
+        }
+        if park.armed && !this.deadline.is_elapsed() {
+            return Poll::Pending;
+        }
+        let idle = this.clock.idle();
+        if park.armed && idle.is_some() && idle == park.seen {
+            // Idle since the last check: hyper reads the end of the
+            // stream now and closes; `h1_or_h2` keeps the socket.
+            this.clock.4.store(TO_PARK, Ordering::Relaxed);
+            park.armed = false;
+            if let Poll::Ready(out) = this.served.as_mut().poll(cx) {
+                return Poll::Ready(Some(out));
+            }
+            return Poll::Pending;
+        }
+        park.seen = idle;
+        park.armed = true;
+        let at = tokio::time::Instant::now() + park.after;
+        this.deadline.as_mut().reset(at);
+        // Registers the timer; it cannot have run out yet.
+        let _ = this.deadline.poll(cx);
         Poll::Pending
     }
 }
@@ -342,6 +451,11 @@ impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
+        // Idle long enough: the end of the stream, for hyper to close its
+        // side (`Within::parking`).
+        if self.clock.to_park() {
+            return Poll::Ready(Ok(()));
+        }
         // hyper offers the whole free space of its buffer.
         if buf.remaining() > GROWN {
             self.clock.3.store(true, Ordering::Relaxed);
@@ -399,6 +513,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Watched<S> {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
+        // hyper closing to be parked: the socket stays open.
+        if this.clock.to_park() {
+            return Poll::Ready(Ok(()));
+        }
         if this.lingering.is_none() {
             std::task::ready!(this.poll_answer(cx))?;
             std::task::ready!(Pin::new(&mut this.io).poll_shutdown(cx))?;
@@ -409,6 +527,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Watched<S> {
         }
         let lingering = this.lingering.as_mut().expect("set above");
         lingering.as_mut().poll_drain(&mut this.io, cx).map(Ok)
+    }
+}
+
+impl<S> crate::h1_or_h2::Park for Watched<S> {
+    fn take_to_park(&self) -> bool {
+        self.clock.take_to_park()
+    }
+
+    fn unpark(&self) {
+        self.clock.unpark();
     }
 }
 

@@ -134,6 +134,13 @@ pub(super) fn http_builder(listener: &Listener) -> h1_or_h2::Builder {
         // Sized for bodies: each read of an upload takes up to this much
         // (the head bound is the line above).
         .max_buf_size(READ_BUFFER.max(listener.max_request_header_size * 2));
+    // Parked after PARK_AFTER at least: the rest of the timeout, or up to
+    // PARK_AFTER more.
+    builder.parked_for = Some(
+        listener
+            .keepalive_timeout
+            .saturating_sub(portcullis_net::head_deadline::PARK_AFTER),
+    );
     // hyper's default of 100 headers is parsed on the stack; setting any
     // other maximum costs a heap allocation per request.
     builder

@@ -281,6 +281,11 @@ pub fn no_runtime() -> &'static RouteStats {
 /// Why a client connection ended in an error, as a metric label.
 fn reason(error: &(dyn std::error::Error + 'static)) -> &'static str {
     let Some(e) = error.downcast_ref::<hyper::Error>() else {
+        // A parked idle connection's timeout: the keep-alive timeout, as
+        // hyper's is below.
+        if error.is::<portcullis_net::h1_or_h2::KeepAliveTimeout>() {
+            return "keepalive_timeout";
+        }
         return "other";
     };
     if e.is_parse_too_large() {

@@ -100,6 +100,14 @@ pub fn render(out: &mut String) {
          portcullis_access_log_dropped_total {}",
         crate::access_log::dropped()
     );
+    let _ = writeln!(
+        out,
+        "# HELP portcullis_connections_parked Idle HTTP/1 keep-alive client connections \
+         parked: kept without their HTTP state and buffers until their next request.\n\
+         # TYPE portcullis_connections_parked gauge\n\
+         portcullis_connections_parked {}",
+        portcullis_net::h1_or_h2::parked_connections()
+    );
     // What every exporter serves about its own process.
     crate::process_metrics::render(out);
 }

@@ -91,6 +91,11 @@ impl Public {
             // The same bound as HTTP/2's (hyper's default was its ~400 KiB
             // read buffer).
             .max_header_size(crate::MAX_PUBLIC_HEAD as usize);
+        // A parked idle connection has the rest of the keep-alive timeout.
+        builder.parked_for = Some(
+            portcullis_config::DEFAULT_KEEPALIVE_TIMEOUT
+                .saturating_sub(portcullis_net::head_deadline::PARK_AFTER),
+        );
         builder
             .http2
             .timer(TokioTimer::new())
