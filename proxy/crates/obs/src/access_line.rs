@@ -14,8 +14,27 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub struct Line<'a> {
     out: &'a mut Vec<u8>,
     json: bool,
-    /// No field written yet (text lines separate fields by a space).
-    first: bool,
+}
+
+/// A field's name as each format writes it before the value (` name=`,
+/// `"name":`), made once by [`field!`](crate::field): one copy a field.
+#[derive(Clone, Copy)]
+pub struct Field {
+    #[doc(hidden)]
+    pub text: &'static str,
+    #[doc(hidden)]
+    pub json: &'static str,
+}
+
+/// The [`Field`] named `$name`.
+#[macro_export]
+macro_rules! field {
+    ($name:literal) => {
+        $crate::access_line::Field {
+            text: concat!(" ", $name, "="),
+            json: concat!("\"", $name, "\":"),
+        }
+    };
 }
 
 /// The wall clock as lines print it, its seconds formatted once a second.
@@ -71,19 +90,15 @@ impl<'a> Line<'a> {
             out.extend_from_slice(br#"","level":"INFO","#);
         } else {
             clock.stamp(out);
-            out.extend_from_slice(b"  INFO access: ");
+            out.extend_from_slice(b"  INFO access:");
         }
-        let mut line = Line {
-            out,
-            json,
-            first: true,
-        };
+        let mut line = Line { out, json };
         if let Some(message) = message {
             if json {
-                line.str("message", message);
+                line.str(crate::field!("message"), message);
             } else {
+                line.out.push(b' ');
                 line.out.extend_from_slice(message.as_bytes());
-                line.first = false;
             }
         }
         line
@@ -98,19 +113,9 @@ impl<'a> Line<'a> {
         }
     }
 
-    fn name(&mut self, name: &str) {
-        if self.json {
-            self.out.push(b'"');
-            self.out.extend_from_slice(name.as_bytes());
-            self.out.extend_from_slice(b"\":");
-        } else {
-            if !self.first {
-                self.out.push(b' ');
-            }
-            self.out.extend_from_slice(name.as_bytes());
-            self.out.push(b'=');
-        }
-        self.first = false;
+    fn name(&mut self, name: Field) {
+        let name = if self.json { name.json } else { name.text };
+        self.out.extend_from_slice(name.as_bytes());
     }
 
     fn next(&mut self) {
@@ -120,14 +125,23 @@ impl<'a> Line<'a> {
     }
 
     /// A string field: quoted in both formats.
-    pub fn str(&mut self, name: &str, value: &str) {
+    pub fn str(&mut self, name: Field, value: &str) {
         self.name(name);
         quoted(self.out, value, self.json);
         self.next();
     }
 
+    /// A word: bare in text, a string in JSON (a method, `-`).
+    pub fn word(&mut self, name: Field, value: &str) {
+        if self.json {
+            return self.str(name, value);
+        }
+        self.name(name);
+        self.out.extend_from_slice(value.as_bytes());
+    }
+
     /// A field shown as it displays: bare in text, a string in JSON.
-    pub fn display(&mut self, name: &str, value: &dyn Display) {
+    pub fn display(&mut self, name: Field, value: &dyn Display) {
         self.name(name);
         if self.json {
             let start = self.out.len();
@@ -146,8 +160,33 @@ impl<'a> Line<'a> {
         self.next();
     }
 
+    /// A socket address, as it displays (IPv4 written directly: the
+    /// formatting machinery cost a few hundred instructions a line).
+    pub fn addr(&mut self, name: Field, addr: &std::net::SocketAddr) {
+        let std::net::SocketAddr::V4(v4) = addr else {
+            return self.display(name, addr);
+        };
+        self.name(name);
+        if self.json {
+            self.out.push(b'"');
+        }
+        let mut n = itoa::Buffer::new();
+        for (i, octet) in v4.ip().octets().into_iter().enumerate() {
+            if i > 0 {
+                self.out.push(b'.');
+            }
+            self.out.extend_from_slice(n.format(octet).as_bytes());
+        }
+        self.out.push(b':');
+        self.out.extend_from_slice(n.format(v4.port()).as_bytes());
+        if self.json {
+            self.out.push(b'"');
+        }
+        self.next();
+    }
+
     /// A whole number.
-    pub fn uint(&mut self, name: &str, value: u64) {
+    pub fn uint(&mut self, name: Field, value: u64) {
         self.name(name);
         self.out
             .extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
@@ -155,7 +194,7 @@ impl<'a> Line<'a> {
     }
 
     /// Microseconds as milliseconds with three decimals (`0.208`).
-    pub fn millis(&mut self, name: &str, micros: u128) {
+    pub fn millis(&mut self, name: Field, micros: u128) {
         self.name(name);
         let whole = u64::try_from(micros / 1000).unwrap_or(u64::MAX);
         self.out
@@ -166,7 +205,7 @@ impl<'a> Line<'a> {
     }
 
     /// `true` or `false`.
-    pub fn bool(&mut self, name: &str, value: bool) {
+    pub fn bool(&mut self, name: Field, value: bool) {
         self.name(name);
         self.out
             .extend_from_slice(if value { b"true" } else { b"false" });
@@ -212,12 +251,12 @@ mod tests {
     #[test]
     fn json_lines_parse_whatever_the_values() {
         let text = line(true, |l| {
-            l.str("path", "/a\"b\\c\u{1}é");
-            l.display("error", &"bad \"thing\"\n");
-            l.display("client", &"127.0.0.1:80");
-            l.uint("status", 404);
-            l.millis("duration_ms", 12_005);
-            l.bool("aborted", false);
+            l.str(crate::field!("path"), "/a\"b\\c\u{1}é");
+            l.display(crate::field!("error"), &"bad \"thing\"\n");
+            l.display(crate::field!("client"), &"127.0.0.1:80");
+            l.uint(crate::field!("status"), 404);
+            l.millis(crate::field!("duration_ms"), 12_005);
+            l.bool(crate::field!("aborted"), false);
         });
         assert!(text.ends_with('\n'));
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -236,10 +275,10 @@ mod tests {
     #[test]
     fn text_lines_read_as_the_event_log_writes_them() {
         let text = line(false, |l| {
-            l.display("method", &http::Method::GET);
-            l.str("path", "/x y\"");
-            l.millis("duration_ms", 208);
-            l.uint("worker", 1);
+            l.display(crate::field!("method"), &http::Method::GET);
+            l.str(crate::field!("path"), "/x y\"");
+            l.millis(crate::field!("duration_ms"), 208);
+            l.uint(crate::field!("worker"), 1);
         });
         let (stamp, rest) = text.split_once("  ").unwrap();
         assert!(humantime::parse_rfc3339(stamp).is_ok(), "{stamp}");
@@ -250,11 +289,26 @@ mod tests {
     }
 
     #[test]
+    fn addresses_read_as_they_display() {
+        for addr in ["127.0.0.1:80", "10.200.0.255:65535", "[::1]:443"] {
+            let addr: std::net::SocketAddr = addr.parse().unwrap();
+            let json = line(true, |l| l.addr(crate::field!("client"), &addr));
+            let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+            assert_eq!(v["client"], addr.to_string());
+            let text = line(false, |l| l.addr(crate::field!("client"), &addr));
+            assert!(
+                text.ends_with(&format!("access: client={addr}\n")),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
     fn a_message_comes_first() {
         let mut out = Vec::new();
         let mut clock = Clock::default();
         let mut l = Line::begin(&mut out, false, &mut clock, Some("request head refused"));
-        l.uint("status", 400);
+        l.uint(crate::field!("status"), 400);
         l.end();
         let text = String::from_utf8(out).unwrap();
         assert!(

@@ -178,15 +178,15 @@ pub fn refused_head(
         s => s,
     };
     write(worker, Some("request head refused"), |line| {
-        line.str("method", "-");
-        line.str("path", "-");
-        line.uint("status", status.into());
-        line.str("route", "-");
-        line.str("upstream", "-");
-        line.display("client", &client);
-        line.uint("worker", worker as u64);
-        line.str("listener", listener);
-        line.display("error", error);
+        line.str(crate::field!("method"), "-");
+        line.str(crate::field!("path"), "-");
+        line.uint(crate::field!("status"), status.into());
+        line.str(crate::field!("route"), "-");
+        line.str(crate::field!("upstream"), "-");
+        line.addr(crate::field!("client"), &client);
+        line.uint(crate::field!("worker"), worker as u64);
+        line.str(crate::field!("listener"), listener);
+        line.display(crate::field!("error"), error);
     });
 }
 

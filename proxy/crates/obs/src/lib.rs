@@ -7,7 +7,7 @@
 //! collector through [`otlp::Collector`], which the request path
 //! implements.
 
-mod access_line;
+pub mod access_line;
 pub mod access_log;
 pub mod admin_access;
 pub mod admin_http;

@@ -194,39 +194,42 @@ impl Drop for AccessLog {
         // Whole microseconds, printed as milliseconds with three decimals.
         let duration = self.start.elapsed().as_micros();
         crate::access_log::write(self.worker, None, |line| {
-            line.display("method", &self.method);
-            line.str("path", path);
-            line.uint("status", self.status.into());
-            line.str("route", self.route.as_deref().unwrap_or("-"));
-            line.str("upstream", self.upstream.as_deref().unwrap_or("-"));
+            line.word(crate::field!("method"), self.method.as_str());
+            line.str(crate::field!("path"), path);
+            line.uint(crate::field!("status"), self.status.into());
+            line.str(crate::field!("route"), self.route.as_deref().unwrap_or("-"));
+            line.str(
+                crate::field!("upstream"),
+                self.upstream.as_deref().unwrap_or("-"),
+            );
             match &self.endpoint {
-                Some(endpoint) => line.display("endpoint", endpoint),
-                None => line.display("endpoint", &"-"),
+                Some(endpoint) => line.display(crate::field!("endpoint"), endpoint),
+                None => line.word(crate::field!("endpoint"), "-"),
             }
-            line.millis("duration_ms", duration);
+            line.millis(crate::field!("duration_ms"), duration);
             // Absent when no upstream answered (a local answer, a 502).
             if let Some(took) = self.upstream_header {
-                line.millis("upstream_header_ms", took.as_micros());
+                line.millis(crate::field!("upstream_header_ms"), took.as_micros());
             }
-            line.uint("bytes", self.bytes_sent);
-            line.display("client", &self.client);
-            line.uint("worker", self.worker as u64);
-            line.bool("aborted", self.aborted);
+            line.uint(crate::field!("bytes"), self.bytes_sent);
+            line.addr(crate::field!("client"), &self.client);
+            line.uint(crate::field!("worker"), self.worker as u64);
+            line.bool(crate::field!("aborted"), self.aborted);
             line.str(
-                "request_id",
+                crate::field!("request_id"),
                 crate::request_id::text(self.request_id.as_ref()),
             );
             // Absent (not "-") in cleartext: most deployments have no TLS
             // here and should not pay for the fields.
             if let Some(tls) = self.tls {
-                line.str("tls", tls);
+                line.str(crate::field!("tls"), tls);
             }
             if let Some(cert) = &self.client_cert {
-                line.str("client_cert", &cert.identity.subject);
+                line.str(crate::field!("client_cert"), &cert.identity.subject);
             }
             // Absent without `tracing`, as `tls` in cleartext.
             if let Some(id) = trace_id.as_ref().and_then(|t| std::str::from_utf8(t).ok()) {
-                line.str("trace_id", id);
+                line.str(crate::field!("trace_id"), id);
             }
         });
     }
