@@ -259,23 +259,9 @@ def idle(port, n, mb, pids):
         if not start.startswith("HTTP/1.1 200"):
             sys.exit(f"idle: answered {start!r}")
         conns.append(conn)
-    # Let Portcullis park the idle HTTP/1 connections (within a second)
-    # and the allocators settle. mimalloc hands freed pages back to the
-    # system after a delay, but only on its next allocation: one more
-    # request, on a connection of its own, as a readiness probe would
-    # make, does that (for nginx it changes nothing).
+    # Let the allocators settle (mimalloc frees pages after a delay), and
+    # Portcullis park the idle HTTP/1 connections (within a second).
     time.sleep(2)
-    probe = socket.create_connection(("127.0.0.1", port))
-    if tls:
-        probe = tls.wrap_socket(probe, server_hostname="localhost")
-    if h2:
-        h2_get(probe, host)
-    else:
-        probe.sendall(b"GET / HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n" % host)
-        while probe.recv(65536):
-            pass
-    probe.close()
-    time.sleep(0.5)
     print(f"{(rss_kib(pids) - before) / n:.0f}")
 
 

@@ -32,3 +32,4 @@ pub mod ticket_keys;
 pub mod tls_errors;
 pub mod tls_listen;
 pub mod unparsed_head;
+pub mod worker_idle;

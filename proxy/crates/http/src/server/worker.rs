@@ -13,10 +13,7 @@ pub(super) struct Worker {
 
 impl Worker {
     pub(super) fn run(self, mut commands: mpsc::UnboundedReceiver<WorkerCommand>) {
-        let runtime = match tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-        {
+        let runtime = match portcullis_net::worker_idle::runtime().build() {
             Ok(rt) => rt,
             Err(e) => {
                 tracing::error!(worker = self.index, error = %e, "cannot start worker runtime");

@@ -62,10 +62,7 @@ pub(super) fn worker(
     (stops, drained): (Stops, tokio::sync::oneshot::Sender<()>),
 ) {
     let stop = stops.public;
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match portcullis_net::worker_idle::runtime().build() {
         Ok(rt) => rt,
         Err(e) => {
             tracing::error!(worker = index, error = %e, "cannot start worker runtime");
