@@ -260,8 +260,10 @@ def idle(port, n, mb, pids):
             sys.exit(f"idle: answered {start!r}")
         conns.append(conn)
     # Let the allocators settle (mimalloc frees pages after a delay), and
-    # Portcullis park the idle HTTP/1 connections (within a second).
-    time.sleep(2)
+    # Portcullis park the idle HTTP/1 connections (within a second) and
+    # hand their freed buffers back (within two more: a second's purge
+    # delay, checked once a second).
+    time.sleep(4)
     print(f"{(rss_kib(pids) - before) / n:.0f}")
 
 

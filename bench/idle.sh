@@ -8,8 +8,9 @@
 # For each protocol, fresh proxies (two workers each) in turn: CONNS client
 # connections each make one request (bench/bodies.py idle) and stay open;
 # the figure is the growth of the proxy's resident memory (all its
-# processes) per connection, two seconds after the last one was answered
-# (Portcullis parks an idle HTTP/1 connection within a second).
+# processes) per connection, four seconds after the last one was answered
+# (Portcullis parks an idle HTTP/1 connection within a second, and hands
+# the freed memory back within two more).
 # Kernel socket buffers are not in it, for either. A fresh process each
 # time: memory an allocator kept from earlier connections would hide the
 # cost of new ones. The upstream is one nginx worker answering a small
