@@ -72,6 +72,29 @@ async fn keep_asking(
     }
 }
 
+/// Eight clients of [`keep_asking`] at once, and what they count.
+struct Load {
+    answered: Arc<Mutex<HashSet<String>>>,
+    count: Arc<AtomicUsize>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+fn load(addr: std::net::SocketAddr, pad: Arc<str>, limit: usize) -> Load {
+    let answered = Arc::new(Mutex::new(HashSet::new()));
+    let count = Arc::new(AtomicUsize::new(0));
+    let tasks = (0..8)
+        .map(|task| {
+            let (answered, count) = (answered.clone(), count.clone());
+            tokio::spawn(keep_asking(addr, task, pad.clone(), limit, answered, count))
+        })
+        .collect();
+    Load {
+        answered,
+        count,
+        tasks,
+    }
+}
+
 /// The paths of access lines in `text`, each line parsed as JSON (a
 /// line that does not parse fails the test).
 fn logged_paths<'a>(lines: impl Iterator<Item = &'a str>) -> Vec<String> {
@@ -102,21 +125,11 @@ async fn sigterm_under_load_loses_no_access_line() {
     .to_vec();
     let mut proxy = ProxyProcess::launch(&args, &deployed(), "listening").await;
 
-    let answered = Arc::new(Mutex::new(HashSet::new()));
-    let count = Arc::new(AtomicUsize::new(0));
-    let tasks: Vec<_> = (0..8)
-        .map(|task| {
-            let (answered, count) = (answered.clone(), count.clone());
-            tokio::spawn(keep_asking(
-                proxy.addr,
-                task,
-                "".into(),
-                usize::MAX,
-                answered,
-                count,
-            ))
-        })
-        .collect();
+    let Load {
+        answered,
+        count,
+        tasks,
+    } = load(proxy.addr, "".into(), usize::MAX);
     // Well into the load, with lines in every worker's buffer.
     tokio::time::timeout(Duration::from_secs(60), async {
         while count.load(Ordering::SeqCst) < 600 {
@@ -156,21 +169,7 @@ async fn lines_stay_whole_when_every_worker_writes_at_once() {
     // every worker, beside the event log's lines.
     let mut proxy = ProxyProcess::start(POLICY, &["--access-log-buffer", "4KiB"]).await;
     let pad = format!("?{}", "x".repeat(1500));
-    let answered = Arc::new(Mutex::new(HashSet::new()));
-    let count = Arc::new(AtomicUsize::new(0));
-    let tasks: Vec<_> = (0..8)
-        .map(|task| {
-            let (answered, count) = (answered.clone(), count.clone());
-            tokio::spawn(keep_asking(
-                proxy.addr,
-                task,
-                pad.as_str().into(),
-                100,
-                answered,
-                count,
-            ))
-        })
-        .collect();
+    let Load { count, tasks, .. } = load(proxy.addr, pad.as_str().into(), 100);
     for task in tasks {
         task.await.unwrap();
     }
@@ -239,21 +238,7 @@ async fn a_log_pipe_nobody_reads_drops_lines_and_never_stalls_requests() {
     // About 4 MB of lines, far more than the pipe, the writer's batch
     // and every worker's backlog hold.
     let pad = format!("?{}", "x".repeat(1000));
-    let answered = Arc::new(Mutex::new(HashSet::new()));
-    let count = Arc::new(AtomicUsize::new(0));
-    let tasks: Vec<_> = (0..8)
-        .map(|task| {
-            let (answered, count) = (answered.clone(), count.clone());
-            tokio::spawn(keep_asking(
-                addr,
-                task,
-                pad.as_str().into(),
-                400,
-                answered,
-                count,
-            ))
-        })
-        .collect();
+    let Load { count, tasks, .. } = load(addr, pad.as_str().into(), 400);
     tokio::time::timeout(Duration::from_secs(120), async {
         for task in tasks {
             task.await.unwrap();
