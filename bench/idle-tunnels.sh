@@ -9,7 +9,11 @@
 # tunnel client process holding TUNNELS tunnels to it (--connections, one
 # runtime: what a server sees of TUNNELS clients, less their handshakes'
 # spread). Reported: the server's resident memory before, once all are
-# connected and idle (after a settling second), and per tunnel; then the
+# connected and idle (after a settling second), and per tunnel; again
+# after traffic through every tunnel (64 KiB answers, up to three
+# requests a tunnel in TRAFFIC_SECONDS, default 15: the server takes a
+# runtime's tunnels in turn), idle again, as a
+# server looks once its tunnels have carried a day's requests; then the
 # server is killed (SIGKILL, as a crashed pod) and started again on the
 # same ports, and the time from its start until it holds every tunnel
 # again (the clients' reconnect backoff, jittered, is most of it).
@@ -51,7 +55,18 @@ wait_held() {
   done
 }
 
-printf '%-10s %8s %14s %14s %12s %16s\n' transport tunnels "RSS before" "RSS idle" "KiB/tunnel" "all back after"
+# The answers of the traffic round.
+head -c 65536 /dev/urandom > "$WORK/big.bin"
+chmod a+rx "$WORK"; chmod a+r "$WORK/big.bin"
+# Each wrk thread stops sending after its share of the answers (its
+# argument); wrk itself ends after TRAFFIC_SECONDS.
+cat > "$WORK/count.lua" <<'LUA'
+local left
+function init(args) left = tonumber(args[1]) end
+function response() left = left - 1; if left <= 0 then wrk.thread:stop() end end
+LUA
+
+printf '%-10s %8s %14s %14s %12s %14s %16s\n' transport tunnels "RSS before" "RSS idle" "KiB/tunnel" "after traffic" "all back after"
 ALL=$TUNNELS
 for transport in $TRANSPORTS; do
   TUN=$(free_port); PUB=$(free_port); ADMIN=$(free_port)
@@ -77,13 +92,18 @@ for transport in $TRANSPORTS; do
   curl -fs -o /dev/null -H 'host: bench.bench.test' "http://127.0.0.1:$PUB/"
   sleep 2
   idle=$(rss "$SERVER")
+  wrk -t2 -c8 -d"${TRAFFIC_SECONDS:-15}s" -H 'Host: bench.bench.test' -s "$WORK/count.lua" \
+    "http://127.0.0.1:$PUB/big" -- $((TUNNELS * 3 / 2)) > "$WORK/traffic.txt"
+  if grep -q Non-2xx "$WORK/traffic.txt"; then cat "$WORK/traffic.txt" >&2; exit 1; fi
+  sleep 2
+  used=$(rss "$SERVER")
   kill -9 "$SERVER"; wait "$SERVER" 2>/dev/null || true
   start=$(date +%s.%N)
   start_server
   wait_held "$ADMIN" "$TUNNELS"
   back=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN { printf "%.1f s", e - s }')
-  awk -v t="$transport" -v n="$TUNNELS" -v b="$before" -v i="$idle" -v back="$back" \
-    'BEGIN { printf "%-10s %8d %11d KiB %11d KiB %12.1f %16s\n", t, n, b, i, (i - b) / n, back }'
+  awk -v t="$transport" -v n="$TUNNELS" -v b="$before" -v i="$idle" -v u="$used" -v back="$back" \
+    'BEGIN { printf "%-10s %8d %11d KiB %11d KiB %12.1f %10.1f KiB %16s\n", t, n, b, i, (i - b) / n, (u - b) / n, back }'
   kill "$CLIENT" "$SERVER" 2>/dev/null || true
   wait "$CLIENT" "$SERVER" 2>/dev/null || true
 done

@@ -185,20 +185,3 @@ pub fn h2_client() -> hyper::client::conn::http2::Builder<hyper_util::rt::TokioE
         .keep_alive_timeout(KEEPALIVE_TIMEOUT);
     builder
 }
-
-/// WebSocket settings for the tunnel: messages are HTTP/2 frames, so the
-/// limits only need to fit the largest write HTTP/2 makes.
-pub fn ws_config() -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig {
-    // tungstenite's default 128 KiB read and write buffers, per tunnel,
-    // were most of an idle tunnel's memory; HTTP/2 frames are at most
-    // 16 KiB, so smaller buffers cost no extra round trips. The read
-    // buffer is zeroed whole before each read, so all of it stays
-    // resident: 4 KiB (a frame larger than that grows it for itself)
-    // took an idle tunnel from 133 to 100 KiB (debug build,
-    // bench/idle-tunnels.sh).
-    tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
-        .read_buffer_size(4 << 10)
-        .write_buffer_size(32 << 10)
-        .max_message_size(Some(32 << 20))
-        .max_frame_size(Some(32 << 20))
-}

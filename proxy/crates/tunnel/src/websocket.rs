@@ -7,7 +7,7 @@
 use http::StatusCode;
 use tokio::net::TcpStream;
 
-use super::ws_io::WsIo;
+use super::ws_io::{Role, WsIo};
 use super::{BoxIo, Hello, Refused};
 use portcullis_net::handshake_head;
 
@@ -33,7 +33,8 @@ pub async fn dial(
         server.authority().map_or(host, |a| a.as_str()),
         super::TUNNEL_PATH
     );
-    let request = request(&url, hello)?;
+    let authority = server.authority().map_or(host, |a| a.as_str());
+    let request = request(authority, hello)?;
     match tls {
         Some(connector) => {
             let name = rustls_pki_types::ServerName::try_from(bare_host.to_owned())
@@ -47,52 +48,122 @@ pub async fn dial(
     }
 }
 
-fn request(
-    url: &str,
-    hello: &Hello,
-) -> Result<tokio_tungstenite::tungstenite::handshake::client::Request, String> {
-    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-    let mut request = url
-        .into_client_request()
-        .map_err(|e| format!("bad server URL {url}: {e}"))?;
-    let value = |s: &str| {
+/// The client's handshake request (RFC 6455 §4.1), presenting `hello`;
+/// with the key whose answer the server must give back.
+fn request(authority: &str, hello: &Hello) -> Result<(String, String), String> {
+    let valid = |s: &str| {
         http::HeaderValue::from_str(s)
+            .map(|_| ())
             .map_err(|_| "token or runtime id is not a valid header value".to_owned())
     };
-    let headers = request.headers_mut();
-    headers.insert(
-        http::header::AUTHORIZATION,
-        value(&format!("Bearer {}", hello.token))?,
+    valid(authority)?;
+    valid(&hello.token)?;
+    valid(&hello.runtime)?;
+    valid(&hello.instance)?;
+    let key = tokio_tungstenite::tungstenite::handshake::client::generate_key();
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nhost: {authority}\r\nconnection: Upgrade\r\n\
+         upgrade: websocket\r\nsec-websocket-version: 13\r\nsec-websocket-key: {key}\r\n\
+         authorization: Bearer {token}\r\n{runtime_h}: {runtime}\r\n\
+         {instance_h}: {instance}\r\n{slot_h}: {slot}\r\n\r\n",
+        path = super::TUNNEL_PATH,
+        token = hello.token,
+        runtime_h = super::RUNTIME_HEADER,
+        runtime = hello.runtime,
+        instance_h = super::INSTANCE_HEADER,
+        instance = hello.instance,
+        slot_h = super::SLOT_HEADER,
+        slot = hello.slot,
     );
-    headers.insert(super::RUNTIME_HEADER, value(&hello.runtime)?);
-    headers.insert(super::INSTANCE_HEADER, value(&hello.instance)?);
-    headers.insert(super::SLOT_HEADER, value(&hello.slot.to_string())?);
-    Ok(request)
+    Ok((request, key))
 }
 
+/// Sends the handshake request and reads the server's answer: 101 with
+/// the key's answer makes the tunnel's byte stream; any other status is
+/// the server's refusal, with its body.
 async fn handshake<S>(
-    request: tokio_tungstenite::tungstenite::handshake::client::Request,
-    stream: S,
+    (request, key): (String, String),
+    mut stream: S,
     url: &str,
 ) -> Result<BoxIo, String>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
-    let (ws, _) =
-        tokio_tungstenite::client_async_with_config(request, stream, Some(super::ws_config()))
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let failed = |what: String| format!("WebSocket handshake with {url}: {what}");
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    stream.flush().await.map_err(|e| failed(e.to_string()))?;
+    let mut read = Vec::with_capacity(1024);
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut resp = httparse::Response::new(&mut headers);
+        match resp.parse(&read) {
+            Ok(httparse::Status::Complete(len)) => {
+                let status = resp.code.unwrap_or(0);
+                let header = |name: &str| {
+                    resp.headers
+                        .iter()
+                        .find(|h| h.name.eq_ignore_ascii_case(name))
+                        .map(|h| h.value.trim_ascii())
+                };
+                if status != 101 {
+                    let body_len = header("content-length")
+                        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+                        .unwrap_or(0usize)
+                        .min(4096);
+                    let status = http::StatusCode::from_u16(status)
+                        .map_or_else(|_| status.to_string(), |s| s.to_string());
+                    let body = read_body(&mut stream, read.split_off(len), body_len).await;
+                    return Err(format!("{} {status} {body}", super::quic::REFUSED));
+                }
+                let accept =
+                    tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
+                let upgraded =
+                    header("upgrade").is_some_and(|v| v.eq_ignore_ascii_case(b"websocket"));
+                if !upgraded || header("sec-websocket-accept") != Some(accept.as_bytes()) {
+                    return Err(failed("the server's 101 is not a WebSocket's".into()));
+                }
+                let carried = read.split_off(len);
+                return Ok(Box::new(WsIo::new(stream, Role::Client, carried)));
+            }
+            Ok(httparse::Status::Partial) if read.len() < 16 * 1024 => {}
+            Ok(httparse::Status::Partial) => {
+                return Err(failed("response head over 16 KiB".into()));
+            }
+            Err(e) => return Err(failed(format!("not an HTTP response: {e}"))),
+        }
+        let mut chunk = [0u8; 1024];
+        let n = stream
+            .read(&mut chunk)
             .await
-            .map_err(|e| match e {
-                tokio_tungstenite::tungstenite::Error::Http(resp) => format!(
-                    "the server refused the tunnel: {} {}",
-                    resp.status(),
-                    resp.body()
-                        .as_deref()
-                        .map(String::from_utf8_lossy)
-                        .unwrap_or_default()
-                ),
-                e => format!("WebSocket handshake with {url}: {e}"),
-            })?;
-    Ok(Box::new(WsIo::new(ws)))
+            .map_err(|e| failed(e.to_string()))?;
+        if n == 0 {
+            return Err(failed("the server closed the connection".into()));
+        }
+        read.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// A refusal's body (`len` bytes, of which `read` came with the head), as
+/// text: what the server said.
+async fn read_body<S: tokio::io::AsyncRead + Unpin>(
+    stream: &mut S,
+    mut read: Vec<u8>,
+    len: usize,
+) -> String {
+    use tokio::io::AsyncReadExt;
+    while read.len() < len {
+        let mut chunk = [0u8; 1024];
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => read.extend_from_slice(&chunk[..n]),
+        }
+    }
+    read.truncate(len);
+    String::from_utf8_lossy(&read).into_owned()
 }
 
 /// Why a connection to the tunnel port did not become a tunnel.
@@ -156,56 +227,95 @@ where
             )));
         }
     }
-    Ok(websocket_handshake(handshake_head::Replay::new(read, stream), check).await?)
+    Ok(websocket_handshake(stream, read, check).await?)
 }
 
-// tungstenite's callback returns its error response by value.
-#[allow(clippy::result_large_err)]
+/// The server's side of the handshake (RFC 6455 §4.2) on the head in
+/// `read`: the path and the client's [`Hello`] checked by `check`, then
+/// 101 and the tunnel's byte stream (with the bytes read past the head);
+/// or the refusal answered with its status and returned as the reason.
 async fn websocket_handshake<S, T>(
-    stream: S,
-    check: impl FnOnce(&Hello) -> Result<T, Refused> + Unpin,
+    mut stream: S,
+    read: Vec<u8>,
+    check: impl FnOnce(&Hello) -> Result<T, Refused>,
 ) -> Result<(BoxIo, Hello, T), String>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
-    use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
-    let refuse = |status: StatusCode, message: &str| -> ErrorResponse {
-        let mut resp = http::Response::new(Some(format!("{{\"error\":\"{message}\"}}")));
-        *resp.status_mut() = status;
-        resp
+    use tokio::io::AsyncWriteExt;
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut req = httparse::Request::new(&mut headers);
+    let Ok(httparse::Status::Complete(len)) = req.parse(&read) else {
+        unreachable!("handshake_head::read returns a whole head")
     };
-    let mut outcome: Option<Result<(Hello, T), String>> = None;
-    let callback = |req: &Request, resp: Response| {
-        if req.uri().path() != super::TUNNEL_PATH {
-            outcome = Some(Err(format!("wrong path {}", req.uri().path())));
-            return Err(refuse(StatusCode::NOT_FOUND, "not a tunnel endpoint"));
-        }
-        let header = |name: &str| {
-            req.headers()
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("")
-                .to_owned()
-        };
-        let hello = Hello::from_fields(header);
-        match check(&hello) {
-            Ok(accepted) => {
-                outcome = Some(Ok((hello, accepted)));
-                Ok(resp)
-            }
-            Err(refused) => {
-                outcome = Some(Err(refused.reason));
-                Err(refuse(refused.status, refused.message))
-            }
-        }
+    let field = |name: &str| {
+        req.headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .and_then(|h| std::str::from_utf8(h.value).ok())
+            .map(str::trim)
     };
-    let result =
-        tokio_tungstenite::accept_hdr_async_with_config(stream, callback, Some(super::ws_config()))
-            .await;
-    match (result, outcome) {
-        (Ok(ws), Some(Ok((hello, accepted)))) => Ok((Box::new(WsIo::new(ws)), hello, accepted)),
-        (_, Some(Err(reason))) => Err(reason),
-        (Ok(_), None) => Err("handshake accepted without a check".into()),
-        (Err(e), _) => Err(format!("not a tunnel handshake: {e}")),
+    let refuse = async |stream: &mut S, status: StatusCode, message: &str| {
+        let body = format!("{{\"error\":\"{message}\"}}");
+        let line = format!(
+            "{} {}",
+            status.as_u16(),
+            status.canonical_reason().unwrap_or("")
+        );
+        handshake_head::refuse(stream, &line, &body).await;
+    };
+    let path = req.path.unwrap_or_default();
+    if path != super::TUNNEL_PATH {
+        refuse(&mut stream, StatusCode::NOT_FOUND, "not a tunnel endpoint").await;
+        return Err(format!("wrong path {path}"));
     }
+    let upgrade = field("connection").is_some_and(|v| {
+        v.split(',')
+            .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
+    });
+    let key = field("sec-websocket-key").filter(|_| req.method == Some("GET") && upgrade);
+    let Some(key) = key else {
+        refuse(
+            &mut stream,
+            StatusCode::BAD_REQUEST,
+            "not a WebSocket handshake",
+        )
+        .await;
+        return Err("not a tunnel handshake: no GET with Connection: upgrade and a key".into());
+    };
+    if field("sec-websocket-version") != Some("13") {
+        let line = "426 Upgrade Required\r\nsec-websocket-version: 13";
+        handshake_head::refuse(
+            &mut stream,
+            line,
+            r#"{"error":"WebSocket version 13 only"}"#,
+        )
+        .await;
+        return Err("not a tunnel handshake: a WebSocket version other than 13".into());
+    }
+    let hello = Hello::from_fields(|name| field(name).unwrap_or_default().to_owned());
+    let accepted = match check(&hello) {
+        Ok(accepted) => accepted,
+        Err(refused) => {
+            refuse(&mut stream, refused.status, refused.message).await;
+            return Err(refused.reason);
+        }
+    };
+    let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
+    let answer = format!(
+        "HTTP/1.1 101 Switching Protocols\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\
+         sec-websocket-accept: {accept}\r\n\r\n"
+    );
+    let sent = async {
+        stream.write_all(answer.as_bytes()).await?;
+        stream.flush().await
+    };
+    sent.await
+        .map_err(|e| format!("answering the handshake: {e}"))?;
+    let carried = read[len..].to_vec();
+    Ok((
+        Box::new(WsIo::new(stream, Role::Server, carried)),
+        hello,
+        accepted,
+    ))
 }
