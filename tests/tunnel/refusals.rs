@@ -140,6 +140,62 @@ pub(super) async fn bad_credentials_and_garbage_are_refused_and_logged_without_d
 }
 
 #[tokio::test]
+pub(super) async fn a_client_that_breaks_the_websocket_framing_loses_its_tunnel_alone() {
+    let echo = upstream::echo("ok").await;
+    let mut server = TunnelServer::start().await;
+    let url = echo.url();
+    let _good = server
+        .client("rt-a", TOKENS[0].1, &["--upstream", &url])
+        .await;
+    // rt-b's client, by hand: a valid handshake, then a text frame,
+    // which no tunnel sends.
+    let mut raw = tokio::net::TcpStream::connect(server.tunnel).await.unwrap();
+    let handshake = format!(
+        "GET /_portcullis/tunnel HTTP/1.1\r\nhost: tunnel\r\nconnection: Upgrade\r\n\
+         upgrade: websocket\r\nsec-websocket-version: 13\r\n\
+         sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nauthorization: Bearer {}\r\n\
+         x-portcullis-runtime: rt-b\r\nx-portcullis-instance: 1-raw\r\n\r\n",
+        TOKENS[1].1
+    );
+    raw.write_all(handshake.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        raw.read_exact(&mut byte).await.unwrap();
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).unwrap();
+    assert!(head.starts_with("HTTP/1.1 101 "), "{head}");
+    // RFC 6455's own example key and its answer.
+    assert!(
+        head.contains("sec-websocket-accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo="),
+        "{head}"
+    );
+    let mask = [1u8, 2, 3, 4];
+    raw.write_all(&[
+        0x81,
+        0x81,
+        mask[0],
+        mask[1],
+        mask[2],
+        mask[3],
+        b'x' ^ mask[0],
+    ])
+    .await
+    .unwrap();
+    // Named in the warning, whichever of the connection and the ping
+    // meets it first ("tunnel lost", "tunnel ping failed").
+    let line = server
+        .process
+        .wait_for_log("a text frame on a tunnel")
+        .await;
+    assert!(line.contains("WARN") && line.contains("rt-b"), "{line}");
+    // The other runtime's tunnel serves on.
+    let ok = server.get("rt-a", "/").await;
+    assert_eq!(ok.status, 200);
+}
+
+#[tokio::test]
 pub(super) async fn tunnels_run_over_tls_with_a_private_ca() {
     let echo = upstream::echo("tls").await;
     let server = TunnelServer::start_with(true).await;

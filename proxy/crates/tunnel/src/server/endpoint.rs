@@ -134,7 +134,8 @@ pub(super) async fn serve_tunnel(
     let ended = async move {
         match conn.await {
             Ok(()) => End::Closed,
-            Err(e) => End::Lost(e.to_string()),
+            // With its causes: hyper names only its own layer.
+            Err(e) => End::Lost(portcullis_http::forward::error_chain(&e)),
         }
     };
     run_tunnel(
