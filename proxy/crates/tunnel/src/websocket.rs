@@ -245,8 +245,10 @@ where
     use tokio::io::AsyncWriteExt;
     let mut headers = [httparse::EMPTY_HEADER; 64];
     let mut req = httparse::Request::new(&mut headers);
+    // `handshake_head::read` parsed the same head whole; this only fails
+    // if the two parses ever disagree.
     let Ok(httparse::Status::Complete(len)) = req.parse(&read) else {
-        unreachable!("handshake_head::read returns a whole head")
+        return Err("not a tunnel handshake: its head did not parse again".into());
     };
     let field = |name: &str| {
         req.headers
