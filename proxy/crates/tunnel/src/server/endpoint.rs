@@ -104,7 +104,14 @@ pub(super) async fn serve_tunnel(
             }
         }
     }
-    let accepted = crate::websocket::accept(stream, tls, check_hello(&shared, peer));
+    // Boxed, as the HTTP/2 handshake below: a future holds room for its
+    // largest state for as long as it lives, and this task lives as long
+    // as the tunnel, idle for most of it.
+    let accepted = Box::pin(crate::websocket::accept(
+        stream,
+        tls,
+        check_hello(&shared, peer),
+    ));
     let (io, hello, token) = match tokio::time::timeout_at(deadline, accepted).await {
         Ok(Ok(done)) => done,
         Ok(Err(crate::websocket::NotATunnel::HealthCheck)) => {
@@ -120,10 +127,12 @@ pub(super) async fn serve_tunnel(
             return;
         }
     };
-    let handshake = crate::h2_client()
-        .keep_alive_while_idle(true)
-        .handshake::<_, Body>(TokioIo::new(io))
-        .await;
+    let handshake = Box::pin(
+        crate::h2_client()
+            .keep_alive_while_idle(true)
+            .handshake::<_, Body>(TokioIo::new(io)),
+    )
+    .await;
     let (sender, conn) = match handshake {
         Ok(pair) => pair,
         Err(e) => {
@@ -160,7 +169,7 @@ pub(super) async fn serve_quic_tunnel(
     stop: CancellationToken,
 ) {
     let peer = incoming.remote_address();
-    let accepted = crate::quic::accept(incoming, check_hello(&shared, peer));
+    let accepted = Box::pin(crate::quic::accept(incoming, check_hello(&shared, peer)));
     let (tunnel, control, hello, token) = match tokio::time::timeout(
         crate::HANDSHAKE_TIMEOUT,
         accepted,
