@@ -70,7 +70,7 @@ pub struct WsIo<S> {
     data_left: u64,
     data_mask: Option<[u8; 4]>,
     mask_at: usize,
-    /// A control frame being read (boxed: rare, and 140 bytes).
+    /// A control frame being read (boxed: rare, and ~130 bytes).
     control: Option<Box<Control>>,
     /// The peer's close came, or its stream ended: reads end.
     read_closed: bool,
