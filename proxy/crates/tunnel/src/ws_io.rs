@@ -443,12 +443,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for WsIo<S> {
             let n = if this.head_at < this.head_end {
                 let at = usize::from(this.head_at);
                 let n = want.min(usize::from(this.head_end) - at);
-                let mut bytes = [0u8; MAX_HEAD];
-                bytes[..n].copy_from_slice(&this.head[at..at + n]);
+                let bytes = &mut this.head[at..at + n];
                 if let Some(mask) = this.data_mask {
-                    this.mask_at = apply_mask(&mut bytes[..n], mask, this.mask_at);
+                    this.mask_at = apply_mask(bytes, mask, this.mask_at);
                 }
-                buf.put_slice(&bytes[..n]);
+                buf.put_slice(bytes);
                 this.head_at += n as u8;
                 n
             } else {
