@@ -242,9 +242,27 @@ routes:
     };
     let both = [&replicas[0], &replicas[1]];
     let shared = admitted("/login", &both).await;
+    // A request whose script Redis did not answer within `WAIT` (a busy
+    // machine) was counted locally instead: admitted by that replica's
+    // own bucket, it took one of its tokens.
+    let mut local_before = Vec::new();
+    for r in &replicas {
+        let state = r.status().await["state"].clone();
+        let (counted, local) = (state["counted"].as_u64(), state["counted_locally"].as_u64());
+        assert_eq!(
+            counted.zip(local).map(|(c, l)| c + l),
+            Some(30),
+            "{state:#}"
+        );
+        local_before.push(local.unwrap());
+    }
+    let local: u64 = local_before.iter().sum();
+    // Redis admits 20 of what reaches it; one it admitted but answered
+    // late was also admitted locally, so counts once, not twice.
+    let reached_redis = 60 - local;
     assert!(
-        (18..=22).contains(&shared),
-        "shared: {shared} passed, not 20"
+        (20.min(reached_redis)..=20 + local).contains(&shared),
+        "shared: {shared} passed, {local} of them counted locally"
     );
     assert_eq!(
         admitted("/own", &both).await,
@@ -254,11 +272,6 @@ routes:
     replicas[0]
         .metrics_showing(&["portcullis_state_store_up 1".to_owned()])
         .await;
-    let status = replicas[0].status().await;
-    assert!(
-        status["state"]["counted"].as_u64() >= Some(30),
-        "{status:#}"
-    );
 
     // The store gone: each replica counts for itself again.
     redis.kill().await;
@@ -268,10 +281,11 @@ routes:
         r.metrics_showing(&["portcullis_state_store_up 0".to_owned()])
             .await;
     }
-    let alone = admitted("/login", &[&replicas[0]]).await;
-    assert_eq!(alone, 20, "the first replica's own limit");
-    let alone = admitted("/login", &[&replicas[1]]).await;
-    assert_eq!(alone, 20, "the second replica's own limit");
+    for (i, r) in replicas.iter().enumerate() {
+        let alone = admitted("/login", &[r]).await;
+        let own = 20u64.saturating_sub(local_before[i]);
+        assert_eq!(alone, own, "replica {i}'s own limit");
+    }
     let status = replicas[1].status().await;
     assert!(
         status["state"]["counted_locally"].as_u64() >= Some(30),
