@@ -8,8 +8,9 @@
 //!    or left, as the connection's [`Entry`] says;
 //! 2. **route, plugins, forward**: [`Phases::serve`], the one part each
 //!    kind of listener does its own way (the routing core routes, runs
-//!    plugins and forwards to an upstream; the tunnel server's "forward"
-//!    is a runtime's tunnel);
+//!    plugins and forwards to an upstream of the policies; the tunnel
+//!    server routes by host name and forwards to a carried upstream, a
+//!    runtime's tunnel: `forward::carried`);
 //! 3. **respond**: gRPC clients get the proxy's own errors in gRPC's
 //!    terms, HEAD and 204/304 answers lose any body, the request id goes
 //!    back when it was made here, [`Phases::finish`] adds its last

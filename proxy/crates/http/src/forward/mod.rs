@@ -1,8 +1,12 @@
-//! Sending requests to upstreams: pooled keep-alive connections per upstream,
-//! endpoint balancing, timeouts, retries of requests that never left, and
-//! endpoints that could not be reached kept out of the rotation.
+//! Sending requests to upstreams, of two kinds. An upstream of the
+//! policies ([`UpstreamPool`]): pooled keep-alive connections per
+//! upstream, endpoint balancing, timeouts, retries of requests that never
+//! left, and endpoints that could not be reached kept out of the
+//! rotation. A carried upstream ([`carried`]): a connection another part
+//! of the proxy holds, such as a runtime's tunnel.
 
 mod affinity;
+pub mod carried;
 mod dial;
 mod ejection;
 mod endpoints;
@@ -25,6 +29,7 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
 
 pub use affinity::preference;
+pub use carried::{Carriage, Carried, Carrier};
 pub use ejection::Ejections;
 use endpoints::*;
 pub use endpoints::{SharedEndpoints, shared_endpoints};

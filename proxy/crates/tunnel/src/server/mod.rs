@@ -21,7 +21,7 @@ use std::time::{Duration, Instant, SystemTime};
 use futures_util::FutureExt;
 use http::header::{self, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
-use http::{Request, Response, StatusCode, Uri, Version};
+use http::{Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioIo, TokioTimer};
