@@ -100,7 +100,9 @@ impl Carried {
             parts.headers.insert(name.clone(), value.clone());
         }
         set_forwarded_scheme_and_host(&mut parts.headers, how, claimed);
-        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        // Shared with the received target, not parsed again.
+        let path = parts.uri.path_and_query().cloned();
+        let path = path.unwrap_or_else(|| PathAndQuery::from_static("/"));
         parts.uri = Uri::builder()
             .scheme(how.scheme)
             .authority(how.host)
