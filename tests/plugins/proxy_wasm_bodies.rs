@@ -8,11 +8,24 @@ use super::*;
 use http_body_util::BodyExt;
 
 /// An upstream whose `/r` answers `top secret stuff\n` in three pieces
-/// (no length), and `/big` 2 MiB in 64 KiB pieces.
+/// (no length), `/big` 2 MiB in 64 KiB pieces, and `/whole` and
+/// `/refuse` `top secret stuff\n` and `refuse me\n` in one piece with
+/// their lengths (the body at hand with its head, as small answers come).
 async fn pieces() -> Upstream {
     upstream::serve(|req| async move {
         let chunks: Vec<Bytes> = match req.uri().path() {
             "/big" => vec![Bytes::from(vec![b'a'; 64 << 10]); 32],
+            path @ ("/whole" | "/refuse") => {
+                let text: &'static str = match path {
+                    "/whole" => "top secret stuff\n",
+                    _ => "refuse me\n",
+                };
+                return Response::new(
+                    http_body_util::Full::new(Bytes::from_static(text.as_bytes()))
+                        .map_err(|never| match never {})
+                        .boxed(),
+                );
+            }
             _ => ["top ", "secret ", "stuff\n"]
                 .into_iter()
                 .map(|s: &'static str| Bytes::from_static(s.as_bytes()))
@@ -39,8 +52,9 @@ routes: [{{ name: r, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ us
 }
 
 /// What a client sees of a GET of `path` through `addr` with
-/// `x-redact: how`: status, body, `x-body-was`, and whether the answer
-/// came whole (a client error reading it: `None` body).
+/// `x-redact: how`: status, body, `x-body-was`; or [`cut`], an answer
+/// cut off (whether its head came before the cut is a matter of timing,
+/// in Envoy as here).
 #[derive(Debug, PartialEq)]
 struct Redacted {
     status: u16,
@@ -54,10 +68,9 @@ async fn redacted(addr: std::net::SocketAddr, path: &str, how: Option<&str>) -> 
         req = req.header("x-redact", how);
     }
     let http = client::http1();
-    let resp = http
-        .request(req.body(body(Bytes::new())).unwrap())
-        .await
-        .expect("response head");
+    let Ok(resp) = http.request(req.body(body(Bytes::new())).unwrap()).await else {
+        return cut();
+    };
     let status = resp.status().as_u16();
     let body_was = resp
         .headers()
@@ -80,10 +93,22 @@ async fn redacted(addr: std::net::SocketAddr, path: &str, how: Option<&str>) -> 
             text
         }
     });
+    match body {
+        None => cut(),
+        body => Redacted {
+            status,
+            body,
+            body_was,
+        },
+    }
+}
+
+/// An answer cut off.
+fn cut() -> Redacted {
     Redacted {
-        status,
-        body,
-        body_was,
+        status: 0,
+        body: None,
+        body_was: None,
     }
 }
 
@@ -111,19 +136,41 @@ pub(super) async fn a_filter_rewrites_a_response_body() {
     // Not asked: the body streams through as it came.
     let a = redacted(proxy.addr, "/r", None).await;
     assert_eq!(a, answer(200, Some("top secret stuff\n"), None));
+    // A body at hand with its head goes through the filter before the
+    // head goes, with the calls and outcomes of a streamed one: rewritten
+    // (its length the new body's), and a late refusal a response cut off.
+    let a = redacted(proxy.addr, "/whole", Some("stream")).await;
+    assert_eq!(a, answer(200, Some("top [redacted] stuff\n"), None));
+    let a = redacted(proxy.addr, "/whole", Some("hold")).await;
+    assert_eq!(a, answer(200, Some("top [redacted] stuff\n"), Some("17")));
+    let a = redacted(proxy.addr, "/whole", None).await;
+    assert_eq!(a, answer(200, Some("top secret stuff\n"), None));
+    let a = redacted(proxy.addr, "/refuse", Some("stream")).await;
+    assert_eq!(a, cut());
+    // The filter's calls on the head once it has let it go fail (it
+    // panics): a streamed response is cut off; one at hand had not gone
+    // yet and is answered with the failure, as Envoy answers it.
+    for how in ["late-write", "late-read"] {
+        assert_eq!(redacted(proxy.addr, "/r", Some(how)).await, cut(), "{how}");
+        let a = redacted(proxy.addr, "/whole", Some(how)).await;
+        assert_eq!(a.status, 500, "{how}: {a:?}");
+    }
     // Past the buffer limit with the head held: the proxy's 500, as
     // Envoy's; kept while streaming: the response cut off.
     let a = redacted(proxy.addr, "/big", Some("hold")).await;
     assert_eq!(a.status, 500, "{a:?}");
     let a = redacted(proxy.addr, "/big", Some("stream")).await;
-    assert_eq!((a.status, a.body), (200, None));
+    assert_eq!(a, cut());
     // A body as large passes a filter that does not keep it.
     let a = redacted(proxy.addr, "/big", None).await;
     assert_eq!(a.body.as_deref(), Some("2097152 bytes"));
 }
 
 /// Envoy is the reference: the same filter and requests through Envoy
-/// 1.40 and through Portcullis give the same answers. Not `hold`: Envoy
+/// 1.40 and through Portcullis give the same answers. Not the filter's
+/// failures once it let the head go (`late-write`, `late-read`): Envoy
+/// answers 503 if its head had not left yet, and cuts the response off
+/// if it had, as the pieces happen to come. Not `hold`: Envoy
 /// turns a filter's pause on a head into a pause of everything (its
 /// body callback is never called, proxy-wasm's `StopIteration` made
 /// `StopAllIterationAndWatermark`), so the request waits for its stream
@@ -141,6 +188,9 @@ pub(super) async fn a_response_body_filter_behaves_as_in_envoy() {
         ("/r", None),
         ("/big", Some("stream")),
         ("/big", None),
+        ("/whole", Some("stream")),
+        ("/whole", None),
+        ("/refuse", Some("stream")),
     ] {
         let reference = redacted(envoy.addr, path, how).await;
         let ours = redacted(proxy.addr, path, how).await;

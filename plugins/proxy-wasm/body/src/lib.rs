@@ -9,9 +9,12 @@
 //! On the response, with `x-redact: stream` on the request it does what
 //! the SDK's `http_body` example does: lets the head go without its
 //! length, keeps the body's pieces until the last, and replaces
-//! `secret` in it with `[redacted]`. With `x-redact: hold` it holds the
-//! head until the body is in, and also says how long the body was in
-//! `x-body-was`.
+//! `secret` in it with `[redacted]`; a body that says `refuse` it
+//! answers 403 instead, too late (the head has gone: the response is
+//! cut off). With `x-redact: late-write` or `late-read` it sets or reads
+//! a response header once the body is in, which fails in Envoy (the
+//! head has gone). With `x-redact: hold` it holds the head until the
+//! body is in, and also says how long the body was in `x-body-was`.
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
@@ -116,6 +119,17 @@ impl HttpContext for Inspect {
             .get_http_response_body(0, body_size)
             .unwrap_or_default();
         let text = String::from_utf8_lossy(&body);
+        match self.redact.as_deref() {
+            Some("stream") if text.contains("refuse") => {
+                self.send_http_response(403, vec![], Some(b"refused\n"));
+                return Action::Pause;
+            }
+            Some("late-write") => self.set_http_response_header("x-too-late", Some("1")),
+            Some("late-read") => {
+                let _ = self.get_http_response_header("content-type");
+            }
+            _ => {}
+        }
         if text.contains("secret") {
             let redacted = text.replace("secret", "[redacted]");
             self.set_http_response_body(0, body_size, redacted.as_bytes());

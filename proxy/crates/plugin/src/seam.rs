@@ -163,8 +163,8 @@ pub struct RequestLent<'a> {
 pub const MAX_BUFFERED_BODY: u32 = 1 << 20;
 
 /// What a response call is lent: the request as forwarded, and the
-/// response head (edited in place by a head call; a body call after the
-/// head went reads what went).
+/// response head (edited in place by a head call, and by a body call
+/// while the head is held for the body).
 pub struct ResponseLent<'a> {
     pub facts: &'a mut Option<RequestFacts>,
     pub request_headers: &'a mut http::HeaderMap,
@@ -173,6 +173,11 @@ pub struct ResponseLent<'a> {
     /// Whether the response has no body (in a head call), or this is its
     /// last piece (in a body call).
     pub end_of_stream: bool,
+    /// Whether the head has gone (a body or trailers call on a body that
+    /// streams): `headers` is then empty, and a proxy-wasm filter's calls
+    /// on the head fail as in Envoy, which lets go of a head once the
+    /// filter lets it go on.
+    pub head_sent: bool,
 }
 
 /// An answer a plugin made itself.

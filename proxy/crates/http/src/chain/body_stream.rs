@@ -78,6 +78,7 @@ pub fn filter_request_body(
         .collect();
     Body::boxed(Filtered {
         inner: body,
+        first: None,
         stages,
         facts: ctx.facts.clone(),
         side: Side::Request {
@@ -115,18 +116,31 @@ pub fn stopped_body(ctx: &mut PluginContext<'_>, route: &Route) -> Option<Respon
 /// `body` through the response body hooks of `ctx`'s plugins that see
 /// every body; `body` itself (no allocation) when none does. Their
 /// streams are ended with the body, as Envoy logs a stream once its
-/// response is sent.
+/// response is sent. A body whole at hand with its head goes through
+/// them at once ([`through_now`]); the answer to send instead, when a
+/// plugin failed on it.
+#[allow(clippy::result_large_err)] // unboxed as everywhere on this path
 pub fn filter_response_body(
     ctx: &mut PluginContext<'_>,
     route: &Route,
-    resp: &http::response::Parts,
-    body: Body,
-) -> Body {
+    resp: &mut http::response::Parts,
+    mut body: Body,
+) -> Result<Body, Response<Body>> {
     let chain = ctx.chain;
     let seeing = |b: &Arc<dyn Plugin>| b.hooks().response_body;
     if !chain.iter().any(seeing) || http_body::Body::is_end_stream(&body) {
-        return body;
+        return Ok(body);
     }
+    let first = match at_hand(&mut body) {
+        Some(None) => return through_now(ctx, route, resp, Bytes::new()),
+        Some(Some(Ok(frame))) if frame.is_data() && http_body::Body::is_end_stream(&body) => {
+            let whole = frame.into_data().unwrap_or_default();
+            return through_now(ctx, route, resp, whole);
+        }
+        // A piece of a longer body (or its error): the stream's first.
+        Some(first) => first,
+        None => None,
+    };
     let stages = (chain.iter().enumerate().rev())
         .filter(|(_, b)| seeing(b))
         .map(|(place, b)| Stage {
@@ -136,21 +150,98 @@ pub fn filter_response_body(
             kept: None,
         })
         .collect();
-    let mut head = Response::new(()).into_parts().0;
-    head.status = resp.status;
-    head.headers = resp.headers.clone();
-    Body::boxed(Filtered {
+    Ok(Body::boxed(Filtered {
         inner: body,
+        first,
         stages,
         facts: ctx.facts.take(),
         side: Side::Response {
             request_headers: std::mem::take(&mut ctx.request_headers),
-            head,
+            status: resp.status.as_u16(),
         },
         route: route.name.clone(),
         ended: false,
         after: None,
-    })
+    }))
+}
+
+/// The body's next frame if it has one at hand (read with the head),
+/// without waiting: `None` if it would wait.
+fn at_hand(body: &mut Body) -> Option<Option<Result<Frame<Bytes>, BodyError>>> {
+    // A waker that does nothing: the poll that waits registers the task's
+    // own, as a later poll replaces an earlier one's.
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    match http_body::Body::poll_frame(Pin::new(body), &mut cx) {
+        Poll::Ready(frame) => Some(frame),
+        Poll::Pending => None,
+    }
+}
+
+/// A response body whole at hand (`whole`, its last piece) through the
+/// body hooks of `ctx`'s plugins that see every body, last first, before
+/// its head goes: no stream to set up (a box, its stages, a poll per
+/// piece). The calls are those the stream would make, with the same
+/// outcomes (the head counts as gone, as it would be), but for a
+/// plugin's failure: the head has not gone, so it is answered, as Envoy
+/// answers it (503) when the body came with the head. The plugins'
+/// streams end with the request's context. What to send.
+#[allow(clippy::result_large_err)]
+fn through_now(
+    ctx: &mut PluginContext<'_>,
+    route: &Route,
+    resp: &mut http::response::Parts,
+    mut whole: Bytes,
+) -> Result<Body, Response<Body>> {
+    let chain = ctx.chain;
+    let mut changed = false;
+    let places = chain.iter().enumerate().rev();
+    for (place, binding) in places.filter(|(_, b)| b.hooks().response_body) {
+        let mut stream = ctx.streams.get(place);
+        let mut gone = http::HeaderMap::new();
+        let status = (resp.status.as_u16(), &mut gone);
+        let lent = lend_gone(&mut ctx.facts, &mut ctx.request_headers, status, true);
+        let called = binding.on_response_body(&mut stream, lent, &whole);
+        ctx.streams.set(place, stream);
+        match called {
+            Ok(plugin::BodyVerdict::Continue(Some(new))) => (whole, changed) = (new, true),
+            // A pause at the body's end lets it go, as in the stream.
+            Ok(plugin::BodyVerdict::Continue(None) | plugin::BodyVerdict::Pause) => {}
+            // As from the stream (and from Envoy): the response cut off.
+            Ok(plugin::BodyVerdict::Respond(_)) => {
+                tracing::warn!(plugin = %binding.name(), route = %route.name, "plugin answered after the response head went; response cut off");
+                let cut = Cut(Some("a plugin stopped the response body".into()));
+                return Ok(Body::boxed(cut));
+            }
+            Err(e) => {
+                if let Some(Stopped::Failed(e)) = failed(&**binding, &route.name, e) {
+                    return Err(plugin_error(route, &e));
+                }
+            }
+        }
+    }
+    // The head is not sent yet: its length follows a replaced body.
+    if changed && resp.headers.contains_key(http::header::CONTENT_LENGTH) {
+        resp.headers
+            .insert(http::header::CONTENT_LENGTH, whole.len().into());
+    }
+    Ok(Body::full(whole))
+}
+
+/// A response body a plugin stopped after its head: it fails at once, as
+/// the streamed body's next piece would (the client's response is cut
+/// off, as Envoy resets the stream).
+struct Cut(Option<BodyError>);
+
+impl http_body::Body for Cut {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        Poll::Ready(self.get_mut().0.take().map(Err))
+    }
 }
 
 /// One plugin's place in the body's way.
@@ -169,16 +260,19 @@ enum Side {
         headers: http::HeaderMap,
         stop: Arc<BodyStop>,
     },
-    /// A response body: the request as forwarded and the head as sent;
-    /// the stages own their streams, ended with the body.
+    /// A response body: the request as forwarded and the status sent
+    /// (the head itself has gone: its calls see none of it); the stages
+    /// own their streams, ended with the body.
     Response {
         request_headers: http::HeaderMap,
-        head: http::response::Parts,
+        status: u16,
     },
 }
 
 struct Filtered {
     inner: Body,
+    /// A frame taken from `inner` before the stream began, sent first.
+    first: Option<Result<Frame<Bytes>, BodyError>>,
     stages: Vec<Stage>,
     facts: Option<RequestFacts>,
     side: Side,
@@ -234,7 +328,7 @@ impl Filtered {
                     Stopped::TooLarge
                 }
                 Ok(plugin::BodyVerdict::Respond(local)) => Stopped::Answer(local),
-                Err(e) => match failed(stage, route, e) {
+                Err(e) => match failed(&*stage.plugin, route, e) {
                     Some(stopped) => stopped,
                     None => {
                         piece = given;
@@ -261,7 +355,7 @@ impl Filtered {
             let stopped = match called {
                 Ok(None) => continue,
                 Ok(Some(local)) => Stopped::Answer(local),
-                Err(e) => match failed(stage, &self.route, e) {
+                Err(e) => match failed(&*stage.plugin, &self.route, e) {
                     Some(stopped) => stopped,
                     None => continue,
                 },
@@ -291,17 +385,35 @@ impl Filtered {
     }
 }
 
-/// A stage's failed call under its `fail` mode: `None` to go on (open),
+/// A plugin's failed body call under its `fail` mode: `None` to go on (open),
 /// or what stops the body (closed).
-fn failed(stage: &Stage, route: &str, e: PluginError) -> Option<Stopped> {
-    let name = stage.plugin.name();
-    count_failure(&*stage.plugin, &e);
-    if stage.plugin.fail() == FailMode::Open {
+fn failed(plugin: &dyn Plugin, route: &str, e: PluginError) -> Option<Stopped> {
+    let name = plugin.name();
+    count_failure(plugin, &e);
+    if plugin.fail() == FailMode::Open {
         tracing::warn!(plugin = %name, route = %route, error = %e, "plugin failed on a body; body let through (fail: open)");
         return None;
     }
     tracing::warn!(plugin = %name, route = %route, error = %e, "plugin failed on a body; stopped (fail: closed)");
     Some(Stopped::Failed(e))
+}
+
+/// What a body or trailers call is lent once the head has gone: its
+/// status, and `gone` (empty) for its headers.
+fn lend_gone<'a>(
+    facts: &'a mut Option<RequestFacts>,
+    request_headers: &'a mut http::HeaderMap,
+    (status, gone): (u16, &'a mut http::HeaderMap),
+    end_of_stream: bool,
+) -> plugin::ResponseLent<'a> {
+    plugin::ResponseLent {
+        facts,
+        request_headers,
+        status,
+        headers: gone,
+        end_of_stream,
+        head_sent: true,
+    }
 }
 
 /// One stage's call on the trailers.
@@ -324,9 +436,10 @@ fn call_trailers(
         }
         Side::Response {
             request_headers,
-            head,
+            status,
         } => {
-            let lent = lend(facts, request_headers, head, true);
+            let mut gone = http::HeaderMap::new();
+            let lent = lend_gone(facts, request_headers, (*status, &mut gone), true);
             stage
                 .plugin
                 .on_response_trailers(&mut stage.stream, lent, trailers)
@@ -353,9 +466,10 @@ fn call(
         }
         Side::Response {
             request_headers,
-            head,
+            status,
         } => {
-            let lent = lend(facts, request_headers, head, end_of_stream);
+            let mut gone = http::HeaderMap::new();
+            let lent = lend_gone(facts, request_headers, (*status, &mut gone), end_of_stream);
             stage.plugin.on_response_body(&mut stage.stream, lent, body)
         }
     }
@@ -388,7 +502,10 @@ impl http_body::Body for Filtered {
             if this.ended {
                 return Poll::Ready(this.after.take().map(Ok));
             }
-            let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+            let frame = match this.first.take() {
+                Some(first) => Some(first),
+                None => ready!(Pin::new(&mut this.inner).poll_frame(cx)),
+            };
             let (piece, end_of_stream) = match frame {
                 Some(Ok(frame)) => match frame.into_data() {
                     Ok(data) => (data, http_body::Body::is_end_stream(&this.inner)),

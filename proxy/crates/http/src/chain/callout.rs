@@ -69,9 +69,9 @@ impl<'a> PendingCallout<'a> {
             place,
             body: body.clone(),
         };
-        match waiting.step(flow, progress, headers, route) {
-            Ok(progress) => run_from(chain, at + 1, progress, headers, body, route, config),
-            Err(step) => step,
+        match waiting.step(flow, &mut progress, headers, route) {
+            None => run_from(chain, at + 1, progress, headers, body, route, config),
+            Some(step) => step,
         }
     }
 }

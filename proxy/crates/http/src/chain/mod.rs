@@ -66,6 +66,28 @@ struct Progress<'a> {
     streams: Streams<'a>,
 }
 
+impl<'a> Progress<'a> {
+    /// Nothing set yet, on a request of `facts`.
+    fn new(chain: &'a [Arc<dyn Plugin>], facts: Option<RequestFacts>) -> Progress<'a> {
+        Progress {
+            facts,
+            upstream: None,
+            path: None,
+            body: None,
+            whole_from: None,
+            streams: Streams {
+                chain,
+                held: Vec::new(),
+            },
+        }
+    }
+
+    /// All of it, moved out; an empty progress left in its place.
+    fn take(&mut self, chain: &'a [Arc<dyn Plugin>]) -> Progress<'a> {
+        std::mem::replace(self, Progress::new(chain, None))
+    }
+}
+
 /// What plugins keep of the request between calls ([`plugin::Stream`]),
 /// by their place in the chain; ended when the request is over, however
 /// it ends (this is dropped with the request). Empty, and allocation-free,
@@ -175,32 +197,23 @@ pub fn on_request<'a>(
     conn: &ConnInfo,
     config: &Config,
 ) -> Step<'a> {
-    let progress = Progress {
-        facts: Some(RequestFacts {
-            method: method.clone(),
-            uri: uri.clone(),
-            normalized: (path != uri.path()).then(|| path.to_owned()),
-            rewritten: None,
-            client: conn.client.ip(),
-            tls: conn.tls,
-            sni: conn.sni.clone(),
-            client_cert: conn.client_cert.clone(),
-            route: route_index,
-            params: params
-                .iter()
-                .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                .collect(),
-            bodiless,
-        }),
-        upstream: None,
-        path: None,
-        body: None,
-        whole_from: None,
-        streams: Streams {
-            chain,
-            held: Vec::new(),
-        },
+    let facts = RequestFacts {
+        method: method.clone(),
+        uri: uri.clone(),
+        normalized: (path != uri.path()).then(|| path.to_owned()),
+        rewritten: None,
+        client: conn.client.ip(),
+        tls: conn.tls,
+        sni: conn.sni.clone(),
+        client_cert: conn.client_cert.clone(),
+        route: route_index,
+        params: params
+            .iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+        bodiless,
     };
+    let progress = Progress::new(chain, Some(facts));
     run_from(chain, 0, progress, headers, None, route, config)
 }
 
@@ -234,10 +247,9 @@ fn run_from<'a>(
             place,
             body: body.clone(),
         };
-        progress = match waiting.step(flow, progress, headers, route) {
-            Ok(progress) => progress,
-            Err(step) => return step,
-        };
+        if let Some(step) = waiting.step(flow, &mut progress, headers, route) {
+            return step;
+        }
     }
     Step::Done(finish(chain, progress, headers))
 }
@@ -253,54 +265,46 @@ struct Waiting<'a> {
 }
 
 impl<'a> Waiting<'a> {
-    /// What `flow` makes of the chain: its progress back to go on to the
-    /// next plugin, or the step to take.
-    #[allow(clippy::result_large_err)] // unboxed as everywhere on this path
+    /// What `flow` makes of the chain: `None` to go on to the next plugin,
+    /// or the step to take (`progress` lent, not moved: it is ~400 bytes,
+    /// and most calls go on).
     fn step(
         self,
         flow: Flow,
-        mut progress: Progress<'a>,
+        progress: &mut Progress<'a>,
         headers: &mut http::HeaderMap,
         route: &Route,
-    ) -> Result<Progress<'a>, Step<'a>> {
+    ) -> Option<Step<'a>> {
         let Waiting {
             chain,
             at,
             place,
             body,
         } = self;
-        let answer = |resp| Err(Step::Done(RequestOutcome::Answer(resp)));
+        let answer = |resp| Some(Step::Done(RequestOutcome::Answer(resp)));
         match flow {
-            Flow::Next => Ok(progress),
+            Flow::Next => None,
             Flow::Answer(resp) => answer(resp),
-            Flow::Local(resp) => answer(local_through(
-                chain,
-                place,
-                &mut progress,
-                headers,
-                route,
-                resp,
-            )),
+            Flow::Local(resp) => {
+                answer(local_through(chain, place, progress, headers, route, resp))
+            }
             Flow::WantsBody(_) if body.is_some() => {
                 let binding = &chain[place];
                 let e = PluginError::Trap {
                     plugin: binding.name().clone(),
                     message: "asked for the body twice".into(),
                 };
-                match fail(&**binding, route, &e) {
-                    Some(resp) => answer(resp),
-                    None => Ok(progress),
-                }
+                fail(&**binding, route, &e).and_then(answer)
             }
-            Flow::WantsBody(max) => Err(Step::ReadBody(Box::new(PendingBody {
+            Flow::WantsBody(max) => Some(Step::ReadBody(Box::new(PendingBody {
                 chain,
                 at,
                 max,
-                progress,
+                progress: progress.take(chain),
             }))),
-            Flow::Callout(request) => Err(Step::Callout(Box::new(PendingCallout::new(
+            Flow::Callout(request) => Some(Step::Callout(Box::new(PendingCallout::new(
                 (chain, at, place),
-                progress,
+                progress.take(chain),
                 request,
                 body,
             )))),
@@ -489,6 +493,7 @@ fn lend<'a>(
         status: parts.status.as_u16(),
         headers: &mut parts.headers,
         end_of_stream,
+        head_sent: false,
     }
 }
 

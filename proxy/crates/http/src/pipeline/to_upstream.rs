@@ -112,7 +112,10 @@ impl Pipeline {
             let end_of_stream = http_body::Body::is_end_stream(&body);
             match chain::on_response(ctx, route, &mut parts, end_of_stream) {
                 chain::ResponseStep::Go => {
-                    body = chain::filter_response_body(ctx, route, &parts, body)
+                    match chain::filter_response_body(ctx, route, &mut parts, body) {
+                        Ok(filtered) => body = filtered,
+                        Err(answer) => return Answered::Ready((answer, forward::Held::default())),
+                    }
                 }
                 chain::ResponseStep::Answer(answer) => {
                     return Answered::Ready((answer, forward::Held::default()));

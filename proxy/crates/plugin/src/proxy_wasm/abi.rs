@@ -127,8 +127,12 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         env,
         "proxy_get_header_map_pairs",
         |mut c: C<'_>, kind: i32, ret_ptr: i32, ret_len: i32| -> R {
-            let Some(pairs) = pairs(c.data(), kind) else {
-                return ok(Status::NotFound);
+            let pairs = match gone(c.data(), kind) {
+                true => Vec::new(),
+                false => match pairs(c.data(), kind) {
+                    Some(pairs) => pairs,
+                    None => return ok(Status::NotFound),
+                },
             };
             let bytes = map::serialize(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
             give(&mut c, &bytes, (ret_ptr, ret_len))
@@ -138,6 +142,9 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         env,
         "proxy_set_header_map_pairs",
         |mut c: C<'_>, kind: i32, ptr: i32, len: i32| -> R {
+            if gone(c.data(), kind) {
+                return ok(Status::BadArgument);
+            }
             let bytes = read(&mut c, ptr, len)?;
             let Some(pairs) = map::deserialize(&bytes) else {
                 return ok(Status::SerializationFailure);
@@ -161,6 +168,9 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         env,
         "proxy_get_header_map_value",
         |mut c: C<'_>, kind: i32, key_ptr: i32, key_len: i32, ret_ptr: i32, ret_len: i32| -> R {
+            if gone(c.data(), kind) {
+                return ok(Status::BadArgument);
+            }
             let key = read(&mut c, key_ptr, key_len)?;
             let value = if kind == HTTP_CALL_RESPONSE_HEADERS {
                 let answer = c.data().call.answer.as_ref();
@@ -192,6 +202,9 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         env,
         "proxy_replace_header_map_value",
         |mut c: C<'_>, kind: i32, key_ptr: i32, key_len: i32, ptr: i32, len: i32| -> R {
+            if gone(c.data(), kind) {
+                return ok(Status::BadArgument);
+            }
             let key = read(&mut c, key_ptr, key_len)?;
             let value = read(&mut c, ptr, len)?;
             if key.starts_with(b":") {
@@ -211,6 +224,9 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         env,
         "proxy_add_header_map_value",
         |mut c: C<'_>, kind: i32, key_ptr: i32, key_len: i32, ptr: i32, len: i32| -> R {
+            if gone(c.data(), kind) {
+                return ok(Status::BadArgument);
+            }
             let key = read(&mut c, key_ptr, key_len)?;
             let value = read(&mut c, ptr, len)?;
             if key.starts_with(b":") {
@@ -225,6 +241,9 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         env,
         "proxy_remove_header_map_value",
         |mut c: C<'_>, kind: i32, key_ptr: i32, key_len: i32| -> R {
+            if gone(c.data(), kind) {
+                return ok(Status::BadArgument);
+            }
             let key = read(&mut c, key_ptr, key_len)?;
             if let Some(h) = headers_mut(c.data_mut(), kind)
                 && let Ok(name) = HeaderName::from_bytes(&key)
@@ -417,6 +436,13 @@ fn headers_mut(state: &mut VmState, kind: i32) -> Option<&mut HeaderMap> {
         REQUEST_TRAILERS | RESPONSE_TRAILERS => state.call.trailers.as_deref_mut(),
         _ => None,
     }
+}
+
+/// Whether `kind` is a response head that has gone: Envoy drops its hold
+/// on the head once a filter lets it go, and answers every call on it
+/// but a listing (empty) with `BadArgument` (which the SDKs panic on).
+fn gone(state: &VmState, kind: i32) -> bool {
+    kind == RESPONSE_HEADERS && state.call.head_sent
 }
 
 fn append(state: &mut VmState, kind: i32, key: &[u8], value: &[u8]) {

@@ -28,19 +28,19 @@ pub(super) fn body_verdict(
 /// gives what it lent back: the call (with what the filter left in it)
 /// and `f`'s result.
 pub(super) fn lend<T>(
+    vm: &mut Vm,
     lent: seam::ResponseLent<'_>,
     body: Option<Bytes>,
-    f: impl FnOnce(Box<Call>) -> (Box<Call>, T),
+    f: impl FnOnce(&mut Vm, Box<Call>) -> (Box<Call>, T),
 ) -> (Box<Call>, T) {
-    let call = Box::new(Call {
-        facts: lent.facts.take(),
-        request_headers: std::mem::take(lent.request_headers),
-        response_headers: std::mem::take(lent.headers),
-        status: Some(lent.status),
-        response_body: body,
-        ..Call::default()
-    });
-    let (mut call, out) = f(call);
+    let mut call = vm.blank();
+    call.facts = lent.facts.take();
+    call.request_headers = std::mem::take(lent.request_headers);
+    call.response_headers = std::mem::take(lent.headers);
+    call.status = Some(lent.status);
+    call.response_body = body;
+    call.head_sent = lent.head_sent;
+    let (mut call, out) = f(vm, call);
     *lent.facts = call.facts.take();
     *lent.request_headers = std::mem::take(&mut call.request_headers);
     *lent.headers = std::mem::take(&mut call.response_headers);
@@ -57,18 +57,18 @@ pub(super) fn request_trailers(
     lent: seam::RequestLent<'_>,
     trailers: &mut http::HeaderMap,
 ) -> Result<Option<LocalAnswer>, PluginError> {
-    let call = Box::new(Call {
-        facts: lent.facts.take(),
-        request_headers: std::mem::take(lent.headers),
-        trailers: Some(Box::new(std::mem::take(trailers))),
-        ..Call::default()
-    });
+    let mut call = vm.blank();
+    call.facts = lent.facts.take();
+    call.request_headers = std::mem::take(lent.headers);
+    call.trailers = Some(Box::new(std::mem::take(trailers)));
     let (mut call, action) = vm.trailers(filter, id, call, false);
     *lent.facts = call.facts.take();
     *lent.headers = std::mem::take(&mut call.request_headers);
     *trailers = call.trailers.take().map(|t| *t).unwrap_or_default();
+    let local = call.local.take();
+    vm.recycle(call);
     action?;
-    Ok(call.local.take())
+    Ok(local)
 }
 
 /// `proxy_on_response_trailers`, likewise.
@@ -80,11 +80,13 @@ pub(super) fn response_trailers(
     trailers: &mut http::HeaderMap,
 ) -> Result<Option<LocalAnswer>, PluginError> {
     let given = std::mem::take(trailers);
-    let (mut call, action) = lend(lent, None, |mut call| {
+    let (mut call, action) = lend(vm, lent, None, |vm, mut call| {
         call.trailers = Some(Box::new(given));
         vm.trailers(filter, id, call, true)
     });
     *trailers = call.trailers.take().map(|t| *t).unwrap_or_default();
+    let local = call.local.take();
+    vm.recycle(call);
     action?;
-    Ok(call.local.take())
+    Ok(local)
 }

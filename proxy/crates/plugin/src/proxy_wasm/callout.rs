@@ -110,6 +110,10 @@ fn callout(upstream: String, pairs: &[(&[u8], &[u8])], body: Vec<u8>, ms: i32) -
 /// Keeps what a call that goes on to another (a head call before a body
 /// call) left: its callouts and path.
 pub fn keep(vm: &mut Vm, id: u32, call: &mut Call) {
+    // Most calls leave neither: no entry made, no id hashed.
+    if call.callouts.is_empty() && call.path.is_none() {
+        return;
+    }
     let waiting = vm.waiting.entry(id).or_default();
     waiting
         .calls
@@ -124,15 +128,29 @@ pub fn verdict(
     filter: &ProxyWasm,
     vm: &mut Vm,
     id: u32,
-    mut call: Box<Call>,
+    call: &mut Call,
     (action, body_to_come): (i32, bool),
 ) -> Result<Verdict, PluginError> {
-    keep(vm, id, &mut call);
-    let home = vm.home();
-    let waiting = vm.waiting.entry(id).or_default();
+    keep(vm, id, call);
     if let Some(local) = call.local.take() {
         return Ok(Verdict::Respond(local));
     }
+    let body = |call: &mut Call| {
+        call.body_changed
+            .then(|| call.request_body.take())
+            .flatten()
+    };
+    // The common case, a filter that goes on with no callout made or
+    // path set before: nothing waits, nothing to look up.
+    if (action == 0 || call.resumed) && vm.waiting.is_empty() {
+        return Ok(Verdict::Continue(Steer {
+            path: None,
+            upstream: None,
+            body: body(call),
+        }));
+    }
+    let home = vm.home();
+    let waiting = vm.waiting.entry(id).or_default();
     if action == 0 || call.resumed {
         // Callouts made by a filter that goes on (an audit record, say):
         // sent without the request waiting, each answered on this VM
@@ -146,10 +164,7 @@ pub fn verdict(
         return Ok(Verdict::Continue(Steer {
             path: waiting.path.take(),
             upstream: None,
-            body: call
-                .body_changed
-                .then(|| call.request_body.take())
-                .flatten(),
+            body: body(call),
         }));
     }
     // Paused: on the next callout not yet sent.
@@ -226,10 +241,8 @@ pub fn send_from_root(filter: &ProxyWasm, home: &super::queue::Home, calls: Vec<
                 return;
             };
             filter.on_home(&home, |vm, filter| {
-                let call = Box::new(Call {
-                    answer: Some(answer_pairs(answer)),
-                    ..Call::default()
-                });
+                let mut call = vm.blank();
+                call.answer = Some(answer_pairs(answer));
                 let (call, result) = vm.http_call_response(filter, token, call);
                 vm.root_calls(filter, call);
                 result
@@ -256,16 +269,15 @@ pub fn answer(
             message: "answered a callout it never made".into(),
         })?;
     let answer = answer_pairs(answer);
-    let call = Box::new(Call {
-        facts: facts.take(),
-        request_headers: std::mem::take(headers),
-        answer: Some(answer),
-        ..Call::default()
-    });
+    let mut call = vm.blank();
+    call.facts = facts.take();
+    call.request_headers = std::mem::take(headers);
+    call.answer = Some(answer);
     let (mut call, result) = vm.http_call_response(filter, token, call);
     *facts = call.facts.take();
     *headers = std::mem::take(&mut call.request_headers);
-    result?;
     // Still paused unless it resumed the request.
-    verdict(filter, vm, id, call, (1, false))
+    let verdict = result.and_then(|()| verdict(filter, vm, id, &mut call, (1, false)));
+    vm.recycle(call);
+    verdict
 }

@@ -105,6 +105,32 @@ struct Call {
     /// The request's or response's trailers, in a trailers call (boxed:
     /// rare).
     trailers: Option<Box<http::HeaderMap>>,
+    /// Whether the response head has gone (a body or trailers call on a
+    /// streamed body): the filter's calls on it fail, as Envoy's do once
+    /// it has let the head go.
+    head_sent: bool,
+}
+
+impl Call {
+    /// Empties it for the next call, field by field (writing a whole
+    /// `Call::default()` over it moves ~800 bytes); the callouts keep
+    /// their capacity.
+    fn clear(&mut self) {
+        self.facts = None;
+        self.request_headers.clear();
+        self.response_headers.clear();
+        self.status = None;
+        self.local = None;
+        self.path = None;
+        self.callouts.clear();
+        self.resumed = false;
+        self.answer = None;
+        self.request_body = None;
+        self.response_body = None;
+        self.body_changed = false;
+        self.trailers = None;
+        self.head_sent = false;
+    }
 }
 
 /// Header fields as the ABI hands them over: name and value bytes.
@@ -439,11 +465,9 @@ impl seam::Plugin for ProxyWasm {
             // A body read for a plugin before this one: this one's head
             // call comes first, as the body is there to follow.
             if fresh && body.is_some() {
-                let call = Box::new(Call {
-                    facts: facts.take(),
-                    request_headers: std::mem::take(headers),
-                    ..Call::default()
-                });
+                let mut call = vm.blank();
+                call.facts = facts.take();
+                call.request_headers = std::mem::take(headers);
                 let (mut call, action) = vm.request_headers(self, id, call, false);
                 *facts = call.facts.take();
                 *headers = std::mem::take(&mut call.request_headers);
@@ -452,13 +476,12 @@ impl seam::Plugin for ProxyWasm {
                     return Ok(Verdict::Respond(local));
                 }
                 callout::keep(vm, id, &mut call);
+                vm.recycle(call);
             }
-            let call = Box::new(Call {
-                facts: facts.take(),
-                request_headers: std::mem::take(headers),
-                request_body: body.map(Bytes::copy_from_slice),
-                ..Call::default()
-            });
+            let mut call = vm.blank();
+            call.facts = facts.take();
+            call.request_headers = std::mem::take(headers);
+            call.request_body = body.map(Bytes::copy_from_slice);
             let (mut call, action) = match body {
                 None => vm.request_headers(self, id, call, bodiless),
                 Some(_) => vm.body(self, id, call, (false, true)),
@@ -467,7 +490,9 @@ impl seam::Plugin for ProxyWasm {
             *headers = std::mem::take(&mut call.request_headers);
             let action = action?;
             let body_to_come = body.is_none() && !bodiless;
-            callout::verdict(self, vm, id, call, (action, body_to_come))
+            let verdict = callout::verdict(self, vm, id, &mut call, (action, body_to_come));
+            vm.recycle(call);
+            verdict
         })
     }
 
@@ -478,19 +503,19 @@ impl seam::Plugin for ProxyWasm {
         body: &[u8],
     ) -> Result<seam::BodyVerdict, PluginError> {
         self.on_vm(stream, |vm, stream| {
-            let call = Box::new(Call {
-                facts: lent.facts.take(),
-                request_headers: std::mem::take(lent.headers),
-                request_body: Some(Bytes::copy_from_slice(body)),
-                ..Call::default()
-            });
+            let mut call = vm.blank();
+            call.facts = lent.facts.take();
+            call.request_headers = std::mem::take(lent.headers);
+            call.request_body = Some(Bytes::copy_from_slice(body));
             let eos = lent.end_of_stream;
             let (mut call, action) = vm.body(self, parts(*stream).2, call, (false, eos));
             *lent.facts = call.facts.take();
             *lent.headers = std::mem::take(&mut call.request_headers);
-            Ok(bodies::body_verdict(&mut call, action?, eos, |c| {
-                c.request_body.take()
-            }))
+            let verdict = action.map(|action| {
+                bodies::body_verdict(&mut call, action, eos, |c| c.request_body.take())
+            });
+            vm.recycle(call);
+            verdict
         })
     }
 
@@ -535,11 +560,13 @@ impl seam::Plugin for ProxyWasm {
     ) -> Result<ResponseVerdict, PluginError> {
         self.on_vm(stream, |vm, stream| {
             let end_of_stream = lent.end_of_stream;
-            let (call, action) = bodies::lend(lent, None, |call| {
+            let (mut call, action) = bodies::lend(vm, lent, None, |vm, call| {
                 vm.response_headers(self, parts(*stream).2, call, end_of_stream)
             });
+            let local = call.local.take();
+            vm.recycle(call);
             let action = action?;
-            Ok(match call.local {
+            Ok(match local {
                 Some(local) => ResponseVerdict::Respond(local),
                 // Paused on the head of a response with a body: the body
                 // is read whole, then given to the filter (as Envoy
@@ -561,16 +588,14 @@ impl seam::Plugin for ProxyWasm {
         self.on_vm(stream, |vm, stream| {
             let end_of_stream = lent.end_of_stream;
             let given = Some(Bytes::copy_from_slice(body));
-            let (mut call, action) = bodies::lend(lent, given, |call| {
+            let (mut call, action) = bodies::lend(vm, lent, given, |vm, call| {
                 vm.body(self, parts(*stream).2, call, (true, end_of_stream))
             });
             let taken = |c: &mut Call| c.response_body.take();
-            Ok(bodies::body_verdict(
-                &mut call,
-                action?,
-                end_of_stream,
-                taken,
-            ))
+            let verdict =
+                action.map(|action| bodies::body_verdict(&mut call, action, end_of_stream, taken));
+            vm.recycle(call);
+            verdict
         })
     }
 
