@@ -14,11 +14,13 @@
 //! a fresh VM.
 //!
 //! Here: the use and its VMs; `vm.rs` a VM's start and calls, `abi.rs`
-//! and `wasi.rs` the host calls, `properties.rs` the attributes,
+//! and `wasi.rs` the host calls, `call.rs` what a call is lent,
+//! `properties.rs` the attributes,
 //! `map.rs` the serialized header map, `guest.rs` the guest's memory.
 
 mod abi;
 mod bodies;
+mod call;
 mod callout;
 mod guest;
 mod map;
@@ -77,64 +79,7 @@ pub struct VmState {
     call: Box<Call>,
 }
 
-/// What a call is lent, swapped into the store for it and back after.
-#[derive(Default)]
-struct Call {
-    facts: Option<RequestFacts>,
-    request_headers: http::HeaderMap,
-    response_headers: http::HeaderMap,
-    /// The response's status, in a response call.
-    status: Option<u16>,
-    /// The answer the filter sent (`proxy_send_local_response`).
-    local: Option<LocalAnswer>,
-    /// The `:path` the filter set.
-    path: Option<String>,
-    /// Callouts the filter made in this call (`proxy_http_call`), by
-    /// token.
-    callouts: Vec<(u32, crate::seam::Callout)>,
-    /// Whether it resumed the request (`proxy_continue_stream`).
-    resumed: bool,
-    /// The callout answer being delivered: its headers (`:status` among
-    /// them) and body.
-    answer: Option<(Pairs, Bytes)>,
-    /// The request or response body, in a body call; and whether the
-    /// filter changed it.
-    request_body: Option<Bytes>,
-    response_body: Option<Bytes>,
-    body_changed: bool,
-    /// The request's or response's trailers, in a trailers call (boxed:
-    /// rare).
-    trailers: Option<Box<http::HeaderMap>>,
-    /// Whether the response head has gone (a body or trailers call on a
-    /// streamed body): the filter's calls on it fail, as Envoy's do once
-    /// it has let the head go.
-    head_sent: bool,
-}
-
-impl Call {
-    /// Empties it for the next call, field by field (writing a whole
-    /// `Call::default()` over it moves ~800 bytes); the callouts keep
-    /// their capacity.
-    fn clear(&mut self) {
-        self.facts = None;
-        self.request_headers.clear();
-        self.response_headers.clear();
-        self.status = None;
-        self.local = None;
-        self.path = None;
-        self.callouts.clear();
-        self.resumed = false;
-        self.answer = None;
-        self.request_body = None;
-        self.response_body = None;
-        self.body_changed = false;
-        self.trailers = None;
-        self.head_sent = false;
-    }
-}
-
-/// Header fields as the ABI hands them over: name and value bytes.
-type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
+use call::{Call, Pairs};
 
 /// A proxy-wasm filter attached with one config.
 pub struct ProxyWasm {
