@@ -474,3 +474,17 @@ fn classify(filter: &ProxyWasm, e: wasmtime::Error, store: &Store<VmState>) -> P
         message: e.root_cause().to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Export;
+
+    /// A VM's exports are found in `Export::ALL`'s order and looked up by
+    /// discriminant: the two must agree.
+    #[test]
+    fn exports_are_listed_in_discriminant_order() {
+        for (at, export) in Export::ALL.iter().enumerate() {
+            assert_eq!(*export as usize, at, "{export:?}");
+        }
+    }
+}
