@@ -209,8 +209,10 @@ fn through_now(
             // As from the stream (and from Envoy): the response cut off.
             Ok(plugin::BodyVerdict::Respond(_)) => {
                 tracing::warn!(plugin = %binding.name(), route = %route.name, "plugin answered after the response head went; response cut off");
-                let cut = Cut(Some("a plugin stopped the response body".into()));
-                return Ok(Body::boxed(cut));
+                // It fails at once, as the stream's next piece would.
+                let e: BodyError = "a plugin stopped the response body".into();
+                let cut = futures_util::stream::iter([Err::<Frame<Bytes>, _>(e)]);
+                return Ok(Body::boxed(http_body_util::StreamBody::new(cut)));
             }
             Err(e) => {
                 if let Some(Stopped::Failed(e)) = failed(&**binding, &route.name, e) {
@@ -225,23 +227,6 @@ fn through_now(
             .insert(http::header::CONTENT_LENGTH, whole.len().into());
     }
     Ok(Body::full(whole))
-}
-
-/// A response body a plugin stopped after its head: it fails at once, as
-/// the streamed body's next piece would (the client's response is cut
-/// off, as Envoy resets the stream).
-struct Cut(Option<BodyError>);
-
-impl http_body::Body for Cut {
-    type Data = Bytes;
-    type Error = BodyError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        Poll::Ready(self.get_mut().0.take().map(Err))
-    }
 }
 
 /// One plugin's place in the body's way.
