@@ -531,3 +531,41 @@ async fn peers_with_certificates_speak_mutual_tls() {
             .unwrap();
     assert_eq!(answered.status, 404, "{:?}", answered.body);
 }
+
+/// Someone guessing the peer token: after ten wrong ones in a minute its
+/// address is answered 429 (slowly, with `Retry-After`), and the log has
+/// one line for its first and one for the lockout, not one a guess (it
+/// had one each, at 25,000 guesses a second). A real peer, from the same
+/// address, is served all along.
+#[tokio::test]
+async fn guessing_the_peer_token_is_slowed_and_logged_once() {
+    let echo = upstream::echo("behind-b").await;
+    let group = Group::start().await;
+    let (a, mut b, _client) = holding_for_a_peer(&group, &echo.url()).await;
+    let b_peer = b.process.addrs["peer listening"];
+    let guess = |n: usize| {
+        Request::get(format!("http://{b_peer}/"))
+            .header("host", format!("rt-a.{DOMAIN}"))
+            .header("x-portcullis-peer-token", format!("guess-{n:016}"))
+            .body(body(Bytes::new()))
+            .unwrap()
+    };
+    let h2 = client::h2c();
+    for n in 0..10 {
+        assert_eq!(client::send(&h2, guess(n)).await.status, 401, "guess {n}");
+    }
+    let locked = client::send(&h2, guess(10)).await;
+    assert_eq!(locked.status, 429, "{:?}", locked.body);
+    let retry: u64 = locked.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    b.process.wait_for_log("this address is refused for").await;
+    assert_eq!(
+        b.process
+            .count_logs("peer request refused: wrong or missing peer token"),
+        1
+    );
+    // A, a real peer on the same address, is still served through B.
+    let answer = a.get("rt-a", "/still-served").await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert_eq!(answer.json()["upstream"], "behind-b");
+}

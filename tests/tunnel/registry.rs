@@ -357,3 +357,116 @@ async fn the_registry_speaks_tls_with_a_password_from_a_file() {
         "the password must not show: {status:#}"
     );
 }
+
+/// Requests for a runtime whose tunnel stays connected throughout, sent
+/// to a replica that forwards them to its holder, while the registry
+/// loses everything (`FLUSHALL`), drops every connection (`CLIENT
+/// KILL`) and loses the holder's lease: none fails. The forwarding
+/// replica used to forget the holder's runtimes on a reload that came
+/// back empty or a lease it found gone, and answered 503 until the
+/// holder published again.
+#[tokio::test]
+async fn a_registry_that_loses_its_data_or_connections_drops_no_request() {
+    let echo = upstream::echo("steady").await;
+    let group = Group::start().await;
+    let (mut a, mut b, _client) = holding_for_a_peer(&group, &echo.url()).await;
+    let b_id = instance(&b).await;
+    let public = a.public;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic: Vec<_> = (0..4)
+        .map(|_| {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let (mut answered, mut failed) = (0u64, Vec::new());
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let req = Request::get(format!("http://{public}/steady"))
+                        .header("host", format!("rt-a.{DOMAIN}"))
+                        .body(body(Bytes::new()))
+                        .unwrap();
+                    let answer = client::send(&client::http1(), req).await;
+                    if answer.status != 200 {
+                        failed.push((answer.status, answer.body.clone()));
+                    }
+                    answered += 1;
+                }
+                (answered, failed)
+            })
+        })
+        .collect();
+    let mut redis = group.redis.connection().await;
+
+    // Everything lost: both replicas find their leases gone and publish
+    // what they hold again.
+    let _: () = redis::cmd("FLUSHALL")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    for server in [&mut a, &mut b] {
+        server
+            .process
+            .wait_for_log("this server's registry lease had ended")
+            .await;
+    }
+    while group.redis.holders().await != [("rt-a".to_owned(), b_id.clone())] {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Every connection dropped: both reconnect.
+    for kind in ["normal", "pubsub"] {
+        let _: Result<u64, _> = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg(kind)
+            .query_async(&mut group.redis.connection().await)
+            .await;
+    }
+    for server in [&a, &b] {
+        server
+            .process
+            .metrics_showing(&["portcullis_tunnel_registry_lost_total 1".to_owned()])
+            .await;
+        server
+            .process
+            .wait_status("the registry up again", |s| s["registry"]["state"] == "up")
+            .await;
+    }
+
+    // The holder's lease lapses for three seconds (as when it is cut off
+    // from Redis): A's checks, one a second, find it gone while B lives.
+    let lapses = b
+        .process
+        .count_logs("this server's registry lease had ended");
+    let mut redis = group.redis.connection().await;
+    let lapsed = Instant::now();
+    while lapsed.elapsed() < Duration::from_secs(3) {
+        let _: u64 = redis::cmd("DEL")
+            .arg(format!("{{portcullis-tunnels}}:server:{b_id}"))
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        b.process
+            .count_logs("this server's registry lease had ended")
+            > lapses
+    );
+    while group.redis.holders().await != [("rt-a".to_owned(), b_id.clone())] {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut total = 0;
+    for t in traffic {
+        let (answered, failed) = t.await.unwrap();
+        assert!(
+            failed.is_empty(),
+            "{} of {answered} failed: {:?}",
+            failed.len(),
+            &failed[..failed.len().min(3)]
+        );
+        total += answered;
+    }
+    assert!(total > 100, "{total}");
+    assert_eq!(a.get("rt-a", "/after").await.status, 200);
+}

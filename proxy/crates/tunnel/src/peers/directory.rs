@@ -17,6 +17,13 @@
 //! lease is still gone. After any lost connection a server subscribes
 //! again, then reloads the whole hash: a missed message never leaves a
 //! stale map.
+//!
+//! A lease can also go while its server lives: Redis lost its data
+//! (restarted without persistence, `FLUSHALL`), or the server was cut
+//! off from Redis for longer than a lease. Its runtimes are then not
+//! forgotten while it is alive (a link to it is up, or it answers a
+//! dial): they are carried until it publishes them again, which it does
+//! within a second of noticing its lease had gone.
 
 use std::collections::HashSet;
 
@@ -178,10 +185,18 @@ async fn session(peers: &Peers, local: &dyn Local, stop: &CancellationToken) -> 
                     reconcile(&mut conn, peers, local, &mut published).await?;
                 }
                 let servers = peers.servers();
-                for dead in dead_servers(&mut conn, servers).await? {
-                    expire_server(&mut conn, &expire, &dead).await?;
-                    peers.forget(&dead);
+                for gone in dead_servers(&mut conn, servers).await? {
+                    // A lease can go with the server alive (Redis lost its
+                    // data; the server was cut off from Redis for a
+                    // while): its runtimes stay while it answers.
+                    if super::alive(peers, &gone).await {
+                        peers.carry(&gone);
+                        continue;
+                    }
+                    expire_server(&mut conn, &expire, &gone).await?;
+                    peers.forget(&gone);
                 }
+                peers.drop_stale();
             }
         }
     }
@@ -280,18 +295,28 @@ async fn load(
         }
     }
     let servers: HashSet<String> = others.iter().map(|(s, _, _)| s.clone()).collect();
-    let dead: HashSet<String> = dead_servers(conn, servers.into_iter().collect())
-        .await?
-        .into_iter()
-        .collect();
-    for server in &dead {
-        expire_server(conn, expire, server).await?;
+    let mut dead = HashSet::new();
+    for server in dead_servers(conn, servers.iter().cloned().collect()).await? {
+        if !super::alive(peers, &server).await {
+            expire_server(conn, expire, &server).await?;
+            dead.insert(server);
+        }
     }
     others.retain(|(server, _, _)| !dead.contains(server));
     for (_, runtime, holding) in &others {
         local.superseded(runtime, &holding.client);
     }
-    peers.replace(others);
+    // Servers known before that the registry no longer shows (it lost
+    // its data, or their entries expired while they were cut off): what
+    // they held is carried while they are alive, until they publish it
+    // again.
+    let mut alive = HashSet::new();
+    for server in peers.servers().into_iter().filter(|s| !servers.contains(s)) {
+        if super::alive(peers, &server).await {
+            alive.insert(server);
+        }
+    }
+    peers.replace(others, &alive);
     Ok(())
 }
 

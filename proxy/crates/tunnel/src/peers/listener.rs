@@ -130,3 +130,19 @@ pub(crate) fn refused() -> Response<Body> {
         }),
     )
 }
+
+/// The answer to an address locked out for wrong peer tokens, for `left`
+/// more.
+pub(crate) fn locked_out(left: Duration) -> Response<Body> {
+    let mut resp = portcullis_http::answers::json_response(
+        StatusCode::TOO_MANY_REQUESTS,
+        &serde_json::json!({
+            "error": "too many wrong peer tokens from this address; try again later",
+            "status": 429,
+        }),
+    );
+    let secs = left.as_secs().max(1);
+    resp.headers_mut()
+        .insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+    resp
+}

@@ -38,9 +38,11 @@ use portcullis_http::body::Body;
 pub mod directory;
 mod link;
 mod listener;
+mod refusals;
 
 pub(crate) use link::*;
 pub(crate) use listener::*;
+pub(crate) use refusals::{Failure, LOCKED_OUT_DELAY, MAX_FAILURES, WINDOW};
 
 /// The header a peer request carries the shared peer token in.
 pub const PEER_TOKEN: &str = "x-portcullis-peer-token";
@@ -52,6 +54,12 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a peer that could not be reached is left out of forwarding
 /// before it is tried again (its lease ends sooner if it died).
 const UNREACHABLE_FOR: Duration = Duration::from_secs(1);
+/// How long holdings a live server has yet to publish again are carried
+/// (see `Table::carried`): a lease, within which a server that lost its
+/// registry entries notices and publishes them again.
+const CARRY_FOR: Duration = Duration::from_secs(5);
+/// How long a dial that checks a peer is alive may take.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 /// The shortest peer token taken: a guessable one would let anyone who
 /// reaches the peer port claim any client address.
 pub const MIN_TOKEN_LEN: usize = 16;
@@ -145,6 +153,8 @@ pub(super) struct Peers {
     pub tls: Option<PeerTls>,
     table: Mutex<Table>,
     next: AtomicUsize,
+    /// Wrong peer tokens by source address.
+    pub refusals: refusals::Refusals,
 }
 
 #[derive(Default)]
@@ -152,6 +162,12 @@ struct Table {
     /// Runtime id → the other servers holding it (server instance → what
     /// it published).
     runtimes: HashMap<String, HashMap<String, directory::Holding>>,
+    /// Holdings kept though the registry no longer shows them, by server
+    /// and runtime, until when: their server is alive (its link is up, or
+    /// it answers a dial) and has yet to publish them again, as after the
+    /// registry lost its data or the server's lease lapsed. Published
+    /// again, they are held as any; not by then, they go.
+    carried: HashMap<(String, String), Instant>,
     /// The other servers holding at least one runtime, by instance.
     servers: HashMap<String, Peer>,
     /// The registry's state, for `/status` and `/metrics`.
@@ -224,6 +240,7 @@ impl Peers {
             workers: workers.max(1),
             table: Mutex::default(),
             next: AtomicUsize::new(0),
+            refusals: refusals::Refusals::default(),
         })
     }
 
@@ -296,13 +313,41 @@ impl Peers {
     }
 
     /// Replaces the map with `holdings` (server instance, runtime, what it
-    /// published), after a (re)load of the registry.
-    pub(super) fn replace(&self, holdings: Vec<(String, String, directory::Holding)>) {
+    /// published), after a (re)load of the registry; what the servers in
+    /// `alive` held before and the registry no longer shows is carried
+    /// (see `Table::carried`).
+    pub(super) fn replace(
+        &self,
+        holdings: Vec<(String, String, directory::Holding)>,
+        alive: &std::collections::HashSet<String>,
+    ) {
         let mut table = self.lock();
-        table.runtimes.clear();
+        let before = std::mem::take(&mut table.runtimes);
         for (server, runtime, holding) in holdings {
             self.insert(&mut table, server, runtime, holding);
         }
+        let until = Instant::now() + CARRY_FOR;
+        for (runtime, holders) in before {
+            for (server, holding) in holders.into_iter().filter(|(s, _)| alive.contains(s)) {
+                let held = table.runtimes.entry(runtime.clone()).or_default();
+                if held.contains_key(&server) {
+                    continue;
+                }
+                held.insert(server.clone(), holding);
+                table
+                    .carried
+                    .entry((server, runtime.clone()))
+                    .or_insert(until);
+            }
+        }
+        let Table {
+            runtimes, carried, ..
+        } = &mut *table;
+        carried.retain(|(server, runtime), _| {
+            runtimes
+                .get(runtime)
+                .is_some_and(|h| h.contains_key(server))
+        });
         let held: std::collections::HashSet<&String> =
             table.runtimes.values().flat_map(|h| h.keys()).collect();
         let gone: Vec<String> = table
@@ -352,6 +397,7 @@ impl Peers {
             // It just published: reachable again as far as we know.
             peer.unreachable = None;
         }
+        table.carried.remove(&(server.clone(), runtime.clone()));
         table
             .runtimes
             .entry(runtime)
@@ -359,9 +405,50 @@ impl Peers {
             .insert(server, holding);
     }
 
+    /// Carries what `server` holds for [`CARRY_FOR`] more: its lease is
+    /// gone, but it is alive.
+    pub(super) fn carry(&self, server: &str) {
+        let mut table = self.lock();
+        let until = Instant::now() + CARRY_FOR;
+        let held: Vec<String> = (table.runtimes.iter())
+            .filter(|(_, h)| h.contains_key(server))
+            .map(|(r, _)| r.clone())
+            .collect();
+        for runtime in held {
+            table.carried.insert((server.to_owned(), runtime), until);
+        }
+    }
+
+    /// Drops the carried holdings whose time ran out: their server is back
+    /// in the registry and did not publish them again (it let them go
+    /// meanwhile).
+    pub(super) fn drop_stale(&self) {
+        let table = self.lock();
+        let now = Instant::now();
+        let stale: Vec<(String, String)> = (table.carried.iter())
+            .filter(|(_, until)| **until <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        drop(table);
+        for (server, runtime) in stale {
+            self.released(&server, &runtime);
+        }
+    }
+
+    /// One of `server`'s links, and whether any is connected now.
+    pub(super) fn link_to(&self, server: &str) -> Option<(Arc<Link>, bool)> {
+        let table = self.lock();
+        let peer = table.servers.get(server)?;
+        let open = peer.links.iter().any(|l| l.open().is_some());
+        Some((peer.links.first()?.clone(), open))
+    }
+
     /// Records that `server` no longer holds `runtime`.
     pub(super) fn released(&self, server: &str, runtime: &str) {
         let mut table = self.lock();
+        table
+            .carried
+            .remove(&(server.to_owned(), runtime.to_owned()));
         if let Some(holders) = table.runtimes.get_mut(runtime) {
             holders.remove(server);
             if holders.is_empty() {
@@ -378,6 +465,7 @@ impl Peers {
     pub(super) fn forget(&self, server: &str) {
         let mut table = self.lock();
         table.servers.remove(server);
+        table.carried.retain(|(s, _), _| s != server);
         table.runtimes.retain(|_, holders| {
             holders.remove(server);
             !holders.is_empty()
@@ -444,3 +532,17 @@ impl Peers {
 
 #[cfg(test)]
 mod tests;
+
+/// Whether `server` is alive, though its lease is gone: one of this
+/// server's links to it is connected, or a dial to it succeeds now (the
+/// connection then closed). A server that crashed refuses the dial; one
+/// cut off answers none within [`PROBE_TIMEOUT`].
+pub(super) async fn alive(peers: &Peers, server: &str) -> bool {
+    let Some((link, open)) = peers.link_to(server) else {
+        return false;
+    };
+    open || matches!(
+        tokio::time::timeout(PROBE_TIMEOUT, link.dial()).await,
+        Ok(Ok(_))
+    )
+}

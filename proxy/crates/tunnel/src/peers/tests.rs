@@ -103,10 +103,40 @@ fn released_and_forgotten_servers_leave_the_map() {
     peers.forget("2-other");
     assert_eq!(ports(&peers.holders("rt-b", 0)), ["127.0.0.1:3"]);
     assert_eq!(peers.servers(), ["3-third"]);
-    peers.replace(vec![("4-new".into(), "rt-c".into(), holding("5-c", 4))]);
+    let none_alive = HashSet::new();
+    peers.replace(
+        vec![("4-new".into(), "rt-c".into(), holding("5-c", 4))],
+        &none_alive,
+    );
     assert!(peers.holders("rt-b", 0).is_empty());
     assert_eq!(ports(&peers.holders("rt-c", 0)), ["127.0.0.1:4"]);
     assert_eq!(peers.servers(), ["4-new"]);
+}
+
+#[test]
+fn a_live_server_missing_from_the_registry_keeps_its_runtimes_until_it_publishes_them() {
+    let peers = peers();
+    peers.held("2-other".into(), "rt-a".into(), holding("5-c", 2));
+    peers.held("2-other".into(), "rt-b".into(), holding("5-c", 2));
+    // The registry came back empty; 2-other is alive.
+    let alive: HashSet<String> = ["2-other".to_owned()].into();
+    peers.replace(Vec::new(), &alive);
+    assert_eq!(ports(&peers.holders("rt-a", 0)), ["127.0.0.1:2"]);
+    assert_eq!(ports(&peers.holders("rt-b", 0)), ["127.0.0.1:2"]);
+    // It publishes rt-a again, not rt-b (let go meanwhile): once the
+    // carrying time is out, rt-b goes and rt-a stays.
+    peers.held("2-other".into(), "rt-a".into(), holding("5-c", 2));
+    peers
+        .lock()
+        .carried
+        .values_mut()
+        .for_each(|until| *until = Instant::now());
+    peers.drop_stale();
+    assert_eq!(ports(&peers.holders("rt-a", 0)), ["127.0.0.1:2"]);
+    assert!(peers.holders("rt-b", 0).is_empty());
+    // A server that is not alive is not carried.
+    peers.replace(Vec::new(), &HashSet::new());
+    assert!(peers.holders("rt-a", 0).is_empty());
 }
 
 #[test]

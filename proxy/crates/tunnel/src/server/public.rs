@@ -316,7 +316,27 @@ pub(super) async fn answer_peer(
         return plain(crate::peers::refused());
     };
     if !peers.authentic(req.headers()) {
-        tracing::warn!(from = %from, method = %req.method(), path = req.uri().path(), "peer request refused: wrong or missing peer token");
+        // An address that presented wrong tokens again and again is
+        // answered slowly and logged no more (see `peers::refusals`). A
+        // real peer is never kept out: its token is good wherever it
+        // comes from.
+        if let Some(left) = peers.refusals.locked_out(from.ip()) {
+            tokio::time::sleep(crate::peers::LOCKED_OUT_DELAY).await;
+            return plain(crate::peers::locked_out(left));
+        }
+        use crate::peers::Failure;
+        let (method, path) = (req.method(), req.uri().path());
+        match peers.refusals.failed(from.ip()) {
+            Failure::First => {
+                tracing::warn!(from = %from, %method, path, "peer request refused: wrong or missing peer token")
+            }
+            Failure::Again => {
+                tracing::debug!(from = %from, %method, path, "peer request refused: wrong or missing peer token")
+            }
+            Failure::LockedOut => {
+                tracing::warn!(from = %from, "peer requests refused: {} wrong or missing peer tokens; this address is refused for {:?}", crate::peers::MAX_FAILURES, crate::peers::WINDOW)
+            }
+        }
         return plain(crate::peers::refused());
     }
     let for_runtime = req
