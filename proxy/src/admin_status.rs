@@ -37,6 +37,8 @@ pub fn status_json(reloader: &Reloader) -> serde_json::Value {
         "version": env!("CARGO_PKG_VERSION"),
         "policies": reloader.dir().map_or_else(|| "built-in".to_owned(), |d| d.display().to_string()),
         "ready": control.shared().is_ready(),
+        // Workers not heard from for 5 s: something blocks them.
+        "stalled_workers": control.shared().heartbeats.stalled(),
         "draining": control.shared().is_draining(),
         "state": state_store(),
         "config": {
@@ -83,6 +85,9 @@ pub fn status_json(reloader: &Reloader) -> serde_json::Value {
                 "sha256": hex::encode(p.sha256),
                 "failures": plugin_count(&p.name, "failures"),
                 "deadline_hits": plugin_count(&p.name, "deadline_hits"),
+                // What its proxy-wasm filters hold in shared data, of
+                // their share (SHARED_BYTES_PER_PLUGIN).
+                "shared_data_bytes": portcullis_plugin::shared_bytes(&p.name),
             })).collect::<Vec<_>>(),
             // Each use of a plugin: on a route, or the global chain.
             "plugin_uses": plugin_uses(&pipeline),
@@ -135,9 +140,7 @@ fn plugin_count(plugin: &str, name: &str) -> u64 {
     portcullis_plugin::counters()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .iter()
-        .find(|((p, n), _)| &**p == plugin && n == name)
-        .map_or(0, |(_, v)| *v)
+        .get(plugin, name)
 }
 
 /// Each plugin use once: the global chain's bindings are in every

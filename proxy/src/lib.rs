@@ -25,8 +25,9 @@ pub use portcullis_http::{
 };
 pub use portcullis_net::{
     balance, cert_expiry, cert_files, cert_identity, client_addr, client_cert, coarse_clock, der,
-    drain, files, h1_or_h2, handshake_head, head_deadline, linger, pem, proxy_protocol, resolve,
-    shard, shared_dial, sockets, ticket_keys, tls_listen, unparsed_head, worker_idle,
+    drain, files, framing, h1_or_h2, handshake_head, head_deadline, linger, pem, proxy_protocol,
+    resolve, shard, shared_dial, sockets, ticket_keys, tls_listen, unparsed_head, worker_beat,
+    worker_idle,
 };
 pub use portcullis_obs::{
     admin_http, metrics, otlp, request_id, status_page, telemetry, trace_context,

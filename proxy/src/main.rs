@@ -42,22 +42,23 @@ fn run_on<F: std::future::Future<Output = anyhow::Result<()>>>(
         }
     };
     let result = runtime.block_on(work());
-    // Every access line out before the process ends; a destination that
-    // blocks (a pipe nobody reads) holds the exit up to this long.
+    if let Err(e) = &result {
+        // Logs go to stderr too: saying it twice would print every line
+        // of a policy error twice. Plainly only when the log filter
+        // (`RUST_LOG=off`) would hide it.
+        if tracing::enabled!(tracing::Level::ERROR) {
+            tracing::error!("{e:#}");
+        } else {
+            eprintln!("portcullis: {e:#}");
+        }
+    }
+    // Every log and access line out before the process ends (the error
+    // above included); a destination that blocks (a pipe nobody reads)
+    // holds the exit up to this long.
     portcullis::telemetry::finish(Duration::from_secs(5));
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            // Logs go to stderr too: saying it twice would print every line
-            // of a policy error twice. Plainly only when the log filter
-            // (`RUST_LOG=off`) would hide it.
-            if tracing::enabled!(tracing::Level::ERROR) {
-                tracing::error!("{e:#}");
-            } else {
-                eprintln!("portcullis: {e:#}");
-            }
-            ExitCode::FAILURE
-        }
+        Err(_) => ExitCode::FAILURE,
     }
 }
 

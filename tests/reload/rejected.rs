@@ -130,9 +130,11 @@ async fn half_written_file_is_rejected_then_applied_when_complete() {
     served_within(&proxy.url("/v"), "complete", Duration::from_secs(1)).await;
 }
 
-/// A policy naming a device or a FIFO, as a plugin or a secret: refused
-/// at once (not read until memory runs out, not waited on for a writer),
-/// and the next good update applies as usual.
+/// A policy naming a device, a FIFO or a kernel file (`/proc/self/pagemap`
+/// says it is a regular file, empty, and reads without end), as a plugin
+/// or a secret: refused at once, before any read (not read until memory
+/// runs out, not waited on for a writer), and the next good update
+/// applies as usual.
 #[tokio::test]
 async fn a_plugin_or_secret_naming_a_device_or_a_fifo_is_refused_at_once() {
     let fifos = tempfile::tempdir().unwrap();
@@ -147,7 +149,7 @@ async fn a_plugin_or_secret_naming_a_device_or_a_fifo_is_refused_at_once() {
         (
             "plugins: [{ name: z, path: /dev/zero }]\n".to_owned(),
             "[{ use: z }]".to_owned(),
-            "/dev/zero: a character device, not a regular file",
+            "/dev/zero: under /dev, the kernel's files: not read",
         ),
         (
             "plugins: [{ name: s, path: \"builtin:webhook-signature\" }]\n".to_owned(),
@@ -160,7 +162,12 @@ async fn a_plugin_or_secret_naming_a_device_or_a_fifo_is_refused_at_once() {
             "plugins: [{ name: s, path: \"builtin:webhook-signature\" }]\n".to_owned(),
             "[{ use: s, config: { provider: github, secret: { from_file: /dev/zero } } }]"
                 .to_owned(),
-            "/dev/zero: a character device",
+            "/dev/zero: under /dev, the kernel's files: not read",
+        ),
+        (
+            "plugins: [{ name: p, path: /proc/self/pagemap }]\n".to_owned(),
+            "[{ use: p }]".to_owned(),
+            "/proc/self/pagemap: under /proc, the kernel's files: not read",
         ),
     ];
     for (plugins, uses, expected) in cases {

@@ -7,6 +7,7 @@ pub mod browser;
 pub mod client;
 pub mod configmap;
 pub mod envoy;
+pub mod nginx;
 pub mod process;
 pub mod redis;
 pub mod tls;

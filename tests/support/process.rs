@@ -178,6 +178,11 @@ impl ProxyProcess {
         }
     }
 
+    /// Keeps `dir` (its policies, say) as long as the process.
+    pub fn keep(&mut self, dir: tempfile::TempDir) {
+        self._dir = Some(dir);
+    }
+
     /// `http://addr` + `path`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)

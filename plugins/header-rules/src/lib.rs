@@ -22,7 +22,39 @@ pub struct Edits {
     remove: Vec<String>,
 }
 
+/// Fields that frame a message or describe one connection: the proxy
+/// alone sets them (it would ignore the edit; saying so at `check` is
+/// kinder than a silent no-op). The proxy's list (`portcullis_net::
+/// framing`), which a plugin cannot link.
+const FRAMING: [&str; 8] = [
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "upgrade",
+    "te",
+    "trailer",
+    "keep-alive",
+    "proxy-connection",
+];
+
 impl Edits {
+    /// A field named in `direction`'s edits that no plugin may edit.
+    fn refuse_framing(&self, direction: &str) -> Result<(), String> {
+        let names = (self.add.keys())
+            .chain(self.set.keys())
+            .chain(self.remove.iter());
+        for name in names {
+            if FRAMING.iter().any(|f| f.eq_ignore_ascii_case(name)) {
+                return Err(format!(
+                    "`{direction}` edits `{name}`, which frames the message: the proxy alone sets it \
+                     ({}), so remove it from the edits",
+                    FRAMING.join(", ")
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn to_wit(&self) -> HeaderEdits {
         HeaderEdits {
             remove: self.remove.iter().map(|n| n.to_ascii_lowercase()).collect(),
@@ -106,6 +138,11 @@ struct HeaderRules;
 impl Plugin for HeaderRules {
     type Config = Config;
     const HOOKS: Hooks = Hooks::REQUEST.union(Hooks::RESPONSE);
+
+    fn validate(c: &Config) -> Result<(), String> {
+        c.request.refuse_framing("request")?;
+        c.response.refuse_framing("response")
+    }
 
     fn on_request(
         c: &Config,

@@ -1,7 +1,8 @@
 //! What the plugin host makes of a plugin's answer, whatever the plugin
 //! (a user's, or a hostile one) returns: header edits applied to the
 //! request, a path to send, and a local answer's status and body. Each
-//! is taken or refused; the request's headers stay valid; nothing panics.
+//! is taken or refused; the request's headers stay valid, with no field
+//! that frames the message; nothing panics.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -20,10 +21,11 @@ fuzz_target!(|input: (Edits, String, u16, Vec<u8>)| {
     };
     let mut headers = http::HeaderMap::new();
     headers.insert("x-kept", http::HeaderValue::from_static("1"));
-    apply_edits(&mut headers, &edits, "fuzz");
+    apply_edits(&mut headers, &edits, &"fuzz".into());
     // Whatever was set went through HeaderName and HeaderValue's checks.
     for (name, value) in &headers {
         assert!(!name.as_str().is_empty());
+        assert!(!portcullis::framing::is_framing(name.as_str()), "{name}");
         assert!(
             !value
                 .as_bytes()

@@ -1,18 +1,38 @@
-//! A filter that misbehaves on request: `x-misbehave: loop` spins for
-//! ever, `trap` panics, `hoard` allocates without bound. Otherwise it
-//! answers with how many requests its VM has seen (`x-vm-requests`), so a
-//! test can tell a fresh VM from the old one.
+//! A filter that misbehaves on request, as `x-misbehave` says:
+//! - `loop` spins for ever, `trap` panics, `hoard` allocates without bound;
+//! - `framing` sets the fields that frame messages: `transfer-encoding`,
+//!   `content-length` and `connection` on the request, `content-length`
+//!   and `transfer-encoding` on the response (and removes none);
+//! - `local-101` and `local-65736` answer with those statuses (a status
+//!   of no answer, and one past 16 bits: the SDK panics if the host
+//!   refuses them), `local-twice` answers twice (403 `first`, then 200
+//!   `second`);
+//! - `metrics` defines `x-count` counters of its own (default 5,000),
+//!   each named after the request (`x-name`), and adds one to each;
+//! - `logs` logs `x-count` lines (default 2,000);
+//! - `callouts` makes `x-count` calls to the cluster `x-cluster` (`GET
+//!   /slow`) without waiting for them, and goes on;
+//! - `slow-call` calls `x-cluster` (`GET /slow`, timeout `x-call-ms`) and
+//!   waits for the answer, then goes on;
+//! - `fill` stores 64 KiB values in shared data under `fill-N` until the
+//!   store refuses one (the SDK panics then: the request fails).
+//!
+//! Otherwise it answers with how many requests its VM has seen
+//! (`x-vm-requests`), so a test can tell a fresh VM from the old one.
 
 use std::cell::Cell;
+use std::time::Duration;
 
+use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
 
 thread_local! {
     static SEEN: Cell<u64> = const { Cell::new(0) };
 }
 
 proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root) });
 }}
 
@@ -22,7 +42,10 @@ impl Context for Root {}
 
 impl RootContext for Root {
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Filter { seen: 0 }))
+        Some(Box::new(Filter {
+            seen: 0,
+            framing: false,
+        }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -32,9 +55,39 @@ impl RootContext for Root {
 
 struct Filter {
     seen: u64,
+    /// Whether it sets framing fields on the response too.
+    framing: bool,
 }
 
-impl Context for Filter {}
+impl Context for Filter {
+    fn on_http_call_response(&mut self, _token: u32, _: usize, _: usize, _: usize) {
+        let status = self.get_http_call_response_header(":status");
+        self.set_http_request_header("x-call-status", status.as_deref().or(Some("none")));
+        self.resume_http_request();
+    }
+}
+
+impl Filter {
+    /// The request header `name` as a number, or `default`.
+    fn number(&self, name: &str, default: u64) -> u64 {
+        self.get_http_request_header(name)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    }
+
+    /// `GET /slow` on the cluster `x-cluster`, with `timeout`.
+    fn call(&self, timeout: Duration) -> Result<u32, proxy_wasm::types::Status> {
+        let cluster = self
+            .get_http_request_header("x-cluster")
+            .unwrap_or_default();
+        let head = vec![
+            (":method", "GET"),
+            (":path", "/slow"),
+            (":authority", "slow.local"),
+        ];
+        self.dispatch_http_call(&cluster, head, None, vec![], timeout)
+    }
+}
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
@@ -53,6 +106,63 @@ impl HttpContext for Filter {
                     std::hint::black_box(&kept);
                 }
             }
+            Some("framing") => {
+                self.framing = true;
+                self.set_http_request_header("transfer-encoding", Some("chunked"));
+                self.set_http_request_header("content-length", Some("5"));
+                self.set_http_request_header("connection", Some("close"));
+            }
+            Some(local @ ("local-101" | "local-65736")) => {
+                let status: u32 = local["local-".len()..].parse().unwrap_or(500);
+                self.send_http_response(status, vec![], Some(b"odd\n"));
+                return Action::Pause;
+            }
+            Some("local-twice") => {
+                self.send_http_response(403, vec![("x-which", "first")], Some(b"first\n"));
+                self.send_http_response(200, vec![("x-which", "second")], Some(b"second\n"));
+                return Action::Pause;
+            }
+            Some("metrics") => {
+                let name = self.get_http_request_header("x-name").unwrap_or_default();
+                for i in 0..self.number("x-count", 5_000) {
+                    let id = hostcalls::define_metric(MetricType::Counter, &format!("{name}_{i}"));
+                    // A definition the host refused still gives an id to use.
+                    if let Ok(id) = id {
+                        hostcalls::increment_metric(id, 1).unwrap();
+                    }
+                }
+            }
+            Some("logs") => {
+                for i in 0..self.number("x-count", 2_000) {
+                    log::warn!("flooding the log, line {i}");
+                }
+            }
+            Some("callouts") => {
+                for _ in 0..self.number("x-count", 100) {
+                    if self.call(Duration::from_secs(30)).is_err() {
+                        break;
+                    }
+                }
+            }
+            Some("slow-call") => {
+                let ms = self.number("x-call-ms", 10_000);
+                return match self.call(Duration::from_millis(ms)) {
+                    Ok(_) => Action::Pause,
+                    Err(e) => {
+                        let status = format!("{e:?}");
+                        self.send_http_response(500, vec![("x-call-error", &status)], None);
+                        Action::Pause
+                    }
+                };
+            }
+            Some("fill") => {
+                let value = vec![b'x'; 64 << 10];
+                for n in 0..100_000 {
+                    let _ = hostcalls::set_shared_data(&format!("fill-{n}"), Some(&value), None);
+                }
+                self.send_http_response(200, vec![("x-stored", "all")], None);
+                return Action::Pause;
+            }
             _ => {}
         }
         self.seen = SEEN.with(|s| {
@@ -64,6 +174,10 @@ impl HttpContext for Filter {
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
         self.set_http_response_header("x-vm-requests", Some(&self.seen.to_string()));
+        if self.framing {
+            self.set_http_response_header("content-length", Some("1"));
+            self.add_http_response_header("transfer-encoding", "chunked");
+        }
         Action::Continue
     }
 }

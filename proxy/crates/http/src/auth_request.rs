@@ -84,6 +84,7 @@ pub async fn check(
         headers: sent,
         body: Body::empty(),
         affinity: None,
+        own_host: false,
     };
     let params = matchit::Params::new();
     let answer = pool.send(out, &params, auth.timeout, None);

@@ -34,6 +34,7 @@ pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
         headers,
         body: Body::full(c.body),
         affinity: None,
+        own_host: true,
     };
     let params = matchit::Params::new();
     let asked = Instant::now();

@@ -30,6 +30,7 @@ impl Collector for UpstreamPool {
             headers,
             body: Body::full(body),
             affinity: None,
+            own_host: false,
         };
         Box::pin(self.side_request(out))
     }

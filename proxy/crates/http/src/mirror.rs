@@ -108,6 +108,7 @@ impl Mirror {
                 headers,
                 body,
                 affinity: None,
+                own_host: false,
             };
             if let Err(error) = pool.side_request(out).await {
                 tracing::debug!(upstream = %pool.spec.name, %error, "mirrored request failed");

@@ -4,9 +4,13 @@
 //! cross-site requests to what changes state (a page in an operator's
 //! browser could otherwise `POST /reload`), and with a token file
 //! (`--admin-token-file`) wants `Authorization: Bearer TOKEN` for
-//! `/status` (which shows the configuration) and `/reload`.
+//! `/status` (which shows the configuration) and `/reload`. The token is
+//! read at the start and again when its file changes; a file that can no
+//! longer be read leaves the last good token in force, and never touches
+//! the endpoints the token does not guard.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use http::{HeaderMap, Method, StatusCode, header};
 use sha2::{Digest, Sha256};
@@ -23,9 +27,53 @@ const MIN_TOKEN_LEN: usize = 16;
 /// An admin listener's access rules.
 #[derive(Debug, Clone, Default)]
 pub struct AdminAccess {
-    /// The file holding the bearer token (a mounted Secret), read at each
-    /// guarded request so a rotated Secret takes effect at once.
-    token_file: Option<PathBuf>,
+    /// The bearer token (a mounted Secret), read at the start and again
+    /// whenever its file changes, so a rotated Secret takes effect at once.
+    token: Option<Arc<TokenFile>>,
+}
+
+/// The token file and the last good token read from it.
+#[derive(Debug)]
+struct TokenFile {
+    path: PathBuf,
+    state: Mutex<Token>,
+}
+
+#[derive(Debug)]
+struct Token {
+    /// The last token read that was good.
+    token: String,
+    /// What the file was when last read (good or not), to tell a change.
+    seen: Option<Stamp>,
+}
+
+/// A file's identity and version, as `stat` tells them.
+type Stamp = (u64, u64, i64, i64, u64);
+
+fn stamp(path: &Path) -> Option<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.dev(), m.ino(), m.mtime(), m.mtime_nsec(), m.size()))
+}
+
+impl TokenFile {
+    /// The token: the file read again if it changed since; if that read
+    /// fails (the file went, or is short, oversized, not a regular file),
+    /// the last good token, with the failure logged once per change.
+    fn current(&self) -> String {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let now = stamp(&self.path);
+        if now != state.seen {
+            state.seen = now;
+            match read_token(&self.path) {
+                Ok(token) => state.token = token,
+                Err(e) => {
+                    tracing::warn!("admin token: {e}; keeping the token read before");
+                }
+            }
+        }
+        state.token.clone()
+    }
 }
 
 impl AdminAccess {
@@ -37,15 +85,19 @@ impl AdminAccess {
     /// With the bearer token in `file`; the file is read now, so a missing
     /// or too short token stops the start.
     pub fn with_token_file(file: PathBuf) -> Result<AdminAccess, String> {
-        read_token(&file)?;
+        let seen = stamp(&file);
+        let token = read_token(&file)?;
         Ok(AdminAccess {
-            token_file: Some(file),
+            token: Some(Arc::new(TokenFile {
+                path: file,
+                state: Mutex::new(Token { token, seen }),
+            })),
         })
     }
 
     /// Whether a token guards `/status` and `/reload`.
     pub fn has_token(&self) -> bool {
-        self.token_file.is_some()
+        self.token.is_some()
     }
 
     /// `Ok` when the request may go on; otherwise the answer refusing it.
@@ -55,18 +107,13 @@ impl AdminAccess {
         path: &str,
         headers: &HeaderMap,
     ) -> Result<(), Box<Answer>> {
-        let token_ok = match &self.token_file {
-            Some(file) => match read_token(file) {
-                Ok(token) => bearer_matches(headers, &token),
-                Err(e) => {
-                    tracing::error!("admin token: {e}");
-                    return Err(refuse(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "the admin token file cannot be read; see the log",
-                    ));
-                }
-            },
-            None => false,
+        let token_ok = match &self.token {
+            // Only read when a request presents one: `/metrics` and the
+            // probes never wait on the file.
+            Some(file) if headers.contains_key(header::AUTHORIZATION) => {
+                bearer_matches(headers, &file.current())
+            }
+            _ => false,
         };
         let host = headers
             .get(header::HOST)
@@ -86,7 +133,7 @@ impl AdminAccess {
                 "cross-site requests cannot change the admin listener's state (Origin or Sec-Fetch-Site says this came from another site's page)",
             ));
         }
-        if self.token_file.is_some() && !token_ok && GUARDED.contains(&path) {
+        if self.token.is_some() && !token_ok && GUARDED.contains(&path) {
             let mut answer = refuse(
                 StatusCode::UNAUTHORIZED,
                 &format!("{path} needs the admin token: `Authorization: Bearer TOKEN`"),
@@ -245,5 +292,50 @@ mod tests {
         ];
         assert!(check("/status", &right).is_ok());
         assert!(check("/metrics", &[("host", h)]).is_ok());
+    }
+
+    #[test]
+    fn a_token_file_that_turns_bad_leaves_the_last_good_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "first-token-0123456789\n").unwrap();
+        let access = AdminAccess::with_token_file(file.clone()).unwrap();
+        let status = |token: &str| {
+            let bearer = format!("Bearer {token}");
+            let h = headers(&[("host", "127.0.0.1"), ("authorization", &bearer)]);
+            access.check(&Method::GET, "/status", &h).is_ok()
+        };
+        let open = |path| {
+            let h = headers(&[("host", "127.0.0.1")]);
+            access.check(&Method::GET, path, &h).is_ok()
+        };
+        assert!(status("first-token-0123456789"));
+        // Rotated: the new token at once, the old one no more.
+        std::fs::write(&file, "second-token-0123456789-x\n").unwrap();
+        assert!(status("second-token-0123456789-x"));
+        assert!(!status("first-token-0123456789"));
+        // Gone, short, too large, a FIFO: the last good token stands, and
+        // the open endpoints stay open.
+        let fifo = std::ffi::CString::new(file.as_os_str().as_encoded_bytes()).unwrap();
+        let bad: [&dyn Fn(); 4] = [
+            &|| std::fs::remove_file(&file).unwrap(),
+            &|| std::fs::write(&file, "short").unwrap(),
+            &|| std::fs::write(&file, vec![b'a'; 128 << 10]).unwrap(),
+            &|| {
+                std::fs::remove_file(&file).unwrap();
+                assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+            },
+        ];
+        for (i, turn_bad) in bad.iter().enumerate() {
+            turn_bad();
+            assert!(status("second-token-0123456789-x"), "case {i}");
+            assert!(!status("short"), "case {i}");
+            for path in ["/metrics", "/readyz", "/healthz"] {
+                assert!(open(path), "case {i}: {path}");
+            }
+        }
+        std::fs::remove_file(&file).unwrap();
+        std::fs::write(&file, "third-token-0123456789-xy\n").unwrap();
+        assert!(status("third-token-0123456789-xy"));
     }
 }

@@ -1,7 +1,7 @@
 //! Logging setup and the access log.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use http::Method;
@@ -13,10 +13,22 @@ pub fn json_format() -> bool {
     std::env::var("PORTCULLIS_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"))
 }
 
+/// Event lines waiting for stderr at most; past them, lines are dropped
+/// and counted ([`dropped_lines`]).
+const EVENT_BACKLOG: usize = 8192;
+
+/// The event log's writer thread, kept for the flush at exit.
+static EVENTS: Mutex<Option<tracing_appender::non_blocking::WorkerGuard>> = Mutex::new(None);
+/// Its count of lines dropped.
+static EVENTS_DROPPED: OnceLock<tracing_appender::non_blocking::ErrorCounter> = OnceLock::new();
+
 /// Installs the global subscriber: text or JSON (`PORTCULLIS_LOG_FORMAT`),
-/// filtered by `RUST_LOG` (default `info`), to stderr; and starts the
-/// access log's writer with `access` (its destination, buffer and flush
-/// interval). Fails when the access log's file cannot be opened.
+/// filtered by `RUST_LOG` (default `info`), to stderr through a thread of
+/// its own, so that a stderr that blocks (a pipe nobody reads) drops and
+/// counts lines instead of stalling the thread that logs (a worker, the
+/// accept loop); and starts the access log's writer with `access` (its
+/// destination, buffer and flush interval). Fails when the access log's
+/// file cannot be opened.
 pub fn init(access: crate::access_log::Settings) -> Result<(), String> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let json = json_format();
@@ -24,10 +36,17 @@ pub fn init(access: crate::access_log::Settings) -> Result<(), String> {
     // the escape codes are noise around every field.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
         && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(EVENT_BACKLOG)
+        .thread_name("event-log")
+        .finish(std::io::stderr());
+    let _ = EVENTS_DROPPED.set(writer.error_counter());
+    *EVENTS.lock().unwrap_or_else(|p| p.into_inner()) = Some(guard);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     // A second init (tests that start several servers) is harmless: ignore it.
     let _ = if json {
         builder
@@ -41,10 +60,31 @@ pub fn init(access: crate::access_log::Settings) -> Result<(), String> {
     crate::access_log::start(access)
 }
 
-/// Writes the access log's last lines, waiting at most `limit` for a
-/// destination that blocks: at exit.
+/// Writes the access log's and the event log's last lines, waiting at
+/// most `limit` for each destination that blocks: at exit.
 pub fn finish(limit: Duration) {
     crate::access_log::finish(limit);
+    // The writer's guard flushes when dropped, and may wait on a stderr
+    // that blocks (or print to a stdout that does): dropped on a thread
+    // of its own, waited for no longer than `limit`.
+    let guard = EVENTS.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(guard) = guard {
+        let (done, flushed) = std::sync::mpsc::sync_channel(1);
+        let flushing = std::thread::Builder::new()
+            .name("event-log-flush".into())
+            .spawn(move || {
+                drop(guard);
+                let _ = done.send(());
+            });
+        if flushing.is_ok() {
+            let _ = flushed.recv_timeout(limit);
+        }
+    }
+}
+
+/// Event-log lines dropped so far: stderr did not keep up.
+pub fn dropped_lines() -> u64 {
+    EVENTS_DROPPED.get().map_or(0, |c| c.dropped_lines() as u64)
 }
 
 pub use crate::access_log::TARGET as ACCESS_TARGET;

@@ -231,11 +231,7 @@ impl Binding {
         }
         if instance.store.data().limits.cramped() {
             tracing::debug!(plugin = %self.plugin, memory = self.memory, "plugin instance near its memory cap; a fresh one takes its place");
-            *state::counters()
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .entry((self.plugin.clone(), "recycled".into()))
-                .or_default() += 1;
+            crate::containment::count(&self.plugin, "recycled");
             return;
         }
         let mut idle = self.idle[shard()].lock().unwrap_or_else(|p| p.into_inner());

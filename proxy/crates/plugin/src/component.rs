@@ -6,7 +6,7 @@ use super::*;
 use crate::seam::{self, BodyVerdict, CalloutAnswer, LocalAnswer, ResponseVerdict, Steer, Verdict};
 
 /// The longest a callout may wait for its answer, whatever it asks.
-const MAX_CALLOUT_TIMEOUT_MS: u32 = 60_000;
+const MAX_CALLOUT_TIMEOUT_MS: u32 = seam::MAX_CALLOUT_TIMEOUT.as_millis() as u32;
 
 impl seam::Plugin for Binding {
     fn name(&self) -> &Arc<str> {

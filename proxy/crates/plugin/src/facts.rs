@@ -88,11 +88,15 @@ pub fn to_wit_headers(headers: &http::HeaderMap) -> Vec<Header> {
 }
 
 /// Applies a plugin's header edits; invalid names or values are skipped
-/// and reported.
-pub fn apply_edits(headers: &mut http::HeaderMap, edits: &HeaderEdits, plugin: &str) {
+/// and reported, and edits of the fields that frame the message are
+/// ignored and counted (`containment::may_edit`).
+pub fn apply_edits(headers: &mut http::HeaderMap, edits: &HeaderEdits, plugin: &Arc<str>) {
+    use crate::containment::Edit;
     use http::{HeaderName, HeaderValue};
     for name in &edits.remove {
-        if let Ok(n) = HeaderName::from_bytes(name.as_bytes()) {
+        if let Ok(n) = HeaderName::from_bytes(name.as_bytes())
+            && crate::containment::may_edit(plugin, n.as_str(), Edit::Remove)
+        {
             headers.remove(n);
         }
     }
@@ -100,9 +104,11 @@ pub fn apply_edits(headers: &mut http::HeaderMap, edits: &HeaderEdits, plugin: &
         HeaderName::from_bytes(h.name.as_bytes()),
         HeaderValue::from_bytes(&h.value),
     ) {
-        (Ok(n), Ok(v)) => Some((n, v)),
+        (Ok(n), Ok(v)) => {
+            crate::containment::may_edit(plugin, n.as_str(), Edit::Set).then_some((n, v))
+        }
         _ => {
-            tracing::warn!(plugin, header = %h.name, "plugin set an invalid header; skipped");
+            tracing::warn!(plugin = &**plugin, header = %h.name, "plugin set an invalid header; skipped");
             None
         }
     };

@@ -22,6 +22,7 @@
 //! routes' chains, `facts.rs` what a plugin is told.
 
 mod bindings;
+pub mod containment;
 mod contract_v0_2;
 mod cpu_deadline;
 mod disk_cache;
@@ -46,10 +47,10 @@ pub use bindings::{
     ResponseBodyDecision, ResponseDecision, ResponseHead, RouteInfo,
 };
 use bindings::{Policy, PolicyPre};
+pub use containment::counters;
 use lift::Lifted;
 pub use offload::Lost;
 use state::State;
-pub use state::counters;
 
 use portcullis_config::{Config, ConfigError, ConfigErrors, FailMode, PluginModule, PluginUse};
 use portcullis_net::shard::{SHARDS, this_thread as shard};
@@ -62,7 +63,8 @@ mod host;
 mod proxy_wasm;
 pub use proxy_wasm::{
     HISTOGRAM_BUCKETS as FILTER_HISTOGRAM_BUCKETS, Histogram as FilterHistogram,
-    gauges as filter_gauges, histograms as filter_histograms,
+    SHARED_BYTES_PER_PLUGIN, forget_plugins, gauges as filter_gauges,
+    histograms as filter_histograms, shared_bytes,
 };
 pub mod seam;
 

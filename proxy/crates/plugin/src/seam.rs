@@ -112,6 +112,12 @@ pub trait Callouts: Send + Sync {
 /// The largest callout answer body read; a larger one fails the callout.
 pub const MAX_CALLOUT_BODY: usize = 1 << 20;
 
+/// The longest a callout may take, whatever its plugin asks (a longer
+/// timeout is cut to this): a request waiting on one is bounded by its
+/// route's timeout too, and a background call holds its upstream socket
+/// no longer than this.
+pub const MAX_CALLOUT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Where the request goes, when a plugin changed it.
 #[derive(Debug, Default)]
 pub struct Steer {

@@ -1,8 +1,7 @@
 //! What each plugin instance's store holds, and the host functions.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
 
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
@@ -170,21 +169,14 @@ impl wasmtime::ResourceLimiter for MemoryCap {
     }
 }
 
-/// Counter values by plugin and counter name.
-pub type Counters = HashMap<(Arc<str>, String), u64>;
-
-/// Counters plugins add to through `host.count` (and the proxy's own
-/// per-plugin `failures`), by plugin and name.
-pub fn counters() -> &'static Mutex<Counters> {
-    static COUNTERS: OnceLock<Mutex<Counters>> = OnceLock::new();
-    COUNTERS.get_or_init(Default::default)
-}
-
 impl host::Host for State {
     fn log(&mut self, level: Level, message: String) {
+        if !crate::containment::may_log(&self.plugin) {
+            return;
+        }
         let plugin = &*self.plugin;
         // Bounded, so a plugin cannot flood the log with one call.
-        let message: &str = &message[..message.floor_char_boundary(4096)];
+        let message = crate::containment::log_line(&message);
         match level {
             Level::Trace => tracing::trace!(target: "plugin", plugin, "{message}"),
             Level::Debug => tracing::debug!(target: "plugin", plugin, "{message}"),
@@ -247,14 +239,11 @@ impl host::Host for State {
     }
 
     fn count(&mut self, name: String, delta: u64) {
-        if name.len() > 64 {
-            return;
-        }
-        let mut c = counters().lock().unwrap_or_else(|p| p.into_inner());
         // A plugin may not make unbounded numbers of counters.
-        if c.len() < 10_000 || c.contains_key(&(self.plugin.clone(), name.clone())) {
-            *c.entry((self.plugin.clone(), name)).or_default() += delta;
-        }
+        crate::containment::counters()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .add_own(&self.plugin, &name, delta);
     }
 }
 

@@ -1,20 +1,17 @@
 //! A plugin's stdout and stderr, written to the proxy's log line by line
 //! and tagged with the plugin's name: a panicking plugin's message (which
 //! its standard library prints to stderr before it traps) is then in the
-//! log next to the failed request, instead of lost.
+//! log next to the failed request, instead of lost. Its lines count
+//! against the plugin's log budget (`containment::may_log`).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
 use wasmtime_wasi::p2::{OutputStream, Pollable, StreamResult};
 
 /// Longest line logged; the rest of a longer one is cut.
-const MAX_LINE: usize = 4096;
-/// Lines logged per second per stream of one instance; more are counted
-/// and reported as skipped, so a plugin cannot flood the log.
-const LINES_PER_SECOND: u32 = 20;
+const MAX_LINE: usize = crate::containment::MAX_LOG_LINE;
 
 /// stdout or stderr of one plugin's instances.
 #[derive(Clone)]
@@ -57,9 +54,6 @@ impl StdoutStream for PluginOutput {
         Box::new(LogLines {
             out: self.clone(),
             pending: Vec::new(),
-            window: Instant::now(),
-            logged: 0,
-            skipped: 0,
         })
     }
 }
@@ -68,9 +62,6 @@ impl StdoutStream for PluginOutput {
 struct LogLines {
     out: PluginOutput,
     pending: Vec<u8>,
-    window: Instant,
-    logged: u32,
-    skipped: u64,
 }
 
 impl LogLines {
@@ -78,20 +69,9 @@ impl LogLines {
         if line.iter().all(u8::is_ascii_whitespace) {
             return;
         }
-        if self.window.elapsed().as_secs() >= 1 {
-            if self.skipped > 0 {
-                tracing::warn!(target: "plugin", plugin = &*self.out.plugin, stream = self.out.stream,
-                    skipped = self.skipped, "plugin output lines skipped (over {LINES_PER_SECOND}/s)");
-            }
-            self.window = Instant::now();
-            self.logged = 0;
-            self.skipped = 0;
-        }
-        if self.logged >= LINES_PER_SECOND {
-            self.skipped += 1;
+        if !crate::containment::may_log(&self.out.plugin) {
             return;
         }
-        self.logged += 1;
         let line = String::from_utf8_lossy(&line[..line.len().min(MAX_LINE)]);
         let line = line.trim_end_matches('\r');
         let (plugin, stream) = (&*self.out.plugin, self.out.stream);

@@ -255,27 +255,65 @@ impl Ctx<'_> {
         out
     }
 
-    pub(super) fn header_edits(&mut self, raw: &Option<RawHeaderEdits>) -> HeaderEdits {
+    /// The header fields a policy's `field` sets, adds or answers with:
+    /// any but those that frame a message ([`portcullis_net::framing`]),
+    /// which are refused where they are named.
+    pub(super) fn edited_pairs(
+        &mut self,
+        map: &TextMap,
+        field: &str,
+    ) -> Vec<(HeaderName, HeaderValue)> {
+        let pairs = self.header_pairs(map);
+        pairs
+            .into_iter()
+            .filter(|(name, _)| self.not_framing(&map.referenced, name.as_str(), field))
+            .collect()
+    }
+
+    /// Whether `name` may be edited by a policy; if not, says so at `at`.
+    fn not_framing(&mut self, at: &Location, name: &str, field: &str) -> bool {
+        if !portcullis_net::framing::is_framing(name) {
+            return true;
+        }
+        self.err(
+            at,
+            format!(
+                "`{field}` edits `{name}`, which frames the message: the proxy alone sets it \
+                 (and {}), as a value that disagreed with the body would mix one answer's \
+                 bytes into the next on a shared connection; remove it",
+                portcullis_net::framing::listed()
+            ),
+        );
+        false
+    }
+
+    pub(super) fn header_edits(
+        &mut self,
+        raw: &Option<RawHeaderEdits>,
+        field: &str,
+    ) -> HeaderEdits {
         let Some(raw) = raw else {
             return HeaderEdits::default();
         };
         let add = raw
             .add
             .as_ref()
-            .map(|m| self.header_pairs(m))
+            .map(|m| self.edited_pairs(m, field))
             .unwrap_or_default();
         let set = raw
             .set
             .as_ref()
-            .map(|m| self.header_pairs(m))
+            .map(|m| self.edited_pairs(m, field))
             .unwrap_or_default();
         let remove = raw
             .remove
             .iter()
             .filter_map(|t| {
-                self.parse(t, |s| {
+                let name = self.parse(t, |s| {
                     HeaderName::from_str(s).map_err(|_| format!("`{s}` is not a valid header name"))
-                })
+                })?;
+                self.not_framing(&t.referenced, name.as_str(), field)
+                    .then_some(name)
             })
             .collect();
         HeaderEdits { add, set, remove }

@@ -16,7 +16,21 @@ pub(super) fn auth_request(
             .filter(|_| s.starts_with('/'))
             .ok_or_else(|| format!("auth_request path `{s}` must be a path starting with `/`"))
     });
-    let copy_headers = header_names(ctx, &a.copy_headers, "");
+    let copy_headers = header_names(ctx, &a.copy_headers, "").filter(|names| {
+        // Copied into the forwarded request: a framing field of the auth
+        // service's answer would frame the request wrongly.
+        let framing = names
+            .iter()
+            .position(|n| portcullis_net::framing::is_framing(n.as_str()));
+        if let Some(i) = framing {
+            let message = format!(
+                "`copy_headers` names `{}`, which frames a message: the proxy alone sets it",
+                names[i]
+            );
+            ctx.err(&a.copy_headers[i].referenced, message);
+        }
+        framing.is_none()
+    });
     let signin = match &a.signin {
         None => Some(None),
         Some(t) => ctx

@@ -204,7 +204,10 @@ pub(super) fn route(
             s.parse::<u16>()
                 .ok()
                 .and_then(|n| StatusCode::from_u16(n).ok())
-                .ok_or_else(|| format!("`{s}` is not an HTTP status code"))
+                .filter(|c| (200..=599).contains(&c.as_u16()))
+                .ok_or_else(|| {
+                    format!("`{s}` is not an HTTP status code a route can answer with (200-599)")
+                })
         })?;
         let body = resp
             .value
@@ -216,7 +219,7 @@ pub(super) fn route(
             .value
             .headers
             .as_ref()
-            .map(|h| ctx.header_pairs(h))
+            .map(|h| ctx.edited_pairs(h, "respond.headers"))
             .unwrap_or_default();
         Action::Respond(LocalResponse {
             status,
@@ -296,8 +299,8 @@ pub(super) fn route(
         },
         (None, None) => PathRewrite::Keep,
     };
-    let request_headers = ctx.header_edits(&r.request_headers);
-    let response_headers = ctx.header_edits(&r.response_headers);
+    let request_headers = ctx.header_edits(&r.request_headers, "request_headers");
+    let response_headers = ctx.header_edits(&r.response_headers, "response_headers");
     let websocket = ctx.flag(&r.websocket, false);
     let error_cors = r.error_cors.as_ref().map(|c| cors(ctx, c));
     let compress = r.compress.as_ref().and_then(|c| compression(ctx, c));

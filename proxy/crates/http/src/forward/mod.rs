@@ -88,6 +88,10 @@ pub struct Outgoing {
     /// With `balance: hash`, the hash of the request's key (see
     /// [`UpstreamPool::affinity`]).
     pub affinity: Option<u64>,
+    /// Whether `headers` hold the `Host` it goes with (a plugin's callout
+    /// names its own, as Envoy sends a call's `:authority`), instead of
+    /// the endpoint's or the client's: one `Host` goes either way.
+    pub own_host: bool,
 }
 
 fn idempotent(m: &Method) -> bool {

@@ -58,6 +58,7 @@ impl UpstreamPool {
             mut headers,
             mut body,
             affinity,
+            own_host,
         } = out;
         let upgrade = headers::is_websocket_upgrade(&headers);
         let bodiless = http_body::Body::is_end_stream(&body);
@@ -184,7 +185,7 @@ impl UpstreamPool {
                 } else {
                     headers.clone()
                 };
-                let host = (!self.spec.preserve_host && version == Version::HTTP_11)
+                let host = (!self.spec.preserve_host && !own_host && version == Version::HTTP_11)
                     .then_some(&ep.host_header);
                 // Only least-requests reads the counts; other policies skip
                 // the shared atomics on the hot path.

@@ -73,6 +73,8 @@ pub struct Shared {
     /// Tasks that must finish before a drained shutdown completes
     /// (connections and spliced upgrades).
     pub tracker: TaskTracker,
+    /// The workers' signs of life: a stalled worker is not ready.
+    pub heartbeats: Arc<portcullis_net::worker_beat::Heartbeats>,
 }
 
 const STARTING: u8 = 0;
@@ -100,9 +102,12 @@ impl Shared {
         self.phase.store(DRAINING, Ordering::Release);
     }
 
-    /// True while `/readyz` should answer 200.
+    /// True while `/readyz` should answer 200: started, not draining,
+    /// every worker beating, and the gate (if any) open.
     pub fn is_ready(&self) -> bool {
-        self.phase.load(Ordering::Acquire) == READY && self.gate.get().is_none_or(|ready| ready())
+        self.phase.load(Ordering::Acquire) == READY
+            && self.heartbeats.stalled().is_empty()
+            && self.gate.get().is_none_or(|ready| ready())
     }
 
     /// Makes readiness also depend on `gate` (set once).

@@ -247,7 +247,10 @@ impl Pipeline {
             // Boxed: reading the body or a callout is a large future, and
             // inline it would make every request's future larger, copied
             // on every move, plugins or not.
-            step => Box::pin(self.steps(step, conn, body, headers, route)).await,
+            step => {
+                let context = (conn, version, routed.origin.as_ref());
+                Box::pin(self.steps(step, context, body, headers, route)).await
+            }
         };
         match outcome {
             chain::RequestOutcome::Forward(mut ctx) => {
@@ -270,23 +273,68 @@ impl Pipeline {
     }
 
     /// Takes the chain's steps that wait (a body to read, a callout to
-    /// send) until it is done.
+    /// send) until it is done. A callout is waited for within its own
+    /// timeout and what is left of the route's (from the first one): past
+    /// that, the request is answered 504 without asking the plugin again;
+    /// and a client that leaves meanwhile is noticed (on HTTP/1, from a
+    /// second on; on HTTP/2 its stream's reset drops this), its callout
+    /// dropped with its upstream socket, and logged as 499.
     async fn steps<'c>(
         &'c self,
         mut step: chain::Step<'c>,
-        conn: &ConnInfo,
+        (conn, version, origin): (&ConnInfo, Version, Option<&HeaderValue>),
         body: &mut Body,
         headers: &mut http::HeaderMap,
         route: &Route,
     ) -> chain::RequestOutcome<'c> {
         let config = &*self.config;
+        let deadline = self.plugin_wait(route, conn).map(|d| Instant::now() + d);
         loop {
             step = match step {
                 chain::Step::Done(outcome) => return outcome,
                 chain::Step::ReadBody(pending) => pending.read(body, headers, route, config).await,
                 chain::Step::Callout(mut pending) => {
                     let answer = match pending.request() {
-                        Some(request) => self.callout(conn, request).await,
+                        Some(request) => {
+                            let (timeout, bound) = match deadline {
+                                Some(d)
+                                    if d.saturating_duration_since(Instant::now())
+                                        < request.timeout =>
+                                {
+                                    (d.saturating_duration_since(Instant::now()), true)
+                                }
+                                _ => (request.timeout, false),
+                            };
+                            let call = std::pin::pin!(self.callout(conn, request));
+                            let watch = watchable(conn, version);
+                            match crate::client_watch::exchange(call, timeout, watch, None).await {
+                                Ok(answer) => answer,
+                                Err(crate::client_watch::Cut::ClientGone) => {
+                                    let e = ForwardError::ClientGone;
+                                    let resp = error_response(
+                                        e.status(),
+                                        e.public_message(),
+                                        Some(route),
+                                        origin,
+                                    );
+                                    return chain::RequestOutcome::Answer(resp);
+                                }
+                                Err(_) if bound => {
+                                    tracing::info!(route = %route.name, plugin = pending.plugin(), "the route's timeout passed while a plugin waited on its callout");
+                                    let resp = json_error(
+                                        StatusCode::GATEWAY_TIMEOUT,
+                                        "plugin callout timeout: the route's timeout passed",
+                                        Some(route),
+                                        Some(pending.plugin()),
+                                    );
+                                    return chain::RequestOutcome::Answer(resp);
+                                }
+                                Err(_) => plugin::CalloutAnswer::Failed {
+                                    timed_out: true,
+                                    why: format!("no answer within {timeout:?}"),
+                                },
+                            }
+                        }
                         None => plugin::CalloutAnswer::Failed {
                             timed_out: false,
                             why: "no request".into(),
@@ -299,6 +347,20 @@ impl Pipeline {
                 }
             };
         }
+    }
+
+    /// How long a request may wait on its plugins' callouts: its route's
+    /// timeout, or the request timeout of the upstream it forwards to;
+    /// `None` for a route that answers here without a timeout of its own
+    /// (each callout's own timeout then bounds it).
+    fn plugin_wait(&self, route: &Route, conn: &ConnInfo) -> Option<std::time::Duration> {
+        route.timeout.or_else(|| match route.action {
+            Action::Forward(i) => {
+                let pools = &self.upstreams[conn.worker % self.upstreams.len()];
+                Some(pools[i].spec.timeouts.request)
+            }
+            _ => None,
+        })
     }
 
     /// Sends a plugin's callout to the upstream it names.

@@ -231,6 +231,7 @@ impl Pipeline {
             headers,
             body: Body::empty(),
             affinity,
+            own_host: false,
         };
         Ok((out, (set_cookie, client_upgrade)))
     }

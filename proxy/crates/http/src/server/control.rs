@@ -58,6 +58,13 @@ impl Control {
             self.workers,
             Some(&previous),
         )));
+        // What the plugins taken out of the policies left in what
+        // plugins share goes with them.
+        let removed: Vec<Arc<str>> = (previous.config().plugins.iter())
+            .filter(|p| !config.plugins.iter().any(|n| n.name == p.name))
+            .map(|p| p.name.clone())
+            .collect();
+        portcullis_plugin::forget_plugins(&removed);
         drop(previous);
         self.addresses.config_applied();
 

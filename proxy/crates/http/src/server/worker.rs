@@ -1,6 +1,7 @@
 //! A worker thread: its runtime, its listeners' accept loops, and each accepted connection (PROXY header, TLS) handed to the shared connection server.
 
 use super::*;
+use portcullis_net::worker_beat::Heartbeats;
 
 /// One worker thread's share of the server.
 pub(super) struct Worker {
@@ -24,7 +25,7 @@ impl Worker {
             // Accept loops and connections; each accept loop drains its own
             // connections when it stops.
             let tracker = TaskTracker::new();
-            tokio::spawn(timer_anchor());
+            tokio::spawn(timer_anchor(self.shared.heartbeats.clone(), self.index));
             loop {
                 let command = tokio::select! {
                     c = commands.recv() => c,
@@ -97,15 +98,22 @@ impl Worker {
 /// than all of them. With this timer always due sooner, a timer of a
 /// second or more never wakes the driver; the cost is one wake-up per
 /// period on an idle worker.
-pub async fn timer_anchor() {
+///
+/// Each tick is also the worker's heartbeat (`worker_beat`): a worker
+/// whose thread something blocks stops beating, and readiness says so.
+pub async fn timer_anchor(beats: Arc<Heartbeats>, worker: usize) {
+    // At once: the interval's first tick waits for the timer driver, and
+    // a worker blocked before that must count as started.
+    beats.beat(worker);
     let mut tick = tokio::time::interval(ANCHOR_PERIOD);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        beats.beat(worker);
     }
 }
 
-pub(super) const ANCHOR_PERIOD: Duration = Duration::from_millis(500);
+pub(super) const ANCHOR_PERIOD: Duration = portcullis_net::worker_beat::BEAT_EVERY;
 
 /// The HTTP server settings of a listener.
 pub(super) fn http_builder(listener: &Listener) -> h1_or_h2::Builder {

@@ -102,6 +102,14 @@ pub fn render(out: &mut String) {
     );
     let _ = writeln!(
         out,
+        "# HELP portcullis_log_lines_dropped_total Event-log lines (warnings, errors) not \
+         written: stderr did not keep up (a pipe nobody reads).\n\
+         # TYPE portcullis_log_lines_dropped_total counter\n\
+         portcullis_log_lines_dropped_total {}",
+        crate::telemetry::dropped_lines()
+    );
+    let _ = writeln!(
+        out,
         "# HELP portcullis_connections_parked Idle HTTP/1 keep-alive client connections \
          parked: kept without their HTTP state and buffers until their next request.\n\
          # TYPE portcullis_connections_parked gauge\n\

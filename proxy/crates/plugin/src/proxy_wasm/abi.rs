@@ -6,10 +6,12 @@
 //! module that imports it but never calls it still runs.
 
 use http::{HeaderMap, HeaderName, HeaderValue};
+use portcullis_net::framing;
 use wasmtime::{Caller, Linker};
 
 use super::guest::{Status, give, read, write, write_u32};
 use super::{VmState, map};
+use crate::containment::Edit;
 use crate::seam::LocalAnswer;
 
 type C<'a> = Caller<'a, VmState>;
@@ -37,8 +39,12 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         env,
         "proxy_log",
         |mut c: C<'_>, level: i32, ptr: i32, len: i32| -> R {
+            if !crate::containment::may_log(&c.data().plugin) {
+                return ok(Status::Ok);
+            }
             let message = read(&mut c, ptr, len)?;
             let message = String::from_utf8_lossy(&message);
+            let message = crate::containment::log_line(&message);
             let plugin = &*c.data().plugin;
             match level {
                 0 => tracing::trace!(plugin, "{message}"),
@@ -152,10 +158,30 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             let Some(headers) = headers_mut(c.data_mut(), kind) else {
                 return ok(Status::NotFound);
             };
+            // The fields that frame the message stay as the proxy has
+            // them, whatever the new set says of them (but for a
+            // `content-length` it leaves out: removed).
+            let dropped = !pairs
+                .iter()
+                .any(|(k, _)| k.eq_ignore_ascii_case(b"content-length"));
+            let framing: Vec<(HeaderName, HeaderValue)> = headers
+                .iter()
+                .filter(|(k, _)| framing::is_framing(k.as_str()))
+                .filter(|(k, _)| !(dropped && *k == http::header::CONTENT_LENGTH))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
             headers.clear();
+            if !same_framing(&framing, &pairs) {
+                crate::containment::count(&c.data().plugin, "framing_edits_refused");
+            }
             for (k, v) in &pairs {
-                if !k.starts_with(b":") {
+                if !k.starts_with(b":") && !is_framing(k) {
                     append(c.data_mut(), kind, k, v);
+                }
+            }
+            if let Some(headers) = headers_mut(c.data_mut(), kind) {
+                for (k, v) in framing {
+                    headers.append(k, v);
                 }
             }
             for (k, v) in pairs.iter().filter(|(k, _)| k.starts_with(b":")) {
@@ -211,6 +237,9 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 set_pseudo(c.data_mut(), kind, &key, &value);
                 return ok(Status::Ok);
             }
+            if !editable(c.data(), &key, Edit::Set) {
+                return ok(Status::Ok);
+            }
             if let Some(h) = headers_mut(c.data_mut(), kind)
                 && let Ok(name) = HeaderName::from_bytes(&key)
             {
@@ -245,6 +274,9 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 return ok(Status::BadArgument);
             }
             let key = read(&mut c, key_ptr, key_len)?;
+            if !editable(c.data(), &key, Edit::Remove) {
+                return ok(Status::Ok);
+            }
             if let Some(h) = headers_mut(c.data_mut(), kind)
                 && let Ok(name) = HeaderName::from_bytes(&key)
             {
@@ -266,6 +298,23 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
          headers_len: i32,
          grpc_status: i32|
          -> R {
+            // Only a final answer's status: a 1xx is no answer (a client
+            // that asked for no upgrade would wait on a 101 for ever), and
+            // anything past 599 is no status. Envoy hands the number to
+            // its local reply unchecked; refused here, as a call the
+            // filter can see failed.
+            let Some(status) = u16::try_from(status)
+                .ok()
+                .filter(|s| (200..=599).contains(s))
+            else {
+                tracing::debug!(plugin = %c.data().plugin, status, "plugin answered with a status outside 200-599; refused");
+                return ok(Status::BadArgument);
+            };
+            // The first answer stands, as in Envoy, which sends the first
+            // local reply of a stream and ignores the rest.
+            if c.data().call.local.is_some() {
+                return ok(Status::Ok);
+            }
             let body = read(&mut c, body_ptr, body_len)?;
             let bytes = read(&mut c, headers_ptr, headers_len)?;
             let Some(pairs) = map::deserialize(&bytes) else {
@@ -273,6 +322,9 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             };
             let mut headers = HeaderMap::new();
             for (k, v) in pairs {
+                if !editable(c.data(), k, Edit::Set) {
+                    continue;
+                }
                 match (HeaderName::from_bytes(k), HeaderValue::from_bytes(v)) {
                     (Ok(k), Ok(v)) => {
                         headers.append(k, v);
@@ -288,7 +340,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             // status (-1: none, the HTTP status's mapping).
             let code = u16::try_from(grpc_status).ok();
             c.data_mut().call.local = Some(LocalAnswer {
-                status: status as u16,
+                status,
                 headers,
                 body: body.into(),
                 error_shape: false,
@@ -445,7 +497,43 @@ fn gone(state: &VmState, kind: i32) -> bool {
     kind == RESPONSE_HEADERS && state.call.head_sent
 }
 
+/// Whether a header name's bytes name a field that frames the message.
+fn is_framing(key: &[u8]) -> bool {
+    std::str::from_utf8(key).is_ok_and(framing::is_framing)
+}
+
+/// Whether the filter may make `edit` to the header `key`: not to a
+/// framing field, but for removing `content-length` (see
+/// `containment::may_edit`). A refused edit is ignored and counted, and
+/// the call still succeeds, as the filter would otherwise fail its
+/// request over something the proxy takes care of anyway.
+fn editable(state: &VmState, key: &[u8], edit: Edit) -> bool {
+    match std::str::from_utf8(key) {
+        Ok(name) => crate::containment::may_edit(&state.plugin, name, edit),
+        // Not a field name at all: `append` refuses it.
+        Err(_) => true,
+    }
+}
+
+/// Whether a new set of pairs says of the framing fields what the map
+/// has (in any order, names in any case).
+fn same_framing(has: &[(HeaderName, HeaderValue)], pairs: &[(&[u8], &[u8])]) -> bool {
+    let mut said: Vec<(Vec<u8>, &[u8])> = (pairs.iter())
+        .filter(|(k, _)| is_framing(k))
+        .map(|(k, v)| (k.to_ascii_lowercase(), *v))
+        .collect();
+    let mut kept: Vec<(Vec<u8>, &[u8])> = (has.iter())
+        .map(|(k, v)| (k.as_str().as_bytes().to_vec(), v.as_bytes()))
+        .collect();
+    said.sort();
+    kept.sort();
+    said == kept
+}
+
 fn append(state: &mut VmState, kind: i32, key: &[u8], value: &[u8]) {
+    if !editable(state, key, Edit::Set) {
+        return;
+    }
     let plugin = state.plugin.clone();
     let Some(headers) = headers_mut(state, kind) else {
         return;

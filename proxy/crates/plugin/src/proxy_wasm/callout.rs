@@ -5,6 +5,7 @@
 //! buffer 4).
 
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,8 +14,8 @@ use wasmtime::{Caller, Linker};
 use super::guest::{Status, read, write_u32};
 use super::vm::Vm;
 use super::{Call, ProxyWasm, VmState, map};
-use crate::PluginError;
-use crate::seam::{Callout, CalloutAnswer, Steer, Verdict};
+use crate::seam::{Callout, CalloutAnswer, MAX_CALLOUT_TIMEOUT, Steer, Verdict};
+use crate::{PluginError, containment};
 
 /// The most of a request body a filter that pauses for it gets (Envoy's
 /// default buffer limit, `per_connection_buffer_limit_bytes`); more is
@@ -103,7 +104,7 @@ fn callout(upstream: String, pairs: &[(&[u8], &[u8])], body: Vec<u8>, ms: i32) -
         authority: Some(authority?),
         headers,
         body: body.into(),
-        timeout: Duration::from_millis(ms.max(1) as u64),
+        timeout: Duration::from_millis(ms.max(1) as u64).min(MAX_CALLOUT_TIMEOUT),
     })
 }
 
@@ -219,10 +220,18 @@ fn answer_pairs(answer: CalloutAnswer) -> (super::Pairs, Bytes) {
     }
 }
 
+/// The most callouts one VM may have in flight that no request waits on
+/// (a root context's, and those of requests that went on without their
+/// answers); more fail at once, as a cluster's circuit breaker refuses
+/// them in Envoy, and count as `callouts_refused`: a filter that fires a
+/// call per request cannot take the proxy's sockets.
+pub const MAX_BACKGROUND_CALLOUTS: usize = 100;
+
 /// Sends the callouts a root context made (in a tick, say: outside any
 /// request), or a request's context made and did not wait for, through
 /// `filter`'s callouts, each answered on the VM at `home` if it still
-/// runs.
+/// runs; past [`MAX_BACKGROUND_CALLOUTS`] in flight, each is answered
+/// as failed instead.
 pub fn send_from_root(filter: &ProxyWasm, home: &super::queue::Home, calls: Vec<(u32, Callout)>) {
     let (Some(callouts), Ok(runtime)) = (
         filter.callouts.get().cloned(),
@@ -233,22 +242,67 @@ pub fn send_from_root(filter: &ProxyWasm, home: &super::queue::Home, calls: Vec<
         }
         return;
     };
+    let in_flight = &filter.background[home.shard].0;
+    let mut refused = Vec::new();
     for (token, callout) in calls {
+        if in_flight.fetch_add(1, Ordering::Relaxed) >= MAX_BACKGROUND_CALLOUTS as u64 {
+            in_flight.fetch_sub(1, Ordering::Relaxed);
+            refused.push(token);
+            continue;
+        }
         let (callouts, home) = (callouts.clone(), home.clone());
         runtime.spawn(async move {
             let answer = callouts.send(home.shard, callout).await;
             let Some(filter) = home.filter.upgrade() else {
                 return;
             };
-            filter.on_home(&home, |vm, filter| {
-                let mut call = vm.blank();
-                call.answer = Some(answer_pairs(answer));
-                let (call, result) = vm.http_call_response(filter, token, call);
-                vm.root_calls(filter, call);
-                result
-            });
+            filter.background[home.shard]
+                .0
+                .fetch_sub(1, Ordering::Relaxed);
+            answer_on_home(&filter, &home, token, answer);
         });
     }
+    if refused.is_empty() {
+        return;
+    }
+    for _ in &refused {
+        containment::count(&filter.name, "callouts_refused");
+    }
+    if containment::may_log(&filter.name) {
+        tracing::warn!(plugin = %filter.name, refused = refused.len(), "plugin made more calls than {MAX_BACKGROUND_CALLOUTS} in flight without waiting for them; these fail at once");
+    }
+    // Answered once the call that made them returns (its VM is in use
+    // until then).
+    let home = home.clone();
+    runtime.spawn(async move {
+        let Some(filter) = home.filter.upgrade() else {
+            return;
+        };
+        for token in refused {
+            let why = format!("over {MAX_BACKGROUND_CALLOUTS} calls in flight");
+            let answer = CalloutAnswer::Failed {
+                timed_out: false,
+                why,
+            };
+            answer_on_home(&filter, &home, token, answer);
+        }
+    });
+}
+
+/// Gives the VM at `home` (if it still runs) `answer` to its call `token`.
+fn answer_on_home(
+    filter: &ProxyWasm,
+    home: &super::queue::Home,
+    token: u32,
+    answer: CalloutAnswer,
+) {
+    filter.on_home(home, |vm, filter| {
+        let mut call = vm.blank();
+        call.answer = Some(answer_pairs(answer));
+        let (call, result) = vm.http_call_response(filter, token, call);
+        vm.root_calls(filter, call);
+        result
+    });
 }
 
 /// Gives context `id` the answer to its oldest callout; what it decides.

@@ -49,7 +49,10 @@ use vm::Vm;
 /// The exports that make a core module a proxy-wasm filter.
 const ABI_VERSIONS: [&str; 2] = ["proxy_abi_version_0_2_1", "proxy_abi_version_0_2_0"];
 
-pub use shared::{BUCKETS as HISTOGRAM_BUCKETS, Histogram, gauges, histograms};
+pub use shared::{
+    BUCKETS as HISTOGRAM_BUCKETS, Histogram, SHARED_BYTES_PER_PLUGIN, forget_plugins, gauges,
+    histograms, shared_bytes,
+};
 
 /// Whether `module` is a proxy-wasm filter.
 pub fn is_filter(module: &Module) -> bool {
@@ -102,6 +105,8 @@ pub struct ProxyWasm {
     /// Calls by shard, each on its own cache line: one counter shared by
     /// the workers would move between their cores on every call.
     calls: [Count; SHARDS],
+    /// Callouts in flight that no request waits on, by shard (its VM's).
+    background: [Count; SHARDS],
     /// Numbers the VMs, so a request's stream names the one it is on.
     generations: AtomicU64,
     /// Itself, for its VMs' tickers (which stop when it is dropped).
@@ -196,6 +201,7 @@ impl ProxyWasm {
             memory_peak: Default::default(),
             vms: std::array::from_fn(|_| VmSlot::default()),
             calls: std::array::from_fn(|_| Count::default()),
+            background: std::array::from_fn(|_| Count::default()),
             generations: AtomicU64::new(0),
             me: Weak::new(),
             restarts: Mutex::new((std::time::Instant::now(), 0)),
@@ -345,14 +351,7 @@ impl ProxyWasm {
     }
 }
 
-/// Adds one to the plugin's counter `name`.
-fn count(plugin: &Arc<str>, name: &str) {
-    *crate::state::counters()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .entry((plugin.clone(), name.into()))
-        .or_default() += 1;
-}
+use crate::containment::count;
 
 fn stream_of(shard: usize, generation: u64, id: u32) -> Stream {
     stream(shard, generation, id)

@@ -42,8 +42,13 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             }
             let text = String::from_utf8_lossy(&text);
             let stream = if fd == 1 { "stdout" } else { "stderr" };
+            let plugin = &c.data().plugin;
             for line in text.lines().filter(|l| !l.is_empty()) {
-                tracing::info!(plugin = %c.data().plugin, stream, "{line}");
+                if !crate::containment::may_log(plugin) {
+                    break;
+                }
+                let line = crate::containment::log_line(line);
+                tracing::info!(plugin = %plugin, stream, "{line}");
             }
             write_u32(&mut c, ret, written)?;
             Ok(SUCCESS)

@@ -17,7 +17,10 @@ pub(super) fn admin(req: Request<Incoming>, shared: &Shared) -> portcullis_obs::
         );
     }
     if path == "/readyz" {
-        let ready = !shared.draining.load(std::sync::atomic::Ordering::Relaxed);
+        // Not draining, and every worker beating (a stalled one serves
+        // none of its connections).
+        let ready = !shared.draining.load(std::sync::atomic::Ordering::Relaxed)
+            && shared.heartbeats.stalled().is_empty();
         let status = if ready {
             StatusCode::OK
         } else {

@@ -111,6 +111,8 @@ struct Shared {
     shutdown_delay: Duration,
     /// Public WebSockets spliced through tunnels.
     upgrades: TaskTracker,
+    /// The workers' signs of life: a stalled worker is not ready.
+    heartbeats: Arc<portcullis_net::worker_beat::Heartbeats>,
 }
 
 /// This server's holdings as the shared registry sees them: what the
@@ -278,6 +280,7 @@ impl TunnelServer {
                 draining: std::sync::atomic::AtomicBool::new(false),
                 shutdown_delay: options.shutdown_delay,
                 upgrades: TaskTracker::new(),
+                heartbeats: Default::default(),
             }),
         })
     }

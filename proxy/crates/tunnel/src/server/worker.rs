@@ -77,7 +77,10 @@ pub(super) fn worker(
         None => (None, None),
     };
     runtime.block_on(async move {
-        tokio::spawn(portcullis_http::server::timer_anchor());
+        tokio::spawn(portcullis_http::server::timer_anchor(
+            shared.heartbeats.clone(),
+            index,
+        ));
         let tracker = TaskTracker::new();
         let tunnel_tasks = TaskTracker::new();
         let serving = Public::new(index, shared.clone());

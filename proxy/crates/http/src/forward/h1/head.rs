@@ -34,7 +34,9 @@ pub(super) fn encode_head(
         out.extend_from_slice(b"\r\n");
     }
     for (name, value) in headers {
-        if name == header::CONTENT_LENGTH {
+        // This exchange frames the body itself (its length, below), and
+        // never chunks it.
+        if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING {
             continue;
         }
         out.extend_from_slice(name.as_str().as_bytes());

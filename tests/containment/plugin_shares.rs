@@ -1,0 +1,150 @@
+//! What plugins share, each its own share of it: shared data (one filter
+//! filling the store made another's SDK panic on status 10, and kept it
+//! failing after the first was removed), metric names (forty requests
+//! made 194,684 series) and log lines (1,062 lines from one 10 ms call).
+
+use super::*;
+
+fn shared_policy(app: &str, hoarder: bool) -> String {
+    let (plugin, route) = if hoarder {
+        (
+            "\n  - { name: hoarder, path: proxy-wasm-misbehave.wasm }",
+            "\n  - { name: fill, match: { path: /fill }, upstream: app, plugins: [{ use: hoarder, timeout: 2s, memory: 64MiB }] }",
+        )
+    } else {
+        ("", "")
+    };
+    format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{app}"] }}]
+plugins:
+  - {{ name: counter, path: proxy-wasm-shared.wasm }}{plugin}
+routes:
+  - {{ name: count, match: {{ path: /count }}, upstream: app, plugins: [{{ use: counter }}] }}{route}
+"#
+    )
+}
+
+/// A proxy whose route `path` forwards to `app` through the misbehaving
+/// filter, named `plugin` (with a 2 s deadline: it works hard on purpose).
+async fn misbehaving_on(plugin: &str, path: &str, app: &str) -> ProxyProcess {
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{app}"] }}]
+plugins: [{{ name: {plugin}, path: proxy-wasm-misbehave.wasm }}]
+routes: [{{ name: r, match: {{ path: {path} }}, upstream: app, plugins: [{{ use: {plugin}, timeout: 2s }}] }}]
+"#
+        ),
+        &["proxy-wasm-misbehave"],
+    );
+    let mut proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    proxy.keep(dir);
+    proxy
+}
+
+/// The shared data `plugin` holds, as `/status` shows it.
+async fn shared_bytes(proxy: &ProxyProcess, plugin: &str) -> Option<u64> {
+    let status = proxy.status().await;
+    let plugins = status["config"]["plugins"].as_array()?.clone();
+    let found = plugins.into_iter().find(|p| p["name"] == plugin)?;
+    found["shared_data_bytes"].as_u64()
+}
+
+/// One filter stores until the store refuses it (its SDK panics on the
+/// refusal: its own request fails): it filled its own share, and another
+/// filter's counting in shared data goes on. Taken out of the policies,
+/// its data goes with it: added back, it starts from nothing.
+#[tokio::test]
+async fn one_filter_cannot_fill_shared_data_for_the_others() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &shared_policy(&app.url(), true),
+        &["proxy-wasm-shared", "proxy-wasm-misbehave"],
+    );
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let filled = misbehaving(proxy.url("/fill"), "fill", &[]).await;
+    assert_eq!(filled.status, 500, "{:?}", filled.body);
+    assert_eq!(filled.json()["plugin"], "hoarder");
+    // 64 KiB values and their keys, up to the share.
+    let share = portcullis::plugin::SHARED_BYTES_PER_PLUGIN as u64;
+    let held = shared_bytes(&proxy, "hoarder").await.unwrap();
+    assert!(held > share - 65 * 1024 && held <= share, "{held}");
+    for n in 1..=3 {
+        let counted = client::get(&proxy.url("/count")).await;
+        assert_eq!(counted.status, 200, "{:?}", counted.body);
+        assert_eq!(counted.json()["headers"]["x-shared-count"], n.to_string());
+    }
+    let metrics = metrics(&proxy).await;
+    assert_eq!(
+        plugin_counter(&metrics, "hoarder", "shared_data_refused"),
+        1,
+        "{metrics}"
+    );
+    assert_eq!(
+        plugin_counter(&metrics, "counter", "failures"),
+        0,
+        "{metrics}"
+    );
+
+    let policy = dir.path().join("policy.yaml");
+    let reload = |yaml: String| {
+        std::fs::write(&policy, yaml).unwrap();
+        async {
+            let answer = client::call("POST", &proxy.admin_url("/reload")).await;
+            assert_eq!(answer.json()["result"], "applied", "{:?}", answer.body);
+        }
+    };
+    reload(shared_policy(&app.url(), false)).await;
+    assert_eq!(shared_bytes(&proxy, "hoarder").await, None);
+    reload(shared_policy(&app.url(), true)).await;
+    assert_eq!(shared_bytes(&proxy, "hoarder").await, Some(0));
+    let counted = client::get(&proxy.url("/count")).await;
+    assert_eq!(counted.json()["headers"]["x-shared-count"], "4");
+}
+
+/// Ten requests each define 1,000 counters of new names: the filter keeps
+/// its 500, the rest are refused (and counted), and the filter carries on.
+#[tokio::test]
+async fn a_filter_defines_at_most_its_share_of_metric_names() {
+    let app = upstream::echo("app").await;
+    let proxy = misbehaving_on("namer", "/names", &app.url()).await;
+    for i in 0..10 {
+        let name = format!("request{i}");
+        let headers = [("x-name", name.as_str()), ("x-count", "1000")];
+        let answer = misbehaving(proxy.url("/names"), "metrics", &headers).await;
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+    }
+    let metrics = metrics(&proxy).await;
+    assert_eq!(plugin_counter(&metrics, "namer", "metrics_refused"), 9_500);
+    let own = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with(r#"portcullis_plugin_counter_total{plugin="namer",name="request"#)
+        })
+        .count();
+    assert_eq!(own, 500, "{metrics}");
+    assert_eq!(plugin_counter(&metrics, "namer", "request0_0"), 1);
+}
+
+/// One call logs 2,000 lines: at most the plugin's budget reaches the log
+/// (100 a second), the rest are counted as dropped.
+#[tokio::test]
+async fn a_plugins_log_lines_are_rate_limited() {
+    let app = upstream::echo("app").await;
+    let proxy = misbehaving_on("chatty", "/chat", &app.url()).await;
+    let answer = misbehaving(proxy.url("/chat"), "logs", &[("x-count", "2000")]).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let dropped = plugin_counter(&metrics(&proxy).await, "chatty", "log_lines_dropped");
+    // One second's budget, or two if the call spanned a second's turn.
+    assert!((1_800..=1_900).contains(&dropped), "{dropped}");
+    let logged = 2_000 - dropped as usize;
+    eventually(
+        "the lines let through are logged",
+        Duration::from_secs(10),
+        || async { proxy.count_logs("flooding the log") == logged },
+    )
+    .await;
+}
