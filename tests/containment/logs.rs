@@ -156,15 +156,19 @@ async fn a_tunnel_server_with_a_stderr_nobody_reads_keeps_serving() {
     let garbage: Vec<_> = (0..8)
         .map(|_| {
             tokio::spawn(async move {
-                for _ in 0..1_500 {
-                    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", tunnel))
+                for i in 0..1_500 {
+                    let refused = async {
+                        let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", tunnel))
+                            .await
+                            .unwrap();
+                        let garbage = b"garbage, not a tunnel handshake\r\n\r\n";
+                        let _ = conn.write_all(garbage).await;
+                        let mut rest = Vec::new();
+                        let _ = conn.read_to_end(&mut rest).await;
+                    };
+                    tokio::time::timeout(Duration::from_secs(10), refused)
                         .await
-                        .unwrap();
-                    let _ = conn
-                        .write_all(b"garbage, not a tunnel handshake\r\n\r\n")
-                        .await;
-                    let mut rest = Vec::new();
-                    let _ = conn.read_to_end(&mut rest).await;
+                        .unwrap_or_else(|_| panic!("garbage {i} never refused: a worker stalled"));
                 }
             })
         })

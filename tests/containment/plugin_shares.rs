@@ -53,10 +53,12 @@ async fn shared_bytes(proxy: &ProxyProcess, plugin: &str) -> Option<u64> {
     found["shared_data_bytes"].as_u64()
 }
 
-/// One filter stores until the store refuses it (its SDK panics on the
-/// refusal: its own request fails): it filled its own share, and another
-/// filter's counting in shared data goes on. Taken out of the policies,
-/// its data goes with it: added back, it starts from nothing.
+/// One filter fills 16 MiB of shared data: its own share, so another
+/// filter's counting in shared data goes on (it used to fill the store
+/// for all: the other's SDK panicked on the refusal). One more byte is
+/// refused to it (its SDK panics: its own request fails), counted. Taken
+/// out of the policies, its data goes with it: added back, it starts from
+/// nothing.
 #[tokio::test]
 async fn one_filter_cannot_fill_shared_data_for_the_others() {
     let app = upstream::echo("app").await;
@@ -66,17 +68,19 @@ async fn one_filter_cannot_fill_shared_data_for_the_others() {
     );
     let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
     let filled = misbehaving(proxy.url("/fill"), "fill", &[]).await;
-    assert_eq!(filled.status, 500, "{:?}", filled.body);
-    assert_eq!(filled.json()["plugin"], "hoarder");
-    // 64 KiB values and their keys, up to the share.
-    let share = portcullis::plugin::SHARED_BYTES_PER_PLUGIN as u64;
-    let held = shared_bytes(&proxy, "hoarder").await.unwrap();
-    assert!(held > share - 65 * 1024 && held <= share, "{held}");
+    assert_eq!(filled.status, 200, "{:?}", filled.body);
+    assert_eq!(filled.header("x-stored"), Some("16777216"));
     for n in 1..=3 {
         let counted = client::get(&proxy.url("/count")).await;
         assert_eq!(counted.status, 200, "{:?}", counted.body);
         assert_eq!(counted.json()["headers"]["x-shared-count"], n.to_string());
     }
+    let share = portcullis::plugin::SHARED_BYTES_PER_PLUGIN as u64;
+    assert_eq!(shared_bytes(&proxy, "hoarder").await, Some(share));
+    let more = (share + 1).to_string();
+    let over = misbehaving(proxy.url("/fill"), "fill", &[("x-fill-bytes", &more)]).await;
+    assert_eq!(over.status, 500, "{:?}", over.body);
+    assert_eq!(over.json()["plugin"], "hoarder");
     let metrics = metrics(&proxy).await;
     assert_eq!(
         plugin_counter(&metrics, "hoarder", "shared_data_refused"),

@@ -30,13 +30,14 @@ impl Group {
     /// A replica in the group with `extra` arguments, returned once the
     /// registry is up for it.
     pub(super) async fn replica(&self, extra: &[&str]) -> TunnelServer {
+        self.replica_via(&self.redis.url, extra).await
+    }
+
+    /// [`Group::replica`], reaching the group's Redis at `registry` (a
+    /// relay in front of it, say).
+    pub(super) async fn replica_via(&self, registry: &str, extra: &[&str]) -> TunnelServer {
         let any = "127.0.0.1:0".parse().unwrap();
-        let mut args = vec![
-            "--registry",
-            &self.redis.url,
-            "--peer-token-file",
-            &self.token,
-        ];
+        let mut args = vec!["--registry", registry, "--peer-token-file", &self.token];
         if !extra.contains(&"--peer-listen") {
             args.extend(["--peer-listen", "127.0.0.1:0"]);
         }

@@ -358,19 +358,90 @@ async fn the_registry_speaks_tls_with_a_password_from_a_file() {
     );
 }
 
+/// A relay between a replica and Redis that the test can stall: the
+/// replica's registry connections then carry nothing (as when it is cut
+/// off from Redis), while its peers and its tunnels carry on.
+struct Relay {
+    url: String,
+    stalled: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn to(redis: &Redis) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("redis://{}", listener.local_addr().unwrap());
+        let port = redis.port;
+        let (stalled, watch) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::spawn(Self::pipe(cr, sw, watch.clone()));
+                tokio::spawn(Self::pipe(sr, cw, watch.clone()));
+            }
+        });
+        Relay { url, stalled, task }
+    }
+
+    /// Copies `from` to `to`, holding what it read while stalled; ends
+    /// with either side.
+    async fn pipe(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut stalled: tokio::sync::watch::Receiver<bool>,
+    ) {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            while *stalled.borrow_and_update() {
+                if stalled.changed().await.is_err() {
+                    return;
+                }
+            }
+            if to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    fn stall(&self, stalled: bool) {
+        let _ = self.stalled.send(stalled);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Requests for a runtime whose tunnel stays connected throughout, sent
-/// to a replica that forwards them to its holder, while the registry
+/// to replica A, which forwards them to B, the holder, while the registry
 /// loses everything (`FLUSHALL`), drops every connection (`CLIENT
-/// KILL`) and loses the holder's lease: none fails. The forwarding
-/// replica used to forget the holder's runtimes on a reload that came
-/// back empty or a lease it found gone, and answered 503 until the
-/// holder published again.
+/// KILL`), and B is cut off from it for longer than its lease: none
+/// fails. A used to forget B's runtimes when a reload of the registry
+/// came back without them or it found B's lease gone, and answered 503
+/// until B published again.
 #[tokio::test]
 async fn a_registry_that_loses_its_data_or_connections_drops_no_request() {
     let echo = upstream::echo("steady").await;
     let group = Group::start().await;
-    let (mut a, mut b, _client) = holding_for_a_peer(&group, &echo.url()).await;
+    let relay = Relay::to(&group.redis).await;
+    let mut b = group.replica_via(&relay.url, &[]).await;
+    let mut a = group.replica(&[]).await;
+    let _client = b
+        .client("rt-a", TOKENS[0].1, &["--upstream", &echo.url()])
+        .await;
+    group.sees(&a, 1).await;
     let b_id = instance(&b).await;
+    let holders = || async { group.redis.holders().await == [("rt-a".to_owned(), b_id.clone())] };
     let public = a.public;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let traffic: Vec<_> = (0..4)
@@ -393,10 +464,10 @@ async fn a_registry_that_loses_its_data_or_connections_drops_no_request() {
             })
         })
         .collect();
-    let mut redis = group.redis.connection().await;
 
     // Everything lost: both replicas find their leases gone and publish
     // what they hold again.
+    let mut redis = group.redis.connection().await;
     let _: () = redis::cmd("FLUSHALL")
         .query_async(&mut redis)
         .await
@@ -407,7 +478,7 @@ async fn a_registry_that_loses_its_data_or_connections_drops_no_request() {
             .wait_for_log("this server's registry lease had ended")
             .await;
     }
-    while group.redis.holders().await != [("rt-a".to_owned(), b_id.clone())] {
+    while !holders().await {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
@@ -431,27 +502,17 @@ async fn a_registry_that_loses_its_data_or_connections_drops_no_request() {
             .await;
     }
 
-    // The holder's lease lapses for three seconds (as when it is cut off
-    // from Redis): A's checks, one a second, find it gone while B lives.
-    let lapses = b
-        .process
-        .count_logs("this server's registry lease had ended");
-    let mut redis = group.redis.connection().await;
-    let lapsed = Instant::now();
-    while lapsed.elapsed() < Duration::from_secs(3) {
-        let _: u64 = redis::cmd("DEL")
-            .arg(format!("{{portcullis-tunnels}}:server:{b_id}"))
-            .query_async(&mut redis)
-            .await
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(
-        b.process
-            .count_logs("this server's registry lease had ended")
-            > lapses
-    );
-    while group.redis.holders().await != [("rt-a".to_owned(), b_id.clone())] {
+    // B cut off from Redis until its lease lapses: A finds the lease gone
+    // while B lives, and keeps forwarding to it.
+    relay.stall(true);
+    a.process
+        .wait_for_log("peer's registry lease is gone but it answers")
+        .await;
+    relay.stall(false);
+    b.process
+        .wait_status("the registry up again", |s| s["registry"]["state"] == "up")
+        .await;
+    while !holders().await {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
@@ -459,14 +520,21 @@ async fn a_registry_that_loses_its_data_or_connections_drops_no_request() {
     let mut total = 0;
     for t in traffic {
         let (answered, failed) = t.await.unwrap();
+        let some = &failed[..failed.len().min(3)];
         assert!(
             failed.is_empty(),
-            "{} of {answered} failed: {:?}",
-            failed.len(),
-            &failed[..failed.len().min(3)]
+            "{} of {answered} failed: {some:?}",
+            failed.len()
         );
         total += answered;
     }
     assert!(total > 100, "{total}");
+    // Past the carrying time, what B still holds is held as before.
+    a.process
+        .wait_status("rt-a held through B, no longer carried", |s| {
+            let peers = s["peers"].as_array();
+            peers.is_some_and(|p| p.len() == 1 && p[0]["runtimes"] == 1 && p[0]["carried"] == 0)
+        })
+        .await;
     assert_eq!(a.get("rt-a", "/after").await.status, 200);
 }

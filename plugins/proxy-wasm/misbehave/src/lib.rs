@@ -14,8 +14,10 @@
 //!   /slow`) without waiting for them, and goes on;
 //! - `slow-call` calls `x-cluster` (`GET /slow`, timeout `x-call-ms`) and
 //!   waits for the answer, then goes on;
-//! - `fill` stores 64 KiB values in shared data under `fill-N` until the
-//!   store refuses one (the SDK panics then: the request fails).
+//! - `fill` stores `x-fill-bytes` bytes (default 16 MiB, keys and values)
+//!   in shared data, under `fill-N` with values of up to 64 KiB, and
+//!   answers 200 (`x-stored`); a write the store refuses makes the SDK
+//!   panic: the request fails.
 //!
 //! Otherwise it answers with how many requests its VM has seen
 //! (`x-vm-requests`), so a test can tell a fresh VM from the old one.
@@ -156,11 +158,20 @@ impl HttpContext for Filter {
                 };
             }
             Some("fill") => {
-                let value = vec![b'x'; 64 << 10];
-                for n in 0..100_000 {
-                    let _ = hostcalls::set_shared_data(&format!("fill-{n}"), Some(&value), None);
+                let target = self.number("x-fill-bytes", 16 << 20) as usize;
+                let mut stored = 0;
+                for n in 0.. {
+                    let key = format!("fill-{n}");
+                    let room = target - stored;
+                    if room <= key.len() {
+                        break;
+                    }
+                    let value = vec![b'x'; (room - key.len()).min(64 << 10)];
+                    let _ = hostcalls::set_shared_data(&key, Some(&value), None);
+                    stored += key.len() + value.len();
                 }
-                self.send_http_response(200, vec![("x-stored", "all")], None);
+                let stored = stored.to_string();
+                self.send_http_response(200, vec![("x-stored", &stored)], None);
                 return Action::Pause;
             }
             _ => {}

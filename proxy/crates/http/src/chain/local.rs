@@ -10,7 +10,11 @@ use super::*;
 /// proxy's own errors (`error`, `status`, `route`, `plugin`, and gRPC's
 /// terms for a gRPC client), so clients parse one shape whoever refused
 /// them; any other body is the plugin's and goes as it is.
-pub(super) fn local_answer(binding: &dyn Plugin, route: &Route, local: LocalAnswer) -> Response<Body> {
+pub(super) fn local_answer(
+    binding: &dyn Plugin,
+    route: &Route,
+    local: LocalAnswer,
+) -> Response<Body> {
     // Only a final answer: a 1xx is none (a client that asked for no
     // upgrade would wait on a 101 for ever).
     let Some(status) = StatusCode::from_u16(local.status)
@@ -146,4 +150,3 @@ pub(super) fn misbehaved(binding: &dyn Plugin, route: &Route, message: &str) -> 
         Some(binding.name()),
     )
 }
-

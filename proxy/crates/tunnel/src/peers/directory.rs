@@ -190,16 +190,41 @@ async fn session(peers: &Peers, local: &dyn Local, stop: &CancellationToken) -> 
                     // data; the server was cut off from Redis for a
                     // while): its runtimes stay while it answers.
                     if super::alive(peers, &gone).await {
-                        peers.carry(&gone);
+                        if peers.carry(&gone) {
+                            tracing::info!(peer = %gone, "peer's registry lease is gone but it answers; its runtimes are kept until it publishes them again");
+                        }
                         continue;
                     }
                     expire_server(&mut conn, &expire, &gone).await?;
                     peers.forget(&gone);
                 }
-                peers.drop_stale();
+                settle_carried(&mut conn, peers).await?;
             }
         }
     }
+}
+
+/// Settles the carried holdings whose time ran out by what the registry
+/// lists now (see `Peers::settle`).
+async fn settle_carried(
+    conn: &mut redis::aio::MultiplexedConnection,
+    peers: &Peers,
+) -> Result<(), String> {
+    let due = peers.carried_due();
+    if due.is_empty() {
+        return Ok(());
+    }
+    let fields: Vec<String> = due.iter().map(|(s, r)| field(r, s)).collect();
+    let listed: Vec<Option<String>> = redis::cmd("HMGET")
+        .arg(HOLDERS)
+        .arg(fields)
+        .query_async(conn)
+        .await
+        .map_err(redis_error)?;
+    for ((server, runtime), listed) in due.iter().zip(listed) {
+        peers.settle(server, runtime, listed.is_some());
+    }
+    Ok(())
 }
 
 /// Renews this server's lease; whether it was still there.

@@ -204,6 +204,9 @@ pub struct PeerStatus {
     pub address: String,
     /// Runtimes it holds, as the registry says.
     pub runtimes: usize,
+    /// Of those, the ones carried: the registry lost them (or the peer's
+    /// lease) while the peer lives, and it has yet to publish them again.
+    pub carried: usize,
     /// Why the last dial failed, while it is left out of forwarding.
     pub error: Option<String>,
     /// Public requests this server has passed to it.
@@ -406,33 +409,47 @@ impl Peers {
     }
 
     /// Carries what `server` holds for [`CARRY_FOR`] more: its lease is
-    /// gone, but it is alive.
-    pub(super) fn carry(&self, server: &str) {
+    /// gone, but it is alive. Whether any of it was not carried already
+    /// (the lapse began).
+    pub(super) fn carry(&self, server: &str) -> bool {
         let mut table = self.lock();
         let until = Instant::now() + CARRY_FOR;
         let held: Vec<String> = (table.runtimes.iter())
             .filter(|(_, h)| h.contains_key(server))
             .map(|(r, _)| r.clone())
             .collect();
+        let mut began = false;
         for runtime in held {
-            table.carried.insert((server.to_owned(), runtime), until);
+            began |= (table.carried)
+                .insert((server.to_owned(), runtime), until)
+                .is_none();
         }
+        began
     }
 
-    /// Drops the carried holdings whose time ran out: their server is back
-    /// in the registry and did not publish them again (it let them go
-    /// meanwhile).
-    pub(super) fn drop_stale(&self) {
+    /// The carried holdings whose time ran out, as (server, runtime): the
+    /// registry says which stay ([`Peers::settle`]).
+    pub(super) fn carried_due(&self) -> Vec<(String, String)> {
         let table = self.lock();
         let now = Instant::now();
-        let stale: Vec<(String, String)> = (table.carried.iter())
+        (table.carried.iter())
             .filter(|(_, until)| **until <= now)
             .map(|(k, _)| k.clone())
-            .collect();
-        drop(table);
-        for (server, runtime) in stale {
-            self.released(&server, &runtime);
+            .collect()
+    }
+
+    /// Settles a carried holding whose time ran out: held as any other if
+    /// the registry has it again (`listed`: its server is back and never
+    /// lost it, or published it again), dropped if not (its server let it
+    /// go meanwhile).
+    pub(super) fn settle(&self, server: &str, runtime: &str, listed: bool) {
+        if !listed {
+            self.released(server, runtime);
+            return;
         }
+        self.lock()
+            .carried
+            .remove(&(server.to_owned(), runtime.to_owned()));
     }
 
     /// One of `server`'s links, and whether any is connected now.
@@ -511,6 +528,9 @@ impl Peers {
                     .runtimes
                     .values()
                     .filter(|h| h.contains_key(instance))
+                    .count(),
+                carried: (table.carried.keys())
+                    .filter(|(s, _)| s == instance)
                     .count(),
                 error: p
                     .unreachable

@@ -126,14 +126,29 @@ fn a_live_server_missing_from_the_registry_keeps_its_runtimes_until_it_publishes
     // It publishes rt-a again, not rt-b (let go meanwhile): once the
     // carrying time is out, rt-b goes and rt-a stays.
     peers.held("2-other".into(), "rt-a".into(), holding("5-c", 2));
-    peers
-        .lock()
-        .carried
-        .values_mut()
-        .for_each(|until| *until = Instant::now());
-    peers.drop_stale();
+    let run_out = |peers: &Peers| {
+        let mut table = peers.lock();
+        table
+            .carried
+            .values_mut()
+            .for_each(|until| *until = Instant::now());
+    };
+    run_out(&peers);
+    assert_eq!(
+        peers.carried_due(),
+        [("2-other".to_owned(), "rt-b".to_owned())]
+    );
+    peers.settle("2-other", "rt-b", false);
     assert_eq!(ports(&peers.holders("rt-a", 0)), ["127.0.0.1:2"]);
     assert!(peers.holders("rt-b", 0).is_empty());
+    // A lease that lapsed while its entries stayed listed: carried, then
+    // held as any once the registry still lists them.
+    assert!(peers.carry("2-other"));
+    assert!(!peers.carry("2-other"), "carried already");
+    run_out(&peers);
+    peers.settle("2-other", "rt-a", true);
+    assert!(peers.carried_due().is_empty());
+    assert_eq!(ports(&peers.holders("rt-a", 0)), ["127.0.0.1:2"]);
     // A server that is not alive is not carried.
     peers.replace(Vec::new(), &HashSet::new());
     assert!(peers.holders("rt-a", 0).is_empty());
