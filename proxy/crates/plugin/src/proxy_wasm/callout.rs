@@ -335,3 +335,23 @@ pub fn answer(
     vm.recycle(call);
     verdict
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_calls_timeout_is_cut_to_the_ceiling() {
+        let head: [(&[u8], &[u8]); 3] = [
+            (b":method", b"GET"),
+            (b":path", b"/keys"),
+            (b":authority", b"keys"),
+        ];
+        let timeout = |ms| callout("keys".into(), &head, Vec::new(), ms).map(|c| c.timeout);
+        // 100,000 s, as a filter asked: the ceiling.
+        assert_eq!(timeout(i32::MAX), Some(MAX_CALLOUT_TIMEOUT));
+        assert_eq!(timeout(1_500), Some(Duration::from_millis(1_500)));
+        assert_eq!(timeout(0), Some(Duration::from_millis(1)));
+        assert_eq!(timeout(-5), Some(Duration::from_millis(1)));
+    }
+}
