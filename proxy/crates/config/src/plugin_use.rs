@@ -41,8 +41,12 @@ pub struct PluginUse {
     pub fail: FailMode,
     /// Deadline per call, in CPU time the call uses.
     pub timeout: Duration,
-    /// Memory cap per instance, bytes.
-    pub memory: usize,
+    /// Deadline for starting an instance or VM, in CPU time.
+    pub start_timeout: Duration,
+    /// Memory cap per instance, bytes; `None`: the kind's default (16 MiB
+    /// for a component, 64 MiB for a proxy-wasm filter, whose Go runtime
+    /// grows to ~50 MiB as it starts).
+    pub memory: Option<usize>,
     /// A new instance for every request (nothing can carry over between
     /// requests) instead of reusing idle ones.
     pub fresh_instances: bool,

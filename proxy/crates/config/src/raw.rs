@@ -118,7 +118,12 @@ pub struct RawPluginUse {
     pub fail: Option<Text>,
     /// Deadline per call, in CPU time the call uses (default 10ms).
     pub timeout: Option<Text>,
-    /// Memory cap per instance (default 16MiB).
+    /// Deadline for starting an instance or VM (a filter's
+    /// `_initialize`, `proxy_on_vm_start`, `proxy_on_configure`; a
+    /// component's `configure`), in CPU time (default 1s).
+    pub start_timeout: Option<Text>,
+    /// Memory cap per instance (default 16MiB for a component, 64MiB for
+    /// a proxy-wasm filter).
     pub memory: Option<Text>,
     /// `false` (or empty) leaves the plugin out.
     pub enabled: Option<Text>,

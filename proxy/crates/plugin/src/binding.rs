@@ -99,6 +99,8 @@ pub struct Binding {
     pub(super) engine: Engine,
     pub(super) config_json: String,
     pub(super) timeout: Duration,
+    /// An instance's start's budget (its start-up and `configure`).
+    pub(super) start_timeout: Duration,
     pub(super) memory: usize,
     pub(super) fresh: bool,
     pub(super) idle: [Shard; SHARDS],
@@ -126,21 +128,35 @@ impl Binding {
         store.data_mut().deadline.arm();
     }
 
-    pub(super) fn classify(&self, e: wasmtime::Error, store: &Store<State>) -> PluginError {
+    /// What a failed call into `during` (`on-request`, `configure`...)
+    /// was; `configure` is an instance's start, under `start_timeout`.
+    pub(super) fn classify(
+        &self,
+        e: wasmtime::Error,
+        store: &Store<State>,
+        during: &'static str,
+    ) -> PluginError {
         let plugin = self.plugin.clone();
         if matches!(
             e.downcast_ref::<wasmtime::Trap>(),
             Some(wasmtime::Trap::Interrupt)
         ) {
+            let (timeout, setting) = match during {
+                "configure" => (self.start_timeout, "start_timeout"),
+                _ => (self.timeout, "timeout"),
+            };
             return PluginError::Timeout {
                 plugin,
-                timeout: self.timeout,
+                timeout,
+                during,
+                setting,
             };
         }
         if store.data().limits.hit {
             return PluginError::OutOfMemory {
                 plugin,
                 cap: self.memory,
+                during,
             };
         }
         PluginError::Trap {
@@ -161,7 +177,7 @@ impl Binding {
             State::new(
                 self.plugin.clone(),
                 self.memory,
-                self.timeout,
+                self.start_timeout,
                 self.route_names.clone(),
                 self.memory_peak.clone(),
             ),
@@ -203,6 +219,8 @@ impl Binding {
         Self::arm(&mut store);
         let configured = policy.configure(&mut store, &self.config_json);
         store.data_mut().limits.serving = true;
+        // Started: calls from now on have the use's `timeout`.
+        store.data_mut().deadline.set_budget(self.timeout);
         match configured {
             Ok(Ok(())) => Ok(Box::new(Instance {
                 store,
@@ -210,7 +228,7 @@ impl Binding {
                 on_request,
             })),
             Ok(Err(message)) => Err(setup(format!("config refused: {message}"))),
-            Err(e) => Err(self.classify(e, &store)),
+            Err(e) => Err(self.classify(e, &store, "configure")),
         }
     }
 
@@ -248,7 +266,7 @@ impl Binding {
     /// dropped, not reused.
     fn lent<R>(
         &self,
-        req: &mut Option<RequestFacts>,
+        (during, req): (&'static str, &mut Option<RequestFacts>),
         headers: &mut http::HeaderMap,
         mut response: Option<&mut http::HeaderMap>,
         call: impl FnOnce(&mut Instance) -> wasmtime::Result<R>,
@@ -277,7 +295,7 @@ impl Binding {
                 self.checkin(inst);
                 Ok(r)
             }
-            Err(e) => Err(self.classify(e, &inst.store)),
+            Err(e) => Err(self.classify(e, &inst.store, during)),
         }
     }
 
@@ -288,20 +306,22 @@ impl Binding {
         headers: &mut http::HeaderMap,
         body: Option<&[u8]>,
     ) -> Result<Decision, PluginError> {
-        self.lent(req, headers, None, |inst| match inst.policy {
-            Exports::Now(_) => {
-                // SAFETY: `on_request` was type-checked as this
-                // `OnRequest` when the instance was made.
-                let f = unsafe { OnRequest::<Decision>::new_unchecked(inst.on_request) };
-                f.call(&mut inst.store, (body,)).map(|(Lifted(d),)| d)
-            }
-            Exports::V0_2(_) => {
-                // SAFETY: as above, with 0.2's `decision`.
-                let f = unsafe {
-                    OnRequest::<bindings::v0_2::Decision>::new_unchecked(inst.on_request)
-                };
-                let (Lifted(d),) = f.call(&mut inst.store, (body,))?;
-                Ok(crate::contract_v0_2::decision(d))
+        self.lent(("on-request", req), headers, None, |inst| {
+            match inst.policy {
+                Exports::Now(_) => {
+                    // SAFETY: `on_request` was type-checked as this
+                    // `OnRequest` when the instance was made.
+                    let f = unsafe { OnRequest::<Decision>::new_unchecked(inst.on_request) };
+                    f.call(&mut inst.store, (body,)).map(|(Lifted(d),)| d)
+                }
+                Exports::V0_2(_) => {
+                    // SAFETY: as above, with 0.2's `decision`.
+                    let f = unsafe {
+                        OnRequest::<bindings::v0_2::Decision>::new_unchecked(inst.on_request)
+                    };
+                    let (Lifted(d),) = f.call(&mut inst.store, (body,))?;
+                    Ok(crate::contract_v0_2::decision(d))
+                }
             }
         })
     }
@@ -313,9 +333,11 @@ impl Binding {
         headers: &mut http::HeaderMap,
         result: CalloutResult,
     ) -> Result<Decision, PluginError> {
-        self.lent(req, headers, None, |inst| match &inst.policy {
-            Exports::Now(p) => p.call_on_callout(&mut inst.store, &result),
-            Exports::V0_2(_) => Err(never_asked("on-callout")),
+        self.lent(("on-callout", req), headers, None, |inst| {
+            match &inst.policy {
+                Exports::Now(p) => p.call_on_callout(&mut inst.store, &result),
+                Exports::V0_2(_) => Err(never_asked("on-callout")),
+            }
         })
     }
 
@@ -326,16 +348,19 @@ impl Binding {
         req_headers: &mut http::HeaderMap,
         (head, headers): ResponseParts<'_>,
     ) -> Result<ResponseDecision, PluginError> {
-        self.lent(req, req_headers, Some(headers), |inst| match &inst.policy {
-            Exports::Now(p) => p.call_on_response(&mut inst.store, head),
-            Exports::V0_2(p) => {
-                let head = bindings::v0_2::ResponseHead {
-                    status: head.status,
-                };
-                let edits = p.call_on_response(&mut inst.store, head)?;
-                Ok(ResponseDecision::Forward(crate::contract_v0_2::edits(
-                    edits,
-                )))
+        let during = ("on-response", req);
+        self.lent(during, req_headers, Some(headers), |inst| {
+            match &inst.policy {
+                Exports::Now(p) => p.call_on_response(&mut inst.store, head),
+                Exports::V0_2(p) => {
+                    let head = bindings::v0_2::ResponseHead {
+                        status: head.status,
+                    };
+                    let edits = p.call_on_response(&mut inst.store, head)?;
+                    Ok(ResponseDecision::Forward(crate::contract_v0_2::edits(
+                        edits,
+                    )))
+                }
             }
         })
     }
@@ -349,9 +374,12 @@ impl Binding {
         (head, headers): ResponseParts<'_>,
         body: &[u8],
     ) -> Result<ResponseBodyDecision, PluginError> {
-        self.lent(req, req_headers, Some(headers), |inst| match &inst.policy {
-            Exports::Now(p) => p.call_on_response_body(&mut inst.store, head, body),
-            Exports::V0_2(_) => Err(never_asked("on-response-body")),
+        let during = ("on-response-body", req);
+        self.lent(during, req_headers, Some(headers), |inst| {
+            match &inst.policy {
+                Exports::Now(p) => p.call_on_response_body(&mut inst.store, head, body),
+                Exports::V0_2(_) => Err(never_asked("on-response-body")),
+            }
         })
     }
 }

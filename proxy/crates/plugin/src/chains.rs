@@ -116,7 +116,8 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                             .as_deref()
                             .map_or_else(bytes::Bytes::new, filter_config),
                         timeout: u.timeout,
-                        memory: u.memory,
+                        start_timeout: u.start_timeout,
+                        memory: u.memory.unwrap_or(crate::proxy_wasm::DEFAULT_MEMORY),
                         route_names,
                         upstreams: upstreams.clone(),
                         route,
@@ -150,7 +151,8 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
                 engine,
                 config_json: u.config_json.clone(),
                 timeout: u.timeout,
-                memory: u.memory,
+                start_timeout: u.start_timeout,
+                memory: u.memory.unwrap_or(crate::DEFAULT_COMPONENT_MEMORY),
                 fresh: u.fresh_instances,
                 idle: std::array::from_fn(|_| Shard::default()),
                 route_names,
@@ -176,12 +178,15 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
             match inst.policy.validate_config(&mut inst.store, &u.config_json) {
                 Ok(Ok(())) => {}
                 Ok(Err(m)) => return Err(at(format!("invalid config: {m}"))),
-                Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
+                Err(e) => {
+                    let e = binding.classify(e, &inst.store, "validate-config");
+                    return Err(at(e.to_string()));
+                }
             }
             Binding::arm(&mut inst.store);
             let (request, response) = match inst.policy.hooks(&mut inst.store) {
                 Ok(h) => h,
-                Err(e) => return Err(at(binding.classify(e, &inst.store).to_string())),
+                Err(e) => return Err(at(binding.classify(e, &inst.store, "hooks").to_string())),
             };
             binding.hooks = seam::Hooks {
                 request,
@@ -242,7 +247,8 @@ fn compile(host: &PluginHost, m: &PluginModule) -> Result<Kind, String> {
         if !crate::proxy_wasm::is_filter(&module) {
             return Err(format!(
                 "plugin {}: a core WebAssembly module that exports no proxy_abi_version_0_2_1 \
-                 (or _0_2_0): neither a proxy-wasm filter nor a component. Build a \
+                 (or _0_2_0, or Higress's _0_2_100): neither a proxy-wasm filter nor a \
+                 component. Build a \
                  portcullis plugin for wasm32-wasip2 (plugins/build.sh does), or a proxy-wasm \
                  filter with a proxy-wasm SDK",
                 m.path.display()

@@ -42,6 +42,12 @@ impl CpuDeadline {
         }
     }
 
+    /// Makes the budget `budget` from the next call on (a start has a
+    /// budget of its own).
+    pub fn set_budget(&mut self, budget: Duration) {
+        self.budget = budget;
+    }
+
     /// Starts a call: its first epoch tick must call [`Self::on_tick`]
     /// (the caller sets the store's epoch deadline to one tick).
     pub fn arm(&mut self) {

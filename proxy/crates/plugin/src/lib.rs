@@ -80,6 +80,9 @@ pub use seam::{
 
 /// How often the epoch advances; deadlines are whole ticks.
 const TICK: Duration = Duration::from_millis(1);
+
+/// A component instance's memory cap unless its use sets one.
+pub const DEFAULT_COMPONENT_MEMORY: usize = 16 << 20;
 /// Instance slots in the pooling allocator (each plugin instance takes one
 /// while it exists, idle or busy).
 const POOL_SLOTS: u32 = 1000;
@@ -123,20 +126,29 @@ impl std::ops::Deref for Shard {
 #[derive(Debug, thiserror::Error)]
 pub enum PluginError {
     /// The call ran past its deadline.
-    #[error("plugin `{plugin}` timed out after {timeout:?}")]
+    #[error("plugin `{plugin}` timed out after {timeout:?} in {during} (the use's `{setting}`)")]
     Timeout {
         /// Plugin name.
         plugin: Arc<str>,
         /// The deadline.
         timeout: Duration,
+        /// The call it ran out in (`proxy_on_configure`, `on-request`).
+        during: &'static str,
+        /// The setting that sets this deadline: `timeout`, or for a
+        /// filter's start `start_timeout`.
+        setting: &'static str,
     },
     /// The instance tried to grow its memory past the cap.
-    #[error("plugin `{plugin}` ran out of memory (cap {cap} bytes)")]
+    #[error(
+        "plugin `{plugin}` ran out of memory (cap {cap} bytes) in {during} (the use's `memory`)"
+    )]
     OutOfMemory {
         /// Plugin name.
         plugin: Arc<str>,
         /// The cap.
         cap: usize,
+        /// The call that reached it.
+        during: &'static str,
     },
     /// The plugin trapped (a panic, an unreachable, a bad access...).
     #[error("plugin `{plugin}` failed: {message}")]

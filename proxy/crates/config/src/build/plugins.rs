@@ -3,7 +3,10 @@
 use super::*;
 
 pub(super) const DEFAULT_PLUGIN_TIMEOUT: Duration = Duration::from_millis(10);
-pub(super) const DEFAULT_PLUGIN_MEMORY: usize = 16 << 20;
+/// A start's deadline: what real filters need to start (a Go filter's
+/// runtime, a large Rust filter's tables: 100-300 ms of CPU), with room.
+pub(super) const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// The largest memory cap a plugin use may ask for (the pooling
 /// allocator reserves this much address space per instance slot).
 pub const MAX_PLUGIN_MEMORY: usize = 256 << 20;
@@ -152,10 +155,21 @@ pub(super) fn plugin_use(
             Ok(d)
         }
     });
-    let memory = ctx.parse_or(&u.memory, DEFAULT_PLUGIN_MEMORY, |s| {
+    let start_timeout = ctx.parse_or(&u.start_timeout, DEFAULT_START_TIMEOUT, |s| {
+        let d = parse_duration(s)?;
+        if d.is_zero() || d > Duration::from_secs(60) {
+            Err(format!(
+                "plugin start_timeout `{s}` must be above 0 and at most 60s"
+            ))
+        } else {
+            Ok(d)
+        }
+    });
+    // Unset: the plugin's kind's default (`PluginUse::memory`).
+    let memory = ctx.parse_or(&u.memory, None, |s| {
         let n = parse_size(s)? as usize;
         if (1 << 20..=MAX_PLUGIN_MEMORY).contains(&n) {
-            Ok(n)
+            Ok(Some(n))
         } else {
             Err(format!(
                 "plugin memory `{s}` must be between 1MiB and 256MiB"
@@ -178,6 +192,7 @@ pub(super) fn plugin_use(
         config_json,
         fail,
         timeout,
+        start_timeout,
         memory,
         defined_at: ctx.pos(&raw.referenced),
     })

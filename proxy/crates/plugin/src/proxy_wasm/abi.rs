@@ -2,7 +2,7 @@
 //! `proxy-wasm` SDKs import them: logs, clocks, the plugin's
 //! configuration, the HTTP header maps (with their pseudo-headers) and
 //! trailers, local responses and properties. A call the host does not
-//! offer yet traps with its name when made (see `stub_missing`), so a
+//! offer yet traps with its name when made (see `imports.rs`), so a
 //! module that imports it but never calls it still runs.
 
 use http::{HeaderMap, HeaderName, HeaderValue};
@@ -45,6 +45,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             let message = read(&mut c, ptr, len)?;
             let message = String::from_utf8_lossy(&message);
             let message = crate::containment::log_line(&message);
+            c.data_mut().said(level, message);
             let plugin = &*c.data().plugin;
             match level {
                 0 => tracing::trace!(plugin, "{message}"),
@@ -361,10 +362,16 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             }
         },
     )?;
-    // The context to act for is the one being called.
-    linker.func_wrap(env, "proxy_set_effective_context", |_: C<'_>, _id: i32| {
-        ok(Status::Ok)
-    })?;
+    // The context to act for (a root context answering for the HTTP
+    // context whose call it got): its filter state, say.
+    linker.func_wrap(
+        env,
+        "proxy_set_effective_context",
+        |mut c: C<'_>, id: i32| {
+            c.data_mut().context = id as u32;
+            ok(Status::Ok)
+        },
+    )?;
     // Resuming the request (stream 0) lets it go on once the call returns.
     linker.func_wrap(env, "proxy_continue_stream", |mut c: C<'_>, kind: i32| {
         if kind == 0 {
@@ -546,33 +553,4 @@ fn append(state: &mut VmState, kind: i32, key: &[u8], value: &[u8]) {
             tracing::warn!(plugin = %plugin, header = %String::from_utf8_lossy(key), "plugin set an invalid header; skipped")
         }
     }
-}
-
-/// Defines every function of the proxy-wasm ABI (`env::proxy_*`) and of
-/// WASI preview 1 that `module` imports as a call that fails its request
-/// naming itself; the host's own calls, added after with shadowing
-/// allowed, replace those it offers. The SDKs import the whole ABI, and
-/// most filters call a handful of it. Any other import is left undefined,
-/// so linking refuses the module naming it (and `check` reports it).
-pub fn stub_imports(
-    linker: &mut Linker<VmState>,
-    module: &wasmtime::Module,
-) -> wasmtime::Result<()> {
-    for import in module.imports() {
-        let (m, name) = (import.module(), import.name());
-        let wasmtime::ExternType::Func(ty) = import.ty() else {
-            continue;
-        };
-        let abi = m == "env" && name.starts_with("proxy_");
-        if !abi && m != "wasi_snapshot_preview1" {
-            continue;
-        }
-        let what = format!("{m}::{name}");
-        linker.func_new(m, name, ty, move |_, _, _| {
-            wasmtime::bail!(
-                "the plugin called {what}, which this proxy-wasm host does not offer yet"
-            )
-        })?;
-    }
-    Ok(())
 }

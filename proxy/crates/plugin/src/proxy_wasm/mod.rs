@@ -22,7 +22,9 @@ mod abi;
 mod bodies;
 mod call;
 mod callout;
+mod filter_state;
 mod guest;
+mod imports;
 mod map;
 mod properties;
 mod queue;
@@ -47,7 +49,18 @@ use crate::{PluginError, RequestFacts};
 use vm::Vm;
 
 /// The exports that make a core module a proxy-wasm filter.
-const ABI_VERSIONS: [&str; 2] = ["proxy_abi_version_0_2_1", "proxy_abi_version_0_2_0"];
+/// A filter VM's memory cap unless its use sets one: Go's runtime (Go
+/// filters, Higress's hub) grows to ~50 MiB as it starts (Higress's
+/// ai-data-masking needs more than 48 MiB in `proxy_on_configure`).
+pub const DEFAULT_MEMORY: usize = 64 << 20;
+
+/// Higress's filters (its wasm-go SDK and its hub) mark themselves with
+/// `_0_2_100`, its Envoy's ABI: 0.2.1 and its host extensions.
+const ABI_VERSIONS: [&str; 3] = [
+    "proxy_abi_version_0_2_1",
+    "proxy_abi_version_0_2_0",
+    "proxy_abi_version_0_2_100",
+];
 
 pub use shared::{
     BUCKETS as HISTOGRAM_BUCKETS, Histogram, SHARED_BYTES_PER_PLUGIN, forget_plugins, gauges,
@@ -80,6 +93,35 @@ pub struct VmState {
     /// Its memory and allocator, once instantiated.
     exports: guest::Exports,
     call: Box<Call>,
+    /// The context the current call is for (its first argument, or the
+    /// one `proxy_set_effective_context` named).
+    context: u32,
+    /// What each HTTP context keeps (`proxy_set_property`).
+    filter_state: filter_state::FilterState,
+    /// While the VM starts, the last lines the filter logged: a filter
+    /// that refuses its configuration usually says why.
+    start_log: Option<std::collections::VecDeque<String>>,
+}
+
+/// Lines of a start's log kept for its error.
+const START_LOG_LINES: usize = 5;
+
+impl VmState {
+    /// Notes a line the filter logged at `level` (proxy-wasm's: 3 is a
+    /// warning), while it starts.
+    fn said(&mut self, level: i32, line: &str) {
+        let Some(log) = self.start_log.as_mut() else {
+            return;
+        };
+        // Its own complaints, not its chatter.
+        if level < 3 {
+            return;
+        }
+        if log.len() == START_LOG_LINES {
+            log.pop_front();
+        }
+        log.push_back(line.to_owned());
+    }
 }
 
 use call::{Call, Pairs};
@@ -92,6 +134,8 @@ pub struct ProxyWasm {
     config: Bytes,
     vm_config: Bytes,
     timeout: Duration,
+    /// A VM start's budget (`_initialize` to `proxy_on_configure`).
+    start_timeout: Duration,
     memory: usize,
     engine: Engine,
     pre: InstancePre<VmState>,
@@ -149,6 +193,7 @@ pub struct Settings {
     pub config: Bytes,
     pub vm_config: Bytes,
     pub timeout: Duration,
+    pub start_timeout: Duration,
     pub memory: usize,
     pub route_names: Arc<[Arc<str>]>,
     /// The policies' upstreams, by name.
@@ -176,9 +221,10 @@ impl ProxyWasm {
     ) -> Result<Arc<ProxyWasm>, String> {
         let mut linker: Linker<VmState> = Linker::new(engine);
         linker.allow_shadowing(true);
-        let linked = abi::stub_imports(&mut linker, module)
+        let linked = imports::stub_imports(&mut linker, module)
             .and_then(|()| abi::add_to_linker(&mut linker))
             .and_then(|()| callout::add_to_linker(&mut linker))
+            .and_then(|()| filter_state::add_to_linker(&mut linker))
             .and_then(|()| shared::add_to_linker(&mut linker))
             .and_then(|()| tick::add_to_linker(&mut linker))
             .and_then(|()| queue::add_to_linker(&mut linker))
@@ -192,6 +238,7 @@ impl ProxyWasm {
             config: settings.config,
             vm_config: settings.vm_config,
             timeout: settings.timeout,
+            start_timeout: settings.start_timeout,
             memory: settings.memory,
             engine: engine.clone(),
             pre,
@@ -286,11 +333,14 @@ impl ProxyWasm {
             upstreams: self.upstreams.clone(),
             next_token: 1,
             limits: MemoryCap::new(self.memory, self.memory_peak.clone()),
-            deadline: CpuDeadline::new(self.timeout),
+            deadline: CpuDeadline::new(self.start_timeout),
             tick: None,
             home,
             exports: guest::Exports::default(),
             call: Box::default(),
+            context: 0,
+            filter_state: Default::default(),
+            start_log: Some(Default::default()),
         };
         Vm::start(self, state, generation)
     }

@@ -1,8 +1,9 @@
 //! `proxy_get_property`: the attributes filters read most, in Envoy's
 //! encodings (strings as their bytes, integers as 8 bytes little-endian,
 //! booleans as one byte). A path is its segments joined by NUL
-//! (`request\0path`). Others are `NotFound`, as in Envoy for an attribute
-//! it does not have.
+//! (`request\0path`). A path that is no attribute is the filter state
+//! the request's context set there (`proxy_set_property`); others are
+//! `NotFound`, as in Envoy for an attribute it does not have.
 
 use super::VmState;
 
@@ -57,6 +58,9 @@ pub fn get(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
             let facts = call.facts.as_ref()?;
             text(state.route_names.get(facts.route)?)
         }
-        _ => None,
+        _ => {
+            let value = state.filter_state.get(state.context, path)?;
+            Some(value.to_vec())
+        }
     }
 }

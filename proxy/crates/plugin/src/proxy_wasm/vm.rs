@@ -9,7 +9,7 @@ use super::{Call, ProxyWasm, VmState};
 use crate::PluginError;
 
 /// The root context's id; HTTP contexts count up from the next.
-const ROOT: i32 = 1;
+pub(super) const ROOT: i32 = 1;
 
 pub struct Vm {
     store: Store<VmState>,
@@ -30,6 +30,9 @@ pub struct Vm {
     /// A lent call's box, cleared, for the next call to fill in place:
     /// a fresh one each call cost an allocation and ~800 bytes moved.
     spare: Option<Box<Call>>,
+    /// Whether its start is over (its calls then have the use's
+    /// `timeout`, not its `start_timeout`).
+    started: bool,
 }
 
 /// The exports a VM calls.
@@ -191,31 +194,47 @@ impl Vm {
             started_calls: Vec::new(),
             exports: called,
             spare: None,
+            started: false,
         });
+        if let Err(e) = vm.run_start(filter) {
+            return Err(with_start_log(e, vm.store.data_mut().start_log.take()));
+        }
+        vm.store.data_mut().start_log = None;
+        vm.store.data_mut().limits.serving = true;
+        // Started: calls from now on have the use's `timeout`.
+        vm.store.data_mut().deadline.set_budget(filter.timeout);
+        vm.started = true;
+        vm.started_calls = std::mem::take(&mut vm.store.data_mut().call.callouts);
+        Ok(vm)
+    }
+
+    /// The start's calls, as Envoy makes them: the module's own start, the
+    /// root context, `proxy_on_vm_start` and `proxy_on_configure`.
+    fn run_start(&mut self, filter: &ProxyWasm) -> Result<(), PluginError> {
+        let setup = |message: &str| PluginError::Setup {
+            plugin: filter.name.clone(),
+            message: message.to_owned(),
+        };
         // A reactor (`_initialize`) or, from older toolchains, a command
         // whose `_start` sets the runtime up, as Envoy calls them.
         for start in [Export::Initialize, Export::Start] {
-            if vm.export(start).is_some() {
-                vm.call(filter, start, &[], 0)?;
+            if self.export(start).is_some() {
+                self.call(filter, start, &[], 0)?;
                 break;
             }
         }
-        vm.call(filter, Export::ContextCreate, &[ROOT, 0], 0)?;
-        let vm_config = vm.store.data().vm_config.len() as i32;
-        if vm.call(filter, Export::VmStart, &[ROOT, vm_config], 1)? == Some(0) {
+        self.call(filter, Export::ContextCreate, &[ROOT, 0], 0)?;
+        let vm_config = self.store.data().vm_config.len() as i32;
+        if self.call(filter, Export::VmStart, &[ROOT, vm_config], 1)? == Some(0) {
+            return Err(setup("refused to start (proxy_on_vm_start returned false)"));
+        }
+        let config = self.store.data().config.len() as i32;
+        if self.call(filter, Export::Configure, &[ROOT, config], 1)? == Some(0) {
             return Err(setup(
-                "refused to start (proxy_on_vm_start returned false)".into(),
+                "refused its configuration (proxy_on_configure returned false)",
             ));
         }
-        let config = vm.store.data().config.len() as i32;
-        if vm.call(filter, Export::Configure, &[ROOT, config], 1)? == Some(0) {
-            return Err(setup(
-                "refused its configuration (proxy_on_configure returned false)".into(),
-            ));
-        }
-        vm.store.data_mut().limits.serving = true;
-        vm.started_calls = std::mem::take(&mut vm.store.data_mut().call.callouts);
-        Ok(vm)
+        Ok(())
     }
 
     /// A new HTTP context under the root context: its id.
@@ -394,6 +413,7 @@ impl Vm {
         if !self.waiting.is_empty() {
             self.waiting.remove(&id);
         }
+        self.store.data_mut().filter_state.end(id);
         for (name, results) in [(Export::Done, 1), (Export::Log, 0), (Export::Delete, 0)] {
             if self.export(name).is_some() {
                 self.call(filter, name, &[id as i32], results)?;
@@ -439,11 +459,36 @@ impl Vm {
             });
         };
         arm(&mut self.store);
+        // Every export's first argument is the context it is for.
+        self.store.data_mut().context = args.first().map_or(0, |&id| id as u32);
         match f.call(&mut self.store, args) {
             // A filter's result where one is wanted (0 if it gave none).
             Ok(out) => Ok((results > 0).then(|| out.unwrap_or(0))),
-            Err(e) => Err(classify(filter, e, &self.store)),
+            Err(e) => Err(classify(
+                filter,
+                e,
+                &self.store,
+                (name.name(), self.started),
+            )),
         }
+    }
+}
+
+/// A start's error with what the filter logged as it failed (its own
+/// words on why it refused its configuration, say), when it did.
+fn with_start_log(e: PluginError, log: Option<std::collections::VecDeque<String>>) -> PluginError {
+    let Some(log) = log.filter(|l| !l.is_empty()) else {
+        return e;
+    };
+    let said = Vec::from(log).join(" | ");
+    match e {
+        PluginError::Setup { plugin, message } | PluginError::Trap { plugin, message } => {
+            PluginError::Setup {
+                plugin,
+                message: format!("{message}; it logged: {said}"),
+            }
+        }
+        e => e,
     }
 }
 
@@ -452,21 +497,35 @@ fn arm(store: &mut Store<VmState>) {
     store.data_mut().deadline.arm();
 }
 
-fn classify(filter: &ProxyWasm, e: wasmtime::Error, store: &Store<VmState>) -> PluginError {
+/// What a failed call into export `during` was, with the setting that
+/// bounds it named (a start's deadline is `start_timeout`).
+fn classify(
+    filter: &ProxyWasm,
+    e: wasmtime::Error,
+    store: &Store<VmState>,
+    (during, started): (&'static str, bool),
+) -> PluginError {
     let plugin = filter.name.clone();
     if matches!(
         e.downcast_ref::<wasmtime::Trap>(),
         Some(wasmtime::Trap::Interrupt)
     ) {
+        let (timeout, setting) = match started {
+            true => (filter.timeout, "timeout"),
+            false => (filter.start_timeout, "start_timeout"),
+        };
         return PluginError::Timeout {
             plugin,
-            timeout: filter.timeout,
+            timeout,
+            during,
+            setting,
         };
     }
     if store.data().limits.hit {
         return PluginError::OutOfMemory {
             plugin,
             cap: filter.memory,
+            during,
         };
     }
     PluginError::Trap {

@@ -2,7 +2,7 @@
 //! runtime import a dozen or so at start-up), seeing no files, arguments,
 //! environment or network: stdout and stderr go to the proxy's log, the
 //! clocks and randomness are the host's, everything else is `EBADF` or
-//! `ENOSYS`. Written here rather than taken from wasmtime-wasi's `p1`:
+//! `ENOSYS` (the calls not written here answer so too: `imports.rs`). Written here rather than taken from wasmtime-wasi's `p1`:
 //! its synchronous calls block on a Tokio runtime, which panics on the
 //! proxy's worker threads, where filters run.
 
@@ -42,16 +42,28 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             }
             let text = String::from_utf8_lossy(&text);
             let stream = if fd == 1 { "stdout" } else { "stderr" };
-            let plugin = &c.data().plugin;
+            let plugin = c.data().plugin.clone();
             for line in text.lines().filter(|l| !l.is_empty()) {
-                if !crate::containment::may_log(plugin) {
+                if !crate::containment::may_log(&plugin) {
                     break;
                 }
                 let line = crate::containment::log_line(line);
                 tracing::info!(plugin = %plugin, stream, "{line}");
+                // Go filters log through stdout and stderr.
+                let level = if fd == 2 { 4 } else { 2 };
+                c.data_mut().said(level, line);
             }
             write_u32(&mut c, ret, written)?;
             Ok(SUCCESS)
+        },
+    )?;
+    // Go's runtime makes stdio non-blocking as it starts: nothing to do
+    // for streams that go to the log, and no other descriptor exists.
+    linker.func_wrap(
+        m,
+        "fd_fdstat_set_flags",
+        |_: C<'_>, fd: i32, _flags: i32| -> R {
+            Ok(if (0..=2).contains(&fd) { SUCCESS } else { BADF })
         },
     )?;
     linker.func_wrap(m, "fd_fdstat_get", |mut c: C<'_>, fd: i32, ret: i32| -> R {
