@@ -169,6 +169,10 @@ fn plugin_uses(pipeline: &portcullis_http::pipeline::Pipeline) -> Vec<serde_json
                 "plugin": &**b.name(),
                 "route": route,
                 "calls": b.calls(),
+                // Instances (a filter's VMs, a component's idle ones)
+                // ready for calls: started with the workers, not on
+                // their first requests.
+                "instances_ready": b.ready(),
                 "memory_peak_bytes": peak,
                 "memory_limit_bytes": cap,
             })

@@ -230,3 +230,49 @@ routes: [{{ name: app, match: {{ path: /app }}, upstream: app, plugins: [{{ use:
         .wait_for_log("timed out after 20ms in proxy_on_request_headers (the use's `timeout`)")
         .await;
 }
+
+/// Every worker's VM (and a component's first instance a worker) is
+/// started before the policies take traffic, at the start and at each
+/// reload: no request waits for a start (a Go filter's takes ~200 ms of
+/// CPU). `/status` shows the instances ready.
+#[tokio::test]
+pub(super) async fn vms_and_instances_start_before_the_policies_take_traffic() {
+    let app = upstream::echo("app").await;
+    let policy = |tag: &str| {
+        format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins:
+  - {{ name: pw, path: proxy-wasm-headers.wasm }}
+  - {{ name: component, path: fixture-forward.wasm }}
+routes:
+  - {{ name: filter, match: {{ path: /filter }}, upstream: app, plugins: [{{ use: pw, config: {tag} }}] }}
+  - {{ name: component, match: {{ path: /component }}, upstream: app, plugins: [{{ use: component }}] }}
+"#,
+            app.url()
+        )
+    };
+    let dir = policy_dir(&policy("blue"), &["proxy-wasm-headers", "fixture-forward"]);
+    let proxy = ProxyProcess::start_on(dir.path(), &["--workers", "3"]).await;
+    let ready = |status: &serde_json::Value, route: &str| {
+        (status["config"]["plugin_uses"]
+            .as_array()
+            .into_iter()
+            .flatten())
+        .find(|u| u["route"] == route)
+        .and_then(|u| u["instances_ready"].as_u64())
+    };
+    let status = proxy.status().await;
+    assert_eq!(ready(&status, "filter"), Some(3), "{status:#}");
+    assert_eq!(ready(&status, "component"), Some(3), "{status:#}");
+    // A reload that changes the filter's config: its new use's VMs are
+    // all started when the reload reports applied.
+    std::fs::write(dir.path().join("policy.yaml"), policy("green")).unwrap();
+    let answer = client::call("POST", &proxy.admin_url("/reload")).await;
+    assert_eq!(answer.json()["result"], "applied", "{:?}", answer.body);
+    let status = proxy.status().await;
+    assert_eq!(ready(&status, "filter"), Some(3), "{status:#}");
+    let seen = client::get(&proxy.url("/filter")).await.json();
+    assert_eq!(seen["headers"]["x-pw-tag"], "green", "{seen:#}");
+}

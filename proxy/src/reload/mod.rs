@@ -231,6 +231,12 @@ impl Reloader {
             Ok(chains) => chains,
             Err(e) => return self.reject(trigger, e.to_string()),
         };
+        // Every worker's VMs and instances started before the new
+        // policies take traffic; one that cannot start rejects the reload
+        // (the old policies keep serving).
+        if let Err(e) = chains.warm(self.control.workers()).await {
+            return self.reject(trigger, e);
+        }
         let watched = self
             .dir
             .as_deref()

@@ -32,6 +32,27 @@ pub struct Chains {
 }
 
 impl Chains {
+    /// Starts every plugin use's instances for the slots of `workers`
+    /// worker threads (see [`Plugin::warm`]), on a blocking thread; the
+    /// first error, naming the plugin, when one cannot start.
+    pub async fn warm(&self, workers: usize) -> Result<(), String> {
+        let mut uses: Vec<Arc<dyn Plugin>> = Vec::new();
+        for plugin in self.routes.iter().flat_map(|chain| chain.iter()) {
+            if !uses.iter().any(|u| Arc::ptr_eq(u, plugin)) {
+                uses.push(plugin.clone());
+            }
+        }
+        let shards = portcullis_net::shard::of_workers(workers);
+        let warmed = tokio::task::spawn_blocking(move || {
+            uses.iter()
+                .try_for_each(|u| u.warm(shards.clone()))
+                .map_err(|e| e.to_string())
+        });
+        warmed
+            .await
+            .unwrap_or_else(|e| Err(format!("starting plugins crashed: {e}")))
+    }
+
     /// Gives every plugin where to send the callouts it makes outside
     /// requests.
     pub fn set_callouts(&self, callouts: &Arc<dyn crate::seam::Callouts>) {

@@ -124,6 +124,34 @@ impl seam::Plugin for Binding {
             },
         )
     }
+
+    /// One instance a worker slot, made and configured before it serves
+    /// (a per-request use makes its instances as requests come).
+    fn warm(&self, shards: std::ops::Range<usize>) -> Result<(), PluginError> {
+        if self.fresh {
+            return Ok(());
+        }
+        for shard in shards {
+            let empty = self.idle[shard]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty();
+            if empty {
+                let instance = self.instantiate()?;
+                self.idle[shard]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(instance);
+            }
+        }
+        Ok(())
+    }
+
+    fn ready(&self) -> usize {
+        (self.idle.iter())
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
+            .sum()
+    }
 }
 
 impl Binding {

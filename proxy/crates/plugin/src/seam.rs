@@ -337,6 +337,20 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
     /// make none ignore it.
     fn set_callouts(&self, _callouts: Arc<dyn Callouts>) {}
 
+    /// Makes what the workers of thread slots `shards` will call (a
+    /// filter's VMs, a component's first instances) now, before they
+    /// serve, so no request waits for a start; blocking work (a start
+    /// may take a second of CPU), for a blocking thread.
+    fn warm(&self, _shards: std::ops::Range<usize>) -> Result<(), PluginError> {
+        Ok(())
+    }
+
+    /// Instances (a filter's VMs, a component's idle instances) ready to
+    /// take a call now.
+    fn ready(&self) -> usize {
+        0
+    }
+
     /// The request is over (answered, failed or left): what `stream`
     /// holds is freed. Called once for each stream a call set, on the
     /// request's thread.

@@ -68,6 +68,9 @@ pub enum ServeError {
     /// A worker thread could not be started.
     #[error("cannot start worker thread: {0}")]
     Worker(std::io::Error),
+    /// A plugin's instances for the workers could not start.
+    #[error("plugins: {0}")]
+    PluginStart(String),
 }
 
 /// How a server stops.
@@ -272,6 +275,12 @@ impl Server {
         let chains = portcullis_plugin::prepare(&config)
             .await
             .map_err(ServeError::Plugins)?;
+        // Every worker's VMs and instances started before any request:
+        // none waits for a start.
+        chains
+            .warm(workers)
+            .await
+            .map_err(ServeError::PluginStart)?;
         let shared = Arc::new(Shared::default());
         // Hosts of `each_address` upstreams are looked up before serving,
         // so the first requests already spread over their addresses.

@@ -14,6 +14,8 @@ pub(super) struct Worker {
 
 impl Worker {
     pub(super) fn run(self, mut commands: mpsc::UnboundedReceiver<WorkerCommand>) {
+        // The slot its plugins' VMs and instances were made for.
+        portcullis_net::shard::claim(self.index);
         let runtime = match portcullis_net::worker_idle::runtime().build() {
             Ok(rt) => rt,
             Err(e) => {

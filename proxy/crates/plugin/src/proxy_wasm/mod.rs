@@ -31,15 +31,16 @@ mod queue;
 mod shared;
 mod tick;
 mod vm;
+mod vms;
 mod wasi;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
 use portcullis_config::FailMode;
-use portcullis_net::shard::{SHARDS, this_thread};
+use portcullis_net::shard::SHARDS;
 use wasmtime::{Engine, InstancePre, Linker, Module};
 
 use crate::cpu_deadline::CpuDeadline;
@@ -151,6 +152,8 @@ pub struct ProxyWasm {
     calls: [Count; SHARDS],
     /// Callouts in flight that no request waits on, by shard (its VM's).
     background: [Count; SHARDS],
+    /// 1 while a shard's VM is starting again off the request path.
+    restarting: [Count; SHARDS],
     /// Numbers the VMs, so a request's stream names the one it is on.
     generations: AtomicU64,
     /// Itself, for its VMs' tickers (which stop when it is dropped).
@@ -249,155 +252,21 @@ impl ProxyWasm {
             vms: std::array::from_fn(|_| VmSlot::default()),
             calls: std::array::from_fn(|_| Count::default()),
             background: std::array::from_fn(|_| Count::default()),
+            restarting: std::array::from_fn(|_| Count::default()),
             generations: AtomicU64::new(0),
             me: Weak::new(),
             restarts: Mutex::new((std::time::Instant::now(), 0)),
             callouts: OnceLock::new(),
         };
-        // Started and dropped: VMs are per worker thread, and this is not
-        // a worker's.
-        filter.start(this_thread()).map_err(|e| e.to_string())?;
-        Ok(Arc::new_cyclic(|me| ProxyWasm {
+        let filter = Arc::new_cyclic(|me| ProxyWasm {
             me: me.clone(),
             ..filter
-        }))
-    }
-
-    /// Shard `shard`'s VM slot, locked.
-    fn slot(&self, shard: usize) -> MutexGuard<'_, Option<Box<Vm>>> {
-        self.vms[shard].0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Runs `f` on the VM `home` names, if it still runs; a VM whose call
-    /// failed is dropped.
-    fn on_home(
-        &self,
-        home: &queue::Home,
-        f: impl FnOnce(&mut Vm, &ProxyWasm) -> Result<(), PluginError>,
-    ) {
-        let mut slot = self.slot(home.shard);
-        let Some(vm) = slot.as_mut().filter(|vm| vm.generation == home.generation) else {
-            return;
-        };
-        match f(vm, self) {
-            Ok(()) => tick::keep_ticking(self, home.shard, vm),
-            Err(e) => {
-                tracing::warn!(plugin = %self.name, error = %e, "proxy-wasm VM failed outside a request; a fresh one takes its place");
-                self.count_restart();
-                *slot = None;
-            }
-        }
-    }
-
-    /// Whether a VM may start now: not while this second's restarts are
-    /// spent.
-    fn may_restart(&self) -> Result<(), PluginError> {
-        let (since, dropped) = *self.restarts.lock().unwrap_or_else(|p| p.into_inner());
-        if dropped < MAX_RESTARTS_PER_SECOND || since.elapsed() >= Duration::from_secs(1) {
-            return Ok(());
-        }
-        count(&self.name, "vm_restarts_refused");
-        Err(PluginError::Trap {
-            plugin: self.name.clone(),
-            message: format!(
-                "its VMs failed {dropped} times within a second; none starts again until the second is out"
-            ),
-        })
-    }
-
-    /// Counts a VM dropped for a failure, against this second's restarts.
-    fn count_restart(&self) {
-        {
-            let mut restarts = self.restarts.lock().unwrap_or_else(|p| p.into_inner());
-            if restarts.0.elapsed() >= Duration::from_secs(1) {
-                *restarts = (std::time::Instant::now(), 0);
-            }
-            restarts.1 += 1;
-        }
-        count(&self.name, "vm_restarts");
-    }
-
-    fn start(&self, shard: usize) -> Result<Box<Vm>, PluginError> {
-        let generation = self.generations.fetch_add(1, Ordering::Relaxed);
-        let home = queue::Home {
-            filter: self.me.clone(),
-            shard,
-            generation,
-        };
-        let state = VmState {
-            plugin: self.name.clone(),
-            root_id: self.root_id.clone(),
-            config: self.config.clone(),
-            vm_config: self.vm_config.clone(),
-            route_names: self.route_names.clone(),
-            upstreams: self.upstreams.clone(),
-            next_token: 1,
-            limits: MemoryCap::new(self.memory, self.memory_peak.clone()),
-            deadline: CpuDeadline::new(self.start_timeout),
-            tick: None,
-            home,
-            exports: guest::Exports::default(),
-            call: Box::default(),
-            context: 0,
-            filter_state: Default::default(),
-            start_log: Some(Default::default()),
-        };
-        Vm::start(self, state, generation)
-    }
-
-    /// Runs `f` on this thread's VM (started if there is none), or on the
-    /// VM `stream` names; a VM whose call failed is dropped.
-    fn on_vm<T>(
-        &self,
-        stream: &mut Stream,
-        f: impl FnOnce(&mut Vm, &mut Stream) -> Result<T, PluginError>,
-    ) -> Result<T, PluginError> {
-        let shard = if *stream == Stream::NONE {
-            this_thread()
-        } else {
-            parts(*stream).0
-        };
-        self.calls[shard].0.fetch_add(1, Ordering::Relaxed);
-        let mut slot = self.slot(shard);
-        if slot.is_none() {
-            if *stream != Stream::NONE {
-                return Err(self.lost());
-            }
-            self.may_restart()?;
-            let mut vm = self.start(shard)?;
-            // The HTTP calls its start made (a key set fetched when
-            // configured, say), sent now that it is on its worker.
-            let started = std::mem::take(&mut vm.started_calls);
-            let home = vm.home();
-            callout::send_from_root(self, &home, started);
-            *slot = Some(vm);
-        }
-        let Some(vm) = slot.as_mut() else {
-            unreachable!("started above")
-        };
-        if *stream != Stream::NONE && parts(*stream).1 != vm.generation & 0xff_ffff {
-            return Err(self.lost());
-        }
-        if *stream == Stream::NONE {
-            let id = vm.new_context(self)?;
-            *stream = stream_of(shard, vm.generation, id);
-        }
-        let result = f(vm, stream);
-        if result.is_err() {
-            tracing::warn!(plugin = %self.name, "proxy-wasm VM failed; a fresh one takes its place");
-            self.count_restart();
-            *slot = None;
-        } else {
-            tick::keep_ticking(self, shard, vm);
-        }
-        result
-    }
-
-    fn lost(&self) -> PluginError {
-        PluginError::Trap {
-            plugin: self.name.clone(),
-            message: "the request's VM failed on an earlier call".into(),
-        }
+        });
+        // Started once here, which `check` reports, and kept as the first
+        // worker's VM (the others start in `warm`).
+        let vm = filter.start(0).map_err(|e| e.to_string())?;
+        *filter.slot(0) = Some(vm);
+        Ok(filter)
     }
 }
 
@@ -606,6 +475,26 @@ impl seam::Plugin for ProxyWasm {
         {
             tracing::warn!(plugin = %self.name, error = %e, "proxy-wasm VM failed ending a request; a fresh one takes its place");
             *slot = None;
+            drop(slot);
+            self.restart_later(shard);
         }
+    }
+
+    fn warm(&self, shards: std::ops::Range<usize>) -> Result<(), PluginError> {
+        for shard in shards {
+            if self.slot(shard).is_some() {
+                continue;
+            }
+            let vm = self.start(shard)?;
+            let mut slot = self.slot(shard);
+            if slot.is_none() {
+                *slot = Some(vm);
+            }
+        }
+        Ok(())
+    }
+
+    fn ready(&self) -> usize {
+        (0..SHARDS).filter(|&s| self.slot(s).is_some()).count()
     }
 }

@@ -62,6 +62,7 @@ pub(super) fn worker(
     (stops, drained): (Stops, tokio::sync::oneshot::Sender<()>),
 ) {
     let stop = stops.public;
+    portcullis_net::shard::claim(index);
     let runtime = match portcullis_net::worker_idle::runtime().build() {
         Ok(rt) => rt,
         Err(e) => {

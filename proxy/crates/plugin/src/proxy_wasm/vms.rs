@@ -1,0 +1,203 @@
+//! A filter's VMs, one a worker slot: started before traffic (`warm`),
+//! used by the slot's requests, and started again off the request path
+//! when one fails, at most [`MAX_RESTARTS_PER_SECOND`] a second.
+
+use std::sync::MutexGuard;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use portcullis_net::shard::this_thread;
+
+use super::*;
+
+impl ProxyWasm {
+    /// Starts a VM for shard `shard` off the request path (a blocking
+    /// thread), unless one is starting already: after a VM failed, so the
+    /// worker's next requests find a fresh one and no request waits for a
+    /// start (which may take a second of CPU, on a worker serving other
+    /// routes too).
+    pub(super) fn restart_later(&self, shard: usize) {
+        let Some(me) = self.me.upgrade() else {
+            return;
+        };
+        if self.restarting[shard].0.swap(1, Ordering::AcqRel) == 1 {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.restarting[shard].0.store(0, Ordering::Release);
+            return;
+        };
+        runtime.spawn_blocking(move || {
+            // A filter failing without end gets its ten starts a second;
+            // past them, the next start waits for the second to be out.
+            if let Some((left, _)) = me.restarts_spent() {
+                count(&me.name, "vm_restarts_refused");
+                std::thread::sleep(left);
+            }
+            match me.start(shard) {
+                Ok(vm) => {
+                    let mut slot = me.slot(shard);
+                    if slot.is_none() {
+                        *slot = Some(vm);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(plugin = %me.name, error = %e, "proxy-wasm VM could not start again");
+                }
+            }
+            me.restarting[shard].0.store(0, Ordering::Release);
+        });
+    }
+
+    /// Shard `shard`'s VM slot, locked.
+    pub(super) fn slot(&self, shard: usize) -> MutexGuard<'_, Option<Box<Vm>>> {
+        self.vms[shard].0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the VM `home` names, if it still runs; a VM whose call
+    /// failed is dropped.
+    pub(super) fn on_home(
+        &self,
+        home: &queue::Home,
+        f: impl FnOnce(&mut Vm, &ProxyWasm) -> Result<(), PluginError>,
+    ) {
+        let mut slot = self.slot(home.shard);
+        let Some(vm) = slot.as_mut().filter(|vm| vm.generation == home.generation) else {
+            return;
+        };
+        match f(vm, self) {
+            Ok(()) => tick::keep_ticking(self, home.shard, vm),
+            Err(e) => {
+                tracing::warn!(plugin = %self.name, error = %e, "proxy-wasm VM failed outside a request; a fresh one takes its place");
+                self.count_restart();
+                *slot = None;
+                drop(slot);
+                self.restart_later(home.shard);
+            }
+        }
+    }
+
+    /// Whether a VM may start now: not while this second's restarts are
+    /// spent.
+    pub(super) fn may_restart(&self) -> Result<(), PluginError> {
+        let Some((_, dropped)) = self.restarts_spent() else {
+            return Ok(());
+        };
+        count(&self.name, "vm_restarts_refused");
+        Err(PluginError::Trap {
+            plugin: self.name.clone(),
+            message: format!(
+                "its VMs failed {dropped} times within a second; none starts again until the second is out"
+            ),
+        })
+    }
+
+    /// While this second's restarts are spent: how long it has left, and
+    /// the failures in it.
+    pub(super) fn restarts_spent(&self) -> Option<(Duration, u32)> {
+        let (since, dropped) = *self.restarts.lock().unwrap_or_else(|p| p.into_inner());
+        let left = Duration::from_secs(1).checked_sub(since.elapsed())?;
+        (dropped >= MAX_RESTARTS_PER_SECOND).then_some((left, dropped))
+    }
+
+    /// Counts a VM dropped for a failure, against this second's restarts.
+    pub(super) fn count_restart(&self) {
+        {
+            let mut restarts = self.restarts.lock().unwrap_or_else(|p| p.into_inner());
+            if restarts.0.elapsed() >= Duration::from_secs(1) {
+                *restarts = (std::time::Instant::now(), 0);
+            }
+            restarts.1 += 1;
+        }
+        count(&self.name, "vm_restarts");
+    }
+
+    pub(super) fn start(&self, shard: usize) -> Result<Box<Vm>, PluginError> {
+        let generation = self.generations.fetch_add(1, Ordering::Relaxed);
+        let home = queue::Home {
+            filter: self.me.clone(),
+            shard,
+            generation,
+        };
+        let state = VmState {
+            plugin: self.name.clone(),
+            root_id: self.root_id.clone(),
+            config: self.config.clone(),
+            vm_config: self.vm_config.clone(),
+            route_names: self.route_names.clone(),
+            upstreams: self.upstreams.clone(),
+            next_token: 1,
+            limits: MemoryCap::new(self.memory, self.memory_peak.clone()),
+            deadline: CpuDeadline::new(self.start_timeout),
+            tick: None,
+            home,
+            exports: guest::Exports::default(),
+            call: Box::default(),
+            context: 0,
+            filter_state: Default::default(),
+            start_log: Some(Default::default()),
+        };
+        Vm::start(self, state, generation)
+    }
+
+    /// Runs `f` on this thread's VM (started if there is none), or on the
+    /// VM `stream` names; a VM whose call failed is dropped.
+    pub(super) fn on_vm<T>(
+        &self,
+        stream: &mut Stream,
+        f: impl FnOnce(&mut Vm, &mut Stream) -> Result<T, PluginError>,
+    ) -> Result<T, PluginError> {
+        let shard = if *stream == Stream::NONE {
+            this_thread()
+        } else {
+            parts(*stream).0
+        };
+        self.calls[shard].0.fetch_add(1, Ordering::Relaxed);
+        let mut slot = self.slot(shard);
+        let Some(vm) = slot.as_mut() else {
+            if *stream != Stream::NONE {
+                return Err(self.lost());
+            }
+            // Started off the request path: this request fails by the
+            // use's `fail`, and the next ones find the fresh VM.
+            self.may_restart()?;
+            self.restart_later(shard);
+            return Err(PluginError::Setup {
+                plugin: self.name.clone(),
+                message: "its VM on this worker is starting (again, after a failure)".into(),
+            });
+        };
+        if !vm.started_calls.is_empty() {
+            // The HTTP calls its start made (a key set fetched when
+            // configured, say), sent now that it is on its worker.
+            let started = std::mem::take(&mut vm.started_calls);
+            let home = vm.home();
+            callout::send_from_root(self, &home, started);
+        }
+        if *stream != Stream::NONE && parts(*stream).1 != vm.generation & 0xff_ffff {
+            return Err(self.lost());
+        }
+        if *stream == Stream::NONE {
+            let id = vm.new_context(self)?;
+            *stream = stream_of(shard, vm.generation, id);
+        }
+        let result = f(vm, stream);
+        if result.is_err() {
+            tracing::warn!(plugin = %self.name, "proxy-wasm VM failed; a fresh one takes its place");
+            self.count_restart();
+            *slot = None;
+            drop(slot);
+            self.restart_later(shard);
+        } else {
+            tick::keep_ticking(self, shard, vm);
+        }
+        result
+    }
+
+    pub(super) fn lost(&self) -> PluginError {
+        PluginError::Trap {
+            plugin: self.name.clone(),
+            message: "the request's VM failed on an earlier call".into(),
+        }
+    }
+}
