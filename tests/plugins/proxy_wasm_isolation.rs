@@ -123,7 +123,7 @@ routes: [{{ name: closed, match: {{ path: /closed }}, upstream: app, plugins: [{
 
 /// The VMs (instances) ready for the plugin use on route `route`, as
 /// `/status` shows them.
-fn uses_ready(status: &serde_json::Value, route: &str) -> u64 {
+pub(super) fn uses_ready(status: &serde_json::Value, route: &str) -> u64 {
     (status["config"]["plugin_uses"]
         .as_array()
         .into_iter()

@@ -256,12 +256,7 @@ routes:
     let dir = policy_dir(&policy("blue"), &["proxy-wasm-headers", "fixture-forward"]);
     let proxy = ProxyProcess::start_on(dir.path(), &["--workers", "3"]).await;
     let ready = |status: &serde_json::Value, route: &str| {
-        (status["config"]["plugin_uses"]
-            .as_array()
-            .into_iter()
-            .flatten())
-        .find(|u| u["route"] == route)
-        .and_then(|u| u["instances_ready"].as_u64())
+        Some(super::proxy_wasm_isolation::uses_ready(status, route))
     };
     let status = proxy.status().await;
     assert_eq!(ready(&status, "filter"), Some(3), "{status:#}");
