@@ -271,3 +271,47 @@ routes:
     let seen = client::get(&proxy.url("/filter")).await.json();
     assert_eq!(seen["headers"]["x-pw-tag"], "green", "{seen:#}");
 }
+
+/// A filter's HTTP call may name an upstream as Istio and Higress name a
+/// service's cluster, `outbound|PORT||HOST` (Higress's filters name every
+/// call so), for any endpoint the upstream has.
+#[tokio::test]
+pub(super) async fn a_filter_reaches_an_upstream_by_its_outbound_cluster_name() {
+    let app = upstream::echo("app").await;
+    let called = upstream::echo("called").await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}, {{ name: auth, endpoints: ["{}"] }}]
+plugins: [{{ name: caller, path: proxy-wasm-misbehave.wasm }}]
+routes: [{{ name: app, match: {{ path: /app }}, upstream: app, plugins: [{{ use: caller }}] }}]
+"#,
+            app.url(),
+            called.url()
+        ),
+        &["proxy-wasm-misbehave"],
+    );
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let cluster = format!("outbound|{}||127.0.0.1", called.addr.port());
+    for (name, status) in [(cluster.as_str(), "200"), ("auth", "200")] {
+        let req = Request::get(proxy.url("/app"))
+            .header("x-misbehave", "slow-call")
+            .header("x-cluster", name)
+            .header("x-call-ms", "5000")
+            .body(body(Bytes::new()))
+            .unwrap();
+        let answer = client::send(&client::http1(), req).await;
+        assert_eq!(answer.status, 200, "{name}: {:?}", answer.body);
+        assert_eq!(answer.json()["headers"]["x-call-status"], status, "{name}");
+    }
+    // One that names no upstream's endpoint is refused, as Envoy refuses
+    // an unknown cluster (the filter answers 500 with the status).
+    let req = Request::get(proxy.url("/app"))
+        .header("x-misbehave", "slow-call")
+        .header("x-cluster", "outbound|1||nowhere.example")
+        .body(body(Bytes::new()))
+        .unwrap();
+    let answer = client::send(&client::http1(), req).await;
+    assert_eq!(answer.header("x-call-error"), Some("BadArgument"));
+}

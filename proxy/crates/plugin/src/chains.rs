@@ -112,7 +112,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
     // Uses of modules that failed to compile are skipped (their error is
     // reported); the others are still checked, so one run lists all.
     let route_names: Arc<[Arc<str>]> = config.routes.iter().map(|r| r.name.clone()).collect();
-    let upstreams: Arc<[Arc<str>]> = config.upstreams.iter().map(|u| u.name.clone()).collect();
+    let upstreams = upstream_names(config);
     let bind = |u: &PluginUse, route: Option<&str>| {
         let module = &config.plugins[u.plugin];
         let pre = pres[u.plugin].clone();
@@ -297,6 +297,34 @@ fn compile(host: &PluginHost, m: &PluginModule) -> Result<Kind, String> {
         "{} does not export the portcullis:policy world (0.3, or 0.2): {now:#}",
         m.path.display()
     ))
+}
+
+/// Every name a filter's HTTP call may give an upstream of `config`: its
+/// own, and `outbound|PORT||HOST` for each of its endpoints (Istio's and
+/// Higress's cluster names; the first upstream with an endpoint there
+/// takes the name).
+fn upstream_names(config: &Config) -> crate::proxy_wasm::UpstreamNames {
+    let mut names: Vec<(Arc<str>, Arc<str>)> = (config.upstreams.iter())
+        .map(|u| (u.name.clone(), u.name.clone()))
+        .collect();
+    for u in &config.upstreams {
+        let portcullis_config::Target::Endpoints(endpoints) = &u.target else {
+            continue;
+        };
+        for e in endpoints.iter() {
+            let default = if e.scheme == http::uri::Scheme::HTTPS {
+                443
+            } else {
+                80
+            };
+            let port = e.authority.port_u16().unwrap_or(default);
+            let alias: Arc<str> = format!("outbound|{port}||{}", e.authority.host()).into();
+            if !names.iter().any(|(n, _)| *n == alias) {
+                names.push((alias, u.name.clone()));
+            }
+        }
+    }
+    names.into()
 }
 
 /// A filter's configuration bytes from the use's `config`: a string as

@@ -56,9 +56,11 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             let body = read(&mut c, body_ptr, body_len)?;
             // An unknown cluster, or a head without its pseudo-headers,
             // is refused as Envoy refuses them.
-            if !c.data().upstreams.iter().any(|u| **u == *upstream) {
+            let names = &c.data().upstreams;
+            let Some((_, upstream)) = names.iter().find(|(called, _)| **called == *upstream) else {
                 return Ok(Status::BadArgument as i32);
-            }
+            };
+            let upstream = upstream.to_string();
             let Some(pairs) = map::deserialize(&bytes) else {
                 return Ok(Status::SerializationFailure as i32);
             };

@@ -83,7 +83,7 @@ pub struct VmState {
     vm_config: Bytes,
     route_names: Arc<[Arc<str>]>,
     /// The policies' upstreams, which `proxy_http_call` may name.
-    upstreams: Arc<[Arc<str>]>,
+    upstreams: UpstreamNames,
     next_token: u32,
     limits: MemoryCap,
     deadline: CpuDeadline,
@@ -103,6 +103,12 @@ pub struct VmState {
     /// that refuses its configuration usually says why.
     start_log: Option<std::collections::VecDeque<String>>,
 }
+
+/// The names an HTTP call may give an upstream of the policies, each
+/// with the upstream's own: its name, and the cluster names Istio and
+/// Higress give a service (`outbound|PORT||HOST`) for each of its
+/// endpoints, so a Higress filter calling out reaches it as written.
+pub type UpstreamNames = Arc<[(Arc<str>, Arc<str>)]>;
 
 /// Lines of a start's log kept for its error.
 const START_LOG_LINES: usize = 5;
@@ -141,7 +147,7 @@ pub struct ProxyWasm {
     engine: Engine,
     pre: InstancePre<VmState>,
     route_names: Arc<[Arc<str>]>,
-    upstreams: Arc<[Arc<str>]>,
+    upstreams: UpstreamNames,
     route: Option<Arc<str>>,
     memory_peak: Arc<AtomicUsize>,
     /// Each thread shard's VM: `None` until its first request, and after
@@ -199,8 +205,8 @@ pub struct Settings {
     pub start_timeout: Duration,
     pub memory: usize,
     pub route_names: Arc<[Arc<str>]>,
-    /// The policies' upstreams, by name.
-    pub upstreams: Arc<[Arc<str>]>,
+    /// The policies' upstreams, by every name a call may give them.
+    pub upstreams: UpstreamNames,
     pub route: Option<Arc<str>>,
 }
 
