@@ -20,6 +20,10 @@ routes:
     plugins: [{{ use: pw, config: blue, root_id: main, vm_config: {{ shards: 2 }} }}]
   - {{ name: text, match: {{ path: /text }}, upstream: app, plugins: [{{ use: pw, config: blue, vm_config: "as text" }}] }}
   - {{ name: unset, match: {{ path: /unset }}, upstream: app, plugins: [{{ use: pw, config: blue }}] }}
+  - name: order
+    match: {{ path: /order }}
+    upstream: app
+    plugins: [{{ use: pw, config: {{ zeta: 1, alpha: {{ b: 2, a: 3 }} }}, vm_config: {{ zeta: 1, alpha: {{ b: 2, a: 3 }} }} }}]
 "#,
             app.url()
         ),
@@ -31,16 +35,31 @@ routes:
         async move {
             let headers = client::get(&url).await.json()["headers"].clone();
             let get = |h: &str| headers[h].as_str().map(str::to_owned);
-            (get("x-pw-root"), get("x-pw-vm"))
+            (get("x-pw-root"), get("x-pw-vm"), get("x-pw-tag"))
         }
     };
     // A mapping reaches the filter as JSON, a string as its text.
+    let blue = Some("blue".to_owned());
     assert_eq!(
         seen("/set").await,
-        (Some("main".into()), Some(r#"{"shards":2}"#.into()))
+        (
+            Some("main".into()),
+            Some(r#"{"shards":2}"#.into()),
+            blue.clone()
+        )
     );
-    assert_eq!(seen("/text").await, (None, Some("as text".into())));
-    assert_eq!(seen("/unset").await, (None, None));
+    assert_eq!(
+        seen("/text").await,
+        (None, Some("as text".into()), blue.clone())
+    );
+    assert_eq!(seen("/unset").await, (None, None, blue));
+    // Keys arrive in the order written, as Envoy hands a filter its
+    // configuration: a filter may resolve rules in declaration order.
+    let written = r#"{"zeta":1,"alpha":{"b":2,"a":3}}"#.to_owned();
+    assert_eq!(
+        seen("/order").await,
+        (None, Some(written.clone()), Some(written))
+    );
 }
 
 /// `root_id` and `vm_config` mean nothing to a component: `check` says

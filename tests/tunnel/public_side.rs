@@ -507,7 +507,7 @@ pub(super) async fn a_public_http1_head_past_the_bound_is_refused_at_once() {
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 431 "), "{answer:?}");
     assert!(
-        answer.ends_with(r#""error":"request head too large","route":null,"status":431}"#),
+        answer.ends_with(r#""error":"request head too large","status":431,"route":null}"#),
         "{answer:?}"
     );
 }

@@ -126,7 +126,7 @@ pub(super) async fn bad_credentials_and_garbage_are_refused_and_logged_without_d
     .await;
     assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
     assert!(
-        answer.ends_with(r#"{"error":"malformed request head","route":null,"status":400}"#),
+        answer.ends_with(r#"{"error":"malformed request head","status":400,"route":null}"#),
         "{answer}"
     );
     let line = server.process.wait_for_log("request head refused").await;

@@ -279,7 +279,7 @@ pub(super) async fn accept_loop(
 /// The answer to plain HTTP on an HTTPS listener.
 pub(super) const PLAIN_ON_HTTPS: &str = concat!(
     r#"{"error":"plain HTTP request sent to the HTTPS port: use https://","#,
-    r#""route":null,"status":400}"#
+    r#""status":400,"route":null}"#
 );
 
 /// Serves HTTP on an accepted connection from `client` (the peer, or the

@@ -160,7 +160,7 @@ async fn only_what_hyper_writes_between_requests_is_replaced() {
     let (kept, replaced) = out.split_at(2 * BARE.len());
     assert_eq!(kept, bare.repeat(2));
     assert!(
-        replaced.ends_with(r#"{"error":"malformed request head","route":null,"status":400}"#),
+        replaced.ends_with(r#"{"error":"malformed request head","status":400,"route":null}"#),
         "{replaced}"
     );
 }
