@@ -4,8 +4,9 @@
 
 use super::*;
 
-#[tokio::test]
-pub(super) async fn a_filter_gets_its_root_id_and_vm_configuration() {
+/// The headers filter behind `routes` (which name it `pw`, upstream
+/// `app`), with `env` for the proxy: the upstream must outlive it.
+async fn headers_filter_on(routes: &str, env: &[(&str, String)]) -> (Proxy, upstream::Upstream) {
     let app = upstream::echo("app").await;
     let dir = policy_dir(
         &format!(
@@ -14,30 +15,41 @@ listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
 upstreams: [{{ name: app, endpoints: ["{}"] }}]
 plugins: [{{ name: pw, path: proxy-wasm-headers.wasm }}]
 routes:
-  - name: set
-    match: {{ path: /set }}
-    upstream: app
-    plugins: [{{ use: pw, config: blue, root_id: main, vm_config: {{ shards: 2 }} }}]
-  - {{ name: text, match: {{ path: /text }}, upstream: app, plugins: [{{ use: pw, config: blue, vm_config: "as text" }}] }}
-  - {{ name: unset, match: {{ path: /unset }}, upstream: app, plugins: [{{ use: pw, config: blue }}] }}
-  - name: order
-    match: {{ path: /order }}
-    upstream: app
-    plugins: [{{ use: pw, config: {{ zeta: 1, alpha: {{ b: 2, a: 3 }} }}, vm_config: {{ zeta: 1, alpha: {{ b: 2, a: 3 }} }} }}]
-"#,
+{routes}"#,
             app.url()
         ),
         &["proxy-wasm-headers"],
     );
-    let proxy = Proxy::start_dir(dir, &[]).await;
-    let seen = |path: &'static str| {
-        let url = proxy.url(path);
-        async move {
-            let headers = client::get(&url).await.json()["headers"].clone();
-            let get = |h: &str| headers[h].as_str().map(str::to_owned);
-            (get("x-pw-root"), get("x-pw-vm"), get("x-pw-tag"))
-        }
-    };
+    (Proxy::start_dir(dir, env).await, app)
+}
+
+/// What the headers filter on `path` told the upstream: its root id, its
+/// VM configuration and its configuration.
+async fn filter_saw(proxy: &Proxy, path: &str) -> (Option<String>, Option<String>, Option<String>) {
+    let headers = client::get(&proxy.url(path)).await.json()["headers"].clone();
+    let get = |h: &str| headers[h].as_str().map(str::to_owned);
+    (get("x-pw-root"), get("x-pw-vm"), get("x-pw-tag"))
+}
+
+#[tokio::test]
+pub(super) async fn a_filter_gets_its_root_id_and_vm_configuration() {
+    let (proxy, _app) = headers_filter_on(
+        r#"
+  - name: set
+    match: { path: /set }
+    upstream: app
+    plugins: [{ use: pw, config: blue, root_id: main, vm_config: { shards: 2 } }]
+  - { name: text, match: { path: /text }, upstream: app, plugins: [{ use: pw, config: blue, vm_config: "as text" }] }
+  - { name: unset, match: { path: /unset }, upstream: app, plugins: [{ use: pw, config: blue }] }
+  - name: order
+    match: { path: /order }
+    upstream: app
+    plugins: [{ use: pw, config: { zeta: 1, alpha: { b: 2, a: 3 } }, vm_config: { zeta: 1, alpha: { b: 2, a: 3 } } }]
+"#,
+        &[],
+    )
+    .await;
+    let seen = |path: &'static str| filter_saw(&proxy, path);
     // A mapping reaches the filter as JSON, a string as its text.
     let blue = Some("blue".to_owned());
     assert_eq!(
@@ -333,4 +345,57 @@ routes: [{{ name: app, match: {{ path: /app }}, upstream: app, plugins: [{{ use:
         .unwrap();
     let answer = client::send(&client::http1(), req).await;
     assert_eq!(answer.header("x-call-error"), Some("BadArgument"));
+}
+
+/// A filter's config goes to it as written, as Envoy hands it over:
+/// filters write `${...}` and `$1` of their own. A use that wants the
+/// proxy's `${ENV}` and `{from_file}` asks with `expand_config: true`.
+#[tokio::test]
+pub(super) async fn a_filters_config_goes_as_written_unless_the_use_asks() {
+    let (proxy, _app) = headers_filter_on(
+        r#"
+  - name: written
+    match: { path: /written }
+    upstream: app
+    plugins: [{ use: pw, config: "${UNSET_HERE} $1 $$", vm_config: { tag: "${TAG}" } }]
+  - name: asked
+    match: { path: /asked }
+    upstream: app
+    plugins: [{ use: pw, config: "${TAG} $$", vm_config: { tag: "${TAG}" }, expand_config: true }]
+"#,
+        &[("TAG", "green".into())],
+    )
+    .await;
+    let proxy = &proxy;
+    let seen = |path: &'static str| async move {
+        let (_, vm, tag) = filter_saw(proxy, path).await;
+        (tag, vm)
+    };
+    assert_eq!(
+        seen("/written").await,
+        (
+            Some("${UNSET_HERE} $1 $$".into()),
+            Some(r#"{"tag":"${TAG}"}"#.into())
+        )
+    );
+    assert_eq!(
+        seen("/asked").await,
+        (Some("green $".into()), Some(r#"{"tag":"green"}"#.into()))
+    );
+}
+
+/// Asked to resolve a filter's config, the proxy reports what it cannot
+/// resolve, as it does for a component's.
+#[test]
+pub(super) fn a_filters_config_that_asks_to_be_expanded_is_checked() {
+    let dir = policy_dir(
+        r#"
+plugins: [{ name: pw, path: proxy-wasm-headers.wasm }]
+routes: [{ name: r, match: { path: /r }, respond: { status: 204 }, plugins: [{ use: pw, config: "${UNSET_HERE}", expand_config: true }] }]
+"#,
+        &["proxy-wasm-headers"],
+    );
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok);
+    assert!(stderr.contains("UNSET_HERE"), "{stderr}");
 }

@@ -31,7 +31,9 @@ pub enum FailMode {
 pub struct PluginUse {
     /// Index into `Config::plugins`.
     pub plugin: usize,
-    /// The config handed to the plugin, as JSON (env and files resolved).
+    /// The config handed to the plugin, as JSON: env and files resolved
+    /// for a component, as written for a proxy-wasm filter (unless the
+    /// use says `expand_config`).
     pub config_json: String,
     /// The values in it that came from `${VAR}` or `from_file` (a
     /// secret, maybe), each with where it came from: see
@@ -56,4 +58,27 @@ pub struct PluginUse {
     pub vm_config_json: Option<String>,
     /// Where it was attached.
     pub defined_at: Pos,
+    /// The configs resolved, kept until the plugin's kind is known.
+    pub(crate) expansion: Option<Box<Expansion>>,
+}
+
+/// A use's configs with `${ENV}` and `{from_file}` resolved, what that
+/// brought in, and what went wrong: taken or dropped once the plugin's
+/// kind is known (see `build::plugins::settle_config`).
+#[derive(Debug, Clone)]
+pub(crate) struct Expansion {
+    pub(crate) asked: Option<bool>,
+    pub(crate) config_json: String,
+    pub(crate) vm_config_json: Option<String>,
+    pub(crate) substituted: Vec<(String, String)>,
+    pub(crate) errors: Vec<ConfigError>,
+}
+
+impl PluginModule {
+    /// A core WebAssembly module (a proxy-wasm filter), not a component:
+    /// the version word after `\0asm` is 1 (a component's is 0x0d with
+    /// layer 1).
+    pub fn is_core_module(&self) -> bool {
+        self.bytes.get(4..8) == Some(&[1, 0, 0, 0])
+    }
 }

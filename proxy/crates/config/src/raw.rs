@@ -114,6 +114,10 @@ pub struct RawPluginUse {
     pub plugin: Text,
     /// Free-form; handed to the plugin as JSON.
     pub config: Option<Spanned<serde_json::Value>>,
+    /// Whether `${ENV}` and `{from_file}` in `config`/`vm_config` are
+    /// resolved: by default for a component, not for a proxy-wasm filter
+    /// (whose config goes as written, as in Envoy).
+    pub expand_config: Option<Text>,
     /// `closed` (default) or `open`.
     pub fail: Option<Text>,
     /// Deadline per call, in CPU time the call uses (default 10ms).

@@ -496,11 +496,16 @@ pub(super) fn build(
             }
         }
     }
-    // Uses of a plugin that could not be read go (its error is reported).
-    let renumbered = |uses: &mut Vec<PluginUse>| {
+    // Uses of a plugin that could not be read go (its error is reported);
+    // the others get the config their plugin's kind takes.
+    let mut renumbered = |uses: &mut Vec<PluginUse>| {
         uses.retain_mut(|u| {
             u.plugin = renumber[u.plugin];
-            u.plugin != usize::MAX
+            if u.plugin == usize::MAX {
+                return false;
+            }
+            settle_config(&mut ctx, u, &plugins[u.plugin]);
+            true
         });
     };
     renumbered(&mut global_plugins);

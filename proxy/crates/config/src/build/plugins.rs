@@ -1,6 +1,7 @@
 //! Plugins: modules (files or `builtin:NAME`) and their uses, with configs whose `{from_file}` values are read in.
 
 use super::*;
+use crate::Expansion;
 
 pub(super) const DEFAULT_PLUGIN_TIMEOUT: Duration = Duration::from_millis(10);
 /// A start's deadline: what real filters need to start (a Go filter's
@@ -122,7 +123,22 @@ pub(super) fn plugin_use(
         );
         return None;
     };
-    let from = ctx.substituted.len();
+    let root_id = match &u.root_id {
+        Some(t) => Some(Arc::from(ctx.text(t)?.trim())),
+        None => None,
+    };
+    let asked = match &u.expand_config {
+        Some(t) => Some(ctx.parse(t, |s| match boolean_word(s) {
+            "true" => Ok(true),
+            "false" => Ok(false),
+            _ => Err(format!("`{s}` is not a boolean; write true or false")),
+        })?),
+        None => None,
+    };
+    // A filter's config goes as written (Envoy's do, and theirs use `$1`
+    // and `${...}` of their own); a component's is resolved. The kind is
+    // known once the module is read, so both are kept until then.
+    let (errors_from, from) = (ctx.errors.len(), ctx.substituted.len());
     let resolved = |ctx: &mut Ctx<'_>, c: &Spanned<serde_json::Value>| {
         let mut value = c.value.clone();
         resolve_config(ctx, &mut value, &c.referenced);
@@ -133,13 +149,18 @@ pub(super) fn plugin_use(
         None => "{}".to_owned(),
     };
     let vm_config_json = u.vm_config.as_ref().map(|c| resolved(ctx, c));
-    let root_id = match &u.root_id {
-        Some(t) => Some(Arc::from(ctx.text(t)?.trim())),
-        None => None,
-    };
-    // The plugin's own refusals may quote its config: what came from the
-    // environment or a file is kept out of them too.
-    let substituted: Arc<[(String, String)]> = ctx.substituted[from..].into();
+    let (substituted, errors) = (
+        ctx.substituted.split_off(from),
+        ctx.errors.split_off(errors_from),
+    );
+    let written = |c: &Spanned<serde_json::Value>| c.value.to_string();
+    let expansion = Some(Box::new(Expansion {
+        asked,
+        config_json,
+        vm_config_json,
+        substituted,
+        errors,
+    }));
     let fail = ctx.parse_or(&u.fail, FailMode::Closed, |s| match s {
         "closed" => Ok(FailMode::Closed),
         "open" => Ok(FailMode::Open),
@@ -185,17 +206,35 @@ pub(super) fn plugin_use(
     });
     Some(PluginUse {
         plugin,
-        substituted,
+        substituted: Arc::new([]),
         fresh_instances,
         root_id,
-        vm_config_json,
-        config_json,
+        vm_config_json: u.vm_config.as_ref().map(written),
+        config_json: u.config.as_ref().map_or_else(|| "{}".to_owned(), written),
+        expansion,
         fail,
         timeout,
         start_timeout,
         memory,
         defined_at: ctx.pos(&raw.referenced),
     })
+}
+
+/// Settles what `use` gets once its plugin's kind is known: the resolved
+/// configs (and their errors) for a component or a use that asks
+/// (`expand_config: true`), the written ones for a proxy-wasm filter.
+pub(super) fn settle_config(ctx: &mut Ctx, u: &mut PluginUse, module: &PluginModule) {
+    let Some(e) = u.expansion.take() else { return };
+    if !e.asked.unwrap_or(!module.is_core_module()) {
+        return;
+    }
+    u.config_json = e.config_json;
+    u.vm_config_json = e.vm_config_json;
+    ctx.errors.extend(e.errors);
+    // The plugin's own refusals may quote its config: what came from the
+    // environment or a file is kept out of them too.
+    ctx.substituted.extend_from_slice(&e.substituted);
+    u.substituted = e.substituted.into();
 }
 
 /// Expands `${ENV}` in every string of a plugin config and replaces
