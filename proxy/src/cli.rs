@@ -374,6 +374,19 @@ pub(crate) enum Command {
         #[arg(long = "name", value_name = "NAME")]
         names: Vec<String>,
     },
+    /// Write a policy plugin crate to start from (Rust, the SDK beside it):
+    /// it builds with one cargo command, anywhere.
+    #[command(after_help = "Example:\n  \
+        portcullis new-plugin ./edge-auth\n  \
+        cd edge-auth && cargo build --release --target wasm32-wasip2\n  \
+        portcullis check --policies .")]
+    NewPlugin {
+        /// Directory to write (made; must be missing or empty).
+        dir: PathBuf,
+        /// The plugin's package name; by default the directory's name.
+        #[arg(long, value_name = "NAME")]
+        name: Option<String>,
+    },
     /// Print reference documentation made from the code: `commands`, the
     /// Markdown of docs/commands.md's reference.
     #[command(hide = true)]

@@ -14,6 +14,7 @@ pub mod admin_status;
 pub mod commands;
 pub mod dev_certs;
 pub mod log_flags;
+pub mod new_plugin;
 pub mod peer_flags;
 pub mod reload;
 pub mod state_flags;

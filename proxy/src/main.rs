@@ -120,6 +120,9 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Command::NewPlugin { dir, name } => {
+            portcullis::new_plugin::new_plugin(&dir, name.as_deref())
+        }
         Command::DevCerts { dir, names } => {
             let names = if names.is_empty() {
                 portcullis::dev_certs::DEFAULT_NAMES

@@ -150,37 +150,39 @@ routes:
     );
 }
 
-/// The plugin template is a crate that builds outside this repository:
-/// copied to a directory of its own, with the SDK named by path (the
-/// contract inside the SDK), it builds for wasm32-wasip2 with one cargo
-/// command, passes `portcullis check` with its policy, and serves.
+/// `portcullis new-plugin` writes a crate that builds outside this
+/// repository as it is written: to a directory of its own, the SDK beside
+/// it (the contract inside the SDK), it builds for wasm32-wasip2 with one
+/// cargo command, passes `portcullis check` with its policy, and serves.
 #[tokio::test]
-pub(super) async fn the_plugin_template_builds_outside_the_checkout_and_serves() {
+pub(super) async fn a_new_plugin_builds_outside_the_checkout_and_serves() {
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
         .canonicalize()
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    assert!(!dir.path().starts_with(&repo), "the copy must be outside");
-    let template = repo.join("plugins/template");
-    std::fs::create_dir(dir.path().join("src")).unwrap();
-    for file in ["src/lib.rs", "policy.yaml"] {
-        std::fs::copy(template.join(file), dir.path().join(file)).unwrap();
-    }
-    let manifest = std::fs::read_to_string(template.join("Cargo.toml")).unwrap();
-    let sdk = repo.join("plugins/sdk");
-    let manifest = manifest.replace(
-        r#"path = "../sdk""#,
-        &format!("path = {:?}", sdk.display().to_string()),
+    let parent = tempfile::tempdir().unwrap();
+    assert!(
+        !parent.path().starts_with(&repo),
+        "the copy must be outside"
     );
-    assert!(manifest.contains(&sdk.display().to_string()));
-    std::fs::write(dir.path().join("Cargo.toml"), manifest).unwrap();
-    // The plugins' locked versions: nothing new to fetch or build.
-    std::fs::copy(
-        repo.join("plugins/Cargo.lock"),
-        dir.path().join("Cargo.lock"),
-    )
-    .unwrap();
+    let dir = parent.path().join("edge-check");
+    let made = std::process::Command::new(crate::support::binary())
+        .arg("new-plugin")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{made:?}");
+    // A second time it refuses: nothing of the user's is overwritten.
+    let again = std::process::Command::new(crate::support::binary())
+        .arg("new-plugin")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("is not empty"),
+        "{again:?}"
+    );
     // Kept between runs (its dependencies build once), apart from the
     // test build's own target directory, which cargo holds locked.
     let target = format!(
@@ -190,7 +192,7 @@ pub(super) async fn the_plugin_template_builds_outside_the_checkout_and_serves()
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let built = tokio::process::Command::new(cargo)
         .args(["build", "--release", "--target", "wasm32-wasip2"])
-        .current_dir(dir.path())
+        .current_dir(&dir)
         .env("CARGO_TARGET_DIR", &target)
         .output()
         .await
@@ -200,30 +202,58 @@ pub(super) async fn the_plugin_template_builds_outside_the_checkout_and_serves()
         "{}",
         String::from_utf8_lossy(&built.stderr)
     );
-    let wasm = "target/wasm32-wasip2/release/my_plugin.wasm";
-    std::fs::create_dir_all(dir.path().join(wasm).parent().unwrap()).unwrap();
+    let wasm = "target/wasm32-wasip2/release/edge_check.wasm";
+    std::fs::create_dir_all(dir.join(wasm).parent().unwrap()).unwrap();
     std::fs::copy(
-        std::path::Path::new(&target).join("wasm32-wasip2/release/my_plugin.wasm"),
-        dir.path().join(wasm),
+        std::path::Path::new(&target).join("wasm32-wasip2/release/edge_check.wasm"),
+        dir.join(wasm),
     )
     .unwrap();
-    let (ok, _, stderr) = crate::support::check(dir.path());
+    let (ok, _, stderr) = crate::support::check(&dir);
     assert!(ok, "{stderr}");
 
     let echo = upstream::echo("app").await;
-    let policy = std::fs::read_to_string(dir.path().join("policy.yaml"))
+    let policy = std::fs::read_to_string(dir.join("policy.yaml"))
         .unwrap()
         .replace("127.0.0.1:8080", "127.0.0.1:0")
         .replace("http://127.0.0.1:3000", &echo.url());
-    std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
-    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    std::fs::write(dir.join("policy.yaml"), policy).unwrap();
+    let proxy = ProxyProcess::start_on(&dir, &[]).await;
     let passed = client::get(&proxy.url("/items")).await;
     assert_eq!(passed.status, 200, "{:?}", passed.body);
-    assert_eq!(passed.json()["headers"]["x-checked-by"], "my-plugin");
+    assert_eq!(passed.json()["headers"]["x-checked-by"], "edge-check");
     let denied = client::get(&proxy.url("/admin/users")).await;
     assert_eq!(denied.status, 403);
-    assert_eq!(denied.json()["plugin"], "my-plugin");
-    assert_eq!(denied.json()["error"], "denied by my-plugin");
+    assert_eq!(denied.json()["plugin"], "edge-check");
+    assert_eq!(denied.json()["error"], "denied by edge-check");
+}
+
+/// `new-plugin` carries every file of the SDK (a file added to it and
+/// not to the list would leave new plugins unbuildable).
+#[test]
+pub(super) fn new_plugin_carries_the_whole_sdk() {
+    let sdk = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/sdk");
+    let mut on_disk = Vec::new();
+    for sub in ["", "src", "wit"] {
+        for entry in std::fs::read_dir(sdk.join(sub)).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_type().unwrap().is_file() {
+                let name = entry.file_name().into_string().unwrap();
+                on_disk.push(if sub.is_empty() {
+                    name
+                } else {
+                    format!("{sub}/{name}")
+                });
+            }
+        }
+    }
+    on_disk.sort();
+    let mut carried: Vec<String> = portcullis::new_plugin::SDK
+        .iter()
+        .map(|(path, _)| path.to_string())
+        .collect();
+    carried.sort();
+    assert_eq!(carried, on_disk);
 }
 
 /// The SDK carries the plugin contract with it (so a plugin outside this
