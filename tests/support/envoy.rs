@@ -66,6 +66,16 @@ impl Envoy {
         Self::start(filter, configuration, clusters, false).await
     }
 
+    /// [`Envoy::with_clusters`] speaking HTTP/2 to every cluster (a
+    /// filter's gRPC calls need it).
+    pub async fn with_clusters_h2(
+        filter: &Path,
+        configuration: &str,
+        clusters: &[(&str, SocketAddr)],
+    ) -> Envoy {
+        Self::start(filter, configuration, clusters, true).await
+    }
+
     async fn start(
         filter: &Path,
         configuration: &str,

@@ -21,6 +21,22 @@ pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
             why,
         };
     };
+    // gRPC is HTTP/2 only: over an HTTP/1.1 upstream the call would
+    // reach a server that cannot answer it, and fail obscurely.
+    let grpc = c
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"application/grpc"));
+    if grpc && !pool.spec.http2 {
+        let why = format!(
+            "upstream `{}` speaks HTTP/1.1; a gRPC call needs `http2: true` on it",
+            pool.spec.name
+        );
+        return CalloutAnswer::Failed {
+            timed_out: false,
+            why,
+        };
+    }
     let mut headers = c.headers;
     if let Some(authority) = c.authority.and_then(|a| HeaderValue::from_str(&a).ok()) {
         headers.insert(header::HOST, authority);
@@ -53,16 +69,18 @@ pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
             })?;
         pool.stats.record(resp.status().as_u16(), asked.elapsed());
         let (parts, body) = resp.into_parts();
-        let body = http_body_util::Limited::new(body, MAX_CALLOUT_BODY)
+        let whole = http_body_util::Limited::new(body, MAX_CALLOUT_BODY)
             .collect()
             .await
-            .map_err(|e| (false, format!("reading the answer: {e}")))?
-            .to_bytes();
+            .map_err(|e| (false, format!("reading the answer: {e}")))?;
+        let trailers = whole.trailers().cloned().map(Box::new);
+        let body = whole.to_bytes();
         drop(held);
         Ok::<_, (bool, String)>(CalloutAnswer::Answered {
             status: parts.status.as_u16(),
             headers: parts.headers,
             body,
+            trailers,
         })
     };
     match tokio::time::timeout(c.timeout, whole).await {

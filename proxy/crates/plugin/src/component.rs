@@ -65,6 +65,7 @@ impl seam::Plugin for Binding {
                 status,
                 headers,
                 body,
+                ..
             } => CalloutResult::Answered(bindings::CalloutResponse {
                 status,
                 headers: to_wit_headers(&headers),

@@ -85,6 +85,9 @@ pub enum CalloutAnswer {
         status: u16,
         headers: http::HeaderMap,
         body: Bytes,
+        /// Its trailers (a gRPC answer's `grpc-status`), if it had any
+        /// (boxed: rare, and a map is large).
+        trailers: Option<Box<http::HeaderMap>>,
     },
     /// No answer: unreachable, too large, an unknown upstream; or, with
     /// `timed_out`, none within the callout's timeout.

@@ -96,6 +96,10 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     Some((_, body)) => body.clone(),
                     None => return ok(Status::NotFound),
                 },
+                super::grpc::GRPC_RECEIVE_BUFFER => match &c.data().call.grpc {
+                    Some(Ok(message)) => message.clone(),
+                    _ => return ok(Status::NotFound),
+                },
                 _ => return ok(Status::NotFound),
             };
             let start = (start as u32 as usize).min(buffer.len());

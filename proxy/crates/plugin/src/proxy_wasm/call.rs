@@ -26,6 +26,8 @@ pub(super) struct Call {
     /// The callout answer being delivered: its headers (`:status` among
     /// them) and body.
     pub(super) answer: Option<(Pairs, Bytes)>,
+    /// The outcome of a gRPC call being delivered.
+    pub(super) grpc: Option<super::grpc::Outcome>,
     /// The request or response body, in a body call; and whether the
     /// filter changed it.
     pub(super) request_body: Option<Bytes>,
@@ -54,6 +56,7 @@ impl Call {
         self.callouts.clear();
         self.resumed = false;
         self.answer = None;
+        self.grpc = None;
         self.request_body = None;
         self.response_body = None;
         self.body_changed = false;

@@ -1,4 +1,5 @@
-//! `proxy_http_call` and its answer: a filter's call to an upstream of
+//! `proxy_http_call` and its answer (and a gRPC call's outcome,
+//! `grpc.rs`, which goes the same way): a filter's call to an upstream of
 //! the policies (Envoy's cluster) becomes the seam's callout, and the
 //! answer comes back through `proxy_on_http_call_response`, with the
 //! answer's headers and body readable as Envoy offers them (header map 6,
@@ -106,7 +107,11 @@ fn callout(upstream: String, pairs: &[(&[u8], &[u8])], body: Vec<u8>, ms: i32) -
         authority: Some(authority?),
         headers,
         body: body.into(),
-        timeout: Duration::from_millis(ms.max(1) as u64).min(MAX_CALLOUT_TIMEOUT),
+        // None given (0): the ceiling, as Envoy's is none.
+        timeout: match ms {
+            ms if ms > 0 => Duration::from_millis(ms as u64).min(MAX_CALLOUT_TIMEOUT),
+            _ => MAX_CALLOUT_TIMEOUT,
+        },
     })
 }
 
@@ -209,6 +214,7 @@ fn answer_pairs(answer: CalloutAnswer) -> (super::Pairs, Bytes) {
             status,
             headers,
             body,
+            ..
         } => {
             let mut pairs = vec![(b":status".to_vec(), status.to_string().into_bytes())];
             pairs.extend(
@@ -299,12 +305,34 @@ fn answer_on_home(
     answer: CalloutAnswer,
 ) {
     filter.on_home(home, |vm, filter| {
-        let mut call = vm.blank();
-        call.answer = Some(answer_pairs(answer));
-        let (call, result) = vm.http_call_response(filter, token, call);
+        let call = vm.blank();
+        let (call, result) = deliver(filter, vm, token, call, answer);
         vm.root_calls(filter, call);
         result
     });
+}
+
+/// Gives the VM the outcome of its call `token`, lent `call`: an HTTP
+/// call's answer, or a gRPC call's (dropped for one the filter
+/// cancelled).
+fn deliver(
+    filter: &ProxyWasm,
+    vm: &mut Vm,
+    token: u32,
+    mut call: Box<Call>,
+    answer: CalloutAnswer,
+) -> (Box<Call>, Result<(), PluginError>) {
+    match vm.take_grpc(token) {
+        Some(true) => (call, Ok(())),
+        Some(false) => {
+            call.grpc = Some(super::grpc::outcome(answer));
+            vm.grpc_outcome(filter, token, call)
+        }
+        None => {
+            call.answer = Some(answer_pairs(answer));
+            vm.http_call_response(filter, token, call)
+        }
+    }
 }
 
 /// Gives context `id` the answer to its oldest callout; what it decides.
@@ -324,12 +352,10 @@ pub fn answer(
             plugin: filter.name.clone(),
             message: "answered a callout it never made".into(),
         })?;
-    let answer = answer_pairs(answer);
     let mut call = vm.blank();
     call.facts = facts.take();
     call.request_headers = std::mem::take(headers);
-    call.answer = Some(answer);
-    let (mut call, result) = vm.http_call_response(filter, token, call);
+    let (mut call, result) = deliver(filter, vm, token, call, answer);
     *facts = call.facts.take();
     *headers = std::mem::take(&mut call.request_headers);
     // Still paused unless it resumed the request.
@@ -353,7 +379,8 @@ mod tests {
         // 100,000 s, as a filter asked: the ceiling.
         assert_eq!(timeout(i32::MAX), Some(MAX_CALLOUT_TIMEOUT));
         assert_eq!(timeout(1_500), Some(Duration::from_millis(1_500)));
-        assert_eq!(timeout(0), Some(Duration::from_millis(1)));
-        assert_eq!(timeout(-5), Some(Duration::from_millis(1)));
+        // None given: Envoy sets none; here the ceiling.
+        assert_eq!(timeout(0), Some(MAX_CALLOUT_TIMEOUT));
+        assert_eq!(timeout(-5), Some(MAX_CALLOUT_TIMEOUT));
     }
 }

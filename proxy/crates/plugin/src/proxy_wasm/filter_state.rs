@@ -6,7 +6,8 @@
 //!   reads it back (`properties::get` asks here for what is no attribute).
 //!   Kept per HTTP context, dropped when its request ends; a root context
 //!   has no stream, and gets `NotFound`, as in Envoy;
-//! - `proxy_get_status`: the status of the last HTTP call's answer;
+//! - `proxy_get_status`: the status of the HTTP or gRPC call whose
+//!   outcome is being delivered;
 //! - `proxy_call_foreign_function`: `NotFound`, as Envoy answers for a
 //!   name it lacks (Higress's wasm-go asks for `get_log_level` on every
 //!   log line and carries on).
@@ -99,24 +100,23 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         "env",
         "proxy_get_status",
         |mut c: C<'_>, ret_code: i32, ret_ptr: i32, ret_len: i32| -> R {
-            // An HTTP call's answer without headers is one that failed:
-            // Envoy's BrokenConnection (reset), with its message.
-            let failed = c
-                .data()
-                .call
-                .answer
-                .as_ref()
-                .is_some_and(|(pairs, _)| pairs.is_empty());
-            let (code, message): (u32, &[u8]) = if failed {
-                (BROKEN_CONNECTION, b"reset")
-            } else {
-                (0, b"")
+            // A gRPC call's status as it closed; an HTTP call's answer
+            // without headers is one that failed: Envoy's
+            // BrokenConnection (reset), with its message.
+            let call = &c.data().call;
+            let (code, message): (u32, Vec<u8>) = match &call.grpc {
+                Some(Err((code, message))) => (*code, message.clone().into_bytes()),
+                Some(Ok(_)) => (0, Vec::new()),
+                None if call.answer.as_ref().is_some_and(|(p, _)| p.is_empty()) => {
+                    (BROKEN_CONNECTION, b"reset".to_vec())
+                }
+                None => (0, Vec::new()),
             };
             write_u32(&mut c, ret_code, code)?;
             if message.is_empty() {
                 return Ok(Status::Ok as i32);
             }
-            give(&mut c, message, (ret_ptr, ret_len))
+            give(&mut c, &message, (ret_ptr, ret_len))
         },
     )?;
     linker.func_wrap(

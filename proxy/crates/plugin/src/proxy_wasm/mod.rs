@@ -23,6 +23,7 @@ mod bodies;
 mod call;
 mod callout;
 mod filter_state;
+mod grpc;
 mod guest;
 mod imports;
 mod map;
@@ -102,6 +103,8 @@ pub struct VmState {
     /// While the VM starts, the last lines the filter logged: a filter
     /// that refuses its configuration usually says why.
     start_log: Option<std::collections::VecDeque<String>>,
+    /// Its gRPC calls in flight.
+    grpc: grpc::Calls,
 }
 
 /// The names an HTTP call may give an upstream of the policies, each
@@ -234,6 +237,7 @@ impl ProxyWasm {
             .and_then(|()| abi::add_to_linker(&mut linker))
             .and_then(|()| callout::add_to_linker(&mut linker))
             .and_then(|()| filter_state::add_to_linker(&mut linker))
+            .and_then(|()| grpc::add_to_linker(&mut linker))
             .and_then(|()| shared::add_to_linker(&mut linker))
             .and_then(|()| tick::add_to_linker(&mut linker))
             .and_then(|()| queue::add_to_linker(&mut linker))

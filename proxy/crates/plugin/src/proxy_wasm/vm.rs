@@ -50,6 +50,8 @@ pub enum Export {
     RequestTrailers,
     ResponseTrailers,
     HttpCallResponse,
+    GrpcReceive,
+    GrpcClose,
     Tick,
     QueueReady,
     Done,
@@ -58,7 +60,7 @@ pub enum Export {
 }
 
 impl Export {
-    const COUNT: usize = 17;
+    const COUNT: usize = 19;
     const ALL: [Export; Export::COUNT] = [
         Export::Initialize,
         Export::Start,
@@ -72,6 +74,8 @@ impl Export {
         Export::RequestTrailers,
         Export::ResponseTrailers,
         Export::HttpCallResponse,
+        Export::GrpcReceive,
+        Export::GrpcClose,
         Export::Tick,
         Export::QueueReady,
         Export::Done,
@@ -93,6 +97,8 @@ impl Export {
             Export::RequestTrailers => "proxy_on_request_trailers",
             Export::ResponseTrailers => "proxy_on_response_trailers",
             Export::HttpCallResponse => "proxy_on_http_call_response",
+            Export::GrpcReceive => "proxy_on_grpc_receive",
+            Export::GrpcClose => "proxy_on_grpc_close",
             Export::Tick => "proxy_on_tick",
             Export::QueueReady => "proxy_on_queue_ready",
             Export::Done => "proxy_on_done",
@@ -359,6 +365,31 @@ impl Vm {
             vm.call(filter, Export::HttpCallResponse, &args, 0)
         });
         (call, result.map(|_| ()))
+    }
+
+    /// A gRPC call's outcome, in `call.grpc`, for call `token`:
+    /// `proxy_on_grpc_receive` with its message, or `proxy_on_grpc_close`
+    /// with its status (on the root context, as for HTTP calls).
+    pub fn grpc_outcome(
+        &mut self,
+        filter: &ProxyWasm,
+        token: u32,
+        call: Box<Call>,
+    ) -> (Box<Call>, Result<(), PluginError>) {
+        let (export, last) = match &call.grpc {
+            Some(Ok(message)) => (Export::GrpcReceive, message.len() as i32),
+            Some(Err((code, _))) => (Export::GrpcClose, *code as i32),
+            None => return (call, Ok(())),
+        };
+        let args = [ROOT, token as i32, last];
+        let (call, result) = self.with_call(call, |vm| vm.call(filter, export, &args, 0));
+        (call, result.map(|_| ()))
+    }
+
+    /// Whether `token` is a gRPC call's (forgotten now): `Some(true)` for
+    /// one the filter cancelled.
+    pub fn take_grpc(&mut self, token: u32) -> Option<bool> {
+        self.store.data_mut().grpc.take(token)
     }
 
     /// The tick period the filter set.

@@ -136,6 +136,7 @@ impl ProxyWasm {
             context: 0,
             filter_state: Default::default(),
             start_log: Some(Default::default()),
+            grpc: Default::default(),
         };
         Vm::start(self, state, generation)
     }
