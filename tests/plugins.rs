@@ -28,6 +28,7 @@ mod proxy_wasm_isolation;
 mod proxy_wasm_settings;
 mod standard;
 mod third_party;
+mod third_party_envoy;
 mod webhooks;
 
 pub(crate) fn hmac_sha256_hex(secret: &[u8], body: &[u8]) -> String {

@@ -6,8 +6,9 @@
 #
 # gpustack-higress-plugins 0.5.1: Higress's own filters (transformer,
 # ai-statistics, ...) and GPUStack's, built with Higress's wasm-go SDK
-# for wasip1 (Go's own compiler, not TinyGo), as Higress's plugin hub
-# ships them.
+# for wasip1 (Go's own compiler, not TinyGo) but for ai-data-masking
+# (Rust, Higress's fork of the Rust SDK), as Higress's plugin hub ships
+# them.
 set -euo pipefail
 dir=$1
 [ -f "$dir/gpustack_higress_plugins/manifest.json" ] && exit 0

@@ -8,7 +8,7 @@ use super::*;
 
 /// A filter of the GPUStack Higress plugins wheel (PyPI
 /// `gpustack-higress-plugins` 0.5.1), by name and version.
-fn higress_plugin(name: &str, version: &str) -> std::path::PathBuf {
+pub(super) fn higress_plugin(name: &str, version: &str) -> std::path::PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(
         || std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"),
         std::path::PathBuf::from,
@@ -107,10 +107,10 @@ routes:
     }
 }
 
-/// Higress's `ai-data-masking` needs ~200 ms of CPU and more than 48 MiB
-/// to start (Go's runtime growing its heap in `proxy_on_configure`): it
+/// Higress's `ai-data-masking` (Rust) needs ~200 ms of CPU and more than
+/// 48 MiB to start (its rules compiled in `proxy_on_configure`): it
 /// starts under the defaults, a start's budget (`start_timeout`, 1 s) and
-/// a filter's memory (64 MiB), with no settings. A GPUStack filter that
+/// a filter's memory (128 MiB), with no settings. A GPUStack filter that
 /// refuses its configuration is refused by `check` in its own words.
 #[test]
 fn higress_filters_start_with_no_settings_or_say_why_they_do_not() {

@@ -194,3 +194,82 @@ static_resources:
         }
     }
 }
+
+/// A copy of the proxy-wasm module `filter` in `dir` with its ABI marker
+/// export `from` renamed `to`: Higress's filters export
+/// `proxy_abi_version_0_2_100`, which Envoy 1.40 refuses to load, and
+/// are otherwise filters of ABI 0.2.1. Only the export section changes.
+pub fn renamed_marker(filter: &Path, dir: &Path, from: &str, to: &str) -> PathBuf {
+    let module = std::fs::read(filter).expect("read filter");
+    assert_eq!(
+        &module[..4],
+        b"\0asm",
+        "{} is not a core module",
+        filter.display()
+    );
+    let mut out = module[..8].to_vec();
+    let mut at = 8;
+    let mut renamed = false;
+    while at < module.len() {
+        let id = module[at];
+        let (size, start) = leb128(&module, at + 1);
+        let end = start + size as usize;
+        if id != 7 {
+            out.extend_from_slice(&module[at..end]);
+            at = end;
+            continue;
+        }
+        // The export section: a count, then (name, kind, index) each.
+        let (count, mut i) = leb128(&module, start);
+        let mut section = Vec::new();
+        push_leb128(&mut section, count);
+        for _ in 0..count {
+            let (len, name_at) = leb128(&module, i);
+            let mut name = &module[name_at..name_at + len as usize];
+            let (_, after_index) = leb128(&module, name_at + len as usize + 1);
+            let kind_and_index = &module[name_at + len as usize..after_index];
+            if name == from.as_bytes() {
+                name = to.as_bytes();
+                renamed = true;
+            }
+            push_leb128(&mut section, name.len() as u64);
+            section.extend_from_slice(name);
+            section.extend_from_slice(kind_and_index);
+            i = after_index;
+        }
+        out.push(7);
+        push_leb128(&mut out, section.len() as u64);
+        out.extend_from_slice(&section);
+        at = end;
+    }
+    assert!(renamed, "{} exports no `{from}`", filter.display());
+    let path = dir.join("for-envoy.wasm");
+    std::fs::write(&path, out).expect("write renamed filter");
+    path
+}
+
+/// An unsigned LEB128 number at `at`, and where what follows it starts.
+fn leb128(bytes: &[u8], mut at: usize) -> (u64, usize) {
+    let (mut value, mut shift) = (0u64, 0);
+    loop {
+        let byte = bytes[at];
+        at += 1;
+        value |= u64::from(byte & 0x7f) << shift;
+        if byte < 0x80 {
+            return (value, at);
+        }
+        shift += 7;
+    }
+}
+
+fn push_leb128(out: &mut Vec<u8>, mut value: u64) {
+    loop {
+        let byte = (value & 0x7f) as u8;
+        value >>= 7;
+        if value == 0 {
+            out.push(byte);
+            return;
+        }
+        out.push(byte | 0x80);
+    }
+}

@@ -46,8 +46,8 @@ pub struct PluginUse {
     /// Deadline for starting an instance or VM, in CPU time.
     pub start_timeout: Duration,
     /// Memory cap per instance, bytes; `None`: the kind's default (16 MiB
-    /// for a component, 64 MiB for a proxy-wasm filter, whose Go runtime
-    /// grows to ~50 MiB as it starts).
+    /// for a component, 128 MiB for a proxy-wasm filter, whose Go runtime
+    /// grows past 96 MiB as some filters start).
     pub memory: Option<usize>,
     /// A new instance for every request (nothing can carry over between
     /// requests) instead of reusing idle ones.

@@ -126,7 +126,7 @@ pub struct RawPluginUse {
     /// `_initialize`, `proxy_on_vm_start`, `proxy_on_configure`; a
     /// component's `configure`), in CPU time (default 1s).
     pub start_timeout: Option<Text>,
-    /// Memory cap per instance (default 16MiB for a component, 64MiB for
+    /// Memory cap per instance (default 16MiB for a component, 128MiB for
     /// a proxy-wasm filter).
     pub memory: Option<Text>,
     /// `false` (or empty) leaves the plugin out.

@@ -52,9 +52,11 @@ use vm::Vm;
 
 /// The exports that make a core module a proxy-wasm filter.
 /// A filter VM's memory cap unless its use sets one: Go's runtime (Go
-/// filters, Higress's hub) grows to ~50 MiB as it starts (Higress's
-/// ai-data-masking needs more than 48 MiB in `proxy_on_configure`).
-pub const DEFAULT_MEMORY: usize = 64 << 20;
+/// filters, Higress's hub) grows its heap in steps as it starts, and
+/// Higress's ai-data-masking (Rust) with its README's `replace_roles`
+/// needs more than 96 MiB in `proxy_on_configure` (Envoy sets no cap). It bounds a
+/// runaway filter; memory not grown into is not taken.
+pub const DEFAULT_MEMORY: usize = 128 << 20;
 
 /// Higress's filters (its wasm-go SDK and its hub) mark themselves with
 /// `_0_2_100`, its Envoy's ABI: 0.2.1 and its host extensions.
