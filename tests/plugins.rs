@@ -24,6 +24,7 @@ mod packaging;
 mod proxy_wasm;
 mod proxy_wasm_bodies;
 mod proxy_wasm_grpc;
+mod proxy_wasm_grpc_stream;
 mod proxy_wasm_isolation;
 mod proxy_wasm_settings;
 mod standard;

@@ -94,12 +94,17 @@ async fn learnt(addr: std::net::SocketAddr, headers: &[(&str, &str)]) -> Fields 
         .collect()
 }
 
-#[tokio::test]
-pub(super) async fn a_filters_grpc_calls_end_as_in_envoy() {
-    let app = upstream::echo("app").await;
-    let (service, mut seen) = echo_service().await;
+/// Envoy with the `proxy-wasm-grpc` filter, and a policy directory for
+/// Portcullis with it, both routing to `app`, with the gRPC service
+/// `service` as cluster or upstream `name` (HTTP/2); Portcullis also has
+/// it as `{name}1`, over HTTP/1.1.
+pub(super) async fn both_on(
+    app: &Upstream,
+    name: &str,
+    service: &Upstream,
+) -> (crate::support::envoy::Envoy, tempfile::TempDir) {
     let filter = plugin_file("proxy-wasm-grpc");
-    let clusters = [("app", app.addr), ("echo", service.addr)];
+    let clusters = [("app", app.addr), (name, service.addr)];
     let envoy = crate::support::envoy::Envoy::with_clusters_h2(&filter, "", &clusters).await;
     let dir = policy_dir(
         &format!(
@@ -107,8 +112,8 @@ pub(super) async fn a_filters_grpc_calls_end_as_in_envoy() {
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
 upstreams:
   - {{ name: app, endpoints: ["{}"] }}
-  - {{ name: echo, endpoints: ["{}"], http2: true }}
-  - {{ name: echo1, endpoints: ["{}"] }}
+  - {{ name: {name}, endpoints: ["{}"], http2: true }}
+  - {{ name: {name}1, endpoints: ["{}"] }}
 plugins: [{{ name: pw, path: proxy-wasm-grpc.wasm }}]
 routes: [{{ name: g, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ use: pw }}] }}]
 "#,
@@ -118,6 +123,14 @@ routes: [{{ name: g, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ us
         ),
         &["proxy-wasm-grpc"],
     );
+    (envoy, dir)
+}
+
+#[tokio::test]
+pub(super) async fn a_filters_grpc_calls_end_as_in_envoy() {
+    let app = upstream::echo("app").await;
+    let (service, mut seen) = echo_service().await;
+    let (envoy, dir) = both_on(&app, "echo", &service).await;
     let proxy = Proxy::start_dir(dir, &[]).await;
     let call = |method: &'static str| vec![("x-grpc-call", "echo"), ("x-grpc-method", method)];
     let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());

@@ -1,25 +1,25 @@
 //! A plugin's callout sent to an upstream of the policies through its
 //! pool (balancing, TLS, retries and metrics as for forwarded requests),
-//! and its answer read whole for the plugin.
+//! and its answer read whole for the plugin; or opened as a stream (a
+//! gRPC stream), its messages going and coming as they are made.
 
 use std::time::Instant;
 
+use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::uri::PathAndQuery;
 use http_body_util::BodyExt;
-use portcullis_plugin::seam::{Callout, CalloutAnswer, MAX_CALLOUT_BODY};
+use portcullis_plugin::seam::{Callout, CalloutAnswer, MAX_CALLOUT_BODY, StreamEvent};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use crate::body::Body;
 use crate::forward::{Outgoing, UpstreamPool};
 
-/// Sends `c` through `pool` and reads the answer within its timeout.
-pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
+/// The request `c` is (its body `streamed`, if given); why not, when it
+/// cannot be sent through `pool`.
+fn outgoing(pool: &UpstreamPool, c: Callout, streamed: Option<Body>) -> Result<Outgoing, String> {
     let Ok(path) = PathAndQuery::try_from(c.path.as_str()) else {
-        let why = format!("`{}` is not a request path", c.path);
-        return CalloutAnswer::Failed {
-            timed_out: false,
-            why,
-        };
+        return Err(format!("`{}` is not a request path", c.path));
     };
     // gRPC is HTTP/2 only: over an HTTP/1.1 upstream the call would
     // reach a server that cannot answer it, and fail obscurely.
@@ -28,45 +28,58 @@ pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
         .get(header::CONTENT_TYPE)
         .is_some_and(|t| t.as_bytes().starts_with(b"application/grpc"));
     if grpc && !pool.spec.http2 {
-        let why = format!(
+        return Err(format!(
             "upstream `{}` speaks HTTP/1.1; a gRPC call needs `http2: true` on it",
             pool.spec.name
-        );
-        return CalloutAnswer::Failed {
-            timed_out: false,
-            why,
-        };
+        ));
     }
     let mut headers = c.headers;
     if let Some(authority) = c.authority.and_then(|a| HeaderValue::from_str(&a).ok()) {
         headers.insert(header::HOST, authority);
     }
-    if !c.body.is_empty() {
-        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(c.body.len()));
-    }
-    let out = Outgoing {
+    let body = match streamed {
+        Some(body) => body,
+        None => {
+            if !c.body.is_empty() {
+                headers.insert(header::CONTENT_LENGTH, HeaderValue::from(c.body.len()));
+            }
+            Body::full(c.body)
+        }
+    };
+    Ok(Outgoing {
         method: c.method,
         path,
         headers,
-        body: Body::full(c.body),
+        body,
         affinity: None,
         own_host: true,
+    })
+}
+
+/// Sends `c` through `pool` and reads the answer within its timeout.
+pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
+    let timeout = c.timeout;
+    let out = match outgoing(pool, c, None) {
+        Ok(out) => out,
+        Err(why) => {
+            return CalloutAnswer::Failed {
+                timed_out: false,
+                why,
+            };
+        }
     };
     let params = matchit::Params::new();
     let asked = Instant::now();
     let whole = async {
-        let (resp, held) = pool
-            .send(out, &params, c.timeout, None)
-            .await
-            .map_err(|e| {
-                let why = e.upstream_error();
-                if let Some(why) = why {
-                    pool.stats.failed(why);
-                }
-                // The pool's own response timeout is the callout's.
-                let timed_out = why == Some(portcullis_obs::metrics::UpstreamError::Timeout);
-                (timed_out, e.to_string())
-            })?;
+        let (resp, held) = pool.send(out, &params, timeout, None).await.map_err(|e| {
+            let why = e.upstream_error();
+            if let Some(why) = why {
+                pool.stats.failed(why);
+            }
+            // The pool's own response timeout is the callout's.
+            let timed_out = why == Some(portcullis_obs::metrics::UpstreamError::Timeout);
+            (timed_out, e.to_string())
+        })?;
         pool.stats.record(resp.status().as_u16(), asked.elapsed());
         let (parts, body) = resp.into_parts();
         let whole = http_body_util::Limited::new(body, MAX_CALLOUT_BODY)
@@ -83,7 +96,7 @@ pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
             trailers,
         })
     };
-    match tokio::time::timeout(c.timeout, whole).await {
+    match tokio::time::timeout(timeout, whole).await {
         Ok(Ok(answer)) => answer,
         Ok(Err((timed_out, why))) => CalloutAnswer::Failed { timed_out, why },
         Err(_) => {
@@ -91,9 +104,93 @@ pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
                 .failed(portcullis_obs::metrics::UpstreamError::Timeout);
             CalloutAnswer::Failed {
                 timed_out: true,
-                why: format!("no answer within {:?}", c.timeout),
+                why: format!("no answer within {timeout:?}"),
             }
         }
+    }
+}
+
+/// Opens `c` through `pool` as a stream: its body is what arrives on
+/// `body`, and the answer is told on `events` as it comes. `c.timeout`
+/// bounds the wait for the answer's head; a stream then lasts as long
+/// as both sides keep it open (as Envoy's gRPC streams: no timeout).
+pub async fn stream(
+    pool: &UpstreamPool,
+    c: Callout,
+    body: UnboundedReceiver<Bytes>,
+    events: UnboundedSender<StreamEvent>,
+) {
+    let timeout = c.timeout;
+    let failed = |timed_out, why| {
+        let _ = events.send(StreamEvent::Failed { timed_out, why });
+    };
+    let out = match outgoing(pool, c, Some(Body::boxed(Sent(body)))) {
+        Ok(out) => out,
+        Err(why) => return failed(false, why),
+    };
+    let params = matchit::Params::new();
+    let asked = Instant::now();
+    let (resp, held) =
+        match tokio::time::timeout(timeout, pool.send(out, &params, timeout, None)).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => {
+                let why = e.upstream_error();
+                if let Some(why) = why {
+                    pool.stats.failed(why);
+                }
+                let timed_out = why == Some(portcullis_obs::metrics::UpstreamError::Timeout);
+                return failed(timed_out, e.to_string());
+            }
+            Err(_) => {
+                pool.stats
+                    .failed(portcullis_obs::metrics::UpstreamError::Timeout);
+                return failed(true, format!("no answer within {timeout:?}"));
+            }
+        };
+    pool.stats.record(resp.status().as_u16(), asked.elapsed());
+    let (parts, mut answer) = resp.into_parts();
+    let head = StreamEvent::Head {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+    };
+    if events.send(head).is_err() {
+        return;
+    }
+    while let Some(frame) = answer.frame().await {
+        let event = match frame {
+            Ok(frame) => match frame.into_data() {
+                Ok(data) => StreamEvent::Data(data),
+                Err(frame) => match frame.into_trailers() {
+                    Ok(trailers) => StreamEvent::Trailers(trailers),
+                    Err(_) => continue,
+                },
+            },
+            Err(e) => return failed(false, format!("reading the answer: {e}")),
+        };
+        // The other side gone (the stream cancelled): stop reading.
+        if events.send(event).is_err() {
+            return;
+        }
+    }
+    drop(held);
+    let _ = events.send(StreamEvent::End);
+}
+
+/// A stream's request body: each message as the plugin sends it, until
+/// it half-closes (drops its sender).
+struct Sent(UnboundedReceiver<Bytes>);
+
+impl http_body::Body for Sent {
+    type Data = Bytes;
+    type Error = crate::body::BodyError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|sent| sent.map(|data| Ok(http_body::Frame::data(data))))
     }
 }
 
@@ -106,16 +203,21 @@ pub struct PoolCallouts {
     pub upstreams: Vec<Vec<std::sync::Arc<UpstreamPool>>>,
 }
 
+impl PoolCallouts {
+    /// Worker `shard`'s pool of the upstream `name`.
+    fn pool(&self, shard: usize, name: &str) -> Option<std::sync::Arc<UpstreamPool>> {
+        let i = self.config.upstream_index(name)?;
+        Some(self.upstreams[shard % self.upstreams.len()][i].clone())
+    }
+}
+
 impl portcullis_plugin::Callouts for PoolCallouts {
     fn send(
         &self,
         shard: usize,
         callout: Callout,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = CalloutAnswer> + Send>> {
-        let pool = self
-            .config
-            .upstream_index(&callout.upstream)
-            .map(|i| self.upstreams[shard % self.upstreams.len()][i].clone());
+        let pool = self.pool(shard, &callout.upstream);
         Box::pin(async move {
             match pool {
                 Some(pool) => send(&pool, callout).await,
@@ -123,6 +225,28 @@ impl portcullis_plugin::Callouts for PoolCallouts {
                     timed_out: false,
                     why: format!("no upstream `{}` in the policies", callout.upstream),
                 },
+            }
+        })
+    }
+
+    fn stream(
+        &self,
+        shard: usize,
+        callout: Callout,
+        body: UnboundedReceiver<Bytes>,
+        events: UnboundedSender<StreamEvent>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        let pool = self.pool(shard, &callout.upstream);
+        Box::pin(async move {
+            match pool {
+                Some(pool) => stream(&pool, callout, body, events).await,
+                None => {
+                    let why = format!("no upstream `{}` in the policies", callout.upstream);
+                    let _ = events.send(StreamEvent::Failed {
+                        timed_out: false,
+                        why,
+                    });
+                }
             }
         })
     }

@@ -75,7 +75,7 @@ pub use facts::{RequestFacts, apply_edits, to_wit_headers};
 pub use host::{PluginHost, disk_cache_outcomes, forget_unused, host, use_disk_cache};
 pub use seam::{
     BodyVerdict, Callout, CalloutAnswer, Callouts, GrpcReply, Hooks, LocalAnswer, Plugin,
-    RequestLent, ResponseLent, ResponseVerdict, Steer, Stream, Verdict,
+    RequestLent, ResponseLent, ResponseVerdict, Steer, Stream, StreamEvent, Verdict,
 };
 
 /// How often the epoch advances; deadlines are whole ticks.

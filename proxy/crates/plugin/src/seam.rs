@@ -110,6 +110,46 @@ pub trait Callouts: Send + Sync {
         shard: usize,
         callout: Callout,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = CalloutAnswer> + Send>>;
+
+    /// Opens `callout` as a stream (a gRPC stream): its body is what
+    /// arrives on `body` until that closes, and what comes back is told
+    /// on `events` as it comes, ending with [`StreamEvent::End`] or
+    /// [`StreamEvent::Failed`]. The future drives it; dropping it ends it.
+    /// `callout.timeout` bounds the wait for the answer's head only.
+    fn stream(
+        &self,
+        _shard: usize,
+        callout: Callout,
+        _body: tokio::sync::mpsc::UnboundedReceiver<Bytes>,
+        events: tokio::sync::mpsc::UnboundedSender<StreamEvent>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        let why = format!("no streams to upstream `{}` here", callout.upstream);
+        let _ = events.send(StreamEvent::Failed {
+            timed_out: false,
+            why,
+        });
+        Box::pin(std::future::ready(()))
+    }
+}
+
+/// What comes back on a [`Callouts::stream`], in order: a head, data,
+/// perhaps trailers, then its end (or a failure at any point).
+#[derive(Debug)]
+pub enum StreamEvent {
+    Head {
+        status: u16,
+        headers: http::HeaderMap,
+    },
+    Data(Bytes),
+    Trailers(http::HeaderMap),
+    /// The answer ended (after its trailers, if it had any).
+    End,
+    /// No answer, or the stream broke: unreachable, reset, or with
+    /// `timed_out`, no head within the callout's timeout.
+    Failed {
+        timed_out: bool,
+        why: String,
+    },
 }
 
 /// The largest callout answer body read; a larger one fails the callout.

@@ -24,6 +24,18 @@ const RESPONSE_TRAILERS: i32 = 3;
 const HTTP_REQUEST_BODY: i32 = 0;
 const HTTP_RESPONSE_BODY: i32 = 1;
 const HTTP_CALL_RESPONSE_HEADERS: i32 = 6;
+/// A gRPC stream's initial and trailing metadata: read, as an HTTP call's
+/// answer's headers are, from the pairs the callback is given.
+const GRPC_INITIAL_METADATA: i32 = 4;
+const GRPC_TRAILING_METADATA: i32 = 5;
+
+/// Whether map `kind` is an answer's, given whole with its callback.
+fn answer_map(kind: i32) -> bool {
+    matches!(
+        kind,
+        HTTP_CALL_RESPONSE_HEADERS | GRPC_INITIAL_METADATA | GRPC_TRAILING_METADATA
+    )
+}
 const HTTP_CALL_RESPONSE_BODY: i32 = 4;
 const PLUGIN_CONFIGURATION: i32 = 7;
 const VM_CONFIGURATION: i32 = 6;
@@ -203,7 +215,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 return ok(Status::BadArgument);
             }
             let key = read(&mut c, key_ptr, key_len)?;
-            let value = if kind == HTTP_CALL_RESPONSE_HEADERS {
+            let value = if answer_map(kind) {
                 let answer = c.data().call.answer.as_ref();
                 let pairs = answer.map_or(&[][..], |(pairs, _)| pairs.as_slice());
                 let key = key.to_ascii_lowercase();
@@ -395,7 +407,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
 /// Every header of `kind`'s map with its pseudo-headers first, as Envoy
 /// lists them; `None` for a map the call has none of.
 fn pairs(state: &VmState, kind: i32) -> Option<Vec<(Vec<u8>, Vec<u8>)>> {
-    if kind == HTTP_CALL_RESPONSE_HEADERS {
+    if answer_map(kind) {
         return state.call.answer.as_ref().map(|(pairs, _)| pairs.clone());
     }
     let names: &[&[u8]] = match kind {

@@ -68,8 +68,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             let Some(callout) = callout(upstream, &pairs, body, timeout_ms) else {
                 return Ok(Status::BadArgument as i32);
             };
-            let token = c.data().next_token;
-            c.data_mut().next_token = token.wrapping_add(1).max(1);
+            let token = c.data_mut().take_token();
             c.data_mut().call.callouts.push((token, callout));
             write_u32(&mut c, ret_token, token)?;
             Ok(Status::Ok as i32)

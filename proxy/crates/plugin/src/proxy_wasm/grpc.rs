@@ -22,11 +22,11 @@ pub const GRPC_RECEIVE_BUFFER: i32 = 5;
 
 /// ABI statuses Envoy answers a call it cannot make with (the Rust SDK
 /// hands these two back; it panics on the others).
-const PARSE_FAILURE: i32 = 4;
-const INTERNAL_FAILURE: i32 = 10;
+pub(super) const PARSE_FAILURE: i32 = 4;
+pub(super) const INTERNAL_FAILURE: i32 = 10;
 
 /// gRPC status codes this host gives.
-mod code {
+pub(super) mod code {
     pub const OK: u32 = 0;
     pub const UNKNOWN: u32 = 2;
     pub const PERMISSION_DENIED: u32 = 7;
@@ -92,31 +92,14 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
          timeout_ms: i32,
          ret_token: i32|
          -> wasmtime::Result<i32> {
-            let upstream = read(&mut c, up_ptr, up_len)?;
-            let service = read(&mut c, service_ptr, service_len)?;
-            let method = read(&mut c, method_ptr, method_len)?;
-            let metadata = read(&mut c, meta_ptr, meta_len)?;
+            let target = [(up_ptr, up_len), (service_ptr, service_len)];
+            let target = (target, (method_ptr, method_len), (meta_ptr, meta_len));
             let message = read(&mut c, message_ptr, message_len)?;
-            // A cluster Envoy does not know is a ParseFailure there (it
-            // first tries the name as a serialized GrpcService).
-            let names = &c.data().upstreams;
-            let Some((_, upstream)) = names.iter().find(|(n, _)| n.as_bytes() == upstream) else {
-                return Ok(PARSE_FAILURE);
+            let callout = match request(&mut c, target, Some((&message, timeout_ms)))? {
+                Ok(callout) => callout,
+                Err(status) => return Ok(status),
             };
-            let upstream = upstream.to_string();
-            let Some(pairs) = map::deserialize(&metadata) else {
-                return Ok(INTERNAL_FAILURE);
-            };
-            let path = format!(
-                "/{}/{}",
-                String::from_utf8_lossy(&service),
-                String::from_utf8_lossy(&method)
-            );
-            let Some(callout) = callout(upstream, path, &pairs, &message, timeout_ms) else {
-                return Ok(INTERNAL_FAILURE);
-            };
-            let token = c.data().next_token;
-            c.data_mut().next_token = token.wrapping_add(1).max(1);
+            let token = c.data_mut().take_token();
             c.data_mut().grpc.0.push((token, false));
             c.data_mut().call.callouts.push((token, callout));
             write_u32(&mut c, ret_token, token)?;
@@ -124,31 +107,80 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         },
     )?;
     // A unary call has nothing to half-close: both drop its outcome, as
-    // Envoy cancels the request for either.
-    for name in ["proxy_grpc_cancel", "proxy_grpc_close"] {
-        linker.func_wrap("env", name, |mut c: C<'_>, token: i32| -> i32 {
-            match c.data_mut().grpc.cancel(token as u32) {
+    // Envoy cancels the request for either. A stream's cancel ends it; its
+    // close half-closes it (see grpc_stream.rs).
+    linker.func_wrap(
+        "env",
+        "proxy_grpc_cancel",
+        |mut c: C<'_>, token: i32| -> i32 {
+            let state = c.data_mut();
+            match state.grpc.cancel(token as u32) || state.streams.cancel(token as u32) {
                 true => Status::Ok as i32,
                 false => Status::NotFound as i32,
             }
-        })?;
-    }
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_grpc_close",
+        |mut c: C<'_>, token: i32| -> i32 {
+            let state = c.data_mut();
+            match state.grpc.cancel(token as u32) || state.streams.half_close(token as u32) {
+                true => Status::Ok as i32,
+                false => Status::NotFound as i32,
+            }
+        },
+    )?;
     Ok(())
 }
 
-/// The HTTP/2 request a call is: `None` when its metadata or path
-/// cannot be a request's.
+/// Pointers to a call's upstream and service, its method, and its
+/// metadata, in the filter's memory.
+type Target = ([(i32, i32); 2], (i32, i32), (i32, i32));
+
+/// The HTTP/2 request a call (with its message and timeout) or a stream
+/// (with neither) is, read from the filter's memory; the ABI status to
+/// answer instead when it cannot be made.
+pub(super) fn request(
+    c: &mut Caller<'_, VmState>,
+    ([upstream, service], method, metadata): Target,
+    unary: Option<(&[u8], i32)>,
+) -> wasmtime::Result<Result<Callout, i32>> {
+    let upstream = read(c, upstream.0, upstream.1)?;
+    let service = read(c, service.0, service.1)?;
+    let method = read(c, method.0, method.1)?;
+    let metadata = read(c, metadata.0, metadata.1)?;
+    // A cluster Envoy does not know is a ParseFailure there (it first
+    // tries the name as a serialized GrpcService).
+    let names = &c.data().upstreams;
+    let Some((_, upstream)) = names.iter().find(|(n, _)| n.as_bytes() == upstream) else {
+        return Ok(Err(PARSE_FAILURE));
+    };
+    let upstream = upstream.to_string();
+    let Some(pairs) = map::deserialize(&metadata) else {
+        return Ok(Err(INTERNAL_FAILURE));
+    };
+    let path = format!(
+        "/{}/{}",
+        String::from_utf8_lossy(&service),
+        String::from_utf8_lossy(&method)
+    );
+    Ok(callout(upstream, path, &pairs, unary).ok_or(INTERNAL_FAILURE))
+}
+
+/// The HTTP/2 request a call (its message and timeout given) or a stream
+/// is: `None` when its metadata or path cannot be a request's. A stream
+/// has no deadline; its callout's timeout bounds the wait for its head.
 fn callout(
     upstream: String,
     path: String,
     metadata: &[(&[u8], &[u8])],
-    message: &[u8],
-    timeout_ms: i32,
+    unary: Option<(&[u8], i32)>,
 ) -> Option<Callout> {
     use http::header::{HeaderName, HeaderValue};
     // No timeout given (0): the ceiling, as Envoy's is none.
-    let timeout = match timeout_ms {
-        ms if ms > 0 => Duration::from_millis(ms as u64).min(MAX_CALLOUT_TIMEOUT),
+    let timeout = match unary {
+        Some((_, ms)) if ms > 0 => Duration::from_millis(ms as u64).min(MAX_CALLOUT_TIMEOUT),
         _ => MAX_CALLOUT_TIMEOUT,
     };
     let mut headers = http::HeaderMap::new();
@@ -165,13 +197,14 @@ fn callout(
     let constant = HeaderValue::from_static;
     headers.insert(http::header::CONTENT_TYPE, constant("application/grpc"));
     headers.insert(http::header::TE, constant("trailers"));
-    let deadline = format!("{}m", timeout.as_millis());
-    headers.insert("grpc-timeout", HeaderValue::from_str(&deadline).ok()?);
-    // One uncompressed, length-prefixed message.
-    let mut body = BytesMut::with_capacity(5 + message.len());
-    body.put_u8(0);
-    body.put_u32(message.len() as u32);
-    body.put_slice(message);
+    let body = match unary {
+        Some((message, _)) => {
+            let deadline = format!("{}m", timeout.as_millis());
+            headers.insert("grpc-timeout", HeaderValue::from_str(&deadline).ok()?);
+            frame(message)
+        }
+        None => Bytes::new(),
+    };
     http::uri::PathAndQuery::try_from(path.as_str()).ok()?;
     Some(Callout {
         upstream,
@@ -179,9 +212,18 @@ fn callout(
         path,
         authority: None,
         headers,
-        body: body.freeze(),
+        body,
         timeout,
     })
+}
+
+/// `message` as gRPC sends one: uncompressed, length-prefixed.
+pub(super) fn frame(message: &[u8]) -> Bytes {
+    let mut body = BytesMut::with_capacity(5 + message.len());
+    body.put_u8(0);
+    body.put_u32(message.len() as u32);
+    body.put_slice(message);
+    body.freeze()
 }
 
 /// What a call's HTTP answer means in gRPC's terms, as Envoy's gRPC
@@ -241,7 +283,7 @@ pub fn outcome(answer: CalloutAnswer) -> Outcome {
 
 /// The gRPC status of an HTTP error, as gRPC's HTTP mapping (and
 /// Envoy's `httpToGrpcStatus`) gives it.
-fn from_http(status: u16) -> u32 {
+pub(super) fn from_http(status: u16) -> u32 {
     match status {
         400 => code::INTERNAL,
         401 => code::UNAUTHENTICATED,
@@ -254,7 +296,7 @@ fn from_http(status: u16) -> u32 {
 
 /// A `grpc-message`, percent-decoded as the gRPC spec sends it; as UTF-8
 /// (the Rust SDK takes the status message as a `String`).
-fn decode(raw: &[u8]) -> String {
+pub(super) fn decode(raw: &[u8]) -> String {
     let mut out = Vec::with_capacity(raw.len());
     let mut i = 0;
     while i < raw.len() {
@@ -318,7 +360,13 @@ mod tests {
     #[test]
     fn a_call_is_framed_as_grpc_asks() {
         let meta: [(&[u8], &[u8]); 2] = [(b"x-from", b"filter"), (b":authority", b"evil")];
-        let c = callout("app".into(), "/test.Echo/Say".into(), &meta, b"hey", 0).unwrap();
+        let c = callout(
+            "app".into(),
+            "/test.Echo/Say".into(),
+            &meta,
+            Some((b"hey", 0)),
+        )
+        .unwrap();
         assert_eq!(c.method, http::Method::POST);
         assert_eq!(&c.body[..], b"\0\0\0\0\x03hey");
         assert_eq!(c.headers["content-type"], "application/grpc");

@@ -24,6 +24,7 @@ mod call;
 mod callout;
 mod filter_state;
 mod grpc;
+mod grpc_stream;
 mod guest;
 mod imports;
 mod map;
@@ -107,6 +108,8 @@ pub struct VmState {
     start_log: Option<std::collections::VecDeque<String>>,
     /// Its gRPC calls in flight.
     grpc: grpc::Calls,
+    /// Its gRPC streams open.
+    streams: grpc_stream::Streams,
 }
 
 /// The names an HTTP call may give an upstream of the policies, each
@@ -119,6 +122,14 @@ pub type UpstreamNames = Arc<[(Arc<str>, Arc<str>)]>;
 const START_LOG_LINES: usize = 5;
 
 impl VmState {
+    /// A token for an HTTP call, a gRPC call or stream: one count for
+    /// all, so an answer's token tells which it is for.
+    fn take_token(&mut self) -> u32 {
+        let token = self.next_token;
+        self.next_token = token.wrapping_add(1).max(1);
+        token
+    }
+
     /// Notes a line the filter logged at `level` (proxy-wasm's: 3 is a
     /// warning), while it starts.
     fn said(&mut self, level: i32, line: &str) {
@@ -240,6 +251,7 @@ impl ProxyWasm {
             .and_then(|()| callout::add_to_linker(&mut linker))
             .and_then(|()| filter_state::add_to_linker(&mut linker))
             .and_then(|()| grpc::add_to_linker(&mut linker))
+            .and_then(|()| grpc_stream::add_to_linker(&mut linker))
             .and_then(|()| shared::add_to_linker(&mut linker))
             .and_then(|()| tick::add_to_linker(&mut linker))
             .and_then(|()| queue::add_to_linker(&mut linker))

@@ -52,6 +52,8 @@ pub enum Export {
     HttpCallResponse,
     GrpcReceive,
     GrpcClose,
+    GrpcInitialMetadata,
+    GrpcTrailingMetadata,
     Tick,
     QueueReady,
     Done,
@@ -60,7 +62,7 @@ pub enum Export {
 }
 
 impl Export {
-    const COUNT: usize = 19;
+    const COUNT: usize = 21;
     const ALL: [Export; Export::COUNT] = [
         Export::Initialize,
         Export::Start,
@@ -76,6 +78,8 @@ impl Export {
         Export::HttpCallResponse,
         Export::GrpcReceive,
         Export::GrpcClose,
+        Export::GrpcInitialMetadata,
+        Export::GrpcTrailingMetadata,
         Export::Tick,
         Export::QueueReady,
         Export::Done,
@@ -99,6 +103,8 @@ impl Export {
             Export::HttpCallResponse => "proxy_on_http_call_response",
             Export::GrpcReceive => "proxy_on_grpc_receive",
             Export::GrpcClose => "proxy_on_grpc_close",
+            Export::GrpcInitialMetadata => "proxy_on_grpc_receive_initial_metadata",
+            Export::GrpcTrailingMetadata => "proxy_on_grpc_receive_trailing_metadata",
             Export::Tick => "proxy_on_tick",
             Export::QueueReady => "proxy_on_queue_ready",
             Export::Done => "proxy_on_done",
@@ -381,9 +387,31 @@ impl Vm {
             Some(Err((code, _))) => (Export::GrpcClose, *code as i32),
             None => return (call, Ok(())),
         };
+        self.grpc_callback(filter, export, (token, last), call)
+    }
+
+    /// gRPC callback `export` (one of `proxy_on_grpc_*`) on the root
+    /// context for `token` with `last` (a size, a count or a status),
+    /// lent `call` (which holds what the callback reads); none if the
+    /// filter does not export it.
+    pub fn grpc_callback(
+        &mut self,
+        filter: &ProxyWasm,
+        export: Export,
+        (token, last): (u32, i32),
+        call: Box<Call>,
+    ) -> (Box<Call>, Result<(), PluginError>) {
+        if self.exports[export as usize].is_none() {
+            return (call, Ok(()));
+        }
         let args = [ROOT, token as i32, last];
         let (call, result) = self.with_call(call, |vm| vm.call(filter, export, &args, 0));
         (call, result.map(|_| ()))
+    }
+
+    /// Its gRPC streams open.
+    pub fn streams(&mut self) -> &mut super::grpc_stream::Streams {
+        &mut self.store.data_mut().streams
     }
 
     /// Whether `token` is a gRPC call's (forgotten now): `Some(true)` for

@@ -137,6 +137,7 @@ impl ProxyWasm {
             filter_state: Default::default(),
             start_log: Some(Default::default()),
             grpc: Default::default(),
+            streams: Default::default(),
         };
         Vm::start(self, state, generation)
     }
