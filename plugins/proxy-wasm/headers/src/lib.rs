@@ -8,7 +8,9 @@
 //! counts the fields it was given; a response's trailers get
 //! `x-pw-grpc-status` with their `grpc-status`. With `x-audit: CLUSTER`
 //! it posts the path it saw to `/audit` on that cluster and goes on
-//! without waiting for the answer.
+//! without waiting for the answer. `x-reset: request` resets the request
+//! before it goes anywhere; `x-reset: response` resets it once the
+//! response head comes (`proxy_close_stream`).
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
@@ -58,6 +60,7 @@ impl RootContext for Root {
             tag: self.tag.clone(),
             vm: self.vm.clone(),
             root: self.root.clone(),
+            reset_response: false,
         }))
     }
 
@@ -70,12 +73,21 @@ struct Filter {
     tag: String,
     vm: String,
     root: String,
+    reset_response: bool,
 }
 
 impl Context for Filter {}
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        match self.get_http_request_header("x-reset").as_deref() {
+            Some("request") => {
+                self.reset_http_request();
+                return Action::Pause;
+            }
+            Some("response") => self.reset_response = true,
+            _ => {}
+        }
         if self.get_http_request_header("x-deny").as_deref() == Some("quietly") {
             self.send_http_response(401, vec![], None);
             return Action::Pause;
@@ -119,6 +131,10 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        if self.reset_response {
+            self.reset_http_response();
+            return Action::Pause;
+        }
         let status = self.get_http_response_header(":status").unwrap_or_default();
         self.set_http_response_header("x-pw-status", Some(&status));
         let count = self.get_http_response_headers().len();

@@ -75,6 +75,40 @@ pub(crate) fn rate_limited(
 #[derive(Clone, Copy, Debug)]
 pub struct Linger;
 
+/// Marks an answer that is none: its stream is reset instead (a
+/// plugin's doing; see [`reset`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ResetStream;
+
+impl std::fmt::Display for ResetStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a plugin reset the stream")
+    }
+}
+
+impl std::error::Error for ResetStream {}
+
+/// No answer: the request's stream is reset where the answer would go out
+/// (an HTTP/1.1 connection closes with nothing sent; an HTTP/2 or HTTP/3
+/// stream is reset). Its status, 444, is nginx's for a connection closed
+/// with no answer: what the access log and metrics show.
+pub fn reset() -> Response<Body> {
+    let mut resp = Response::new(Body::empty());
+    *resp.status_mut() = StatusCode::from_u16(444).unwrap_or(StatusCode::BAD_REQUEST);
+    resp.extensions_mut().insert(ResetStream);
+    resp
+}
+
+/// `resp` as hyper takes it: an error for an answer that is a reset, so
+/// hyper resets the stream (closes an HTTP/1.1 connection unanswered).
+#[inline]
+pub fn or_reset<B>(resp: Response<B>) -> Result<Response<B>, ResetStream> {
+    match resp.extensions().get::<ResetStream>() {
+        Some(reset) => Err(*reset),
+        None => Ok(resp),
+    }
+}
+
 /// The 413 answer to a body over the route's `max_request_body`.
 pub(crate) fn too_large(
     route: &Route,

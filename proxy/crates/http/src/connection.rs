@@ -7,7 +7,7 @@
 //! What each request gets is the caller's `respond` (the phase driver,
 //! [`crate::phases`]).
 
-use std::convert::Infallible;
+use crate::answers::ResetStream;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -85,7 +85,7 @@ impl Finish {
     pub fn answer(
         self,
         mut resp: Response<ResponseBody>,
-    ) -> Result<Response<ResponseBody>, Infallible> {
+    ) -> Result<Response<ResponseBody>, ResetStream> {
         let Finish { served, version } = self;
         if let Some(retire) = &served.retire {
             retire.count(version, &mut resp);
@@ -98,7 +98,7 @@ impl Finish {
             served.clock.linger();
         }
         resp.body_mut().set_ended(Ended::new(served.clock.clone()));
-        Ok(resp)
+        crate::answers::or_reset(resp)
     }
 }
 
@@ -113,10 +113,10 @@ pub struct InPlace<F>(pub F);
 impl<F, Fut> hyper::service::Service<Request<Incoming>> for InPlace<F>
 where
     F: Fn(Request<Incoming>) -> Fut,
-    Fut: Future<Output = Result<Response<ResponseBody>, Infallible>>,
+    Fut: Future<Output = Result<Response<ResponseBody>, ResetStream>>,
 {
     type Response = Response<ResponseBody>;
-    type Error = Infallible;
+    type Error = ResetStream;
     type Future = Fut;
 
     #[inline(always)]
@@ -138,7 +138,7 @@ where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     N: AsRef<str> + Send + 'static,
     M: FnOnce(Requests) -> Svc,
-    Svc: HttpService<Incoming, ResBody = ResponseBody, Error = Infallible> + Send + 'static,
+    Svc: HttpService<Incoming, ResBody = ResponseBody, Error = ResetStream> + Send + 'static,
     Svc::Future: Send + 'static,
     TokioExecutor: Http2ServerConnExec<Svc::Future, ResponseBody>,
 {

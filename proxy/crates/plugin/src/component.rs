@@ -237,6 +237,7 @@ impl Binding {
             body: local.body.into(),
             error_shape: true,
             grpc: seam::GrpcReply::AsMade,
+            reset: false,
         }
     }
 }

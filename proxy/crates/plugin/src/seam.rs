@@ -245,6 +245,12 @@ pub struct LocalAnswer {
     pub error_shape: bool,
     /// How it reaches a gRPC client.
     pub grpc: GrpcReply,
+    /// No answer: the stream is reset instead (a proxy-wasm filter's
+    /// `proxy_close_stream`, as Envoy resets it): an HTTP/1.1 connection
+    /// closes with nothing sent, an HTTP/2 or HTTP/3 stream is reset; one
+    /// whose answer has begun is cut off. Logged as 444, nginx's status
+    /// for a connection closed with no answer.
+    pub reset: bool,
 }
 
 /// How a plugin's answer reaches a gRPC client (a `POST` of

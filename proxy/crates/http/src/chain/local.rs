@@ -15,6 +15,9 @@ pub(super) fn local_answer(
     route: &Route,
     local: LocalAnswer,
 ) -> Response<Body> {
+    if local.reset {
+        return crate::answers::reset();
+    }
     // Only a final answer: a 1xx is none (a client that asked for no
     // upgrade would wait on a 101 for ever).
     let Some(status) = StatusCode::from_u16(local.status)

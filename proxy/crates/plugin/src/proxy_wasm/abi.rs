@@ -362,6 +362,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 body: body.into(),
                 error_shape: false,
                 grpc: crate::seam::GrpcReply::TrailersOnly(code),
+                reset: false,
             });
             ok(Status::Ok)
         },
@@ -393,6 +394,22 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         if kind == 0 {
             c.data_mut().call.resumed = true;
         }
+        ok(Status::Ok)
+    })?;
+    // Closing the request or the response resets the stream, as Envoy
+    // does; a connection's streams (2, 3) are a network filter's.
+    linker.func_wrap(env, "proxy_close_stream", |mut c: C<'_>, kind: i32| {
+        if !(0..=1).contains(&kind) {
+            return ok(Status::BadArgument);
+        }
+        c.data_mut().call.local = Some(LocalAnswer {
+            status: 444,
+            headers: HeaderMap::new(),
+            body: bytes::Bytes::new(),
+            error_shape: false,
+            grpc: crate::seam::GrpcReply::AsMade,
+            reset: true,
+        });
         ok(Status::Ok)
     })?;
     linker.func_wrap(env, "proxy_continue_request", |mut c: C<'_>| {

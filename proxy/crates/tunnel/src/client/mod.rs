@@ -8,7 +8,6 @@
 //! threads and uses that worker's upstream pools, like a listener's
 //! connection would.
 
-use std::convert::Infallible;
 use std::hash::{BuildHasher, Hasher};
 use std::net::SocketAddr;
 use std::path::PathBuf;

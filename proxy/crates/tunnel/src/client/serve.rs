@@ -1,6 +1,7 @@
 //! A tunnel's serving side: the HTTP/2 server (WebSocket) or QUIC streams the tunnel server's requests arrive on, each handled by the routing core's pipeline.
 
 use super::*;
+use portcullis_http::answers::ResetStream;
 
 /// Serves HTTP/2 from the server over one tunnel until it ends; on drain,
 /// stops taking new streams and lets those in flight finish.
@@ -101,8 +102,8 @@ pub(super) fn service(
 ) -> impl hyper::service::Service<
     Request<Incoming>,
     Response = Response<ResponseBody>,
-    Error = Infallible,
-    Future = impl Future<Output = Result<Response<ResponseBody>, Infallible>> + Send + 'static,
+    Error = ResetStream,
+    Future = impl Future<Output = Result<Response<ResponseBody>, ResetStream>> + Send + 'static,
 > + Clone
 + 'static {
     let connected = Arc::new(AtomicBool::new(false));
@@ -123,7 +124,8 @@ pub(super) fn service(
             if http1 {
                 crate::quic::declare_trailers(&mut resp);
             }
-            Ok::<_, Infallible>(resp)
+            // A plugin's reset resets the tunnelled stream.
+            portcullis_http::answers::or_reset(resp)
         }
     })
 }
