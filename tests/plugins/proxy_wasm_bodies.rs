@@ -34,7 +34,16 @@ async fn pieces() -> Upstream {
         let frames = chunks
             .into_iter()
             .map(|c| Ok::<_, std::io::Error>(hyper::body::Frame::data(c)));
-        let stream = futures_util::stream::iter(frames);
+        // The pieces come after the head, not in its packet: a body the
+        // proxy reads with its head is a body at hand, which the filter
+        // gets before the head leaves, and these answers test a body that
+        // streams. Nothing tells the upstream that the proxy has read the
+        // head; a pause does.
+        let after_the_head = futures_util::stream::once(async {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            futures_util::stream::iter(frames)
+        });
+        let stream = futures_util::StreamExt::flatten(after_the_head);
         Response::new(http_body_util::StreamBody::new(stream).boxed())
     })
     .await
