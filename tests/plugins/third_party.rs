@@ -111,13 +111,16 @@ routes:
 /// 48 MiB to start (its rules compiled in `proxy_on_configure`): it
 /// starts under the defaults, a start's budget (`start_timeout`, 1 s) and
 /// a filter's memory (128 MiB), with no settings. A GPUStack filter that
-/// refuses its configuration is refused by `check` in its own words.
+/// refuses its configuration is refused by `check` in its own words; one
+/// that imports Higress's Redis calls, not offered yet, is refused naming
+/// them.
 #[test]
 fn higress_filters_start_with_no_settings_or_say_why_they_do_not() {
     let dir = tempfile::tempdir().unwrap();
     for (file, name, version) in [
         ("masking.wasm", "ai-data-masking", "2.0.3"),
         ("pre-route.wasm", "gpustack-set-header-pre-route", "1.0.1"),
+        ("rate-limit.wasm", "gpustack-rate-limit", "1.0.1"),
     ] {
         std::fs::copy(higress_plugin(name, version), dir.path().join(file)).unwrap();
     }
@@ -129,6 +132,7 @@ upstreams: [{{ name: app, endpoints: ["http://127.0.0.1:9"] }}]
 plugins:
   - {{ name: masking, path: masking.wasm }}
   - {{ name: pre-route, path: pre-route.wasm }}
+  - {{ name: rate-limit, path: rate-limit.wasm }}
 routes:
 {routes}"#
         )
@@ -142,7 +146,7 @@ routes:
     let (ok, _, stderr) = crate::support::check(dir.path());
     assert!(!ok, "{stderr}");
     assert!(
-        stderr.contains("policy.yaml:8:")
+        stderr.contains("policy.yaml:9:")
             && stderr.contains(
                 "refused its configuration (proxy_on_configure returned false); it logged:"
             )
@@ -150,4 +154,10 @@ routes:
                 .contains("one of the routeNameHeader or clusterNameHeader should be configured"),
         "{stderr}"
     );
+    let redis = "  - { name: l, match: { path: /l }, upstream: app, plugins: [{ use: rate-limit, config: {} }] }\n";
+    std::fs::write(dir.path().join("policy.yaml"), policy(redis)).unwrap();
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok, "{stderr}");
+    let named = "it imports `env::proxy_redis_init`, `env::proxy_redis_call` which this proxy-wasm host does not offer (Higress's Redis calls are not offered yet)";
+    assert!(stderr.contains(named), "{stderr}");
 }

@@ -246,8 +246,7 @@ impl ProxyWasm {
     ) -> Result<Arc<ProxyWasm>, String> {
         let mut linker: Linker<VmState> = Linker::new(engine);
         linker.allow_shadowing(true);
-        let linked = imports::stub_imports(&mut linker, module)
-            .and_then(|()| abi::add_to_linker(&mut linker))
+        let linked = abi::add_to_linker(&mut linker)
             .and_then(|()| callout::add_to_linker(&mut linker))
             .and_then(|()| filter_state::add_to_linker(&mut linker))
             .and_then(|()| grpc::add_to_linker(&mut linker))
@@ -255,9 +254,12 @@ impl ProxyWasm {
             .and_then(|()| shared::add_to_linker(&mut linker))
             .and_then(|()| tick::add_to_linker(&mut linker))
             .and_then(|()| queue::add_to_linker(&mut linker))
-            .and_then(|()| wasi::add_to_linker(&mut linker))
-            .and_then(|()| linker.instantiate_pre(module));
-        let pre = linked.map_err(|e| format!("cannot be linked: {e:#}"))?;
+            .and_then(|()| wasi::add_to_linker(&mut linker));
+        linked.map_err(|e| format!("cannot be linked: {e:#}"))?;
+        imports::stand_ins(&mut linker, module)?;
+        let pre = linker
+            .instantiate_pre(module)
+            .map_err(|e| format!("cannot be linked: {e:#}"))?;
         let filter = ProxyWasm {
             name: settings.name,
             fail: settings.fail,
