@@ -24,7 +24,7 @@ if command -v rustup >/dev/null 2>&1 && ! rustup target list --installed | grep 
   rustup target add wasm32-wasip1
 fi
 cargo build --locked --release --target wasm32-wasip1 --manifest-path proxy-wasm/Cargo.toml
-for crate in auth body grpc headers keys misbehave require shared; do
+for crate in auth body grpc headers keys misbehave redis require shared; do
   cp "$CARGO_TARGET_DIR/wasm32-wasip1/release/proxy_wasm_$crate.wasm" "dist/proxy-wasm-$crate.wasm"
 done
 ls -l dist

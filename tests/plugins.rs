@@ -26,6 +26,7 @@ mod proxy_wasm_bodies;
 mod proxy_wasm_grpc;
 mod proxy_wasm_grpc_stream;
 mod proxy_wasm_isolation;
+mod proxy_wasm_redis;
 mod proxy_wasm_reset;
 mod proxy_wasm_settings;
 mod standard;

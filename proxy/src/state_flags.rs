@@ -9,7 +9,8 @@ use portcullis_net::redis_target::RedisTarget;
 #[derive(Debug, clap::Args)]
 pub struct StateFlags {
     /// Redis that replicas share state in: routes' `rate_limit` with
-    /// `shared: true` are counted there across replicas.
+    /// `shared: true` are counted there across replicas, and proxy-wasm
+    /// filters' Redis calls (Higress's) go there.
     /// `redis://[USER@]HOST:PORT[/DB]`, or `rediss://` for TLS; the
     /// password comes from --state-password-file or
     /// PORTCULLIS_STATE_PASSWORD, never from the URL.

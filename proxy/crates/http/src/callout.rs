@@ -219,6 +219,9 @@ impl portcullis_plugin::Callouts for PoolCallouts {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = CalloutAnswer> + Send>> {
         let pool = self.pool(shard, &callout.upstream);
         Box::pin(async move {
+            if callout.redis {
+                return crate::redis_calls::send(&callout.body, callout.timeout).await;
+            }
             match pool {
                 Some(pool) => send(&pool, callout).await,
                 None => CalloutAnswer::Failed {

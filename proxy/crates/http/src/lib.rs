@@ -24,6 +24,7 @@ pub mod mirror;
 pub mod phases;
 pub mod pipeline;
 pub mod rate_limit;
+mod redis_calls;
 pub mod request_head;
 pub mod route_state;
 pub mod server;

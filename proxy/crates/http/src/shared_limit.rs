@@ -111,6 +111,11 @@ impl SharedState {
         status.error = error;
     }
 
+    /// The connection, while the store is reachable.
+    pub fn connection(&self) -> Option<std::sync::Arc<redis::aio::MultiplexedConnection>> {
+        self.conn.load_full()
+    }
+
     /// The store's state for `/status`.
     pub fn status(&self) -> Status {
         self.status

@@ -218,6 +218,7 @@ impl Binding {
             headers,
             body: c.body.into(),
             timeout: std::time::Duration::from_millis(u64::from(ms)),
+            redis: false,
         })
     }
 

@@ -74,6 +74,10 @@ pub struct Callout {
     pub body: Bytes,
     /// How long the whole answer may take.
     pub timeout: std::time::Duration,
+    /// Not an HTTP request but a Redis command (`body`, RESP-encoded) for
+    /// the state store (Higress's `proxy_redis_call`): answered 200 with
+    /// Redis's reply (RESP) as the body.
+    pub redis: bool,
 }
 
 /// What came of a [`Callout`].

@@ -365,6 +365,9 @@ impl Pipeline {
 
     /// Sends a plugin's callout to the upstream it names.
     async fn callout(&self, conn: &ConnInfo, request: plugin::Callout) -> plugin::CalloutAnswer {
+        if request.redis {
+            return crate::redis_calls::send(&request.body, request.timeout).await;
+        }
         let Some(index) = self.config.upstream_index(&request.upstream) else {
             let why = format!("no upstream `{}` in the policies", request.upstream);
             return plugin::CalloutAnswer::Failed {

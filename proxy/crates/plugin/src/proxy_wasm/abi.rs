@@ -108,6 +108,10 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     Some((_, body)) => body.clone(),
                     None => return ok(Status::NotFound),
                 },
+                super::redis::REDIS_CALL_RESPONSE_BUFFER => match &c.data().call.answer {
+                    Some((_, body)) => body.clone(),
+                    None => return ok(Status::NotFound),
+                },
                 super::grpc::GRPC_RECEIVE_BUFFER => match &c.data().call.grpc {
                     Some(Ok(message)) => message.clone(),
                     _ => return ok(Status::NotFound),

@@ -111,6 +111,7 @@ fn callout(upstream: String, pairs: &[(&[u8], &[u8])], body: Vec<u8>, ms: i32) -
             ms if ms > 0 => Duration::from_millis(ms as u64).min(MAX_CALLOUT_TIMEOUT),
             _ => MAX_CALLOUT_TIMEOUT,
         },
+        redis: false,
     })
 }
 
@@ -321,6 +322,21 @@ fn deliver(
     mut call: Box<Call>,
     answer: CalloutAnswer,
 ) -> (Box<Call>, Result<(), PluginError>) {
+    if vm.take_redis(token) {
+        let status = match answer {
+            CalloutAnswer::Answered { body, .. } => {
+                call.answer = Some((Vec::new(), body));
+                0
+            }
+            CalloutAnswer::Failed { why, .. } => {
+                if containment::may_log(&filter.name) {
+                    tracing::warn!(plugin = %filter.name, error = %why, "a plugin's Redis call failed");
+                }
+                1
+            }
+        };
+        return vm.redis_response(filter, token, status, call);
+    }
     match vm.take_grpc(token) {
         Some(true) => (call, Ok(())),
         Some(false) => {

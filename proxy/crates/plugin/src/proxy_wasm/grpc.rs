@@ -214,6 +214,7 @@ fn callout(
         headers,
         body,
         timeout,
+        redis: false,
     })
 }
 

@@ -66,14 +66,8 @@ pub fn stand_ins(linker: &mut Linker<VmState>, module: &wasmtime::Module) -> Res
     if missing.is_empty() {
         return Ok(());
     }
-    let higress = missing.iter().any(|m| m.contains("proxy_redis_"));
     Err(format!(
-        "it imports {} which this proxy-wasm host does not offer{}",
-        missing.join(", "),
-        if higress {
-            " (Higress's Redis calls are not offered yet)"
-        } else {
-            ""
-        }
+        "it imports {} which this proxy-wasm host does not offer",
+        missing.join(", ")
     ))
 }

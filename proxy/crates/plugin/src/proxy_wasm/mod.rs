@@ -30,6 +30,7 @@ mod imports;
 mod map;
 mod properties;
 mod queue;
+mod redis;
 mod shared;
 mod tick;
 mod vm;
@@ -110,6 +111,8 @@ pub struct VmState {
     grpc: grpc::Calls,
     /// Its gRPC streams open.
     streams: grpc_stream::Streams,
+    /// Its Redis calls (Higress's).
+    redis: redis::Calls,
 }
 
 /// The names an HTTP call may give an upstream of the policies, each
@@ -251,6 +254,7 @@ impl ProxyWasm {
             .and_then(|()| filter_state::add_to_linker(&mut linker))
             .and_then(|()| grpc::add_to_linker(&mut linker))
             .and_then(|()| grpc_stream::add_to_linker(&mut linker))
+            .and_then(|()| redis::add_to_linker(&mut linker))
             .and_then(|()| shared::add_to_linker(&mut linker))
             .and_then(|()| tick::add_to_linker(&mut linker))
             .and_then(|()| queue::add_to_linker(&mut linker))

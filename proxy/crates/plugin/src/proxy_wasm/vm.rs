@@ -54,6 +54,7 @@ pub enum Export {
     GrpcClose,
     GrpcInitialMetadata,
     GrpcTrailingMetadata,
+    RedisCallResponse,
     Tick,
     QueueReady,
     Done,
@@ -62,7 +63,7 @@ pub enum Export {
 }
 
 impl Export {
-    const COUNT: usize = 21;
+    const COUNT: usize = 22;
     const ALL: [Export; Export::COUNT] = [
         Export::Initialize,
         Export::Start,
@@ -80,6 +81,7 @@ impl Export {
         Export::GrpcClose,
         Export::GrpcInitialMetadata,
         Export::GrpcTrailingMetadata,
+        Export::RedisCallResponse,
         Export::Tick,
         Export::QueueReady,
         Export::Done,
@@ -105,6 +107,7 @@ impl Export {
             Export::GrpcClose => "proxy_on_grpc_close",
             Export::GrpcInitialMetadata => "proxy_on_grpc_receive_initial_metadata",
             Export::GrpcTrailingMetadata => "proxy_on_grpc_receive_trailing_metadata",
+            Export::RedisCallResponse => "proxy_on_redis_call_response",
             Export::Tick => "proxy_on_tick",
             Export::QueueReady => "proxy_on_queue_ready",
             Export::Done => "proxy_on_done",
@@ -401,12 +404,46 @@ impl Vm {
         (token, last): (u32, i32),
         call: Box<Call>,
     ) -> (Box<Call>, Result<(), PluginError>) {
+        self.root_callback(filter, export, &[ROOT, token as i32, last], call)
+    }
+
+    /// A Redis call's outcome for call `token` (Higress's
+    /// `proxy_on_redis_call_response` on the root context): `status` 0
+    /// with the reply in `call.answer`'s body, or non-zero with none.
+    pub fn redis_response(
+        &mut self,
+        filter: &ProxyWasm,
+        token: u32,
+        status: i32,
+        call: Box<Call>,
+    ) -> (Box<Call>, Result<(), PluginError>) {
+        let size = call
+            .answer
+            .as_ref()
+            .map_or(0, |(_, body)| body.len() as i32);
+        let args = [ROOT, token as i32, status, size];
+        self.root_callback(filter, Export::RedisCallResponse, &args, call)
+    }
+
+    /// Callback `export` with `args` (the root context first), lent
+    /// `call`; none if the filter does not export it.
+    fn root_callback(
+        &mut self,
+        filter: &ProxyWasm,
+        export: Export,
+        args: &[i32],
+        call: Box<Call>,
+    ) -> (Box<Call>, Result<(), PluginError>) {
         if self.exports[export as usize].is_none() {
             return (call, Ok(()));
         }
-        let args = [ROOT, token as i32, last];
-        let (call, result) = self.with_call(call, |vm| vm.call(filter, export, &args, 0));
+        let (call, result) = self.with_call(call, |vm| vm.call(filter, export, args, 0));
         (call, result.map(|_| ()))
+    }
+
+    /// Whether `token` is a Redis call's (forgotten now).
+    pub fn take_redis(&mut self, token: u32) -> bool {
+        self.store.data_mut().redis.take(token)
     }
 
     /// Its gRPC streams open.

@@ -138,6 +138,7 @@ impl ProxyWasm {
             start_log: Some(Default::default()),
             grpc: Default::default(),
             streams: Default::default(),
+            redis: Default::default(),
         };
         Vm::start(self, state, generation)
     }
