@@ -133,6 +133,27 @@ async fn a_filter_defines_at_most_its_share_of_metric_names() {
     assert_eq!(plugin_counter(&metrics, "namer", "request0_0"), 1);
 }
 
+/// Lines below the log level (debug, under the default info) are neither
+/// written nor counted against the plugin's 100 a second: 2,000 of them
+/// drop nothing, and a warning right after is written, not crowded out.
+#[tokio::test]
+async fn lines_below_the_log_level_cost_a_plugin_nothing() {
+    let app = upstream::echo("app").await;
+    let proxy = misbehaving_on("chatty", "/chat", &app.url()).await;
+    let debug = [("x-count", "2000"), ("x-level", "debug")];
+    let answer = misbehaving(proxy.url("/chat"), "logs", &debug).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let answer = misbehaving(proxy.url("/chat"), "logs", &[("x-count", "1")]).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    eventually("the warning is logged", Duration::from_secs(10), || async {
+        proxy.count_logs("flooding the log, line 0") == 1
+    })
+    .await;
+    let dropped = plugin_counter(&metrics(&proxy).await, "chatty", "log_lines_dropped");
+    assert_eq!(dropped, 0);
+    assert_eq!(proxy.count_logs("chattering"), 0);
+}
+
 /// One call logs 2,000 lines: at most the plugin's budget reaches the log
 /// (100 a second), the rest are counted as dropped.
 #[tokio::test]

@@ -77,11 +77,12 @@ pub(super) async fn a_filters_redis_calls_reach_the_state_store() {
 pub(super) async fn a_redis_call_with_no_state_store_fails_to_the_filter() {
     let app = upstream::echo("app").await;
     let dir = policy(&app);
-    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let mut proxy = ProxyProcess::start_on(dir.path(), &[]).await;
     assert_eq!(
         told(proxy.addr, "INCR hits").await,
         (String::new(), "1".to_owned())
     );
-    let line = proxy.find_log("a plugin's Redis call failed");
+    // Its log is read as it comes: wait for the line.
+    let line = proxy.wait_for_log("a plugin's Redis call failed").await;
     assert!(line.contains("serve --state redis://"), "{line}");
 }

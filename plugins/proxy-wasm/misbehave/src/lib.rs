@@ -9,7 +9,8 @@
 //!   `second`);
 //! - `metrics` defines `x-count` counters of its own (default 5,000),
 //!   each named after the request (`x-name`), and adds one to each;
-//! - `logs` logs `x-count` lines (default 2,000);
+//! - `logs` logs `x-count` lines (default 2,000), at warning level or at
+//!   `x-level: debug`;
 //! - `callouts` makes `x-count` calls to the cluster `x-cluster` (`GET
 //!   /slow`) without waiting for them, and goes on;
 //! - `slow-call` calls `x-cluster` (`GET /slow`, timeout `x-call-ms`) and
@@ -38,7 +39,9 @@ thread_local! {
 }
 
 proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Info);
+    // Every line goes to the host, which decides what is written (as a
+    // filter that logs by its own level, not the host's, does).
+    proxy_wasm::set_log_level(LogLevel::Trace);
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root) });
 }}
 
@@ -142,8 +145,12 @@ impl HttpContext for Filter {
                 }
             }
             Some("logs") => {
+                let debug = self.get_http_request_header("x-level").as_deref() == Some("debug");
                 for i in 0..self.number("x-count", 2_000) {
-                    log::warn!("flooding the log, line {i}");
+                    match debug {
+                        true => log::debug!("chattering, line {i}"),
+                        false => log::warn!("flooding the log, line {i}"),
+                    }
                 }
             }
             Some("callouts") => {

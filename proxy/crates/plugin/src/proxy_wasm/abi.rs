@@ -9,13 +9,13 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use portcullis_net::framing;
 use wasmtime::{Caller, Linker};
 
-use super::guest::{Status, give, read, write, write_u32};
+use super::guest::{Status, give, read, write};
 use super::{VmState, map};
 use crate::containment::Edit;
 use crate::seam::LocalAnswer;
 
-type C<'a> = Caller<'a, VmState>;
-type R = wasmtime::Result<i32>;
+pub(super) type C<'a> = Caller<'a, VmState>;
+pub(super) type R = wasmtime::Result<i32>;
 
 const REQUEST_HEADERS: i32 = 0;
 const REQUEST_TRAILERS: i32 = 1;
@@ -40,48 +40,13 @@ const HTTP_CALL_RESPONSE_BODY: i32 = 4;
 const PLUGIN_CONFIGURATION: i32 = 7;
 const VM_CONFIGURATION: i32 = 6;
 
-fn ok(s: Status) -> R {
+pub(super) fn ok(s: Status) -> R {
     Ok(s as i32)
 }
 
 /// Adds the ABI's calls to `linker`.
 pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
     let env = "env";
-    linker.func_wrap(
-        env,
-        "proxy_log",
-        |mut c: C<'_>, level: i32, ptr: i32, len: i32| -> R {
-            if !crate::containment::may_log(&c.data().plugin) {
-                return ok(Status::Ok);
-            }
-            let message = read(&mut c, ptr, len)?;
-            let message = String::from_utf8_lossy(&message);
-            let message = crate::containment::log_line(&message);
-            c.data_mut().said(level, message);
-            let plugin = &*c.data().plugin;
-            match level {
-                0 => tracing::trace!(plugin, "{message}"),
-                1 => tracing::debug!(plugin, "{message}"),
-                2 => tracing::info!(plugin, "{message}"),
-                3 => tracing::warn!(plugin, "{message}"),
-                _ => tracing::error!(plugin, "{message}"),
-            }
-            ok(Status::Ok)
-        },
-    )?;
-    linker.func_wrap(env, "proxy_get_log_level", |mut c: C<'_>, ret: i32| -> R {
-        use tracing::level_filters::LevelFilter;
-        let level = match LevelFilter::current() {
-            LevelFilter::TRACE => 0,
-            LevelFilter::DEBUG => 1,
-            LevelFilter::INFO => 2,
-            LevelFilter::WARN => 3,
-            LevelFilter::ERROR => 4,
-            _ => 5,
-        };
-        write_u32(&mut c, ret, level)?;
-        ok(Status::Ok)
-    })?;
     linker.func_wrap(
         env,
         "proxy_get_current_time_nanoseconds",

@@ -27,6 +27,7 @@ mod grpc;
 mod grpc_stream;
 mod guest;
 mod imports;
+mod log;
 mod map;
 mod properties;
 mod queue;
@@ -250,6 +251,7 @@ impl ProxyWasm {
         let mut linker: Linker<VmState> = Linker::new(engine);
         linker.allow_shadowing(true);
         let linked = abi::add_to_linker(&mut linker)
+            .and_then(|()| log::add_to_linker(&mut linker))
             .and_then(|()| callout::add_to_linker(&mut linker))
             .and_then(|()| filter_state::add_to_linker(&mut linker))
             .and_then(|()| grpc::add_to_linker(&mut linker))
