@@ -11,11 +11,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
+
+from serve_proc import quantile as q, serve
 
 binary, rounds, debounce = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 plugin = sys.argv[4] if len(sys.argv) > 4 else None
@@ -65,19 +65,7 @@ cleanup()
 for key in ["routing.yaml"] + (["sig.wasm"] if plugin else []):
     os.symlink(f"..data/{key}", os.path.join(root, key))
 
-env = dict(os.environ, PORTCULLIS_LOG_FORMAT="json", RUST_LOG="info,access=off")
-proc = subprocess.Popen(
-    [binary, "serve", "--policies", root, "--admin", "127.0.0.1:0", "--watch-debounce", debounce],
-    stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
-addr = admin = None
-for line in proc.stderr:
-    msg = json.loads(line)
-    if msg.get("message") == "admin listening":
-        admin = msg["addr"]
-    if msg.get("message") == "listening":
-        addr = msg["addr"]
-        break
-threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+proc, addr, admin = serve(binary, "--policies", root, "--watch-debounce", debounce)
 host, port = addr.rsplit(":", 1)
 conn = http.client.HTTPConnection(host, int(port))
 
@@ -110,11 +98,6 @@ finally:
     proc.terminate()
     proc.wait()
     shutil.rmtree(root)
-
-
-def q(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
 print(f"debounce {debounce}{' + plugin' if plugin else ''}: swap->served "
