@@ -23,6 +23,7 @@ mod isolation;
 mod packaging;
 mod proxy_wasm;
 mod proxy_wasm_bodies;
+mod proxy_wasm_foreign;
 mod proxy_wasm_grpc;
 mod proxy_wasm_grpc_stream;
 mod proxy_wasm_isolation;

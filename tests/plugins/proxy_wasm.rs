@@ -513,3 +513,21 @@ routes: [{{ name: pw, match: {{ path: /pw }}, upstream: app, plugins: [{{ use: p
         assert_eq!(ours.status, expected, "{headers:?}");
     }
 }
+
+/// A policy directory with the headers filter (config `t`) on every path
+/// of a route to `app`, as the Envoy of [`crate::support::envoy::Envoy::with_filter`]
+/// given the same filter and config has it.
+pub(super) fn headers_filter_everywhere(app: &Upstream) -> tempfile::TempDir {
+    policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: pw, path: proxy-wasm-headers.wasm }}]
+routes: [{{ name: r, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ use: pw, config: t }}] }}]
+"#,
+            app.url()
+        ),
+        &["proxy-wasm-headers"],
+    )
+}

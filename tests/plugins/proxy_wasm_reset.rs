@@ -38,18 +38,7 @@ pub(super) async fn a_filter_resets_its_request_as_in_envoy() {
     let (app, hits) = upstream::counted_echo("app").await;
     let filter = plugin_file("proxy-wasm-headers");
     let envoy = crate::support::envoy::Envoy::with_filter(&filter, "t", app.addr).await;
-    let dir = policy_dir(
-        &format!(
-            r#"
-listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
-upstreams: [{{ name: app, endpoints: ["{}"] }}]
-plugins: [{{ name: pw, path: proxy-wasm-headers.wasm }}]
-routes: [{{ name: r, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ use: pw, config: t }}] }}]
-"#,
-            app.url()
-        ),
-        &["proxy-wasm-headers"],
-    );
+    let dir = super::proxy_wasm::headers_filter_everywhere(&app);
     let log = dir.path().join("access.log");
     let proxy =
         ProxyProcess::start_on(dir.path(), &["--access-log", &log.display().to_string()]).await;

@@ -10,7 +10,12 @@
 //! it posts the path it saw to `/audit` on that cluster and goes on
 //! without waiting for the answer. `x-reset: request` resets the request
 //! before it goes anywhere; `x-reset: response` resets it once the
-//! response head comes (`proxy_close_stream`).
+//! response head comes (`proxy_close_stream`). `x-foreign: NAME` calls
+//! the host's foreign function NAME on `x-foreign-arg`: for `compress`,
+//! the result is given to `uncompress` and what comes back goes upstream
+//! as `x-foreign-roundtrip` (with the compressed length,
+//! `x-foreign-compressed`); another name's answer is `x-foreign-status`
+//! (`Ok` or the failure).
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
@@ -78,6 +83,31 @@ struct Filter {
 
 impl Context for Filter {}
 
+impl Filter {
+    /// Calls foreign function `name` (see the crate's documentation).
+    fn foreign(&self, name: &str) {
+        use proxy_wasm::hostcalls::call_foreign_function;
+        let arg = self.get_http_request_header("x-foreign-arg").unwrap_or_default();
+        let called = call_foreign_function(name, Some(arg.as_bytes()));
+        let packed = match (name, called) {
+            ("compress", Ok(packed)) => packed.unwrap_or_default(),
+            (_, Ok(_)) => return self.set_http_request_header("x-foreign-status", Some("Ok")),
+            (_, Err(status)) => {
+                let status = format!("{status:?}");
+                return self.set_http_request_header("x-foreign-status", Some(&status));
+            }
+        };
+        let length = packed.len().to_string();
+        self.set_http_request_header("x-foreign-compressed", Some(&length));
+        let back = call_foreign_function("uncompress", Some(&packed));
+        let back = match back {
+            Ok(back) => String::from_utf8_lossy(&back.unwrap_or_default()).into_owned(),
+            Err(status) => format!("{status:?}"),
+        };
+        self.set_http_request_header("x-foreign-roundtrip", Some(&back));
+    }
+}
+
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
         match self.get_http_request_header("x-reset").as_deref() {
@@ -87,6 +117,9 @@ impl HttpContext for Filter {
             }
             Some("response") => self.reset_response = true,
             _ => {}
+        }
+        if let Some(name) = self.get_http_request_header("x-foreign") {
+            self.foreign(&name);
         }
         if self.get_http_request_header("x-deny").as_deref() == Some("quietly") {
             self.send_http_response(401, vec![], None);

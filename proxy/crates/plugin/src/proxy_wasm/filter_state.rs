@@ -7,10 +7,7 @@
 //!   Kept per HTTP context, dropped when its request ends; a root context
 //!   has no stream, and gets `NotFound`, as in Envoy;
 //! - `proxy_get_status`: the status of the HTTP or gRPC call whose
-//!   outcome is being delivered;
-//! - `proxy_call_foreign_function`: `NotFound`, as Envoy answers for a
-//!   name it lacks (Higress's wasm-go asks for `get_log_level` on every
-//!   log line and carries on).
+//!   outcome is being delivered.
 
 use std::collections::HashMap;
 
@@ -118,18 +115,6 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             }
             give(&mut c, &message, (ret_ptr, ret_len))
         },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_call_foreign_function",
-        |_: C<'_>,
-         _name: i32,
-         _name_len: i32,
-         _args: i32,
-         _args_len: i32,
-         _ret: i32,
-         _len: i32|
-         -> R { Ok(Status::NotFound as i32) },
     )?;
     Ok(())
 }

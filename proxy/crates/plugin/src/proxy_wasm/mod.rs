@@ -23,6 +23,7 @@ mod bodies;
 mod call;
 mod callout;
 mod filter_state;
+mod foreign;
 mod grpc;
 mod grpc_stream;
 mod guest;
@@ -252,6 +253,7 @@ impl ProxyWasm {
         linker.allow_shadowing(true);
         let linked = abi::add_to_linker(&mut linker)
             .and_then(|()| log::add_to_linker(&mut linker))
+            .and_then(|()| foreign::add_to_linker(&mut linker))
             .and_then(|()| callout::add_to_linker(&mut linker))
             .and_then(|()| filter_state::add_to_linker(&mut linker))
             .and_then(|()| grpc::add_to_linker(&mut linker))
