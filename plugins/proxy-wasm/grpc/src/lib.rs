@@ -95,7 +95,10 @@ impl Context for Root {
 
     fn on_grpc_stream_close(&mut self, _token: u32, status: u32) {
         let (_, message) = self.get_grpc_status();
-        note(self, &format!("close {status} {}", message.unwrap_or_default()));
+        note(
+            self,
+            &format!("close {status} {}", message.unwrap_or_default()),
+        );
     }
 }
 
@@ -125,7 +128,9 @@ struct Filter;
 impl Context for Filter {
     fn on_grpc_call_response(&mut self, _token: u32, status: u32, size: usize) {
         if status == 0 {
-            let reply = self.get_grpc_call_response_body(0, size).unwrap_or_default();
+            let reply = self
+                .get_grpc_call_response_body(0, size)
+                .unwrap_or_default();
             let reply = String::from_utf8_lossy(&reply).into_owned();
             self.set_http_request_header("x-grpc-reply", Some(&reply));
         } else {

@@ -87,7 +87,9 @@ impl Filter {
     /// Calls foreign function `name` (see the crate's documentation).
     fn foreign(&self, name: &str) {
         use proxy_wasm::hostcalls::call_foreign_function;
-        let arg = self.get_http_request_header("x-foreign-arg").unwrap_or_default();
+        let arg = self
+            .get_http_request_header("x-foreign-arg")
+            .unwrap_or_default();
         let called = call_foreign_function(name, Some(arg.as_bytes()));
         let packed = match (name, called) {
             ("compress", Ok(packed)) => packed.unwrap_or_default(),

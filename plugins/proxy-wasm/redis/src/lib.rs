@@ -81,7 +81,8 @@ pub extern "C" fn proxy_on_redis_call_response(_root: u32, token: u32, status: u
 /// The reply's bytes, from buffer 9.
 fn reply(size: usize) -> Vec<u8> {
     let (mut data, mut len) = (std::ptr::null_mut(), 0);
-    let status = unsafe { proxy_get_buffer_bytes(REDIS_CALL_RESPONSE, 0, size, &mut data, &mut len) };
+    let status =
+        unsafe { proxy_get_buffer_bytes(REDIS_CALL_RESPONSE, 0, size, &mut data, &mut len) };
     if status != 0 || data.is_null() {
         return Vec::new();
     }
