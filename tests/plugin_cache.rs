@@ -295,3 +295,40 @@ async fn check_uses_the_cache_too() {
     assert_ne!(modified(), long_ago, "written again");
     assert_ne!(std::fs::read(&files[0]).expect("read"), damaged);
 }
+
+/// A proxy-wasm filter is compiled once for as long as a configuration
+/// uses it: a reload that keeps the filter (another route changed) does
+/// not compile it again, and one that brings a new version does.
+#[tokio::test]
+async fn a_reload_that_keeps_a_proxy_wasm_filter_does_not_compile_it_again() {
+    let app = upstream::echo("app").await;
+    let policy = |extra: &str| {
+        format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: pw, path: pw.wasm }}]
+routes:
+  - {{ name: r, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ use: pw, config: t }}] }}
+{extra}"#,
+            app.url()
+        )
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("policy.yaml"), policy("")).expect("policy");
+    let headers = std::fs::read(plugin_file("proxy-wasm-headers")).expect("plugin");
+    std::fs::write(dir.path().join("pw.wasm"), &headers).expect("plugin");
+    let mut proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    assert_eq!(proxy.count_logs("plugin compiled"), 1);
+    let more = "  - { name: more, match: { path: /more }, respond: { status: 204 } }\n";
+    std::fs::write(dir.path().join("policy.yaml"), policy(more)).expect("policy");
+    proxy.wait_for_log("reload: configuration applied").await;
+    assert_eq!(client::get(&proxy.url("/more")).await.status, 204);
+    assert_eq!(proxy.count_logs("plugin compiled"), 1, "compiled again");
+    // Another module (the same filter, one byte more: a custom section).
+    let mut other = headers.clone();
+    other.extend_from_slice(&[0, 2, 1, b'x']);
+    std::fs::write(dir.path().join("pw.wasm"), other).expect("plugin");
+    proxy.wait_for_log("reload: configuration applied").await;
+    assert_eq!(proxy.count_logs("plugin compiled"), 2);
+}

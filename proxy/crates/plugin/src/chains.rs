@@ -263,8 +263,7 @@ enum Kind {
 /// `portcullis:policy` world.
 fn compile(host: &PluginHost, m: &PluginModule) -> Result<Kind, String> {
     if file_kind::is_core_module(&m.bytes) {
-        let module = wasmtime::Module::new(&host.engine, &m.bytes)
-            .map_err(|e| format!("plugin {}: invalid module: {e:#}", m.path.display()))?;
+        let module = host.compile_filter(m)?;
         if !crate::proxy_wasm::is_filter(&module) {
             return Err(format!(
                 "plugin {}: a core WebAssembly module that exports no proxy_abi_version_0_2_1 \

@@ -7,6 +7,10 @@ pub struct PluginHost {
     pub(super) engine: Engine,
     pub(super) linker: Linker<State>,
     pub(super) compiled: Mutex<HashMap<[u8; 32], Component>>,
+    /// Compiled proxy-wasm filters (core modules), likewise: a reload that
+    /// keeps a filter does not compile it again (a 6.5 MB Go filter takes
+    /// ~2 s of CPU to compile).
+    pub(super) filters: Mutex<HashMap<[u8; 32], wasmtime::Module>>,
     /// Compiled code kept across restarts (`--plugin-cache`).
     pub(super) disk: Option<disk_cache::DiskCache>,
     /// The modules of the configuration before the active one (none at
@@ -69,6 +73,10 @@ pub fn forget_unused(config: &Config) {
     }
     if let Some(Ok(host)) = HOST.get() {
         host.compiled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|hash, _| config.plugins.iter().any(|m| &m.sha256 == hash));
+        host.filters
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .retain(|hash, _| config.plugins.iter().any(|m| &m.sha256 == hash));
@@ -200,6 +208,7 @@ impl PluginHost {
             engine,
             linker,
             compiled: Mutex::new(HashMap::new()),
+            filters: Mutex::new(HashMap::new()),
             disk,
             previous: Mutex::new(Vec::new()),
             cache_outcomes: Default::default(),
@@ -229,6 +238,23 @@ impl PluginHost {
             .unwrap_or_else(|p| p.into_inner())
             .insert(module.sha256, component.clone());
         Ok(component)
+    }
+
+    /// The compiled filter of a core module (compiled at most once per
+    /// hash while a configuration uses it). Blocking: call from a blocking
+    /// thread.
+    pub(super) fn compile_filter(&self, module: &PluginModule) -> Result<wasmtime::Module, String> {
+        let filters = || self.filters.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(compiled) = filters().get(&module.sha256) {
+            return Ok(compiled.clone());
+        }
+        let started = std::time::Instant::now();
+        let compiled = wasmtime::Module::new(&self.engine, &module.bytes)
+            .map_err(|e| format!("plugin {}: invalid module: {e:#}", module.path.display()))?;
+        let ms = started.elapsed().as_millis() as u64;
+        tracing::info!(plugin = %module.path.display(), ms, "plugin compiled");
+        filters().insert(module.sha256, compiled.clone());
+        Ok(compiled)
     }
 
     pub(super) fn count(&self, outcome: usize) {
