@@ -332,3 +332,37 @@ routes:
     proxy.wait_for_log("reload: configuration applied").await;
     assert_eq!(proxy.count_logs("plugin compiled"), 2);
 }
+
+/// A proxy-wasm filter is kept in the plugin cache too: a restart loads
+/// its machine code instead of compiling it.
+#[tokio::test]
+async fn a_restart_loads_a_proxy_wasm_filter_from_the_cache() {
+    let app = upstream::echo("app").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let yaml = format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: pw, path: pw.wasm }}]
+routes: [{{ name: r, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ use: pw, config: t }}] }}]
+"#,
+        app.url()
+    );
+    std::fs::write(dir.path().join("policy.yaml"), yaml).expect("policy");
+    std::fs::copy(
+        plugin_file("proxy-wasm-headers"),
+        dir.path().join("pw.wasm"),
+    )
+    .expect("plugin");
+    let cache = tempfile::tempdir().expect("tempdir");
+    let args = ["--plugin-cache", cache.path().to_str().expect("utf-8 path")];
+    let first = ProxyProcess::start_on(dir.path(), &args).await;
+    first.find_log("plugin compiled and kept in the plugin cache");
+    assert_eq!(cached_files(cache.path()).len(), 1);
+    stop(first).await;
+    let second = ProxyProcess::start_on(dir.path(), &args).await;
+    second.find_log("plugin loaded from the plugin cache");
+    assert_eq!(second.count_logs("plugin compiled"), 0);
+    let seen = client::get(&second.url("/x")).await.json()["headers"].clone();
+    assert_eq!(seen["x-pw-tag"], "t", "{seen:#}");
+}

@@ -83,6 +83,39 @@ impl DiskCache {
     /// file for it and this engine is present and sound. `Err` says why a
     /// file that is there was not used (`Ok(None)`: no file).
     pub fn load(&self, engine: &Engine, module: &[u8; 32]) -> Result<Option<Component>, String> {
+        let Some((code, shown)) = self.load_code(module)? else {
+            return Ok(None);
+        };
+        // SAFETY: the bytes are what `store` wrote from
+        // `Component::serialize` for this engine and this module: the
+        // file is this user's, no one else may write it, its digest
+        // matches and it names the module. wasmtime checks the header and
+        // the engine settings again.
+        unsafe { Component::deserialize(engine, &code) }
+            .map(Some)
+            .map_err(|e| format!("cannot load {shown}: {e:#}"))
+    }
+
+    /// [`Self::load`] for a core module (a proxy-wasm filter).
+    pub fn load_module(
+        &self,
+        engine: &Engine,
+        module: &[u8; 32],
+    ) -> Result<Option<wasmtime::Module>, String> {
+        let Some((code, shown)) = self.load_code(module)? else {
+            return Ok(None);
+        };
+        // SAFETY: as in `load`, from `Module::serialize`; a component's
+        // file under a core module's digest cannot be (the digest names
+        // the bytes compiled), and wasmtime refuses the other kind anyway.
+        unsafe { wasmtime::Module::deserialize(engine, &code) }
+            .map(Some)
+            .map_err(|e| format!("cannot load {shown}: {e:#}"))
+    }
+
+    /// The compiled code in the file for `module`, checked (see
+    /// [`Self::load`]), and the file's path as shown in errors.
+    fn load_code(&self, module: &[u8; 32]) -> Result<Option<(Vec<u8>, String)>, String> {
         let path = self.path_of(module);
         let mut file = match OpenOptions::new()
             .read(true)
@@ -93,7 +126,7 @@ impl DiskCache {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(format!("cannot open {}: {e}", path.display())),
         };
-        let shown = path.display();
+        let shown = path.display().to_string();
         let meta = file
             .metadata()
             .map_err(|e| format!("cannot read {shown}: {e}"))?;
@@ -124,32 +157,42 @@ impl DiskCache {
         if Sha256::digest(signed).as_slice() != digest {
             return Err(format!("{shown} is damaged (its digest does not match)"));
         }
-        let (code, named) = signed.split_at(split);
+        let named = &signed[split..];
         if named != module {
             return Err(format!(
                 "{shown} holds the code of another module ({})",
                 hex::encode(named)
             ));
         }
-        // SAFETY: the bytes are what `store` wrote from
-        // `Component::serialize` for this engine and this module: the
-        // file is this user's, no one else may write it, its digest
-        // matches and it names the module. wasmtime checks the header and
-        // the engine settings again.
-        unsafe { Component::deserialize(engine, code) }
-            .map(Some)
-            .map_err(|e| format!("cannot load {shown}: {e:#}"))
+        bytes.truncate(split);
+        Ok(Some((bytes, shown)))
     }
 
     /// Writes `component` as the compiled code of module `module`: to a
     /// new file, renamed into place, so a reader never sees half of it.
     pub fn store(&self, module: &[u8; 32], component: &Component) -> Result<PathBuf, String> {
-        let path = self.path_of(module);
         let code = component
             .serialize()
             .map_err(|e| format!("cannot serialize the compiled plugin: {e:#}"))?;
+        self.store_code(module, &code)
+    }
+
+    /// [`Self::store`] for a core module (a proxy-wasm filter).
+    pub fn store_module(
+        &self,
+        module: &[u8; 32],
+        compiled: &wasmtime::Module,
+    ) -> Result<PathBuf, String> {
+        let code = compiled
+            .serialize()
+            .map_err(|e| format!("cannot serialize the compiled plugin: {e:#}"))?;
+        self.store_code(module, &code)
+    }
+
+    fn store_code(&self, module: &[u8; 32], code: &[u8]) -> Result<PathBuf, String> {
+        let path = self.path_of(module);
         let mut digest = Sha256::new();
-        digest.update(&code);
+        digest.update(code);
         digest.update(module);
         let digest = digest.finalize();
         let temp = self.dir.join(format!(
@@ -163,7 +206,7 @@ impl DiskCache {
                 .create_new(true)
                 .mode(0o600)
                 .open(&temp)?;
-            file.write_all(&code)?;
+            file.write_all(code)?;
             file.write_all(module)?;
             file.write_all(&digest)?;
             file.sync_data()?;
@@ -275,6 +318,19 @@ mod tests {
         let cache = DiskCache::open(dir.path(), &engine).expect("open");
         let component = Component::new(&engine, EMPTY).expect("compile");
         (dir, engine, cache, component)
+    }
+
+    #[test]
+    fn a_core_module_is_kept_and_loaded_as_one() {
+        let (dir, engine, cache, _) = fresh();
+        let core = wasmtime::Module::new(&engine, b"\0asm\x01\0\0\0").expect("compile");
+        let id = [9u8; 32];
+        cache.store_module(&id, &core).expect("store");
+        assert!(cache.load_module(&engine, &id).expect("load").is_some());
+        // Its file is not a component's.
+        assert!(cache.load(&engine, &id).is_err());
+        assert!(matches!(cache.load_module(&engine, &[8u8; 32]), Ok(None)));
+        drop(dir);
     }
 
     #[test]

@@ -249,10 +249,46 @@ impl PluginHost {
             return Ok(compiled.clone());
         }
         let started = std::time::Instant::now();
-        let compiled = wasmtime::Module::new(&self.engine, &module.bytes)
-            .map_err(|e| format!("plugin {}: invalid module: {e:#}", module.path.display()))?;
-        let ms = started.elapsed().as_millis() as u64;
-        tracing::info!(plugin = %module.path.display(), ms, "plugin compiled");
+        let shown = module.path.display();
+        let loaded = self.disk.as_ref().and_then(|disk| {
+            match disk.load_module(&self.engine, &module.sha256) {
+                Ok(Some(compiled)) => Some(compiled),
+                Ok(None) => None,
+                Err(why) => {
+                    self.count(REFUSED);
+                    tracing::warn!(plugin = %shown, error = %why, "not using the cached compiled plugin; compiling it again");
+                    None
+                }
+            }
+        });
+        let compiled = match loaded {
+            Some(compiled) => {
+                self.count(LOADED);
+                let ms = started.elapsed().as_millis() as u64;
+                tracing::info!(plugin = %shown, ms, "plugin loaded from the plugin cache");
+                compiled
+            }
+            None => {
+                self.count(COMPILED);
+                let compiled = wasmtime::Module::new(&self.engine, &module.bytes)
+                    .map_err(|e| format!("plugin {shown}: invalid module: {e:#}"))?;
+                let ms = started.elapsed().as_millis() as u64;
+                let kept = self
+                    .disk
+                    .as_ref()
+                    .map(|d| d.store_module(&module.sha256, &compiled));
+                match kept {
+                    None => tracing::info!(plugin = %shown, ms, "plugin compiled"),
+                    Some(Ok(file)) => {
+                        tracing::info!(plugin = %shown, ms, file = %file.display(), "plugin compiled and kept in the plugin cache")
+                    }
+                    Some(Err(why)) => {
+                        tracing::warn!(plugin = %shown, ms, error = %why, "plugin compiled; cannot keep it in the plugin cache")
+                    }
+                }
+                compiled
+            }
+        };
         filters().insert(module.sha256, compiled.clone());
         Ok(compiled)
     }
