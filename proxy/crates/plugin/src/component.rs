@@ -109,7 +109,7 @@ impl seam::Plugin for Binding {
         &self,
         _stream: &mut seam::Stream,
         lent: seam::ResponseLent<'_>,
-        body: &[u8],
+        body: &bytes::Bytes,
     ) -> Result<BodyVerdict, PluginError> {
         let head = ResponseHead {
             status: lent.status,

@@ -329,7 +329,7 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
         &self,
         _stream: &mut Stream,
         _lent: RequestLent<'_>,
-        _body: &[u8],
+        _body: &bytes::Bytes,
     ) -> Result<BodyVerdict, PluginError> {
         Ok(BodyVerdict::Continue(None))
     }
@@ -341,7 +341,7 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
         &self,
         _stream: &mut Stream,
         _lent: ResponseLent<'_>,
-        _body: &[u8],
+        _body: &bytes::Bytes,
     ) -> Result<BodyVerdict, PluginError> {
         Ok(BodyVerdict::Continue(None))
     }

@@ -437,7 +437,7 @@ fn call(
     stage: &mut Stage,
     facts: &mut Option<RequestFacts>,
     side: &mut Side,
-    body: &[u8],
+    body: &Bytes,
     end_of_stream: bool,
 ) -> Result<plugin::BodyVerdict, PluginError> {
     match side {

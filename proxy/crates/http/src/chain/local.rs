@@ -93,7 +93,7 @@ pub(super) fn local_through(
                 return Ok(());
             }
             let lent = lend(facts, request_headers, &mut parts, true);
-            match binding.on_response_body(&mut stream, lent, &bytes.clone()) {
+            match binding.on_response_body(&mut stream, lent, &bytes) {
                 Ok(plugin::BodyVerdict::Continue(Some(new))) => {
                     parts
                         .headers

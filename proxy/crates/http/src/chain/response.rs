@@ -159,7 +159,7 @@ fn bodies(
         }
         let mut stream = ctx.streams.get(place);
         let lent = lend(&mut ctx.facts, &mut ctx.request_headers, resp, true);
-        let called = binding.on_response_body(&mut stream, lent, &bytes.clone());
+        let called = binding.on_response_body(&mut stream, lent, bytes);
         ctx.streams.set(place, stream);
         match called {
             Ok(plugin::BodyVerdict::Continue(Some(new))) => *bytes = new,

@@ -9,7 +9,7 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use portcullis_net::framing;
 use wasmtime::{Caller, Linker};
 
-use super::guest::{Status, give, read, write};
+use super::guest::{Status, give, read, viewed, write};
 use super::{VmState, map};
 use crate::containment::Edit;
 use crate::seam::LocalAnswer;
@@ -183,29 +183,14 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             if gone(c.data(), kind) {
                 return ok(Status::BadArgument);
             }
-            let key = read(&mut c, key_ptr, key_len)?;
-            let value = if answer_map(kind) {
-                let answer = c.data().call.answer.as_ref();
-                let pairs = answer.map_or(&[][..], |(pairs, _)| pairs.as_slice());
-                let key = key.to_ascii_lowercase();
-                pairs
-                    .iter()
-                    .find(|(k, _)| *k == key)
-                    .map(|(_, v)| v.clone())
-            } else if key.starts_with(b":") {
-                pseudo(c.data(), kind, &key)
-            } else {
-                let Some(headers) = headers(c.data(), kind) else {
-                    return ok(Status::NotFound);
-                };
-                HeaderName::from_bytes(&key)
-                    .ok()
-                    .and_then(|name| headers.get(name))
-                    .map(|v| v.as_bytes().to_vec())
-            };
+            // The name read in place, and a header's value shared, not
+            // copied: this is the call filters make most.
+            let value = viewed(&mut c, (key_ptr, key_len), |key, state| {
+                header_value(state, kind, key)
+            })?;
             match value {
-                Some(value) if value.is_empty() => ok(Status::Ok),
-                Some(value) => give(&mut c, &value, (ret_ptr, ret_len)),
+                Some(value) if value.as_ref().is_empty() => ok(Status::Ok),
+                Some(value) => give(&mut c, value.as_ref(), (ret_ptr, ret_len)),
                 None => ok(Status::NotFound),
             }
         },
@@ -414,6 +399,39 @@ fn pairs(state: &VmState, kind: i32) -> Option<Vec<(Vec<u8>, Vec<u8>)>> {
     Some(out)
 }
 
+/// A header's value as `proxy_get_header_map_value` gives it.
+enum Value {
+    Bytes(Vec<u8>),
+    Header(HeaderValue),
+}
+
+impl AsRef<[u8]> for Value {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Value::Bytes(b) => b,
+            Value::Header(h) => h.as_bytes(),
+        }
+    }
+}
+
+/// The value of header `key` in map `kind`: a callout answer's, a
+/// pseudo-header, or a head's.
+fn header_value(state: &VmState, kind: i32, key: &[u8]) -> Option<Value> {
+    if answer_map(kind) {
+        let answer = state.call.answer.as_ref();
+        let pairs = answer.map_or(&[][..], |(pairs, _)| pairs.as_slice());
+        return pairs
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(key))
+            .map(|(_, v)| Value::Bytes(v.clone()));
+    }
+    if key.starts_with(b":") {
+        return pseudo(state, kind, key).map(Value::Bytes);
+    }
+    let name = HeaderName::from_bytes(key).ok()?;
+    headers(state, kind)?.get(name).cloned().map(Value::Header)
+}
+
 /// A pseudo-header's value, from the request's facts or the response's
 /// status.
 fn pseudo(state: &VmState, kind: i32, name: &[u8]) -> Option<Vec<u8>> {
@@ -426,7 +444,7 @@ fn pseudo(state: &VmState, kind: i32, name: &[u8]) -> Option<Vec<u8>> {
     if kind != REQUEST_HEADERS {
         return None;
     }
-    let facts = call.facts.as_ref()?;
+    let facts = call.facts()?;
     let value = match name {
         b":method" => facts.method.as_str().to_owned(),
         b":scheme" => if facts.tls { "https" } else { "http" }.to_owned(),
@@ -442,7 +460,7 @@ fn pseudo(state: &VmState, kind: i32, name: &[u8]) -> Option<Vec<u8>> {
         b":authority" => match facts.uri.authority() {
             Some(a) => a.as_str().to_owned(),
             None => {
-                let host = call.request_headers.get(http::header::HOST)?;
+                let host = call.request_headers().get(http::header::HOST)?;
                 return Some(host.as_bytes().to_vec());
             }
         },
@@ -462,7 +480,10 @@ fn set_pseudo(state: &mut VmState, kind: i32, name: &[u8], value: &[u8]) {
         b":path" => state.call.path = Some(String::from_utf8_lossy(value).into_owned()),
         b":authority" => {
             if let Ok(v) = HeaderValue::from_bytes(value) {
-                state.call.request_headers.insert(http::header::HOST, v);
+                state
+                    .call
+                    .request_headers_mut()
+                    .insert(http::header::HOST, v);
             }
         }
         _ => {
@@ -483,8 +504,8 @@ fn body_mut(state: &mut VmState, kind: i32) -> Option<&mut bytes::Bytes> {
 /// The header map `kind` names, if the call has it.
 fn headers(state: &VmState, kind: i32) -> Option<&HeaderMap> {
     match kind {
-        REQUEST_HEADERS => Some(&state.call.request_headers),
-        RESPONSE_HEADERS => Some(&state.call.response_headers),
+        REQUEST_HEADERS => Some(state.call.request_headers()),
+        RESPONSE_HEADERS => Some(state.call.response_headers()),
         REQUEST_TRAILERS | RESPONSE_TRAILERS => state.call.trailers.as_deref(),
         _ => None,
     }
@@ -492,8 +513,8 @@ fn headers(state: &VmState, kind: i32) -> Option<&HeaderMap> {
 
 fn headers_mut(state: &mut VmState, kind: i32) -> Option<&mut HeaderMap> {
     match kind {
-        REQUEST_HEADERS => Some(&mut state.call.request_headers),
-        RESPONSE_HEADERS => Some(&mut state.call.response_headers),
+        REQUEST_HEADERS => Some(state.call.request_headers_mut()),
+        RESPONSE_HEADERS => Some(state.call.response_headers_mut()),
         REQUEST_TRAILERS | RESPONSE_TRAILERS => state.call.trailers.as_deref_mut(),
         _ => None,
     }

@@ -34,16 +34,12 @@ pub(super) fn lend<T>(
     f: impl FnOnce(&mut Vm, Box<Call>) -> (Box<Call>, T),
 ) -> (Box<Call>, T) {
     let mut call = vm.blank();
-    call.facts = lent.facts.take();
-    call.request_headers = std::mem::take(lent.request_headers);
-    call.response_headers = std::mem::take(lent.headers);
+    call.lend(lent.facts, lent.request_headers, Some(lent.headers));
     call.status = Some(lent.status);
     call.response_body = body;
     call.head_sent = lent.head_sent;
     let (mut call, out) = f(vm, call);
-    *lent.facts = call.facts.take();
-    *lent.request_headers = std::mem::take(&mut call.request_headers);
-    *lent.headers = std::mem::take(&mut call.response_headers);
+    call.unlend();
     (call, out)
 }
 
@@ -58,12 +54,10 @@ pub(super) fn request_trailers(
     trailers: &mut http::HeaderMap,
 ) -> Result<Option<LocalAnswer>, PluginError> {
     let mut call = vm.blank();
-    call.facts = lent.facts.take();
-    call.request_headers = std::mem::take(lent.headers);
+    call.lend(lent.facts, lent.headers, None);
     call.trailers = Some(Box::new(std::mem::take(trailers)));
     let (mut call, action) = vm.trailers(filter, id, call, false);
-    *lent.facts = call.facts.take();
-    *lent.headers = std::mem::take(&mut call.request_headers);
+    call.unlend();
     *trailers = call.trailers.take().map(|t| *t).unwrap_or_default();
     let local = call.local.take();
     vm.recycle(call);

@@ -368,11 +368,9 @@ pub fn answer(
             message: "answered a callout it never made".into(),
         })?;
     let mut call = vm.blank();
-    call.facts = facts.take();
-    call.request_headers = std::mem::take(headers);
+    call.lend(facts, headers, None);
     let (mut call, result) = deliver(filter, vm, token, call, answer);
-    *facts = call.facts.take();
-    *headers = std::mem::take(&mut call.request_headers);
+    call.unlend();
     // Still paused unless it resumed the request.
     let verdict = result.and_then(|()| verdict(filter, vm, id, &mut call, (1, false)));
     vm.recycle(call);

@@ -363,11 +363,9 @@ impl seam::Plugin for ProxyWasm {
             // call comes first, as the body is there to follow.
             if fresh && body.is_some() {
                 let mut call = vm.blank();
-                call.facts = facts.take();
-                call.request_headers = std::mem::take(headers);
+                call.lend(facts, headers, None);
                 let (mut call, action) = vm.request_headers(self, id, call, false);
-                *facts = call.facts.take();
-                *headers = std::mem::take(&mut call.request_headers);
+                call.unlend();
                 action?;
                 if let Some(local) = call.local.take() {
                     return Ok(Verdict::Respond(local));
@@ -376,15 +374,13 @@ impl seam::Plugin for ProxyWasm {
                 vm.recycle(call);
             }
             let mut call = vm.blank();
-            call.facts = facts.take();
-            call.request_headers = std::mem::take(headers);
+            call.lend(facts, headers, None);
             call.request_body = body.map(Bytes::copy_from_slice);
             let (mut call, action) = match body {
                 None => vm.request_headers(self, id, call, bodiless),
                 Some(_) => vm.body(self, id, call, (false, true)),
             };
-            *facts = call.facts.take();
-            *headers = std::mem::take(&mut call.request_headers);
+            call.unlend();
             let action = action?;
             let body_to_come = body.is_none() && !bodiless;
             let verdict = callout::verdict(self, vm, id, &mut call, (action, body_to_come));
@@ -397,17 +393,15 @@ impl seam::Plugin for ProxyWasm {
         &self,
         stream: &mut Stream,
         lent: seam::RequestLent<'_>,
-        body: &[u8],
+        body: &Bytes,
     ) -> Result<seam::BodyVerdict, PluginError> {
         self.on_vm(stream, |vm, stream| {
             let mut call = vm.blank();
-            call.facts = lent.facts.take();
-            call.request_headers = std::mem::take(lent.headers);
-            call.request_body = Some(Bytes::copy_from_slice(body));
+            call.lend(lent.facts, lent.headers, None);
+            call.request_body = Some(body.clone());
             let eos = lent.end_of_stream;
             let (mut call, action) = vm.body(self, parts(*stream).2, call, (false, eos));
-            *lent.facts = call.facts.take();
-            *lent.headers = std::mem::take(&mut call.request_headers);
+            call.unlend();
             let verdict = action.map(|action| {
                 bodies::body_verdict(&mut call, action, eos, |c| c.request_body.take())
             });
@@ -480,11 +474,11 @@ impl seam::Plugin for ProxyWasm {
         &self,
         stream: &mut Stream,
         lent: seam::ResponseLent<'_>,
-        body: &[u8],
+        body: &Bytes,
     ) -> Result<seam::BodyVerdict, PluginError> {
         self.on_vm(stream, |vm, stream| {
             let end_of_stream = lent.end_of_stream;
-            let given = Some(Bytes::copy_from_slice(body));
+            let given = Some(body.clone());
             let (mut call, action) = bodies::lend(vm, lent, given, |vm, call| {
                 vm.body(self, parts(*stream).2, call, (true, end_of_stream))
             });

@@ -17,7 +17,7 @@ pub fn get(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
         [b"plugin_root_id"] => text(&state.root_id),
         [b"response", b"code"] => call.status.map(|s| i64::from(s).to_le_bytes().to_vec()),
         [b"request", rest @ ..] => {
-            let facts = call.facts.as_ref()?;
+            let facts = call.facts()?;
             match rest {
                 [b"path"] => text(match (&call.path, &facts.rewritten) {
                     (Some(p), _) => p.as_str(),
@@ -30,7 +30,7 @@ pub fn get(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
                 [b"host"] => match facts.uri.authority() {
                     Some(a) => text(a.as_str()),
                     None => Some(
-                        call.request_headers
+                        call.request_headers()
                             .get(http::header::HOST)?
                             .as_bytes()
                             .to_vec(),
@@ -38,24 +38,22 @@ pub fn get(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
                 },
                 [b"query"] => text(facts.uri.query().unwrap_or("")),
                 [b"id"] => Some(
-                    call.request_headers
+                    call.request_headers()
                         .get("x-request-id")?
                         .as_bytes()
                         .to_vec(),
                 ),
                 [b"headers", name] => {
                     let name = http::HeaderName::from_bytes(name).ok()?;
-                    Some(call.request_headers.get(name)?.as_bytes().to_vec())
+                    Some(call.request_headers().get(name)?.as_bytes().to_vec())
                 }
                 _ => None,
             }
         }
-        [b"source", b"address"] => text(&call.facts.as_ref()?.client.to_canonical().to_string()),
-        [b"connection", b"mtls"] => {
-            Some(vec![u8::from(call.facts.as_ref()?.client_cert.is_some())])
-        }
+        [b"source", b"address"] => text(&call.facts()?.client.to_canonical().to_string()),
+        [b"connection", b"mtls"] => Some(vec![u8::from(call.facts()?.client_cert.is_some())]),
         [b"route_name"] => {
-            let facts = call.facts.as_ref()?;
+            let facts = call.facts()?;
             text(state.route_names.get(facts.route)?)
         }
         _ => {

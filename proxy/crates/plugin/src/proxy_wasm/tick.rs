@@ -28,11 +28,17 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
 
 /// Starts (or stops) `vm`'s ticks when its filter changed their period;
 /// on a thread outside a runtime (a `check`), nothing ticks.
+#[inline]
 pub fn keep_ticking(filter: &ProxyWasm, shard: usize, vm: &mut Vm) {
-    let wanted = vm.tick_period();
-    if wanted == vm.ticking {
-        return;
+    // After every call of every request: the check inline, the rest not.
+    if vm.tick_period() != vm.ticking {
+        tick_anew(filter, shard, vm);
     }
+}
+
+#[cold]
+fn tick_anew(filter: &ProxyWasm, shard: usize, vm: &mut Vm) {
+    let wanted = vm.tick_period();
     vm.ticking = wanted;
     let (Some(period), Ok(runtime)) = (wanted, tokio::runtime::Handle::try_current()) else {
         return;

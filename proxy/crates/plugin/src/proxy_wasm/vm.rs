@@ -274,7 +274,7 @@ impl Vm {
         end_of_stream: bool,
     ) -> (Box<Call>, Result<i32, PluginError>) {
         // The pseudo-headers count as fields, as in Envoy.
-        let n = call.request_headers.len() as i32 + 4;
+        let n = call.request_headers().len() as i32 + 4;
         self.lent(filter, Export::RequestHeaders, (id, n, end_of_stream), call)
     }
 
@@ -286,7 +286,7 @@ impl Vm {
         call: Box<Call>,
         end_of_stream: bool,
     ) -> (Box<Call>, Result<i32, PluginError>) {
-        let n = call.response_headers.len() as i32 + 1;
+        let n = call.response_headers().len() as i32 + 1;
         let args = (id, n, end_of_stream);
         self.lent(filter, Export::ResponseHeaders, args, call)
     }
