@@ -58,6 +58,19 @@ async fn chat_service() -> Upstream {
                     .body(http_body_util::StreamBody::new(frames).boxed())
                     .unwrap()
             }
+            // Answers its head and never reads the caller's messages:
+            // HTTP/2 flow control holds them back after 64 KiB.
+            "/test.Chat/Deaf" => {
+                let unread = req.into_body();
+                let never = futures_util::stream::unfold(unread, |unread| async move {
+                    std::future::pending::<()>().await;
+                    drop(unread);
+                    None::<(Result<Frame, std::io::Error>, _)>
+                });
+                grpc.header("x-server", "deaf")
+                    .body(http_body_util::StreamBody::new(never).boxed())
+                    .unwrap()
+            }
             "/test.Chat/Reject" => grpc
                 .header("grpc-status", "7")
                 .header("grpc-message", "not%20now")
@@ -187,4 +200,47 @@ pub(super) async fn a_filters_grpc_streams_go_as_in_envoy() {
     let over_h1 = run(proxy.addr, "chat1|test.Chat/Echo|a|close", "close").await;
     let why = "close 14 upstream `chat1` speaks HTTP/1.1; a gRPC call needs `http2: true` on it";
     assert_eq!(over_h1, lines(&["trailers x-count=", why]));
+}
+
+/// A filter sending on a stream faster than its upstream reads: past
+/// 4 MiB waiting, the stream fails with RESOURCE_EXHAUSTED (the filter
+/// is told as of any failed stream), the proxy's memory stays bounded,
+/// and the filter's next stream works. Envoy has its own bound (the
+/// connection's buffer limit) and reports it otherwise; not compared.
+#[tokio::test]
+pub(super) async fn a_stream_its_upstream_does_not_read_fails_past_its_bound() {
+    let chat = chat_service().await;
+    let dir = policy_dir(
+        &format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: chat, endpoints: ["{}"], http2: true }}]
+plugins: [{{ name: pw, path: proxy-wasm-grpc.wasm }}]
+routes: [{{ name: g, match: {{ path_prefix: / }}, respond: {{ status: 204 }}, plugins: [{{ use: pw }}] }}]
+"#,
+            chat.url()
+        ),
+        &["proxy-wasm-grpc"],
+    );
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let mib = "#1048576";
+    let plan = format!("chat|test.Chat/Deaf|{mib},{mib},{mib},{mib},{mib}|open");
+    let told = run(proxy.addr, &plan, "close").await;
+    let close = told.last().expect("a close");
+    assert!(
+        close.starts_with(
+            "close 8 the stream's messages waiting for the upstream passed 4194304 bytes"
+        ),
+        "{told:?}"
+    );
+    // Told as a failed stream is: empty trailing metadata, then the close.
+    assert_eq!(told.len(), 2, "{told:?}");
+    assert_eq!(told[0], "trailers x-count=");
+    // The filter's next stream goes as ever.
+    let again = run(proxy.addr, "chat|test.Chat/Echo|a|close", "close").await;
+    assert_eq!(
+        again.last().map(String::as_str),
+        Some("close 0 "),
+        "{again:?}"
+    );
 }

@@ -11,7 +11,8 @@
 //!
 //! Streams, from the root context as a filter that keeps one open does:
 //! `x-grpc-stream: CLUSTER|SERVICE/METHOD|M1,M2|END` has the root open a
-//! stream (through a shared queue), send the messages and then, by END,
+//! stream (through a shared queue), send the messages (`#N`: one of N
+//! bytes) and then, by END,
 //! `close` it (half-close), `end` it (an empty last message with
 //! end_stream), `cancel` it, or leave it `open`; the request is answered
 //! 202. What the root is told of its streams is a transcript in shared
@@ -46,7 +47,12 @@ impl Root {
             Err(status) => return note(self, &format!("refused {status:?}")),
         };
         for message in messages.split(',').filter(|m| !m.is_empty()) {
-            self.send_grpc_stream_message(token, Some(message.as_bytes()), false);
+            // `#N`: a message of N bytes, larger than a header holds.
+            let message = match message.strip_prefix('#').map(str::parse::<usize>) {
+                Some(Ok(n)) => vec![b'x'; n],
+                _ => message.as_bytes().to_vec(),
+            };
+            self.send_grpc_stream_message(token, Some(&message), false);
         }
         match end {
             "close" => self.close_grpc_stream(token),

@@ -10,7 +10,7 @@ use http::header::{self, HeaderValue};
 use http::uri::PathAndQuery;
 use http_body_util::BodyExt;
 use portcullis_plugin::seam::{Callout, CalloutAnswer, MAX_CALLOUT_BODY, StreamEvent};
-use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
+use tokio::sync::mpsc::UnboundedSender;
 
 use crate::body::Body;
 use crate::forward::{Outgoing, UpstreamPool};
@@ -117,7 +117,7 @@ pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
 pub async fn stream(
     pool: &UpstreamPool,
     c: Callout,
-    body: UnboundedReceiver<Bytes>,
+    body: portcullis_plugin::stream_body::StreamBody,
     events: UnboundedSender<StreamEvent>,
 ) {
     let timeout = c.timeout;
@@ -177,8 +177,10 @@ pub async fn stream(
 }
 
 /// A stream's request body: each message as the plugin sends it, until
-/// it half-closes (drops its sender).
-struct Sent(UnboundedReceiver<Bytes>);
+/// it half-closes (drops its sender). Polled only as HTTP/2 flow control
+/// lets data go, so what the upstream does not read waits in the
+/// plugin's bounded queue.
+struct Sent(portcullis_plugin::stream_body::StreamBody);
 
 impl http_body::Body for Sent {
     type Data = Bytes;
@@ -236,7 +238,7 @@ impl portcullis_plugin::Callouts for PoolCallouts {
         &self,
         shard: usize,
         callout: Callout,
-        body: UnboundedReceiver<Bytes>,
+        body: portcullis_plugin::stream_body::StreamBody,
         events: UnboundedSender<StreamEvent>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
         let pool = self.pool(shard, &callout.upstream);

@@ -32,6 +32,7 @@ mod lift;
 pub mod offload;
 mod state;
 mod stdio;
+pub mod stream_body;
 mod wasi;
 
 use std::collections::HashMap;

@@ -124,7 +124,7 @@ pub trait Callouts: Send + Sync {
         &self,
         _shard: usize,
         callout: Callout,
-        _body: tokio::sync::mpsc::UnboundedReceiver<Bytes>,
+        _body: crate::stream_body::StreamBody,
         events: tokio::sync::mpsc::UnboundedSender<StreamEvent>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
         let why = format!("no streams to upstream `{}` here", callout.upstream);

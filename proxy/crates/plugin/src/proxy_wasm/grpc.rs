@@ -30,6 +30,7 @@ pub(super) mod code {
     pub const OK: u32 = 0;
     pub const UNKNOWN: u32 = 2;
     pub const PERMISSION_DENIED: u32 = 7;
+    pub const RESOURCE_EXHAUSTED: u32 = 8;
     pub const UNIMPLEMENTED: u32 = 12;
     pub const INTERNAL: u32 = 13;
     pub const UNAVAILABLE: u32 = 14;

@@ -13,6 +13,8 @@
 
 use bytes::{Buf, Bytes, BytesMut};
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
+
+use crate::stream_body::{NotQueued, StreamSender, stream_body};
 use tokio::task::AbortHandle;
 use wasmtime::{Caller, Linker};
 
@@ -27,10 +29,21 @@ use crate::seam::StreamEvent;
 /// receive limit is 4 MiB); a larger one fails the stream.
 const MAX_MESSAGE: usize = 4 << 20;
 
+/// The most a filter's messages may take while they wait for the
+/// upstream to read them: past it the stream fails (status 8,
+/// RESOURCE_EXHAUSTED), as a filter sending faster than its upstream
+/// reads would otherwise grow the proxy's memory past the VM's cap.
+pub const MAX_QUEUED: usize = 4 << 20;
+
 /// An open stream of a VM.
 pub struct Stream {
     /// Where the filter's messages go; `None` once it half-closed.
-    sender: Option<UnboundedSender<Bytes>>,
+    sender: Option<StreamSender>,
+    /// Where what comes back is told; kept to tell the stream's own
+    /// failure (its queue over the bound).
+    events: UnboundedSender<StreamEvent>,
+    /// Whether it failed for its queue: its close is status 8.
+    overflowed: bool,
     /// The task that drives it and delivers what comes back.
     task: AbortHandle,
     /// What came back and is not yet a whole message.
@@ -118,11 +131,25 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 return Ok(Status::NotFound as i32);
             };
             // Sent after a half-close: nowhere to go, as in Envoy, which
-            // drops it.
-            if let Some(sender) = &stream.sender {
-                let _ = sender.send(frame(&message));
+            // drops it; after its queue overflowed, it fails anyway.
+            let sent = match &stream.sender {
+                Some(sender) if !stream.overflowed => sender.send(frame(&message)),
+                _ => Ok(()),
+            };
+            if let Err(NotQueued::Full { queued, max }) = sent {
+                // Failed through its own events, so the filter is told
+                // as of any failure, after this call; the sender stays
+                // (dropped, it would end the request body as if whole).
+                stream.overflowed = true;
+                let why = format!(
+                    "the stream's messages waiting for the upstream passed {max} bytes ({queued} queued)"
+                );
+                let _ = stream.events.send(StreamEvent::Failed {
+                    timed_out: false,
+                    why,
+                });
             }
-            if end_stream != 0 {
+            if end_stream != 0 && !stream.overflowed {
                 stream.sender = None;
             }
             Ok(Status::Ok as i32)
@@ -138,9 +165,9 @@ fn open(state: &VmState, token: u32, callout: crate::seam::Callout) -> Option<St
     let filter = home.filter.upgrade()?;
     let callouts = filter.callouts.get()?.clone();
     let runtime = tokio::runtime::Handle::try_current().ok()?;
-    let (sender, body) = unbounded_channel();
+    let (sender, body) = stream_body(MAX_QUEUED);
     let (events, mut told) = unbounded_channel();
-    let drive = callouts.stream(home.shard, callout, body, events);
+    let drive = callouts.stream(home.shard, callout, body, events.clone());
     let deliver = async move {
         while let Some(event) = told.recv().await {
             let Some(filter) = home.filter.upgrade() else {
@@ -157,6 +184,8 @@ fn open(state: &VmState, token: u32, callout: crate::seam::Callout) -> Option<St
     });
     Some(Stream {
         sender: Some(sender),
+        events,
+        overflowed: false,
         task: task.abort_handle(),
         partial: BytesMut::new(),
     })
@@ -197,7 +226,17 @@ impl Told<'_> {
             StreamEvent::Failed {
                 timed_out: true, ..
             } => self.fail(code::UNAVAILABLE, "upstream request timeout".into()),
-            StreamEvent::Failed { why, .. } => self.fail(code::UNAVAILABLE, why),
+            StreamEvent::Failed { why, .. } => {
+                let overflowed = self
+                    .vm
+                    .streams()
+                    .get_mut(self.token)
+                    .is_some_and(|s| s.overflowed);
+                match overflowed {
+                    true => self.fail(code::RESOURCE_EXHAUSTED, why),
+                    false => self.fail(code::UNAVAILABLE, why),
+                }
+            }
         }
     }
 
