@@ -10,7 +10,7 @@ use http::header::{self, HeaderValue};
 use http::uri::PathAndQuery;
 use http_body_util::BodyExt;
 use portcullis_plugin::seam::{Callout, CalloutAnswer, MAX_CALLOUT_BODY, StreamEvent};
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::Sender;
 
 use crate::body::Body;
 use crate::forward::{Outgoing, UpstreamPool};
@@ -118,15 +118,15 @@ pub async fn stream(
     pool: &UpstreamPool,
     c: Callout,
     body: portcullis_plugin::stream_body::StreamBody,
-    events: UnboundedSender<StreamEvent>,
+    events: Sender<StreamEvent>,
 ) {
     let timeout = c.timeout;
-    let failed = |timed_out, why| {
-        let _ = events.send(StreamEvent::Failed { timed_out, why });
+    let failed = async |timed_out, why| {
+        let _ = events.send(StreamEvent::Failed { timed_out, why }).await;
     };
     let out = match outgoing(pool, c, Some(Body::boxed(Sent(body)))) {
         Ok(out) => out,
-        Err(why) => return failed(false, why),
+        Err(why) => return failed(false, why).await,
     };
     let params = matchit::Params::new();
     let asked = Instant::now();
@@ -139,12 +139,12 @@ pub async fn stream(
                     pool.stats.failed(why);
                 }
                 let timed_out = why == Some(portcullis_obs::metrics::UpstreamError::Timeout);
-                return failed(timed_out, e.to_string());
+                return failed(timed_out, e.to_string()).await;
             }
             Err(_) => {
                 pool.stats
                     .failed(portcullis_obs::metrics::UpstreamError::Timeout);
-                return failed(true, format!("no answer within {timeout:?}"));
+                return failed(true, format!("no answer within {timeout:?}")).await;
             }
         };
     pool.stats.record(resp.status().as_u16(), asked.elapsed());
@@ -153,7 +153,9 @@ pub async fn stream(
         status: parts.status.as_u16(),
         headers: parts.headers,
     };
-    if events.send(head).is_err() {
+    // Each event waits for room: what the VM has not taken holds the
+    // answer back (HTTP/2 flow control), not the proxy's memory.
+    if events.send(head).await.is_err() {
         return;
     }
     while let Some(frame) = answer.frame().await {
@@ -165,15 +167,15 @@ pub async fn stream(
                     Err(_) => continue,
                 },
             },
-            Err(e) => return failed(false, format!("reading the answer: {e}")),
+            Err(e) => return failed(false, format!("reading the answer: {e}")).await,
         };
         // The other side gone (the stream cancelled): stop reading.
-        if events.send(event).is_err() {
+        if events.send(event).await.is_err() {
             return;
         }
     }
     drop(held);
-    let _ = events.send(StreamEvent::End);
+    let _ = events.send(StreamEvent::End).await;
 }
 
 /// A stream's request body: each message as the plugin sends it, until
@@ -239,7 +241,7 @@ impl portcullis_plugin::Callouts for PoolCallouts {
         shard: usize,
         callout: Callout,
         body: portcullis_plugin::stream_body::StreamBody,
-        events: UnboundedSender<StreamEvent>,
+        events: Sender<StreamEvent>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
         let pool = self.pool(shard, &callout.upstream);
         Box::pin(async move {
@@ -247,10 +249,12 @@ impl portcullis_plugin::Callouts for PoolCallouts {
                 Some(pool) => stream(&pool, callout, body, events).await,
                 None => {
                     let why = format!("no upstream `{}` in the policies", callout.upstream);
-                    let _ = events.send(StreamEvent::Failed {
-                        timed_out: false,
-                        why,
-                    });
+                    let _ = events
+                        .send(StreamEvent::Failed {
+                            timed_out: false,
+                            why,
+                        })
+                        .await;
                 }
             }
         })

@@ -118,17 +118,19 @@ pub trait Callouts: Send + Sync {
     /// Opens `callout` as a stream (a gRPC stream): its body is what
     /// arrives on `body` until that closes, and what comes back is told
     /// on `events` as it comes, ending with [`StreamEvent::End`] or
-    /// [`StreamEvent::Failed`]. The future drives it; dropping it ends it.
+    /// [`StreamEvent::Failed`]; `events` is bounded, and what the plugin
+    /// has not taken holds the answer back. The future drives it;
+    /// dropping it ends it.
     /// `callout.timeout` bounds the wait for the answer's head only.
     fn stream(
         &self,
         _shard: usize,
         callout: Callout,
         _body: crate::stream_body::StreamBody,
-        events: tokio::sync::mpsc::UnboundedSender<StreamEvent>,
+        events: tokio::sync::mpsc::Sender<StreamEvent>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
         let why = format!("no streams to upstream `{}` here", callout.upstream);
-        let _ = events.send(StreamEvent::Failed {
+        let _ = events.try_send(StreamEvent::Failed {
             timed_out: false,
             why,
         });

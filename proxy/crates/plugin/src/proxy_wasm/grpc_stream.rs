@@ -12,7 +12,7 @@
 //! message). A stream ends with its VM (a reload, a restart).
 
 use bytes::{Buf, Bytes, BytesMut};
-use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
+use tokio::sync::mpsc::{Sender, channel};
 
 use crate::stream_body::{NotQueued, StreamSender, stream_body};
 use tokio::task::AbortHandle;
@@ -35,13 +35,31 @@ const MAX_MESSAGE: usize = 4 << 20;
 /// reads would otherwise grow the proxy's memory past the VM's cap.
 pub const MAX_QUEUED: usize = 4 << 20;
 
+/// What comes back on a stream and waits for its VM (a piece of a
+/// message, the head, the trailers): past it, the upstream's answer
+/// waits in HTTP/2 flow control rather than in the proxy's memory.
+const EVENTS_WAITING: usize = 8;
+
+/// Tells `event` on `events` from a host call, which cannot wait: at
+/// once when there is room, else from a task.
+fn tell(events: &Sender<StreamEvent>, event: StreamEvent) {
+    if let Err(tokio::sync::mpsc::error::TrySendError::Full(event)) = events.try_send(event)
+        && let Ok(runtime) = tokio::runtime::Handle::try_current()
+    {
+        let events = events.clone();
+        runtime.spawn(async move {
+            let _ = events.send(event).await;
+        });
+    }
+}
+
 /// An open stream of a VM.
 pub struct Stream {
     /// Where the filter's messages go; `None` once it half-closed.
     sender: Option<StreamSender>,
     /// Where what comes back is told; kept to tell the stream's own
     /// failure (its queue over the bound).
-    events: UnboundedSender<StreamEvent>,
+    events: Sender<StreamEvent>,
     /// Whether it failed for its queue: its close is status 8.
     overflowed: bool,
     /// The task that drives it and delivers what comes back.
@@ -144,7 +162,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 let why = format!(
                     "the stream's messages waiting for the upstream passed {max} bytes ({queued} queued)"
                 );
-                let _ = stream.events.send(StreamEvent::Failed {
+                tell(&stream.events, StreamEvent::Failed {
                     timed_out: false,
                     why,
                 });
@@ -166,7 +184,7 @@ fn open(state: &VmState, token: u32, callout: crate::seam::Callout) -> Option<St
     let callouts = filter.callouts.get()?.clone();
     let runtime = tokio::runtime::Handle::try_current().ok()?;
     let (sender, body) = stream_body(MAX_QUEUED);
-    let (events, mut told) = unbounded_channel();
+    let (events, mut told) = channel(EVENTS_WAITING);
     let drive = callouts.stream(home.shard, callout, body, events.clone());
     let deliver = async move {
         while let Some(event) = told.recv().await {
