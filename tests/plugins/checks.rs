@@ -114,3 +114,35 @@ routes:
     // A position in the JSON the proxy made of the YAML would mislead.
     assert!(!stderr.contains("at line 1 column"), "{stderr}");
 }
+
+/// `check` reads every plugin the policies define, used or not: a
+/// missing file and a file that is no module are named on their own
+/// lines before any route uses them. Serving reads only the plugins in
+/// use, so such a definition (a plugin whose file is still on its way)
+/// does not stop the proxy.
+#[tokio::test]
+pub(super) async fn check_reads_plugins_no_route_uses_and_serving_skips_them() {
+    let dir = policy_dir(
+        r#"
+listeners: [{ name: http, bind: "127.0.0.1:0" }]
+plugins:
+  - { name: ghost, path: missing.wasm }
+  - { name: junk, path: junk.wasm }
+routes: [{ name: r, match: { path: /r }, respond: { status: 204 } }]
+"#,
+        &[],
+    );
+    std::fs::write(dir.path().join("junk.wasm"), b"not a module").unwrap();
+    let (ok, _, stderr) = crate::support::check(dir.path());
+    assert!(!ok, "{stderr}");
+    let on = |line: usize, what: &str| {
+        stderr
+            .lines()
+            .any(|l| l.contains(&format!("policy.yaml:{line}:")) && l.contains(what))
+    };
+    assert!(on(4, "cannot read plugin"), "{stderr}");
+    assert!(on(5, "junk"), "{stderr}");
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let a = client::get(&format!("http://{}/r", proxy.addr)).await;
+    assert_eq!(a.status, 204, "{:?}", a.body);
+}

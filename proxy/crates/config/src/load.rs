@@ -111,7 +111,7 @@ pub fn load_sources(
     sources: &[Source],
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Config, ConfigErrors> {
-    let (mut config, errors) = load_partial(sources, env);
+    let (mut config, errors) = load_files(sources, env, false);
     if errors.is_empty() {
         config.fingerprint = fingerprint(sources, &config);
         Ok(config)
@@ -120,12 +120,25 @@ pub fn load_sources(
     }
 }
 
-/// [`load_sources`] that also returns what of the config is valid when
-/// some of it is not (for `check`, to go on to the plugins), with every
-/// error in reading order, as a compiler reports them.
+/// [`load_sources`] for `check`: also what of the config is valid when
+/// some of it is not (to go on to the plugins), with every error in
+/// reading order, as a compiler reports them; and every plugin the
+/// policies define is read, used or not (serving reads only those used,
+/// so a definition waiting for its file does not stop a reload), so a
+/// mistake in one shows before a route uses it.
 pub fn load_partial(
     sources: &[Source],
     env: &dyn Fn(&str) -> Option<String>,
+) -> (Config, Vec<ConfigError>) {
+    load_files(sources, env, true)
+}
+
+/// The config of `sources`, what of it is valid and the errors;
+/// `every_plugin`: plugins no route uses are read too.
+fn load_files(
+    sources: &[Source],
+    env: &dyn Fn(&str) -> Option<String>,
+    every_plugin: bool,
 ) -> (Config, Vec<ConfigError>) {
     let mut files = Vec::with_capacity(sources.len());
     let mut errors = Vec::new();
@@ -142,7 +155,7 @@ pub fn load_partial(
         }
     }
     let unparsed: Vec<Arc<str>> = errors.iter().map(|e| e.pos.file.clone()).collect();
-    let (config, more) = build::build(&files, env, &unparsed);
+    let (config, more) = build::build(&files, env, (&unparsed, every_plugin));
     errors.extend(more);
     sort_errors(&mut errors);
     (config, errors)

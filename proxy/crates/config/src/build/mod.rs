@@ -336,7 +336,7 @@ struct PendingRoute {
 pub(super) fn build(
     files: &[(Arc<str>, PolicyFile)],
     env: &dyn Fn(&str) -> Option<String>,
-    unparsed: &[Arc<str>],
+    (unparsed, every_plugin): (&[Arc<str>], bool),
 ) -> (Config, Vec<ConfigError>) {
     let mut ctx = Ctx {
         env,
@@ -383,7 +383,8 @@ pub(super) fn build(
         }
         for p in &policy.plugins {
             // Only plugins some route uses are read (below), so a policy
-            // may define one whose file is absent while nothing uses it.
+            // may define one whose file is absent while nothing uses it;
+            // `check` reads them all (`every_plugin`).
             if let Some(n) = name(&mut ctx, &p.value.name, "plugin") {
                 if let Some(&i) = plugin_index.get(&n) {
                     let at: &Pos = &plugin_defs[i].2;
@@ -478,7 +479,7 @@ pub(super) fn build(
     }
 
     // Read the plugins that are used, and renumber the uses to match.
-    let mut used = vec![false; plugin_defs.len()];
+    let mut used = vec![every_plugin; plugin_defs.len()];
     for u in global_plugins
         .iter()
         .chain(routes.iter().flat_map(|r| r.plugins.iter()))
