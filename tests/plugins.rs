@@ -20,6 +20,7 @@ mod header_rules;
 mod host_limits;
 mod introspection;
 mod isolation;
+mod oci;
 mod packaging;
 mod proxy_wasm;
 mod proxy_wasm_bodies;

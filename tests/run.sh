@@ -98,6 +98,12 @@ fi
 if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
 fi
+# tests/plugins/oci.rs pulls plugins from a real OCI registry: Debian's
+# docker-registry (the CNCF distribution server), installed if missing
+# (as root, with apt-get).
+if ! command -v docker-registry >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq docker-registry >/dev/null
+fi
 # tests/containment/callouts.rs points a filter's callouts at a real
 # nginx (a strict HTTP/1.1 peer): Debian's nginx-light, installed if
 # missing (as root, with apt-get).

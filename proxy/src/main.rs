@@ -105,6 +105,7 @@ fn main() -> ExitCode {
             plugin_cache,
         } => {
             if let Some(dir) = plugin_cache {
+                portcullis_oci::set_cache_dir(dir.join("oci"));
                 portcullis::plugin::use_disk_cache(dir);
             }
             portcullis::commands::check(policies.as_deref())
@@ -243,6 +244,7 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             };
             if let Some(dir) = plugin_cache {
+                portcullis_oci::set_cache_dir(dir.join("oci"));
                 portcullis::plugin::use_disk_cache(dir);
             }
             use portcullis::tunnel::client::{ClientOptions, Target, Token};
@@ -318,6 +320,7 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             };
             if let Some(dir) = plugin_cache {
+                portcullis_oci::set_cache_dir(dir.join("oci"));
                 portcullis::plugin::use_disk_cache(dir);
             }
             let workers = workers.unwrap_or_else(portcullis::server::default_workers);

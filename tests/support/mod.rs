@@ -10,6 +10,7 @@ pub mod envoy;
 pub mod nginx;
 pub mod process;
 pub mod redis;
+pub mod registry;
 pub mod tls;
 pub mod upstream;
 
@@ -224,4 +225,33 @@ pub fn policy_dir(yaml: &str, plugins: &[&str]) -> tempfile::TempDir {
 /// Path of the built `portcullis` binary.
 pub fn binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_portcullis"))
+}
+
+/// Reads `out`, a server's log, until a line holds `ready` (20 s at
+/// most), failing with what it printed when it ends or stalls first; the
+/// log goes on being read after, so the server never blocks on a full
+/// pipe. `what` names the server in the failure.
+pub async fn wait_ready<R>(out: R, ready: &str, what: &str)
+where
+    R: tokio::io::AsyncRead + Unpin + Send + 'static,
+{
+    use tokio::io::AsyncBufReadExt;
+    let mut lines = tokio::io::BufReader::new(out).lines();
+    let seen = tokio::time::timeout(std::time::Duration::from_secs(20), async {
+        let mut seen = Vec::new();
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.contains(ready) {
+                return Ok(());
+            }
+            seen.push(line);
+        }
+        Err(seen)
+    })
+    .await;
+    match seen {
+        Ok(Ok(())) => {}
+        Ok(Err(seen)) => panic!("{what} exited: {seen:#?}"),
+        Err(_) => panic!("{what} not ready within 20s"),
+    }
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
 }

@@ -3,9 +3,7 @@
 //! rate limits.
 
 use std::process::Stdio;
-use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 /// A running `redis-server`; killed when dropped.
@@ -108,25 +106,12 @@ impl Redis {
             .spawn()
             .expect("redis-server (Debian's redis-server package; tests/run.sh installs it)");
         let stdout = child.stdout.take().expect("stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let ready = tokio::time::timeout(Duration::from_secs(20), async {
-            let mut seen = Vec::new();
-            while let Ok(Some(line)) = lines.next_line().await {
-                if line.contains("Ready to accept connections") {
-                    return Ok(());
-                }
-                seen.push(line);
-            }
-            Err(seen)
-        })
+        super::wait_ready(
+            stdout,
+            "Ready to accept connections",
+            &format!("redis-server on port {}", self.port),
+        )
         .await;
-        match ready {
-            Ok(Ok(())) => {}
-            Ok(Err(seen)) => panic!("redis-server exited on port {}: {seen:?}", self.port),
-            Err(_) => panic!("redis-server not ready within 20s on port {}", self.port),
-        }
-        // Its log goes on being read, so it never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         self.child = Some(child);
     }
 

@@ -107,8 +107,9 @@ pub struct Status {
     pub watched: Vec<PathBuf>,
 }
 
-/// The longest a reload may spend reading the policies and their files.
-const READ_DEADLINE: Duration = Duration::from_secs(10);
+/// The longest a reload may spend reading the policies and their files,
+/// pulls from registries among them (each bounded at 30 s).
+const READ_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Reloads one policy directory into one server.
 pub struct Reloader {
@@ -205,7 +206,7 @@ impl Reloader {
                 .map_err(|e| format!("reading the policies crashed: {e}"))
                 .and_then(|r| r.map_err(|e| e.to_string())),
             Err(_) => Err(format!(
-                "reading the policies and the files they name took over {READ_DEADLINE:?}; is a file on a stalled network mount?"
+                "reading the policies and the files they name took over {READ_DEADLINE:?}; is a file on a stalled network mount, or a registry slow?"
             )),
         };
         let config = match loaded {

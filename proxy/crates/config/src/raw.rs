@@ -103,6 +103,15 @@ pub struct RawPlugin {
     pub path: Text,
     /// Optional pin: the file's SHA-256, hex.
     pub sha256: Option<Text>,
+    /// For `oci://` paths: `IfNotPresent` or `Always`.
+    pub pull_policy: Option<Text>,
+    /// For `oci://` paths: a Docker config file with the registry's
+    /// credentials.
+    pub pull_secret: Option<Text>,
+    /// For `oci://` paths: a CA file for the registry's certificate.
+    pub registry_ca: Option<Text>,
+    /// For `oci://` paths: plain HTTP and unverified certificates allowed.
+    pub insecure_registry: Option<Text>,
 }
 
 /// A plugin attached to a route (or globally) with its config.

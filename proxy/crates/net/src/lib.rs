@@ -13,6 +13,7 @@ pub mod cert_files;
 pub mod cert_identity;
 pub mod client_addr;
 pub mod client_cert;
+pub mod client_tls;
 pub mod coarse_clock;
 pub mod der;
 pub mod drain;

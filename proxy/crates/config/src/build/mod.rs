@@ -36,6 +36,7 @@ use super::{
 
 mod listeners;
 mod plugins;
+mod pull;
 mod route_features;
 mod routes;
 mod upstreams;

@@ -16,7 +16,13 @@ pub(super) fn plugin_module(ctx: &mut Ctx, raw: &Spanned<RawPlugin>) -> Option<P
     use sha2::Digest;
     let p = &raw.value;
     let name = name(ctx, &p.name, "plugin");
-    let (path, bytes) = plugin_bytes(ctx, &p.path)?;
+    let (path, bytes) = if super::pull::is_oci(&p.path.value.0) {
+        let text = ctx.text(&p.path)?;
+        super::pull::pulled(ctx, p, &text)?
+    } else {
+        super::pull::settings_without_registry(ctx, p);
+        plugin_bytes(ctx, &p.path)?
+    };
     let sha256: [u8; 32] = sha2::Sha256::digest(&bytes).into();
     if let Some(pin) = &p.sha256 {
         let expected = ctx.text(pin)?;

@@ -1,0 +1,214 @@
+//! Plugins pulled from a real OCI registry (Debian's `docker-registry`):
+//! both forms Istio accepts, a digest verified and pulled once, TLS with
+//! the registry's CA and basic auth from a Docker config, a restart with
+//! the registry down served from the pull cache, and a failed pull on a
+//! reload leaving the old policy serving.
+
+use super::*;
+use crate::support::registry::{PASSWORD, Registry};
+
+/// A policy guarding `/r` (answering 204) with the SDK example pulled
+/// from `path`, with `extra` settings on the plugin.
+fn policy(path: &str, extra: &str) -> String {
+    format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+plugins: [{{ name: gate, path: "{path}"{extra} }}]
+routes:
+  - {{ name: r, match: {{ path: /r }}, respond: {{ status: 204 }}, plugins: [{{ use: gate, config: {{ header: x-api-key }} }}] }}
+"#
+    )
+}
+
+/// `portcullis check` on `dir` with the pull cache under `cache`.
+fn check(dir: &std::path::Path, cache: &std::path::Path) -> (bool, String) {
+    let out = std::process::Command::new(crate::support::binary())
+        .args(["check", "--policies"])
+        .arg(dir)
+        .env("XDG_CACHE_HOME", cache)
+        .output()
+        .expect("run check");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+async fn serve(dir: &std::path::Path, cache: &std::path::Path) -> ProxyProcess {
+    let args = ["serve", "--policies", &dir.display().to_string()].map(String::from);
+    ProxyProcess::launch(
+        &args,
+        &[("XDG_CACHE_HOME", cache.display().to_string())],
+        "listening",
+    )
+    .await
+}
+
+/// `/r` answers 403 without the key and 204 with it: the pulled plugin runs.
+async fn guarded(proxy: &ProxyProcess) {
+    let url = proxy.url("/r");
+    assert_eq!(client::get(&url).await.status, 403);
+    let keyed = Request::get(&url)
+        .header("x-api-key", "k")
+        .body(body(Bytes::new()))
+        .unwrap();
+    assert_eq!(client::send(&client::http1(), keyed).await.status, 204);
+}
+
+fn module() -> Vec<u8> {
+    std::fs::read(plugin_file("example-require-header")).unwrap()
+}
+
+/// An artifact pinned by digest: `check` pulls and verifies it, `serve`
+/// runs it, and once pulled it is never pulled again: with the registry
+/// gone, a restart starts from the cache. A pin the registry does not
+/// hold is refused by name.
+#[tokio::test]
+pub(super) async fn a_pinned_artifact_is_pulled_once_and_restarts_from_the_cache() {
+    let mut registry = Registry::start().await;
+    let digest = registry.push_artifact("team/gate", "v1", &module()).await;
+    let cache = tempfile::tempdir().unwrap();
+    let reference = format!("oci://{}/team/gate:v1@{digest}", registry.host());
+    let dir = policy_dir(&policy(&reference, ""), &[]);
+    let (ok, stderr) = check(dir.path(), cache.path());
+    assert!(ok, "{stderr}");
+    let proxy = serve(dir.path(), cache.path()).await;
+    guarded(&proxy).await;
+    drop(proxy);
+
+    registry.kill().await;
+    let proxy = serve(dir.path(), cache.path()).await;
+    guarded(&proxy).await;
+    drop(proxy);
+
+    // Another digest for the same tag: not in the cache, and the
+    // registry (back up) has no such manifest.
+    registry.restart().await;
+    let other = format!("sha256:{}", "0".repeat(64));
+    let reference = format!("oci://{}/team/gate:v1@{other}", registry.host());
+    let dir = policy_dir(&policy(&reference, ""), &[]);
+    let (ok, stderr) = check(dir.path(), cache.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains(&format!(
+            "cannot pull {reference}: the registry {} answered 404",
+            registry.host()
+        )) && stderr.contains("policy.yaml:3:"),
+        "{stderr}"
+    );
+}
+
+/// An image whose one layer holds `plugin.wasm`, from a registry with
+/// TLS and basic auth: pulled with the Docker config named by
+/// `pull_secret` and the CA named by `registry_ca`. A wrong password
+/// says 401 and which setting to look at; without the CA, the
+/// certificate is refused; a pin of the module's own sha256 is checked
+/// too.
+#[tokio::test]
+pub(super) async fn an_image_from_a_registry_with_tls_and_auth_is_pulled_with_the_secret() {
+    let registry = Registry::start_secure().await;
+    registry
+        .push_image("team/gate-image", "1.0", &module())
+        .await;
+    let cache = tempfile::tempdir().unwrap();
+    let reference = format!("oci://{}/team/gate-image:1.0", registry.host());
+    let files = |password: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("ca.pem"), registry.ca_pem.as_ref().unwrap()).unwrap();
+        std::fs::write(
+            dir.path().join("docker.json"),
+            registry.docker_config(password),
+        )
+        .unwrap();
+        dir
+    };
+    let secure = ", pull_secret: docker.json, registry_ca: ca.pem";
+
+    let wrong = files("not-it");
+    std::fs::write(wrong.path().join("policy.yaml"), policy(&reference, secure)).unwrap();
+    let (ok, stderr) = check(wrong.path(), cache.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains("answered 401") && stderr.contains("pull_secret"),
+        "{stderr}"
+    );
+
+    let no_ca = files(PASSWORD);
+    let insecure = ", pull_secret: docker.json";
+    std::fs::write(
+        no_ca.path().join("policy.yaml"),
+        policy(&reference, insecure),
+    )
+    .unwrap();
+    let (ok, stderr) = check(no_ca.path(), cache.path());
+    assert!(!ok);
+    assert!(stderr.contains("UnknownIssuer"), "{stderr}");
+
+    let good = files(PASSWORD);
+    let sha = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(module()))
+    };
+    let pinned = format!("{secure}, sha256: \"{sha}\"");
+    std::fs::write(good.path().join("policy.yaml"), policy(&reference, &pinned)).unwrap();
+    let (ok, stderr) = check(good.path(), cache.path());
+    assert!(ok, "{stderr}");
+    let proxy = serve(good.path(), cache.path()).await;
+    guarded(&proxy).await;
+    drop(proxy);
+}
+
+/// A reload naming a tag the registry does not have is rejected with the
+/// registry's answer in `/status`; the policy before it serves on.
+#[tokio::test]
+pub(super) async fn a_failed_pull_on_a_reload_keeps_the_old_policy_serving() {
+    let registry = Registry::start().await;
+    registry.push_artifact("team/gate", "v1", &module()).await;
+    let cache = tempfile::tempdir().unwrap();
+    let good = policy(&format!("oci://{}/team/gate:v1", registry.host()), "");
+    let mut map = crate::support::configmap::ConfigMap::new(&[("routing.yaml", good.as_bytes())]);
+    let mut proxy = serve(map.path(), cache.path()).await;
+    guarded(&proxy).await;
+    let missing = policy(&format!("oci://{}/team/gate:v9", registry.host()), "");
+    map.update(&[("routing.yaml", missing.as_bytes())]);
+    proxy.wait_for_log("reload rejected").await;
+    let status = proxy.status().await;
+    let error = status["last_error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(&format!(
+            "cannot pull oci://{}/team/gate:v9",
+            registry.host()
+        )) && error.contains("answered 404"),
+        "{status:#}"
+    );
+    guarded(&proxy).await;
+    drop(proxy);
+}
+
+/// `check` says plainly when it cannot reach a registry, and refuses
+/// pull settings on a plugin that is a file rather than ignoring them.
+#[test]
+pub(super) fn check_names_an_unreachable_registry_and_misplaced_pull_settings() {
+    let cache = tempfile::tempdir().unwrap();
+    let port = crate::support::closed_port();
+    let reference = format!("oci://127.0.0.1:{port}/team/gate:v1");
+    let dir = policy_dir(&policy(&reference, ""), &[]);
+    let (ok, stderr) = check(dir.path(), cache.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains(&format!(
+            "cannot pull {reference}: connect to 127.0.0.1:{port}"
+        )),
+        "{stderr}"
+    );
+    let dir = policy_dir(
+        &policy("example-require-header.wasm", ", pull_policy: Always"),
+        &["example-require-header"],
+    );
+    let (ok, stderr) = check(dir.path(), cache.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains("`pull_policy` applies to a plugin pulled from a registry (`path: oci://…`), not to a file"),
+        "{stderr}"
+    );
+}
