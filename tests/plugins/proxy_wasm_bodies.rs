@@ -11,42 +11,78 @@ use http_body_util::BodyExt;
 /// (no length), `/big` 2 MiB in 64 KiB pieces, and `/whole` and
 /// `/refuse` `top secret stuff\n` and `refuse me\n` in one piece with
 /// their lengths (the body at hand with its head, as small answers come).
-async fn pieces() -> Upstream {
-    upstream::serve(|req| async move {
-        let chunks: Vec<Bytes> = match req.uri().path() {
-            "/big" => vec![Bytes::from(vec![b'a'; 64 << 10]); 32],
-            path @ ("/whole" | "/refuse") => {
-                let text: &'static str = match path {
-                    "/whole" => "top secret stuff\n",
-                    _ => "refuse me\n",
-                };
-                return Response::new(
-                    http_body_util::Full::new(Bytes::from_static(text.as_bytes()))
-                        .map_err(|never| match never {})
-                        .boxed(),
-                );
-            }
-            _ => ["top ", "secret ", "stuff\n"]
+/// The upstream of these tests, and the signal that lets a `late-*`
+/// answer's body go (see [`late`]).
+async fn pieces() -> (Upstream, Arc<tokio::sync::Notify>) {
+    let head_seen = Arc::new(tokio::sync::Notify::new());
+    let seen = head_seen.clone();
+    let app = upstream::serve(move |req| {
+        let seen = seen.clone();
+        async move {
+            let late = req
+                .headers()
+                .get("x-redact")
+                .is_some_and(|v| v.as_bytes().starts_with(b"late-"));
+            let chunks: Vec<Bytes> = match req.uri().path() {
+                "/big" => vec![Bytes::from(vec![b'a'; 64 << 10]); 32],
+                path @ ("/whole" | "/refuse") => {
+                    let text: &'static str = match path {
+                        "/whole" => "top secret stuff\n",
+                        _ => "refuse me\n",
+                    };
+                    return Response::new(
+                        http_body_util::Full::new(Bytes::from_static(text.as_bytes()))
+                            .map_err(|never| match never {})
+                            .boxed(),
+                    );
+                }
+                _ => ["top ", "secret ", "stuff\n"]
+                    .into_iter()
+                    .map(|s: &'static str| Bytes::from_static(s.as_bytes()))
+                    .collect(),
+            };
+            let frames = chunks
                 .into_iter()
-                .map(|s: &'static str| Bytes::from_static(s.as_bytes()))
-                .collect(),
-        };
-        let frames = chunks
-            .into_iter()
-            .map(|c| Ok::<_, std::io::Error>(hyper::body::Frame::data(c)));
-        // The pieces come after the head, not in its packet: a body the
-        // proxy reads with its head is a body at hand, which the filter
-        // gets before the head leaves, and these answers test a body that
-        // streams. Nothing tells the upstream that the proxy has read the
-        // head; a pause does.
-        let after_the_head = futures_util::stream::once(async {
-            tokio::time::sleep(Duration::from_millis(30)).await;
-            futures_util::stream::iter(frames)
-        });
-        let stream = futures_util::StreamExt::flatten(after_the_head);
-        Response::new(http_body_util::StreamBody::new(stream).boxed())
+                .map(|c| Ok::<_, std::io::Error>(hyper::body::Frame::data(c)));
+            // The pieces come after the head, not in its packet: a body the
+            // proxy reads with its head is a body at hand, which the filter
+            // gets before the head leaves, and these answers test a body
+            // that streams. A `late-*` answer's pieces wait until the
+            // client has the head (what it tests is a call after the head
+            // went); the others, whose outcome is the same either way, a
+            // pause.
+            let after_the_head = futures_util::stream::once(async move {
+                if late {
+                    let _ = tokio::time::timeout(Duration::from_secs(10), seen.notified()).await;
+                } else {
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                }
+                futures_util::stream::iter(frames)
+            });
+            let stream = futures_util::StreamExt::flatten(after_the_head);
+            Response::new(http_body_util::StreamBody::new(stream).boxed())
+        }
     })
-    .await
+    .await;
+    (app, head_seen)
+}
+
+/// [`redacted`] for a `late-*` answer streamed from `/r`: its body is let
+/// go (`head_seen`) once the client has the head.
+async fn late(addr: std::net::SocketAddr, how: &str, head_seen: &tokio::sync::Notify) -> Redacted {
+    let req = Request::get(format!("http://{addr}/r")).header("x-redact", how);
+    let Ok(resp) = client::http1()
+        .request(req.body(body(Bytes::new())).unwrap())
+        .await
+    else {
+        return cut();
+    };
+    head_seen.notify_one();
+    let status = resp.status().as_u16();
+    match resp.into_body().collect().await {
+        Ok(b) => answer(status, Some(&String::from_utf8_lossy(&b.to_bytes())), None),
+        Err(_) => cut(),
+    }
 }
 
 fn bodies_policy(upstream: &str) -> String {
@@ -131,7 +167,7 @@ fn answer(status: u16, body: Option<&str>, body_was: Option<&str>) -> Redacted {
 
 #[tokio::test]
 pub(super) async fn a_filter_rewrites_a_response_body() {
-    let app = pieces().await;
+    let (app, head_seen) = pieces().await;
     let dir = policy_dir(&bodies_policy(&app.url()), &["proxy-wasm-body"]);
     let proxy = Proxy::start_dir(dir, &[]).await;
     // Streamed: the head went on without its length, the pieces were
@@ -160,7 +196,7 @@ pub(super) async fn a_filter_rewrites_a_response_body() {
     // panics): a streamed response is cut off; one at hand had not gone
     // yet and is answered with the failure, as Envoy answers it.
     for how in ["late-write", "late-read"] {
-        assert_eq!(redacted(proxy.addr, "/r", Some(how)).await, cut(), "{how}");
+        assert_eq!(late(proxy.addr, how, &head_seen).await, cut(), "{how}");
         let a = redacted(proxy.addr, "/whole", Some(how)).await;
         assert_eq!(a.status, 500, "{how}: {a:?}");
     }
@@ -187,7 +223,7 @@ pub(super) async fn a_filter_rewrites_a_response_body() {
 /// (docs/plugins.md).
 #[tokio::test]
 pub(super) async fn a_response_body_filter_behaves_as_in_envoy() {
-    let app = pieces().await;
+    let (app, _) = pieces().await;
     let filter = plugin_file("proxy-wasm-body");
     let envoy = crate::support::envoy::Envoy::with_filter(&filter, "", app.addr).await;
     let dir = policy_dir(&bodies_policy(&app.url()), &["proxy-wasm-body"]);
