@@ -75,6 +75,12 @@ pub(super) async fn a_pinned_artifact_is_pulled_once_and_restarts_from_the_cache
     let proxy = serve(dir.path(), cache.path()).await;
     guarded(&proxy).await;
     drop(proxy);
+    // A cache that cannot be made is a warning (in serve's log); the
+    // pull goes on.
+    let unwritable = cache.path().join("a-file");
+    std::fs::write(&unwritable, "").unwrap();
+    let (ok, stderr) = check(dir.path(), &unwritable);
+    assert!(ok, "{stderr}");
 
     registry.kill().await;
     let proxy = serve(dir.path(), cache.path()).await;

@@ -18,18 +18,22 @@ pub struct Cache {
 }
 
 impl Cache {
-    /// The cache in `dir`, made (user-only) if missing.
-    pub fn open(dir: &Path) -> Result<Cache, String> {
+    /// The cache in `dir`, made (user-only) if missing. One that cannot
+    /// be made is a warning: pulls go on, uncached.
+    pub fn open(dir: &Path) -> Cache {
         for sub in ["modules", "manifests", "tags"] {
-            std::fs::DirBuilder::new()
+            let made = std::fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o700)
-                .create(dir.join(sub))
-                .map_err(|e| format!("cannot make the plugin pull cache {}: {e}", dir.display()))?;
+                .create(dir.join(sub));
+            if let Err(e) = made {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot make the plugin pull cache; pulled plugins are not kept (set --plugin-cache to a writable directory)");
+                break;
+            }
         }
-        Ok(Cache {
+        Cache {
             dir: dir.to_owned(),
-        })
+        }
     }
 
     /// The module the manifest `digest` (`sha256:…`) was pulled as.
@@ -102,7 +106,7 @@ mod tests {
     #[test]
     fn modules_are_found_by_manifest_and_tag_and_checked() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = Cache::open(dir.path()).unwrap();
+        let cache = Cache::open(dir.path());
         let digest = format!("sha256:{}", "ab".repeat(32));
         assert!(cache.by_manifest(&digest).is_none());
         cache

@@ -102,7 +102,7 @@ fn cache_dir() -> PathBuf {
 /// `pull.policy` allows; blocks the calling thread until done or
 /// `pull.deadline` passes.
 pub fn pull(reference: &Reference, pull: &Pull) -> Result<Pulled, String> {
-    let cache = cache::Cache::open(&cache_dir())?;
+    let cache = cache::Cache::open(&cache_dir());
     if let Some(digest) = &reference.digest
         && let Some(module) = cache.by_manifest(digest)
     {
