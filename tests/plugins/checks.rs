@@ -146,3 +146,35 @@ routes: [{ name: r, match: { path: /r }, respond: { status: 204 } }]
     let a = client::get(&format!("http://{}/r", proxy.addr)).await;
     assert_eq!(a.status, 204, "{:?}", a.body);
 }
+
+/// An upstream a standard plugin's config names is one of the policies':
+/// a typo in canary-route's or token-introspection's `upstream` is an
+/// error at the use, listing the upstreams there are, where it used to
+/// pass and fail every request the plugin sent on with 500.
+#[test]
+pub(super) fn an_upstream_a_standard_plugins_config_names_must_exist() {
+    let yaml = r#"
+upstreams: [{ name: app, endpoints: ["http://127.0.0.1:1"] }, { name: app-canary, endpoints: ["http://127.0.0.1:2"] }]
+plugins: [{ name: canary, path: "builtin:canary-route" }, { name: introspect, path: "builtin:token-introspection" }]
+routes:
+  - { name: a, match: { path: /a }, upstream: app, plugins: [{ use: canary, config: { upstream: app-canry, percent: 5 } }] }
+  - { name: b, match: { path: /b }, upstream: app, plugins: [{ use: introspect, config: { upstream: idp, path: /introspect } }] }
+  - { name: c, match: { path: /c }, upstream: app, plugins: [{ use: canary, config: { upstream: app-canary, percent: 5 } }] }
+"#;
+    crate::support::assert_check_errors(
+        yaml,
+        &[
+            (
+                5,
+                "`upstream: app-canry` in canary-route's config names no upstream; defined under `upstreams:`: app, app-canary",
+            ),
+            (
+                6,
+                "`upstream: idp` in token-introspection's config names no upstream",
+            ),
+        ],
+    );
+    let dir = policy_dir(yaml, &[]);
+    let (_, _, stderr) = crate::support::check(dir.path());
+    assert!(!stderr.contains("policy.yaml:7:"), "{stderr}");
+}

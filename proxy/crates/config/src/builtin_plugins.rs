@@ -11,6 +11,17 @@ pub fn get(name: &str) -> Option<&'static [u8]> {
     PLUGINS.iter().find(|(n, _)| *n == name).map(|(_, b)| *b)
 }
 
+/// The keys of standard plugin `name`'s config that name an upstream of
+/// the policies (the part of its config schema the policies check: a
+/// typo there would otherwise pass `check` and fail every request the
+/// plugin sends on, with 500 "plugin chose an unknown upstream").
+pub fn upstream_keys(name: &str) -> &'static [&'static str] {
+    match name {
+        "canary-route" | "token-introspection" => &["upstream"],
+        _ => &[],
+    }
+}
+
 /// The built-in plugins' names, comma-separated, for error messages.
 pub fn names() -> String {
     PLUGINS

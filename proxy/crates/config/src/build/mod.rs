@@ -507,6 +507,7 @@ pub(super) fn build(
                 return false;
             }
             settle_config(&mut ctx, u, &plugins[u.plugin]);
+            named_upstreams(&mut ctx, u, &plugins[u.plugin], &upstreams);
             true
         });
     };

@@ -229,6 +229,51 @@ pub(super) fn plugin_use(
 /// Settles what `use` gets once its plugin's kind is known: the resolved
 /// configs (and their errors) for a component or a use that asks
 /// (`expand_config: true`), the written ones for a proxy-wasm filter.
+/// The upstreams a standard plugin's config names
+/// ([`builtin_plugins::upstream_keys`]), checked against the policies'
+/// own; a missing or mistyped key is the plugin's to report.
+pub(super) fn named_upstreams(
+    ctx: &mut Ctx,
+    u: &PluginUse,
+    module: &PluginModule,
+    upstreams: &[Arc<Upstream>],
+) {
+    use crate::builtin_plugins;
+    let path = module.path.to_string_lossy();
+    let Some(builtin) = path.strip_prefix(builtin_plugins::PREFIX) else {
+        return;
+    };
+    let keys = builtin_plugins::upstream_keys(builtin.trim());
+    if keys.is_empty() {
+        return;
+    }
+    let Ok(config) = serde_json::from_str::<serde_json::Value>(&u.config_json) else {
+        return;
+    };
+    for key in keys {
+        let Some(name) = config.get(key).and_then(|v| v.as_str()) else {
+            continue;
+        };
+        if upstreams.iter().any(|up| &*up.name == name) {
+            continue;
+        }
+        let mut known: Vec<&str> = upstreams.iter().map(|up| &*up.name).collect();
+        known.sort_unstable();
+        let known = if known.is_empty() {
+            "none".to_owned()
+        } else {
+            known.join(", ")
+        };
+        ctx.errors.push(ConfigError {
+            pos: u.defined_at.clone(),
+            message: format!(
+                "`{key}: {name}` in {}'s config names no upstream; defined under `upstreams:`: {known}",
+                builtin.trim()
+            ),
+        });
+    }
+}
+
 pub(super) fn settle_config(ctx: &mut Ctx, u: &mut PluginUse, module: &PluginModule) {
     let Some(e) = u.expansion.take() else { return };
     if !e.asked.unwrap_or(!module.is_core_module()) {
