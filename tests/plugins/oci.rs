@@ -218,3 +218,87 @@ pub(super) fn check_names_an_unreachable_registry_and_misplaced_pull_settings() 
         "{stderr}"
     );
 }
+
+/// A ConfigMap edit from one pinned digest to another swaps the plugin
+/// while clients keep asking: the new module is pulled before the new
+/// policy takes traffic, and every request is answered, by one version
+/// or the other.
+#[tokio::test]
+pub(super) async fn a_configmap_edit_to_a_new_digest_swaps_the_plugin_with_no_request_dropped() {
+    use std::sync::atomic::{AtomicBool, AtomicU64};
+    let registry = Registry::start().await;
+    let v1 = registry.push_artifact("team/gate", "v1", &module()).await;
+    let rules = std::fs::read(plugin_file("header-rules")).unwrap();
+    let v2 = registry.push_artifact("team/gate", "v2", &rules).await;
+    let cache = tempfile::tempdir().unwrap();
+    let app = upstream::echo("app").await;
+    let pinned = |tag: &str, digest: &str, config: &str| {
+        format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins: [{{ name: gate, path: "oci://{}/team/gate:{tag}@{digest}" }}]
+routes:
+  - {{ name: r, match: {{ path: /r }}, upstream: app, plugins: [{{ use: gate, config: {config} }}] }}
+"#,
+            app.url(),
+            registry.host()
+        )
+    };
+    let first = pinned("v1", &v1, "{ header: x-api-key }");
+    let second = pinned("v2", &v2, "{ response: { set: { x-version: \"2\" } } }");
+    let mut map = crate::support::configmap::ConfigMap::new(&[("routing.yaml", first.as_bytes())]);
+    let mut proxy = serve(map.path(), cache.path()).await;
+    let (stop, answered, failed) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(std::sync::Mutex::new(Vec::new())),
+    );
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        let (url, stop, answered, failed) = (
+            proxy.url("/r"),
+            stop.clone(),
+            answered.clone(),
+            failed.clone(),
+        );
+        clients.push(tokio::spawn(async move {
+            let c = client::http1();
+            while !stop.load(Ordering::Relaxed) {
+                let req = Request::get(&url)
+                    .header("x-api-key", "k")
+                    .body(body(Bytes::new()))
+                    .unwrap();
+                match client::send(&c, req).await.status.as_u16() {
+                    200 => answered.fetch_add(1, Ordering::Relaxed),
+                    other => {
+                        failed.lock().unwrap().push(other);
+                        0
+                    }
+                };
+            }
+        }));
+    }
+    map.update(&[("routing.yaml", second.as_bytes())]);
+    let line = proxy.wait_for_log("configuration applied").await;
+    assert!(line.contains("\"generation\":2"), "{line}");
+    // The new version answers: its header is set, and no key is asked for.
+    let a = client::get(&proxy.url("/r")).await;
+    assert_eq!(
+        (
+            a.status.as_u16(),
+            a.headers.get("x-version").map(|v| v.as_bytes().to_vec())
+        ),
+        (200, Some(b"2".to_vec()))
+    );
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        c.await.unwrap();
+    }
+    assert!(answered.load(Ordering::Relaxed) > 0);
+    assert!(
+        failed.lock().unwrap().is_empty(),
+        "{:?}",
+        failed.lock().unwrap()
+    );
+}

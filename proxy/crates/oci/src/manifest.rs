@@ -113,12 +113,31 @@ pub fn plugin_from_image(layer: &[u8], limit: u64) -> Result<Vec<u8>, String> {
     } else {
         Box::new(layer)
     };
-    let mut archive = tar::Archive::new(reader);
+    // A layer that inflates without end (a gzip bomb) is read no further
+    // than twice the module's bound (and a MiB for the tar's own
+    // records): the pull's deadline cannot stop work that never waits.
+    let expanded = limit.saturating_mul(2).saturating_add(1 << 20);
+    let mut archive = tar::Archive::new(reader.take(expanded));
     let entries = archive
         .entries()
         .map_err(|e| format!("the image layer is not a tar: {e}"))?;
+    let missing = || {
+        format!(
+            "the image's layer holds no plugin.wasm in its first {expanded} bytes (an image for a plugin has one layer with plugin.wasm at its root)"
+        )
+    };
     for entry in entries {
-        let mut entry = entry.map_err(|e| format!("the image layer is not a tar: {e}"))?;
+        let mut entry = entry.map_err(|e| {
+            // Cut off at the bound (or a tar cut short): the tar crate
+            // says so in words, not always by kind.
+            let cut = e.kind() == std::io::ErrorKind::UnexpectedEof
+                || e.to_string().contains("unexpected EOF");
+            if cut {
+                missing()
+            } else {
+                format!("the image layer is not a tar: {e}")
+            }
+        })?;
         let path = entry
             .path()
             .map_err(|e| format!("the image layer is not a tar: {e}"))?;
@@ -141,7 +160,7 @@ pub fn plugin_from_image(layer: &[u8], limit: u64) -> Result<Vec<u8>, String> {
         }
         return Ok(module);
     }
-    Err("the image's layer holds no plugin.wasm (an image for a plugin has one layer with plugin.wasm at its root)".into())
+    Err(missing())
 }
 
 #[cfg(test)]
@@ -173,6 +192,20 @@ mod tests {
         let layer = tarball("other.wasm", b"x", true);
         let e = plugin_from_image(&layer, 100).unwrap_err();
         assert!(e.contains("holds no plugin.wasm"), "{e}");
+        let mut big = tar::Builder::new(Vec::new());
+        for (name, size) in [("padding", 2 << 20), ("plugin.wasm", 8)] {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(size);
+            h.set_mode(0o644);
+            h.set_cksum();
+            big.append_data(&mut h, name, &vec![0u8; size as usize][..])
+                .unwrap();
+        }
+        let e = plugin_from_image(&big.into_inner().unwrap(), 100).unwrap_err();
+        assert!(
+            e.contains("no plugin.wasm in its first 1048776 bytes"),
+            "{e}"
+        );
         let layer = tarball("plugin.wasm", &[0; 200], true);
         let e = plugin_from_image(&layer, 100).unwrap_err();
         assert!(e.contains("over the bound"), "{e}");
