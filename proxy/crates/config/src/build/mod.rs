@@ -35,6 +35,7 @@ use super::{
 };
 
 mod listeners;
+mod plugin_files;
 mod plugins;
 mod pull;
 mod route_features;

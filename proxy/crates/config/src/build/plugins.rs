@@ -16,14 +16,15 @@ pub(super) fn plugin_module(ctx: &mut Ctx, raw: &Spanned<RawPlugin>) -> Option<P
     use sha2::Digest;
     let p = &raw.value;
     let name = name(ctx, &p.name, "plugin");
-    let (path, bytes) = if super::pull::is_oci(&p.path.value.0) {
+    let (path, bytes, sha256) = if super::pull::is_oci(&p.path.value.0) {
         let text = ctx.text(&p.path)?;
-        super::pull::pulled(ctx, p, &text)?
+        let (path, bytes) = super::pull::pulled(ctx, p, &text)?;
+        let sha256: [u8; 32] = sha2::Sha256::digest(&bytes).into();
+        (path, bytes.into(), sha256)
     } else {
         super::pull::settings_without_registry(ctx, p);
         plugin_bytes(ctx, &p.path)?
     };
-    let sha256: [u8; 32] = sha2::Sha256::digest(&bytes).into();
     if let Some(pin) = &p.sha256 {
         let expected = ctx.text(pin)?;
         let actual = hex::encode(sha256);
@@ -57,7 +58,7 @@ pub(super) fn plugin_module(ctx: &mut Ctx, raw: &Spanned<RawPlugin>) -> Option<P
     Some(PluginModule {
         name: name?.into(),
         path,
-        bytes: bytes.into(),
+        bytes,
         sha256,
         defined_at: ctx.pos(&raw.referenced),
     })
@@ -66,7 +67,10 @@ pub(super) fn plugin_module(ctx: &mut Ctx, raw: &Spanned<RawPlugin>) -> Option<P
 /// Where a plugin's component comes from and its bytes: a standard
 /// plugin built into the binary (`builtin:NAME`), or a file (relative to
 /// the policy file).
-pub(super) fn plugin_bytes(ctx: &mut Ctx, path: &Text) -> Option<(std::path::PathBuf, Vec<u8>)> {
+pub(super) fn plugin_bytes(
+    ctx: &mut Ctx,
+    path: &Text,
+) -> Option<(std::path::PathBuf, Arc<[u8]>, [u8; 32])> {
     use crate::builtin_plugins;
     let text = ctx.text(path)?;
     if let Some(builtin) = text.strip_prefix(builtin_plugins::PREFIX) {
@@ -81,11 +85,12 @@ pub(super) fn plugin_bytes(ctx: &mut Ctx, path: &Text) -> Option<(std::path::Pat
             );
             return None;
         };
-        return Some((text.into(), bytes.to_vec()));
+        let sha256: [u8; 32] = <sha2::Sha256 as sha2::Digest>::digest(bytes).into();
+        return Some((text.into(), bytes.into(), sha256));
     }
     let file = ctx.path(path)?;
-    match portcullis_net::files::read_bounded(&file, portcullis_net::files::PLUGIN_LIMIT) {
-        Ok(bytes) => Some((file, bytes)),
+    match super::plugin_files::read(&file) {
+        Ok((bytes, sha256)) => Some((file, bytes, sha256)),
         Err(e) => {
             let hint = if e.kind() == std::io::ErrorKind::NotFound {
                 " (a standard plugin needs no file: name it `builtin:NAME`; mount a \
