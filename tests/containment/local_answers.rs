@@ -43,7 +43,19 @@ routes:
         assert_eq!(answer.json()["error"], "plugin failed", "{how}");
     }
     proxy.wait_for_log("unexpected status: 2").await;
-    let twice = misbehaving(proxy.url("/filtered"), "local-twice", &[]).await;
+    // The failed VMs are started again off the request path: until
+    // then, a worker's requests fail by the use's `fail` (500). The first
+    // answer from a worker whose VM is back is the one looked at.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut twice = misbehaving(proxy.url("/filtered"), "local-twice", &[]).await;
+    while twice.status == 500 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the filter's VM never started again"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        twice = misbehaving(proxy.url("/filtered"), "local-twice", &[]).await;
+    }
     assert_eq!(
         (twice.status.as_u16(), twice.header("x-which")),
         (403, Some("first"))
