@@ -114,11 +114,14 @@ pub fn pull(reference: &Reference, pull: &Pull) -> Result<Pulled, String> {
         });
     }
     let shown = reference.to_string();
-    let cached_tag = cache
-        .tag(&shown)
-        .and_then(|d| cache.by_manifest(&d).map(|m| (d, m)));
+    // What the tag last named: read (a module file) only when it may be used.
+    let cached_tag = || {
+        cache
+            .tag(&shown)
+            .and_then(|d| cache.by_manifest(&d).map(|m| (d, m)))
+    };
     if pull.policy == PullPolicy::IfNotPresent
-        && let Some((digest, module)) = cached_tag
+        && let Some((digest, module)) = cached_tag()
     {
         tracing::debug!(reference = %reference, digest = %digest, "plugin from the pull cache");
         return Ok(Pulled {
@@ -166,10 +169,7 @@ pub fn pull(reference: &Reference, pull: &Pull) -> Result<Pulled, String> {
         }
         // The registry cannot be reached: what the tag last named, as
         // a restart with the registry down starts from the cache.
-        Err(Failure::Unreachable(e)) => match cache
-            .tag(&shown)
-            .and_then(|d| cache.by_manifest(&d).map(|m| (d, m)))
-        {
+        Err(Failure::Unreachable(e)) => match cached_tag() {
             Some((digest, module)) => {
                 tracing::warn!(reference = %shown, error = %e, digest = %digest, "registry unreachable; using the module this tag named when last pulled");
                 Ok(Pulled {

@@ -38,6 +38,8 @@ pub(super) fn pulled(
             )),
         }),
     };
+    // `Some(None)`: set, and refused (reported); read on so that the
+    // other settings' mistakes are reported in the same run.
     let secret = p.pull_secret.as_ref().map(|t| ctx.path(t));
     let mut ca = Vec::new();
     if let Some(t) = &p.registry_ca
@@ -49,9 +51,10 @@ pub(super) fn pulled(
         }
     }
     let insecure = ctx.flag(&p.insecure_registry, false);
-    let (Some(policy), secret @ (None | Some(Some(_)))) = (policy, secret) else {
+    let policy = policy?;
+    if matches!(secret, Some(None)) {
         return None;
-    };
+    }
     let pull = Pull {
         policy,
         secret: secret.flatten(),
