@@ -10,6 +10,7 @@ mod auth_request;
 mod balancing;
 mod body_limit;
 mod check_cli;
+mod check_structure;
 mod compression;
 mod containment;
 mod default_routes;

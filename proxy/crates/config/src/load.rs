@@ -142,21 +142,40 @@ fn load_files(
 ) -> (Config, Vec<ConfigError>) {
     let mut files = Vec::with_capacity(sources.len());
     let mut errors = Vec::new();
+    let mut unparsed: Vec<Arc<str>> = Vec::new();
+    let mut lost: Vec<String> = Vec::new();
+    let mut blanked = Vec::new();
     for source in sources {
         let file: Arc<str> = source.name.as_str().into();
         match parse(&source.text) {
             Ok(policy) => files.push((file, policy)),
             // Every structural mistake in the file, not only the first.
-            Err(_) => errors.extend(crate::diagnose::structural_errors(
-                &file,
-                &source.text,
-                |text| parse(text).map(|_| ()),
-            )),
+            Err(_) => {
+                let parse_only = |text: &str| parse(text).map(|_| ());
+                let found = crate::diagnose::structural_errors(&file, &source.text, parse_only);
+                errors.extend(found.errors);
+                lost.extend(found.lost);
+                blanked.push((file.clone(), found.blanked));
+                unparsed.push(file.clone());
+                // What parses of it once its faulty entries are blanked is
+                // checked too (`check` names the mistakes in its values in
+                // the same run); the file still fails.
+                if let Some(policy) = found.rest.and_then(|text| parse(&text).ok()) {
+                    files.push((file, policy));
+                }
+            }
         }
     }
-    let unparsed: Vec<Arc<str>> = errors.iter().map(|e| e.pos.file.clone()).collect();
-    let (config, more) = build::build(&files, env, (&unparsed, every_plugin));
-    errors.extend(more);
+    let (config, more) = build::build(&files, env, (&unparsed, &lost, every_plugin));
+    // Not what a blanked field's absence brings about.
+    let consequence = |e: &ConfigError| {
+        blanked
+            .iter()
+            .any(|(f, b): &(Arc<str>, Vec<crate::diagnose::Blanked>)| {
+                *f == e.pos.file && b.iter().any(|b| b.explains(e))
+            })
+    };
+    errors.extend(more.into_iter().filter(|e| !consequence(e)));
     sort_errors(&mut errors);
     (config, errors)
 }

@@ -98,6 +98,9 @@ struct Ctx<'e> {
     /// Policy files that did not parse: a name unknown here may be defined
     /// in one of them, which an "unknown upstream" error then says.
     unparsed: &'e [Arc<str>],
+    /// Names of entries those files define with an error (reported
+    /// there): a reference to one is not unknown.
+    lost: &'e [String],
     /// Values that came from the environment or a file (a secret, maybe),
     /// each with the reference it came from: an error names the
     /// reference, never the value.
@@ -148,12 +151,17 @@ impl Ctx<'_> {
     /// The value with `${ENV}` references expanded.
     /// For an unknown name: the files it may be defined in, when some did
     /// not parse (their errors are reported too).
+    /// Whether `name` is defined in an entry left out for an error.
+    pub(super) fn lost(&self, name: &str) -> bool {
+        self.lost.iter().any(|l| l == name)
+    }
+
     pub(super) fn unparsed_hint(&self) -> String {
         if self.unparsed.is_empty() {
             return String::new();
         }
         let names: Vec<&str> = self.unparsed.iter().map(|f| &**f).collect();
-        format!(" (or in {}, which did not parse)", names.join(", "))
+        format!(" (or in what of {} did not parse)", names.join(", "))
     }
 
     pub(super) fn text(&mut self, t: &Text) -> Option<String> {
@@ -338,7 +346,7 @@ struct PendingRoute {
 pub(super) fn build(
     files: &[(Arc<str>, PolicyFile)],
     env: &dyn Fn(&str) -> Option<String>,
-    (unparsed, every_plugin): (&[Arc<str>], bool),
+    (unparsed, lost, every_plugin): (&[Arc<str>], &[String], bool),
 ) -> (Config, Vec<ConfigError>) {
     let mut ctx = Ctx {
         env,
@@ -346,6 +354,7 @@ pub(super) fn build(
         errors: Vec::new(),
         files: Vec::new(),
         unparsed,
+        lost,
         substituted: Vec::new(),
     };
     let mut listeners = Vec::new();

@@ -118,6 +118,9 @@ pub(super) fn plugin_use(
     }
     let name = ctx.text(&u.plugin)?;
     let Some(&plugin) = plugin_index.get(name.trim()) else {
+        if ctx.lost(name.trim()) {
+            return None;
+        }
         let hint = ctx.unparsed_hint();
         let mut known: Vec<_> = plugin_index.keys().map(String::as_str).collect();
         known.sort_unstable();

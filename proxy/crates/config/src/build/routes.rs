@@ -52,6 +52,7 @@ pub(super) fn named_upstream(
         Some(&Some(i)) => Some(i),
         // Defined, but in error (reported there).
         Some(None) => None,
+        None if ctx.lost(up.trim()) => None,
         None => {
             let mut known: Vec<_> = upstream_index.keys().map(String::as_str).collect();
             known.sort_unstable();
