@@ -32,12 +32,25 @@ routes:
     );
     let mut proxy = ProxyProcess::start_on(dir.path(), &[]).await;
     for how in ["local-101", "local-65736"] {
-        let answer = tokio::time::timeout(
-            Duration::from_secs(10),
-            misbehaving(proxy.url("/filtered"), how, &[]),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("{how}: no answer"));
+        // The first failure's VM starts again off the request path; a
+        // request meeting its worker meanwhile fails with "could not
+        // start" (the use's `fail`), not with the filter's answer: wait
+        // for the VM (more than a moment on a loaded machine).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let answer = loop {
+            let answer = tokio::time::timeout(
+                Duration::from_secs(10),
+                misbehaving(proxy.url("/filtered"), how, &[]),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("{how}: no answer"));
+            let starting =
+                answer.status == 500 && answer.json()["error"] == "plugin could not start";
+            if !starting || tokio::time::Instant::now() > deadline {
+                break answer;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
         assert_eq!(answer.status, 500, "{how}: {:?}", answer.body);
         assert_eq!(answer.json()["plugin"], "filter", "{how}");
         assert_eq!(answer.json()["error"], "plugin failed", "{how}");
