@@ -95,7 +95,9 @@ impl seam::Plugin for Binding {
                     apply_edits(lent.headers, &edits, &self.plugin);
                     ResponseVerdict::Continue
                 }
-                ResponseDecision::Respond(local) => ResponseVerdict::Respond(self.answer(local)),
+                ResponseDecision::Respond(local) => {
+                    ResponseVerdict::Respond(Box::new(self.answer(local)))
+                }
                 ResponseDecision::ReadBody(max) => {
                     ResponseVerdict::ReadBody(max.min(seam::MAX_BUFFERED_BODY))
                 }
@@ -121,7 +123,9 @@ impl seam::Plugin for Binding {
                     apply_edits(lent.headers, &edits.headers, &self.plugin);
                     BodyVerdict::Continue(edits.body.map(bytes::Bytes::from))
                 }
-                ResponseBodyDecision::Respond(local) => BodyVerdict::Respond(self.answer(local)),
+                ResponseBodyDecision::Respond(local) => {
+                    BodyVerdict::Respond(Box::new(self.answer(local)))
+                }
             },
         )
     }
@@ -172,9 +176,9 @@ impl Binding {
                     body: None,
                 })
             }
-            Decision::Respond(local) => Verdict::Respond(self.answer(local)),
+            Decision::Respond(local) => Verdict::Respond(Box::new(self.answer(local))),
             Decision::ReadBody(max) => Verdict::ReadBody(max),
-            Decision::Callout(c) => Verdict::Callout(self.callout(c)?),
+            Decision::Callout(c) => Verdict::Callout(Box::new(self.callout(c)?)),
         })
     }
 

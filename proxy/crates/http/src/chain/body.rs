@@ -98,8 +98,8 @@ impl<'a> PendingBody<'a> {
             // again with it).
             let mut asked = i == self.at;
             loop {
-                let facts = &mut progress.facts;
                 let mut stream = progress.streams.get(place);
+                let facts = &mut progress.facts;
                 let called = plugin::offload::on_request_with_body(
                     binding,
                     &mut stream,

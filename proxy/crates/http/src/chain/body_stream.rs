@@ -312,7 +312,7 @@ impl Filtered {
                     tracing::warn!(plugin = %name, route = %route, "body too large for the plugin to keep; stopped");
                     Stopped::TooLarge
                 }
-                Ok(plugin::BodyVerdict::Respond(local)) => Stopped::Answer(local),
+                Ok(plugin::BodyVerdict::Respond(local)) => Stopped::Answer(*local),
                 Err(e) => match failed(&*stage.plugin, route, e) {
                     Some(stopped) => stopped,
                     None => {

@@ -10,7 +10,7 @@ pub struct PendingCallout<'a> {
     at: usize,
     place: usize,
     progress: Progress<'a>,
-    request: Option<plugin::Callout>,
+    request: Option<Box<plugin::Callout>>,
     /// The request body, when it was read for a plugin before.
     body: Option<Bytes>,
 }
@@ -19,7 +19,7 @@ impl<'a> PendingCallout<'a> {
     pub(super) fn new(
         (chain, at, place): (&'a [Arc<dyn Plugin>], usize, usize),
         progress: Progress<'a>,
-        request: plugin::Callout,
+        request: Box<plugin::Callout>,
         body: Option<Bytes>,
     ) -> Self {
         PendingCallout {
@@ -34,7 +34,7 @@ impl<'a> PendingCallout<'a> {
 
     /// The request to send (taken: asked once).
     pub fn request(&mut self) -> Option<plugin::Callout> {
-        self.request.take()
+        self.request.take().map(|request| *request)
     }
 
     /// The plugin that made it, for logs.

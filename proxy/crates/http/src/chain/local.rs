@@ -109,7 +109,7 @@ pub(super) fn local_through(
         progress.streams.set(place, stream);
         match called {
             Ok(()) => {}
-            Err(Ok(local)) => return local_answer(&**binding, route, local),
+            Err(Ok(local)) => return local_answer(&**binding, route, *local),
             Err(Err(e)) => {
                 if let Some(answer) = fail(&**binding, route, &e) {
                     return answer;

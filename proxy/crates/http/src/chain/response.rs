@@ -69,7 +69,7 @@ fn heads(
                 return ResponseStep::ReadBody(HeldHead { place, max });
             }
             Ok(ResponseVerdict::Respond(local)) => {
-                return ResponseStep::Answer(local_answer(&**binding, route, local));
+                return ResponseStep::Answer(local_answer(&**binding, route, *local));
             }
             Err(e) => {
                 if let Some(answer) = fail(&**binding, route, &e) {
@@ -165,7 +165,7 @@ fn bodies(
             Ok(plugin::BodyVerdict::Continue(Some(new))) => *bytes = new,
             Ok(plugin::BodyVerdict::Continue(None) | plugin::BodyVerdict::Pause) => {}
             Ok(plugin::BodyVerdict::Respond(local)) => {
-                return Err(local_answer(&**binding, route, local));
+                return Err(local_answer(&**binding, route, *local));
             }
             Err(e) => {
                 if let Some(answer) = fail(&**binding, route, &e) {

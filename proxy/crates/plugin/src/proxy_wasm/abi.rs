@@ -416,7 +416,7 @@ impl AsRef<[u8]> for Value {
 
 /// The value of header `key` in map `kind`: a callout answer's, a
 /// pseudo-header, or a head's.
-fn header_value(state: &VmState, kind: i32, key: &[u8]) -> Option<Value> {
+fn header_value(state: &mut VmState, kind: i32, key: &[u8]) -> Option<Value> {
     if answer_map(kind) {
         let answer = state.call.answer.as_ref();
         let pairs = answer.map_or(&[][..], |(pairs, _)| pairs.as_slice());
@@ -428,8 +428,33 @@ fn header_value(state: &VmState, kind: i32, key: &[u8]) -> Option<Value> {
     if key.starts_with(b":") {
         return pseudo(state, kind, key).map(Value::Bytes);
     }
-    let name = HeaderName::from_bytes(key).ok()?;
+    let name = state.names.parsed(key)?;
     headers(state, kind)?.get(name).cloned().map(Value::Header)
+}
+
+/// The header names a filter asked for last, parsed: a filter asks for
+/// the same few on every request, and parsing one (`HeaderName::from_bytes`
+/// and its match of the standard names) cost ~145 instructions a lookup,
+/// more than the lookup (bench/instructions.sh, `/pw`).
+#[derive(Default)]
+pub(super) struct Names {
+    kept: [Option<(Box<[u8]>, HeaderName)>; 4],
+    /// Where the next name goes (the oldest is replaced).
+    next: usize,
+}
+
+impl Names {
+    /// `key` as a header name, if it is one.
+    fn parsed(&mut self, key: &[u8]) -> Option<HeaderName> {
+        let known = self.kept.iter().flatten().find(|(k, _)| **k == *key);
+        if let Some((_, name)) = known {
+            return Some(name.clone());
+        }
+        let name = HeaderName::from_bytes(key).ok()?;
+        self.kept[self.next] = Some((key.into(), name.clone()));
+        self.next = (self.next + 1) % self.kept.len();
+        Some(name)
+    }
 }
 
 /// A pseudo-header's value, from the request's facts or the response's

@@ -17,7 +17,7 @@ pub(super) fn body_verdict(
     body: impl FnOnce(&mut Call) -> Option<Bytes>,
 ) -> seam::BodyVerdict {
     match call.local.take() {
-        Some(local) => seam::BodyVerdict::Respond(local),
+        Some(local) => seam::BodyVerdict::Respond(Box::new(local)),
         None if action == 1 && !end_of_stream => seam::BodyVerdict::Pause,
         None if call.body_changed => seam::BodyVerdict::Continue(body(call)),
         None => seam::BodyVerdict::Continue(None),

@@ -141,7 +141,7 @@ pub fn verdict(
 ) -> Result<Verdict, PluginError> {
     keep(vm, id, call);
     if let Some(local) = call.local.take() {
-        return Ok(Verdict::Respond(local));
+        return Ok(Verdict::Respond(Box::new(local)));
     }
     let body = |call: &mut Call| {
         call.body_changed
@@ -177,7 +177,7 @@ pub fn verdict(
     }
     // Paused: on the next callout not yet sent.
     if let Some(next) = waiting.calls.iter_mut().find_map(|(_, c)| c.take()) {
-        return Ok(Verdict::Callout(next));
+        return Ok(Verdict::Callout(Box::new(next)));
     }
     // Paused on the headers of a request with a body: it wants the body,
     // which is read whole, up to Envoy's default buffer limit.

@@ -62,7 +62,7 @@ pub fn read(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> wasmtime::R
 pub fn viewed<R>(
     caller: &mut Caller<'_, VmState>,
     (ptr, len): (i32, i32),
-    f: impl FnOnce(&[u8], &VmState) -> R,
+    f: impl FnOnce(&[u8], &mut VmState) -> R,
 ) -> wasmtime::Result<R> {
     let mem = memory(caller)?;
     let (data, state) = mem.data_and_store_mut(caller);

@@ -115,6 +115,8 @@ pub struct VmState {
     streams: grpc_stream::Streams,
     /// Its Redis calls (Higress's).
     redis: redis::Calls,
+    /// The header names it asked for last, parsed.
+    names: abi::Names,
 }
 
 /// The names an HTTP call may give an upstream of the policies, each
@@ -368,7 +370,7 @@ impl seam::Plugin for ProxyWasm {
                 call.unlend();
                 action?;
                 if let Some(local) = call.local.take() {
-                    return Ok(Verdict::Respond(local));
+                    return Ok(Verdict::Respond(Box::new(local)));
                 }
                 callout::keep(vm, id, &mut call);
                 vm.recycle(call);
@@ -458,7 +460,7 @@ impl seam::Plugin for ProxyWasm {
             vm.recycle(call);
             let action = action?;
             Ok(match local {
-                Some(local) => ResponseVerdict::Respond(local),
+                Some(local) => ResponseVerdict::Respond(Box::new(local)),
                 // Paused on the head of a response with a body: the body
                 // is read whole, then given to the filter (as Envoy
                 // buffers it while the head waits).

@@ -139,6 +139,7 @@ impl ProxyWasm {
             grpc: Default::default(),
             streams: Default::default(),
             redis: Default::default(),
+            names: Default::default(),
         };
         Vm::start(self, state, generation)
     }
