@@ -56,6 +56,8 @@ routes:
         assert_eq!(answer.json()["error"], "plugin failed", "{how}");
     }
     proxy.wait_for_log("unexpected status: 2").await;
+    // Each failed VM's successor says when it is in place.
+    proxy.wait_for_log("proxy-wasm VM started again").await;
     // The failed VMs are started again off the request path: until
     // then, a worker's requests fail by the use's `fail` (500). The first
     // answer from a worker whose VM is back is the one looked at.

@@ -40,6 +40,11 @@ impl ProxyWasm {
                     if slot.is_none() {
                         *slot = Some(vm);
                     }
+                    drop(slot);
+                    // The failure said a fresh VM takes its place; this
+                    // says when it has (the worker's requests on this
+                    // filter failed by its `fail` until now).
+                    tracing::info!(plugin = %me.name, shard, "proxy-wasm VM started again");
                 }
                 Err(e) => {
                     tracing::warn!(plugin = %me.name, error = %e, "proxy-wasm VM could not start again");
