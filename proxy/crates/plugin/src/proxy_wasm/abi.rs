@@ -432,31 +432,6 @@ fn header_value(state: &mut VmState, kind: i32, key: &[u8]) -> Option<Value> {
     headers(state, kind)?.get(name).cloned().map(Value::Header)
 }
 
-/// The header names a filter asked for last, parsed: a filter asks for
-/// the same few on every request, and parsing one (`HeaderName::from_bytes`
-/// and its match of the standard names) cost ~145 instructions a lookup,
-/// more than the lookup (bench/instructions.sh, `/pw`).
-#[derive(Default)]
-pub(super) struct Names {
-    kept: [Option<(Box<[u8]>, HeaderName)>; 4],
-    /// Where the next name goes (the oldest is replaced).
-    next: usize,
-}
-
-impl Names {
-    /// `key` as a header name, if it is one.
-    fn parsed(&mut self, key: &[u8]) -> Option<HeaderName> {
-        let known = self.kept.iter().flatten().find(|(k, _)| **k == *key);
-        if let Some((_, name)) = known {
-            return Some(name.clone());
-        }
-        let name = HeaderName::from_bytes(key).ok()?;
-        self.kept[self.next] = Some((key.into(), name.clone()));
-        self.next = (self.next + 1) % self.kept.len();
-        Some(name)
-    }
-}
-
 /// A pseudo-header's value, from the request's facts or the response's
 /// status.
 fn pseudo(state: &VmState, kind: i32, name: &[u8]) -> Option<Vec<u8>> {

@@ -16,7 +16,8 @@
 //! Here: the use and its VMs; `vm.rs` a VM's start and calls, `abi.rs`
 //! and `wasi.rs` the host calls, `call.rs` what a call is lent,
 //! `properties.rs` the attributes,
-//! `map.rs` the serialized header map, `guest.rs` the guest's memory.
+//! `map.rs` the serialized header map, `names.rs` the header names it asked
+//! for, kept parsed, `guest.rs` the guest's memory.
 
 mod abi;
 mod bodies;
@@ -30,6 +31,7 @@ mod guest;
 mod imports;
 mod log;
 mod map;
+mod names;
 mod properties;
 mod queue;
 mod redis;
@@ -116,7 +118,7 @@ pub struct VmState {
     /// Its Redis calls (Higress's).
     redis: redis::Calls,
     /// The header names it asked for last, parsed.
-    names: abi::Names,
+    names: names::Names,
 }
 
 /// The names an HTTP call may give an upstream of the policies, each
