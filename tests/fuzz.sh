@@ -23,8 +23,13 @@ if [ "${CI:-}" = true ]; then
   # which is most of a cold instrumented build's time (the CI time in
   # docs/benchmarks.md); hunting runs keep it.
   export CARGO_PROFILE_RELEASE_OPT_LEVEL=1 CARGO_PROFILE_RELEASE_DEBUG=line-tables-only
+  # cargo-fuzz builds with one codegen unit a crate unless told: the
+  # proxy's own crates, built one after another at the end, then use one
+  # core of two.
+  CODEGEN_UNITS=(--codegen-units 16)
 else
   SECONDS_EACH="${FUZZ_SECONDS:-30}"
+  CODEGEN_UNITS=()
 fi
 # Instrumented builds go beside the main target directory, not into it:
 # every dependency is built again with coverage counters.
@@ -47,7 +52,7 @@ fi
 # No sanitizer: the parsers are safe Rust, where AddressSanitizer finds
 # nothing the bounds checks do not, at twice the build and run time.
 # Debug assertions on: an overflowing length is a finding.
-flags=(--sanitizer none --debug-assertions)
+flags=(--sanitizer none --debug-assertions "${CODEGEN_UNITS[@]}")
 # The targets are linted as they are built: clippy-driver compiles the
 # fuzz crate (lints as errors), rustc the rest (the proxy's crates are
 # linted by the main build). No separate check of every dependency.

@@ -82,6 +82,7 @@ fn main() -> anyhow::Result<()> {
                         Ok(Verdict::Respond(r)) => format!("respond {}", r.status),
                         Ok(Verdict::ReadBody(n)) => format!("read-body {n}"),
                         Ok(Verdict::Callout(c)) => format!("callout to {}", c.upstream),
+                        Ok(Verdict::Noted(n)) => format!("forward, noted {}", n.what),
                         Err(e) => format!("error: {e}"),
                     };
                 }

@@ -365,7 +365,25 @@ fn metrics(reloader: &Reloader) -> String {
     }
     let bindings = crate::admin_status::plugin_bindings(&pipeline);
     let (mut peaks, mut caps, mut calls) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut shadow_ran, mut would_answer) = (Vec::new(), Vec::new());
     for b in bindings {
+        if let Some(s) = b.shadow() {
+            let labels = |more: String| {
+                let route = b.memory_use().0.unwrap_or("");
+                format!(
+                    "{{plugin=\"{}\",route=\"{}\"{more}}}",
+                    label(b.name()),
+                    label(route)
+                )
+            };
+            shadow_ran.push((labels(",outcome=\"ran\"".into()), s.ran as f64));
+            shadow_ran.push((labels(",outcome=\"skipped\"".into()), s.skipped as f64));
+            shadow_ran.push((labels(",outcome=\"failed\"".into()), s.failed as f64));
+            shadow_ran.push((labels(",outcome=\"timed_out\"".into()), s.timed_out as f64));
+            for (status, n) in &s.would_answer {
+                would_answer.push((labels(format!(",status=\"{status}\"")), *n as f64));
+            }
+        }
         let (route, peak, cap) = b.memory_use();
         let labels = format!(
             "{{plugin=\"{}\",route=\"{}\"}}",
@@ -394,6 +412,20 @@ fn metrics(reloader: &Reloader) -> String {
         "The plugin's memory cap per instance on the route (its `memory`).",
         &caps,
     );
+    if !shadow_ran.is_empty() {
+        metric(
+            "portcullis_plugin_shadow_requests_total",
+            "counter",
+            "Requests a use in shadow mode (mode: shadow) ran on, left alone (skipped: it asked for a body it could not be given unchanged), failed or timed out on, since the configuration was loaded.",
+            &shadow_ran,
+        );
+        metric(
+            "portcullis_plugin_shadow_would_answer_total",
+            "counter",
+            "Answers a use in shadow mode would have made (a deny: 4xx; 444: a reset), by status; none of them sent.",
+            &would_answer,
+        );
+    }
     if let Some(tunnels) = control.shared().tunnels() {
         // Per server, in the order given: the tunnels kept, and those up.
         let mut per_server: Vec<(String, usize, usize)> = Vec::new();

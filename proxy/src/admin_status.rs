@@ -175,6 +175,17 @@ fn plugin_uses(pipeline: &portcullis_http::pipeline::Pipeline) -> Vec<serde_json
                 "instances_ready": b.ready(),
                 "memory_peak_bytes": peak,
                 "memory_limit_bytes": cap,
+                // `mode: shadow`: what it ran on and would have done.
+                "shadow": b.shadow().map(|s| serde_json::json!({
+                    "percent": s.percent,
+                    "ran": s.ran,
+                    "skipped": s.skipped,
+                    "failed": s.failed,
+                    "timed_out": s.timed_out,
+                    "would_answer": s.would_answer.iter()
+                        .map(|(status, n)| serde_json::json!({"status": status, "requests": n}))
+                        .collect::<Vec<_>>(),
+                })),
             })
         })
         .collect()

@@ -56,6 +56,9 @@ pub struct PluginUse {
     /// `config_json`); set only for filters (a component refuses them).
     pub root_id: Option<Arc<str>>,
     pub vm_config_json: Option<String>,
+    /// `mode: shadow`: the share of requests (1-100) it runs on, with
+    /// nothing it decides enforced; `None` for a use that is enforced.
+    pub shadow: Option<u32>,
     /// Where it was attached.
     pub defined_at: Pos,
     /// The configs resolved, kept until the plugin's kind is known.

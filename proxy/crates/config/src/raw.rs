@@ -147,6 +147,11 @@ pub struct RawPluginUse {
     /// A proxy-wasm filter's VM configuration (Envoy's
     /// `vm_config.configuration`), given as `config` is.
     pub vm_config: Option<Spanned<serde_json::Value>>,
+    /// `enforce` (default) or `shadow`: run it, but enforce nothing it
+    /// decides (its answers and edits are counted, then dropped).
+    pub mode: Option<Text>,
+    /// The share of requests a shadow use runs on (default 100).
+    pub shadow_percent: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

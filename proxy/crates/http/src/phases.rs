@@ -194,6 +194,13 @@ where
     } = ctx;
     if let Some(log) = log.as_mut() {
         log.status = status;
+        // What plugins in shadow mode noted of a request their context
+        // did not see to the end (an answer made on the way).
+        if let Some(crate::chain::Notes(notes)) = resp.extensions_mut().remove() {
+            for n in &notes {
+                log.note_shadow(&n.plugin, &n.what);
+            }
+        }
     }
     if let Some(counted) = counted.as_mut() {
         counted.status = status;

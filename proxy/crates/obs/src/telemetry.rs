@@ -136,6 +136,10 @@ pub struct AccessLog {
     /// The request's trace, with the policies' `tracing`: its id is
     /// logged, and a sampled request's span recorded when this is dropped.
     pub trace: Option<Box<crate::otlp::Recording>>,
+    /// What plugins in shadow mode would have done: `plugin:what`,
+    /// comma-separated (`what` an answer's status, `failed` or
+    /// `timed_out`).
+    pub shadow: Option<String>,
 }
 
 impl AccessLog {
@@ -175,8 +179,20 @@ impl AccessLog {
                 client_cert: None,
                 logging: portcullis_config::AccessLogging::All,
                 trace: None,
+                shadow: None,
             })
         })
+    }
+
+    /// Notes what a plugin in shadow mode would have done.
+    pub fn note_shadow(&mut self, plugin: &str, what: &str) {
+        let text = self.shadow.get_or_insert_with(String::new);
+        if !text.is_empty() {
+            text.push(',');
+        }
+        text.push_str(plugin);
+        text.push(':');
+        text.push_str(what);
     }
 }
 
@@ -270,6 +286,10 @@ impl Drop for AccessLog {
             // Absent without `tracing`, as `tls` in cleartext.
             if let Some(id) = trace_id.as_ref().and_then(|t| std::str::from_utf8(t).ok()) {
                 line.str(crate::field!("trace_id"), id);
+            }
+            // Absent unless a plugin in shadow mode would have acted.
+            if let Some(shadow) = &self.shadow {
+                line.str(crate::field!("shadow"), shadow);
             }
         });
     }

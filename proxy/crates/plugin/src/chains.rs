@@ -123,7 +123,8 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
         let upstreams = upstreams.clone();
         let on = route.map_or_else(|| "the global chain".to_owned(), |r| format!("route `{r}`"));
         let route: Option<Arc<str>> = route.map(Arc::from);
-        async move {
+        let shadow = u.shadow;
+        let bound = async move {
             let pre = match pre {
                 None => return Ok(None),
                 Some(Kind::Filter(module)) => {
@@ -221,6 +222,15 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
             // worker's; kept, it would hold a pool slot for nothing.
             drop(inst);
             Ok(Some(Arc::new(binding) as Arc<dyn Plugin>))
+        };
+        async move {
+            let plugin = bound.await?;
+            Ok(match (plugin, shadow) {
+                (Some(p), Some(percent)) => {
+                    Some(Arc::new(crate::Shadow::new(p, percent)) as Arc<dyn Plugin>)
+                }
+                (plugin, _) => plugin,
+            })
         }
     };
 

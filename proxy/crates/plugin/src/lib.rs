@@ -68,6 +68,7 @@ pub use proxy_wasm::{
     histograms as filter_histograms, shared_bytes,
 };
 pub mod seam;
+mod shadow;
 
 pub use binding::Binding;
 use binding::*;
@@ -75,9 +76,10 @@ pub use chains::{Chains, empty_head, empty_route, prepare};
 pub use facts::{RequestFacts, apply_edits, to_wit_headers};
 pub use host::{PluginHost, disk_cache_outcomes, forget_unused, host, use_disk_cache};
 pub use seam::{
-    BodyVerdict, Callout, CalloutAnswer, Callouts, GrpcReply, Hooks, LocalAnswer, Plugin,
+    BodyVerdict, Callout, CalloutAnswer, Callouts, GrpcReply, Hooks, LocalAnswer, Noted, Plugin,
     RequestLent, ResponseLent, ResponseVerdict, Steer, Stream, StreamEvent, Verdict,
 };
+pub use shadow::{Shadow, ShadowReport};
 
 /// How often the epoch advances; deadlines are whole ticks.
 const TICK: Duration = Duration::from_millis(1);

@@ -92,25 +92,27 @@ pub async fn on_request_with_body(
     let mut facts = req.take();
     let mut moved = std::mem::take(headers);
     let body = body.clone();
+    // Only kinds whose stream is plain bookkeeping run here
+    // (`runs_anywhere`): a shadow use's flags, say, never a worker's VM.
+    let mut carried = *stream;
     let job: Job = Box::new(move || {
         // A request whose client left while it waited is not worked on.
         if done.is_closed() {
             return;
         }
         let call = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            // Only kinds that keep no stream run here (`runs_anywhere`).
-            let mut none = Stream::NONE;
-            binding.on_request(&mut none, &mut facts, &mut moved, Some(&body))
+            binding.on_request(&mut carried, &mut facts, &mut moved, Some(&body))
         }));
-        let _ = done.send(call.map(|result| (facts, moved, result)));
+        let _ = done.send(call.map(|result| (facts, moved, carried, result)));
     });
     if queue.send(job).is_err() {
         return Err(Lost);
     }
     match result.await {
-        Ok(Ok((facts, moved, result))) => {
+        Ok(Ok((facts, moved, carried, result))) => {
             *req = facts;
             *headers = moved;
+            *stream = carried;
             Ok(result)
         }
         // A panic in the call is the host's bug: it unwinds into the

@@ -60,6 +60,19 @@ pub enum Verdict {
     /// Send this request to an upstream of the policies and give the
     /// plugin its answer ([`Plugin::on_callout`]) before it decides.
     Callout(Box<Callout>),
+    /// Go on as if the plugin had not been there, and note this in the
+    /// request's access line (a use in shadow mode that would have
+    /// answered, or failed).
+    Noted(Box<Noted>),
+}
+
+/// What a use in shadow mode would have done to a request, for its
+/// access line: `plugin:what`, `what` the status of the answer it would
+/// have made (444: a reset), or `failed`, `timed_out`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Noted {
+    pub plugin: Arc<str>,
+    pub what: String,
 }
 
 /// A request a plugin makes to an upstream of the policies while it
@@ -193,6 +206,8 @@ pub enum ResponseVerdict {
     /// Hold the head until the body is read whole, up to this many bytes
     /// (more: 500), then call [`Plugin::on_response_body`] with all of it.
     ReadBody(u32),
+    /// Send it on unchanged, noting this ([`Verdict::Noted`]).
+    Noted(Box<Noted>),
 }
 
 /// What a response body call decided.
@@ -207,6 +222,8 @@ pub enum BodyVerdict {
     /// Send this answer instead; once the head has gone, the response is
     /// cut off instead (as Envoy resets the stream).
     Respond(Box<LocalAnswer>),
+    /// Send on what it was given, noting this ([`Verdict::Noted`]).
+    Noted(Box<Noted>),
 }
 
 /// What a request body call is lent: the request as forwarded.
@@ -280,7 +297,9 @@ pub enum GrpcReply {
 /// What a plugin keeps of one request between its calls (a proxy-wasm
 /// filter's HTTP context), as an opaque number the driver holds for the
 /// request and gives back to every call; [`Stream::NONE`] for kinds that
-/// keep nothing, which never make the driver allocate for it.
+/// keep nothing, which never make the driver allocate for it. A kind
+/// keeps its number below 2^62: the two top bits are for uses that wrap
+/// a plugin (`shadow.rs`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stream(pub u64);
 
@@ -414,4 +433,9 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
     /// holds is freed. Called once for each stream a call set, on the
     /// request's thread.
     fn end(&self, _stream: Stream) {}
+
+    /// A use in shadow mode: what it ran on and would have done.
+    fn shadow(&self) -> Option<crate::shadow::ShadowReport> {
+        None
+    }
 }

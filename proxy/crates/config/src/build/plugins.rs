@@ -218,8 +218,10 @@ pub(super) fn plugin_use(
             "`{s}` is not an instance policy; use reuse or per-request"
         )),
     });
+    let shadow = shadow(ctx, u);
     Some(PluginUse {
         plugin,
+        shadow,
         substituted: Arc::new([]),
         fresh_instances,
         root_id,
@@ -232,6 +234,30 @@ pub(super) fn plugin_use(
         memory,
         defined_at: ctx.pos(&raw.referenced),
     })
+}
+
+/// `mode` and `shadow_percent`: the share a shadow use runs on.
+fn shadow(ctx: &mut Ctx, u: &RawPluginUse) -> Option<u32> {
+    let shadow = ctx.parse_or(&u.mode, false, |s| match s {
+        "enforce" => Ok(false),
+        "shadow" => Ok(true),
+        _ => Err(format!("`{s}` is not a plugin mode; use enforce or shadow")),
+    });
+    let percent = ctx.parse_or(&u.shadow_percent, 100, |s| {
+        s.trim_end_matches('%')
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=100).contains(n))
+            .ok_or_else(|| format!("shadow_percent `{s}` is not a share from 1 to 100"))
+    });
+    if let (Some(t), false) = (&u.shadow_percent, shadow) {
+        ctx.err(
+            &t.referenced,
+            "`shadow_percent` is for a use with `mode: shadow`".to_owned(),
+        );
+    }
+    shadow.then_some(percent)
 }
 
 /// Settles what `use` gets once its plugin's kind is known: the resolved

@@ -65,7 +65,7 @@ impl<'a> PendingBody<'a> {
     /// them, starting again at the plugin that asked. Calls given a large
     /// body run on a plugin thread ([`plugin::offload`]).
     pub async fn read(
-        self,
+        mut self,
         body: &mut Body,
         headers: &mut http::HeaderMap,
         route: &Route,
@@ -79,12 +79,8 @@ impl<'a> PendingBody<'a> {
                 let plugin = request_hooks(self.chain)
                     .nth(self.at)
                     .map(|(_, b)| b.name().clone());
-                return Step::Done(RequestOutcome::Answer(json_error(
-                    status,
-                    message,
-                    route,
-                    plugin.as_deref(),
-                )));
+                let resp = json_error(status, message, route, plugin.as_deref());
+                return Step::Done(RequestOutcome::Answer(self.progress.noted(resp)));
             }
         };
         *body = Body::full(bytes.clone());
@@ -113,12 +109,13 @@ impl<'a> PendingBody<'a> {
                     Ok(result) => result,
                     Err(plugin::Lost) => {
                         tracing::error!(plugin = %binding.name(), route = %route.name, "plugin call lost before it ran");
-                        return Step::Done(RequestOutcome::Answer(json_error(
+                        let resp = json_error(
                             StatusCode::SERVICE_UNAVAILABLE,
                             "plugin call lost",
                             route,
                             Some(binding.name()),
-                        )));
+                        );
+                        return Step::Done(RequestOutcome::Answer(progress.noted(resp)));
                     }
                 };
                 let flow = after_call(&**binding, result, &mut progress, route, config);
@@ -131,11 +128,13 @@ impl<'a> PendingBody<'a> {
                 }
                 match flow {
                     Flow::Next => break,
-                    Flow::Answer(resp) => return Step::Done(RequestOutcome::Answer(resp)),
+                    Flow::Answer(resp) => {
+                        return Step::Done(RequestOutcome::Answer(progress.noted(resp)));
+                    }
                     Flow::Local(resp) => {
                         let resp =
                             local_through(self.chain, place, &mut progress, headers, route, resp);
-                        return Step::Done(RequestOutcome::Answer(resp));
+                        return Step::Done(RequestOutcome::Answer(progress.noted(resp)));
                     }
                     Flow::Callout(request) => {
                         let at = (self.chain, i, place);
@@ -150,7 +149,9 @@ impl<'a> PendingBody<'a> {
                             message: "asked for the body twice".into(),
                         };
                         match fail(&**binding, route, &e) {
-                            Some(resp) => return Step::Done(RequestOutcome::Answer(resp)),
+                            Some(resp) => {
+                                return Step::Done(RequestOutcome::Answer(progress.noted(resp)));
+                            }
                             None => break,
                         }
                     }

@@ -206,6 +206,7 @@ fn through_now(
             Ok(plugin::BodyVerdict::Continue(Some(new))) => (whole, changed) = (new, true),
             // A pause at the body's end lets it go, as in the stream.
             Ok(plugin::BodyVerdict::Continue(None) | plugin::BodyVerdict::Pause) => {}
+            Ok(plugin::BodyVerdict::Noted(noted)) => ctx.notes.push(*noted),
             // As from the stream (and from Envoy): the response cut off.
             Ok(plugin::BodyVerdict::Respond(_)) => {
                 tracing::warn!(plugin = %binding.name(), route = %route.name, "plugin answered after the response head went; response cut off");
@@ -296,6 +297,12 @@ impl Filtered {
             let stopped = match called {
                 Ok(plugin::BodyVerdict::Continue(new)) => {
                     piece = new.unwrap_or(given);
+                    continue;
+                }
+                // The head and its access line have gone (the plugin
+                // counted it): sent on.
+                Ok(plugin::BodyVerdict::Noted(_)) => {
+                    piece = given;
                     continue;
                 }
                 Ok(plugin::BodyVerdict::Pause) if end_of_stream => {

@@ -78,12 +78,18 @@ pub(super) fn local_through(
     let passed = chain[..=upto].iter().enumerate().rev();
     for (place, binding) in passed.filter(|(_, b)| b.hooks().response && b.hooks().local_answers) {
         let mut stream = progress.streams.get(place);
-        let facts = &mut progress.facts;
+        let context = &mut *progress.0;
+        let facts = &mut context.facts;
         let lent = lend(facts, request_headers, &mut parts, bytes.is_empty());
         let called = binding.on_response(&mut stream, lent);
+        let notes = &mut context.notes;
         // Its body in hand: given whole to a plugin that wants it.
         let called = match called {
             Ok(ResponseVerdict::ReadBody(_)) => Ok(true),
+            Ok(ResponseVerdict::Noted(noted)) => {
+                notes.push(*noted);
+                Ok(binding.hooks().response_body && !bytes.is_empty())
+            }
             Ok(ResponseVerdict::Continue) => Ok(binding.hooks().response_body && !bytes.is_empty()),
             Ok(ResponseVerdict::Respond(local)) => Err(Ok(local)),
             Err(e) => Err(Err(e)),
@@ -102,6 +108,10 @@ pub(super) fn local_through(
                     Ok(())
                 }
                 Ok(plugin::BodyVerdict::Continue(None) | plugin::BodyVerdict::Pause) => Ok(()),
+                Ok(plugin::BodyVerdict::Noted(noted)) => {
+                    notes.push(*noted);
+                    Ok(())
+                }
                 Ok(plugin::BodyVerdict::Respond(local)) => Err(Ok(local)),
                 Err(e) => Err(Err(e)),
             }

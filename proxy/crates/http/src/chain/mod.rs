@@ -74,6 +74,7 @@ impl<'a> Progress<'a> {
             body: None,
             whole_from: None,
             body_stop: None,
+            notes: Vec::new(),
             streams: Streams {
                 chain,
                 held: smallvec::SmallVec::new(),
@@ -174,7 +175,35 @@ pub struct PluginContext<'a> {
     /// What the request body's plugins decided once its head went: set by
     /// [`filter_request_body`].
     body_stop: Option<Arc<body_stream::BodyStop>>,
+    /// What plugins in shadow mode would have done, for the access line.
+    notes: Vec<plugin::Noted>,
     streams: Streams<'a>,
+}
+
+/// What plugins in shadow mode would have done to a request answered
+/// without its context (a plugin's or the proxy's answer), carried in
+/// the answer's extensions to its access line.
+#[derive(Debug, Clone)]
+pub struct Notes(pub Vec<plugin::Noted>);
+
+impl PluginContext<'_> {
+    /// Whether plugins in shadow mode noted anything.
+    pub fn has_notes(&self) -> bool {
+        !self.notes.is_empty()
+    }
+
+    /// What plugins in shadow mode noted so far, taken.
+    pub fn take_notes(&mut self) -> Vec<plugin::Noted> {
+        std::mem::take(&mut self.notes)
+    }
+
+    /// `resp` with the notes taken into its extensions, if there are any.
+    pub fn noted(&mut self, mut resp: Response<Body>) -> Response<Body> {
+        if !self.notes.is_empty() {
+            resp.extensions_mut().insert(Notes(self.take_notes()));
+        }
+        resp
+    }
 }
 
 impl Drop for PluginContext<'_> {
@@ -298,12 +327,15 @@ impl<'a> Waiting<'a> {
             place,
             body,
         } = self;
-        let answer = |resp| Some(Step::Done(RequestOutcome::Answer(resp)));
+        let answer = |progress: &mut Progress<'a>, resp| {
+            Some(Step::Done(RequestOutcome::Answer(progress.noted(resp))))
+        };
         match flow {
             Flow::Next => None,
-            Flow::Answer(resp) => answer(resp),
+            Flow::Answer(resp) => answer(progress, resp),
             Flow::Local(resp) => {
-                answer(local_through(chain, place, progress, headers, route, resp))
+                let resp = local_through(chain, place, progress, headers, route, resp);
+                answer(progress, resp)
             }
             Flow::WantsBody(_) if body.is_some() => {
                 let binding = &chain[place];
@@ -311,7 +343,7 @@ impl<'a> Waiting<'a> {
                     plugin: binding.name().clone(),
                     message: "asked for the body twice".into(),
                 };
-                fail(&**binding, route, &e).and_then(answer)
+                fail(&**binding, route, &e).and_then(|resp| answer(progress, resp))
             }
             Flow::WantsBody(max) => Some(Step::ReadBody(Box::new(PendingBody {
                 chain,
@@ -391,6 +423,10 @@ fn after_call(
             Flow::Next
         }
         Ok(Verdict::Respond(local)) => Flow::Local(local_answer(binding, route, *local)),
+        Ok(Verdict::Noted(noted)) => {
+            progress.notes.push(*noted);
+            Flow::Next
+        }
         Ok(Verdict::ReadBody(max)) => Flow::WantsBody(max),
         Ok(Verdict::Callout(request)) => Flow::Callout(request),
         Err(e) => match fail(binding, route, &e) {
@@ -434,7 +470,11 @@ fn finish<'a>(
     let wants_response = chain
         .iter()
         .any(|b| b.hooks().response || b.hooks().request_body);
-    if !wants_response && progress.upstream.is_none() && progress.path.is_none() {
+    if !wants_response
+        && progress.upstream.is_none()
+        && progress.path.is_none()
+        && progress.notes.is_empty()
+    {
         return RequestOutcome::Forward(None);
     }
     let mut context = progress.0;

@@ -146,6 +146,19 @@ pub struct Pipeline {
     shared: Arc<Shared>,
 }
 
+/// What plugins in shadow mode noted so far, moved into the access line.
+fn log_notes(log: &mut Option<Box<AccessLog>>, ctx: &mut chain::PluginContext<'_>) {
+    if !ctx.has_notes() {
+        return;
+    }
+    let notes = ctx.take_notes();
+    if let Some(log) = log.as_mut() {
+        for n in &notes {
+            log.note_shadow(&n.plugin, &n.what);
+        }
+    }
+}
+
 /// The client socket to watch for a request of `version` on `conn`: HTTP/1
 /// only, where the connection polls its requests itself (see
 /// `client_watch`).

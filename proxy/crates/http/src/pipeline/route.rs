@@ -82,10 +82,13 @@ impl Pipeline {
         let plugins = self
             .plugins_on_request(&routed, conn, asked, (&mut parts.headers, &path), &mut body)
             .await;
-        let plugins = match plugins {
+        let mut plugins = match plugins {
             Ok(plugins) => plugins,
             Err(resp) => return done(resp),
         };
+        if let Some(ctx) = plugins.as_mut() {
+            log_notes(log, ctx);
+        }
         let Action::Forward(upstream) = route.action else {
             let resp = self.local_action(&routed, &parts.uri);
             return done(respond_as_route(&routed, resp));

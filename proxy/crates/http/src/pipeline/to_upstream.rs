@@ -110,9 +110,13 @@ impl Pipeline {
         let mut body = body;
         if let Some(ctx) = f.plugins.as_mut() {
             let end_of_stream = http_body::Body::is_end_stream(&body);
-            match chain::on_response(ctx, route, &mut parts, end_of_stream) {
+            let step = chain::on_response(ctx, route, &mut parts, end_of_stream);
+            log_notes(f.log, ctx);
+            match step {
                 chain::ResponseStep::Go => {
-                    match chain::filter_response_body(ctx, route, &mut parts, body) {
+                    let filtered = chain::filter_response_body(ctx, route, &mut parts, body);
+                    log_notes(f.log, ctx);
+                    match filtered {
                         Ok(filtered) => body = filtered,
                         Err(answer) => return Answered::Ready((answer, forward::Held::default())),
                     }
@@ -159,13 +163,14 @@ impl Pipeline {
         };
         let reading = (body, pool.spec.timeouts.read);
         let read = chain::read_whole(&mut ctx, routed.route, &mut parts, reading, head).await;
+        // The access line is reached through the answer from here.
         match read {
             Ok(bytes) => {
                 parts.version = Version::HTTP_11;
                 let resp = Response::from_parts(parts, Body::full(bytes));
-                (respond_as_route(routed, resp), held)
+                (ctx.noted(respond_as_route(routed, resp)), held)
             }
-            Err(answer) => (answer, forward::Held::default()),
+            Err(answer) => (ctx.noted(answer), forward::Held::default()),
         }
     }
 
