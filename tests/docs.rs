@@ -322,7 +322,7 @@ routes:
     compress: { zz_probe: 1 }
     error_cors: { allow_origins: ["*"], zz_probe: 1 }
     request_headers: { add: {}, zz_probe: 1 }
-    plugins: [{ use: p, zz_probe: 1 }]
+    plugins: [{ use: p, zz_probe: 1 }, { use: p, rollout: { to: p, zz_probe: 1 } }]
 tracing: { upstream: u, zz_probe: 1 }
 "#;
     let dir = crate::support::policy_dir(probe, &[]);
@@ -333,9 +333,9 @@ tracing: { upstream: u, zz_probe: 1 }
         .filter(|l| l.contains("unknown field `zz_probe`"))
         .filter_map(|l| l.split("the fields here are ").nth(1))
         .collect();
-    // 22: `auth_request`'s `cache` is in flow style inside another, whose
-    // sibling errors `check` now reports too.
-    assert_eq!(lists.len(), 22, "a probe in every section:\n{stderr}");
+    // 23: `auth_request`'s `cache` is in flow style inside another, whose
+    // sibling errors `check` now reports too; a use's `rollout`.
+    assert_eq!(lists.len(), 23, "a probe in every section:\n{stderr}");
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let docs = std::fs::read_to_string(repo.join("docs/policy.md")).unwrap()
         + &std::fs::read_to_string(repo.join("docs/plugins.md")).unwrap();

@@ -31,6 +31,7 @@ mod proxy_wasm_isolation;
 mod proxy_wasm_redis;
 mod proxy_wasm_reset;
 mod proxy_wasm_settings;
+mod rollout;
 mod shadow;
 mod standard;
 mod third_party;

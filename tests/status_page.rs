@@ -17,12 +17,20 @@ async fn the_status_page_shows_routes_upstreams_plugins_and_reloads() {
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
 upstreams:
   - {{ name: app, endpoints: ["{}", "{down}"], eject_for: 60s }}
-plugins: [{{ name: rules, path: "builtin:header-rules" }}]
+plugins: [{{ name: rules, path: "builtin:header-rules" }}, {{ name: rules-v2, path: "builtin:header-rules" }}]
 routes:
   - name: api
     match: {{ path_prefix: /api }}
     upstream: app
     plugins: [{{ use: rules, config: {{ response: {{ set: {{ x-seen: "yes" }} }} }} }}]
+  - name: canary
+    match: {{ path: /canary }}
+    respond: {{ status: 204 }}
+    plugins: [{{ use: rules, rollout: {{ to: rules-v2, percent: 30 }} }}]
+  - name: trial
+    match: {{ path: /trial }}
+    respond: {{ status: 204 }}
+    plugins: [{{ use: rules-v2, mode: shadow }}]
 "#,
             echo.url()
         ),
@@ -70,6 +78,11 @@ routes:
         "rules",
         "builtin:header-rules",
         "Reloads",
+        // A rollout and a use in shadow, each in a table of its own.
+        "rolled out",
+        "holding",
+        "30%",
+        "in shadow",
     ] {
         assert!(text.contains(want), "`{want}` not on the page: {text}");
     }

@@ -366,7 +366,27 @@ fn metrics(reloader: &Reloader) -> String {
     let bindings = crate::admin_status::plugin_bindings(&pipeline);
     let (mut peaks, mut caps, mut calls) = (Vec::new(), Vec::new(), Vec::new());
     let (mut shadow_ran, mut would_answer) = (Vec::new(), Vec::new());
+    let (mut rollout_percent, mut rollout_outcomes, mut rolled_back) =
+        (Vec::new(), Vec::new(), Vec::new());
     for b in bindings {
+        if let Some(r) = b.rollout() {
+            use portcullis_plugin::rollout::{OUTCOMES, VERSIONS};
+            let labels = format!(
+                "{{plugin=\"{}\",route=\"{}\",candidate=\"{}\"",
+                label(b.name()),
+                label(b.memory_use().0.unwrap_or("")),
+                label(&r.candidate)
+            );
+            rollout_percent.push((format!("{labels}}}"), f64::from(r.percent)));
+            let back = f64::from(u8::from(r.state == "rolled_back"));
+            rolled_back.push((format!("{labels}}}"), back));
+            for (version, counts) in VERSIONS.iter().zip(&r.outcomes) {
+                for (outcome, n) in OUTCOMES.iter().zip(counts) {
+                    let more = format!(",version=\"{version}\",outcome=\"{outcome}\"}}");
+                    rollout_outcomes.push((format!("{labels}{more}"), *n as f64));
+                }
+            }
+        }
         if let Some(s) = b.shadow() {
             let labels = |more: String| {
                 let route = b.memory_use().0.unwrap_or("");
@@ -412,6 +432,26 @@ fn metrics(reloader: &Reloader) -> String {
         "The plugin's memory cap per instance on the route (its `memory`).",
         &caps,
     );
+    if !rollout_percent.is_empty() {
+        metric(
+            "portcullis_plugin_rollout_percent",
+            "gauge",
+            "The share of requests a rollout (a use's `rollout`) sends to its candidate now: 0 once rolled back.",
+            &rollout_percent,
+        );
+        metric(
+            "portcullis_plugin_rollout_rolled_back",
+            "gauge",
+            "1 when the rollout rolled itself back (the candidate did worse than the current version), 0 otherwise.",
+            &rolled_back,
+        );
+        metric(
+            "portcullis_plugin_rollout_requests_total",
+            "counter",
+            "A rollout's requests since it began, by version (current, candidate) and outcome (answered, denied, failed, timed_out, upstream_5xx).",
+            &rollout_outcomes,
+        );
+    }
     if !shadow_ran.is_empty() {
         metric(
             "portcullis_plugin_shadow_requests_total",

@@ -175,6 +175,8 @@ fn plugin_uses(pipeline: &portcullis_http::pipeline::Pipeline) -> Vec<serde_json
                 "instances_ready": b.ready(),
                 "memory_peak_bytes": peak,
                 "memory_limit_bytes": cap,
+                // `rollout`: where it is, and each version's outcomes.
+                "rollout": b.rollout().map(|r| rollout_json(&r)),
                 // `mode: shadow`: what it ran on and would have done.
                 "shadow": b.shadow().map(|s| serde_json::json!({
                     "percent": s.percent,
@@ -189,6 +191,33 @@ fn plugin_uses(pipeline: &portcullis_http::pipeline::Pipeline) -> Vec<serde_json
             })
         })
         .collect()
+}
+
+/// A rollout as `/status` shows it.
+fn rollout_json(r: &portcullis_plugin::RolloutReport) -> serde_json::Value {
+    use portcullis_plugin::rollout::{OUTCOMES, VERSIONS};
+    let outcomes: serde_json::Map<_, _> = VERSIONS
+        .iter()
+        .zip(&r.outcomes)
+        .map(|(version, counts)| {
+            let by: serde_json::Map<_, _> = OUTCOMES
+                .iter()
+                .zip(counts)
+                .map(|(o, n)| (o.to_string(), serde_json::json!(n)))
+                .collect();
+            (version.to_string(), serde_json::Value::Object(by))
+        })
+        .collect();
+    serde_json::json!({
+        "candidate": &*r.candidate,
+        "state": r.state,
+        "percent": r.percent,
+        "steps": r.steps,
+        "step": r.step,
+        "reason": r.reason,
+        "rolled_back_at": r.rolled_back_at.map(rfc3339),
+        "outcomes": outcomes,
+    })
 }
 
 /// The state store (`--state`) as `/status` shows it; null without one.

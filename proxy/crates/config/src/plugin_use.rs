@@ -59,10 +59,43 @@ pub struct PluginUse {
     /// `mode: shadow`: the share of requests (1-100) it runs on, with
     /// nothing it decides enforced; `None` for a use that is enforced.
     pub shadow: Option<u32>,
+    /// A candidate version rolled out beside this one (boxed: rare).
+    pub rollout: Option<Box<Rollout>>,
     /// Where it was attached.
     pub defined_at: Pos,
     /// The configs resolved, kept until the plugin's kind is known.
     pub(crate) expansion: Option<Box<Expansion>>,
+}
+
+/// A use's rollout of a candidate version: its share grows through
+/// `steps`, each held for `interval`, and falls to 0 (rolled back) when
+/// the candidate's share of bad outcomes (denied, failed, timed out, an
+/// upstream's 5xx) over `window` exceeds the current version's by more
+/// than `margin` points once it has `min_requests` there.
+#[derive(Debug, Clone)]
+pub struct Rollout {
+    /// The candidate's use: its plugin and config, the rest as the use's.
+    pub candidate: PluginUse,
+    /// Shares in percent, rising; the last is held (100: the rollout
+    /// completes after its interval, the candidate promoted).
+    pub steps: Vec<u32>,
+    pub interval: Duration,
+    pub key: RolloutKey,
+    pub window: Duration,
+    pub min_requests: u32,
+    /// Percentage points.
+    pub margin: u32,
+}
+
+/// What splits a rollout's requests, so a client sees one version.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum RolloutKey {
+    /// The client's address (as plugins see it).
+    Client,
+    /// A request header's value (lowercase name).
+    Header(String),
+    /// A cookie's value.
+    Cookie(String),
 }
 
 /// A use's configs with `${ENV}` and `{from_file}` resolved, what that

@@ -115,7 +115,7 @@ pub struct RawPlugin {
 }
 
 /// A plugin attached to a route (or globally) with its config.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawPluginUse {
     /// The plugin's name under `plugins:`.
@@ -152,6 +152,32 @@ pub struct RawPluginUse {
     pub mode: Option<Text>,
     /// The share of requests a shadow use runs on (default 100).
     pub shadow_percent: Option<Text>,
+    /// A candidate version rolled out beside this one by share.
+    pub rollout: Option<Spanned<RawRollout>>,
+}
+
+/// A plugin use's rollout: a candidate plugin given a growing share of
+/// requests, rolled back when it does worse than the current one.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRollout {
+    /// The candidate, by its name under `plugins:`.
+    pub to: Text,
+    /// The candidate's config (default: the use's).
+    pub config: Option<Spanned<serde_json::Value>>,
+    /// One share, held; or `steps`.
+    pub percent: Option<Text>,
+    /// Shares taken in turn, each held for `interval` while healthy.
+    pub steps: Option<Spanned<Vec<Text>>>,
+    pub interval: Option<Text>,
+    /// What splits requests: `client` (default), `header:NAME`,
+    /// `cookie:NAME`.
+    pub key: Option<Text>,
+    /// The outcomes compared: the last `window` of them, once the
+    /// candidate has `min_requests`, by `margin` percentage points.
+    pub window: Option<Text>,
+    pub min_requests: Option<Text>,
+    pub margin: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -26,6 +26,7 @@ pub mod linger;
 pub mod pem;
 pub mod proxy_protocol;
 pub mod redis_target;
+pub mod request_key;
 pub mod resolve;
 pub mod shard;
 pub mod shared_dial;

@@ -236,7 +236,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
 
     let mut global = Vec::new();
     for u in &config.global_plugins {
-        match bind(u, None).await {
+        match bind_use(&bind, config, u, None).await {
             Ok(Some(b)) => global.push(b),
             Ok(None) => {}
             Err(e) => errors.push(e),
@@ -246,7 +246,7 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
     for route in &config.routes {
         let mut chain = global.clone();
         for u in &route.plugins {
-            match bind(u, Some(&route.name)).await {
+            match bind_use(&bind, config, u, Some(&route.name)).await {
                 Ok(Some(b)) => chain.push(b),
                 Ok(None) => {}
                 Err(e) => errors.push(e),
@@ -259,6 +259,62 @@ pub async fn prepare(config: &Config) -> Result<Chains, ConfigErrors> {
     } else {
         Err(ConfigErrors(errors))
     }
+}
+
+/// `u` bound with `bind`, and with its rollout's candidate when it has
+/// one (a candidate that could not be bound leaves the use unwrapped; its
+/// error is reported).
+async fn bind_use<F, Fut>(
+    bind: &F,
+    config: &Config,
+    u: &PluginUse,
+    route: Option<&str>,
+) -> Result<Option<Arc<dyn Plugin>>, ConfigError>
+where
+    F: Fn(&PluginUse, Option<&str>) -> Fut,
+    Fut: std::future::Future<Output = Result<Option<Arc<dyn Plugin>>, ConfigError>>,
+{
+    let bound = bind(u, route).await?;
+    let (Some(current), Some(r)) = (bound.clone(), &u.rollout) else {
+        return Ok(bound);
+    };
+    let candidate = match bind(&r.candidate, route).await? {
+        Some(c) => c,
+        None => return Ok(Some(current)),
+    };
+    let state = rollout_state(config, route.unwrap_or(""), u, r);
+    let rollout = crate::Rollout::new(current, candidate, r.key.clone(), state);
+    Ok(Some(Arc::new(rollout)))
+}
+
+/// The state of `u`'s rollout on `route`: kept from the pipeline that
+/// has it when the policies say the same of it (the route, both versions'
+/// modules and configs, the schedule), so a reload that leaves it alone
+/// leaves it where it is, rolled back included.
+fn rollout_state(
+    config: &Config,
+    route: &str,
+    u: &PluginUse,
+    r: &portcullis_config::Rollout,
+) -> Arc<crate::rollout::State> {
+    let version = |u: &PluginUse| {
+        let m = &config.plugins[u.plugin];
+        format!("{}@{}:{}", m.name, hex::encode(m.sha256), u.config_json)
+    };
+    let spec = crate::rollout::Spec {
+        steps: r.steps.clone(),
+        interval: r.interval,
+        window: r.window,
+        min_requests: r.min_requests,
+        margin: r.margin,
+    };
+    let key = format!(
+        "{route}\n{}\n{}\n{spec:?}\n{:?}",
+        version(u),
+        version(&r.candidate),
+        r.key
+    );
+    crate::rollout::State::for_key(key, spec)
 }
 
 /// A plugin module compiled: a component, or a proxy-wasm filter.

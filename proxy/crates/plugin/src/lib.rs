@@ -67,6 +67,7 @@ pub use proxy_wasm::{
     SHARED_BYTES_PER_PLUGIN, forget_plugins, gauges as filter_gauges,
     histograms as filter_histograms, shared_bytes,
 };
+pub mod rollout;
 pub mod seam;
 mod shadow;
 
@@ -75,6 +76,7 @@ use binding::*;
 pub use chains::{Chains, empty_head, empty_route, prepare};
 pub use facts::{RequestFacts, apply_edits, to_wit_headers};
 pub use host::{PluginHost, disk_cache_outcomes, forget_unused, host, use_disk_cache};
+pub use rollout::{Rollout, RolloutReport};
 pub use seam::{
     BodyVerdict, Callout, CalloutAnswer, Callouts, GrpcReply, Hooks, LocalAnswer, Noted, Plugin,
     RequestLent, ResponseLent, ResponseVerdict, Steer, Stream, StreamEvent, Verdict,

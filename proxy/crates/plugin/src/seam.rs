@@ -298,8 +298,8 @@ pub enum GrpcReply {
 /// filter's HTTP context), as an opaque number the driver holds for the
 /// request and gives back to every call; [`Stream::NONE`] for kinds that
 /// keep nothing, which never make the driver allocate for it. A kind
-/// keeps its number below 2^62: the two top bits are for uses that wrap
-/// a plugin (`shadow.rs`).
+/// keeps its number below 2^61: the three top bits are for uses that
+/// wrap a plugin (`shadow.rs`, `rollout.rs`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stream(pub u64);
 
@@ -436,6 +436,11 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
 
     /// A use in shadow mode: what it ran on and would have done.
     fn shadow(&self) -> Option<crate::shadow::ShadowReport> {
+        None
+    }
+
+    /// A use rolled out to a candidate: where the rollout is.
+    fn rollout(&self) -> Option<crate::rollout::RolloutReport> {
         None
     }
 }

@@ -38,6 +38,7 @@ mod listeners;
 mod plugin_files;
 mod plugins;
 mod pull;
+mod rollout;
 mod route_features;
 mod routes;
 mod upstreams;
@@ -496,6 +497,9 @@ pub(super) fn build(
         .chain(routes.iter().flat_map(|r| r.plugins.iter()))
     {
         used[u.plugin] = true;
+        if let Some(r) = &u.rollout {
+            used[r.candidate.plugin] = true;
+        }
     }
     let mut plugins: Vec<Arc<PluginModule>> = Vec::new();
     let mut renumber = vec![usize::MAX; plugin_defs.len()];
@@ -518,6 +522,17 @@ pub(super) fn build(
             }
             settle_config(&mut ctx, u, &plugins[u.plugin]);
             named_upstreams(&mut ctx, u, &plugins[u.plugin], &upstreams);
+            // A rollout to a plugin that could not be read goes too.
+            if let Some(r) = u.rollout.as_mut() {
+                let c = &mut r.candidate;
+                c.plugin = renumber[c.plugin];
+                if c.plugin == usize::MAX {
+                    u.rollout = None;
+                } else {
+                    settle_config(&mut ctx, c, &plugins[c.plugin]);
+                    named_upstreams(&mut ctx, c, &plugins[c.plugin], &upstreams);
+                }
+            }
             true
         });
     };

@@ -149,32 +149,13 @@ pub(super) fn plugin_use(
         })?),
         None => None,
     };
-    // A filter's config goes as written (Envoy's do, and theirs use `$1`
-    // and `${...}` of their own); a component's is resolved. The kind is
-    // known once the module is read, so both are kept until then.
-    let (errors_from, from) = (ctx.errors.len(), ctx.substituted.len());
-    let resolved = |ctx: &mut Ctx<'_>, c: &Spanned<serde_json::Value>| {
-        let mut value = c.value.clone();
-        resolve_config(ctx, &mut value, &c.referenced);
-        value.to_string()
-    };
-    let config_json = match &u.config {
-        Some(c) => resolved(ctx, c),
-        None => "{}".to_owned(),
-    };
-    let vm_config_json = u.vm_config.as_ref().map(|c| resolved(ctx, c));
-    let (substituted, errors) = (
-        ctx.substituted.split_off(from),
-        ctx.errors.split_off(errors_from),
-    );
-    let written = |c: &Spanned<serde_json::Value>| c.value.to_string();
-    let expansion = Some(Box::new(Expansion {
+    let expansion = Some(Box::new(expand_configs(
+        ctx,
+        u.config.as_ref(),
+        u.vm_config.as_ref(),
         asked,
-        config_json,
-        vm_config_json,
-        substituted,
-        errors,
-    }));
+    )));
+    let written = |c: &Spanned<serde_json::Value>| c.value.to_string();
     let fail = ctx.parse_or(&u.fail, FailMode::Closed, |s| match s {
         "closed" => Ok(FailMode::Closed),
         "open" => Ok(FailMode::Open),
@@ -219,9 +200,10 @@ pub(super) fn plugin_use(
         )),
     });
     let shadow = shadow(ctx, u);
-    Some(PluginUse {
+    let mut made = PluginUse {
         plugin,
         shadow,
+        rollout: None,
         substituted: Arc::new([]),
         fresh_instances,
         root_id,
@@ -233,7 +215,60 @@ pub(super) fn plugin_use(
         start_timeout,
         memory,
         defined_at: ctx.pos(&raw.referenced),
-    })
+    };
+    if let Some(r) = &u.rollout
+        && !rollout_in_shadow(ctx, u, shadow)
+    {
+        made.rollout = super::rollout::rollout(ctx, &made, r, (u, plugin_index)).map(Box::new);
+    }
+    Some(made)
+}
+
+/// A use's configs resolved (`${ENV}`, `{from_file}`), with what that
+/// brought in and its errors, held until the plugin's kind is known: a
+/// filter's config goes as written (Envoy's do, and theirs use `$1` and
+/// `${...}` of their own); a component's is resolved.
+pub(super) fn expand_configs(
+    ctx: &mut Ctx,
+    config: Option<&Spanned<serde_json::Value>>,
+    vm_config: Option<&Spanned<serde_json::Value>>,
+    asked: Option<bool>,
+) -> Expansion {
+    let (errors_from, from) = (ctx.errors.len(), ctx.substituted.len());
+    let resolved = |ctx: &mut Ctx<'_>, c: &Spanned<serde_json::Value>| {
+        let mut value = c.value.clone();
+        resolve_config(ctx, &mut value, &c.referenced);
+        value.to_string()
+    };
+    let config_json = match config {
+        Some(c) => resolved(ctx, c),
+        None => "{}".to_owned(),
+    };
+    let vm_config_json = vm_config.map(|c| resolved(ctx, c));
+    let (substituted, errors) = (
+        ctx.substituted.split_off(from),
+        ctx.errors.split_off(errors_from),
+    );
+    Expansion {
+        asked,
+        config_json,
+        vm_config_json,
+        substituted,
+        errors,
+    }
+}
+
+/// A use in shadow mode with a rollout: refused at `mode` (a candidate
+/// is tried in shadow on a use of its own, then rolled out).
+fn rollout_in_shadow(ctx: &mut Ctx, u: &RawPluginUse, shadow: Option<u32>) -> bool {
+    let (Some(_), Some(mode)) = (shadow, &u.mode) else {
+        return false;
+    };
+    ctx.err(
+        &mode.referenced,
+        "a use in `mode: shadow` cannot have a `rollout`; try the candidate in shadow on a use of its own, then roll it out",
+    );
+    true
 }
 
 /// `mode` and `shadow_percent`: the share a shadow use runs on.

@@ -129,9 +129,15 @@ impl Streams<'_> {
         }
     }
 
+    /// Keeps what `at` keeps now (a later call may change it: a wrapper's
+    /// flags, a stream a callout's answer made).
     fn set(&mut self, at: usize, stream: plugin::Stream) {
-        if stream != plugin::Stream::NONE && !self.held.iter().any(|(i, _)| *i == at) {
-            self.held.push((at, stream));
+        if stream == plugin::Stream::NONE {
+            return;
+        }
+        match self.held.iter_mut().find(|(i, _)| *i == at) {
+            Some((_, held)) => *held = stream,
+            None => self.held.push((at, stream)),
         }
     }
 }

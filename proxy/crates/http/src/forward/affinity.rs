@@ -14,6 +14,7 @@ use std::net::IpAddr;
 use http::HeaderMap;
 
 use portcullis_config::{Endpoint, HashOn};
+use portcullis_net::request_key::{cookie, fnv1a, mix};
 
 /// The hash of the key `hash_on` names in a request; `None` when the
 /// request has none (no such header or cookie): it is then balanced
@@ -44,19 +45,6 @@ pub fn new_cookie(name: &str, ttl: std::time::Duration) -> (u64, Option<http::He
         fnv1a(value.as_bytes()),
         http::HeaderValue::from_str(&set).ok(),
     )
-}
-
-/// The value of cookie `name` in the request's Cookie headers.
-fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h [u8]> {
-    headers
-        .get_all(http::header::COOKIE)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|&b| b == b';'))
-        .find_map(|pair| {
-            let pair = pair.trim_ascii();
-            let eq = pair.iter().position(|&b| b == b'=')?;
-            (pair[..eq].trim_ascii() == name.as_bytes()).then(|| pair[eq + 1..].trim_ascii())
-        })
 }
 
 /// An endpoint's own seed: its authority (and address, for one of a
@@ -115,22 +103,6 @@ fn weighted(key: u64, seed: u64, weight: u32) -> f64 {
     // 53 bits of the score, shifted off zero: ln(0) would be -inf.
     let u = ((mix(key ^ seed) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
     f64::from(weight) / -u.ln()
-}
-
-/// FNV-1a, 64 bits: fixed (the same in every process), and quick on the
-/// short keys hashed here.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-/// SplitMix64's finalizer: spreads a key and seed combined over all 64
-/// bits, so that scores compare fairly.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]
