@@ -164,6 +164,59 @@ pub(super) async fn an_image_from_a_registry_with_tls_and_auth_is_pulled_with_th
     drop(proxy);
 }
 
+/// A registry with token auth (Docker Hub's, GHCR's, Harbor's way): the
+/// registry's 401 names its token service, which gives a token for the
+/// pull's scope to the credentials of the Docker config; the pull goes on
+/// with it. Wrong credentials: the token service's 401, named.
+// Threads of its own: `check` blocks its caller while the token service
+// answers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+pub(super) async fn a_registry_with_token_auth_is_pulled_with_a_bearer_token() {
+    let tokens = crate::support::token_service::TokenService::start().await;
+    let registry = Registry::start_with_tokens(&tokens).await;
+    registry
+        .push_artifact("team/gate-token", "1.0", &module())
+        .await;
+    let cache = tempfile::tempdir().unwrap();
+    let reference = format!("oci://{}/team/gate-token:1.0", registry.host());
+    let files = |password: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("docker.json"),
+            registry.docker_config(password),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("policy.yaml"),
+            policy(&reference, ", pull_secret: docker.json"),
+        )
+        .unwrap();
+        dir
+    };
+    let wrong = files("not-it");
+    let (ok, stderr) = check(wrong.path(), cache.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains(&format!("token service {} answered 401", tokens.realm())),
+        "{stderr}"
+    );
+    let good = files(PASSWORD);
+    let (ok, stderr) = check(good.path(), cache.path());
+    assert!(ok, "{stderr}");
+    assert!(
+        tokens
+            .asked
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|s| s == "repository:team/gate-token:pull"),
+        "{:?}",
+        tokens.asked.lock().unwrap()
+    );
+    let proxy = serve(good.path(), cache.path()).await;
+    guarded(&proxy).await;
+}
+
 /// A reload naming a tag the registry does not have is rejected with the
 /// registry's answer in `/status`; the policy before it serves on.
 #[tokio::test]

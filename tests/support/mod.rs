@@ -12,6 +12,7 @@ pub mod process;
 pub mod redis;
 pub mod registry;
 pub mod tls;
+pub mod token_service;
 pub mod upstream;
 
 use std::collections::HashMap;

@@ -27,7 +27,12 @@ pub struct Registry {
     dir: tempfile::TempDir,
     /// The CA of its certificate, when it speaks TLS.
     pub ca_pem: Option<String>,
+    /// With token auth: a token for a repository, for the pushes here.
+    minter: Option<Minter>,
 }
+
+/// Makes a push-and-pull token for a repository.
+type Minter = Box<dyn Fn(&str) -> String + Send + Sync>;
 
 impl Registry {
     /// Plain HTTP, no auth.
@@ -39,6 +44,29 @@ impl Registry {
     /// ([`USER`], [`PASSWORD`]).
     pub async fn start_secure() -> Registry {
         Self::launch(Some(super::tls::TestPki::new())).await
+    }
+
+    /// Plain HTTP with token auth: clients get tokens from `tokens`
+    /// (Docker Hub's and GHCR's way), which the registry checks against
+    /// the token service's CA.
+    pub async fn start_with_tokens(tokens: &super::token_service::TokenService) -> Registry {
+        let mut registry = Self::launch(None).await;
+        registry.kill().await;
+        let d = registry.dir.path().to_owned();
+        std::fs::write(d.join("token-ca.pem"), &tokens.ca_pem).expect("write the token CA");
+        let config = std::fs::read_to_string(d.join("config.yml")).expect("config");
+        let auth = format!(
+            "auth:\n  token:\n    realm: {}\n    service: {}\n    issuer: {}\n    rootcertbundle: {}\n",
+            tokens.realm(),
+            super::token_service::SERVICE,
+            super::token_service::ISSUER,
+            d.join("token-ca.pem").display()
+        );
+        std::fs::write(d.join("config.yml"), config + &auth).expect("write config");
+        let signer = tokens.minter();
+        registry.minter = Some(Box::new(move |repo| signer(repo)));
+        registry.restart().await;
+        registry
     }
 
     async fn launch(pki: Option<super::tls::TestPki>) -> Registry {
@@ -67,6 +95,7 @@ impl Registry {
             port,
             dir,
             ca_pem: pki.map(|p| p.ca_pem),
+            minter: None,
         };
         registry.restart().await;
         registry
@@ -229,7 +258,16 @@ impl Registry {
         if let Some(t) = content_type {
             request = request.header("content-type", t);
         }
-        if self.ca_pem.is_some() {
+        if let Some(mint) = &self.minter {
+            // `/v2/REPO/blobs/...` or `/v2/REPO/manifests/...`
+            let repo = path.trim_start_matches("/v2/");
+            let end = ["/blobs/", "/manifests/"]
+                .iter()
+                .filter_map(|m| repo.find(m))
+                .min()
+                .unwrap_or(repo.len());
+            request = request.header("authorization", format!("Bearer {}", mint(&repo[..end])));
+        } else if self.ca_pem.is_some() {
             let auth =
                 base64::engine::general_purpose::STANDARD.encode(format!("{USER}:{PASSWORD}"));
             request = request.header("authorization", format!("Basic {auth}"));
