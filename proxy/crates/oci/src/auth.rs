@@ -47,10 +47,13 @@ impl Credentials {
             ));
         };
         // Keys are written `HOST[:PORT]`, `https://HOST[:PORT]` or
-        // `https://HOST/v1/` by docker login and kubectl.
+        // `https://HOST/v1/` by docker login and kubectl; Docker Hub's as
+        // `https://index.docker.io/v1/` (or another of its names).
+        let hub = crate::reference::DOCKER_HUB_NAMES;
         let entry = auths.iter().find(|(key, _)| {
             let key = key.split_once("://").map_or(key.as_str(), |(_, k)| k);
-            key.split('/').next() == Some(registry)
+            let host = key.split('/').next().unwrap_or("");
+            host == registry || (hub.contains(&registry) && hub.contains(&host))
         });
         let Some((key, entry)) = entry else {
             return Ok(None);
@@ -202,6 +205,22 @@ mod tests {
         assert_eq!(format!("{c:?}"), "Credentials(bob, <redacted>)");
         assert!(
             Credentials::from_docker_config(&path, "third.example")
+                .unwrap()
+                .is_none()
+        );
+        // Docker Hub's entry, as `docker login` writes it, for any of its
+        // names.
+        std::fs::write(
+            &path,
+            format!(r#"{{"auths":{{"https://index.docker.io/v1/":{{"auth":"{auth}"}}}}}}"#),
+        )
+        .unwrap();
+        for name in ["docker.io", "registry-1.docker.io"] {
+            let c = Credentials::from_docker_config(&path, name).unwrap();
+            assert!(c.is_some(), "{name}");
+        }
+        assert!(
+            Credentials::from_docker_config(&path, "ghcr.io")
                 .unwrap()
                 .is_none()
         );

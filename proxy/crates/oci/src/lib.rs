@@ -201,7 +201,7 @@ async fn fetch(reference: &Reference, pull: &Pull) -> Result<(String, Vec<u8>), 
     };
     let plain = pull.insecure || reference.is_loopback();
     let mut client = client::Client::new(
-        &reference.registry,
+        reference.endpoint(),
         plain,
         !pull.insecure,
         &pull.ca,

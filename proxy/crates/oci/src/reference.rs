@@ -19,6 +19,12 @@ pub struct Reference {
 /// The scheme a plugin's `path:` names a registry with.
 pub const SCHEME: &str = "oci://";
 
+/// Docker Hub, as references name it, the names it also goes by, and
+/// where its API answers.
+pub const DOCKER_HUB: &str = "docker.io";
+pub const DOCKER_HUB_NAMES: [&str; 3] = ["docker.io", "index.docker.io", "registry-1.docker.io"];
+const DOCKER_HUB_API: &str = "registry-1.docker.io";
+
 impl Reference {
     /// Parses `text` (with or without the `oci://` scheme).
     pub fn parse(text: &str) -> Result<Reference, String> {
@@ -73,12 +79,34 @@ impl Reference {
             (None, Some(_)) => None,
             (None, None) => Some("latest".to_owned()),
         };
+        // Docker Hub goes by several names, and its official images by
+        // their bare names (`docker.io/nginx` is `library/nginx`), as the
+        // Docker CLI reads them.
+        let (registry, repository) = if DOCKER_HUB_NAMES.contains(&registry) {
+            let repository = match repository.contains('/') {
+                true => repository.to_owned(),
+                false => format!("library/{repository}"),
+            };
+            (DOCKER_HUB.to_owned(), repository)
+        } else {
+            (registry.to_owned(), repository.to_owned())
+        };
         Ok(Reference {
-            registry: registry.to_owned(),
-            repository: repository.to_owned(),
+            registry,
+            repository,
             tag,
             digest,
         })
+    }
+
+    /// Where the registry's API answers: Docker Hub's at
+    /// `registry-1.docker.io`, any other at its own name.
+    pub fn endpoint(&self) -> &str {
+        if self.registry == DOCKER_HUB {
+            DOCKER_HUB_API
+        } else {
+            &self.registry
+        }
     }
 
     /// What a manifest is asked for by: the digest when pinned, else the tag.
@@ -142,6 +170,28 @@ mod tests {
     use super::*;
 
     const D: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn docker_hub_goes_by_its_names_and_official_images_by_theirs() {
+        for text in [
+            "oci://docker.io/nginx:1",
+            "oci://index.docker.io/library/nginx:1",
+            "oci://registry-1.docker.io/nginx:1",
+        ] {
+            let r = Reference::parse(text).unwrap();
+            assert_eq!(
+                (r.registry.as_str(), r.repository.as_str(), r.endpoint()),
+                ("docker.io", "library/nginx", "registry-1.docker.io"),
+                "{text}"
+            );
+            assert_eq!(r.to_string(), "oci://docker.io/library/nginx:1");
+        }
+        let r = Reference::parse("oci://docker.io/team/authz:v2").unwrap();
+        assert_eq!(r.repository, "team/authz");
+        // Elsewhere a bare name stays bare, and the API is the registry's own.
+        let r = Reference::parse("oci://ghcr.io/authz:v2").unwrap();
+        assert_eq!((r.repository.as_str(), r.endpoint()), ("authz", "ghcr.io"));
+    }
 
     #[test]
     fn the_forms_istio_accepts_parse() {
