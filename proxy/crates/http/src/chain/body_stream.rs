@@ -206,7 +206,7 @@ fn through_now(
             Ok(plugin::BodyVerdict::Continue(Some(new))) => (whole, changed) = (new, true),
             // A pause at the body's end lets it go, as in the stream.
             Ok(plugin::BodyVerdict::Continue(None) | plugin::BodyVerdict::Pause) => {}
-            Ok(plugin::BodyVerdict::Noted(noted)) => ctx.notes.push(*noted),
+            Ok(plugin::BodyVerdict::Noted(noted)) => ctx.note(*noted),
             // As from the stream (and from Envoy): the response cut off.
             Ok(plugin::BodyVerdict::Respond(_)) => {
                 tracing::warn!(plugin = %binding.name(), route = %route.name, "plugin answered after the response head went; response cut off");

@@ -83,11 +83,12 @@ pub(super) fn local_through(
         let lent = lend(facts, request_headers, &mut parts, bytes.is_empty());
         let called = binding.on_response(&mut stream, lent);
         let notes = &mut context.notes;
+        let mut note = |n: plugin::Noted| notes.get_or_insert_default().0.push(n);
         // Its body in hand: given whole to a plugin that wants it.
         let called = match called {
             Ok(ResponseVerdict::ReadBody(_)) => Ok(true),
             Ok(ResponseVerdict::Noted(noted)) => {
-                notes.push(*noted);
+                note(*noted);
                 Ok(binding.hooks().response_body && !bytes.is_empty())
             }
             Ok(ResponseVerdict::Continue) => Ok(binding.hooks().response_body && !bytes.is_empty()),
@@ -109,7 +110,7 @@ pub(super) fn local_through(
                 }
                 Ok(plugin::BodyVerdict::Continue(None) | plugin::BodyVerdict::Pause) => Ok(()),
                 Ok(plugin::BodyVerdict::Noted(noted)) => {
-                    notes.push(*noted);
+                    note(*noted);
                     Ok(())
                 }
                 Ok(plugin::BodyVerdict::Respond(local)) => Err(Ok(local)),

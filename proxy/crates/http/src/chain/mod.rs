@@ -74,9 +74,8 @@ impl<'a> Progress<'a> {
             body: None,
             whole_from: None,
             body_stop: None,
-            notes: Vec::new(),
+            notes: None,
             streams: Streams {
-                chain,
                 held: smallvec::SmallVec::new(),
             },
         }))
@@ -103,17 +102,16 @@ impl std::ops::DerefMut for Progress<'_> {
 
 /// What plugins keep of the request between calls ([`plugin::Stream`]),
 /// by their place in the chain; ended when the request is over, however
-/// it ends (this is dropped with the request). Empty, and allocation-free,
-/// for plugins that keep nothing.
-struct Streams<'a> {
-    chain: &'a [Arc<dyn Plugin>],
+/// it ends (its [`PluginContext`] ends them when dropped). Empty, and
+/// allocation-free, for plugins that keep nothing.
+struct Streams {
     /// Inline for the usual chain of one or two plugins that keep a
     /// stream: a vector's allocation and free cost ~150 instructions a
     /// request (bench/instructions.sh, `/pw`).
     held: smallvec::SmallVec<[(usize, plugin::Stream); 2]>,
 }
 
-impl Streams<'_> {
+impl Streams {
     fn get(&self, at: usize) -> plugin::Stream {
         self.held
             .iter()
@@ -138,14 +136,6 @@ impl Streams<'_> {
         match self.held.iter_mut().find(|(i, _)| *i == at) {
             Some((_, held)) => *held = stream,
             None => self.held.push((at, stream)),
-        }
-    }
-}
-
-impl Drop for Streams<'_> {
-    fn drop(&mut self) {
-        for (at, stream) in self.held.drain(..) {
-            self.chain[at].end(stream);
         }
     }
 }
@@ -181,43 +171,51 @@ pub struct PluginContext<'a> {
     /// What the request body's plugins decided once its head went: set by
     /// [`filter_request_body`].
     body_stop: Option<Arc<body_stream::BodyStop>>,
-    /// What plugins in shadow mode would have done, for the access line.
-    notes: Vec<plugin::Noted>,
-    streams: Streams<'a>,
+    /// What plugins in shadow mode would have done, for the access line
+    /// (boxed: rare; every byte here is copied into the box per request).
+    notes: Option<Box<Notes>>,
+    streams: Streams,
 }
 
 /// What plugins in shadow mode would have done to a request answered
 /// without its context (a plugin's or the proxy's answer), carried in
 /// the answer's extensions to its access line.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Notes(pub Vec<plugin::Noted>);
 
 impl PluginContext<'_> {
     /// Whether plugins in shadow mode noted anything.
     pub fn has_notes(&self) -> bool {
-        !self.notes.is_empty()
+        self.notes.is_some()
     }
 
     /// What plugins in shadow mode noted so far, taken.
     pub fn take_notes(&mut self) -> Vec<plugin::Noted> {
-        std::mem::take(&mut self.notes)
+        self.notes.take().map(|n| n.0).unwrap_or_default()
+    }
+
+    fn note(&mut self, noted: plugin::Noted) {
+        self.notes.get_or_insert_default().0.push(noted);
     }
 
     /// `resp` with the notes taken into its extensions, if there are any.
     pub fn noted(&mut self, mut resp: Response<Body>) -> Response<Body> {
-        if !self.notes.is_empty() {
-            resp.extensions_mut().insert(Notes(self.take_notes()));
+        if let Some(notes) = self.notes.take() {
+            resp.extensions_mut().insert(*notes);
         }
         resp
     }
 }
 
 impl Drop for PluginContext<'_> {
-    /// Before the streams end: a request body still streaming calls no
-    /// plugin after this.
+    /// A request body still streaming calls no plugin after this; then
+    /// what plugins keep of the request ends.
     fn drop(&mut self) {
         if let Some(stop) = &self.body_stop {
             stop.end();
+        }
+        for (at, stream) in self.streams.held.drain(..) {
+            self.chain[at].end(stream);
         }
     }
 }
@@ -430,7 +428,7 @@ fn after_call(
         }
         Ok(Verdict::Respond(local)) => Flow::Local(local_answer(binding, route, *local)),
         Ok(Verdict::Noted(noted)) => {
-            progress.notes.push(*noted);
+            progress.note(*noted);
             Flow::Next
         }
         Ok(Verdict::ReadBody(max)) => Flow::WantsBody(max),
@@ -479,7 +477,7 @@ fn finish<'a>(
     if !wants_response
         && progress.upstream.is_none()
         && progress.path.is_none()
-        && progress.notes.is_empty()
+        && !progress.has_notes()
     {
         return RequestOutcome::Forward(None);
     }

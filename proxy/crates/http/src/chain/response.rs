@@ -65,7 +65,7 @@ fn heads(
         ctx.streams.set(place, stream);
         match called {
             Ok(ResponseVerdict::Continue) => {}
-            Ok(ResponseVerdict::Noted(noted)) => ctx.notes.push(*noted),
+            Ok(ResponseVerdict::Noted(noted)) => ctx.note(*noted),
             Ok(ResponseVerdict::ReadBody(max)) => {
                 return ResponseStep::ReadBody(HeldHead { place, max });
             }
@@ -165,7 +165,7 @@ fn bodies(
         match called {
             Ok(plugin::BodyVerdict::Continue(Some(new))) => *bytes = new,
             Ok(plugin::BodyVerdict::Continue(None) | plugin::BodyVerdict::Pause) => {}
-            Ok(plugin::BodyVerdict::Noted(noted)) => ctx.notes.push(*noted),
+            Ok(plugin::BodyVerdict::Noted(noted)) => ctx.note(*noted),
             Ok(plugin::BodyVerdict::Respond(local)) => {
                 return Err(local_answer(&**binding, route, *local));
             }
