@@ -139,7 +139,7 @@ pub struct AccessLog {
     /// What plugins in shadow mode would have done: `plugin:what`,
     /// comma-separated (`what` an answer's status, `failed` or
     /// `timed_out`).
-    pub shadow: Option<String>,
+    pub shadow: Option<Box<str>>,
 }
 
 impl AccessLog {
@@ -185,14 +185,14 @@ impl AccessLog {
     }
 
     /// Notes what a plugin in shadow mode would have done.
+    /// (Rare: the text is made again for each note, and takes 16 bytes
+    /// of every request's record, not a `String`'s 24.)
     pub fn note_shadow(&mut self, plugin: &str, what: &str) {
-        let text = self.shadow.get_or_insert_with(String::new);
-        if !text.is_empty() {
-            text.push(',');
-        }
-        text.push_str(plugin);
-        text.push(':');
-        text.push_str(what);
+        let text = match self.shadow.take() {
+            Some(before) => format!("{before},{plugin}:{what}"),
+            None => format!("{plugin}:{what}"),
+        };
+        self.shadow = Some(text.into_boxed_str());
     }
 }
 

@@ -185,6 +185,7 @@ pub struct Notes(pub Vec<plugin::Noted>);
 
 impl PluginContext<'_> {
     /// Whether plugins in shadow mode noted anything.
+    #[inline]
     pub fn has_notes(&self) -> bool {
         self.notes.is_some()
     }

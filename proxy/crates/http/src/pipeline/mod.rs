@@ -146,11 +146,17 @@ pub struct Pipeline {
     shared: Arc<Shared>,
 }
 
-/// What plugins in shadow mode noted so far, moved into the access line.
+/// What plugins in shadow mode noted so far, moved into the access line
+/// (the check inline: most requests have nothing to move).
+#[inline(always)]
 fn log_notes(log: &mut Option<Box<AccessLog>>, ctx: &mut chain::PluginContext<'_>) {
-    if !ctx.has_notes() {
-        return;
+    if ctx.has_notes() {
+        move_notes(log, ctx);
     }
+}
+
+#[cold]
+fn move_notes(log: &mut Option<Box<AccessLog>>, ctx: &mut chain::PluginContext<'_>) {
     let notes = ctx.take_notes();
     if let Some(log) = log.as_mut() {
         for n in &notes {
