@@ -306,6 +306,25 @@ pub struct Stream(pub u64);
 impl Stream {
     /// Nothing kept.
     pub const NONE: Stream = Stream(0);
+    /// The bits a wrapping use (`shadow.rs`, `rollout.rs`) may keep its
+    /// own flags in; a kind keeps its number below them.
+    pub const WRAPPER_BITS: u64 = 0b111 << 61;
+
+    /// The wrapped plugin's own stream: the wrapper's flags off.
+    pub fn inner(self) -> Stream {
+        Stream(self.0 & !Self::WRAPPER_BITS)
+    }
+
+    /// Runs `f` on the wrapped plugin's own stream, keeping the wrapper's
+    /// flags as they were around it.
+    pub fn with_inner<T>(&mut self, f: impl FnOnce(&mut Stream) -> T) -> T {
+        let flags = self.0 & Self::WRAPPER_BITS;
+        let mut own = self.inner();
+        let out = f(&mut own);
+        debug_assert!(own == own.inner(), "a kind's stream uses bits 61-63");
+        *self = Stream(own.0 | flags);
+        out
+    }
 }
 
 /// A plugin attached with one config (a "use" of it on a route or the

@@ -115,19 +115,6 @@ impl Shadow {
         stream.0 = (stream.0 & !RAN) | SKIPPED;
     }
 
-    /// Calls the plugin with its own stream (the flag bits off).
-    fn with_inner<T>(&self, stream: &mut Stream, f: impl FnOnce(&mut Stream) -> T) -> T {
-        let flags = stream.0 & (RAN | SKIPPED);
-        let mut own = Stream(stream.0 & !(RAN | SKIPPED));
-        let out = f(&mut own);
-        debug_assert!(
-            own.0 & (RAN | SKIPPED) == 0,
-            "a kind's stream uses bit 62 or 63"
-        );
-        *stream = Stream(own.0 | flags);
-        out
-    }
-
     /// What an answer it made would have been, counted; the note for the
     /// access line.
     fn would_answer(&self, answer: &LocalAnswer) -> Box<Noted> {
@@ -324,9 +311,7 @@ impl Plugin for Shadow {
         }
         let mut copy = headers.clone();
         let mut seen = facts.clone();
-        let result = self.with_inner(stream, |s| {
-            self.inner.on_request(s, &mut seen, &mut copy, body)
-        });
+        let result = stream.with_inner(|s| self.inner.on_request(s, &mut seen, &mut copy, body));
         Ok(self.request_verdict(stream, result, headers))
     }
 
@@ -339,9 +324,7 @@ impl Plugin for Shadow {
     ) -> Result<Verdict, PluginError> {
         let mut copy = headers.clone();
         let mut seen = facts.clone();
-        let result = self.with_inner(stream, |s| {
-            self.inner.on_callout(s, &mut seen, &mut copy, answer)
-        });
+        let result = stream.with_inner(|s| self.inner.on_callout(s, &mut seen, &mut copy, answer));
         Ok(self.request_verdict(stream, result, headers))
     }
 
@@ -355,7 +338,7 @@ impl Plugin for Shadow {
         }
         let mut copies = Copies::of(&lent);
         let copy = copies.lend(&lent);
-        let result = self.with_inner(stream, |s| self.inner.on_response(s, copy));
+        let result = stream.with_inner(|s| self.inner.on_response(s, copy));
         Ok(match result {
             Ok(ResponseVerdict::Continue) => ResponseVerdict::Continue,
             Ok(ResponseVerdict::Noted(n)) => ResponseVerdict::Noted(n),
@@ -391,7 +374,7 @@ impl Plugin for Shadow {
             headers: &mut headers,
             end_of_stream: lent.end_of_stream,
         };
-        let result = self.with_inner(stream, |s| self.inner.on_request_body(s, copy, body));
+        let result = stream.with_inner(|s| self.inner.on_request_body(s, copy, body));
         Ok(self.body_verdict(result))
     }
 
@@ -406,7 +389,7 @@ impl Plugin for Shadow {
         }
         let mut copies = Copies::of(&lent);
         let copy = copies.lend(&lent);
-        let result = self.with_inner(stream, |s| self.inner.on_response_body(s, copy, body));
+        let result = stream.with_inner(|s| self.inner.on_response_body(s, copy, body));
         Ok(self.body_verdict(result))
     }
 
@@ -426,9 +409,7 @@ impl Plugin for Shadow {
             headers: &mut headers,
             end_of_stream: lent.end_of_stream,
         };
-        let result = self.with_inner(stream, |s| {
-            self.inner.on_request_trailers(s, lent, &mut copy)
-        });
+        let result = stream.with_inner(|s| self.inner.on_request_trailers(s, lent, &mut copy));
         self.trailers_outcome(result);
         Ok(None)
     }
@@ -444,9 +425,7 @@ impl Plugin for Shadow {
         }
         let (mut copies, mut copy) = (Copies::of(&lent), trailers.clone());
         let lent = copies.lend(&lent);
-        let result = self.with_inner(stream, |s| {
-            self.inner.on_response_trailers(s, lent, &mut copy)
-        });
+        let result = stream.with_inner(|s| self.inner.on_response_trailers(s, lent, &mut copy));
         self.trailers_outcome(result);
         Ok(None)
     }
@@ -464,7 +443,7 @@ impl Plugin for Shadow {
     }
 
     fn end(&self, stream: Stream) {
-        let own = Stream(stream.0 & !(RAN | SKIPPED));
+        let own = stream.inner();
         if own != Stream::NONE {
             self.inner.end(own);
         }

@@ -34,7 +34,6 @@ const CANDIDATE: u64 = 1 << 63;
 const PICKED: u64 = 1 << 62;
 /// Set once its outcome is counted.
 const COUNTED: u64 = 1 << 61;
-const FLAGS: u64 = CANDIDATE | PICKED | COUNTED;
 
 use state::Outcome;
 pub use state::{OUTCOMES, RolloutReport, Spec, State, VERSIONS};
@@ -111,16 +110,6 @@ impl Rollout {
         } else {
             &self.current
         }
-    }
-
-    /// Calls a version with its own stream (the flags off).
-    fn with_inner<T>(&self, stream: &mut Stream, f: impl FnOnce(&mut Stream) -> T) -> T {
-        let flags = stream.0 & FLAGS;
-        let mut own = Stream(stream.0 & !FLAGS);
-        let out = f(&mut own);
-        debug_assert!(own.0 & FLAGS == 0, "a kind's stream uses bits 61-63");
-        *stream = Stream(own.0 | flags);
-        out
     }
 
     /// Counts the request's outcome, once.
@@ -223,7 +212,7 @@ impl Plugin for Rollout {
         if !plugin.hooks().request {
             return Ok(Verdict::Continue(Steer::default()));
         }
-        let result = self.with_inner(stream, |s| plugin.on_request(s, facts, headers, body));
+        let result = stream.with_inner(|s| plugin.on_request(s, facts, headers, body));
         self.request_outcome(stream, version, &result);
         result
     }
@@ -237,7 +226,7 @@ impl Plugin for Rollout {
     ) -> Result<Verdict, PluginError> {
         let version = usize::from(stream.0 & CANDIDATE != 0);
         let plugin = self.plugin(version);
-        let result = self.with_inner(stream, |s| plugin.on_callout(s, facts, headers, answer));
+        let result = stream.with_inner(|s| plugin.on_callout(s, facts, headers, answer));
         self.request_outcome(stream, version, &result);
         result
     }
@@ -251,7 +240,7 @@ impl Plugin for Rollout {
         let plugin = self.plugin(version);
         let status = lent.status;
         let result = if plugin.hooks().response {
-            self.with_inner(stream, |s| plugin.on_response(s, lent))
+            stream.with_inner(|s| plugin.on_response(s, lent))
         } else {
             Ok(ResponseVerdict::Continue)
         };
@@ -275,7 +264,7 @@ impl Plugin for Rollout {
         if !plugin.hooks().request_body {
             return Ok(BodyVerdict::Continue(None));
         }
-        self.with_inner(stream, |s| plugin.on_request_body(s, lent, body))
+        stream.with_inner(|s| plugin.on_request_body(s, lent, body))
     }
 
     fn on_response_body(
@@ -285,7 +274,7 @@ impl Plugin for Rollout {
         body: &Bytes,
     ) -> Result<BodyVerdict, PluginError> {
         let plugin = self.plugin(usize::from(stream.0 & CANDIDATE != 0));
-        self.with_inner(stream, |s| plugin.on_response_body(s, lent, body))
+        stream.with_inner(|s| plugin.on_response_body(s, lent, body))
     }
 
     fn on_request_trailers(
@@ -298,7 +287,7 @@ impl Plugin for Rollout {
         if !plugin.hooks().request_body {
             return Ok(None);
         }
-        self.with_inner(stream, |s| plugin.on_request_trailers(s, lent, trailers))
+        stream.with_inner(|s| plugin.on_request_trailers(s, lent, trailers))
     }
 
     fn on_response_trailers(
@@ -311,7 +300,7 @@ impl Plugin for Rollout {
         if !plugin.hooks().response_body {
             return Ok(None);
         }
-        self.with_inner(stream, |s| plugin.on_response_trailers(s, lent, trailers))
+        stream.with_inner(|s| plugin.on_response_trailers(s, lent, trailers))
     }
 
     fn set_callouts(&self, callouts: Arc<dyn Callouts>) {
@@ -329,7 +318,7 @@ impl Plugin for Rollout {
     }
 
     fn end(&self, stream: Stream) {
-        let own = Stream(stream.0 & !FLAGS);
+        let own = stream.inner();
         if own != Stream::NONE {
             self.plugin(usize::from(stream.0 & CANDIDATE != 0)).end(own);
         }
