@@ -169,6 +169,48 @@ routes:
     assert_eq!(&t.body[..], b"short and stout");
 }
 
+/// One `Host` reaches the upstream: the endpoint's, the client's when the
+/// upstream preserves it, or the route's own when its header edits give
+/// one (never two, which an upstream would take as a smuggling attempt).
+#[tokio::test]
+async fn the_upstream_gets_one_host_the_endpoints_the_clients_or_the_routes() {
+    let e = upstream::echo("e").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams:
+  - {{ name: e, endpoints: ["{url}"] }}
+  - {{ name: kept, endpoints: ["{url}"], preserve_host: true }}
+routes:
+  - {{ name: plain, match: {{ path: /plain }}, upstream: e }}
+  - {{ name: kept, match: {{ path: /kept }}, upstream: kept }}
+  - name: own
+    match: {{ path: /own }}
+    upstream: e
+    request_headers: {{ set: {{ host: api.internal }} }}
+  - name: added
+    match: {{ path: /added }}
+    upstream: kept
+    request_headers: {{ add: {{ host: api.internal }} }}
+"#,
+        url = e.url()
+    ))
+    .await;
+    let endpoint = e.url().trim_start_matches("http://").to_owned();
+    for (path, want) in [
+        ("/plain", endpoint.as_str()),
+        ("/kept", "public.example"),
+        ("/own", "api.internal"),
+        ("/added", "api.internal"),
+    ] {
+        let a = send(&proxy, "GET", "public.example", path, &[]).await;
+        assert_eq!(a.status, 200, "{path}");
+        let j: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+        // Repeated fields reach the echo joined with ", ".
+        assert_eq!(j["headers"]["host"], want, "{path}");
+    }
+}
+
 #[tokio::test]
 async fn upstream_connections_are_kept_alive_and_reused() {
     let e = upstream::echo("e").await;

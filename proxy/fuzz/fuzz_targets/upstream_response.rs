@@ -46,7 +46,7 @@ fuzz_target!(|bytes: &[u8]| {
     rt.block_on(async move {
         let stream = tokio::net::TcpStream::from_std(proxy_end).expect("tokio stream");
         let mut conn = H1Conn::new(Io::Tcp(stream));
-        let Ok((resp, framing)) = conn
+        let Ok((resp, framing, keep_alive)) = conn
             .exchange(&method, "", "/", None, &HeaderMap::new(), None, None)
             .await
         else {
@@ -59,6 +59,14 @@ fuzz_target!(|bytes: &[u8]| {
             assert!(
                 HeaderValue::from_bytes(value.as_bytes()).is_ok(),
                 "{name}: {value:?}"
+            );
+        }
+        // This hop's own connection fields are read, never passed on.
+        assert!(!resp.headers().contains_key("keep-alive"));
+        if keep_alive {
+            assert!(
+                resp.version() == http::Version::HTTP_11 && framing != Framing::UntilClose,
+                "a connection reused after a body that ends at its close"
             );
         }
         if resp.headers().contains_key(header::TRANSFER_ENCODING) {

@@ -54,20 +54,29 @@ pub const DEFAULT_BROTLI: u32 = 2;
 impl Compression {
     /// Whether responses of this `Content-Type` are compressed.
     pub fn covers(&self, content_type: &HeaderValue) -> bool {
-        let Ok(value) = content_type.to_str() else {
+        // Compared in place, ignoring case: no lowered copy (an allocation
+        // on every response of a compressing route). The types are
+        // lowercase (checked when the policy is built).
+        let value = content_type.as_bytes();
+        let media = value
+            .split(|&b| b == b';')
+            .next()
+            .unwrap_or(b"")
+            .trim_ascii();
+        let Some(slash) = media.iter().position(|&b| b == b'/') else {
             return false;
         };
-        let media = value.split(';').next().unwrap_or("").trim();
-        let media = media.to_ascii_lowercase();
-        let Some((kind, sub)) = media.split_once('/') else {
-            return false;
+        let (kind, sub) = (&media[..slash], &media[slash + 1..]);
+        let ends = |suffix: &[u8]| {
+            sub.len() >= suffix.len()
+                && sub[sub.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
         };
-        if sub.ends_with("+json") || sub.ends_with("+xml") {
+        if ends(b"+json") || ends(b"+xml") {
             return true;
         }
         self.types.iter().any(|t| match t.strip_suffix("/*") {
-            Some(prefix) => prefix == kind,
-            None => *t == media,
+            Some(prefix) => prefix.as_bytes().eq_ignore_ascii_case(kind),
+            None => t.as_bytes().eq_ignore_ascii_case(media),
         })
     }
 }

@@ -47,6 +47,11 @@ pub struct HeaderEdits {
 }
 
 impl HeaderEdits {
+    /// Whether the edits set or add `name`.
+    pub fn gives(&self, name: &HeaderName) -> bool {
+        self.set.iter().chain(&self.add).any(|(n, _)| n == name)
+    }
+
     /// True when there is nothing to do (the common case: skip the work).
     pub fn is_empty(&self) -> bool {
         self.add.is_empty() && self.set.is_empty() && self.remove.is_empty()

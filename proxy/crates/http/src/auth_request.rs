@@ -163,10 +163,12 @@ fn subrequest_headers(
     pool: &UpstreamPool,
 ) -> HeaderMap {
     let mut out = headers.clone();
-    let claimed = forward::remove_hop_by_hop(&mut out, false);
+    let seen = forward::remove_hop_by_hop(&mut out, false);
     // An HTTP/2 client's cookies, one field each, go as one line: an auth
     // service reading one Cookie header would miss the session otherwise.
-    forward::join_cookie_crumbs(&mut out);
+    if seen.cookie {
+        forward::join_cookie_crumbs(&mut out);
+    }
     for name in [
         header::CONTENT_LENGTH,
         header::CONTENT_TYPE,
@@ -175,7 +177,7 @@ fn subrequest_headers(
     ] {
         out.remove(name);
     }
-    conn.set_forwarded(&mut out, claimed, public_host);
+    conn.set_forwarded(&mut out, seen, public_host);
     if !pool.spec.preserve_host {
         out.remove(header::HOST);
     }

@@ -36,13 +36,13 @@ pub struct ConnInfo {
 
 impl ConnInfo {
     /// Sets the `X-Forwarded-*` headers of a request from this connection
-    /// bound upstream (`claimed`: the client sent an
-    /// `X-Forwarded-Client-Cert`; `public_host`: the host it asked for).
+    /// bound upstream (`seen`: which of them the client sent, from
+    /// [`forward::remove_hop_by_hop`]; `public_host`: the host it asked for).
     #[inline]
     pub fn set_forwarded(
         &self,
         headers: &mut http::HeaderMap,
-        claimed: bool,
+        seen: forward::Seen,
         public_host: Option<HeaderValue>,
     ) {
         let proto = if self.tls { "https" } else { "http" };
@@ -51,7 +51,7 @@ impl ConnInfo {
             (
                 &self.client_ip,
                 self.client_cert.as_ref().map(|c| &c.header),
-                claimed,
+                seen,
             ),
             proto,
             public_host,

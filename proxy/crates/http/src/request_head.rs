@@ -70,72 +70,81 @@ pub fn request_host<'a>(
     } else {
         None
     };
-    let raw = match (uri.authority(), first) {
+    let (raw, upper) = match (uri.authority(), first) {
         (Some(a), _) => {
-            // RFC 9110 §4.2.4: userinfo in a request target is an error.
-            if a.as_str().contains('@') || !valid_host(a.as_str()) {
-                return Err(Refused::Host("invalid host in the request target"));
-            }
-            a.host()
+            // RFC 9110 §4.2.4: userinfo in a request target is an error
+            // (`@` is not a host byte).
+            let (_, upper) = host_part(a.as_str().as_bytes())
+                .ok_or(Refused::Host("invalid host in the request target"))?;
+            (a.host(), upper)
         }
         (None, None) => return Ok(None),
         (None, Some(h)) => {
-            let h = h
-                .to_str()
-                .ok()
-                .filter(|h| valid_host(h))
-                .ok_or(Refused::Host("invalid host header"))?;
-            // Strip a port, minding IPv6 literals like [::1]:8080.
-            match h.rfind(':') {
-                Some(i) if !h[i..].contains(']') => &h[..i],
-                _ => h,
-            }
+            let (host, upper) =
+                host_part(h.as_bytes()).ok_or(Refused::Host("invalid host header"))?;
+            // ASCII: `host_part` took no other byte.
+            let host =
+                std::str::from_utf8(host).map_err(|_| Refused::Host("invalid host header"))?;
+            (host, upper)
         }
     };
     // A fully qualified name (`app.example.com.`) is the same host; nginx
     // and Envoy (`strip_trailing_host_dot`) match it without the dot too.
     let raw = raw.strip_suffix('.').unwrap_or(raw);
-    Ok(Some(if raw.bytes().any(|b| b.is_ascii_uppercase()) {
+    Ok(Some(if upper {
         Cow::Owned(raw.to_ascii_lowercase())
     } else {
         Cow::Borrowed(raw)
     }))
 }
 
-/// Whether `h` is `host[:port]` (RFC 9112 §3.2: any other `Host` is a
-/// 400): an IP literal in brackets, or a name of letters, digits, `-`,
-/// `.` and `_`, then at most a port of digits. Stricter than RFC 3986's
-/// reg-name, which allows `,`, `;` or `!`: no DNS name has those, and a
-/// `Host: a,b` reads as two hosts to whatever parses it next.
-fn valid_host(h: &str) -> bool {
-    let b = h.as_bytes();
-    let (host, port) = if b.first() == Some(&b'[') {
-        let Some(end) = h.find(']') else { return false };
-        let literal = &h[1..end];
+/// The host of `h` without its port, and whether it has an upper-case
+/// letter; `None` unless `h` is `host[:port]` (RFC 9112 §3.2: any other
+/// `Host` is a 400): an IP literal in brackets, or a name of letters,
+/// digits, `-`, `.` and `_`, then at most a port of up to five digits.
+/// Stricter than RFC 3986's reg-name, which allows `,`, `;` or `!`: no
+/// DNS name has those, and a `Host: a,b` reads as two hosts to whatever
+/// parses it next. One pass over the bytes: the searches it replaced
+/// (`find`, `rfind`, `contains`, each a memchr set up for a few bytes)
+/// were ~800 instructions a request.
+fn host_part(h: &[u8]) -> Option<(&[u8], bool)> {
+    let mut upper = false;
+    let end = if h.first() == Some(&b'[') {
+        let close = h.iter().position(|&c| c == b']')?;
+        let literal = &h[1..close];
         if literal.is_empty()
             || !literal
-                .bytes()
-                .all(|c| c.is_ascii_hexdigit() || c == b':' || c == b'.')
+                .iter()
+                .all(|&c| c.is_ascii_hexdigit() || c == b':' || c == b'.')
         {
-            return false;
+            return None;
         }
-        (&h[..=end], &h[end + 1..])
+        upper = literal.iter().any(u8::is_ascii_uppercase);
+        close + 1
     } else {
-        match h.find(':') {
-            Some(i) => (&h[..i], &h[i..]),
-            None => (h, ""),
+        let mut end = h.len();
+        for (i, &c) in h.iter().enumerate() {
+            if c == b':' {
+                end = i;
+                break;
+            }
+            if !(c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_')) {
+                return None;
+            }
+            upper |= c.is_ascii_uppercase();
         }
+        if end == 0 {
+            return None;
+        }
+        end
     };
-    let name_ok = host.starts_with('[')
-        || (!host.is_empty()
-            && host
-                .bytes()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_')));
-    let port_ok = match port.strip_prefix(':') {
-        None => port.is_empty(),
-        Some(digits) => digits.len() <= 5 && digits.bytes().all(|c| c.is_ascii_digit()),
+    let port = &h[end..];
+    let port_ok = match port.split_first() {
+        None => true,
+        Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
+        Some(_) => false,
     };
-    name_ok && port_ok
+    port_ok.then_some((&h[..end], upper))
 }
 
 /// The checks every request head passes before it is routed, on the

@@ -85,7 +85,7 @@ impl Carried {
             client: hyper::upgrade::on(&mut req),
         });
         let (mut parts, body) = req.into_parts();
-        let claimed = remove_hop_by_hop(&mut parts.headers, false);
+        let seen = remove_hop_by_hop(&mut parts.headers, false);
         if let Some(upgrade) = &upgrade {
             parts.method = Method::CONNECT;
             let protocol = upgrade.protocol.to_str().unwrap_or("websocket");
@@ -99,7 +99,7 @@ impl Carried {
         if let Some((name, value)) = &how.client {
             parts.headers.insert(name.clone(), value.clone());
         }
-        set_forwarded_scheme_and_host(&mut parts.headers, how, claimed);
+        set_forwarded_scheme_and_host(&mut parts.headers, how, seen);
         // Shared with the received target, not parsed again.
         let path = parts.uri.path_and_query().cloned();
         let path = path.unwrap_or_else(|| PathAndQuery::from_static("/"));
@@ -194,21 +194,21 @@ fn upgrade_asked<B>(req: &Request<B>) -> Option<(HeaderValue, bool)> {
 
 /// `X-Forwarded-Proto` and `X-Forwarded-Host` as the carriage says,
 /// unless trusted ones came with the request; a client certificate the
-/// client claims (`claimed`) dropped unless trusted: a carried request's
+/// client claims (`seen`, from [`remove_hop_by_hop`]) dropped unless trusted: a carried request's
 /// listener takes none. `X-Forwarded-For` is left to the far end, which
 /// has the client from `Carriage::client`.
-fn set_forwarded_scheme_and_host(headers: &mut HeaderMap, how: &Carriage<'_>, claimed: bool) {
+fn set_forwarded_scheme_and_host(headers: &mut HeaderMap, how: &Carriage<'_>, seen: Seen) {
     const XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
     const XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
-    if !(how.trust && headers.contains_key(&XFP)) {
+    if !(how.trust && seen.forwarded_proto) {
         headers.insert(XFP, HeaderValue::from_static(how.scheme));
     }
-    if !(how.trust && headers.contains_key(&XFH))
+    if !(how.trust && seen.forwarded_host)
         && let Ok(v) = HeaderValue::from_str(how.host)
     {
         headers.insert(XFH, v);
     }
-    if claimed && !how.trust {
+    if seen.client_cert && !how.trust {
         headers.remove(CLIENT_CERT);
     }
 }

@@ -36,7 +36,7 @@ pub use endpoints::{SharedEndpoints, shared_endpoints};
 pub use error::{ForwardError, error_chain};
 pub use h1::H1Body;
 pub use headers::{
-    CLIENT_CERT, client_ip_header, client_of, is_websocket_upgrade, join_cookie_crumbs,
+    CLIENT_CERT, Seen, client_ip_header, client_of, is_websocket_upgrade, join_cookie_crumbs,
     last_forwarded_for, remove_hop_by_hop, set_forwarded, single_content_length,
 };
 pub use held::{Admitted, Held, InFlight};

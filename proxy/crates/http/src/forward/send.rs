@@ -236,7 +236,7 @@ impl UpstreamPool {
                                 i,
                                 ep,
                                 match &outcome {
-                                    Ok((resp, _)) => Some(resp.status().is_server_error()),
+                                    Ok((resp, ..)) => Some(resp.status().is_server_error()),
                                     Err(h1::ExchangeError::Closed(_)) if reused => None,
                                     Err(_) => Some(true),
                                 },
@@ -246,14 +246,14 @@ impl UpstreamPool {
                                     last = Some(ran_out()?);
                                     continue 'attempts;
                                 }
-                                Ok((resp, _)) if retry_status(resp.status()) => {
+                                Ok((resp, ..)) if retry_status(resp.status()) => {
                                     // Its body unread, the connection goes.
                                     tracing::debug!(upstream = %self.spec.name, endpoint = %ep, status = resp.status().as_u16(), attempt, "answer to retry");
                                     continue 'attempts;
                                 }
-                                Ok((resp, framing)) => {
+                                Ok((resp, framing, keep_alive)) => {
                                     conn.recycle(std::mem::take(&mut hdrs));
-                                    let home = h1::keeps_alive(&resp, framing).then_some(slot);
+                                    let home = keep_alive.then_some(slot);
                                     let body = H1Body::new(conn, framing, home);
                                     let resp = resp.map(|()| Body::Upstream { inner: body });
                                     let held = Held {
@@ -307,8 +307,16 @@ impl UpstreamPool {
                             *r.uri_mut() = Self::uri(ep, &path, version)?;
                             *r.version_mut() = version;
                             *r.headers_mut() = std::mem::take(&mut hdrs);
-                            if let Some(host) = host {
-                                r.headers_mut().insert(http::header::HOST, host.clone());
+                            match host {
+                                Some(host) => {
+                                    r.headers_mut().insert(http::header::HOST, host.clone());
+                                }
+                                // HTTP/2 names the host in the URI; the
+                                // client's `Host` goes unless preserved.
+                                None if !self.spec.preserve_host && !own_host => {
+                                    r.headers_mut().remove(http::header::HOST);
+                                }
+                                None => {}
                             }
                             r
                         }

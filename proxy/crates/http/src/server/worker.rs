@@ -131,10 +131,12 @@ pub(super) fn http_builder(listener: &Listener) -> h1_or_h2::Builder {
         // instead, only for requests still open after a while.
         .half_close(true)
         .timer(TokioTimer::new())
-        // hyper's head clock also runs while a keep-alive connection waits
-        // for its next request, so it takes the keep-alive timeout; the
-        // heads' shorter deadline is `head_deadline`'s.
-        .header_read_timeout(listener.keepalive_timeout)
+        // No head clock of hyper's: it would arm and drop a timer for
+        // every request (~700 instructions). A head's deadline is
+        // `head_deadline::within`'s, and an idle connection is parked
+        // (`Within::parking`) and closed by `h1_or_h2` at the keep-alive
+        // timeout (`parked_for` below), with one timer per connection.
+        .header_read_timeout(None)
         // hyper's own limit is a backstop above ours: requests between the
         // two get the proxy's JSON 431 instead of hyper's bare one.
         .max_header_size(listener.max_request_header_size * 2)

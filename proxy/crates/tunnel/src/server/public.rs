@@ -84,10 +84,11 @@ impl Public {
         builder
             .http1
             .timer(TokioTimer::new())
-            // As the routing core's listeners (see `head_deadline`): hyper's
-            // head clock runs between requests too, so it takes the keep-alive
-            // timeout, and heads have the short one.
-            .header_read_timeout(portcullis_config::DEFAULT_KEEPALIVE_TIMEOUT)
+            // As the routing core's listeners: no head clock of hyper's (a
+            // timer armed and dropped per request); heads have
+            // `head_deadline`'s, and idle connections are parked and closed
+            // at the keep-alive timeout (`parked_for` below).
+            .header_read_timeout(None)
             // The same bound as HTTP/2's (hyper's default was its ~400 KiB
             // read buffer).
             .max_header_size(crate::MAX_PUBLIC_HEAD as usize);

@@ -11,7 +11,7 @@ pub(super) fn head_too_large() -> ExchangeError {
 
 /// Writes the request head, then `body`, into `out`. Header values are
 /// valid by construction (`HeaderValue` holds no CR or LF), so nothing
-/// needs escaping. The body's length is written from the bytes at hand;
+/// needs escaping. `host`, when given, is the only `Host` written. The body's length is written from the bytes at hand;
 /// a `Content-Length` in `headers` is not copied.
 pub(super) fn encode_head(
     out: &mut Vec<u8>,
@@ -36,7 +36,10 @@ pub(super) fn encode_head(
     for (name, value) in headers {
         // This exchange frames the body itself (its length, below), and
         // never chunks it.
-        if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING {
+        if name == header::CONTENT_LENGTH
+            || name == header::TRANSFER_ENCODING
+            || (name == header::HOST && host.is_some())
+        {
             continue;
         }
         out.extend_from_slice(name.as_str().as_bytes());
@@ -74,7 +77,7 @@ pub(super) fn needs_zero_length(m: &Method) -> bool {
 pub(super) fn take_head(
     buf: &mut BytesMut,
     spare: &mut HeaderMap,
-) -> Result<Option<Response<()>>, ExchangeError> {
+) -> Result<Option<(Response<()>, Seen)>, ExchangeError> {
     // Left uninitialized: 128 fields and their spans are 6 KiB, and writing
     // them all out for every response (~6 fields) cost more than parsing.
     let mut fields = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
@@ -124,9 +127,31 @@ pub(super) fn take_head(
     let headers = resp.headers_mut();
     *headers = std::mem::take(spare);
     headers.reserve(n);
+    let mut seen = Seen::default();
     for span in &spans[..n] {
         // SAFETY: the loop above wrote the first `n` spans.
         let [ns, nl, vs, vl] = unsafe { span.assume_init() }.map(|x| x as usize);
+        // `Connection: keep-alive` (or `close`) and `Keep-Alive` say only
+        // how this connection goes on: read here, they never enter the map,
+        // which the forwarding would have to look them up in to remove
+        // them (with the lookups for framing, ~900 instructions a response).
+        if nl == 10 {
+            let raw = &head[ns..ns + nl];
+            if raw.eq_ignore_ascii_case(b"keep-alive") {
+                continue;
+            }
+            if raw.eq_ignore_ascii_case(b"connection") {
+                let value = &head[vs..vs + vl];
+                if value.eq_ignore_ascii_case(b"keep-alive") {
+                    continue;
+                }
+                if value.eq_ignore_ascii_case(b"close") {
+                    seen.close = true;
+                    continue;
+                }
+                seen.connection = true;
+            }
+        }
         let name = HeaderName::from_bytes(&head[ns..ns + nl]).map_err(|_| {
             ExchangeError::Failed(format!(
                 "invalid header name `{}` in the response",
@@ -139,9 +164,26 @@ pub(super) fn take_head(
         // default parser config. hyper relies on the same for its heads;
         // checking every byte again cost 3% of a forwarded request.
         let value = unsafe { HeaderValue::from_maybe_shared_unchecked(head.slice(vs..vs + vl)) };
+        seen.length |= name == header::CONTENT_LENGTH;
+        seen.coding |= name == header::TRANSFER_ENCODING;
         headers.append(name, value);
     }
-    Ok(Some(resp))
+    Ok(Some((resp, seen)))
+}
+
+/// What [`take_head`] saw of the fields that frame the body and say
+/// whether the connection goes on, so neither needs a lookup after.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Seen {
+    /// A `Content-Length` field.
+    length: bool,
+    /// A `Transfer-Encoding` field.
+    coding: bool,
+    /// `Connection: close`, taken out of the map.
+    close: bool,
+    /// A `Connection` field other than a bare `keep-alive` or `close`,
+    /// left in the map (`keep-alive, close`, `upgrade`, names).
+    connection: bool,
 }
 
 /// How the response body is delimited (RFC 9112 §6.3).
@@ -156,15 +198,20 @@ pub enum Framing {
 }
 
 /// The response's framing; also drops a `Content-Length` that a
-/// `Transfer-Encoding` overrides, so it cannot reach the client.
-pub(super) fn framing(method: &Method, resp: &mut Response<()>) -> Result<Framing, ExchangeError> {
+/// `Transfer-Encoding` overrides, so it cannot reach the client. `seen`:
+/// which framing fields the head has.
+pub(super) fn framing(
+    method: &Method,
+    resp: &mut Response<()>,
+    seen: Seen,
+) -> Result<Framing, ExchangeError> {
     let status = resp.status();
     let bodiless = *method == Method::HEAD
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
     let version = resp.version();
     let headers = resp.headers_mut();
-    if headers.contains_key(header::TRANSFER_ENCODING) {
+    if seen.coding {
         // HTTP/1.0 has no transfer codings: RFC 9112 §6.1 says to treat
         // such framing as faulty, as hyper's client does.
         if version == Version::HTTP_10 {
@@ -194,6 +241,9 @@ pub(super) fn framing(method: &Method, resp: &mut Response<()>) -> Result<Framin
     }
     if bodiless {
         return Ok(Framing::Length(0));
+    }
+    if !seen.length {
+        return Ok(Framing::UntilClose);
     }
     let mut length = None;
     for value in headers.get_all(header::CONTENT_LENGTH) {
@@ -236,14 +286,15 @@ pub(super) fn invalid_length(v: &HeaderValue) -> ExchangeError {
 }
 
 /// Whether the connection may carry another request after this response.
-pub fn keeps_alive(resp: &Response<()>, framing: Framing) -> bool {
-    if framing == Framing::UntilClose || resp.version() != Version::HTTP_11 {
+pub(super) fn keeps_alive(resp: &Response<()>, framing: Framing, seen: Seen) -> bool {
+    if framing == Framing::UntilClose || resp.version() != Version::HTTP_11 || seen.close {
         return false;
     }
-    !resp.headers().get_all(header::CONNECTION).iter().any(|v| {
-        // Most upstreams say just `keep-alive`: no split, no trim.
-        !v.as_bytes().eq_ignore_ascii_case(b"keep-alive")
-            && v.to_str()
-                .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")))
-    })
+    !seen.connection
+        || !resp.headers().get_all(header::CONNECTION).iter().any(|v| {
+            // Most upstreams say just `keep-alive`: no split, no trim.
+            !v.as_bytes().eq_ignore_ascii_case(b"keep-alive")
+                && v.to_str()
+                    .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")))
+        })
 }

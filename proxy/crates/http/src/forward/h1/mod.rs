@@ -33,8 +33,8 @@ use super::pool::Slot;
 mod head;
 mod response_body;
 
+pub use head::Framing;
 use head::*;
-pub use head::{Framing, keeps_alive};
 use response_body::*;
 pub use response_body::{BodyError, H1Body};
 
@@ -250,7 +250,8 @@ impl H1Conn {
     /// Sends a request (head and `body`, in one write) and reads the
     /// response head, unless `deadline` passes first. `host` is written
     /// first when given; `prefix` goes before `path` (an endpoint's base
-    /// path). The deadline is looked at here, between reads, rather than
+    /// path). With the answer: how its body is framed, and whether the
+    /// connection may carry another request after it. The deadline is looked at here, between reads, rather than
     /// by a timeout around this future: a second way of awaiting it made
     /// the compiler stop inlining it into the request's, at ~250
     /// instructions a request.
@@ -264,7 +265,7 @@ impl H1Conn {
         headers: &HeaderMap,
         body: Option<&[u8]>,
         mut deadline: Option<&mut Pin<Box<Sleep>>>,
-    ) -> Result<(Response<()>, Framing), ExchangeError> {
+    ) -> Result<(Response<()>, Framing, bool), ExchangeError> {
         self.read_size = FIRST_READ;
         encode_head(&mut self.head, method, prefix, path, host, headers, body);
         if let Err(e) = self.io.write_all(&self.head).await {
@@ -274,7 +275,7 @@ impl H1Conn {
         loop {
             if !self.buf.is_empty() {
                 received = true;
-                if let Some(mut resp) = take_head(&mut self.buf, &mut self.spare)? {
+                if let Some((mut resp, seen)) = take_head(&mut self.buf, &mut self.spare)? {
                     let status = resp.status();
                     // Interim answers (100 Continue, 103 Early Hints) come
                     // before the real one; the request went out whole, so
@@ -288,7 +289,7 @@ impl H1Conn {
                         }
                         continue;
                     }
-                    let framing = framing(method, &mut resp)?;
+                    let framing = framing(method, &mut resp, seen)?;
                     // A chunked body already broken in what came with the
                     // head is a 502 while nothing has gone to the client;
                     // once streamed it could only be cut short, and the
@@ -298,7 +299,8 @@ impl H1Conn {
                             ExchangeError::Failed(format!("upstream response body: {e}"))
                         })?;
                     }
-                    return Ok((resp, framing));
+                    let keep_alive = keeps_alive(&resp, framing, seen);
+                    return Ok((resp, framing, keep_alive));
                 }
                 if self.buf.len() >= MAX_HEAD {
                     return Err(head_too_large());

@@ -86,7 +86,7 @@ async fn a_recycled_request_map_holds_only_the_response_headers() {
     up.write_all(b"HTTP/1.1 200 OK\r\nserver: up\r\ncontent-length: 0\r\n\r\n")
         .await
         .unwrap();
-    let (resp, _) = conn
+    let (resp, ..) = conn
         .exchange(&Method::GET, "", "/", None, &HeaderMap::new(), None, None)
         .await
         .unwrap();
@@ -189,10 +189,14 @@ fn head_is_encoded_with_host_first_and_zero_length_for_post() {
 }
 
 fn parsed(raw: &str, method: &Method) -> Result<(Response<()>, Framing), ExchangeError> {
+    parsed_seen(raw, method).map(|(resp, f, _)| (resp, f))
+}
+
+fn parsed_seen(raw: &str, method: &Method) -> Result<(Response<()>, Framing, Seen), ExchangeError> {
     let mut buf = BytesMut::from(raw.as_bytes());
-    let mut resp = take_head(&mut buf, &mut HeaderMap::new())?.expect("complete head");
-    let f = framing(method, &mut resp)?;
-    Ok((resp, f))
+    let (mut resp, seen) = take_head(&mut buf, &mut HeaderMap::new())?.expect("complete head");
+    let f = framing(method, &mut resp, seen)?;
+    Ok((resp, f, seen))
 }
 
 #[test]
@@ -208,7 +212,7 @@ fn header_values_are_taken_only_as_http_allows_them() {
         assert!(head(bad).is_err(), "{bad:?} was taken");
     }
     // Tabs, spaces and obs-text pass through byte for byte.
-    let resp = head(b"a\tb c\xe9").unwrap().expect("complete head");
+    let (resp, _) = head(b"a\tb c\xe9").unwrap().expect("complete head");
     let value = &resp.headers()["x-v"];
     assert_eq!(value.as_bytes(), b"a\tb c\xe9");
     assert_eq!(value, &HeaderValue::from_bytes(b"a\tb c\xe9").unwrap());
@@ -293,8 +297,8 @@ fn framing_follows_rfc_9112() {
 #[test]
 fn keep_alive_rules() {
     let ka = |raw: &str| {
-        let (resp, f) = parsed(raw, &Method::GET).unwrap();
-        keeps_alive(&resp, f)
+        let (resp, f, seen) = parsed_seen(raw, &Method::GET).unwrap();
+        keeps_alive(&resp, f, seen)
     };
     assert!(ka("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"));
     assert!(ka(
@@ -308,6 +312,39 @@ fn keep_alive_rules() {
     ));
     assert!(!ka("HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n"));
     assert!(!ka("HTTP/1.1 200 OK\r\n\r\n"));
+    assert!(!ka(
+        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: keep-alive\r\nConnection: close\r\n\r\n"
+    ));
+    assert!(ka(
+        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nConnection: Upgrade\r\n\r\n"
+    ));
+}
+
+/// The fields that only say how this hop's connection goes on are read,
+/// not kept: the forwarding would remove them. Any other `Connection`
+/// stays, for the hop-by-hop pass to read the names it lists.
+#[test]
+fn connection_fields_of_this_hop_stay_out_of_the_map() {
+    let (resp, f) = parsed(
+        "HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\nx-a: 1\r\ncontent-length: 2\r\n\r\n",
+        &Method::GET,
+    )
+    .unwrap();
+    assert_eq!(f, Framing::Length(2));
+    let names: Vec<&str> = resp.headers().keys().map(|k| k.as_str()).collect();
+    assert_eq!(names, ["x-a", "content-length"]);
+    let (resp, _) = parsed(
+        "HTTP/1.1 200 OK\r\nConnection: close\r\ncontent-length: 0\r\n\r\n",
+        &Method::GET,
+    )
+    .unwrap();
+    assert!(!resp.headers().contains_key(header::CONNECTION));
+    let (resp, _) = parsed(
+        "HTTP/1.1 200 OK\r\nConnection: keep-alive, x-b\r\nx-b: 2\r\ncontent-length: 0\r\n\r\n",
+        &Method::GET,
+    )
+    .unwrap();
+    assert_eq!(resp.headers()[header::CONNECTION], "keep-alive, x-b");
 }
 
 #[test]
@@ -319,7 +356,7 @@ fn every_field_up_to_the_limit_keeps_its_name_and_value() {
         }
         raw + "\r\n"
     };
-    let resp = take_head(
+    let (resp, _) = take_head(
         &mut BytesMut::from(head(MAX_HEADERS).as_bytes()),
         &mut HeaderMap::new(),
     )
