@@ -85,6 +85,7 @@ pub async fn check(
         body: Body::empty(),
         affinity: None,
         own_host: false,
+        upgrade: false,
     };
     let params = matchit::Params::new();
     let answer = pool.send(out, &params, auth.timeout, None);

@@ -53,6 +53,7 @@ fn outgoing(pool: &UpstreamPool, c: Callout, streamed: Option<Body>) -> Result<O
         body,
         affinity: None,
         own_host: true,
+        upgrade: false,
     })
 }
 

@@ -31,6 +31,7 @@ impl Collector for UpstreamPool {
             body: Body::full(body),
             affinity: None,
             own_host: false,
+            upgrade: false,
         };
         Box::pin(self.side_request(out))
     }

@@ -109,6 +109,7 @@ impl Mirror {
                 body,
                 affinity: None,
                 own_host: false,
+                upgrade: false,
             };
             if let Err(error) = pool.side_request(out).await {
                 tracing::debug!(upstream = %pool.spec.name, %error, "mirrored request failed");

@@ -92,6 +92,11 @@ pub struct Outgoing {
     /// names its own, as Envoy sends a call's `:authority`), instead of
     /// the endpoint's or the client's: one `Host` goes either way.
     pub own_host: bool,
+    /// Whether it is a WebSocket upgrade its route lets through (its
+    /// `Connection: upgrade` and `Upgrade` kept): it then goes by hyper,
+    /// which hands over the upgraded connection. Known where the request
+    /// was shaped, so the send need not look the headers up again.
+    pub upgrade: bool,
 }
 
 fn idempotent(m: &Method) -> bool {

@@ -59,8 +59,8 @@ impl UpstreamPool {
             mut body,
             affinity,
             own_host,
+            upgrade,
         } = out;
-        let upgrade = headers::is_websocket_upgrade(&headers);
         let bodiless = http_body::Body::is_end_stream(&body);
         // A small body of known length is read now: the request is then
         // whole in hand (one write, and sendable again).

@@ -104,8 +104,12 @@ impl Pipeline {
             return Answered::Ready((r, forward::Held::default()));
         }
         let (mut parts, body) = resp.into_parts();
-        // Before the hop-by-hop pass takes Transfer-Encoding.
-        forward::single_content_length(&mut parts.headers);
+        // Before the hop-by-hop pass takes Transfer-Encoding. The own
+        // HTTP/1.1 reader's answers have one plain length at most already
+        // (`forward::h1`'s framing), and skip the two lookups.
+        if !matches!(body, Body::Upstream { .. }) {
+            forward::single_content_length(&mut parts.headers);
+        }
         let _ = forward::remove_hop_by_hop(&mut parts.headers, false);
         let mut body = body;
         if let Some(ctx) = f.plugins.as_mut() {
@@ -246,6 +250,7 @@ impl Pipeline {
             body: Body::empty(),
             affinity,
             own_host,
+            upgrade,
         };
         Ok((out, (set_cookie, client_upgrade)))
     }

@@ -77,6 +77,7 @@ pub(super) fn needs_zero_length(m: &Method) -> bool {
 pub(super) fn take_head(
     buf: &mut BytesMut,
     spare: &mut HeaderMap,
+    names: &mut Names,
 ) -> Result<Option<(Response<()>, Seen)>, ExchangeError> {
     // Left uninitialized: 128 fields and their spans are 6 KiB, and writing
     // them all out for every response (~6 fields) cost more than parsing.
@@ -128,7 +129,7 @@ pub(super) fn take_head(
     *headers = std::mem::take(spare);
     headers.reserve(n);
     let mut seen = Seen::default();
-    for span in &spans[..n] {
+    for (i, span) in spans[..n].iter().enumerate() {
         // SAFETY: the loop above wrote the first `n` spans.
         let [ns, nl, vs, vl] = unsafe { span.assume_init() }.map(|x| x as usize);
         // `Connection: keep-alive` (or `close`) and `Keep-Alive` say only
@@ -152,7 +153,7 @@ pub(super) fn take_head(
                 seen.connection = true;
             }
         }
-        let name = HeaderName::from_bytes(&head[ns..ns + nl]).map_err(|_| {
+        let name = names.name(i, &head[ns..ns + nl]).map_err(|_| {
             ExchangeError::Failed(format!(
                 "invalid header name `{}` in the response",
                 String::from_utf8_lossy(&head[ns..ns + nl])
@@ -164,11 +165,55 @@ pub(super) fn take_head(
         // default parser config. hyper relies on the same for its heads;
         // checking every byte again cost 3% of a forwarded request.
         let value = unsafe { HeaderValue::from_maybe_shared_unchecked(head.slice(vs..vs + vl)) };
-        seen.length |= name == header::CONTENT_LENGTH;
+        if name == header::CONTENT_LENGTH {
+            // The usual single plain value is read here; anything else
+            // (two fields, `42, 42`) goes the long way in `framing`.
+            seen.plain = match seen.length {
+                false => plain_length(&head[vs..vs + vl]),
+                true => None,
+            };
+            seen.length = true;
+        }
         seen.coding |= name == header::TRANSFER_ENCODING;
         headers.append(name, value);
     }
     Ok(Some((resp, seen)))
+}
+
+/// The field names of the last response head on a connection, as the
+/// upstream spelled them and as parsed. A server sends the same fields in
+/// the same order on every answer, so a name found at its place is taken
+/// from here instead of parsed again (`HeaderName::from_bytes` lowers and
+/// matches every name, and allocates a name it does not know: ~100-150
+/// instructions a field). Bounded: a connection keeps at most
+/// [`NAMES_KEPT`], a few hundred bytes.
+#[derive(Debug, Default)]
+pub(super) struct Names(Vec<(Box<[u8]>, HeaderName)>);
+
+/// The most field names a connection keeps.
+const NAMES_KEPT: usize = 16;
+
+impl Names {
+    /// The parsed name of the head's field `i`, spelled `raw`.
+    fn name(
+        &mut self,
+        i: usize,
+        raw: &[u8],
+    ) -> Result<HeaderName, http::header::InvalidHeaderName> {
+        if let Some((spelled, name)) = self.0.get(i)
+            && **spelled == *raw
+        {
+            return Ok(name.clone());
+        }
+        let name = HeaderName::from_bytes(raw)?;
+        let kept = self.0.len();
+        if i < kept {
+            self.0[i] = (raw.into(), name.clone());
+        } else if i == kept && i < NAMES_KEPT {
+            self.0.push((raw.into(), name.clone()));
+        }
+        Ok(name)
+    }
 }
 
 /// What [`take_head`] saw of the fields that frame the body and say
@@ -177,6 +222,8 @@ pub(super) fn take_head(
 pub(super) struct Seen {
     /// A `Content-Length` field.
     length: bool,
+    /// Its value, when it is one field of digits only.
+    plain: Option<u64>,
     /// A `Transfer-Encoding` field.
     coding: bool,
     /// `Connection: close`, taken out of the map.
@@ -197,9 +244,22 @@ pub enum Framing {
     UntilClose,
 }
 
+/// A `Content-Length` value of digits only, as nearly every upstream
+/// writes it.
+fn plain_length(digits: &[u8]) -> Option<u64> {
+    (!digits.is_empty() && digits.len() <= 19 && digits.iter().all(u8::is_ascii_digit)).then(|| {
+        digits
+            .iter()
+            .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'))
+    })
+}
+
 /// The response's framing; also drops a `Content-Length` that a
-/// `Transfer-Encoding` overrides, so it cannot reach the client. `seen`:
-/// which framing fields the head has.
+/// `Transfer-Encoding` overrides, so it cannot reach the client, and
+/// leaves a repeated one (`42, 42`, or two fields) as one plain value, so
+/// the answer needs no more work on its framing fields
+/// ([`crate::forward::single_content_length`] is for other readers'
+/// answers). `seen`: which framing fields the head has.
 pub(super) fn framing(
     method: &Method,
     resp: &mut Response<()>,
@@ -240,10 +300,16 @@ pub(super) fn framing(
         });
     }
     if bodiless {
+        if seen.length && seen.plain.is_none() {
+            crate::forward::single_content_length(headers);
+        }
         return Ok(Framing::Length(0));
     }
     if !seen.length {
         return Ok(Framing::UntilClose);
+    }
+    if let Some(n) = seen.plain {
+        return Ok(Framing::Length(n));
     }
     let mut length = None;
     for value in headers.get_all(header::CONTENT_LENGTH) {
@@ -273,7 +339,10 @@ pub(super) fn framing(
         }
     }
     Ok(match length {
-        Some(n) => Framing::Length(n),
+        Some(n) => {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+            Framing::Length(n)
+        }
         None => Framing::UntilClose,
     })
 }

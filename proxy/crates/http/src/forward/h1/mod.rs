@@ -135,6 +135,8 @@ pub struct H1Conn {
     /// keeps each response's map for the connection's next request: the
     /// allocations go round instead of being made twice per request.
     spare: HeaderMap,
+    /// The last response head's field names, for the next.
+    names: head::Names,
     /// Its age and use, for the pool's reuse limits.
     pub worn: super::pool::Worn,
 }
@@ -164,6 +166,7 @@ impl H1Conn {
             head: Vec::new(),
             read_size: FIRST_READ,
             spare: HeaderMap::new(),
+            names: head::Names::default(),
             worn: super::pool::Worn::default(),
         })
     }
@@ -275,7 +278,9 @@ impl H1Conn {
         loop {
             if !self.buf.is_empty() {
                 received = true;
-                if let Some((mut resp, seen)) = take_head(&mut self.buf, &mut self.spare)? {
+                if let Some((mut resp, seen)) =
+                    take_head(&mut self.buf, &mut self.spare, &mut self.names)?
+                {
                     let status = resp.status();
                     // Interim answers (100 Continue, 103 Early Hints) come
                     // before the real one; the request went out whole, so

@@ -194,7 +194,8 @@ fn parsed(raw: &str, method: &Method) -> Result<(Response<()>, Framing), Exchang
 
 fn parsed_seen(raw: &str, method: &Method) -> Result<(Response<()>, Framing, Seen), ExchangeError> {
     let mut buf = BytesMut::from(raw.as_bytes());
-    let (mut resp, seen) = take_head(&mut buf, &mut HeaderMap::new())?.expect("complete head");
+    let (mut resp, seen) =
+        take_head(&mut buf, &mut HeaderMap::new(), &mut Names::default())?.expect("complete head");
     let f = framing(method, &mut resp, seen)?;
     Ok((resp, f, seen))
 }
@@ -205,7 +206,11 @@ fn header_values_are_taken_only_as_http_allows_them() {
         let mut raw = b"HTTP/1.1 200 OK\r\nx-v: ".to_vec();
         raw.extend_from_slice(value);
         raw.extend_from_slice(b"\r\ncontent-length: 0\r\n\r\n");
-        take_head(&mut BytesMut::from(&raw[..]), &mut HeaderMap::new())
+        take_head(
+            &mut BytesMut::from(&raw[..]),
+            &mut HeaderMap::new(),
+            &mut Names::default(),
+        )
     };
     // Control bytes and DEL never become a header value.
     for bad in [&b"a\x01b"[..], b"a\x7fb", b"a\x00b", b"a\rb"] {
@@ -359,6 +364,7 @@ fn every_field_up_to_the_limit_keeps_its_name_and_value() {
     let (resp, _) = take_head(
         &mut BytesMut::from(head(MAX_HEADERS).as_bytes()),
         &mut HeaderMap::new(),
+        &mut Names::default(),
     )
     .unwrap()
     .unwrap();
@@ -369,6 +375,7 @@ fn every_field_up_to_the_limit_keeps_its_name_and_value() {
     match take_head(
         &mut BytesMut::from(head(MAX_HEADERS + 1).as_bytes()),
         &mut HeaderMap::new(),
+        &mut Names::default(),
     ) {
         Err(ExchangeError::Failed(m)) => assert!(m.contains("more than"), "{m}"),
         other => panic!("expected a failure, got {other:?}"),
@@ -387,8 +394,102 @@ fn bad_heads_are_refused_with_a_reason() {
         take_head(
             &mut BytesMut::from(&b"HTTP/1.1 200 OK\r\nx: y\r\n"[..]),
             &mut HeaderMap::new(),
+            &mut Names::default(),
         )
         .unwrap()
         .is_none()
+    );
+}
+
+/// Names kept from one head serve the next where they are spelled the
+/// same, and a head that differs gets its own names, never a kept one.
+#[test]
+fn names_kept_from_one_head_serve_only_where_they_match() {
+    let mut names = Names::default();
+    let mut take = |raw: &str| {
+        let (resp, _) = take_head(
+            &mut BytesMut::from(raw.as_bytes()),
+            &mut HeaderMap::new(),
+            &mut names,
+        )
+        .unwrap()
+        .unwrap();
+        let fields: Vec<(String, String)> = resp
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.as_str().to_owned(), v.to_str().unwrap().to_owned()))
+            .collect();
+        fields
+    };
+    let first = take("HTTP/1.1 200 OK\r\nServer: a\r\nX-Custom: 1\r\ncontent-length: 0\r\n\r\n");
+    assert_eq!(
+        first,
+        [("server", "a"), ("x-custom", "1"), ("content-length", "0")]
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    );
+    let again = take("HTTP/1.1 200 OK\r\nServer: b\r\nX-Custom: 2\r\ncontent-length: 0\r\n\r\n");
+    assert_eq!(
+        again,
+        [("server", "b"), ("x-custom", "2"), ("content-length", "0")]
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    );
+    // Other names at the same places, and one more.
+    let other = take(
+        "HTTP/1.1 200 OK\r\nX-Other: 3\r\nServer: c\r\ncontent-length: 0\r\nx-last: 4\r\n\r\n",
+    );
+    assert_eq!(
+        other,
+        [
+            ("x-other", "3"),
+            ("server", "c"),
+            ("content-length", "0"),
+            ("x-last", "4")
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    );
+    // A name spelled in another case is parsed again, to the same name.
+    let cased = take("HTTP/1.1 200 OK\r\nx-OTHER: 5\r\n\r\n");
+    assert_eq!(cased, [("x-other".to_owned(), "5".to_owned())]);
+    // An invalid name is refused, kept names or not.
+    assert!(
+        take_head(
+            &mut BytesMut::from(&b"HTTP/1.1 200 OK\r\nx-other\x01: 5\r\n\r\n"[..]),
+            &mut HeaderMap::new(),
+            &mut names
+        )
+        .is_err()
+    );
+}
+
+/// A repeated length the reader accepts leaves as one plain value, with
+/// or without a body; a single plain one is read as it is.
+#[test]
+fn a_repeated_length_is_left_as_one_plain_value() {
+    for (raw, method, want) in [
+        ("content-length: 2, 2\r\n", Method::GET, Framing::Length(2)),
+        (
+            "content-length: 2\r\ncontent-length: 2\r\n",
+            Method::GET,
+            Framing::Length(2),
+        ),
+        ("content-length: 7, 7\r\n", Method::HEAD, Framing::Length(0)),
+        ("content-length: 2\r\n", Method::GET, Framing::Length(2)),
+    ] {
+        let (resp, f) = parsed(&format!("HTTP/1.1 200 OK\r\n{raw}\r\n"), &method).unwrap();
+        assert_eq!(f, want, "{raw:?}");
+        let lengths: Vec<_> = resp
+            .headers()
+            .get_all(header::CONTENT_LENGTH)
+            .iter()
+            .collect();
+        let plain = if method == Method::HEAD { "7" } else { "2" };
+        assert_eq!(lengths, [plain], "{raw:?}");
+    }
+    assert!(
+        parsed(
+            "HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n",
+            &Method::GET
+        )
+        .is_err()
     );
 }
