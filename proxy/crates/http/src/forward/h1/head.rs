@@ -78,7 +78,7 @@ pub(super) fn take_head(
     buf: &mut BytesMut,
     spare: &mut HeaderMap,
     names: &mut Names,
-) -> Result<Option<(Response<()>, Seen)>, ExchangeError> {
+) -> Result<Option<(Response<()>, HeadFields)>, ExchangeError> {
     // Left uninitialized: 128 fields and their spans are 6 KiB, and writing
     // them all out for every response (~6 fields) cost more than parsing.
     let mut fields = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
@@ -128,7 +128,7 @@ pub(super) fn take_head(
     let headers = resp.headers_mut();
     *headers = std::mem::take(spare);
     headers.reserve(n);
-    let mut seen = Seen::default();
+    let mut seen = HeadFields::default();
     for (i, span) in spans[..n].iter().enumerate() {
         // SAFETY: the loop above wrote the first `n` spans.
         let [ns, nl, vs, vl] = unsafe { span.assume_init() }.map(|x| x as usize);
@@ -219,7 +219,7 @@ impl Names {
 /// What [`take_head`] saw of the fields that frame the body and say
 /// whether the connection goes on, so neither needs a lookup after.
 #[derive(Debug, Clone, Copy, Default)]
-pub(super) struct Seen {
+pub(super) struct HeadFields {
     /// A `Content-Length` field.
     length: bool,
     /// Its value, when it is one field of digits only.
@@ -263,7 +263,7 @@ fn plain_length(digits: &[u8]) -> Option<u64> {
 pub(super) fn framing(
     method: &Method,
     resp: &mut Response<()>,
-    seen: Seen,
+    seen: HeadFields,
 ) -> Result<Framing, ExchangeError> {
     let status = resp.status();
     let bodiless = *method == Method::HEAD
@@ -314,11 +314,7 @@ pub(super) fn framing(
     let mut length = None;
     for value in headers.get_all(header::CONTENT_LENGTH) {
         // The usual value, digits only: no split, no trim.
-        let digits = value.as_bytes();
-        if !digits.is_empty() && digits.len() <= 19 && digits.iter().all(u8::is_ascii_digit) {
-            let n = digits
-                .iter()
-                .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+        if let Some(n) = plain_length(value.as_bytes()) {
             if length.is_some_and(|l| l != n) {
                 return Err(invalid_length(value));
             }
@@ -355,7 +351,7 @@ pub(super) fn invalid_length(v: &HeaderValue) -> ExchangeError {
 }
 
 /// Whether the connection may carry another request after this response.
-pub(super) fn keeps_alive(resp: &Response<()>, framing: Framing, seen: Seen) -> bool {
+pub(super) fn keeps_alive(resp: &Response<()>, framing: Framing, seen: HeadFields) -> bool {
     if framing == Framing::UntilClose || resp.version() != Version::HTTP_11 || seen.close {
         return false;
     }

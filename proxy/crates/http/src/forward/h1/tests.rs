@@ -192,7 +192,10 @@ fn parsed(raw: &str, method: &Method) -> Result<(Response<()>, Framing), Exchang
     parsed_seen(raw, method).map(|(resp, f, _)| (resp, f))
 }
 
-fn parsed_seen(raw: &str, method: &Method) -> Result<(Response<()>, Framing, Seen), ExchangeError> {
+fn parsed_seen(
+    raw: &str,
+    method: &Method,
+) -> Result<(Response<()>, Framing, HeadFields), ExchangeError> {
     let mut buf = BytesMut::from(raw.as_bytes());
     let (mut resp, seen) =
         take_head(&mut buf, &mut HeaderMap::new(), &mut Names::default())?.expect("complete head");
