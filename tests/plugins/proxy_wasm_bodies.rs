@@ -132,7 +132,8 @@ async fn redacted(addr: std::net::SocketAddr, path: &str, how: Option<&str>) -> 
             assert_eq!(n, bytes.len(), "content-length of {path} {how:?}");
         }
         let text = String::from_utf8_lossy(&bytes).into_owned();
-        if text.len() > 64 {
+        // A large body by its length; the proxy's JSON answers whole.
+        if text.len() > 64 && !text.starts_with('{') {
             format!("{} bytes", text.len())
         } else {
             text
@@ -149,6 +150,14 @@ async fn redacted(addr: std::net::SocketAddr, path: &str, how: Option<&str>) -> 
 }
 
 /// An answer cut off.
+/// The `error` of a JSON error answer's body.
+fn error_of(body: &str) -> &str {
+    body.split("\"error\":\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or(body)
+}
+
 fn cut() -> Redacted {
     Redacted {
         status: 0,
@@ -169,7 +178,17 @@ fn answer(status: u16, body: Option<&str>, body_was: Option<&str>) -> Redacted {
 pub(super) async fn a_filter_rewrites_a_response_body() {
     let (app, head_seen) = pieces().await;
     let dir = policy_dir(&bodies_policy(&app.url()), &["proxy-wasm-body"]);
-    let proxy = Proxy::start_dir(dir, &[]).await;
+    // A process, for its `/status`: a failing call drops its VM, and the
+    // next request on that worker fails (`plugin could not start`) until
+    // the fresh one is up; the status says when it is.
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    let ready = super::proxy_wasm_isolation::uses_ready(&proxy.status().await, "r");
+    assert_eq!(ready, 2, "a VM a worker, started before any request");
+    let vms_back = || {
+        proxy.wait_status("the fresh VM started", |s| {
+            super::proxy_wasm_isolation::uses_ready(s, "r") == ready
+        })
+    };
     // Streamed: the head went on without its length, the pieces were
     // kept until the last, and the whole body rewritten.
     let a = redacted(proxy.addr, "/r", Some("stream")).await;
@@ -197,13 +216,24 @@ pub(super) async fn a_filter_rewrites_a_response_body() {
     // yet and is answered with the failure, as Envoy answers it.
     for how in ["late-write", "late-read"] {
         assert_eq!(late(proxy.addr, how, &head_seen).await, cut(), "{how}");
+        vms_back().await;
         let a = redacted(proxy.addr, "/whole", Some(how)).await;
         assert_eq!(a.status, 500, "{how}: {a:?}");
+        assert_eq!(
+            a.body.as_deref().map(error_of),
+            Some("plugin failed"),
+            "{how}"
+        );
+        vms_back().await;
     }
     // Past the buffer limit with the head held: the proxy's 500, as
     // Envoy's; kept while streaming: the response cut off.
     let a = redacted(proxy.addr, "/big", Some("hold")).await;
     assert_eq!(a.status, 500, "{a:?}");
+    assert_eq!(
+        a.body.as_deref().map(error_of),
+        Some("response body too large for the route's plugin")
+    );
     let a = redacted(proxy.addr, "/big", Some("stream")).await;
     assert_eq!(a, cut());
     // A body as large passes a filter that does not keep it.
