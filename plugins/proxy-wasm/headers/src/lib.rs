@@ -66,6 +66,7 @@ impl RootContext for Root {
             vm: self.vm.clone(),
             root: self.root.clone(),
             reset_response: false,
+            read_request_late: false,
         }))
     }
 
@@ -79,6 +80,9 @@ struct Filter {
     vm: String,
     root: String,
     reset_response: bool,
+    /// Whether to read the request head while the response passes (asked
+    /// with `x-read-request-late`; Envoy refuses that read, see below).
+    read_request_late: bool,
 }
 
 impl Context for Filter {}
@@ -120,6 +124,7 @@ impl HttpContext for Filter {
             Some("response") => self.reset_response = true,
             _ => {}
         }
+        self.read_request_late = self.get_http_request_header("x-read-request-late").is_some();
         if let Some(name) = self.get_http_request_header("x-foreign") {
             self.foreign(&name);
         }
@@ -174,6 +179,16 @@ impl HttpContext for Filter {
         self.set_http_response_header("x-pw-status", Some(&status));
         let count = self.get_http_response_headers().len();
         self.set_http_response_header("x-pw-response-fields", Some(&count.to_string()));
+        // The request as it was forwarded, read while the response passes:
+        // the filter's own edit, a field it removed, one the proxy added.
+        // Envoy 1.40 lets go of the request head once its callback has
+        // continued, and this read fails there (the SDK then panics).
+        if self.read_request_late {
+            let saw = ["x-pw-tag", "x-remove-me", "x-forwarded-proto"]
+                .map(|name| self.get_http_request_header(name).unwrap_or_else(|| "-".into()))
+                .join(" ");
+            self.set_http_response_header("x-pw-request-saw", Some(&saw));
+        }
         Action::Continue
     }
 

@@ -88,7 +88,7 @@ pub async fn check(
         upgrade: false,
     };
     let params = matchit::Params::new();
-    let answer = pool.send(out, &params, auth.timeout, None);
+    let answer = pool.send(out, &params, auth.timeout, None, None);
     // Counted in the auth service's upstream metrics as forwarded
     // requests are in theirs.
     let asked_at = std::time::Instant::now();

@@ -72,15 +72,18 @@ pub async fn send(pool: &UpstreamPool, c: Callout) -> CalloutAnswer {
     let params = matchit::Params::new();
     let asked = Instant::now();
     let whole = async {
-        let (resp, held) = pool.send(out, &params, timeout, None).await.map_err(|e| {
-            let why = e.upstream_error();
-            if let Some(why) = why {
-                pool.stats.failed(why);
-            }
-            // The pool's own response timeout is the callout's.
-            let timed_out = why == Some(portcullis_obs::metrics::UpstreamError::Timeout);
-            (timed_out, e.to_string())
-        })?;
+        let (resp, held) = pool
+            .send(out, &params, timeout, None, None)
+            .await
+            .map_err(|e| {
+                let why = e.upstream_error();
+                if let Some(why) = why {
+                    pool.stats.failed(why);
+                }
+                // The pool's own response timeout is the callout's.
+                let timed_out = why == Some(portcullis_obs::metrics::UpstreamError::Timeout);
+                (timed_out, e.to_string())
+            })?;
         pool.stats.record(resp.status().as_u16(), asked.elapsed());
         let (parts, body) = resp.into_parts();
         let whole = http_body_util::Limited::new(body, MAX_CALLOUT_BODY)
@@ -132,7 +135,7 @@ pub async fn stream(
     let params = matchit::Params::new();
     let asked = Instant::now();
     let (resp, held) =
-        match tokio::time::timeout(timeout, pool.send(out, &params, timeout, None)).await {
+        match tokio::time::timeout(timeout, pool.send(out, &params, timeout, None, None)).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(e)) => {
                 let why = e.upstream_error();

@@ -158,6 +158,6 @@ impl<'a> PendingBody<'a> {
                 }
             }
         }
-        Step::Done(finish(self.chain, progress, headers))
+        Step::Done(finish(self.chain, progress))
     }
 }

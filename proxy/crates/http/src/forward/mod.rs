@@ -334,7 +334,7 @@ impl UpstreamPool {
         let params = matchit::Params::new();
         let exchange = async {
             let (resp, held) = self
-                .send(out, &params, timeout, None)
+                .send(out, &params, timeout, None, None)
                 .await
                 .map_err(|e| e.to_string())?;
             let status = resp.status();

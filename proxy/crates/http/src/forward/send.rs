@@ -14,13 +14,15 @@ impl UpstreamPool {
     /// so any method and body may go again (as nginx's and Envoy's connect
     /// failure retries do); the endpoint is ejected for `eject_for`. A
     /// request that a stale pooled connection gave back unsent is always
-    /// sent again on a new connection.
+    /// sent again on a new connection. With `kept`, the request's head
+    /// is left there, on every outcome.
     pub async fn send(
         &self,
         out: Outgoing,
         params: &matchit::Params<'_, '_>,
         timeout: Duration,
         client: Option<ClientSocket>,
+        kept: Option<&mut HeaderMap>,
     ) -> Result<(Response<Body>, Held), ForwardError> {
         // Before anything is read or dialled: a request over the cap
         // costs the upstream nothing.
@@ -55,12 +57,23 @@ impl UpstreamPool {
         let Outgoing {
             method,
             path,
-            mut headers,
+            headers: mut owned,
             mut body,
             affinity,
             own_host,
             upgrade,
         } = out;
+        // The head stays in `kept`, when given, whatever the outcome: a
+        // plugin's response hooks read the request as it was forwarded,
+        // also on the proxy's own error answer, without a copy per request.
+        let keeping = kept.is_some();
+        let headers: &mut HeaderMap = match kept {
+            Some(kept) => {
+                *kept = owned;
+                kept
+            }
+            None => &mut owned,
+        };
         let bodiless = http_body::Body::is_end_stream(&body);
         // A small body of known length is read now: the request is then
         // whole in hand (one write, and sendable again).
@@ -179,12 +192,6 @@ impl UpstreamPool {
                     Dest::Fixed(i, ep)
                 };
                 let last_attempt = attempt + 1 == attempts;
-                // Keep a copy of the head only while a retry is still possible.
-                let mut hdrs = if last_attempt {
-                    std::mem::take(&mut headers)
-                } else {
-                    headers.clone()
-                };
                 let host = (!self.spec.preserve_host && !own_host && version == Version::HTTP_11)
                     .then_some(&ep.host_header);
                 // Only least-requests reads the counts; other policies skip
@@ -225,7 +232,7 @@ impl UpstreamPool {
                                     prefix,
                                     path.as_str(),
                                     host,
-                                    &hdrs,
+                                    &*headers,
                                     payload.as_deref(),
                                     timer.as_mut(),
                                 )
@@ -252,7 +259,11 @@ impl UpstreamPool {
                                     continue 'attempts;
                                 }
                                 Ok((resp, framing, keep_alive)) => {
-                                    conn.recycle(std::mem::take(&mut hdrs));
+                                    // The head's map serves the next
+                                    // response's, unless the caller keeps it.
+                                    if !keeping {
+                                        conn.recycle(std::mem::take(headers));
+                                    }
                                     let home = keep_alive.then_some(slot);
                                     let body = H1Body::new(conn, framing, home);
                                     let resp = resp.map(|()| Body::Upstream { inner: body });
@@ -306,7 +317,13 @@ impl UpstreamPool {
                             *r.method_mut() = method.clone();
                             *r.uri_mut() = Self::uri(ep, &path, version)?;
                             *r.version_mut() = version;
-                            *r.headers_mut() = std::mem::take(&mut hdrs);
+                            // hyper takes the map: a copy while a retry
+                            // may need it or the caller keeps it.
+                            *r.headers_mut() = if last_attempt && !keeping {
+                                std::mem::take(headers)
+                            } else {
+                                headers.clone()
+                            };
                             match host {
                                 Some(host) => {
                                     r.headers_mut().insert(http::header::HOST, host.clone());

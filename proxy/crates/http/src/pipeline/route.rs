@@ -126,7 +126,8 @@ impl Pipeline {
         let watch = watchable(conn, f.asked.2);
         // For the upstream's time to answer, in its metrics and the log.
         let asked = Instant::now();
-        let sent = pool.send(out, &routed.params, timeout, watch).await;
+        let kept = f.plugins.as_mut().and_then(|c| c.request_headers_slot());
+        let sent = pool.send(out, &routed.params, timeout, watch, kept).await;
         match self.upstream_answer(&routed, pool, f, sent, (extra, asked)) {
             Answered::Ready(answer) => answer,
             // Boxed: only a plugin holding the head pays for this future.
