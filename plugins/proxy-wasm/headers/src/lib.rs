@@ -124,7 +124,9 @@ impl HttpContext for Filter {
             Some("response") => self.reset_response = true,
             _ => {}
         }
-        self.read_request_late = self.get_http_request_header("x-read-request-late").is_some();
+        self.read_request_late = self
+            .get_http_request_header("x-read-request-late")
+            .is_some();
         if let Some(name) = self.get_http_request_header("x-foreign") {
             self.foreign(&name);
         }
@@ -185,7 +187,10 @@ impl HttpContext for Filter {
         // continued, and this read fails there (the SDK then panics).
         if self.read_request_late {
             let saw = ["x-pw-tag", "x-remove-me", "x-forwarded-proto"]
-                .map(|name| self.get_http_request_header(name).unwrap_or_else(|| "-".into()))
+                .map(|name| {
+                    self.get_http_request_header(name)
+                        .unwrap_or_else(|| "-".into())
+                })
                 .join(" ");
             self.set_http_response_header("x-pw-request-saw", Some(&saw));
         }
