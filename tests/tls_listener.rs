@@ -556,6 +556,90 @@ async fn sessions_resume_from_tickets_beyond_the_server_cache() {
     assert!(resumed(browser).await);
 }
 
+/// A reload keeps what a listener's clients resume from, as the listener
+/// owns it: a session resumes across a reload that leaves the listener's
+/// TLS alone and across one that swaps its certificate for other files,
+/// by a TLS 1.3 ticket and by a TLS 1.2 session ID (the session cache);
+/// a reload that changes its client-certificate rules starts afresh.
+#[tokio::test]
+async fn sessions_resume_across_reloads_that_keep_the_listeners_tls() {
+    let pki = TestPki::new();
+    let echo = upstream::echo("svc").await;
+    let dir = policies(&pki, &echo.url(), "");
+    let proxy = start(&dir).await;
+    let tls13 = tls::connector(&pki.ca_pem, &[b"http/1.1"], None);
+    let tls12 = tls::connector_tls12_session_ids(&pki.ca_pem);
+    let resumed = |client: tokio_rustls::TlsConnector| async move {
+        tls::get_resumed(proxy.addr, "localhost", &client)
+            .await
+            .unwrap()
+    };
+    for client in [&tls13, &tls12] {
+        assert!(!resumed(client.clone()).await);
+        assert!(resumed(client.clone()).await, "before any reload");
+    }
+    let reload = |generation: u64, text: String| {
+        let policy = dir.path().join("policy.yaml");
+        let tmp = dir.path().join(".policy.yaml.tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &policy).unwrap();
+        proxy.wait_status("the reload applied", move |s| {
+            s["config"]["generation"] == generation
+        })
+    };
+    let policy = std::fs::read_to_string(dir.path().join("policy.yaml")).unwrap();
+    // Routes only.
+    let more = format!(
+        "{policy}  - {{ name: local, match: {{ path: /local }}, respond: {{ status: 204 }} }}\n"
+    );
+    let more = more.replace(
+        "routes: [{ name: any, match: { path_prefix: / }, upstream: svc }]\n",
+        "routes:\n  - { name: any, match: { path_prefix: / }, upstream: svc }\n",
+    );
+    reload(2, more.clone()).await;
+    for (client, what) in [(&tls13, "TLS 1.3 ticket"), (&tls12, "TLS 1.2 session ID")] {
+        assert!(
+            resumed(client.clone()).await,
+            "{what} after a routes-only reload"
+        );
+    }
+    // Another certificate, in other files.
+    let renewed = pki.renewed(&["localhost"]);
+    std::fs::write(dir.path().join("renewed.crt"), &renewed.leaf_pem).unwrap();
+    std::fs::write(dir.path().join("renewed.key"), &renewed.leaf_key_pem).unwrap();
+    let swapped = more.replace(
+        "cert: tls.crt, key: tls.key",
+        "cert: renewed.crt, key: renewed.key",
+    );
+    reload(3, swapped.clone()).await;
+    let served = tls::server_certificate(proxy.addr, "localhost", &pki.ca_pem)
+        .await
+        .unwrap();
+    assert_eq!(
+        served,
+        renewed.leaf_chain[0].to_vec(),
+        "the swapped certificate"
+    );
+    for (client, what) in [(&tls13, "TLS 1.3 ticket"), (&tls12, "TLS 1.2 session ID")] {
+        assert!(
+            resumed(client.clone()).await,
+            "{what} after a certificate swap"
+        );
+    }
+    // Client certificates asked for: other rules, nothing resumes.
+    let asking = swapped.replace(
+        "key: renewed.key",
+        "key: renewed.key, client_ca: ca.crt, client_auth: optional",
+    );
+    reload(4, asking).await;
+    for (client, what) in [(&tls13, "TLS 1.3 ticket"), (&tls12, "TLS 1.2 session ID")] {
+        assert!(
+            !resumed(client.clone()).await,
+            "{what} after the client-certificate rules changed"
+        );
+    }
+}
+
 /// A client that leaves an HTTPS request while the upstream works is
 /// noticed as on cleartext, though the close_notify alert it sends
 /// before its FIN is unread bytes to a peek: the upstream connection is

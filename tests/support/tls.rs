@@ -221,6 +221,21 @@ pub fn connector(
     tokio_rustls::TlsConnector::from(Arc::new(config))
 }
 
+/// A TLS 1.2 client offering HTTP/1.1 that resumes by session ID only,
+/// never by ticket: what only the server's session cache can resume.
+pub fn connector_tls12_session_ids(ca_pem: &str) -> tokio_rustls::TlsConnector {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS12])
+        .expect("versions")
+        .with_root_certificates(roots(ca_pem))
+        .with_no_client_auth();
+    config.resumption = rustls::client::Resumption::in_memory_sessions(32)
+        .tls12_resumption(rustls::client::Tls12Resumption::SessionIdOnly);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
 /// A `Connection: close` GET of `/` on a new connection made with
 /// `connector`, read to the end (so a TLS 1.3 server's session tickets,
 /// sent after the handshake, are taken in): whether the handshake resumed

@@ -43,12 +43,19 @@ pub struct Listener {
     pub defined_at: Pos,
 }
 
-/// A listener's TLS: its certificate (read again when the files change)
-/// and whether clients must present one.
+/// A listener's TLS settings: its certificates (read again when the files
+/// change), whether clients must present one, its ticket keys. Data: the
+/// listener makes its live handshake from them and keeps what handshakes
+/// build up across reloads (`portcullis_net::tls_live`).
 #[derive(Clone)]
 pub struct ListenerTls {
-    /// The handshake, ready to run.
-    pub acceptor: tokio_rustls::TlsAcceptor,
+    /// The handshake's settings, without the session cache and (unless
+    /// `keyed`) the ticket key, which are the listener's.
+    pub template: Arc<rustls::ServerConfig>,
+    /// Whether its ticket keys come from files (`session_ticket_keys`).
+    pub keyed: bool,
+    /// The certificate files (cert, key), in order.
+    pub pairs: Vec<(PathBuf, PathBuf)>,
     /// The certificate file, for logs.
     pub cert: PathBuf,
     /// The certificates served, for their expiry.
@@ -59,6 +66,16 @@ pub struct ListenerTls {
     /// certificates, which are reread at handshakes), for the config's
     /// fingerprint.
     pub material: [u8; 32],
+}
+
+impl ListenerTls {
+    /// What a reload compares to keep the listener's sessions.
+    pub fn source(&self) -> portcullis_net::tls_live::TlsSource {
+        portcullis_net::tls_live::TlsSource {
+            rules: self.material,
+            pairs: self.pairs.clone(),
+        }
+    }
 }
 
 /// Whether a listener asks for client certificates (`client_ca`), and

@@ -34,6 +34,7 @@ pub mod sockets;
 pub mod ticket_keys;
 pub mod tls_errors;
 pub mod tls_listen;
+pub mod tls_live;
 pub mod unparsed_head;
 pub mod worker_beat;
 pub mod worker_idle;

@@ -33,9 +33,10 @@ pub struct ClientAuth {
 }
 
 /// A TLS acceptor serving the pair in `cert` and `key` (read again when
-/// they change), offering `alpn`. With `client_auth`, clients present a
-/// certificate that chains to one of its roots (mutual TLS). An error
-/// names the file and the problem.
+/// they change), offering `alpn`, with a session cache and ticket key of
+/// its own. With `client_auth`, clients present a certificate that chains
+/// to one of its roots (mutual TLS). An error names the file and the
+/// problem.
 pub fn acceptor(
     cert: &Path,
     key: &Path,
@@ -43,34 +44,46 @@ pub fn acceptor(
     alpn: &[&[u8]],
 ) -> Result<TlsAcceptor, String> {
     let files = crate::cert_files::CertFiles::load(cert.to_path_buf(), key.to_path_buf())?;
-    build(Arc::new(files), client_auth, None, alpn)
+    let template = Arc::new(server_config(Arc::new(files), client_auth, alpn)?);
+    Ok(crate::tls_live::LiveTls::fresh(&template, false).acceptor)
 }
 
-/// [`acceptor`] with several pairs, chosen by the name the client asks
-/// for (SNI); the first is the default.
+/// The settings of a listener with several pairs, chosen by the name the
+/// client asks for (SNI; the first is the default): a template the
+/// listener makes its live TLS from ([`crate::tls_live::LiveTls`]), with
+/// `tickets` (keys from files) when given, else none yet: the listener
+/// adds its own ticket key and session cache.
 /// The certificates come back too, for their expiry in `/status` and
 /// `/metrics`.
-pub fn acceptor_by_name(
+pub fn template_by_name(
     pairs: &[(PathBuf, PathBuf)],
     client_auth: Option<ClientAuth>,
     tickets: Option<Arc<dyn rustls::server::ProducesTickets>>,
     alpn: &[&[u8]],
-) -> Result<(TlsAcceptor, Arc<crate::cert_files::ByServerName>), String> {
+) -> Result<
+    (
+        Arc<rustls::ServerConfig>,
+        Arc<crate::cert_files::ByServerName>,
+    ),
+    String,
+> {
     let files = pairs
         .iter()
         .map(|(cert, key)| crate::cert_files::CertFiles::load(cert.clone(), key.clone()))
         .collect::<Result<Vec<_>, _>>()?;
     let certificates = Arc::new(crate::cert_files::ByServerName(files));
-    let acceptor = build(certificates.clone(), client_auth, tickets, alpn)?;
-    Ok((acceptor, certificates))
+    let mut config = server_config(certificates.clone(), client_auth, alpn)?;
+    if let Some(tickets) = tickets {
+        config.ticketer = tickets;
+    }
+    Ok((Arc::new(config), certificates))
 }
 
-fn build(
+fn server_config(
     certificates: Arc<dyn rustls::server::ResolvesServerCert>,
     client_auth: Option<ClientAuth>,
-    tickets: Option<Arc<dyn rustls::server::ProducesTickets>>,
     alpn: &[&[u8]],
-) -> Result<TlsAcceptor, String> {
+) -> Result<rustls::ServerConfig, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
@@ -99,21 +112,7 @@ fn build(
     };
     let mut config = builder.with_cert_resolver(certificates);
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    // Stateless session tickets, on by default in nginx and Envoy: without
-    // them resumption rests on rustls' in-memory cache of 256 sessions,
-    // which a few hundred clients (TLS 1.3 stores two per handshake)
-    // cycle through, and each client past it pays a full handshake. By
-    // default the ticket key is this listener's own (a ticket never
-    // resumes on a listener with other client-certificate rules) and
-    // rotates every 6 hours; a reload or restart makes a new one, as in
-    // nginx without `ssl_session_ticket_key`.
-    config.ticketer = match tickets {
-        // Keys from files (`session_ticket_keys`), shared with replicas;
-        // the listener's rules are bound into each ticket instead.
-        Some(tickets) => tickets,
-        None => rustls::crypto::ring::Ticketer::new().map_err(|e| e.to_string())?,
-    };
-    Ok(TlsAcceptor::from(Arc::new(config)))
+    Ok(config)
 }
 
 /// Why a connection was closed before HTTP.

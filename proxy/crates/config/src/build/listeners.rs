@@ -215,16 +215,19 @@ pub(super) fn listener_tls(
             }
         }
     };
-    let acceptor = portcullis_net::tls_listen::acceptor_by_name(
+    let keyed = tickets.is_some();
+    let template = portcullis_net::tls_listen::template_by_name(
         &paths,
         client_auth,
         tickets,
         portcullis_net::tls_listen::HTTP_ALPN,
     );
-    match acceptor {
-        Ok((acceptor, certificates)) if !paths.is_empty() => Some(ListenerTls {
-            acceptor,
+    match template {
+        Ok((template, certificates)) if !paths.is_empty() => Some(ListenerTls {
+            template,
+            keyed,
             cert: paths[0].0.clone(),
+            pairs: paths,
             certificates,
             client_auth: mode,
             material,

@@ -101,6 +101,9 @@ pub struct ListenerSettings {
     /// stay counted against the old one until they close.
     limit: Arc<Semaphore>,
     builder: Arc<h1_or_h2::Builder>,
+    /// The handshake of an HTTPS listener, with the session cache and
+    /// ticket key it keeps across reloads that leave its TLS rules alone.
+    tls: Option<portcullis_net::tls_live::LiveTls>,
 }
 
 impl ListenerSettings {
@@ -109,10 +112,15 @@ impl ListenerSettings {
             Some(p) if p.spec.max_connections == spec.max_connections => p.limit.clone(),
             _ => Arc::new(Semaphore::new(spec.max_connections)),
         };
+        let tls = spec.tls.as_ref().map(|t| {
+            let kept = previous.and_then(|p| p.tls.as_ref());
+            portcullis_net::tls_live::LiveTls::carry(&t.template, t.keyed, t.source(), kept)
+        });
         ListenerSettings {
             builder: Arc::new(http_builder(spec)),
             spec: Arc::new(spec.clone()),
             limit,
+            tls,
         }
     }
 }

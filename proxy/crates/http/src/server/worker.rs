@@ -216,7 +216,7 @@ pub(super) async fn accept_loop(
     {
         let current = settings.load_full();
         let _ = stream.set_nodelay(true);
-        if !current.spec.proxy_protocol && current.spec.tls.is_none() {
+        if !current.spec.proxy_protocol && current.tls.is_none() {
             let socket = ClientSocket::of(&stream);
             serve_connection(
                 (stream, socket, None),
@@ -242,11 +242,7 @@ pub(super) async fn accept_loop(
             let how = crate::connection::Opening {
                 listener: &current.spec.name,
                 proxy_protocol: current.spec.proxy_protocol,
-                tls: current
-                    .spec
-                    .tls
-                    .as_ref()
-                    .map(|t| (&t.acceptor, PLAIN_ON_HTTPS)),
+                tls: current.tls.as_ref().map(|t| (&t.acceptor, PLAIN_ON_HTTPS)),
             };
             let limit = current.spec.header_read_timeout;
             let opened = crate::connection::open_accepted(stream, client, how, limit, &stop);
