@@ -11,18 +11,30 @@ use crate::support::{browser, client, closed_port, upstream};
 async fn the_status_page_shows_routes_upstreams_plugins_and_reloads() {
     let echo = upstream::echo("app").await;
     let down = format!("http://127.0.0.1:{}", closed_port());
+    // Takes every connection and fails every request: no connect fails,
+    // so only its answers tell.
+    let broken = upstream::serve(|_| async {
+        let mut resp = hyper::Response::new(upstream::full("down for everyone"));
+        *resp.status_mut() = hyper::StatusCode::SERVICE_UNAVAILABLE;
+        resp
+    })
+    .await;
     let proxy = ProxyProcess::start(
         &format!(
             r#"
 listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
 upstreams:
   - {{ name: app, endpoints: ["{}", "{down}"], eject_for: 60s }}
+  - {{ name: broken, endpoints: ["{}"] }}
 plugins: [{{ name: rules, path: "builtin:header-rules" }}, {{ name: rules-v2, path: "builtin:header-rules" }}]
 routes:
   - name: api
     match: {{ path_prefix: /api }}
     upstream: app
     plugins: [{{ use: rules, config: {{ response: {{ set: {{ x-seen: "yes" }} }} }} }}]
+  - name: down
+    match: {{ path: /down }}
+    upstream: broken
   - name: canary
     match: {{ path: /canary }}
     respond: {{ status: 204 }}
@@ -32,7 +44,8 @@ routes:
     respond: {{ status: 204 }}
     plugins: [{{ use: rules-v2, mode: shadow }}]
 "#,
-            echo.url()
+            echo.url(),
+            broken.url()
         ),
         &[],
     )
@@ -42,6 +55,9 @@ routes:
     for _ in 0..4 {
         let a = client::get(&proxy.url("/api/x")).await;
         assert!(a.status == 200 || a.status == 502, "{}", a.status);
+    }
+    for _ in 0..3 {
+        assert_eq!(client::get(&proxy.url("/down")).await.status, 503);
     }
     let status = proxy.status().await;
     assert_eq!(
@@ -89,6 +105,12 @@ routes:
     // The route's row, with its requests by status; the plugin's use,
     // with its calls (one per request that reached the chain).
     assert!(text.contains("api 200: "), "{text}");
+    // The upstream that fails every request is failing, not in rotation;
+    // the one that answers some is in rotation, with its failures shown.
+    let broken_row = format!("broken {} failing 3 / 3", broken.addr);
+    assert!(text.contains(&broken_row), "{text}");
+    let app_row = format!("app {} in rotation", echo.addr);
+    assert!(text.contains(&app_row), "{text}");
     let calls = status_calls(&proxy.status().await);
     assert!(calls >= 4, "{calls}");
     assert!(text.contains(&format!("rules api {calls}")), "{text}");
