@@ -20,9 +20,8 @@ use hyper::body::Incoming;
 
 use crate::reload::{Outcome, Reloader, Trigger};
 use portcullis_http::forward::UpstreamPool;
-use portcullis_obs::admin_http::{
-    Answer, json, method_not_allowed, metric, prometheus, serve_with,
-};
+use portcullis_obs::admin_answer::{Answer, json, method_not_allowed, metric, prometheus};
+use portcullis_obs::admin_http::serve_with;
 
 /// Binds the admin listener and serves it on the current runtime until the
 /// process ends.

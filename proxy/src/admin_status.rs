@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::reload::Reloader;
 use portcullis_http::forward::UpstreamPool;
-use portcullis_obs::admin_http::rfc3339;
+use portcullis_obs::admin_answer::rfc3339;
 
 /// The `/status` answer.
 pub fn status_json(reloader: &Reloader) -> serde_json::Value {

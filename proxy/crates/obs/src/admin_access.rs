@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use http::{HeaderMap, Method, StatusCode, header};
 use sha2::{Digest, Sha256};
 
-use crate::admin_http::{Answer, json};
+use crate::admin_answer::{Answer, json};
 
 /// The endpoints the token guards; `/metrics`, `/readyz` and the static
 /// status page stay open to the scraper and the kubelet.

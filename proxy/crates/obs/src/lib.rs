@@ -10,6 +10,7 @@
 pub mod access_line;
 pub mod access_log;
 pub mod admin_access;
+pub mod admin_answer;
 pub mod admin_http;
 pub mod metrics;
 pub mod otlp;

@@ -13,7 +13,7 @@ const PAGE: &str = include_str!("status_page.html");
 
 /// The page as an admin answer. Its policy lets it run its own script
 /// and talk to this listener only.
-pub fn answer() -> crate::admin_http::Answer {
+pub fn answer() -> crate::admin_answer::Answer {
     let mut resp = Response::new(Full::new(Bytes::from_static(PAGE.as_bytes())));
     let h = resp.headers_mut();
     h.insert(

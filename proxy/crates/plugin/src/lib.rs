@@ -70,18 +70,20 @@ pub use proxy_wasm::{
 pub mod rollout;
 pub mod seam;
 mod shadow;
+mod use_reports;
 
 pub use binding::Binding;
 use binding::*;
 pub use chains::{Chains, empty_head, empty_route, prepare};
 pub use facts::{RequestFacts, apply_edits, to_wit_headers};
 pub use host::{PluginHost, disk_cache_outcomes, forget_unused, host, use_disk_cache};
-pub use rollout::{Rollout, RolloutReport};
+pub use rollout::Rollout;
 pub use seam::{
     BodyVerdict, Callout, CalloutAnswer, Callouts, GrpcReply, Hooks, LocalAnswer, Noted, Plugin,
     RequestLent, ResponseLent, ResponseVerdict, Steer, Stream, StreamEvent, Verdict,
 };
-pub use shadow::{Shadow, ShadowReport};
+pub use shadow::Shadow;
+pub use use_reports::{RolloutReport, ShadowReport};
 
 /// How often the epoch advances; deadlines are whole ticks.
 const TICK: Duration = Duration::from_millis(1);

@@ -454,12 +454,12 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
     fn end(&self, _stream: Stream) {}
 
     /// A use in shadow mode: what it ran on and would have done.
-    fn shadow(&self) -> Option<crate::shadow::ShadowReport> {
+    fn shadow(&self) -> Option<crate::use_reports::ShadowReport> {
         None
     }
 
     /// A use rolled out to a candidate: where the rollout is.
-    fn rollout(&self) -> Option<crate::rollout::RolloutReport> {
+    fn rollout(&self) -> Option<crate::use_reports::RolloutReport> {
         None
     }
 }

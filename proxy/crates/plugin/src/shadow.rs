@@ -19,6 +19,7 @@ use crate::seam::{
     BodyVerdict, CalloutAnswer, Callouts, Hooks, LocalAnswer, Noted, Plugin, RequestLent,
     ResponseLent, ResponseVerdict, Steer, Stream, Verdict,
 };
+use crate::use_reports::ShadowReport;
 use crate::{PluginError, RequestFacts};
 
 /// Set in a stream once the use has decided whether a request is in its
@@ -48,24 +49,6 @@ struct Counts {
     timed_out: AtomicU64,
     /// Answers it would have made, by status (444: a reset).
     would_answer: Mutex<Vec<(u16, u64)>>,
-}
-
-/// A shadow use's counts, for `/status` and the metrics.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ShadowReport {
-    /// Its share of requests, 1-100.
-    pub percent: u32,
-    /// Requests it ran on.
-    pub ran: u64,
-    /// Requests in its share it left alone: it asked for a body it could
-    /// not be given without holding or refusing the request.
-    pub skipped: u64,
-    /// Calls that failed, and that ran out of time.
-    pub failed: u64,
-    pub timed_out: u64,
-    /// Answers it would have made, by status, the lowest first (444: it
-    /// would have reset the stream).
-    pub would_answer: Vec<(u16, u64)>,
 }
 
 impl Shadow {

@@ -5,7 +5,6 @@
 //! answer's headers and body readable as Envoy offers them (header map 6,
 //! buffer 4).
 
-use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -25,15 +24,6 @@ const MAX_BUFFERED_BODY: u32 = 1 << 20;
 
 /// The body of Envoy's answer to an HTTP call that reached no upstream.
 const UNREACHABLE: &[u8] = b"upstream connect error or disconnect/reset before headers";
-
-/// A context's callouts not yet answered, in the order made.
-#[derive(Default)]
-pub struct Waiting {
-    /// By token; the callout itself until it is handed to the driver.
-    calls: VecDeque<(u32, Option<Callout>)>,
-    /// The `:path` the filter set before it paused.
-    path: Option<String>,
-}
 
 /// Adds `proxy_http_call` to `linker`.
 pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
@@ -307,7 +297,7 @@ fn answer_on_home(
     filter.on_home(home, |vm, filter| {
         let call = vm.blank();
         let (call, result) = deliver(filter, vm, token, call, answer);
-        vm.root_calls(filter, call);
+        vm.root_calls(call);
         result
     });
 }

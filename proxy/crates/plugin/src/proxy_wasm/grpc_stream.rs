@@ -334,7 +334,7 @@ impl Told<'_> {
         let (call, result) = self
             .vm
             .grpc_callback(self.filter, export, (self.token, last), call);
-        self.vm.root_calls(self.filter, call);
+        self.vm.root_calls(call);
         result
     }
 }

@@ -12,6 +12,15 @@ use crate::PluginError;
 /// and gRPC calls, gRPC streams, Redis calls.
 mod answers;
 
+/// A context's callouts not yet answered, in the order made.
+#[derive(Default)]
+pub struct Waiting {
+    /// By token; the callout itself until it is handed to the driver.
+    pub(super) calls: std::collections::VecDeque<(u32, Option<crate::seam::Callout>)>,
+    /// The `:path` the filter set before it paused.
+    pub(super) path: Option<String>,
+}
+
 /// The root context's id; HTTP contexts count up from the next.
 pub(super) const ROOT: i32 = 1;
 
@@ -21,12 +30,14 @@ pub struct Vm {
     next: u32,
     /// Each HTTP context's callouts not yet answered, and the path it set
     /// before it paused for them.
-    pub waiting: std::collections::HashMap<u32, super::callout::Waiting>,
+    pub waiting: std::collections::HashMap<u32, Waiting>,
     /// The period its ticker runs at, if one does.
     pub ticking: Option<std::time::Duration>,
-    /// HTTP calls its root context made while it started, to send once it
-    /// is on its worker.
-    pub started_calls: Vec<(u32, crate::seam::Callout)>,
+    /// HTTP calls its root context made (as it started, or in a call
+    /// outside any request) not sent yet: its driver sends them once the
+    /// call is over, on the VM's worker ([`super::ProxyWasm::on_home`],
+    /// [`super::ProxyWasm::on_vm`]).
+    pub unsent_calls: Vec<(u32, crate::seam::Callout)>,
     /// Every export a VM calls, typed, with its parameter count, by
     /// [`Export`] (`None`: not exported): looked up by name once, when the
     /// VM starts, not on every call.
@@ -210,7 +221,7 @@ impl Vm {
             next: ROOT as u32 + 1,
             waiting: Default::default(),
             ticking: None,
-            started_calls: Vec::new(),
+            unsent_calls: Vec::new(),
             exports: called,
             spare: None,
             started: false,
@@ -223,7 +234,7 @@ impl Vm {
         // Started: calls from now on have the use's `timeout`.
         vm.store.data_mut().deadline.set_budget(filter.timeout);
         vm.started = true;
-        vm.started_calls = std::mem::take(&mut vm.store.data_mut().call.callouts);
+        vm.unsent_calls = std::mem::take(&mut vm.store.data_mut().call.callouts);
         Ok(vm)
     }
 
@@ -386,16 +397,14 @@ impl Vm {
         let blank = self.blank();
         let (call, result) = self.with_call(blank, |vm| vm.call(filter, name, args, 0));
         result?;
-        self.root_calls(filter, call);
+        self.root_calls(call);
         Ok(())
     }
 
-    /// Sends the HTTP calls a root context call left in `call`.
-    pub fn root_calls(&mut self, filter: &ProxyWasm, mut call: Box<Call>) {
-        if !call.callouts.is_empty() {
-            let calls = std::mem::take(&mut call.callouts);
-            super::callout::send_from_root(filter, &self.home(), calls);
-        }
+    /// Keeps the HTTP calls a root context call left in `call`, for the
+    /// driver to send ([`Vm::unsent_calls`]), and takes the call back.
+    pub fn root_calls(&mut self, mut call: Box<Call>) {
+        self.unsent_calls.append(&mut call.callouts);
         self.recycle(call);
     }
 

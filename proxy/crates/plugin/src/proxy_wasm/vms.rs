@@ -70,7 +70,14 @@ impl ProxyWasm {
         let Some(vm) = slot.as_mut().filter(|vm| vm.generation == home.generation) else {
             return;
         };
-        match f(vm, self) {
+        let result = f(vm, self);
+        // What the call asked for goes even if the call then failed, as
+        // it would have gone the moment it was made.
+        if !vm.unsent_calls.is_empty() {
+            let calls = std::mem::take(&mut vm.unsent_calls);
+            callout::send_from_root(self, &vm.home(), calls);
+        }
+        match result {
             Ok(()) => tick::keep_ticking(self, home.shard, vm),
             Err(e) => {
                 tracing::warn!(plugin = %self.name, error = %e, "proxy-wasm VM failed outside a request; a fresh one takes its place");
@@ -176,10 +183,10 @@ impl ProxyWasm {
                 message: "its VM on this worker is starting (again, after a failure)".into(),
             });
         };
-        if !vm.started_calls.is_empty() {
+        if !vm.unsent_calls.is_empty() {
             // The HTTP calls its start made (a key set fetched when
             // configured, say), sent now that it is on its worker.
-            let started = std::mem::take(&mut vm.started_calls);
+            let started = std::mem::take(&mut vm.unsent_calls);
             let home = vm.home();
             callout::send_from_root(self, &home, started);
         }

@@ -36,7 +36,9 @@ const PICKED: u64 = 1 << 62;
 const COUNTED: u64 = 1 << 61;
 
 use state::Outcome;
-pub use state::{OUTCOMES, RolloutReport, Spec, State, VERSIONS};
+pub use state::{OUTCOMES, Spec, State, VERSIONS};
+
+use crate::use_reports::RolloutReport;
 
 /// A use rolled out from `current` to `candidate`.
 #[derive(Debug)]

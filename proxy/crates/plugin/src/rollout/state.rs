@@ -1,6 +1,7 @@
 //! A rollout's state: its step, its judgement of each version's
 //! outcomes over its window, and its registry across reloads.
 
+use crate::use_reports::RolloutReport;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -253,22 +254,4 @@ impl State {
             }),
         }
     }
-}
-
-/// What a rollout is at, for `/status`, the status page and metrics.
-#[derive(Debug, Clone)]
-pub struct RolloutReport {
-    pub candidate: Arc<str>,
-    /// `rolling`, `holding` (its last step, under 100), `complete`,
-    /// `rolled_back`.
-    pub state: &'static str,
-    pub percent: u32,
-    pub steps: Vec<u32>,
-    pub step: usize,
-    /// Why it was rolled back, and when.
-    pub reason: Option<String>,
-    pub rolled_back_at: Option<SystemTime>,
-    /// Outcomes since the rollout began, by version and outcome
-    /// ([`VERSIONS`], [`OUTCOMES`]).
-    pub outcomes: [[u64; 5]; 2],
 }

@@ -2,16 +2,19 @@
 
 use super::*;
 
-pub(super) fn admin(req: Request<Incoming>, shared: &Shared) -> portcullis_obs::admin_http::Answer {
+pub(super) fn admin(
+    req: Request<Incoming>,
+    shared: &Shared,
+) -> portcullis_obs::admin_answer::Answer {
     let path = req.uri().path();
     // Both endpoints only read; HEAD is GET without the body.
     if matches!(path, "/" | "/status" | "/metrics" | "/readyz" | "/healthz")
         && !matches!(*req.method(), http::Method::GET | http::Method::HEAD)
     {
-        return portcullis_obs::admin_http::method_not_allowed(path, "GET, HEAD");
+        return portcullis_obs::admin_answer::method_not_allowed(path, "GET, HEAD");
     }
     if path == "/healthz" {
-        return portcullis_obs::admin_http::json(
+        return portcullis_obs::admin_answer::json(
             StatusCode::OK,
             serde_json::json!({ "alive": true }),
         );
@@ -26,12 +29,12 @@ pub(super) fn admin(req: Request<Incoming>, shared: &Shared) -> portcullis_obs::
         } else {
             StatusCode::SERVICE_UNAVAILABLE
         };
-        return portcullis_obs::admin_http::json(status, serde_json::json!({ "ready": ready }));
+        return portcullis_obs::admin_answer::json(status, serde_json::json!({ "ready": ready }));
     }
     let runtimes = shared.registry.snapshot();
     match path {
         "/" => portcullis_obs::status_page::answer(),
-        "/status" => portcullis_obs::admin_http::json(
+        "/status" => portcullis_obs::admin_answer::json(
             StatusCode::OK,
             serde_json::json!({
                 "version": env!("CARGO_PKG_VERSION"),
@@ -53,12 +56,12 @@ pub(super) fn admin(req: Request<Incoming>, shared: &Shared) -> portcullis_obs::
                 "runtimes": runtimes.iter().map(|r| serde_json::json!({
                     "id": r.id,
                     "connections": r.tunnels.len(),
-                    "connected_since": r.tunnels.iter().map(|t| t.since).min().map(portcullis_obs::admin_http::rfc3339),
+                    "connected_since": r.tunnels.iter().map(|t| t.since).min().map(portcullis_obs::admin_answer::rfc3339),
                     "tunnels": r.tunnels.iter().map(|t| serde_json::json!({
                         "transport": t.transport,
                         "worker": t.worker,
                         "remote": t.remote.to_string(),
-                        "since": portcullis_obs::admin_http::rfc3339(t.since),
+                        "since": portcullis_obs::admin_answer::rfc3339(t.since),
                         "rtt_ms": t.rtt.as_secs_f64() * 1e3,
                         "active_requests": t.active,
                     })).collect::<Vec<_>>(),
@@ -66,7 +69,7 @@ pub(super) fn admin(req: Request<Incoming>, shared: &Shared) -> portcullis_obs::
             }),
         ),
         "/metrics" => {
-            use portcullis_obs::admin_http::metric;
+            use portcullis_obs::admin_answer::metric;
             use portcullis_obs::metrics::label;
             let mut out = String::new();
             metric(
@@ -163,9 +166,9 @@ pub(super) fn admin(req: Request<Incoming>, shared: &Shared) -> portcullis_obs::
                 );
             }
             portcullis_obs::metrics::render(&mut out);
-            portcullis_obs::admin_http::prometheus(out)
+            portcullis_obs::admin_answer::prometheus(out)
         }
-        _ => portcullis_obs::admin_http::json(
+        _ => portcullis_obs::admin_answer::json(
             StatusCode::NOT_FOUND,
             serde_json::json!({"error": "not found", "endpoints": ["GET / (status page)", "GET /status", "GET /metrics", "GET /readyz", "GET /healthz"]}),
         ),
@@ -178,7 +181,7 @@ fn registry_status(peers: &crate::peers::Peers) -> serde_json::Value {
     serde_json::json!({
         "url": peers.registry.url,
         "state": if state.up { "up" } else { "down" },
-        "since": state.since.map(portcullis_obs::admin_http::rfc3339),
+        "since": state.since.map(portcullis_obs::admin_answer::rfc3339),
         "error": state.error,
         "lost": state.lost,
         "advertise": peers.advertise,
