@@ -158,8 +158,8 @@ pub(crate) enum Command {
         /// How the server sends on QUIC (tunnels' uploads, HTTP/3
         /// answers): `cubic`, or `bbr`, which keeps its rate through
         /// random loss (experimental in quinn; see docs/tunnels.md).
-        #[arg(long, value_name = "cubic|bbr", env = "PORTCULLIS_QUIC_CONGESTION", default_value = "cubic", value_parser = portcullis::tunnel::quic::Congestion::parse)]
-        quic_congestion: portcullis::tunnel::quic::Congestion,
+        #[arg(long, value_name = "cubic|bbr", env = "PORTCULLIS_QUIC_CONGESTION", default_value = "cubic", value_parser = portcullis::tunnel::Congestion::parse)]
+        quic_congestion: portcullis::tunnel::Congestion,
         /// How long to keep serving after SIGTERM while /readyz on the
         /// admin listener answers 503, so balancers stop sending first.
         #[arg(long, value_name = "DURATION", env = "PORTCULLIS_SHUTDOWN_DELAY", default_value = "0s", value_parser = parse_duration)]
@@ -322,8 +322,8 @@ pub(crate) enum Command {
         /// How QUIC tunnels send answers (downloads): `cubic`, or `bbr`,
         /// which keeps its rate through random loss (experimental in
         /// quinn; see docs/tunnels.md).
-        #[arg(long, value_name = "cubic|bbr", env = "PORTCULLIS_QUIC_CONGESTION", default_value = "cubic", value_parser = portcullis::tunnel::quic::Congestion::parse)]
-        quic_congestion: portcullis::tunnel::quic::Congestion,
+        #[arg(long, value_name = "cubic|bbr", env = "PORTCULLIS_QUIC_CONGESTION", default_value = "cubic", value_parser = portcullis::tunnel::Congestion::parse)]
+        quic_congestion: portcullis::tunnel::Congestion,
         /// Extra CA certificate (PEM) trusted for the server.
         #[arg(long, value_name = "FILE", env = "PORTCULLIS_CA")]
         ca: Option<PathBuf>,

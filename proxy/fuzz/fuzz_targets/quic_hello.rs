@@ -5,7 +5,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use portcullis::tunnel::TUNNEL_PATH;
-use portcullis::tunnel::quic::parse_hello;
+use portcullis::tunnel::parse_hello;
 
 fuzz_target!(|bytes: &[u8]| {
     match parse_hello(bytes) {

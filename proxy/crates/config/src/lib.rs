@@ -6,7 +6,7 @@
 //! first, so `portcullis check` can list them together.
 
 mod build;
-pub mod builtin_plugins;
+mod builtin_plugins;
 mod diagnose;
 pub mod envsubst;
 mod features;
@@ -15,8 +15,8 @@ mod load;
 mod plugin_use;
 mod raw;
 mod route;
-pub mod router;
-pub mod template;
+mod router;
+mod template;
 mod units;
 mod upstream;
 

@@ -6,27 +6,27 @@
 //! routing core's listeners over it.
 
 pub mod answers;
-pub mod auth_cache;
+mod auth_cache;
 pub mod auth_request;
 pub mod body;
-pub mod body_progress;
-pub mod callout;
+mod body_progress;
+mod callout;
 pub mod chain;
-pub mod client_watch;
+mod client_watch;
 pub mod collector;
-pub mod compress;
+mod compress;
 pub mod conn_info;
 pub mod connection;
-pub mod discovery;
+mod discovery;
 pub mod forward;
-pub mod grpc_local;
-pub mod mirror;
+mod grpc_local;
+mod mirror;
 pub mod phases;
 pub mod pipeline;
 pub mod rate_limit;
 mod redis_calls;
 pub mod request_head;
-pub mod route_state;
+mod route_state;
 pub mod server;
 pub mod shared_limit;
-pub mod tee;
+mod tee;

@@ -7,14 +7,14 @@
 //! collector through [`otlp::Collector`], which the request path
 //! implements.
 
-pub mod access_line;
+mod access_line;
 pub mod access_log;
 pub mod admin_access;
 pub mod admin_answer;
 pub mod admin_http;
 pub mod metrics;
 pub mod otlp;
-pub mod process_metrics;
+mod process_metrics;
 pub mod request_id;
 pub mod status_page;
 pub mod telemetry;

@@ -22,7 +22,7 @@
 //! routes' chains, `facts.rs` what a plugin is told.
 
 mod bindings;
-pub mod containment;
+mod containment;
 mod contract_v0_2;
 mod cpu_deadline;
 mod disk_cache;

@@ -22,11 +22,15 @@
 
 pub mod client;
 pub mod peers;
-pub mod quic;
+mod quic;
 pub mod server;
 pub mod tokens;
-pub mod websocket;
-pub mod ws_io;
+mod websocket;
+mod ws_io;
+
+/// The QUIC congestion controller a tunnel side uses (`--quic-congestion`),
+/// and the tunnel hello's parser (for its fuzz target).
+pub use quic::{Congestion, parse_hello};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
