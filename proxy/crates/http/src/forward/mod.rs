@@ -20,6 +20,7 @@ mod retry;
 mod send;
 mod tls;
 pub mod upgrade;
+mod worn;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -15,6 +15,8 @@
 //! hyper connection, which stays one.
 
 use portcullis_net::coarse_clock::{coarse_now, millis};
+
+use super::worn::Worn;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -126,49 +128,20 @@ impl Reuse {
         } else {
             millis(coarse_now()).saturating_add(millis(self.max_age))
         };
-        Worn {
+        Worn::new(
             deadline_ms,
-            left: match self.max_requests {
+            match self.max_requests {
                 0 => u32::MAX,
                 n => n - 1,
             },
-        }
+        )
     }
 }
 
-/// What is left of a connection's reuse: worked out when it is dialled,
-/// so the checks on every request are two integer compares.
-#[derive(Clone, Copy, Debug)]
-pub struct Worn {
-    /// When it is too old to be used again, by [`coarse_now`] in
-    /// milliseconds (`u64::MAX`: never).
-    deadline_ms: u64,
-    /// Requests it may still be used for (`u32::MAX`: no limit).
-    left: u32,
-}
-
-impl Worn {
-    /// Whether the connection is to be closed rather than used again
-    /// (`now_ms`: [`coarse_now`] in milliseconds).
-    fn spent(&self, now_ms: u64) -> bool {
-        self.left == 0 || now_ms >= self.deadline_ms
-    }
-
-    /// Counts one more request (only ever on one that is not spent).
-    fn used(&mut self) {
-        if self.left != u32::MAX {
-            self.left = self.left.saturating_sub(1);
-        }
-    }
-}
-
-impl Default for Worn {
-    /// No limit (a connection made outside a pool).
-    fn default() -> Worn {
-        Worn {
-            deadline_ms: u64::MAX,
-            left: u32::MAX,
-        }
+/// A response body gives its connection back to the endpoint's slot.
+impl super::h1::Home for Slot {
+    fn put_h1(&self, conn: Box<H1Conn>) {
+        Slot::put_h1(self, conn);
     }
 }
 

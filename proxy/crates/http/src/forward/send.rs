@@ -264,7 +264,7 @@ impl UpstreamPool {
                                     if !keeping {
                                         conn.recycle(std::mem::take(headers));
                                     }
-                                    let home = keep_alive.then_some(slot);
+                                    let home = keep_alive.then_some(slot as Arc<dyn h1::Home>);
                                     let body = H1Body::new(conn, framing, home);
                                     let resp = resp.map(|()| Body::Upstream { inner: body });
                                     let held = Held {

@@ -28,15 +28,13 @@ use tokio::net::TcpStream;
 use tokio::time::Sleep;
 use tokio_rustls::client::TlsStream;
 
-use super::pool::Slot;
-
 mod head;
 mod response_body;
 
 pub use head::Framing;
 use head::*;
 use response_body::*;
-pub use response_body::{BodyError, H1Body};
+pub use response_body::{BodyError, H1Body, Home};
 
 /// Response heads larger than this are refused (nginx's default buffer for
 /// them is 4–8 KiB; this leaves room for big cookies).
@@ -138,7 +136,7 @@ pub struct H1Conn {
     /// The last response head's field names, for the next.
     names: head::Names,
     /// Its age and use, for the pool's reuse limits.
-    pub worn: super::pool::Worn,
+    pub worn: super::worn::Worn,
 }
 
 /// Why an exchange failed.
@@ -167,7 +165,7 @@ impl H1Conn {
             read_size: FIRST_READ,
             spare: HeaderMap::new(),
             names: head::Names::default(),
-            worn: super::pool::Worn::default(),
+            worn: super::worn::Worn::default(),
         })
     }
 

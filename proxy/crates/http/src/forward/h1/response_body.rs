@@ -21,6 +21,14 @@ pub(super) enum State {
     Done,
 }
 
+/// Where a connection goes once its response has been read whole: the
+/// pool's slot for its endpoint. A trait, so this reader does not name
+/// the pool that holds it (one call through it per response).
+pub trait Home: Send + Sync {
+    /// Takes `conn` back, to be used again or closed.
+    fn put_h1(&self, conn: Box<H1Conn>);
+}
+
 /// A response body read from the upstream connection as it is polled.
 /// When the body ends the connection returns to its slot (if it can carry
 /// another request); dropped before that, the connection is closed.
@@ -28,7 +36,7 @@ pub struct H1Body {
     pub(super) conn: Option<Box<H1Conn>>,
     pub(super) state: State,
     /// Where the connection goes when the body ends; `None` to close it.
-    pub(super) home: Option<Arc<Slot>>,
+    pub(super) home: Option<Arc<dyn Home>>,
 }
 
 /// What went wrong with a response body.
@@ -38,7 +46,7 @@ pub struct BodyError(String);
 
 impl H1Body {
     /// The body of a response that arrived on `conn`.
-    pub fn new(conn: Box<H1Conn>, framing: Framing, home: Option<Arc<Slot>>) -> H1Body {
+    pub fn new(conn: Box<H1Conn>, framing: Framing, home: Option<Arc<dyn Home>>) -> H1Body {
         let state = match framing {
             Framing::Length(n) => State::Length(n),
             Framing::Chunked => State::ChunkSize,
