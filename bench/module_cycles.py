@@ -7,10 +7,13 @@
 # taken as the crates they name), but the same method before and after a
 # change. A checkout from before the crate split (proxy/src only) works
 # too.
-#   python3 bench/module_cycles.py [CHECKOUT]
+#   python3 bench/module_cycles.py [--all] [CHECKOUT]
+# With --all, every cycle, one a line (`cycle: file file ...`), after the
+# summary: what tests/architecture.rs compares with the ones it allows.
 import os, re, sys
 
-top = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), '..')
+args = [a for a in sys.argv[1:] if a != '--all']
+top = args[0] if args else os.path.join(os.path.dirname(__file__), '..')
 roots = {'portcullis': os.path.join(top, 'proxy/src')}
 crates_dir = os.path.join(top, 'proxy/crates')
 if os.path.isdir(crates_dir):
@@ -106,3 +109,6 @@ big = max(sccs, key=len)
 name = lambda f: f[1] if f[0] == 'portcullis' and len(roots) == 1 else f'{f[0]}/{f[1]}'
 print(len(files), 'files; largest cycle:', len(big), 'files')
 print(sorted(name(f) for f in big))
+if '--all' in sys.argv[1:]:
+    for comp in sorted(sorted(name(f) for f in c) for c in sccs if len(c) > 1):
+        print('cycle:', ' '.join(comp))
