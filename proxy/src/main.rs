@@ -17,10 +17,12 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Hands the pages an idle worker freed back to the system (see
 /// `worker_idle`): mimalloc would keep them until that thread allocates.
-fn release_freed_memory() {
+/// `force`: every free range, not only those freed long enough ago.
+fn release_freed_memory(force: bool) {
     // SAFETY: mi_collect takes no pointer; it collects the calling
-    // thread's heap and purges the arenas' expired free ranges.
-    unsafe { libmimalloc_sys::mi_collect(false) }
+    // thread's heap and purges the arenas' expired free ranges (all of
+    // them when forced).
+    unsafe { libmimalloc_sys::mi_collect(force) }
 }
 
 /// Runs `work` on a current-thread runtime (the serving workers run their

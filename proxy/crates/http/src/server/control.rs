@@ -66,6 +66,9 @@ impl Control {
             .collect();
         portcullis_plugin::forget_plugins(&removed);
         drop(previous);
+        // What the old policies and the new ones' start freed goes back to
+        // the system here, off the workers (`worker_idle::release_now`).
+        portcullis_net::worker_idle::release_now();
         self.addresses.config_applied();
 
         let mut changes = ListenerChanges::default();
