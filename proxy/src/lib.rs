@@ -8,14 +8,22 @@
 //! The modules the tests, fuzz targets and examples use are re-exported
 //! here (`portcullis::config`, `portcullis::server`, ...).
 
-pub mod admin;
-pub mod admin_status;
+mod admin;
+mod admin_status;
+// Public: the commands main.rs runs (bin).
 pub mod commands;
+// Public: the development certificates `serve --dev-certs` writes (bin).
 pub mod dev_certs;
+// Public: the log flags the command line parses (bin).
 pub mod log_flags;
+// Public: `portcullis new-plugin`'s template, also built by the packaging
+// tests (bin, tests).
 pub mod new_plugin;
+// Public: the tunnel peers' flags the command line parses (bin).
 pub mod peer_flags;
+// Public: reloads on a signal or a file change, started by main.rs (bin).
 pub mod reload;
+// Public: the state store's flags the command line parses (bin).
 pub mod state_flags;
 
 // What the tests, the fuzz targets and the examples name through this

@@ -8,6 +8,8 @@
 mod build;
 mod builtin_plugins;
 mod diagnose;
+// Public: `${VAR}` expansion, also done in plugin configs and fuzzed (plugin,
+// fuzz).
 pub mod envsubst;
 mod features;
 mod listener;

@@ -1,5 +1,5 @@
 //! The admin listeners' HTTP plumbing, shared by the routing core's
-//! (`portcullis_portcullis::admin`) and the tunnel server's: binding one
+//! (the binary's `admin` module) and the tunnel server's: binding one
 //! and serving a handler behind its access check. The answers themselves
 //! are [`crate::admin_answer`]'s.
 

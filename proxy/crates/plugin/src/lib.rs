@@ -29,9 +29,12 @@ mod disk_cache;
 mod file_kind;
 mod header_call;
 mod lift;
+// Public: the plugin threads large bodies are called on, which the request
+// path hands to (http).
 pub mod offload;
 mod state;
 mod stdio;
+// Public: bodies streamed to plugins, read by the request path (http).
 pub mod stream_body;
 mod wasi;
 
@@ -67,7 +70,10 @@ pub use proxy_wasm::{
     SHARED_BYTES_PER_PLUGIN, forget_plugins, gauges as filter_gauges,
     histograms as filter_histograms, shared_bytes,
 };
+// Public: rollout and shadow reports, shown by the binary's admin (bin).
 pub mod rollout;
+// Public: the interface every plugin kind implements and the request path
+// calls (http).
 pub mod seam;
 mod shadow;
 mod use_reports;

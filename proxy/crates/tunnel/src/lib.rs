@@ -20,10 +20,15 @@
 //! measures the round trip, `replaced` tells a client another one took
 //! over its runtime id.
 
+// Public: the tunnel client the binary's `tunnel-client` runs (bin).
 pub mod client;
+// Public: the tunnel servers' peer registry the binary sets up (bin).
 pub mod peers;
 mod quic;
+// Public: the tunnel server the binary's `tunnel-server` runs, and its tests
+// (bin, tests).
 pub mod server;
+// Public: tunnel tokens the binary issues and checks (bin).
 pub mod tokens;
 mod websocket;
 mod ws_io;
