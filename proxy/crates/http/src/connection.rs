@@ -68,7 +68,6 @@ impl Requests {
         Finish {
             served: self.0.clone(),
             version,
-            _waiting: portcullis_net::worker_idle::Busy::new(),
         }
     }
 }
@@ -77,9 +76,6 @@ impl Requests {
 pub struct Finish {
     served: Arc<Served>,
     version: http::Version,
-    /// Keeps the worker's idle work (the allocator's purge) off its parks
-    /// until the answer's head is ready.
-    _waiting: portcullis_net::worker_idle::Busy,
 }
 
 impl Finish {
@@ -90,9 +86,7 @@ impl Finish {
         self,
         mut resp: Response<ResponseBody>,
     ) -> Result<Response<ResponseBody>, ResetStream> {
-        let Finish {
-            served, version, ..
-        } = self;
+        let Finish { served, version } = self;
         if let Some(retire) = &served.retire {
             retire.count(version, &mut resp);
         }

@@ -156,7 +156,11 @@ impl Public {
                 // connection's life, and this side faces the internet's
                 // idle clients; the copy into a box per request is little
                 // beside a tunnel's crossing.
-                Box::pin(async move { finish.answer(public.respond(req, peer, tls).await) })
+                Box::pin(async move {
+                    // Made inside the future, as on the routing core's.
+                    let _waiting = portcullis_net::worker_idle::Busy::new();
+                    finish.answer(public.respond(req, peer, tls).await)
+                })
             })
         };
         let (max_requests, lifetime) = self.shared.public_connection_limits;
