@@ -23,6 +23,7 @@ pub fn status_json(reloader: &Reloader) -> serde_json::Value {
                 "addr": l.addr.to_string(),
                 "connections": l.connections,
                 "max_connections": l.max_connections,
+                "http3": l.http3,
                 "tls": l.tls.as_ref().map(|(client_auth, certs)| serde_json::json!({
                     "client_certificates": client_auth.as_str(),
                     "certificates": certs.iter().map(|(cert, expiry)| serde_json::json!({

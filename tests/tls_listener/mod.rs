@@ -3,6 +3,7 @@
 //! renewed without a restart, and client certificates (mutual TLS);
 //! session resumption in [`sessions`].
 
+mod http3;
 mod sessions;
 
 use crate::support::client;

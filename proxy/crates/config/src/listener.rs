@@ -39,8 +39,19 @@ pub struct Listener {
     /// Answer every request (but health probes) with a redirect to the
     /// same URL over https, on this port.
     pub redirect_https: Option<u16>,
+    /// HTTPS listeners: HTTP/3 too, over QUIC on the same port's UDP
+    /// twin, advertised to HTTP/1.1 and HTTP/2 clients by `Alt-Svc`.
+    pub http3: Option<Http3>,
     /// Where the listener was defined.
     pub defined_at: Pos,
+}
+
+/// A listener's HTTP/3 (`http3: true`, or the port to advertise).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Http3 {
+    /// The port `Alt-Svc` names: the listener's own unless a balancer in
+    /// front maps another to it.
+    pub advertised_port: Option<u16>,
 }
 
 /// A listener's TLS settings: its certificates (read again when the files

@@ -196,6 +196,7 @@ pub struct RawListener {
     pub request_id: Option<Text>,
     pub tls: Option<Spanned<RawListenerTls>>,
     pub redirect_https: Option<Text>,
+    pub http3: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

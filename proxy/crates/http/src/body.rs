@@ -79,11 +79,18 @@ impl Body {
         if let Body::Tracked { inner } = self {
             return Some(inner.progress.clone());
         }
-        if !matches!(self, Body::Stream { inner } if !inner.is_end_stream()) {
+        let streamed = match self {
+            Body::Stream { inner } => !inner.is_end_stream(),
+            Body::Boxed { inner } => !inner.is_end_stream(),
+            _ => false,
+        };
+        if !streamed {
             return None;
         }
-        let Body::Stream { inner } = std::mem::replace(self, Body::empty()) else {
-            unreachable!("matched above")
+        let inner = match std::mem::replace(self, Body::empty()) {
+            Body::Stream { inner } => Source::Hyper(inner),
+            Body::Boxed { inner } => Source::Other(inner),
+            _ => unreachable!("matched above"),
         };
         let progress = Arc::new(BodyProgress::started());
         *self = Body::Tracked {
@@ -113,7 +120,7 @@ impl Body {
 
     /// A copy of a body still to be streamed from the client, fed as the
     /// body is read (see [`crate::tee`]); `None` for a body in memory,
-    /// empty, or of another kind (HTTP/3's).
+    /// or empty.
     pub fn tee(&mut self, cut: Arc<AtomicU64>) -> Option<crate::tee::Copy> {
         self.track()?;
         let Body::Tracked { inner } = self else {
@@ -136,9 +143,42 @@ impl Body {
     }
 }
 
+/// Where a client's streamed body comes from: hyper's connection
+/// (HTTP/1.1, HTTP/2) or another reader (HTTP/3's QUIC stream).
+enum Source {
+    Hyper(Incoming),
+    Other(Pin<Box<dyn http_body::Body<Data = Bytes, Error = BodyError> + Send>>),
+}
+
+impl Source {
+    fn poll_frame(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        match self {
+            Source::Hyper(inner) => Pin::new(inner).poll_frame(cx).map_err(Into::into),
+            Source::Other(inner) => inner.as_mut().poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Source::Hyper(inner) => inner.is_end_stream(),
+            Source::Other(inner) => inner.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Source::Hyper(inner) => inner.size_hint(),
+            Source::Other(inner) => inner.size_hint(),
+        }
+    }
+}
+
 /// A streamed request body and its progress.
 pub struct Tracked {
-    inner: Incoming,
+    inner: Source,
     progress: Arc<BodyProgress>,
     /// Bytes come so far, and how many the route takes.
     seen: u64,
@@ -166,7 +206,10 @@ pub struct TooLarge(pub u64);
 /// Whether a client's body error is bytes that break the framing, as
 /// hyper's decoder reports them (`InvalidInput`, `InvalidData`), rather
 /// than a connection that ended early.
-fn is_malformed(e: &hyper::Error) -> bool {
+fn is_malformed(e: &BodyError) -> bool {
+    let Some(e) = e.downcast_ref::<hyper::Error>() else {
+        return false;
+    };
     let mut source = std::error::Error::source(e);
     while let Some(inner) = source {
         if let Some(io) = inner.downcast_ref::<std::io::Error>() {
@@ -205,7 +248,7 @@ impl http_body::Body for Body {
                     tee,
                     ..
                 } = &mut **inner;
-                let polled = Pin::new(&mut *inner).poll_frame(cx);
+                let polled = inner.poll_frame(cx);
                 match &polled {
                     Poll::Ready(Some(Ok(frame))) => {
                         let n = frame.data_ref().map_or(0, |d| d.len() as u64);
@@ -240,7 +283,7 @@ impl http_body::Body for Body {
                         }
                     }
                 }
-                polled.map_err(Into::into)
+                polled
             }
             BodyProj::Upstream { inner } => Pin::new(inner).poll_frame(cx).map_err(Into::into),
             BodyProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),

@@ -32,6 +32,8 @@ pub struct ConnInfo {
     /// Its socket, watched for the client leaving while a request waits
     /// (HTTP/1 only; `None` for requests that come through a tunnel).
     pub socket: Option<ClientSocket>,
+    /// `Alt-Svc` for its answers, when its listener also serves HTTP/3.
+    pub alt_svc: Option<HeaderValue>,
 }
 
 impl ConnInfo {

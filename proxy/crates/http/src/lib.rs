@@ -33,6 +33,9 @@ mod discovery;
 // tests and fuzz targets (bin, fuzz, tests, tunnel).
 pub mod forward;
 mod grpc_local;
+// Public: HTTP/3 serving, one copy for the routing core's listeners and the
+// tunnel server's public side (tunnel).
+pub mod http3;
 mod mirror;
 // Public: the phase driver, which the tunnel server's public side runs
 // requests through (tunnel).

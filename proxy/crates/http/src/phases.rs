@@ -140,8 +140,7 @@ where
         Recording::begin(tracing, pool, req.headers_mut(), head, from)
     });
     let mut log = AccessLog::start(
-        req.method(),
-        req.uri().path_and_query(),
+        (req.method(), req.uri().path_and_query(), version),
         (entry.client, entry.worker),
         start,
         trace.as_ref().is_some_and(Recording::sampled),

@@ -127,6 +127,9 @@ pub struct AccessLog {
     pub request_id: Option<http::HeaderValue>,
     /// The connection's TLS version (`TLSv1.3`); none in cleartext.
     pub tls: Option<&'static str>,
+    /// The request's HTTP version, as nginx's `$server_protocol` and
+    /// Envoy's `%PROTOCOL%` name it (`HTTP/1.1`, `HTTP/2`, `HTTP/3`).
+    pub protocol: http::Version,
     /// The client's verified certificate (mutual TLS): its subject is
     /// logged, as nginx's `$ssl_client_s_dn`, so the log says who made
     /// each request.
@@ -150,8 +153,7 @@ impl AccessLog {
     /// and a `None` of the record inline was moved whole each time, access
     /// logging off or on.
     pub fn start(
-        method: &Method,
-        path: Option<&PathAndQuery>,
+        (method, path, protocol): (&Method, Option<&PathAndQuery>, http::Version),
         (client, worker): (SocketAddr, usize),
         start: Instant,
         needed: bool,
@@ -176,6 +178,7 @@ impl AccessLog {
                 aborted: false,
                 request_id: None,
                 tls: None,
+                protocol,
                 client_cert: None,
                 logging: portcullis_config::AccessLogging::All,
                 trace: None,
@@ -193,6 +196,17 @@ impl AccessLog {
             None => format!("{plugin}:{what}"),
         };
         self.shadow = Some(text.into_boxed_str());
+    }
+}
+
+/// An HTTP version as access lines name it.
+fn protocol_name(version: http::Version) -> &'static str {
+    match version {
+        http::Version::HTTP_09 => "HTTP/0.9",
+        http::Version::HTTP_10 => "HTTP/1.0",
+        http::Version::HTTP_2 => "HTTP/2",
+        http::Version::HTTP_3 => "HTTP/3",
+        _ => "HTTP/1.1",
     }
 }
 
@@ -268,6 +282,7 @@ impl Drop for AccessLog {
                 line.millis(crate::field!("upstream_header_ms"), took.as_micros());
             }
             line.uint(crate::field!("bytes"), self.bytes_sent);
+            line.word(crate::field!("protocol"), protocol_name(self.protocol));
             line.addr(crate::field!("client"), &self.client);
             line.uint(crate::field!("worker"), self.worker as u64);
             line.bool(crate::field!("aborted"), self.aborted);

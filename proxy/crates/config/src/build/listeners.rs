@@ -72,6 +72,29 @@ pub(super) fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<List
             "an HTTPS listener does not redirect to https",
         );
     }
+    let http3 = l.http3.as_ref().and_then(|t| {
+        ctx.parse(t, |s| match boolean_word(s) {
+            "false" => Ok(None),
+            "true" => Ok(Some(Http3 {
+                advertised_port: None,
+            })),
+            _ => match s.parse::<u16>() {
+                Ok(port) if port > 0 => Ok(Some(Http3 {
+                    advertised_port: Some(port),
+                })),
+                _ => Err(format!(
+                    "`{s}` is neither true, false nor a port to advertise in Alt-Svc"
+                )),
+            },
+        })
+        .flatten()
+    });
+    if let (None, Some(t), Some(_)) = (&l.tls, &l.http3, http3) {
+        ctx.err(
+            &t.referenced,
+            "HTTP/3 runs over QUIC, which is always encrypted: give this listener `tls:` or drop `http3`",
+        );
+    }
     Some(Listener {
         name: name?,
         bind: bind?,
@@ -86,6 +109,7 @@ pub(super) fn listener(ctx: &mut Ctx, raw: &Spanned<RawListener>) -> Option<List
         request_id,
         tls,
         redirect_https,
+        http3,
         defined_at: ctx.pos(&raw.referenced),
     })
 }

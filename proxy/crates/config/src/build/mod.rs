@@ -28,10 +28,10 @@ use super::template::Template;
 use super::units::{parse_duration, parse_size};
 use super::{
     AccessLogging, Action, AuthCacheSpec, AuthRequest, Balance, ClientAuthMode, Compression,
-    Config, ConfigError, Cors, Dns, Endpoint, FailMode, HashOn, HeaderEdits, HealthCheck, LimitKey,
-    Listener, ListenerTls, LocalResponse, MirrorSpec, PathRewrite, PluginModule, PluginUse, Pos,
-    Probe, RateLimitSpec, Redirect, RetryBudget, Route, Target, Timeouts, TlsSettings, Tracing,
-    Upstream,
+    Config, ConfigError, Cors, Dns, Endpoint, FailMode, HashOn, HeaderEdits, HealthCheck, Http3,
+    LimitKey, Listener, ListenerTls, LocalResponse, MirrorSpec, PathRewrite, PluginModule,
+    PluginUse, Pos, Probe, RateLimitSpec, Redirect, RetryBudget, Route, Target, Timeouts,
+    TlsSettings, Tracing, Upstream,
 };
 
 mod listeners;

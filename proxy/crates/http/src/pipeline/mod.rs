@@ -18,7 +18,6 @@ use arc_swap::ArcSwap;
 use http::header::{self, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode, Version};
-use hyper::body::Incoming;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{Body, ResponseBody};
@@ -312,11 +311,16 @@ impl Pipeline {
     /// kilobytes moved once more per request showed as +6,000
     /// instructions per request (`bench/instructions-diff.sh`).
     #[inline]
-    pub fn handle<'a>(
+    /// `B`: hyper's body on HTTP/1.1 and HTTP/2, the proxy's own on
+    /// HTTP/3 ([`crate::http3`]).
+    pub fn handle<'a, B>(
         &'a self,
-        req: Request<Incoming>,
+        req: Request<B>,
         conn: &'a ConnInfo,
-    ) -> impl std::future::Future<Output = Response<ResponseBody>> + Send + 'a {
+    ) -> impl std::future::Future<Output = Response<ResponseBody>> + Send + 'a
+    where
+        B: http_body::Body + Into<Body> + Send + 'a,
+    {
         crate::phases::drive(self, req, conn)
     }
 }
@@ -369,6 +373,15 @@ impl crate::phases::Phases for Pipeline {
     {
         let (log, request_id, stats) = ctx.parts();
         self.route_and_serve(req, conn, (log, request_id), stats)
+    }
+
+    #[inline]
+    fn finish(&self, resp: &mut Response<Body>, _version: Version, conn: &ConnInfo) {
+        // Set on listeners that serve HTTP/3 too, for their HTTP/1.1 and
+        // HTTP/2 connections only.
+        if let Some(alt_svc) = &conn.alt_svc {
+            resp.headers_mut().insert(header::ALT_SVC, alt_svc.clone());
+        }
     }
 }
 

@@ -39,13 +39,9 @@ impl Control {
         let mut active = self.active();
         let mut fresh = Vec::new();
         for spec in self.opens.opened(&config)? {
-            if !active
-                .iter()
-                .any(|a| a.name == spec.name && a.bind == spec.bind)
-            {
+            if !active.iter().any(|a| a.is(spec)) {
                 // An error drops the sockets bound so far, which closes them.
-                let (addr, sockets) = bind_sockets(spec, self.workers)?;
-                fresh.push((spec.clone(), addr, sockets));
+                fresh.push((spec.clone(), bind_sockets(spec, self.workers)?));
             }
         }
         let config = self.addresses.expand(config);
@@ -74,13 +70,12 @@ impl Control {
         let mut changes = ListenerChanges::default();
         let mut kept = Vec::with_capacity(config.listeners.len());
         for a in active.drain(..) {
-            match config
-                .listeners
-                .iter()
-                .find(|s| s.name == a.name && s.bind == a.bind)
-            {
+            match config.listeners.iter().find(|s| a.is(s)) {
                 Some(spec) => {
-                    let settings = ListenerSettings::new(spec, Some(&a.settings.load()));
+                    let settings = ListenerSettings::new(spec, Some(&a.settings.load()), a.addr);
+                    if let Some(endpoint) = &a.http3 {
+                        http3::reconfigure(endpoint, &settings);
+                    }
                     a.settings.store(Arc::new(settings));
                     kept.push(a);
                 }
@@ -92,10 +87,11 @@ impl Control {
                 }
             }
         }
-        for (spec, addr, sockets) in fresh {
-            tracing::info!(listener = %spec.name, addr = %addr, workers = self.workers, "listening");
+        for (spec, bound) in fresh {
+            let addr = bound.0;
+            tracing::info!(listener = %spec.name, addr = %addr, workers = self.workers, http3 = spec.http3.is_some(), "listening");
             changes.added.push((spec.name.clone(), addr));
-            kept.push(self.start_listener(&spec, addr, sockets));
+            kept.push(self.start_listener(&spec, bound));
         }
         *active = kept;
         Ok(changes)
@@ -105,10 +101,10 @@ impl Control {
     pub(super) fn start_listener(
         &self,
         spec: &Listener,
-        addr: SocketAddr,
-        sockets: Vec<std::net::TcpListener>,
+        (addr, sockets, udp): Bound,
     ) -> ActiveListener {
-        let settings = Arc::new(ArcSwap::from_pointee(ListenerSettings::new(spec, None)));
+        let settings = ListenerSettings::new(spec, None, addr);
+        let settings = Arc::new(ArcSwap::from_pointee(settings));
         let stop = self.stop_accepting.child_token();
         let (open, closed) = mpsc::channel(1);
         let (balance, inboxes) = Balance::new(self.workers);
@@ -123,6 +119,7 @@ impl Control {
                 inbox,
             });
         }
+        let http3 = udp.map(|udp| self.start_http3(udp, &settings, &stop));
         ActiveListener {
             name: spec.name.clone(),
             bind: spec.bind,
@@ -130,6 +127,7 @@ impl Control {
             settings,
             stop,
             closed,
+            http3,
         }
     }
 
@@ -153,6 +151,7 @@ impl Control {
                     addr: l.addr,
                     connections: max.saturating_sub(s.limit.available_permits()),
                     max_connections: max,
+                    http3: l.http3.is_some(),
                     tls: s
                         .spec
                         .tls

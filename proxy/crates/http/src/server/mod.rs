@@ -36,6 +36,7 @@ use portcullis_net::tls_listen::Opened;
 
 mod control;
 mod dns_refresh;
+mod http3;
 mod worker;
 
 pub use control::ListenerChanges;
@@ -104,10 +105,18 @@ pub struct ListenerSettings {
     /// The handshake of an HTTPS listener, with the session cache and
     /// ticket key it keeps across reloads that leave its TLS rules alone.
     tls: Option<portcullis_net::tls_live::LiveTls>,
+    /// `Alt-Svc` for its HTTP/1.1 and HTTP/2 answers, when it serves
+    /// HTTP/3 too.
+    alt_svc: Option<http::HeaderValue>,
 }
 
 impl ListenerSettings {
-    fn new(spec: &Listener, previous: Option<&ListenerSettings>) -> ListenerSettings {
+    /// `addr`: where it is bound (a port of 0 is known only then).
+    fn new(
+        spec: &Listener,
+        previous: Option<&ListenerSettings>,
+        addr: SocketAddr,
+    ) -> ListenerSettings {
         let limit = match previous {
             Some(p) if p.spec.max_connections == spec.max_connections => p.limit.clone(),
             _ => Arc::new(Semaphore::new(spec.max_connections)),
@@ -116,11 +125,18 @@ impl ListenerSettings {
             let kept = previous.and_then(|p| p.tls.as_ref());
             portcullis_net::tls_live::LiveTls::carry(&t.template, t.keyed, t.source(), kept)
         });
+        let alt_svc = spec.http3.map(|h3| {
+            let port = h3.advertised_port.unwrap_or(addr.port());
+            // A day, as Caddy and Cloudflare advertise it.
+            http::HeaderValue::try_from(format!("h3=\":{port}\"; ma=86400"))
+                .expect("a port number makes a valid header value")
+        });
         ListenerSettings {
             builder: Arc::new(http_builder(spec)),
             spec: Arc::new(spec.clone()),
             limit,
             tls,
+            alt_svc,
         }
     }
 }
@@ -138,6 +154,18 @@ struct ActiveListener {
     stop: CancellationToken,
     /// Each accept loop holds a sender until its socket is closed.
     closed: mpsc::Receiver<()>,
+    /// Its QUIC endpoint, when it serves HTTP/3.
+    http3: Option<http3::Endpoint>,
+}
+
+impl ActiveListener {
+    /// Whether `spec` is this listener: the same name and address, and
+    /// HTTP/3 as it was (its UDP socket is opened with the listener).
+    fn is(&self, spec: &Listener) -> bool {
+        self.name == spec.name
+            && self.bind == spec.bind
+            && self.http3.is_some() == spec.http3.is_some()
+    }
 }
 
 /// What the control side tells a worker.
@@ -203,6 +231,8 @@ pub struct ListenerStatus {
     pub connections: usize,
     /// The cap.
     pub max_connections: usize,
+    /// Whether it serves HTTP/3 too.
+    pub http3: bool,
     /// For HTTPS: which client certificates it asks for, and each
     /// certificate file with its expiry.
     pub tls: Option<(portcullis_config::ClientAuthMode, Vec<CertExpiry>)>,
@@ -245,19 +275,33 @@ pub fn default_workers() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// A listener's sockets: its address as bound, a TCP socket per worker,
+/// and with `http3` the UDP socket on the same port.
+type Bound = (
+    SocketAddr,
+    Vec<std::net::TcpListener>,
+    Option<std::net::UdpSocket>,
+);
+
 /// Binds one socket per worker on the listener's address; the first
-/// settles the port (port 0 picks one) and the others join it.
-fn bind_sockets(
-    l: &Listener,
-    workers: usize,
-) -> Result<(SocketAddr, Vec<std::net::TcpListener>), ServeError> {
-    let bind_err = |error| ServeError::Bind {
+/// settles the port (port 0 picks one) and the others join it. With
+/// `http3`, the UDP socket of the port TCP got.
+fn bind_sockets(l: &Listener, workers: usize) -> Result<Bound, ServeError> {
+    let bind_err = |addr, error| ServeError::Bind {
         name: l.name.clone(),
         defined_at: l.defined_at.clone(),
-        addr: l.bind,
+        addr,
         error,
     };
-    portcullis_net::sockets::worker_sockets(l.bind, workers).map_err(bind_err)
+    let (addr, sockets) = portcullis_net::sockets::worker_sockets(l.bind, workers)
+        .map_err(|e| bind_err(l.bind, e))?;
+    let udp = match l.http3 {
+        // Not shared (no SO_REUSEPORT): two QUIC endpoints on one port
+        // would each get some of a connection's packets.
+        Some(_) => Some(std::net::UdpSocket::bind(addr).map_err(|e| bind_err(addr, e))?),
+        None => None,
+    };
+    Ok((addr, sockets, udp))
 }
 
 impl Server {
@@ -316,8 +360,8 @@ impl Server {
         });
         {
             let mut active = control.active();
-            for (spec, (addr, sockets)) in listeners.opened(&config)?.iter().zip(bound) {
-                active.push(control.start_listener(spec, addr, sockets));
+            for (spec, bound) in listeners.opened(&config)?.iter().zip(bound) {
+                active.push(control.start_listener(spec, bound));
             }
         }
         shared.set_ready();

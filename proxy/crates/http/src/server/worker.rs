@@ -313,6 +313,7 @@ pub(super) fn serve_connection<S>(
         client_cert: tls.and_then(|t| t.client_cert),
         worker,
         socket: Some(socket),
+        alt_svc: settings.alt_svc.clone(),
     });
     let pipeline = pipeline.clone();
     let service_conn = conn.clone();

@@ -288,6 +288,7 @@ impl Dialer {
                 request_id: portcullis_obs::request_id::RequestIds::Keep,
                 tls: None,
                 redirect_https: None,
+                http3: None,
                 defined_at: portcullis_config::Pos {
                     file: "--server".into(),
                     line: 0,

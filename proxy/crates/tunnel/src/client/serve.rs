@@ -169,6 +169,7 @@ pub(super) async fn handle(
         client_cert: None,
         worker,
         socket: None,
+        alt_svc: None,
     };
     let Some(protocol) = req.extensions_mut().remove::<hyper::ext::Protocol>() else {
         return pipeline.handle(req, &conn).await;

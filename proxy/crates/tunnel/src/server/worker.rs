@@ -11,7 +11,7 @@ pub(super) struct PublicSide {
     pub(super) tls: Option<tokio_rustls::TlsAcceptor>,
     pub(super) balance: Arc<Balance>,
     pub(super) inbox: UnboundedReceiver<Handoff>,
-    pub(super) h3: Option<UnboundedReceiver<public_h3::Handed>>,
+    pub(super) h3: Option<UnboundedReceiver<portcullis_http::http3::Handed>>,
     pub(super) peer: Option<std::net::TcpListener>,
 }
 
@@ -22,7 +22,7 @@ pub(super) struct FirstWorker {
     pub(super) h3: Option<(
         std::net::UdpSocket,
         quinn::ServerConfig,
-        Vec<tokio::sync::mpsc::UnboundedSender<public_h3::Handed>>,
+        Vec<tokio::sync::mpsc::UnboundedSender<portcullis_http::http3::Handed>>,
     )>,
     /// Where the worker sends its runtime, which the tunnel QUIC endpoint
     /// is registered with.
@@ -95,12 +95,7 @@ pub(super) fn worker(
             ));
         }
         if let Some(h3_inbox) = h3_inbox {
-            tracker.spawn(public_h3::serve(
-                h3_inbox,
-                serving.clone(),
-                tracker.clone(),
-                stop.clone(),
-            ));
+            tracker.spawn(public_h3::serve(h3_inbox, serving.clone(), stop.clone()));
         }
         // Requests peers forward: served here as this worker's public
         // ones are, through its tunnels when it drives any of the
