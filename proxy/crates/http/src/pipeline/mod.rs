@@ -10,8 +10,8 @@
 use std::borrow::Cow;
 use std::cell::RefCell;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
@@ -179,25 +179,47 @@ fn watchable(conn: &ConnInfo, version: Version) -> Option<ClientSocket> {
 /// count twice per request, a cache line that then moves between their
 /// cores. Each worker instead wraps the current pipeline in an `Arc` of its
 /// own, once per reload, and its requests clone that, as Envoy gives each
-/// worker its own snapshot of the configuration. The worker keeps the
-/// wrapper weakly, so an idle worker never holds an old pipeline after a
-/// reload.
+/// worker its own snapshot of the configuration. The worker holds its
+/// wrapper between requests: held weakly, one connection's requests one
+/// after another (nothing else holding it) made and freed it each time,
+/// the shared count written twice per request after all. A reload tells
+/// each worker to let go of the old one ([`let_go_if_stale`]), so an idle
+/// worker does not keep an old pipeline alive.
 pub fn current(shared: &ArcSwap<Pipeline>) -> Arc<Arc<Pipeline>> {
-    thread_local! {
-        static LOCAL: RefCell<Weak<Arc<Pipeline>>> = const { RefCell::new(Weak::new()) };
-    }
     let now = shared.load();
-    LOCAL.with(|local| {
+    WORKERS_OWN.with(|local| {
         let mut local = local.borrow_mut();
-        if let Some(held) = local.upgrade()
-            && Arc::ptr_eq(&*held, &*now)
+        if let Some(held) = local.as_ref()
+            && Arc::ptr_eq(&**held, &*now)
         {
-            return held;
+            return held.clone();
         }
         let fresh = Arc::new(arc_swap::Guard::into_inner(now));
-        *local = Arc::downgrade(&fresh);
+        *local = Some(fresh.clone());
         fresh
     })
+}
+
+thread_local! {
+    /// This worker's handle on the pipeline its last request took (the
+    /// outer `Arc` is the worker's own count, the point of it).
+    #[allow(clippy::redundant_allocation)]
+    static WORKERS_OWN: RefCell<Option<Arc<Arc<Pipeline>>>> = const { RefCell::new(None) };
+}
+
+/// Drops this worker's handle unless it is on the pipeline current in
+/// `shared`: run on every worker after a reload.
+pub fn let_go_if_stale(shared: &ArcSwap<Pipeline>) {
+    let now = shared.load();
+    WORKERS_OWN.with(|local| {
+        let mut local = local.borrow_mut();
+        if local
+            .as_ref()
+            .is_some_and(|held| !Arc::ptr_eq(&**held, &*now))
+        {
+            *local = None;
+        }
+    });
 }
 
 impl Pipeline {
@@ -405,30 +427,40 @@ mod tests {
     }
 
     #[test]
-    fn a_worker_shares_its_handle_while_held_and_follows_a_reload() {
+    fn a_worker_keeps_its_handle_and_lets_go_of_it_after_a_reload() {
         let shared = ArcSwap::from_pointee(pipeline());
         let first = current(&shared);
         assert!(Arc::ptr_eq(&*first, &shared.load_full()));
-        // While a request holds it, the next request gets the same handle.
+        // The next request gets the same handle, whether the first still
+        // holds it or not.
         let again = current(&shared);
         assert!(Arc::ptr_eq(&first, &again));
-        assert_eq!(Arc::strong_count(&first), 2);
+        drop((first, again));
+        let kept = current(&shared);
+        assert_eq!(Arc::strong_count(&kept), 2, "the worker's and this one");
         // After a reload, the new pipeline; the old one stays with the
         // requests holding it.
-        let old = Arc::downgrade(&*first);
+        let old = Arc::downgrade(&*kept);
         shared.store(Arc::new(pipeline()));
         let after = current(&shared);
         assert!(Arc::ptr_eq(&*after, &shared.load_full()));
-        assert!(!Arc::ptr_eq(&after, &first));
+        assert!(!Arc::ptr_eq(&after, &kept));
         // Once they end, nothing of the worker's keeps it alive.
-        drop((first, again));
+        drop(kept);
         assert!(
             old.upgrade().is_none(),
             "the old pipeline outlived its requests"
         );
-        // And with no request holding a handle, none is kept.
-        let gone = Arc::downgrade(&after);
+        // A worker idle through a reload lets go when told of it.
+        let held = Arc::downgrade(&*after);
         drop(after);
-        assert!(gone.upgrade().is_none());
+        let_go_if_stale(&shared);
+        assert!(held.upgrade().is_some(), "the current one is kept");
+        shared.store(Arc::new(pipeline()));
+        let_go_if_stale(&shared);
+        assert!(
+            held.upgrade().is_none(),
+            "an idle worker kept an old pipeline"
+        );
     }
 }

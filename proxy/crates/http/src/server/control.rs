@@ -47,13 +47,13 @@ impl Control {
         let config = self.addresses.expand(config);
         let previous = self.pipeline.load_full();
         let config = Arc::new(config);
-        self.pipeline.store(Arc::new(Pipeline::new(
+        self.swap_pipeline(Pipeline::new(
             config.clone(),
             chains,
             self.shared.clone(),
             self.workers,
             Some(&previous),
-        )));
+        ));
         // What the plugins taken out of the policies left in what
         // plugins share goes with them.
         let removed: Vec<Arc<str>> = (previous.config().plugins.iter())
@@ -216,13 +216,24 @@ impl Control {
         let Some(config) = self.addresses.expanded(current.config()) else {
             return;
         };
-        self.pipeline.store(Arc::new(Pipeline::new(
+        self.swap_pipeline(Pipeline::new(
             Arc::new(config),
             current.chains().clone(),
             self.shared.clone(),
             self.workers,
             Some(&current),
-        )));
+        ));
+    }
+
+    /// Serves new requests with `pipeline`, and has each worker let go of
+    /// its handle on the old one (an idle worker would keep it).
+    fn swap_pipeline(&self, pipeline: Pipeline) {
+        self.pipeline.store(Arc::new(pipeline));
+        for worker in 0..self.workers {
+            self.spawn_on_worker(worker, |ctx| {
+                Box::pin(async move { crate::pipeline::let_go_if_stale(&ctx.pipeline) })
+            });
+        }
     }
 
     /// The serving state (readiness, drain).
