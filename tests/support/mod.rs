@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod aioquic;
 pub mod browser;
 pub mod client;
 pub mod configmap;
@@ -255,4 +256,23 @@ where
         Err(_) => panic!("{what} not ready within 20s"),
     }
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+}
+
+/// What tests/run.sh installs under the target directory (`relative` in
+/// `$CARGO_TARGET_DIR`, or `$env` when set), failing with how to get it.
+pub fn installed(env: &str, relative: &str, how: &str) -> PathBuf {
+    if let Some(path) = std::env::var_os(env) {
+        return PathBuf::from(path);
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"),
+        PathBuf::from,
+    );
+    let path = target.join(relative);
+    assert!(
+        path.exists(),
+        "{} is missing: tests/run.sh installs it ({how})",
+        path.display()
+    );
+    path
 }

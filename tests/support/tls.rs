@@ -32,6 +32,12 @@ impl TestPki {
         let ca_key = KeyPair::generate().expect("ca key");
         let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        // A name of its own: with rcgen's default for both, the leaf's
+        // issuer reads as its own subject, and OpenSSL-based clients
+        // (aioquic) take the leaf for self-signed.
+        ca_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "portcullis test CA");
         let ca = CertifiedIssuer::self_signed(ca_params, ca_key).expect("ca cert");
         Self::leaf(Arc::new(ca), names)
     }

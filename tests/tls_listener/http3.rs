@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::support::aioquic;
 use crate::support::process::ProxyProcess;
 use crate::support::tls::{self, TestPki};
 use crate::support::upstream;
@@ -214,4 +215,30 @@ async fn http3_follows_reloads_of_its_listener() {
         std::net::UdpSocket::bind(addr).is_ok(),
         "UDP {addr} is taken"
     );
+}
+
+/// A second HTTP/3 client with a QUIC stack of its own (aioquic, from
+/// PyPI) is served as quinn's is: the same answers, an upload whole.
+#[tokio::test]
+async fn an_independent_http3_client_is_served_alike() {
+    let pki = TestPki::new();
+    let echo = upstream::echo("svc").await;
+    let dir = policies(&pki, &echo.url(), "");
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &pki.ca_pem).unwrap();
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    for (method, path, size) in [
+        ("GET", "/aioquic?q=1", 0),
+        ("POST", "/aioquic-upload", 300_000),
+    ] {
+        let a = aioquic::request(proxy.addr, "localhost", &ca, (method, path, size)).await;
+        assert_eq!(a["status"], 200, "{a}");
+        let seen: serde_json::Value = serde_json::from_str(a["body"].as_str().unwrap()).unwrap();
+        assert_eq!(seen["target"], path, "{seen}");
+        assert_eq!(seen["method"], method, "{seen}");
+        assert_eq!(seen["body_len"], size, "{seen}");
+        assert_eq!(seen["headers"]["x-forwarded-proto"], "https", "{seen}");
+    }
+    let a = aioquic::request(proxy.addr, "localhost", &ca, ("GET", "/local", 0)).await;
+    assert_eq!(a["status"], 204, "{a}");
 }

@@ -32,9 +32,6 @@ pub struct TlsSource {
 pub struct LiveTls {
     /// The handshake, ready to run.
     pub acceptor: TlsAcceptor,
-    /// The handshake's settings, for a QUIC endpoint of the same listener
-    /// (HTTP/3), which then shares its sessions and ticket key.
-    config: Arc<rustls::ServerConfig>,
     sessions: Arc<dyn StoresServerSessions>,
     ticketer: Arc<dyn ProducesTickets>,
     source: Option<TlsSource>,
@@ -96,11 +93,6 @@ impl LiveTls {
         }
     }
 
-    /// The handshake's settings, session cache and ticket key included.
-    pub fn config(&self) -> &Arc<rustls::ServerConfig> {
-        &self.config
-    }
-
     fn with(
         template: &Arc<rustls::ServerConfig>,
         sessions: Arc<dyn StoresServerSessions>,
@@ -110,10 +102,8 @@ impl LiveTls {
         let mut config = (**template).clone();
         config.session_storage = sessions.clone();
         config.ticketer = ticketer.clone();
-        let config = Arc::new(config);
         LiveTls {
-            acceptor: TlsAcceptor::from(config.clone()),
-            config,
+            acceptor: TlsAcceptor::from(Arc::new(config)),
             sessions,
             ticketer,
             source,

@@ -25,7 +25,7 @@ fn quic_config(settings: &ListenerSettings) -> Result<quinn::ServerConfig, Strin
         return Err("HTTP/3 needs the listener's TLS".into());
     };
     let idle = settings.spec.keepalive_timeout;
-    http3::server_config(tls.config().as_ref().clone(), idle, |_| {})
+    http3::server_config(tls.acceptor.config().as_ref().clone(), idle, |_| {})
 }
 
 /// Gives a running endpoint its listener's current TLS settings.
