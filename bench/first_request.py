@@ -3,10 +3,11 @@
 proxy-wasm filter: is the first as fast as the hundredth?
 
 Each round rewrites the filter's config (so every worker's VM is made
-anew), reloads through `POST /reload` (answered once the new policies
+anew; with CHANGE `other`, only another route changes, so the filter's
+use and its VMs are kept), reloads through `POST /reload` (answered once the new policies
 serve), then sends REQUESTS requests, each on a new connection (so they
 spread over the workers), timing each from connect to the last byte.
-Usage: first_request.py BINARY FILTER.wasm|none UPSTREAM_PORT ROUNDS REQUESTS
+Usage: first_request.py BINARY FILTER.wasm|none UPSTREAM_PORT ROUNDS REQUESTS [filter|other]
 (`none`: the same reloads with no filter, what a reload costs by itself).
 """
 import http.client
@@ -22,6 +23,7 @@ from serve_proc import quantile as q, serve
 
 binary, filter_path, up_port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rounds, requests = int(sys.argv[4]), int(sys.argv[5])
+change = sys.argv[6] if len(sys.argv) > 6 else "filter"
 root = tempfile.mkdtemp()
 bare = filter_path == "none"
 if not bare:
@@ -31,7 +33,8 @@ if not bare:
 def write_policy(n):
     # Higress's transformer's README rules; the round's number in them, so
     # each reload configures the filter anew.
-    config = {"reqRules": [{"operate": "add", "headers": [{"key": "x-round", "value": str(n)}]}]}
+    tag = str(n) if change == "filter" else "kept"
+    config = {"reqRules": [{"operate": "add", "headers": [{"key": "x-round", "value": tag}]}]}
     plugins = "plugins: [{ name: filter, path: filter.wasm }]\n"
     uses = f", plugins: [{{ use: filter, config: {json.dumps(config)} }}]"
     if bare:
@@ -93,6 +96,7 @@ if bare:
 else:
     size = os.path.getsize(filter_path) / 1e6
     name = f"{os.path.basename(os.path.dirname(os.path.dirname(filter_path)))} ({size:.1f} MB)"
+    name += ", its config changed" if change == "filter" else ", another route changed"
 print(f"{name}, {rounds} reloads, {requests} requests after each, "
       f"each on a new connection (ms):")
 print(f"  request 1 after a reload:    p50 {statistics.median(firsts):.2f}  p90 {q(firsts, 0.9):.2f}  max {max(firsts):.2f}")

@@ -124,13 +124,17 @@ routes: [{{ name: closed, match: {{ path: /closed }}, upstream: app, plugins: [{
 /// The VMs (instances) ready for the plugin use on route `route`, as
 /// `/status` shows them.
 pub(super) fn uses_ready(status: &serde_json::Value, route: &str) -> u64 {
+    use_field(status, route, "instances_ready").unwrap_or(0)
+}
+
+/// A number `/status` shows of the plugin use on route `route`.
+pub(super) fn use_field(status: &serde_json::Value, route: &str, field: &str) -> Option<u64> {
     (status["config"]["plugin_uses"]
         .as_array()
         .into_iter()
         .flatten())
     .find(|u| u["route"] == route)
-    .and_then(|u| u["instances_ready"].as_u64())
-    .unwrap_or(0)
+    .and_then(|u| u[field].as_u64())
 }
 
 async fn vms_ready(proxy: &ProxyProcess, route: &str) -> u64 {

@@ -303,6 +303,87 @@ routes:
     assert_eq!(seen["headers"]["x-pw-tag"], "green", "{seen:#}");
 }
 
+/// A reload keeps the plugin uses it states as before, with their VMs and
+/// instances (and what they hold: a VM's count of requests goes on), even
+/// when routes before them moved; a use whose config changed starts anew.
+/// As Envoy keeps a root context whose configuration did not change.
+#[tokio::test]
+pub(super) async fn a_reload_keeps_the_plugin_uses_it_leaves_alone() {
+    let app = upstream::echo("app").await;
+    let policy = |first_route: bool, filter_config: &str| {
+        let first = match first_route {
+            true => "- { name: added, match: { path: /added }, upstream: app }",
+            false => "",
+        };
+        format!(
+            r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: app, endpoints: ["{}"] }}]
+plugins:
+  - {{ name: bad, path: proxy-wasm-misbehave.wasm }}
+  - {{ name: component, path: fixture-forward.wasm }}
+routes:
+  {first}
+  - {{ name: filter, match: {{ path: /filter }}, upstream: app, plugins: [{{ use: bad, config: {filter_config} }}] }}
+  - {{ name: component, match: {{ path: /component }}, upstream: app, plugins: [{{ use: component }}] }}
+"#,
+            app.url()
+        )
+    };
+    let dir = policy_dir(
+        &policy(false, "{ v: 1 }"),
+        &["proxy-wasm-misbehave", "fixture-forward"],
+    );
+    let proxy = ProxyProcess::start_on(dir.path(), &[]).await;
+    // One connection: its requests stay on one worker, so on one VM.
+    let mut conn = client::Connection::open(proxy.addr).await;
+    let get = |path: &str| {
+        Request::get(proxy.url(path))
+            .body(body(Bytes::new()))
+            .unwrap()
+    };
+    for n in 1..=3 {
+        let a = conn.send(get("/filter")).await;
+        assert_eq!(a.header("x-vm-requests"), Some(n.to_string().as_str()));
+        assert_eq!(a.header("x-route-name"), Some("filter"));
+    }
+    assert_eq!(conn.send(get("/component")).await.status, 200);
+    let calls = |status: &serde_json::Value, route: &str| {
+        super::proxy_wasm_isolation::use_field(status, route, "calls")
+    };
+    let reload = |text: String| {
+        std::fs::write(dir.path().join("policy.yaml"), text).unwrap();
+        async {
+            let answer = client::call("POST", &proxy.admin_url("/reload")).await;
+            assert_eq!(answer.json()["result"], "applied", "{:?}", answer.body);
+        }
+    };
+    // A route added before both: the uses are stated as before, so kept.
+    reload(policy(true, "{ v: 1 }")).await;
+    let status = proxy.status().await;
+    assert!(
+        calls(&status, "component") >= Some(1),
+        "kept, with its count: {status:#}"
+    );
+    assert!(
+        calls(&status, "filter") >= Some(3),
+        "kept, with its count: {status:#}"
+    );
+    let a = conn.send(get("/filter")).await;
+    assert_eq!(a.header("x-vm-requests"), Some("4"), "the same VM");
+    assert_eq!(a.header("x-route-name"), Some("filter"), "its route, moved");
+    assert_eq!(conn.send(get("/added")).await.status, 200);
+    // The filter's config changed: its use starts anew (its VMs all
+    // started before the reload answered); the component's is kept.
+    reload(policy(true, "{ v: 2 }")).await;
+    let status = proxy.status().await;
+    assert_eq!(calls(&status, "filter"), Some(0), "{status:#}");
+    assert!(calls(&status, "component") >= Some(1), "{status:#}");
+    let a = conn.send(get("/filter")).await;
+    assert_eq!(a.header("x-vm-requests"), Some("1"), "a fresh VM");
+    assert_eq!(a.header("x-route-name"), Some("filter"));
+}
+
 /// A filter's HTTP call may name an upstream as Istio and Higress name a
 /// service's cluster, `outbound|PORT||HOST` (Higress's filters name every
 /// call so), for any endpoint the upstream has.

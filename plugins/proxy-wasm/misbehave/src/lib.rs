@@ -25,7 +25,9 @@
 //! the response into `x-state-seen`.
 //!
 //! Otherwise it answers with how many requests its VM has seen
-//! (`x-vm-requests`), so a test can tell a fresh VM from the old one.
+//! (`x-vm-requests`), so a test can tell a fresh VM from the old one, and
+//! with the route it was told it is on (`x-route-name`, the `route_name`
+//! property).
 
 use std::cell::Cell;
 use std::time::Duration;
@@ -199,6 +201,10 @@ impl HttpContext for Filter {
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
         self.set_http_response_header("x-vm-requests", Some(&self.seen.to_string()));
+        if let Some(route) = self.get_property(vec!["route_name"]) {
+            let route = String::from_utf8_lossy(&route).into_owned();
+            self.set_http_response_header("x-route-name", Some(&route));
+        }
         if let Some(state) = self.get_property(vec!["x_state"]) {
             let state = String::from_utf8_lossy(&state).into_owned();
             self.set_http_response_header("x-state-seen", Some(&state));

@@ -178,7 +178,7 @@ impl Binding {
                 self.plugin.clone(),
                 self.memory,
                 self.start_timeout,
-                self.route_names.clone(),
+                (self.route_names.clone(), self.route.clone()),
                 self.memory_peak.clone(),
             ),
         );

@@ -65,11 +65,22 @@ impl RequestFacts {
         }
     }
 
+    /// The name of the request's route: `own`, the route of a use on a
+    /// route (which a use kept across a reload knows whatever the route's
+    /// index now), or for a global use the name at its index in `names`.
+    pub fn route_name<'a>(
+        &self,
+        own: Option<&'a Arc<str>>,
+        names: &'a [Arc<str>],
+    ) -> Option<&'a Arc<str>> {
+        own.or_else(|| names.get(self.route))
+    }
+
     /// The route as plugins see it.
-    pub fn route_info(&self, names: &[Arc<str>]) -> RouteInfo {
+    pub fn route_info(&self, own: Option<&Arc<str>>, names: &[Arc<str>]) -> RouteInfo {
         RouteInfo {
-            name: names
-                .get(self.route)
+            name: self
+                .route_name(own, names)
                 .map_or_else(String::new, |n| n.to_string()),
             params: self.params.clone(),
         }

@@ -19,7 +19,9 @@
 //! of plugin implements and the request path calls; `host.rs` the engine
 //! and compile caches, `binding.rs` a component plugin with its config and
 //! its calls, `component.rs` that plugin behind the seam, `chains.rs` the
-//! routes' chains, `facts.rs` what a plugin is told.
+//! routes' chains, `use_binding.rs` one use bound, `kept.rs` the uses a
+//! reload keeps, `facts.rs` what a
+//! plugin is told.
 
 mod bindings;
 mod containment;
@@ -64,6 +66,7 @@ mod chains;
 mod component;
 mod facts;
 mod host;
+mod kept;
 mod proxy_wasm;
 pub use proxy_wasm::{
     HISTOGRAM_BUCKETS as FILTER_HISTOGRAM_BUCKETS, Histogram as FilterHistogram,
@@ -76,6 +79,7 @@ pub mod rollout;
 // calls (http).
 pub mod seam;
 mod shadow;
+mod use_binding;
 mod use_reports;
 
 pub use binding::Binding;

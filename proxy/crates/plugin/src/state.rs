@@ -29,6 +29,8 @@ pub struct State {
     pub request: Option<RequestFacts>,
     /// The config's route names by index.
     route_names: Arc<[Arc<str>]>,
+    /// The route of a use on a route (`None`: the global chain).
+    route: Option<Arc<str>>,
     /// The current request's headers, likewise.
     pub request_headers: http::HeaderMap,
     /// The current response's headers, likewise, during `on-response`.
@@ -43,7 +45,7 @@ impl State {
         plugin: Arc<str>,
         memory: usize,
         timeout: std::time::Duration,
-        route_names: Arc<[Arc<str>]>,
+        (route_names, route): (Arc<[Arc<str>]>, Option<Arc<str>>),
         peak: Arc<AtomicUsize>,
     ) -> State {
         State {
@@ -62,6 +64,7 @@ impl State {
             deadline: CpuDeadline::new(timeout),
             request: None,
             route_names,
+            route,
             request_headers: http::HeaderMap::new(),
             response_headers: http::HeaderMap::new(),
         }
@@ -201,7 +204,7 @@ impl host::Host for State {
 
     fn current_route(&mut self) -> RouteInfo {
         match &self.request {
-            Some(facts) => facts.route_info(&self.route_names),
+            Some(facts) => facts.route_info(self.route.as_ref(), &self.route_names),
             None => super::empty_route(),
         }
     }

@@ -56,10 +56,12 @@ fn the_head_is_built_from_the_facts_as_plugins_see_them() {
 #[test]
 fn the_route_is_named_from_the_config_index() {
     let names: Vec<Arc<str>> = vec!["first".into(), "webhooks".into()];
-    let info = facts("/").route_info(&names);
+    let info = facts("/").route_info(None, &names);
     assert_eq!(info.name, "webhooks");
     assert_eq!(info.params, vec![("name".to_owned(), "hooks".to_owned())]);
     let mut f = facts("/");
     f.route = 7;
-    assert_eq!(f.route_info(&names).name, "");
+    assert_eq!(f.route_info(None, &names).name, "");
+    let own: Arc<str> = "mine".into();
+    assert_eq!(f.route_info(Some(&own), &names).name, "mine");
 }

@@ -231,10 +231,8 @@ pub const MAX_BACKGROUND_CALLOUTS: usize = 100;
 /// runs; past [`MAX_BACKGROUND_CALLOUTS`] in flight, each is answered
 /// as failed instead.
 pub fn send_from_root(filter: &ProxyWasm, home: &super::queue::Home, calls: Vec<(u32, Callout)>) {
-    let (Some(callouts), Ok(runtime)) = (
-        filter.callouts.get().cloned(),
-        tokio::runtime::Handle::try_current(),
-    ) else {
+    let (Some(callouts), Ok(runtime)) = (filter.callouts(), tokio::runtime::Handle::try_current())
+    else {
         if !calls.is_empty() {
             tracing::warn!(plugin = %filter.name, "an HTTP call from a root context outside a worker is not sent");
         }

@@ -181,7 +181,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
 fn open(state: &VmState, token: u32, callout: crate::seam::Callout) -> Option<Stream> {
     let home = state.home.clone();
     let filter = home.filter.upgrade()?;
-    let callouts = filter.callouts.get()?.clone();
+    let callouts = filter.callouts()?;
     let runtime = tokio::runtime::Handle::try_current().ok()?;
     let (sender, body) = stream_body(MAX_QUEUED);
     let (events, mut told) = channel(EVENTS_WAITING);

@@ -42,7 +42,7 @@ mod vms;
 mod wasi;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -91,6 +91,8 @@ pub struct VmState {
     config: Bytes,
     vm_config: Bytes,
     route_names: Arc<[Arc<str>]>,
+    /// The route of a use on a route (`None`: the global chain).
+    route: Option<Arc<str>>,
     /// The policies' upstreams, which `proxy_http_call` may name.
     upstreams: UpstreamNames,
     next_token: u32,
@@ -191,8 +193,9 @@ pub struct ProxyWasm {
     me: Weak<ProxyWasm>,
     /// VMs dropped for a failure in the current second, and when it began.
     restarts: Mutex<(std::time::Instant, u32)>,
-    /// Where its root contexts' HTTP calls go.
-    callouts: OnceLock<Arc<dyn seam::Callouts>>,
+    /// Where its root contexts' HTTP calls go: the pools of the newest
+    /// pipeline it is in (a use kept across a reload is in two).
+    callouts: Mutex<Option<Arc<dyn seam::Callouts>>>,
 }
 
 /// The most VMs a use starts again in a second after failures: a filter
@@ -294,7 +297,7 @@ impl ProxyWasm {
             generations: AtomicU64::new(0),
             me: Weak::new(),
             restarts: Mutex::new((std::time::Instant::now(), 0)),
-            callouts: OnceLock::new(),
+            callouts: Mutex::new(None),
         };
         let filter = Arc::new_cyclic(|me| ProxyWasm {
             me: me.clone(),
@@ -309,6 +312,16 @@ impl ProxyWasm {
 }
 
 use crate::containment::count;
+
+impl ProxyWasm {
+    /// Where its calls outside requests go now.
+    fn callouts(&self) -> Option<Arc<dyn seam::Callouts>> {
+        self.callouts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
 
 fn stream_of(shard: usize, generation: u64, id: u32) -> Stream {
     stream(shard, generation, id)
@@ -495,7 +508,7 @@ impl seam::Plugin for ProxyWasm {
     }
 
     fn set_callouts(&self, callouts: Arc<dyn seam::Callouts>) {
-        let _ = self.callouts.set(callouts);
+        *self.callouts.lock().unwrap_or_else(|p| p.into_inner()) = Some(callouts);
     }
 
     fn end(&self, stream: Stream) {

@@ -54,7 +54,7 @@ pub fn get(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
         [b"connection", b"mtls"] => Some(vec![u8::from(call.facts()?.client_cert.is_some())]),
         [b"route_name"] => {
             let facts = call.facts()?;
-            text(state.route_names.get(facts.route)?)
+            text(facts.route_name(state.route.as_ref(), &state.route_names)?)
         }
         _ => {
             let value = state.filter_state.get(state.context, path)?;

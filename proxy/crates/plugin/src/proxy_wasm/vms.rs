@@ -137,6 +137,7 @@ impl ProxyWasm {
             config: self.config.clone(),
             vm_config: self.vm_config.clone(),
             route_names: self.route_names.clone(),
+            route: self.route.clone(),
             upstreams: self.upstreams.clone(),
             next_token: 1,
             limits: MemoryCap::new(self.memory, self.memory_peak.clone()),
