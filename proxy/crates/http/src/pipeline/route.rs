@@ -8,7 +8,7 @@ impl Pipeline {
     /// The routing core's "route, plugins, forward": the head checked,
     /// the route found, its guards (rate limit, body limit, auth service)
     /// and plugins run, then its action: forwarded, or answered here.
-    /// Past 100 lines for one reason: the upstream exchange is awaited in
+    /// Near 100 lines for one reason: the upstream exchange is awaited in
     /// this future itself (see the forward step).
     pub(super) async fn route_and_serve<B>(
         &self,
@@ -23,19 +23,9 @@ impl Pipeline {
         let done = |resp| (resp, forward::Held::default());
         let (mut parts, body) = req.into_parts();
         let origin = parts.headers.get(header::ORIGIN).cloned();
-        if request_head::head_size(&parts) > conn.listener.max_request_header_size {
-            let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
-            return done(error_response(
-                status,
-                "request header too large",
-                None,
-                None,
-            ));
-        }
-        let host = match request_head::admit_head(parts.version, &parts.uri, &parts.headers, &body)
-        {
+        let host = match admit(&parts, &body, conn) {
             Ok(host) => host,
-            Err(refused) => return done(refused_response(&refused)),
+            Err(resp) => return done(resp),
         };
         let Some(path) = request_head::normalize_path(parts.uri.path()) else {
             return done(error_response(
@@ -480,4 +470,26 @@ pub(super) fn redirect_to(
         to.push_str(query);
     }
     HeaderValue::from_str(&to).ok()
+}
+
+/// The request head admitted (its size, its host and its body's coding
+/// as RFC 9112 wants them): its host, or the client's error.
+#[allow(clippy::result_large_err)] // unboxed as everywhere on this path
+#[inline]
+fn admit<'a, B: http_body::Body>(
+    parts: &'a http::request::Parts,
+    body: &B,
+    conn: &ConnInfo,
+) -> Result<Option<std::borrow::Cow<'a, str>>, Response<Body>> {
+    if request_head::head_size(parts) > conn.listener.max_request_header_size {
+        let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+        return Err(error_response(
+            status,
+            "request header too large",
+            None,
+            None,
+        ));
+    }
+    request_head::admit_head(parts.version, &parts.uri, &parts.headers, body)
+        .map_err(|refused| refused_response(&refused))
 }
