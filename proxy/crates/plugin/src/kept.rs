@@ -112,7 +112,93 @@ pub fn note(key: Key, plugin: &Arc<dyn Plugin>) {
 
 #[cfg(test)]
 mod tests {
-    use super::Key;
+    use super::{Key, key_of};
+    use portcullis_config::Config;
+
+    /// Policies with `routes` (YAML list items) over one upstream and
+    /// the module `p` (its bytes `module`).
+    fn policies(routes: &str, module: &[u8], global: &str) -> Config {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("p.wasm"), module).unwrap();
+        let yaml = format!(
+            "listeners: [{{ name: l, bind: \"127.0.0.1:0\" }}]\n\
+             upstreams: [{{ name: app, endpoints: [\"http://127.0.0.1:9\"] }}]\n\
+             plugins: [{{ name: p, path: p.wasm }}]\n{global}\
+             routes:\n{routes}"
+        );
+        std::fs::write(dir.path().join("policy.yaml"), yaml).unwrap();
+        portcullis_config::load_dir(dir.path()).unwrap()
+    }
+
+    /// The key of the use on route `route` (`None`: the first global use).
+    fn key(config: &Config, route: Option<&str>, filter: bool) -> Key {
+        let u = match route {
+            Some(name) => {
+                &config
+                    .routes
+                    .iter()
+                    .find(|r| &*r.name == name)
+                    .unwrap()
+                    .plugins[0]
+            }
+            None => &config.global_plugins[0],
+        };
+        let routes: Vec<std::sync::Arc<str>> =
+            config.routes.iter().map(|r| r.name.clone()).collect();
+        let upstreams: crate::proxy_wasm::UpstreamNames = config
+            .upstreams
+            .iter()
+            .map(|u| (u.name.clone(), u.name.clone()))
+            .collect();
+        let module = &config.plugins[u.plugin];
+        key_of(module, u, (route, &routes), filter.then_some(&upstreams))
+    }
+
+    const WASM: &[u8] = b"\0asm\x01\0\0\0";
+    const USE: &str = "  - { name: a, match: { path: /a }, upstream: app, plugins: [{ use: p, config: { x: 1 } }] }\n";
+    const OTHER: &str = "  - { name: b, match: { path: /b }, upstream: app }\n";
+
+    /// What keeps a use across a reload, and what does not.
+    #[test]
+    fn a_use_is_kept_by_what_it_is_built_from() {
+        let base = key(&policies(USE, WASM, ""), Some("a"), true);
+        // A route added before it: the same use.
+        let moved = policies(&format!("{OTHER}{USE}"), WASM, "");
+        assert_eq!(key(&moved, Some("a"), true), base);
+        // Its config, budget, fail mode or module changed: another.
+        for (routes, module) in [
+            (USE.replace("x: 1", "x: 2"), WASM.to_vec()),
+            (
+                USE.replace("config:", "timeout: 7ms, config:"),
+                WASM.to_vec(),
+            ),
+            (
+                USE.replace("config:", "start_timeout: 3s, config:"),
+                WASM.to_vec(),
+            ),
+            (
+                USE.replace("config:", "memory: 3MiB, config:"),
+                WASM.to_vec(),
+            ),
+            (USE.replace("config:", "fail: open, config:"), WASM.to_vec()),
+            (USE.to_owned(), [WASM, b"\0"].concat()),
+        ] {
+            assert_ne!(
+                key(&policies(&routes, &module, ""), Some("a"), true),
+                base,
+                "{routes}"
+            );
+        }
+        // A global use names a request's route by index: every route counts.
+        let global = "global_plugins: [{ use: p }]\n";
+        let one = key(&policies(OTHER, WASM, global), None, false);
+        let two = key(
+            &policies(&format!("{OTHER}{USE}"), WASM, global),
+            None,
+            false,
+        );
+        assert_ne!(one, two);
+    }
 
     #[test]
     fn parts_are_told_apart_by_their_lengths() {
