@@ -131,6 +131,9 @@ def main():
             runs.sort(key=lambda r: sum(r.values()))
             per_request[path] = runs[len(runs) // 2]
             spread[path] = (sum(runs[0].values()), sum(runs[-1].values()))
+    if os.environ.get("BASE_BIN"):
+        compare_builds(os.environ["BASE_BIN"], binary, per_request, (policies, port, token, n, top, repeat))
+        return
     base = paths[0]
     base_total = sum(per_request[base].values())
     print(f"{'path':<10} {'instructions/request':>21} {'vs ' + base:>12}   runs from-to")
@@ -145,6 +148,32 @@ def main():
         print(f"\n{path}: the {top} functions adding most over {base} (??? = JIT-compiled plugin code)")
         for f, v in added.most_common(top):
             print(f"{v:>8,.0f}  {f[:110]}")
+
+
+def compare_builds(base_bin, binary, per_request, how):
+    """BASE_BIN: each path counted again with that binary, in the same
+    sitting (two sittings of one binary can differ by ~60 on /plain), and
+    the functions whose counts moved most between the two."""
+    policies, port, token, n, top, repeat = how
+    print(f"{'path':<10} {'BASE_BIN':>12} {'this build':>12} {'change':>9}")
+    moved = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for path, mine in per_request.items():
+            runs = []
+            for _ in range(repeat):
+                warm = run(base_bin, policies, port, token, path, WARM, scratch)
+                full = run(base_bin, policies, port, token, path, WARM + n, scratch)
+                runs.append({f: (full[f] - warm[f]) / n for f in set(warm) | set(full)})
+            runs.sort(key=lambda r: sum(r.values()))
+            theirs = runs[len(runs) // 2]
+            a, b = sum(theirs.values()), sum(mine.values())
+            print(f"{path:<10} {a:>12,.0f} {b:>12,.0f} {(b - a) / a:>+9.2%}")
+            moved[path] = collections.Counter(
+                {f: mine.get(f, 0) - theirs.get(f, 0) for f in set(mine) | set(theirs)})
+    for path, by_fn in moved.items() if top > 0 else []:
+        print(f"\n{path}: the {top} functions that moved most")
+        for f, v in sorted(by_fn.items(), key=lambda kv: -abs(kv[1]))[:top]:
+            print(f"{v:>+8,.0f}  {f[:110]}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 #
 #   bench/instructions.sh              # /plain, /key, /auth; 2000 requests, median of 3
 #   REQUESTS=5000 REPEAT=5 TOP=20 PATHS="/plain /verify" bench/instructions.sh
+#   BASE_BIN=/tmp/portcullis-before PATHS=/plain bench/instructions.sh   # two builds, one sitting
 #
 # Routes as in bench/plugins.sh (one nginx worker upstream):
 #   /plain  no plugin;  /key  the SDK example (header-only API-key check);
@@ -18,7 +19,8 @@
 # so instances are allocated on demand (the proxy warns); calls on reused
 # instances, which is what is counted, are the same.
 # Instructions are not time: cache misses and system calls are not in
-# them. TOP lists the functions that add most over /plain.
+# them. TOP lists the functions that add most over /plain (with BASE_BIN:
+# those that moved most between the two builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
