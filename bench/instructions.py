@@ -116,23 +116,30 @@ def run(binary, policies, port, token, path, n, scratch):
     return counts(out)
 
 
+def counted(binary, setup, path, scratch):
+    """`path`'s instructions per request by function with `binary`: the
+    median of `repeat` runs (by total), and the lowest and highest totals."""
+    policies, port, token, n, repeat = setup
+    runs = []
+    for _ in range(repeat):
+        warm = run(binary, policies, port, token, path, WARM, scratch)
+        full = run(binary, policies, port, token, path, WARM + n, scratch)
+        runs.append({f: (full[f] - warm[f]) / n for f in set(warm) | set(full)})
+    runs.sort(key=lambda r: sum(r.values()))
+    return runs[len(runs) // 2], (sum(runs[0].values()), sum(runs[-1].values()))
+
+
 def main():
     binary, policies, port, token, n, top, repeat = sys.argv[1:8]
     port, n, top, repeat = int(port), int(n), int(top), int(repeat)
     paths = sys.argv[8:]
+    setup = (policies, port, token, n, repeat)
     per_request, spread = {}, {}
     with tempfile.TemporaryDirectory() as scratch:
         for path in paths:
-            runs = []
-            for _ in range(repeat):
-                warm = run(binary, policies, port, token, path, WARM, scratch)
-                full = run(binary, policies, port, token, path, WARM + n, scratch)
-                runs.append({f: (full[f] - warm[f]) / n for f in set(warm) | set(full)})
-            runs.sort(key=lambda r: sum(r.values()))
-            per_request[path] = runs[len(runs) // 2]
-            spread[path] = (sum(runs[0].values()), sum(runs[-1].values()))
+            per_request[path], spread[path] = counted(binary, setup, path, scratch)
     if os.environ.get("BASE_BIN"):
-        compare_builds(os.environ["BASE_BIN"], binary, per_request, (policies, port, token, n, top, repeat))
+        compare_builds(os.environ["BASE_BIN"], per_request, setup, top)
         return
     base = paths[0]
     base_total = sum(per_request[base].values())
@@ -150,22 +157,15 @@ def main():
             print(f"{v:>8,.0f}  {f[:110]}")
 
 
-def compare_builds(base_bin, binary, per_request, how):
+def compare_builds(base_bin, per_request, setup, top):
     """BASE_BIN: each path counted again with that binary, in the same
     sitting (two sittings of one binary can differ by ~60 on /plain), and
     the functions whose counts moved most between the two."""
-    policies, port, token, n, top, repeat = how
     print(f"{'path':<10} {'BASE_BIN':>12} {'this build':>12} {'change':>9}")
     moved = {}
     with tempfile.TemporaryDirectory() as scratch:
         for path, mine in per_request.items():
-            runs = []
-            for _ in range(repeat):
-                warm = run(base_bin, policies, port, token, path, WARM, scratch)
-                full = run(base_bin, policies, port, token, path, WARM + n, scratch)
-                runs.append({f: (full[f] - warm[f]) / n for f in set(warm) | set(full)})
-            runs.sort(key=lambda r: sum(r.values()))
-            theirs = runs[len(runs) // 2]
+            theirs, _ = counted(base_bin, setup, path, scratch)
             a, b = sum(theirs.values()), sum(mine.values())
             print(f"{path:<10} {a:>12,.0f} {b:>12,.0f} {(b - a) / a:>+9.2%}")
             moved[path] = collections.Counter(
