@@ -19,7 +19,7 @@ use http::{Method, Request, StatusCode};
 use hyper::body::Incoming;
 
 use crate::reload::{Outcome, Reloader, Trigger};
-use portcullis_http::forward::UpstreamPool;
+use portcullis_forward::UpstreamPool;
 use portcullis_obs::admin_answer::{Answer, json, method_not_allowed, metric, prometheus};
 use portcullis_obs::admin_http::serve_with;
 

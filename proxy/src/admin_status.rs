@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::reload::Reloader;
-use portcullis_http::forward::UpstreamPool;
+use portcullis_forward::UpstreamPool;
 use portcullis_obs::admin_answer::rfc3339;
 
 /// The `/status` answer.

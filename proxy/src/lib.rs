@@ -1,7 +1,8 @@
 //! Portcullis: a WebAssembly-extensible edge proxy. This crate is the
 //! binary's own part (commands, the admin listener and its status,
 //! reloads) over the crates in `proxy/crates/`, lowest first:
-//! `portcullis-net`, `-config`, `-obs`, `-plugin` (the only one that links
+//! `portcullis-net`, `-config`, `-obs`, `-forward` (upstreams and the body
+//! type), `-plugin` (the only one that links
 //! wasmtime), `-http` (the request path) and `-tunnel`. See
 //! docs/architecture.md for what each owns and one request's path.
 //!
@@ -30,7 +31,8 @@ pub mod state_flags;
 // crate, and nothing more: the other crates' modules are reached through
 // those crates.
 pub use portcullis_config as config;
-pub use portcullis_http::{chain, forward, request_head, server};
+pub use portcullis_forward as forward;
+pub use portcullis_http::{chain, request_head, server};
 pub use portcullis_net::{
     cert_expiry, cert_identity, der, framing, handshake_head, proxy_protocol, worker_idle,
 };

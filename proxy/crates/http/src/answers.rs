@@ -7,10 +7,10 @@ use std::time::Duration;
 use http::header::{self, HeaderValue};
 use http::{Response, StatusCode, Version};
 
-use crate::body::Body;
 use crate::conn_info::ConnInfo;
 use crate::request_head;
 use portcullis_config::{Cors, Route};
+use portcullis_forward::Body;
 
 /// Builds the JSON error answer the proxy gives on its own behalf.
 pub fn error_response(

@@ -26,10 +26,10 @@ use http_body_util::BodyExt;
 
 use crate::answers::error_response;
 use crate::auth_cache::AuthCache;
-use crate::body::Body;
 use crate::conn_info::ConnInfo;
-use crate::forward::{self, Outgoing, UpstreamPool};
 use portcullis_config::{AuthRequest, Route};
+use portcullis_forward::Body;
+use portcullis_forward::{self as forward, Outgoing, UpstreamPool};
 
 /// The most of an auth service's answer body kept (to pass on, or to
 /// read an allowing answer to its end so its connection is reused).

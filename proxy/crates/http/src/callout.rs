@@ -12,8 +12,8 @@ use http_body_util::BodyExt;
 use portcullis_plugin::seam::{Callout, CalloutAnswer, MAX_CALLOUT_BODY, StreamEvent};
 use tokio::sync::mpsc::Sender;
 
-use crate::body::Body;
-use crate::forward::{Outgoing, UpstreamPool};
+use portcullis_forward::Body;
+use portcullis_forward::{Outgoing, UpstreamPool};
 
 /// The request `c` is (its body `streamed`, if given); why not, when it
 /// cannot be sent through `pool`.
@@ -190,7 +190,7 @@ struct Sent(portcullis_plugin::stream_body::StreamBody);
 
 impl http_body::Body for Sent {
     type Data = Bytes;
-    type Error = crate::body::BodyError;
+    type Error = portcullis_forward::BodyError;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,

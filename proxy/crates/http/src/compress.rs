@@ -20,8 +20,8 @@ use http::header::{self, HeaderMap, HeaderValue};
 use http::{Response, StatusCode};
 use http_body::{Body as _, Frame};
 
-use crate::body::{Body, BodyError};
 pub use portcullis_config::{Compression, DEFAULT_BROTLI};
+use portcullis_forward::{Body, BodyError};
 
 /// brotli's window: 256 KiB, not its 4 MiB default, which it would
 /// allocate per response in flight.

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use http::HeaderValue;
 
-use crate::client_watch::ClientSocket;
-use crate::forward;
 use portcullis_config::Listener;
+use portcullis_forward as forward;
+use portcullis_forward::client_watch::ClientSocket;
 
 /// What the pipeline knows about the connection a request came on.
 #[derive(Debug)]

@@ -20,7 +20,7 @@ use hyper::rt::bounds::Http2ServerConnExec;
 use hyper::service::HttpService;
 use hyper_util::rt::TokioExecutor;
 
-use crate::body::ResponseBody;
+use portcullis_forward::ResponseBody;
 use portcullis_net::drain::{Connections, Retire};
 use portcullis_net::h1_or_h2::Builder;
 use portcullis_net::head_deadline::{self, Ended, HeadClock, Watched};

@@ -15,7 +15,7 @@
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Response, StatusCode};
 
-use crate::body::Body;
+use portcullis_forward::Body;
 
 /// Marks a response the proxy made for an error, with its message, and
 /// the gRPC status it gets (none: the HTTP status's mapping).

@@ -1,8 +1,9 @@
 //! The request path: one [`pipeline::Pipeline`] per configuration,
 //! shared by every listener (accept, route, plugins, forward, respond),
 //! the route features (compression, rate limits, mirrors, auth requests)
-//! with their live state ([`route_state`]), and forwarding to upstreams
-//! ([`forward`]: pools, balancing, retries, upgrades). [`server`] runs the
+//! with their live state ([`route_state`]), over the forwarding to
+//! upstreams below it (portcullis-forward: pools, balancing, retries,
+//! upgrades, the body type). [`server`] runs the
 //! routing core's listeners over it.
 
 // Public: the proxy's own answers (JSON errors), also the tunnel server's
@@ -11,16 +12,9 @@ pub mod answers;
 mod auth_cache;
 // Public: an auth request's settings, checked by the config (config).
 pub mod auth_request;
-// Public: the request path's body type, which the tunnel server's public side
-// carries (tunnel).
-pub mod body;
-mod body_progress;
 mod callout;
 // Public: the plugin chain's driver, for its fuzz target (fuzz).
 pub mod chain;
-mod client_watch;
-// Public: the trace collector the request path implements for obs (obs).
-pub mod collector;
 mod compress;
 // Public: what a connection tells its requests, made by the tunnel server too
 // (tunnel).
@@ -29,9 +23,6 @@ pub mod conn_info;
 // server (tunnel).
 pub mod connection;
 mod discovery;
-// Public: forwarding to upstreams, used by the tunnel server, the binary,
-// tests and fuzz targets (bin, fuzz, tests, tunnel).
-pub mod forward;
 mod grpc_local;
 // Public: HTTP/3 serving, one copy for the routing core's listeners and the
 // tunnel server's public side (tunnel).
@@ -54,4 +45,3 @@ pub mod server;
 // Public: limits shared between proxies through Redis, set up by the binary
 // (bin).
 pub mod shared_limit;
-mod tee;

@@ -7,8 +7,8 @@
 //!
 //! Bodies: one in hand (a known length up to 64 KiB, read before
 //! forwarding, as for retries) is sent to both; a longer or streamed one
-//! is copied frame by frame as the upstream reads it ([`crate::tee`]),
-//! and the copy is cut (the mirror's request ends unfinished) if the
+//! is copied frame by frame as the upstream reads it (`Body::tee`), and
+//! the copy is cut (the mirror's request ends unfinished) if the
 //! mirror falls 256 KiB behind: the client's upload never waits on it.
 
 use std::sync::Arc;
@@ -18,8 +18,8 @@ use std::time::Duration;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, Method};
 
-use crate::body::Body;
-use crate::forward::{Outgoing, UpstreamPool};
+use portcullis_forward::Body;
+use portcullis_forward::{Outgoing, UpstreamPool};
 
 /// Mirrored requests in flight per route beyond which more are skipped:
 /// a mirror that stops answering must not pile up requests here.
@@ -130,8 +130,8 @@ pub async fn copy(
     (method, path, headers): (&Method, &PathAndQuery, &HeaderMap),
     mut body: Body,
     timeout: Duration,
-) -> Result<Body, crate::forward::ForwardError> {
-    use crate::forward::{MAX_BUFFERED_BODY, is_websocket_upgrade, read_small_body};
+) -> Result<Body, portcullis_forward::ForwardError> {
+    use portcullis_forward::{MAX_BUFFERED_BODY, is_websocket_upgrade, read_small_body};
     if is_websocket_upgrade(headers) {
         mirror.skip();
         return Ok(body);

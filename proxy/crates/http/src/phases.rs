@@ -26,10 +26,10 @@ use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, Version};
 
 use crate::answers::bodiless_answer;
-use crate::body::{Body, ResponseBody};
-use crate::client_watch::ClientSocket;
-use crate::forward::{Held, UpstreamPool};
 use portcullis_config::{RequestIds, Tracing};
+use portcullis_forward::client_watch::ClientSocket;
+use portcullis_forward::{Body, ResponseBody};
+use portcullis_forward::{Held, UpstreamPool};
 use portcullis_net::client_cert::ClientCertificate;
 use portcullis_obs::metrics::{self, RouteStats};
 use portcullis_obs::otlp::{Arrival, Recording};

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 pub use portcullis_config::LimitKey;
 use portcullis_config::RateLimitSpec;
+use portcullis_net::request_key::ip_key;
 
 /// Shards of a keyed limit's table.
 const SHARDS: usize = 16;
@@ -253,20 +254,6 @@ pub fn retry_after(headers: &mut http::HeaderMap, wait: Duration) {
         http::header::RETRY_AFTER,
         http::HeaderValue::from(seconds.max(1)),
     );
-}
-
-/// The key bytes of the client address `ip`.
-pub fn ip_key(ip: IpAddr, buf: &mut [u8; 16]) -> &[u8] {
-    match ip.to_canonical() {
-        IpAddr::V4(v4) => {
-            buf[..4].copy_from_slice(&v4.octets());
-            &buf[..4]
-        }
-        IpAddr::V6(v6) => {
-            *buf = v6.octets();
-            &buf[..]
-        }
-    }
 }
 
 #[cfg(test)]

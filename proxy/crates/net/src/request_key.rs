@@ -1,6 +1,9 @@
 //! What splits requests by a key of theirs (upstream affinity, a plugin
-//! rollout): a cookie's value, and a stable hash of a key spread over 64
-//! bits, the same in every replica and every run.
+//! rollout, a rate limit): a cookie's value, a client address's key
+//! bytes, and a stable hash of a key spread over 64 bits, the same in
+//! every replica and every run.
+
+use std::net::IpAddr;
 
 use http::HeaderMap;
 
@@ -31,4 +34,18 @@ pub fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+/// The key bytes of the client address `ip`.
+pub fn ip_key(ip: IpAddr, buf: &mut [u8; 16]) -> &[u8] {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => {
+            buf[..4].copy_from_slice(&v4.octets());
+            &buf[..4]
+        }
+        IpAddr::V6(v6) => {
+            *buf = v6.octets();
+            &buf[..]
+        }
+    }
 }

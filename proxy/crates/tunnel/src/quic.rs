@@ -25,7 +25,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
 use super::{Hello, Refused};
-use portcullis_http::body::Body;
+use portcullis_forward::Body;
 
 /// The ALPN protocol both ends speak, so a QUIC client of something else
 /// (an HTTP/3 browser) is refused in the TLS handshake.
@@ -237,7 +237,7 @@ impl ServerTunnel {
             .max_headers(MAX_FIELDS)
             .handshake::<_, Body>(stream_io(send, recv))
             .await
-            .map_err(|e| portcullis_http::forward::error_chain(&e))?;
+            .map_err(|e| portcullis_forward::error_chain(&e))?;
         tokio::spawn(async move {
             // Errors reach the response or its body; this only drives it.
             let _ = conn.with_upgrades().await;
@@ -245,7 +245,7 @@ impl ServerTunnel {
         let mut resp = sender
             .send_request(req)
             .await
-            .map_err(|e| portcullis_http::forward::error_chain(&e))?;
+            .map_err(|e| portcullis_forward::error_chain(&e))?;
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             *resp.status_mut() = StatusCode::OK;
         }
@@ -526,7 +526,7 @@ const GRPC_TRAILERS: &str = "grpc-status, grpc-message, grpc-status-details-bin"
 /// wants before it sends any (hyper drops undeclared ones), where HTTP/2
 /// sends them undeclared: gRPC's status for a gRPC response that does not
 /// declare its own. The tunnel server drops the header again (hop-by-hop).
-pub fn declare_trailers(resp: &mut Response<portcullis_http::body::ResponseBody>) {
+pub fn declare_trailers(resp: &mut Response<portcullis_forward::ResponseBody>) {
     use http::header::{CONTENT_LENGTH, CONTENT_TYPE, TRAILER};
     let headers = resp.headers();
     let grpc = headers
@@ -544,7 +544,7 @@ pub async fn serve_stream<S>(io: StreamIo, service: S) -> Result<(), hyper::Erro
 where
     S: hyper::service::Service<
             Request<Incoming>,
-            Response = Response<portcullis_http::body::ResponseBody>,
+            Response = Response<portcullis_forward::ResponseBody>,
         >,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     S::Future: Send + 'static,

@@ -49,7 +49,7 @@ async fn read_body(
             Err((StatusCode::PAYLOAD_TOO_LARGE, FOR_THE_PLUGIN))
         }
         // The route's own limit, below the plugin's.
-        Some(Err(e)) if e.is::<crate::body::TooLarge>() => {
+        Some(Err(e)) if e.is::<portcullis_forward::TooLarge>() => {
             Err((StatusCode::PAYLOAD_TOO_LARGE, "request body too large"))
         }
         Some(Err(_)) => Err((StatusCode::BAD_REQUEST, "request body could not be read")),

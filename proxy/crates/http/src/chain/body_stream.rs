@@ -23,7 +23,7 @@ use bytes::BytesMut;
 use http_body::Frame;
 
 use super::*;
-use crate::body::BodyError;
+use portcullis_forward::BodyError;
 
 /// What stopped a request body once its head had gone, for the answer.
 enum Stopped {

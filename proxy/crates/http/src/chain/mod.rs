@@ -20,9 +20,9 @@ use http::header;
 use http::uri::PathAndQuery;
 use http::{Response, StatusCode};
 
-use crate::body::Body;
 use crate::conn_info::ConnInfo;
 use portcullis_config::{Config, FailMode, Route};
+use portcullis_forward::Body;
 use portcullis_plugin::{
     self as plugin, LocalAnswer, Plugin, PluginError, RequestFacts, ResponseVerdict, Verdict,
 };

@@ -8,7 +8,7 @@ use bytes::{Buf, Bytes};
 use http_body::Frame;
 
 use super::FIRST_REQUEST_TIMEOUT;
-use crate::body::{Body, BodyError};
+use portcullis_forward::{Body, BodyError};
 
 type RecvStream = h3::server::RequestStream<h3_quinn::RecvStream, Bytes>;
 

@@ -24,7 +24,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::body::{Body, ResponseBody};
+use portcullis_forward::{Body, ResponseBody};
 
 /// Time a new connection has for its handshake and then again for its
 /// first request, as a TCP connection has for its first head: one that

@@ -20,12 +20,12 @@ use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode, Version};
 use tokio_util::task::TaskTracker;
 
-use crate::body::{Body, ResponseBody};
-use crate::client_watch::ClientSocket;
-use crate::forward::{self, ForwardError, Outgoing, UpstreamPool};
 use crate::route_state::{self, RouteState};
 use crate::{chain, request_head};
 use portcullis_config::{Action, Config, PathRewrite, Probe, Route, Upstream};
+use portcullis_forward::client_watch::ClientSocket;
+use portcullis_forward::{self as forward, ForwardError, Outgoing, UpstreamPool};
+use portcullis_forward::{Body, ResponseBody};
 use portcullis_obs::metrics;
 use portcullis_obs::telemetry::AccessLog;
 use portcullis_plugin as plugin;

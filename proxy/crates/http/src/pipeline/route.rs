@@ -301,9 +301,13 @@ impl Pipeline {
                             };
                             let call = std::pin::pin!(self.callout(conn, request));
                             let watch = watchable(conn, version);
-                            match crate::client_watch::exchange(call, timeout, watch, None).await {
+                            match portcullis_forward::client_watch::exchange(
+                                call, timeout, watch, None,
+                            )
+                            .await
+                            {
                                 Ok(answer) => answer,
-                                Err(crate::client_watch::Cut::ClientGone) => {
+                                Err(portcullis_forward::client_watch::Cut::ClientGone) => {
                                     let e = ForwardError::ClientGone;
                                     let resp = error_response(
                                         e.status(),

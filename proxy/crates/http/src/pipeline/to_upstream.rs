@@ -257,6 +257,9 @@ impl Pipeline {
 }
 
 /// The upstream's answer as [`Pipeline::upstream_answer`] leaves it.
+// The large variant is the one nearly every request takes: boxing it to
+// even the sizes out would allocate per request.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Answered<'c> {
     /// Ready to send.
     Ready((Response<Body>, forward::Held)),

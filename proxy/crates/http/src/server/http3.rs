@@ -124,7 +124,7 @@ fn conn_info(conn: &quinn::Connection, settings: &ListenerSettings, worker: usiz
         });
     ConnInfo {
         client,
-        client_ip: crate::forward::client_ip_header(client.ip()),
+        client_ip: portcullis_forward::client_ip_header(client.ip()),
         listener: settings.spec.clone(),
         tls: true,
         // QUIC has no other.
@@ -150,8 +150,8 @@ struct Client {
 impl http3::Respond for Client {
     fn respond(
         &self,
-        req: Request<crate::body::Body>,
-    ) -> impl Future<Output = hyper::Response<crate::body::ResponseBody>> + Send {
+        req: Request<portcullis_forward::Body>,
+    ) -> impl Future<Output = hyper::Response<portcullis_forward::ResponseBody>> + Send {
         let pipeline = crate::pipeline::current(&self.pipeline);
         let conn = self.conn.clone();
         async move {

@@ -25,9 +25,9 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::client_watch::ClientSocket;
 use crate::pipeline::{ConnInfo, Pipeline, Shared};
 use portcullis_config::{Config, Listener};
+use portcullis_forward::client_watch::ClientSocket;
 use portcullis_net::balance::{Accepting, Balance, Counted, Handoff};
 use portcullis_net::drain::Connections;
 use portcullis_net::h1_or_h2;

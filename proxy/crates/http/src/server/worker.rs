@@ -305,7 +305,7 @@ pub(super) fn serve_connection<S>(
     );
     let conn = Arc::new(ConnInfo {
         client,
-        client_ip: crate::forward::client_ip_header(client.ip()),
+        client_ip: portcullis_forward::client_ip_header(client.ip()),
         listener: settings.spec.clone(),
         tls: tls.is_some(),
         tls_version: tls.as_ref().and_then(|t| t.version),

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{BoxIo, Hello};
 use portcullis_config::Listener;
-use portcullis_http::body::{Body, ResponseBody};
+use portcullis_forward::{Body, ResponseBody};
 use portcullis_http::conn_info::ConnInfo;
 use portcullis_http::server::WorkerContext;
 
@@ -233,7 +233,7 @@ impl Dialer {
                 settings.ca_certs = portcullis_net::pem::certificates(ca)
                     .map_err(|e| anyhow::anyhow!("--ca: {e}"))?;
             }
-            Some(portcullis_http::forward::client_tls_config(&settings))
+            Some(portcullis_forward::client_tls_config(&settings))
         } else {
             None
         };

@@ -33,7 +33,7 @@ pub(super) async fn serve(
         r = conn.as_mut() => {
             return match r {
                 Ok(()) => "the server closed the tunnel".into(),
-                Err(e) => portcullis_http::forward::error_chain(&e),
+                Err(e) => portcullis_forward::error_chain(&e),
             };
         }
         _ = ctx.stop.cancelled() => {}
@@ -161,7 +161,7 @@ pub(super) async fn handle(
         .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
     let conn = ConnInfo {
         client,
-        client_ip: portcullis_http::forward::client_ip_header(client.ip()),
+        client_ip: portcullis_forward::client_ip_header(client.ip()),
         listener: dialer.listener.clone(),
         tls: false,
         tls_version: None,

@@ -98,12 +98,7 @@ impl Link {
         let (send, connection) = crate::h2_client()
             .handshake(TokioIo::new(io))
             .await
-            .map_err(|e| {
-                format!(
-                    "HTTP/2 handshake: {}",
-                    portcullis_http::forward::error_chain(&e)
-                )
-            })?;
+            .map_err(|e| format!("HTTP/2 handshake: {}", portcullis_forward::error_chain(&e)))?;
         let addr = self.addr.clone();
         tokio::spawn(async move {
             if let Err(e) = connection.await {
@@ -120,7 +115,7 @@ impl Link {
         sender
             .ready()
             .await
-            .map_err(|e| portcullis_http::forward::error_chain(&e))?;
+            .map_err(|e| portcullis_forward::error_chain(&e))?;
         Ok(sender)
     }
 
@@ -136,6 +131,6 @@ impl Link {
         sender
             .send_request(req)
             .await
-            .map_err(|e| portcullis_http::forward::error_chain(&e))
+            .map_err(|e| portcullis_forward::error_chain(&e))
     }
 }

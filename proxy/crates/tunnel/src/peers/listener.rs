@@ -20,9 +20,7 @@ pub(crate) async fn listen<F, Fut>(
     stop: CancellationToken,
 ) where
     F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Response<portcullis_http::body::ResponseBody>>
-        + Send
-        + 'static,
+    Fut: std::future::Future<Output = Response<portcullis_forward::ResponseBody>> + Send + 'static,
 {
     // Peers speak HTTP/2; HTTP/1.1 is served too, only so that someone
     // trying the port by hand (curl) gets the 401 that says what it is,
@@ -100,7 +98,7 @@ pub(super) async fn serve<S, Svc>(
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     Svc: hyper::service::Service<
             Request<Incoming>,
-            Response = Response<portcullis_http::body::ResponseBody>,
+            Response = Response<portcullis_forward::ResponseBody>,
             Error = std::convert::Infallible,
         > + Send
         + 'static,

@@ -33,7 +33,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use portcullis_http::body::Body;
+use portcullis_forward::Body;
 
 pub mod directory;
 mod link;

@@ -144,7 +144,7 @@ pub(super) async fn serve_tunnel(
         match conn.await {
             Ok(()) => End::Closed,
             // With its causes: hyper names only its own layer.
-            Err(e) => End::Lost(portcullis_http::forward::error_chain(&e)),
+            Err(e) => End::Lost(portcullis_forward::error_chain(&e)),
         }
     };
     run_tunnel(

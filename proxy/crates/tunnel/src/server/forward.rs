@@ -1,7 +1,7 @@
-//! A public request's route and forward: its host names the runtime, and the core's forward phase carries it (`portcullis_http::forward::carried`) through the runtime's tunnel here, or a peer replica holding one.
+//! A public request's route and forward: its host names the runtime, and the core's forward phase carries it (`portcullis_forward::carried`) through the runtime's tunnel here, or a peer replica holding one.
 
 use super::*;
-use portcullis_http::forward::{Carriage, Carried, Carrier, ForwardError};
+use portcullis_forward::{Carriage, Carried, Carrier, ForwardError};
 
 /// Where a request goes: one of this server's tunnels, or the peers that
 /// hold one, in the order to try them.
@@ -39,7 +39,7 @@ const TUNNEL_FIELDS: &[&str] = &[crate::CONTROL, crate::CLIENT_ADDR, crate::peer
 
 /// Sends a request through its runtime's tunnel, or to a peer that holds
 /// one when this server holds none and the request is public: the core's
-/// forward phase with a carried upstream (`portcullis_http::forward::carried`).
+/// forward phase with a carried upstream (`portcullis_forward::carried`).
 /// `stats` is set to the runtime's metrics once the runtime is known,
 /// `via` to the peer it went to.
 pub(super) async fn forward<B>(

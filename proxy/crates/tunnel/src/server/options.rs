@@ -96,7 +96,7 @@ pub(super) fn tracing_from(
     let spec = portcullis_config::upstream_at("otel-collector", &options.endpoint)
         .map_err(|e| anyhow::anyhow!("--otlp-endpoint: {e}"))?;
     let spec = Arc::new(spec);
-    let shared = portcullis_http::forward::shared_endpoints(&spec, None);
+    let shared = portcullis_forward::shared_endpoints(&spec, None);
     let pool = Arc::new(UpstreamPool::new(spec, shared, None));
     let tracing = Tracing {
         upstream: 0,

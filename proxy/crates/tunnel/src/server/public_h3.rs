@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use http::{Request, Response};
-use portcullis_http::body::{Body, ResponseBody};
+use portcullis_forward::{Body, ResponseBody};
 use portcullis_http::http3;
 use tokio_util::sync::CancellationToken;
 

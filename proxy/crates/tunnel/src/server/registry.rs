@@ -48,7 +48,7 @@ impl Sender {
                 .clone()
                 .send_request(req)
                 .await
-                .map_err(|e| portcullis_http::forward::error_chain(&e)),
+                .map_err(|e| portcullis_forward::error_chain(&e)),
             Sender::Quic(q) => q.send(req).await,
         }
     }

@@ -14,7 +14,8 @@ use hyper::body::Incoming;
 
 pub use crate::body_progress::{BodyError, BodyProgress};
 use crate::client_watch::{ClientSocket, Gone};
-use crate::forward::{H1Body, Held};
+use crate::h1::H1Body;
+use crate::held::Held;
 use portcullis_net::head_deadline::Ended;
 use portcullis_obs::metrics;
 use portcullis_obs::telemetry::AccessLog;

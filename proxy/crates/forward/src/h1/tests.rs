@@ -1,5 +1,5 @@
 use super::*;
-use crate::forward::pool::Slot;
+use crate::pool::Slot;
 use http_body::Body as _;
 use tokio::io::AsyncReadExt;
 

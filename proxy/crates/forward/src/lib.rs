@@ -4,21 +4,45 @@
 //! left, and endpoints that could not be reached kept out of the
 //! rotation. A carried upstream ([`carried`]): a connection another part
 //! of the proxy holds, such as a runtime's tunnel.
+//!
+//! Also the one body type the request path carries ([`Body`]: a client's
+//! streamed body, an upstream's, or one made here), since forwarding both
+//! sends and makes it, with what a body needs on its way: its progress
+//! ([`BodyProgress`]), a copy for a mirror ([`tee`]), and the watch on a
+//! client that may leave while its upstream thinks ([`client_watch`]).
+//! Below the request pipeline (portcullis-http), which routes and runs
+//! plugins around it.
 
 mod affinity;
+mod body;
+mod body_progress;
+// Public: the carried upstream kind, which the tunnel server's carriers
+// implement and the phase driver sends through (http, tunnel).
 pub mod carried;
+// Public: the watch on a client while its upstream thinks, which the
+// pipeline arms around its other waits and the listeners set up (http).
+pub mod client_watch;
+// The OpenTelemetry collector posted to as an upstream (obs's trait).
+mod collector;
 mod dial;
 mod ejection;
 mod endpoints;
 mod error;
+// Public: the own HTTP/1.1 exchange, named by the pipeline for its
+// framing, and checked against hyper by tests and a fuzz target (http,
+// tests, fuzz).
 pub mod h1;
 mod headers;
+// Public: active health checks, which the pipeline starts (http).
 pub mod health;
 mod held;
 mod pool;
 mod retry;
 mod send;
+mod tee;
 mod tls;
+// Public: an accepted upgrade spliced between client and upstream
+// (http).
 pub mod upgrade;
 mod worn;
 
@@ -30,6 +54,7 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
 
 pub use affinity::preference;
+pub use body::{Body, BodyError, BodyProgress, ResponseBody, TooLarge, Tracked};
 pub use carried::{Carriage, Carried, Carrier};
 pub use ejection::Ejections;
 use endpoints::*;
@@ -43,11 +68,10 @@ pub use headers::{
 pub use held::{Admitted, Held, InFlight};
 pub use tls::client_config as client_tls_config;
 
-use pool::{Conn, ConnPool, Dest, Lease};
+use pool::{Conn, ConnPool, Dest};
 pub use retry::RetryCounts;
 
-use crate::body::{Body, BodyProgress};
-use crate::client_watch::{self, ClientSocket, Cut};
+use crate::client_watch::{ClientSocket, Cut};
 use portcullis_config::{Balance, Endpoint, HashOn, Target, Upstream};
 
 /// An upstream's live state: its connections and balancing counters.

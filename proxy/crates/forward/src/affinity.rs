@@ -24,7 +24,7 @@ pub fn key_hash(hash_on: &HashOn, peer: IpAddr, trust: bool, headers: &HeaderMap
         HashOn::Client => {
             let client = portcullis_net::client_addr::client_of(peer, trust, headers);
             let mut buf = [0u8; 16];
-            Some(fnv1a(crate::rate_limit::ip_key(client, &mut buf)))
+            Some(fnv1a(portcullis_net::request_key::ip_key(client, &mut buf)))
         }
         HashOn::Header(name) => headers.get(name).map(|v| fnv1a(v.as_bytes())),
         HashOn::Cookie(name) => cookie(headers, name).map(fnv1a),

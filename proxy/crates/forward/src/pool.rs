@@ -68,7 +68,7 @@ impl Conn {
     }
 
     /// The lease to keep until the response body ends (HTTP/1.1 only).
-    pub fn into_lease(self) -> Option<Box<Lease>> {
+    pub fn into_lease(self) -> Option<Box<dyn crate::held::Release>> {
         match self {
             Conn::H1(lease) => Some(lease),
             Conn::H2(_) | Conn::InTask(..) => None,
@@ -200,13 +200,14 @@ pub struct Lease {
     worn: Worn,
 }
 
-impl Lease {
+impl crate::held::Release for Lease {
     /// Returns the connection to its slot (the response has been read).
-    pub fn release(self) {
+    fn release(self: Box<Self>) {
         if self.sender.is_closed() {
             return;
         }
-        self.slot.put(IdleConn::Hyper(self.sender, self.worn));
+        let Lease { sender, slot, worn } = *self;
+        slot.put(IdleConn::Hyper(sender, worn));
     }
 }
 

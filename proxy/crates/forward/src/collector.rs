@@ -9,8 +9,7 @@ use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Method, StatusCode};
 
-use crate::body::Body;
-use crate::forward::{Outgoing, UpstreamPool};
+use crate::{Body, Outgoing, UpstreamPool};
 use portcullis_obs::otlp::Collector;
 
 impl Collector for UpstreamPool {

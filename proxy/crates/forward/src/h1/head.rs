@@ -258,7 +258,7 @@ fn plain_length(digits: &[u8]) -> Option<u64> {
 /// `Transfer-Encoding` overrides, so it cannot reach the client, and
 /// leaves a repeated one (`42, 42`, or two fields) as one plain value, so
 /// the answer needs no more work on its framing fields
-/// ([`crate::forward::single_content_length`] is for other readers'
+/// ([`crate::headers::single_content_length`] is for other readers'
 /// answers). `seen`: which framing fields the head has.
 pub(super) fn framing(
     method: &Method,
@@ -301,7 +301,7 @@ pub(super) fn framing(
     }
     if bodiless {
         if seen.length && seen.plain.is_none() {
-            crate::forward::single_content_length(headers);
+            crate::headers::single_content_length(headers);
         }
         return Ok(Framing::Length(0));
     }

@@ -1,7 +1,19 @@
 //! What a response holds until its body ends: the upstream connection's
 //! lease, the upstream's request cap, its count in flight.
 
-use super::*;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// An HTTP/1.1 connection lent to a response until its body ends
+/// ([`crate::pool`]'s lease), behind a trait so the body type, which holds
+/// a [`Held`], needs nothing of the pool, which sends bodies: the box is
+/// the one the lease already had.
+pub trait Release: Send {
+    /// The body was read to its end: the connection serves the next
+    /// request.
+    fn release(self: Box<Self>);
+}
 
 /// Counts a request against an endpoint until dropped.
 #[derive(Debug)]
@@ -43,7 +55,7 @@ impl Drop for Admitted {
 pub struct Held {
     pub(super) in_flight: Option<InFlight>,
     pub(super) admitted: Option<Admitted>,
-    pub(super) lease: Option<Box<Lease>>,
+    pub(super) lease: Option<Box<dyn Release>>,
     /// The upstream's read timeout in milliseconds (zero: none); not a
     /// `Duration`, which would make every response's `Held` 16 bytes
     /// larger.
