@@ -78,6 +78,49 @@ pub async fn check(
     // The URL the client asked for, as the upstream would be told it
     // (behind a trusted balancer, the scheme and host it reports).
     let original = auth.signin.is_some().then(|| original_url(&sent, &asked));
+    let (parts, body) = ask(auth, pool, sent, (route, origin)).await?;
+    // The status decides.
+    if parts.status.is_success() {
+        let copied: Vec<_> = auth
+            .copy_headers
+            .iter()
+            .flat_map(|name| {
+                let values = parts.headers.get_all(name).iter();
+                values.map(move |value| (name.clone(), value.clone()))
+            })
+            .collect();
+        for (name, value) in &copied {
+            headers.append(name.clone(), value.clone());
+        }
+        if let Some((cache, key)) = cached {
+            cache.put(key, copied);
+        }
+        return Ok(());
+    }
+    tracing::debug!(route = %route.name, status = parts.status.as_u16(), "auth service refused the request");
+    if parts.status == StatusCode::UNAUTHORIZED
+        && let (Some(signin), Some(original)) = (&auth.signin, &original)
+    {
+        return Err(sign_in(signin, original));
+    }
+    let mut resp = Response::new(Body::full(body));
+    *resp.status_mut() = parts.status;
+    let mut kept = parts.headers;
+    forward::remove_hop_by_hop(&mut kept, false);
+    kept.remove(header::CONTENT_LENGTH);
+    *resp.headers_mut() = kept;
+    Err(resp)
+}
+
+/// Sends the subrequest with `sent` to the auth service and reads its
+/// answer: the head, and the body (empty when over 64 KiB, cut or slow);
+/// no answer is the client's 503.
+async fn ask(
+    auth: &AuthRequest,
+    pool: &UpstreamPool,
+    sent: HeaderMap,
+    (route, origin): (&Route, Option<&HeaderValue>),
+) -> Result<(http::response::Parts, bytes::Bytes), Response<Body>> {
     let out = Outgoing {
         method: Method::GET,
         path: auth.path.clone(),
@@ -109,8 +152,8 @@ pub async fn check(
     };
     pool.stats
         .record(resp.status().as_u16(), asked_at.elapsed());
-    // The status decides. The body is read to pass a refusal's on, and so
-    // that the connection can serve again; one too large, cut or slow is
+    // The body is read to pass a refusal's on, and so that the connection
+    // can serve again; one too large, cut or slow is
     // left out (and its connection closed), whatever the status said.
     let (parts, body) = resp.into_parts();
     let read = http_body_util::Limited::new(body, MAX_BODY).collect();
@@ -122,36 +165,7 @@ pub async fn check(
         }
     };
     drop(held);
-    if parts.status.is_success() {
-        let copied: Vec<_> = auth
-            .copy_headers
-            .iter()
-            .flat_map(|name| {
-                let values = parts.headers.get_all(name).iter();
-                values.map(move |value| (name.clone(), value.clone()))
-            })
-            .collect();
-        for (name, value) in &copied {
-            headers.append(name.clone(), value.clone());
-        }
-        if let Some((cache, key)) = cached {
-            cache.put(key, copied);
-        }
-        return Ok(());
-    }
-    tracing::debug!(route = %route.name, status = parts.status.as_u16(), "auth service refused the request");
-    if parts.status == StatusCode::UNAUTHORIZED
-        && let (Some(signin), Some(original)) = (&auth.signin, &original)
-    {
-        return Err(sign_in(signin, original));
-    }
-    let mut resp = Response::new(Body::full(body));
-    *resp.status_mut() = parts.status;
-    let mut kept = parts.headers;
-    forward::remove_hop_by_hop(&mut kept, false);
-    kept.remove(header::CONTENT_LENGTH);
-    *resp.headers_mut() = kept;
-    Err(resp)
+    Ok((parts, body))
 }
 
 /// The headers the auth service gets: the client's end-to-end ones, no
