@@ -42,6 +42,9 @@ pub mod framing;
 // Public: serving HTTP/1.1 or HTTP/2 on one connection, for both kinds of
 // server and the admin listener (http, obs, tunnel).
 pub mod h1_or_h2;
+// Public: an HTTP/1.1 request's head and body framing as the server
+// codec of our own reads them (#66), fuzzed before it serves (fuzz).
+pub mod h1_request;
 // Public: the tunnel handshake's head, for the tunnel server and its fuzz
 // target (tunnel, fuzz).
 pub mod handshake_head;
