@@ -123,7 +123,7 @@ pub(super) fn http_builder(listener: &Listener) -> h1_or_h2::Builder {
     builder
         .http1
         // One flattened write per response beats writev for small messages
-        // (see the upstream side in forward/pool.rs).
+        // (see the upstream side in portcullis-forward's pool.rs).
         .writev(false)
         // Without this, hyper reads the socket right after handing over
         // each request, to notice a client that leaves mid-request, and
