@@ -15,7 +15,11 @@ fuzz_target!(|bytes: &[u8]| {
     };
     assert!(len <= bytes.len());
     let te = head.headers.contains_key(http::header::TRANSFER_ENCODING);
-    let cl = head.headers.get_all(http::header::CONTENT_LENGTH).iter().count();
+    let cl = head
+        .headers
+        .get_all(http::header::CONTENT_LENGTH)
+        .iter()
+        .count();
     match head.body {
         BodyLength::Chunked => assert!(te && cl == 0),
         BodyLength::Known(_) => assert!(!te && cl == 1),
