@@ -176,9 +176,8 @@ pub fn assert_check_errors(yaml: &str, expected: &[(usize, &str)]) {
 /// bound (with `SO_REUSEADDR`, as tokio binds listeners) and never
 /// listening, so connections to it are refused, the kernel gives it to
 /// no outgoing connection as its local port, and a server started on it
-/// later binds and listens beside the guard. A port only released (see
-/// [`closed_port`]) can be taken in between by any connection the other
-/// tests make.
+/// later binds and listens beside the guard. A port only released can be
+/// taken in between by any connection the other tests make.
 pub fn reserved_port() -> (u16, socket2::Socket) {
     let socket =
         socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
@@ -194,10 +193,25 @@ pub fn reserved_port() -> (u16, socket2::Socket) {
     (port, socket)
 }
 
-/// A loopback port with nothing listening on it (bound, then released).
+/// A loopback port with nothing listening on it, for as long as the tests
+/// run: bound (without `SO_REUSEADDR`) and never listening, so connections
+/// to it are refused and no other socket takes it. A port only bound and
+/// released, as this was, went to another test's server or connection now
+/// and then, and a request meant to find nothing got that server's 404.
 pub fn closed_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
+    let socket =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    let any = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    socket.bind(&any.into()).expect("bind");
+    let port = socket
+        .local_addr()
+        .expect("addr")
+        .as_socket()
+        .expect("an IP address")
+        .port();
+    // Held until the test process ends.
+    std::mem::forget(socket);
+    port
 }
 
 /// A built plugin component (plugins/build.sh puts them in plugins/dist).

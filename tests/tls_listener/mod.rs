@@ -334,7 +334,8 @@ async fn a_cleartext_listener_can_send_every_request_to_https() {
     let echo = upstream::echo("svc").await;
     let dir = tempfile::tempdir().unwrap();
     write_pair(dir.path(), &pki);
-    let https_port = crate::support::closed_port();
+    // Free for the proxy to listen on, and held till then.
+    let (https_port, _held) = crate::support::reserved_port();
     let policy = format!(
         r#"
 listeners:
