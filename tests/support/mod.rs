@@ -179,9 +179,16 @@ pub fn assert_check_errors(yaml: &str, expected: &[(usize, &str)]) {
 /// later binds and listens beside the guard. A port only released can be
 /// taken in between by any connection the other tests make.
 pub fn reserved_port() -> (u16, socket2::Socket) {
+    bound_port(true)
+}
+
+/// A loopback socket bound to a port of the kernel's choosing, never
+/// listening; with `SO_REUSEADDR` when `reuse` (a server may then listen
+/// on the port beside it).
+fn bound_port(reuse: bool) -> (u16, socket2::Socket) {
     let socket =
         socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
-    socket.set_reuse_address(true).expect("SO_REUSEADDR");
+    socket.set_reuse_address(reuse).expect("SO_REUSEADDR");
     let any = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
     socket.bind(&any.into()).expect("bind");
     let port = socket
@@ -199,16 +206,7 @@ pub fn reserved_port() -> (u16, socket2::Socket) {
 /// released, as this was, went to another test's server or connection now
 /// and then, and a request meant to find nothing got that server's 404.
 pub fn closed_port() -> u16 {
-    let socket =
-        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
-    let any = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
-    socket.bind(&any.into()).expect("bind");
-    let port = socket
-        .local_addr()
-        .expect("addr")
-        .as_socket()
-        .expect("an IP address")
-        .port();
+    let (port, socket) = bound_port(false);
     // Held until the test process ends.
     std::mem::forget(socket);
     port
