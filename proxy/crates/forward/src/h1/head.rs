@@ -126,7 +126,12 @@ pub(super) fn take_head(
     *resp.status_mut() = status;
     *resp.version_mut() = version;
     let headers = resp.headers_mut();
-    *headers = std::mem::take(spare);
+    *headers = match spare.capacity() {
+        // The request's map was kept by the caller: one another request
+        // left on this thread, if any.
+        0 => spare_maps::take(),
+        _ => std::mem::take(spare),
+    };
     headers.reserve(n);
     let mut seen = HeadFields::default();
     for (i, span) in spans[..n].iter().enumerate() {

@@ -30,6 +30,8 @@ use tokio_rustls::client::TlsStream;
 
 mod head;
 mod response_body;
+// Public: where a request's kept head map comes back when it ends (http).
+pub mod spare_maps;
 
 pub use head::Framing;
 use head::*;

@@ -231,6 +231,11 @@ impl Drop for PluginContext<'_> {
         for (at, stream) in self.streams.held.drain(..) {
             self.chain[at].end(stream);
         }
+        // The request head kept for the response hooks serves a later
+        // response head on this worker, as a head not kept does.
+        if self.keeps_request_headers {
+            portcullis_forward::h1::spare_maps::give(std::mem::take(&mut self.request_headers));
+        }
     }
 }
 
