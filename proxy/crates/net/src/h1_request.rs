@@ -19,9 +19,13 @@
 //! 501, a head over the limits 431, the rest 400 (as nginx, hyper and
 //! Envoy answer them).
 
+use std::mem::MaybeUninit;
+
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Version};
+
+use crate::field_names::FieldNames;
 
 /// The largest request head read, in bytes (hyper's default is 400 KiB;
 /// nginx's `large_client_header_buffers` 4 x 8 KiB).
@@ -46,6 +50,9 @@ pub struct RequestHead {
     pub close: bool,
     /// `Expect: 100-continue`.
     pub expects_continue: bool,
+    /// The whole head as read (its fields and target share these bytes):
+    /// what a connection handed to another server reads again.
+    pub raw: Bytes,
 }
 
 /// How the body that follows the head is framed.
@@ -76,11 +83,32 @@ fn bad(why: &'static str) -> Refused {
 
 /// Parses the request head at the start of `buf`: `Ok(None)` while it is
 /// not all there (and still within [`MAX_HEAD`]), else the head and its
-/// length in bytes.
+/// length in bytes. [`take_head`] on a copy, for tests and fuzzing.
 pub fn parse_head(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, Refused> {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut req = httparse::Request::new(&mut fields);
-    let len = match req.parse(buf) {
+    let mut taken = BytesMut::from(buf);
+    let head = take_head(&mut taken, &mut FieldNames::default())?;
+    Ok(head.map(|head| (head, buf.len() - taken.len())))
+}
+
+/// Takes the request head off the front of `buf` (the connection's read
+/// buffer): `Ok(None)` while it is not all there (and still within
+/// [`MAX_HEAD`]). The target and the field values share the head's bytes
+/// rather than being copied, and the names are `names`' where the client
+/// spelled them as in its last head, as the forwarding reads an
+/// upstream's answers.
+pub fn take_head(
+    buf: &mut BytesMut,
+    names: &mut FieldNames,
+) -> Result<Option<RequestHead>, Refused> {
+    // Left uninitialized: 128 fields are 4 KiB, and writing them all out
+    // for every request (~6 fields) would cost more than parsing.
+    let mut fields = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
+        &mut req,
+        buf,
+        &mut fields,
+    ) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => {
             return Err(too_large("request head over 64 KiB"));
@@ -106,14 +134,39 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, Refused> {
     };
     let method = Method::from_bytes(req.method.unwrap_or_default().as_bytes())
         .map_err(|_| bad("invalid method"))?;
-    let target = Bytes::copy_from_slice(req.path.unwrap_or_default().as_bytes());
-    let mut headers = HeaderMap::with_capacity(req.headers.len());
-    for field in req.headers.iter() {
-        let name =
-            HeaderName::from_bytes(field.name.as_bytes()).map_err(|_| bad("invalid field name"))?;
-        let value = HeaderValue::from_bytes(field.value).map_err(|_| bad("invalid field value"))?;
+    // Where the target and each field sit in the head, to slice the frozen
+    // bytes with (offsets fit in u32: the head is at most MAX_HEAD bytes).
+    let base = buf.as_ptr() as usize;
+    let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
+    let path = req.path.unwrap_or_default().as_bytes();
+    let target = (at(path), path.len() as u32);
+    let mut spans = [const { MaybeUninit::<[u32; 4]>::uninit() }; MAX_HEADERS];
+    let n = req.headers.len();
+    for (span, h) in spans.iter_mut().zip(req.headers.iter()) {
+        span.write([
+            at(h.name.as_bytes()),
+            h.name.len() as u32,
+            at(h.value),
+            h.value.len() as u32,
+        ]);
+    }
+    let head = buf.split_to(len).freeze();
+    let mut headers = HeaderMap::with_capacity(n);
+    for (i, span) in spans[..n].iter().enumerate() {
+        // SAFETY: the loop above wrote the first `n` spans.
+        let [ns, nl, vs, vl] = unsafe { span.assume_init() }.map(|x| x as usize);
+        let name = names
+            .name(i, &head[ns..ns + nl])
+            .map_err(|_| bad("invalid field name"))?;
+        // SAFETY: httparse accepted the value, and the bytes it accepts in
+        // one (tab, visible ASCII, space, obs-text; no other control byte,
+        // no DEL) are exactly those `HeaderValue` allows; obs-fold is
+        // refused by the parser's default config. The forwarding takes an
+        // upstream's values the same way.
+        let value = unsafe { HeaderValue::from_maybe_shared_unchecked(head.slice(vs..vs + vl)) };
         headers.append(name, value);
     }
+    let target = head.slice(target.0 as usize..(target.0 + target.1) as usize);
     let body = body_length(&headers, version)?;
     let hosts = headers.get_all(header::HOST).iter().count();
     if hosts > 1 || (hosts == 0 && version == Version::HTTP_11) {
@@ -126,7 +179,7 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, Refused> {
     let expects_continue = headers
         .get(header::EXPECT)
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    let head = RequestHead {
+    Ok(Some(RequestHead {
         method,
         target,
         version,
@@ -134,8 +187,8 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, Refused> {
         body,
         close,
         expects_continue,
-    };
-    Ok(Some((head, len)))
+        raw: head,
+    }))
 }
 
 fn too_large(why: &'static str) -> Refused {

@@ -33,6 +33,9 @@ pub mod der;
 // Public: graceful drain of connections, for both kinds of server (http,
 // tunnel).
 pub mod drain;
+// Public: a connection's field names kept parsed from one head to the
+// next, for the heads the forwarding reads and the server codec's (forward).
+pub mod field_names;
 // Public: reading files with errors that name them, for the binary, the
 // config, logs and tunnel tokens (bin, config, obs, tunnel).
 pub mod files;

@@ -77,7 +77,7 @@ pub(super) fn needs_zero_length(m: &Method) -> bool {
 pub(super) fn take_head(
     buf: &mut BytesMut,
     spare: &mut HeaderMap,
-    names: &mut Names,
+    names: &mut FieldNames,
 ) -> Result<Option<(Response<()>, HeadFields)>, ExchangeError> {
     // Left uninitialized: 128 fields and their spans are 6 KiB, and writing
     // them all out for every response (~6 fields) cost more than parsing.
@@ -189,42 +189,6 @@ fn connection_only(name: &[u8], value: &[u8], seen: &mut HeadFields) -> bool {
     }
     seen.connection = true;
     false
-}
-
-/// The field names of the last response head on a connection, as the
-/// upstream spelled them and as parsed. A server sends the same fields in
-/// the same order on every answer, so a name found at its place is taken
-/// from here instead of parsed again (`HeaderName::from_bytes` lowers and
-/// matches every name, and allocates a name it does not know: ~100-150
-/// instructions a field). Bounded: a connection keeps at most
-/// [`NAMES_KEPT`], a few hundred bytes.
-#[derive(Debug, Default)]
-pub(super) struct Names(Vec<(Box<[u8]>, HeaderName)>);
-
-/// The most field names a connection keeps.
-const NAMES_KEPT: usize = 16;
-
-impl Names {
-    /// The parsed name of the head's field `i`, spelled `raw`.
-    fn name(
-        &mut self,
-        i: usize,
-        raw: &[u8],
-    ) -> Result<HeaderName, http::header::InvalidHeaderName> {
-        if let Some((spelled, name)) = self.0.get(i)
-            && **spelled == *raw
-        {
-            return Ok(name.clone());
-        }
-        let name = HeaderName::from_bytes(raw)?;
-        let kept = self.0.len();
-        if i < kept {
-            self.0[i] = (raw.into(), name.clone());
-        } else if i == kept && i < NAMES_KEPT {
-            self.0.push((raw.into(), name.clone()));
-        }
-        Ok(name)
-    }
 }
 
 /// What [`take_head`] saw of the fields that frame the body and say

@@ -20,13 +20,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use http_body::{Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
 use tokio_rustls::client::TlsStream;
+
+use portcullis_net::field_names::FieldNames;
 
 mod head;
 mod response_body;
@@ -136,7 +138,7 @@ pub struct H1Conn {
     /// allocations go round instead of being made twice per request.
     spare: HeaderMap,
     /// The last response head's field names, for the next.
-    names: head::Names,
+    names: FieldNames,
     /// Its age and use, for the pool's reuse limits.
     pub worn: super::worn::Worn,
 }
@@ -166,7 +168,7 @@ impl H1Conn {
             head: Vec::new(),
             read_size: FIRST_READ,
             spare: HeaderMap::new(),
-            names: head::Names::default(),
+            names: FieldNames::default(),
             worn: super::worn::Worn::default(),
         })
     }

@@ -198,8 +198,8 @@ fn parsed_seen(
     method: &Method,
 ) -> Result<(Response<()>, Framing, HeadFields), ExchangeError> {
     let mut buf = BytesMut::from(raw.as_bytes());
-    let (mut resp, seen) =
-        take_head(&mut buf, &mut HeaderMap::new(), &mut Names::default())?.expect("complete head");
+    let (mut resp, seen) = take_head(&mut buf, &mut HeaderMap::new(), &mut FieldNames::default())?
+        .expect("complete head");
     let f = framing(method, &mut resp, seen)?;
     Ok((resp, f, seen))
 }
@@ -213,7 +213,7 @@ fn header_values_are_taken_only_as_http_allows_them() {
         take_head(
             &mut BytesMut::from(&raw[..]),
             &mut HeaderMap::new(),
-            &mut Names::default(),
+            &mut FieldNames::default(),
         )
     };
     // Control bytes and DEL never become a header value.
@@ -368,7 +368,7 @@ fn every_field_up_to_the_limit_keeps_its_name_and_value() {
     let (resp, _) = take_head(
         &mut BytesMut::from(head(MAX_HEADERS).as_bytes()),
         &mut HeaderMap::new(),
-        &mut Names::default(),
+        &mut FieldNames::default(),
     )
     .unwrap()
     .unwrap();
@@ -379,7 +379,7 @@ fn every_field_up_to_the_limit_keeps_its_name_and_value() {
     match take_head(
         &mut BytesMut::from(head(MAX_HEADERS + 1).as_bytes()),
         &mut HeaderMap::new(),
-        &mut Names::default(),
+        &mut FieldNames::default(),
     ) {
         Err(ExchangeError::Failed(m)) => assert!(m.contains("more than"), "{m}"),
         other => panic!("expected a failure, got {other:?}"),
@@ -398,7 +398,7 @@ fn bad_heads_are_refused_with_a_reason() {
         take_head(
             &mut BytesMut::from(&b"HTTP/1.1 200 OK\r\nx: y\r\n"[..]),
             &mut HeaderMap::new(),
-            &mut Names::default(),
+            &mut FieldNames::default(),
         )
         .unwrap()
         .is_none()
@@ -409,7 +409,7 @@ fn bad_heads_are_refused_with_a_reason() {
 /// same, and a head that differs gets its own names, never a kept one.
 #[test]
 fn names_kept_from_one_head_serve_only_where_they_match() {
-    let mut names = Names::default();
+    let mut names = FieldNames::default();
     let mut take = |raw: &str| {
         let (resp, _) = take_head(
             &mut BytesMut::from(raw.as_bytes()),

@@ -224,3 +224,36 @@ fn chunk_sizes_and_line_ends_other_than_plain_are_refused() {
     let long = format!("5;{}\r\n", "e".repeat(MAX_CHUNK_LINE + 10));
     assert_eq!(decode(long.as_bytes(), 512).unwrap_err().status, BAD);
 }
+
+/// Taken off a connection's buffer, a head leaves the next request's
+/// bytes there; its target and values are the head's own bytes (no copy),
+/// and names kept from one head serve the next only where spelled alike.
+#[test]
+fn a_head_taken_leaves_the_next_request_and_shares_its_bytes() {
+    let mut buf = BytesMut::from(
+        &b"GET /a?x=1 HTTP/1.1\r\nHost: h\r\nX-Custom: 1\r\n\r\nGET /b HTTP/1.1\r\nhost: h\r\nX-Other: 2\r\n\r\n"[..],
+    );
+    let start = buf.as_ptr() as usize;
+    let mut names = FieldNames::default();
+    let first = take_head(&mut buf, &mut names).unwrap().unwrap();
+    assert_eq!(&first.target[..], b"/a?x=1");
+    let value = first.headers.get("x-custom").unwrap();
+    assert_eq!(value, "1");
+    let within = |p: usize| (start..start + 80).contains(&p);
+    assert!(
+        within(first.target.as_ptr() as usize),
+        "the target is not a copy"
+    );
+    assert!(
+        within(value.as_bytes().as_ptr() as usize),
+        "a value is not a copy"
+    );
+    assert!(buf.starts_with(b"GET /b HTTP/1.1\r\n"));
+    let second = take_head(&mut buf, &mut names).unwrap().unwrap();
+    assert!(buf.is_empty());
+    assert_eq!(&second.target[..], b"/b");
+    let fields: Vec<_> = second.headers.keys().map(|k| k.as_str()).collect();
+    assert_eq!(fields, ["host", "x-other"]);
+    assert_eq!(second.headers.get("x-other").unwrap(), "2");
+    assert!(second.headers.get("x-custom").is_none());
+}
