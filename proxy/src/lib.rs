@@ -34,8 +34,8 @@ pub use portcullis_config as config;
 pub use portcullis_forward as forward;
 pub use portcullis_http::{chain, request_head, server};
 pub use portcullis_net::{
-    cert_expiry, cert_identity, der, framing, h1_request, handshake_head, proxy_protocol,
-    worker_idle,
+    cert_expiry, cert_identity, der, framing, h1_request, h1_response, handshake_head,
+    proxy_protocol, worker_idle,
 };
 pub use portcullis_obs::{telemetry, trace_context};
 pub use portcullis_plugin as plugin;

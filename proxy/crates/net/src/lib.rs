@@ -48,6 +48,9 @@ pub mod h1_or_h2;
 // Public: an HTTP/1.1 request's head and body framing as the server
 // codec of our own reads them (#66), fuzzed before it serves (fuzz).
 pub mod h1_request;
+// Public: an HTTP/1.1 response head as the server codec of our own
+// writes it (#66), held to hyper's bytes by its tests (fuzz).
+pub mod h1_response;
 // Public: the tunnel handshake's head, for the tunnel server and its fuzz
 // target (tunnel, fuzz).
 pub mod handshake_head;
