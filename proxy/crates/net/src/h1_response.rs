@@ -233,7 +233,13 @@ impl Fields {
                 if values.any(|v| length(v) != Some(n)) {
                     return Err(Unwritable("two different Content-Length values"));
                 }
-                line(dst, "content-length", first.as_bytes());
+                // As read (`09` is 9): the one spelling every reader
+                // takes alike.
+                line(
+                    dst,
+                    "content-length",
+                    itoa::Buffer::new().format(n).as_bytes(),
+                );
                 self.length = Some(Framing::Length(n));
             }
             // No body: the field stands only in an answer to HEAD (every

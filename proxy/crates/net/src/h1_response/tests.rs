@@ -334,3 +334,28 @@ async fn the_cases_bodies_have_the_sizes_given() {
         let _ = body.collect().await;
     }
 }
+
+/// The length written is the one the body is sent by, in one spelling:
+/// the body's own when it knows it, a field's read as a number when not.
+#[test]
+fn content_length_says_the_length_sent() {
+    let get = Asked {
+        method: &Method::GET,
+        version: Version::HTTP_11,
+        keep_alive: true,
+    };
+    for (field, body, want) in [
+        ("09", BodySize::Unknown, "content-length: 9\r\n"),
+        ("3", BodySize::Known(5), "content-length: 5\r\n"),
+    ] {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static(field));
+        let mut dst = Vec::new();
+        let encoded = encode_head(&mut dst, StatusCode::OK, &headers, body, get).unwrap();
+        let text = String::from_utf8(dst).unwrap();
+        assert!(text.contains(want), "{text}");
+        assert_eq!(text.matches("content-length").count(), 1, "{text}");
+        let n: u64 = want[16..want.len() - 2].parse().unwrap();
+        assert_eq!(encoded.framing, Framing::Length(n));
+    }
+}
