@@ -113,7 +113,11 @@ where
         *req.uri_mut() = uri;
         *req.version_mut() = head.version;
         *req.headers_mut() = head.headers;
-        let Some(resp) = answered(&mut io, &mut buf, respond.respond(req)).await else {
+        // Pinned where it is made: passed on by value, the answer's future
+        // (~5 KiB for the proxy's pipeline) was copied whole, ~600
+        // instructions a request (bench/versus-nginx.sh, wired in a trial).
+        let answer = pin!(respond.respond(req));
+        let Some(resp) = answered(&mut io, &mut buf, answer).await else {
             return Ok(Ended::Closed);
         };
         let keep_alive = !close && !stop.is_cancelled();
@@ -173,15 +177,15 @@ async fn next_head<I: AsyncRead + Unpin>(
 /// `answer`'s outcome, reading on meanwhile (pipelined requests are kept
 /// in `buf`, up to a head's limit): `None` once the client has closed,
 /// its request dropped.
-async fn answered<I, T>(
+async fn answered<I, F>(
     io: &mut I,
     buf: &mut BytesMut,
-    answer: impl Future<Output = T>,
-) -> Option<T>
+    mut answer: std::pin::Pin<&mut F>,
+) -> Option<F::Output>
 where
     I: AsyncRead + Unpin,
+    F: Future,
 {
-    let mut answer = pin!(answer);
     loop {
         if buf.len() >= MAX_HEAD {
             return Some(answer.await);
