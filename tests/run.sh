@@ -122,8 +122,10 @@ export PORTCULLIS_AIOQUIC_PYTHON="$CARGO_TARGET_DIR/aioquic-venv/bin/python"
 # by hash) for tests/plugins/third_party.rs.
 tests/third_party.sh "$CARGO_TARGET_DIR/third-party"
 echo "== test"
-# With the build above's clippy-driver, so nothing is built again.
-RUSTC_WORKSPACE_WRAPPER="$CLIPPY_DRIVER" cargo test --locked --config 'profile.dev.package."*".opt-level=1' --workspace --all-targets
+# With the build above's clippy-driver, so nothing is built again. Every
+# test binary runs even after one fails (--no-fail-fast): one flaky test
+# must not hide what the others would say.
+RUSTC_WORKSPACE_WRAPPER="$CLIPPY_DRIVER" cargo test --locked --config 'profile.dev.package."*".opt-level=1' --workspace --all-targets --no-fail-fast
 # --all-targets leaves out documentation tests.
 cargo test --locked --config 'profile.dev.package."*".opt-level=1' --workspace --doc
 # The SDK's and the plugins' own unit tests run natively (their logic and
