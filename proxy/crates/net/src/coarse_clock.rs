@@ -21,6 +21,19 @@ pub fn coarse_now() -> Duration {
     Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
+/// The coarse real-time clock's whole seconds since the Unix epoch, for
+/// fields of whole seconds (an answer's `Date`); 0 when it cannot be
+/// read.
+pub fn coarse_wall_seconds() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: as in `coarse_now`.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut t) };
+    t.tv_sec as u64
+}
+
 /// A duration in whole milliseconds (plain integer work, unlike
 /// `as_millis`'s 128 bits): deadlines on [`coarse_now`]'s clock.
 pub fn millis(d: Duration) -> u64 {

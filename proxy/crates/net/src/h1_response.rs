@@ -420,14 +420,7 @@ struct CachedDate {
 
 impl CachedDate {
     fn now(&mut self) -> [u8; 29] {
-        let mut t = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `t` is a valid timespec to write; on failure it stays
-        // zero and the date is the epoch's, never a fault.
-        unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut t) };
-        let second = t.tv_sec as u64;
+        let second = crate::coarse_clock::coarse_wall_seconds();
         if second != self.second {
             let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(second);
             self.text
