@@ -239,6 +239,37 @@ pub(super) async fn a_filter_rewrites_a_response_body() {
     assert_eq!(a.body.as_deref(), Some("2097152 bytes"));
 }
 
+/// A request's filter context ends once (`proxy_on_done`, `_log`,
+/// `_delete`), whether its answer's body came whole with its head (head,
+/// body and end made in one visit to the VM) or streamed, and whatever
+/// the filter made of it; ending one twice would fail the VM (the SDK
+/// panics on a context it no longer has).
+#[tokio::test]
+pub(super) async fn a_filters_context_ends_once_a_request() {
+    let (app, _) = pieces().await;
+    let dir = policy_dir(&bodies_policy(&app.url()), &["proxy-wasm-body"]);
+    // One worker: the lines of one request come before the next's.
+    let mut proxy = ProxyProcess::start_on(dir.path(), &["--workers", "1"]).await;
+    // Passed, held for the body, streamed, refused too late (cut off).
+    let asked = [
+        ("/whole", "whole-passed", false),
+        ("/whole", "hold", false),
+        ("/r", "in-pieces", false),
+        ("/refuse", "stream", true),
+        ("/whole", "whole-again", false),
+    ];
+    for (path, how, cut_off) in asked {
+        let a = redacted(proxy.addr, path, Some(how)).await;
+        assert_eq!(a == cut(), cut_off, "{path} {how}: {a:?}");
+    }
+    proxy.wait_for_log("request logged: whole-again").await;
+    for (_, how, _) in asked {
+        let logged = proxy.count_logs(&format!("request logged: {how}"));
+        assert_eq!(logged, 1, "{how}: its context ended {logged} times");
+    }
+    assert_eq!(proxy.count_logs("proxy-wasm VM failed"), 0);
+}
+
 /// Envoy is the reference: the same filter and requests through Envoy
 /// 1.40 and through Portcullis give the same answers. Not the filter's
 /// failures once it let the head go (`late-write`, `late-read`): Envoy

@@ -15,9 +15,11 @@
 //! a response header once the body is in, which fails in Envoy (the
 //! head has gone). With `x-redact: hold` it holds the head until the
 //! body is in, and also says how long the body was in `x-body-was`.
+//! Once a request with `x-redact` is over, it logs `request logged: ` and
+//! the header's value (`proxy_on_log`), once.
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType};
+use proxy_wasm::types::{Action, ContextType, LogLevel};
 
 proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root) });
@@ -139,5 +141,11 @@ impl HttpContext for Inspect {
             self.set_http_response_header("x-body-was", Some(&body_size.to_string()));
         }
         Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        if let Some(how) = &self.redact {
+            let _ = proxy_wasm::hostcalls::log(LogLevel::Info, &format!("request logged: {how}"));
+        }
     }
 }

@@ -68,6 +68,17 @@ impl Body {
         }
     }
 
+    /// The whole body when it is in memory or came whole with its head
+    /// ([`crate::H1Body::take_whole`]), taken (the body left ended);
+    /// `None`, and nothing taken, for an empty body or one still to come.
+    pub fn take_whole(&mut self) -> Option<Bytes> {
+        match self {
+            Body::Full { data } => data.take(),
+            Body::Upstream { inner } => inner.take_whole(),
+            _ => None,
+        }
+    }
+
     /// An empty body.
     pub fn empty() -> Body {
         Body::Full { data: None }

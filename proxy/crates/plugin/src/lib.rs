@@ -90,7 +90,7 @@ pub use host::{PluginHost, disk_cache_outcomes, forget_unused, host, use_disk_ca
 pub use rollout::Rollout;
 pub use seam::{
     BodyVerdict, Callout, CalloutAnswer, Callouts, GrpcReply, Hooks, LocalAnswer, Noted, Plugin,
-    RequestLent, ResponseLent, ResponseVerdict, Steer, Stream, StreamEvent, Verdict,
+    RequestLent, ResponseLent, ResponseVerdict, Steer, Stream, StreamEvent, Verdict, WholeVerdicts,
 };
 pub use shadow::Shadow;
 pub use use_reports::{RolloutReport, ShadowReport};

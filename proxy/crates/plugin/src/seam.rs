@@ -226,6 +226,16 @@ pub enum BodyVerdict {
     Noted(Box<Noted>),
 }
 
+/// What [`Plugin::on_response_whole`] decided.
+#[derive(Debug)]
+pub struct WholeVerdicts {
+    /// The head call's.
+    pub head: Result<ResponseVerdict, PluginError>,
+    /// The body call's, made only when the head call let the head go on
+    /// ([`ResponseVerdict::Continue`]).
+    pub body: Option<Result<BodyVerdict, PluginError>>,
+}
+
 /// What a request body call is lent: the request as forwarded.
 pub struct RequestLent<'a> {
     pub facts: &'a mut Option<RequestFacts>,
@@ -388,6 +398,57 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
         _body: &bytes::Bytes,
     ) -> Result<BodyVerdict, PluginError> {
         Ok(BodyVerdict::Continue(None))
+    }
+
+    /// The response head, and then, when the head call lets it go on,
+    /// the whole body that came with it (`body`, its only and last piece)
+    /// with the head counted as gone: the two calls
+    /// [`Self::on_response`] and [`Self::on_response_body`] make, for a
+    /// plugin that is the only one to see the response, in one visit (a
+    /// proxy-wasm VM is entered once for both). Nothing of the request
+    /// comes after the body: a plugin may end what it keeps of it here,
+    /// leaving `stream` as [`Stream::NONE`].
+    fn on_response_whole(
+        &self,
+        stream: &mut Stream,
+        lent: ResponseLent<'_>,
+        body: &bytes::Bytes,
+    ) -> WholeVerdicts {
+        let ResponseLent {
+            facts,
+            request_headers,
+            status,
+            headers,
+            ..
+        } = lent;
+        let head = self.on_response(
+            stream,
+            ResponseLent {
+                facts: &mut *facts,
+                request_headers: &mut *request_headers,
+                status,
+                headers,
+                end_of_stream: false,
+                head_sent: false,
+            },
+        );
+        if !matches!(head, Ok(ResponseVerdict::Continue)) {
+            return WholeVerdicts { head, body: None };
+        }
+        let mut gone = http::HeaderMap::new();
+        let lent = ResponseLent {
+            facts,
+            request_headers,
+            status,
+            headers: &mut gone,
+            end_of_stream: true,
+            head_sent: true,
+        };
+        let body = self.on_response_body(stream, lent, body);
+        WholeVerdicts {
+            head,
+            body: Some(body),
+        }
     }
 
     /// The request's trailers, after the last piece of its body, for a

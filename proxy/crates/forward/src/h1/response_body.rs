@@ -74,6 +74,24 @@ impl H1Body {
         }
     }
 
+    /// The whole body when all of it came with its head (a
+    /// `Content-Length` body already read), taken as polling it would
+    /// take it, the connection given back; `None`, and nothing taken,
+    /// otherwise. Lets a plugin's head and body calls be made together
+    /// without a poll that might leave half a body in hand.
+    pub fn take_whole(&mut self) -> Option<Bytes> {
+        let State::Length(n) = self.state else {
+            return None;
+        };
+        let conn = self.conn.as_mut()?;
+        let n = usize::try_from(n)
+            .ok()
+            .filter(|&n| n > 0 && n <= conn.buf.len())?;
+        let data = conn.buf.split_to(n).freeze();
+        self.end();
+        Some(data)
+    }
+
     pub(super) fn fail(&mut self, msg: String) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         self.conn = None;
         self.state = State::Done;

@@ -76,6 +76,44 @@ async fn length_body_ends_with_its_last_byte_and_a_dropped_body_closes() {
     assert_eq!(slot.idle_count(), 1);
 }
 
+/// A body all read with its head is taken whole, as a poll would take
+/// it (its connection home, or closed with bytes after it); any other is
+/// left as it was, nothing taken.
+#[tokio::test]
+async fn a_body_is_taken_whole_only_when_all_of_it_is_read() {
+    let slot = Arc::new(Slot::default());
+    let (mut conn, _up) = pair().await;
+    conn.buf.extend_from_slice(b"hel");
+    let mut body = H1Body::new(conn, Framing::Length(5), Some(slot.clone()));
+    assert_eq!(body.take_whole(), None, "two bytes are still to come");
+    assert_eq!(next_data(&mut body).await, "hel", "nothing was taken");
+
+    let (mut conn, _up) = pair().await;
+    conn.buf.extend_from_slice(b"abc");
+    let mut body = H1Body::new(conn, Framing::Length(3), Some(slot.clone()));
+    assert_eq!(body.take_whole().as_deref(), Some(&b"abc"[..]));
+    assert!(body.is_end_stream());
+    assert_eq!(slot.idle_count(), 1, "the connection went home");
+
+    // Bytes after the body: taken the same, the connection not reused.
+    let (mut conn, _up) = pair().await;
+    conn.buf.extend_from_slice(b"abcX");
+    let mut body = H1Body::new(conn, Framing::Length(3), Some(slot.clone()));
+    assert_eq!(body.take_whole().as_deref(), Some(&b"abc"[..]));
+    assert!(body.is_end_stream());
+    assert_eq!(slot.idle_count(), 1);
+
+    let (mut conn, _up) = pair().await;
+    conn.buf.extend_from_slice(b"3\r\nabc\r\n0\r\n\r\n");
+    let mut body = H1Body::new(conn, Framing::Chunked, Some(slot.clone()));
+    assert_eq!(
+        body.take_whole(),
+        None,
+        "a chunked body is read as it streams"
+    );
+    assert_eq!(next_data(&mut body).await, "abc");
+}
+
 #[tokio::test]
 async fn a_recycled_request_map_holds_only_the_response_headers() {
     let (mut conn, mut up) = pair().await;

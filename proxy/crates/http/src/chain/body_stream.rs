@@ -188,7 +188,7 @@ fn at_hand(body: &mut Body) -> Option<Option<Result<Frame<Bytes>, BodyError>>> {
 /// answers it (503) when the body came with the head. The plugins'
 /// streams end with the request's context. What to send.
 #[allow(clippy::result_large_err)]
-fn through_now(
+pub(super) fn through_now(
     ctx: &mut PluginContext<'_>,
     route: &Route,
     resp: &mut http::response::Parts,
@@ -204,32 +204,55 @@ fn through_now(
         let lent = lend_gone(&mut ctx.facts, &mut ctx.request_headers, status, true);
         let called = binding.on_response_body(&mut stream, lent, &whole);
         ctx.streams.set(place, stream);
-        match called {
-            Ok(plugin::BodyVerdict::Continue(Some(new))) => (whole, changed) = (new, true),
-            // A pause at the body's end lets it go, as in the stream.
-            Ok(plugin::BodyVerdict::Continue(None) | plugin::BodyVerdict::Pause) => {}
-            Ok(plugin::BodyVerdict::Noted(noted)) => ctx.note(*noted),
-            // As from the stream (and from Envoy): the response cut off.
-            Ok(plugin::BodyVerdict::Respond(_)) => {
-                tracing::warn!(plugin = %binding.name(), route = %route.name, "plugin answered after the response head went; response cut off");
-                // It fails at once, as the stream's next piece would.
-                let e: BodyError = "a plugin stopped the response body".into();
-                let cut = futures_util::stream::iter([Err::<Frame<Bytes>, _>(e)]);
-                return Ok(Body::boxed(http_body_util::StreamBody::new(cut)));
-            }
-            Err(e) => {
-                if let Some(Stopped::Failed(e)) = failed(&**binding, &route.name, e) {
-                    return Err(plugin_error(route, &e));
-                }
+        let at = (&mut whole, &mut changed);
+        if let Some(stop) = after_whole_body(ctx, &**binding, route, called, at) {
+            return stop;
+        }
+    }
+    Ok(whole_sent(resp, whole, changed))
+}
+
+/// What one plugin's call on a whole response body, its head not sent
+/// yet, makes of it: `whole` replaced (and `changed` set), or (`Some`)
+/// what to send instead.
+#[allow(clippy::result_large_err)]
+pub(super) fn after_whole_body(
+    ctx: &mut PluginContext<'_>,
+    binding: &dyn Plugin,
+    route: &Route,
+    called: Result<plugin::BodyVerdict, PluginError>,
+    (whole, changed): (&mut Bytes, &mut bool),
+) -> Option<Result<Body, Response<Body>>> {
+    match called {
+        Ok(plugin::BodyVerdict::Continue(Some(new))) => (*whole, *changed) = (new, true),
+        // A pause at the body's end lets it go, as in the stream.
+        Ok(plugin::BodyVerdict::Continue(None) | plugin::BodyVerdict::Pause) => {}
+        Ok(plugin::BodyVerdict::Noted(noted)) => ctx.note(*noted),
+        // As from the stream (and from Envoy): the response cut off.
+        Ok(plugin::BodyVerdict::Respond(_)) => {
+            tracing::warn!(plugin = %binding.name(), route = %route.name, "plugin answered after the response head went; response cut off");
+            // It fails at once, as the stream's next piece would.
+            let e: BodyError = "a plugin stopped the response body".into();
+            let cut = futures_util::stream::iter([Err::<Frame<Bytes>, _>(e)]);
+            return Some(Ok(Body::boxed(http_body_util::StreamBody::new(cut))));
+        }
+        Err(e) => {
+            if let Some(Stopped::Failed(e)) = failed(binding, &route.name, e) {
+                return Some(Err(plugin_error(route, &e)));
             }
         }
     }
-    // The head is not sent yet: its length follows a replaced body.
+    None
+}
+
+/// The whole body to send; the head is not sent yet, so its length
+/// follows a replaced body.
+pub(super) fn whole_sent(resp: &mut http::response::Parts, whole: Bytes, changed: bool) -> Body {
     if changed && resp.headers.contains_key(http::header::CONTENT_LENGTH) {
         resp.headers
             .insert(http::header::CONTENT_LENGTH, whole.len().into());
     }
-    Ok(Body::full(whole))
+    Body::full(whole)
 }
 
 /// One plugin's place in the body's way.

@@ -11,6 +11,7 @@ mod body_stream;
 mod callout;
 mod local;
 mod response;
+mod whole;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,6 +33,7 @@ pub use callout::PendingCallout;
 pub use local::error_message;
 use local::{local_answer, local_through, misbehaved};
 pub use response::{HeldHead, ResponseStep, on_response, read_whole};
+pub use whole::{Whole, whole_response};
 
 /// What the request hooks decided.
 pub enum RequestOutcome<'a> {

@@ -27,7 +27,7 @@ pub enum ResponseStep {
 /// The plugin holding the response head for its body.
 pub struct HeldHead {
     /// Its place in the chain.
-    place: usize,
+    pub(super) place: usize,
     /// The most it reads.
     pub max: u32,
 }

@@ -113,32 +113,34 @@ impl Pipeline {
         let _ = forward::remove_hop_by_hop(&mut parts.headers, false);
         let mut body = body;
         if let Some(ctx) = f.plugins.as_mut() {
-            let end_of_stream = http_body::Body::is_end_stream(&body);
-            let step = chain::on_response(ctx, route, &mut parts, end_of_stream);
-            log_notes(f.log, ctx);
-            match step {
-                chain::ResponseStep::Go => {
-                    let filtered = chain::filter_response_body(ctx, route, &mut parts, body);
+            let filtered = match chain::whole_response(ctx, route, &mut parts, &mut body) {
+                // The usual small answer, read with its head: head and
+                // body through the route's one plugin in one visit.
+                Some(chain::Whole::Sent(filtered)) => filtered,
+                Some(chain::Whole::Held(head, whole)) => {
                     log_notes(f.log, ctx);
-                    match filtered {
-                        Ok(filtered) => body = filtered,
-                        Err(answer) => return Answered::Ready((answer, forward::Held::default())),
+                    body = whole;
+                    return held_for_body(f, parts, body, (held, pool), head);
+                }
+                None => {
+                    let end_of_stream = http_body::Body::is_end_stream(&body);
+                    let step = chain::on_response(ctx, route, &mut parts, end_of_stream);
+                    log_notes(f.log, ctx);
+                    match step {
+                        chain::ResponseStep::Go => {
+                            chain::filter_response_body(ctx, route, &mut parts, body)
+                        }
+                        chain::ResponseStep::Answer(answer) => Err(answer),
+                        chain::ResponseStep::ReadBody(head) => {
+                            return held_for_body(f, parts, body, (held, pool), head);
+                        }
                     }
                 }
-                chain::ResponseStep::Answer(answer) => {
-                    return Answered::Ready((answer, forward::Held::default()));
-                }
-                chain::ResponseStep::ReadBody(head) => {
-                    let ctx = f.plugins.take();
-                    let held = held.with_read_timeout(pool.spec.timeouts.read);
-                    return Answered::BodyFirst(Box::new(BodyFirst {
-                        ctx,
-                        parts,
-                        body,
-                        held,
-                        head,
-                    }));
-                }
+            };
+            log_notes(f.log, ctx);
+            match filtered {
+                Ok(filtered) => body = filtered,
+                Err(answer) => return Answered::Ready((answer, forward::Held::default())),
             }
         }
         parts.version = Version::HTTP_11;
@@ -266,6 +268,26 @@ pub(super) enum Answered<'c> {
     /// A plugin holds its head until the body is read
     /// ([`Pipeline::body_first`]; boxed: few routes take it).
     BodyFirst(Box<BodyFirst<'c>>),
+}
+
+/// The answer to make once the body of a response whose head a plugin
+/// holds is read.
+fn held_for_body<'c>(
+    mut f: Forwarding<'c, '_>,
+    parts: http::response::Parts,
+    body: Body,
+    (held, pool): (forward::Held, &UpstreamPool),
+    head: chain::HeldHead,
+) -> Answered<'c> {
+    let ctx = f.plugins.take();
+    let held = held.with_read_timeout(pool.spec.timeouts.read);
+    Answered::BodyFirst(Box::new(BodyFirst {
+        ctx,
+        parts,
+        body,
+        held,
+        head,
+    }))
 }
 
 /// A response whose head a plugin holds for its body.

@@ -473,18 +473,17 @@ impl seam::Plugin for ProxyWasm {
             });
             let local = call.local.take();
             vm.recycle(call);
-            let action = action?;
-            Ok(match local {
-                Some(local) => ResponseVerdict::Respond(Box::new(local)),
-                // Paused on the head of a response with a body: the body
-                // is read whole, then given to the filter (as Envoy
-                // buffers it while the head waits).
-                None if action == 1 && !end_of_stream => {
-                    ResponseVerdict::ReadBody(seam::MAX_BUFFERED_BODY)
-                }
-                None => ResponseVerdict::Continue,
-            })
+            Ok(bodies::head_verdict(local, action?, end_of_stream))
         })
+    }
+
+    fn on_response_whole(
+        &self,
+        stream: &mut Stream,
+        lent: seam::ResponseLent<'_>,
+        body: &Bytes,
+    ) -> seam::WholeVerdicts {
+        bodies::whole(self, stream, lent, body)
     }
 
     fn on_response_body(
@@ -518,10 +517,8 @@ impl seam::Plugin for ProxyWasm {
             && vm.generation & 0xff_ffff == generation
             && let Err(e) = vm.end(self, id)
         {
-            tracing::warn!(plugin = %self.name, error = %e, "proxy-wasm VM failed ending a request; a fresh one takes its place");
-            *slot = None;
             drop(slot);
-            self.restart_later(shard);
+            self.ending_failed(stream, &e);
         }
     }
 

@@ -211,6 +211,30 @@ impl ProxyWasm {
         result
     }
 
+    /// The VM of `stream` failed ending it: a fresh one takes its place
+    /// (the request itself is answered already).
+    pub(super) fn ending_failed(&self, stream: Stream, e: &PluginError) {
+        let (shard, generation, _) = parts(stream);
+        tracing::warn!(plugin = %self.name, error = %e, "proxy-wasm VM failed ending a request; a fresh one takes its place");
+        let mut slot = self.slot(shard);
+        if slot
+            .as_ref()
+            .is_some_and(|vm| vm.generation & 0xff_ffff == generation)
+        {
+            *slot = None;
+            drop(slot);
+            self.restart_later(shard);
+        }
+    }
+
+    /// Counts a call made in a visit to the VM of `stream` beyond the
+    /// one [`Self::on_vm`] counts.
+    pub(super) fn count_call(&self, stream: Stream) {
+        self.calls[parts(stream).0]
+            .0
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(super) fn lost(&self) -> PluginError {
         PluginError::Trap {
             plugin: self.name.clone(),
