@@ -182,7 +182,7 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     // the connections they had.
     write_hosts(&hosts, &["127.0.0.1", "127.0.0.2"]);
     proxy.metrics_showing(&endpoints_gauge(2)).await;
-    let line = proxy.find_log(r#"removed":"[\"127.0.0.3\"]"#);
+    let line = proxy.find_log(r#"removed":"[\"127.0.0.3\"]"#).await;
     assert!(line.contains("upstream host's addresses changed"), "{line}");
     assert!(line.contains(r#""upstreams":"pods""#), "{line}");
     let after = spread(&mut client, &proxy, port, 8).await;
@@ -227,7 +227,7 @@ async fn each_address_of_a_host_is_an_endpoint_followed_as_it_changes() {
     let answered = r#""status":502"#;
     let line = match proxy.count_logs(answered) {
         0 => proxy.wait_for_log(answered).await,
-        _ => proxy.find_log(answered),
+        _ => proxy.find_log(answered).await,
     };
     let line: serde_json::Value = serde_json::from_str(&line).unwrap();
     assert_eq!(line["endpoint"], "-", "{line}");

@@ -105,7 +105,7 @@ async fn an_endpoint_failing_its_check_leaves_the_rotation_until_it_passes() {
         .wait_status("b unhealthy", |s| unhealthy(s) == [b_addr.clone()])
         .await;
     assert_eq!(answering(&proxy).await, ["a"], "{status:#}");
-    let line = proxy.find_log("endpoint failed its health check");
+    let line = proxy.find_log("endpoint failed its health check").await;
     assert!(
         line.contains("answered 503") && line.contains(&b_addr),
         "{line}"

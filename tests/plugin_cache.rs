@@ -99,7 +99,9 @@ async fn a_restart_loads_compiled_plugins_from_the_cache() {
 
     // First start: compiled, and the code written to the cache.
     let proxy = start(&map, &cache).await;
-    let kept = proxy.find_log("plugin compiled and kept in the plugin cache");
+    let kept = proxy
+        .find_log("plugin compiled and kept in the plugin cache")
+        .await;
     assert!(kept.contains("gate.wasm"), "{kept}");
     assert_gate_runs(&proxy).await;
     proxy.metrics_showing(&outcomes(0, 1, 0)).await;
@@ -110,7 +112,7 @@ async fn a_restart_loads_compiled_plugins_from_the_cache() {
 
     // Second start: loaded, not compiled; and the loaded code runs.
     let proxy = start(&map, &cache).await;
-    let loaded = proxy.find_log("plugin loaded from the plugin cache");
+    let loaded = proxy.find_log("plugin loaded from the plugin cache").await;
     assert!(loaded.contains("gate.wasm"), "{loaded}");
     assert_eq!(proxy.count_logs("plugin compiled"), 0);
     assert_gate_runs(&proxy).await;
@@ -123,17 +125,19 @@ async fn a_restart_loads_compiled_plugins_from_the_cache() {
     bytes[mid] ^= 0x40;
     std::fs::write(&files[0], &bytes).expect("damage");
     let proxy = start(&map, &cache).await;
-    let refused = proxy.find_log("not using the cached compiled plugin");
+    let refused = proxy.find_log("not using the cached compiled plugin").await;
     assert!(
         refused.contains("damaged") && refused.contains(&files[0].display().to_string()),
         "{refused}"
     );
-    proxy.find_log("plugin compiled and kept in the plugin cache");
+    proxy
+        .find_log("plugin compiled and kept in the plugin cache")
+        .await;
     assert_gate_runs(&proxy).await;
     proxy.metrics_showing(&outcomes(0, 1, 1)).await;
     stop(proxy).await;
     let proxy = start(&map, &cache).await;
-    proxy.find_log("plugin loaded from the plugin cache");
+    proxy.find_log("plugin loaded from the plugin cache").await;
     stop(proxy).await;
 }
 
@@ -148,7 +152,7 @@ async fn files_other_users_could_have_written_are_not_loaded() {
     std::fs::set_permissions(&files[0], std::fs::Permissions::from_mode(0o662)).expect("chmod");
 
     let proxy = start(&map, cache.path()).await;
-    let refused = proxy.find_log("not using the cached compiled plugin");
+    let refused = proxy.find_log("not using the cached compiled plugin").await;
     assert!(refused.contains("writable by other users"), "{refused}");
     assert_eq!(proxy.count_logs("plugin loaded from the plugin cache"), 0);
     assert_gate_runs(&proxy).await;
@@ -186,7 +190,7 @@ async fn the_cache_keeps_the_code_of_this_and_the_previous_configuration() {
         .join(format!("{}{}", "0".repeat(64), &name[64..]));
     std::fs::copy(&g[0], &stale).expect("copy");
     let mut proxy = start(&map, cache.path()).await;
-    proxy.find_log("plugin loaded from the plugin cache");
+    proxy.find_log("plugin loaded from the plugin cache").await;
     assert_eq!(cached_files(cache.path()), g, "removed at start: {stale:?}");
 
     // A new version: its code and the one before are kept.
@@ -217,7 +221,9 @@ async fn the_cache_keeps_the_code_of_this_and_the_previous_configuration() {
         gh.iter().all(|f| gt.contains(f) == (f == &g[0])),
         "{gh:?} {gt:?}"
     );
-    proxy.find_log("removed compiled plugins no policy uses from the plugin cache");
+    proxy
+        .find_log("removed compiled plugins no policy uses from the plugin cache")
+        .await;
     assert!(cache.path().join("README").exists());
     stop(proxy).await;
 
@@ -230,7 +236,9 @@ async fn the_cache_keeps_the_code_of_this_and_the_previous_configuration() {
     let proxy = start(&map, cache.path()).await;
     assert_eq!(client::get(&proxy.url("/api/a")).await.status, 200);
     // Before the listeners are announced, so by now.
-    proxy.find_log("removed compiled plugins no policy uses from the plugin cache");
+    proxy
+        .find_log("removed compiled plugins no policy uses from the plugin cache")
+        .await;
     assert_eq!(cached_files(cache.path()), Vec::<PathBuf>::new());
     assert!(cache.path().join("README").exists());
     stop(proxy).await;
@@ -245,9 +253,9 @@ async fn a_cache_that_cannot_be_used_only_costs_the_compile() {
     std::fs::write(&cache, "not a directory").expect("write");
 
     let proxy = start(&map, &cache).await;
-    let warned = proxy.find_log("not using the plugin cache");
+    let warned = proxy.find_log("not using the plugin cache").await;
     assert!(warned.contains(&cache.display().to_string()), "{warned}");
-    proxy.find_log("plugin compiled");
+    proxy.find_log("plugin compiled").await;
     assert_gate_runs(&proxy).await;
     stop(proxy).await;
 }
@@ -357,11 +365,13 @@ routes: [{{ name: r, match: {{ path_prefix: / }}, upstream: app, plugins: [{{ us
     let cache = tempfile::tempdir().expect("tempdir");
     let args = ["--plugin-cache", cache.path().to_str().expect("utf-8 path")];
     let first = ProxyProcess::start_on(dir.path(), &args).await;
-    first.find_log("plugin compiled and kept in the plugin cache");
+    first
+        .find_log("plugin compiled and kept in the plugin cache")
+        .await;
     assert_eq!(cached_files(cache.path()).len(), 1);
     stop(first).await;
     let second = ProxyProcess::start_on(dir.path(), &args).await;
-    second.find_log("plugin loaded from the plugin cache");
+    second.find_log("plugin loaded from the plugin cache").await;
     assert_eq!(second.count_logs("plugin compiled"), 0);
     let seen = client::get(&second.url("/x")).await.json()["headers"].clone();
     assert_eq!(seen["x-pw-tag"], "t", "{seen:#}");

@@ -57,7 +57,9 @@ routes:
     )
     .await;
     assert_api_needs_the_key(&proxy.url("/api/x")).await;
-    let warning = proxy.find_log("allocating plugin instances on demand");
+    let warning = proxy
+        .find_log("allocating plugin instances on demand")
+        .await;
     assert!(
         warning.contains("mmap") && warning.contains(r#""bounds_checked":true"#),
         "{warning}"

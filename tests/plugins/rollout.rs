@@ -175,7 +175,9 @@ pub(super) async fn a_candidate_that_denies_everyone_is_rolled_back_by_itself() 
         reason.starts_with("`gate` did worse than `hdr`: 10 of 10 requests denied"),
         "{reason}"
     );
-    proxy.find_log("plugin rollout rolled back: every request goes to the current version");
+    proxy
+        .find_log("plugin rollout rolled back: every request goes to the current version")
+        .await;
     proxy
         .metrics_showing(&[
             r#"portcullis_plugin_rollout_rolled_back{plugin="hdr",route="app",candidate="gate"} 1"#.into(),
@@ -278,7 +280,9 @@ pub(super) async fn a_healthy_rollout_takes_its_steps_and_completes() {
         let (_, version) = get_from(client(c), proxy.addr, "/app").await;
         assert_eq!(version.as_deref(), Some("v2"), "client {c}");
     }
-    proxy.find_log("plugin rollout complete: the candidate serves every request");
+    proxy
+        .find_log("plugin rollout complete: the candidate serves every request")
+        .await;
 }
 
 /// What `check` says of rollouts written wrong, each at its place.

@@ -215,7 +215,9 @@ routes:
             metric("fifth", "failed", 2),
         ])
         .await;
-    proxy.find_log("shadow plugin failed; request let through (mode: shadow)");
+    proxy
+        .find_log("shadow plugin failed; request let through (mode: shadow)")
+        .await;
 }
 
 /// A shadow plugin that checks the body (webhook-signature) is given a

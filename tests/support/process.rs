@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 /// The `/metrics` line counting `n` connections on `listener` that ended
 /// for `reason` before any request.
@@ -29,6 +29,8 @@ pub struct ProxyProcess {
     pub addrs: std::collections::HashMap<String, SocketAddr>,
     /// Every log line so far.
     pub logs: Arc<Mutex<Vec<String>>>,
+    /// How many lines `logs` holds, for a wait on the next one.
+    logged: watch::Receiver<usize>,
     lines: mpsc::UnboundedReceiver<String>,
     _dir: Option<tempfile::TempDir>,
 }
@@ -126,11 +128,17 @@ impl ProxyProcess {
         let stderr = child.stderr.take().expect("stderr");
         let logs = Arc::new(Mutex::new(Vec::new()));
         let (tx, mut rx) = mpsc::unbounded_channel();
+        let (count, logged) = watch::channel(0);
         let sink = logs.clone();
         tokio::spawn(async move {
             let mut reader = BufReader::new(stderr).lines();
             while let Ok(Some(line)) = reader.next_line().await {
-                sink.lock().expect("log lock").push(line.clone());
+                let n = {
+                    let mut logs = sink.lock().expect("log lock");
+                    logs.push(line.clone());
+                    logs.len()
+                };
+                count.send_replace(n);
                 let _ = tx.send(line);
             }
         });
@@ -173,6 +181,7 @@ impl ProxyProcess {
             admin,
             addrs,
             logs,
+            logged,
             lines: rx,
             _dir: None,
         }
@@ -280,14 +289,36 @@ impl ProxyProcess {
             .expect("VmHWM")
     }
 
-    /// The first log line so far containing `needle`.
-    pub fn find_log(&self, needle: &str) -> String {
-        let logs = self.logs.lock().expect("log lock");
-        logs.iter()
-            .find(|l| l.contains(needle))
-            .cloned()
-            .unwrap_or_else(|| panic!("no log line with `{needle}` in {logs:#?}"))
+    /// The first log line containing `needle`, waited for.
+    pub async fn find_log(&self, needle: &str) -> String {
+        // A line the proxy wrote may still be in the pipe or the reader
+        // when what the test looked at (an answer, /status) says it was
+        // written: wait for it, 20 s at most.
+        let mut logged = self.logged.clone();
+        let found = tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                logged.borrow_and_update();
+                let found = {
+                    let logs = self.logs.lock().expect("log lock");
+                    logs.iter().find(|l| l.contains(needle)).cloned()
+                };
+                if found.is_some() {
+                    return found;
+                }
+                // A line pushed since the count was marked seen makes
+                // `changed` return at once.
+                if logged.changed().await.is_err() {
+                    return None;
+                }
+            }
+        })
+        .await;
+        found.ok().flatten().unwrap_or_else(|| {
+            let logs = self.logs.lock().expect("log lock");
+            panic!("no log line with `{needle}` within 20s in {logs:#?}")
+        })
     }
+
     /// How many log lines so far contain `needle`.
     pub fn count_logs(&self, needle: &str) -> usize {
         let logs = self.logs.lock().expect("log lock");

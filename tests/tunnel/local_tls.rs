@@ -129,7 +129,7 @@ pub(super) async fn a_self_signed_ca_as_the_servers_certificate_is_explained() {
         "tunnel connection failed",
     )
     .await;
-    let line = client.find_log("tunnel connection failed");
+    let line = client.find_log("tunnel connection failed").await;
     assert!(line.contains("CaUsedAsEndEntity"), "{line}");
     assert!(line.contains("portcullis dev-certs"), "{line}");
 }

@@ -253,7 +253,8 @@ pub(super) async fn rotating_a_token_closes_tunnels_using_the_old_one_and_the_cl
     assert_eq!(server.get("rt-a", "/").await.status, 200);
     server
         .process
-        .find_log("the runtime's token changed in the tokens file");
+        .find_log("the runtime's token changed in the tokens file")
+        .await;
 }
 
 #[tokio::test]

@@ -72,7 +72,7 @@ pub(super) async fn bad_credentials_and_garbage_are_refused_and_logged_without_d
             "tunnel connection failed",
         )
         .await;
-        let line = bad.find_log("tunnel connection failed");
+        let line = bad.find_log("tunnel connection failed").await;
         assert!(line.contains("401"), "{line}");
         let line = server
             .process

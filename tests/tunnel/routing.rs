@@ -90,14 +90,16 @@ routes:
     let cache_path = cache.path().display().to_string();
     let args = ["--policies", &path, "--plugin-cache", &cache_path];
     let first = server.client("rt-a", TOKENS[0].1, &args).await;
-    first.find_log("plugin compiled and kept in the plugin cache");
+    first
+        .find_log("plugin compiled and kept in the plugin cache")
+        .await;
     assert_eq!(server.get("rt-a", "/api").await.status, 403);
     drop(first);
     // The public side knows the first client's tunnels are gone.
     server.wait_connections("rt-a", 0).await;
 
     let second = server.client("rt-a", TOKENS[0].1, &args).await;
-    second.find_log("plugin loaded from the plugin cache");
+    second.find_log("plugin loaded from the plugin cache").await;
     assert_eq!(second.count_logs("plugin compiled"), 0);
     assert_eq!(server.get("rt-a", "/api").await.status, 403);
 }

@@ -26,7 +26,7 @@ async fn auto_takes_quic_where_it_can_and_websocket_where_it_cannot() {
 
     let without = TunnelServer::start_with(true).await;
     let client = without.client("rt-a", TOKENS[0].1, &auto).await;
-    let line = client.find_log("QUIC failed; using WebSocket");
+    let line = client.find_log("QUIC failed; using WebSocket").await;
     assert!(line.contains("\"reason\""), "{line}");
     without.wait_connections("rt-a", 1).await;
     assert_eq!(transports(&without, "rt-a").await, ["websocket"]);
@@ -60,7 +60,7 @@ async fn auto_tries_quic_again_after_falling_back() {
             ],
         )
         .await;
-    client.find_log("QUIC failed; using WebSocket");
+    client.find_log("QUIC failed; using WebSocket").await;
     without.wait_connections("rt-a", 1).await;
     assert_eq!(transports(&without, "rt-a").await, ["websocket"]);
 

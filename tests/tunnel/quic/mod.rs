@@ -217,7 +217,7 @@ async fn bad_quic_tunnels_are_refused_with_the_reason() {
         "tunnel connection failed",
     )
     .await;
-    let line = bad.find_log("tunnel connection failed");
+    let line = bad.find_log("tunnel connection failed").await;
     assert!(
         line.contains("the server refused the tunnel: 401"),
         "{line}"
