@@ -211,6 +211,49 @@ routes:
     }
 }
 
+/// The forwarding fields reach the upstream once each whichever way the
+/// request goes: by the own HTTP/1.1 exchange (which writes them after
+/// the request's fields), through hyper with a streamed body, and past a
+/// route's edits, which see them as set.
+#[tokio::test]
+async fn the_upstream_gets_each_forwarding_field_once_whichever_way_it_goes() {
+    let e = upstream::echo("e").await;
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+upstreams: [{{ name: e, endpoints: ["{}"] }}]
+routes:
+  - name: edited
+    match: {{ path: /edited }}
+    upstream: e
+    request_headers: {{ set: {{ x-forwarded-proto: https }}, remove: [x-forwarded-host] }}
+  - {{ name: plain, match: {{ path_prefix: / }}, upstream: e }}
+"#,
+        e.url()
+    ))
+    .await;
+    let fields = |a: &Answer| {
+        assert_eq!(a.status, 200, "{a:?}");
+        let j: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+        // Repeated fields reach the echo joined with ", ".
+        ["x-forwarded-for", "x-forwarded-proto", "x-forwarded-host"]
+            .map(|name| j["headers"][name].as_str().map(str::to_owned))
+    };
+    let want = |proto: &str, host: Option<&str>| {
+        [Some("127.0.0.1"), Some(proto), host].map(|v| v.map(str::to_owned))
+    };
+    let a = send(&proxy, "GET", "public.example", "/plain", &[]).await;
+    assert_eq!(fields(&a), want("http", Some("public.example")));
+    let a = send(&proxy, "GET", "public.example", "/edited", &[]).await;
+    assert_eq!(fields(&a), want("https", None));
+    // A body that streams goes by hyper's client.
+    let (tx, sent) = client::streamed_post_with(proxy.url("/streamed"), &[("host", "b.example")]);
+    tx.send(Bytes::from_static(b"piece")).await.unwrap();
+    drop(tx);
+    let a = sent.await.unwrap();
+    assert_eq!(fields(&a), want("http", Some("b.example")));
+}
+
 #[tokio::test]
 async fn upstream_connections_are_kept_alive_and_reused() {
     let e = upstream::echo("e").await;

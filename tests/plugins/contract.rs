@@ -117,12 +117,19 @@ routes:
   - {{ name: refuse, match: {{ path_prefix: /refuse }}, upstream: app, plugins: [{{ use: reach, config: {{ body: {{ max: 65536, refuse: secret }} }} }}] }}
   - {{ name: small, match: {{ path_prefix: /small }}, upstream: app, plugins: [{{ use: reach, config: {{ body: {{ max: 16 }} }} }}] }}
   - {{ name: answer, match: {{ path_prefix: /answer }}, upstream: app, plugins: [{{ use: reach, config: {{ answer_response: 451 }} }}] }}
+  - {{ name: echo, match: {{ path_prefix: /echo }}, upstream: app, plugins: [{{ use: reach, config: {{ echo_request: x-forwarded-proto }} }}] }}
 "#,
             app.url()
         ),
         &["fixture-contract-0-3"],
     );
     let proxy = Proxy::start_dir(dir, &[]).await;
+    // The response hook reads the request as forwarded: with the
+    // proxy's fields, which the upstream got once.
+    let echo = client::get(&proxy.url("/echo")).await;
+    assert_eq!(echo.status, 200, "{:?}", echo.body);
+    assert_eq!(echo.header("x-request-saw"), Some("http"));
+    assert_eq!(echo.json()["headers"]["x-forwarded-proto"], "http");
     let plain = client::get(&format!("{}/plain", app.url())).await;
 
     // The echo's JSON, upper-cased whole; its length set to the new body.

@@ -24,6 +24,7 @@ impl Collector for UpstreamPool {
             HeaderValue::from_static("application/json"),
         );
         let out = Outgoing {
+            forwarded: Default::default(),
             method: Method::POST,
             path,
             headers,

@@ -28,6 +28,7 @@ mod dial;
 mod ejection;
 mod endpoints;
 mod error;
+mod forwarded;
 // Public: the own HTTP/1.1 exchange, named by the pipeline for its
 // framing, and checked against hyper by tests and a fuzz target (http,
 // tests, fuzz).
@@ -60,10 +61,11 @@ pub use ejection::Ejections;
 use endpoints::*;
 pub use endpoints::{SharedEndpoints, shared_endpoints};
 pub use error::{ForwardError, error_chain};
+pub use forwarded::{Forwarded, forwarded, set_forwarded};
 pub use h1::H1Body;
 pub use headers::{
     CLIENT_CERT, Seen, client_ip_header, client_of, is_websocket_upgrade, join_cookie_crumbs,
-    last_forwarded_for, remove_hop_by_hop, set_forwarded, single_content_length,
+    last_forwarded_for, remove_hop_by_hop, single_content_length,
 };
 pub use held::{Admitted, Held, InFlight};
 pub use tls::client_config as client_tls_config;
@@ -108,6 +110,10 @@ pub struct Outgoing {
     pub path: PathAndQuery,
     /// Headers, already edited.
     pub headers: HeaderMap,
+    /// The forwarding fields still to add (none of them in `headers`):
+    /// the own HTTP/1.1 exchange writes them after `headers`, every other
+    /// way adds them to `headers` first.
+    pub forwarded: Forwarded,
     /// Body.
     pub body: Body,
     /// With `balance: hash`, the hash of the request's key (see

@@ -18,14 +18,16 @@ impl UpstreamPool {
     /// failure retries do); the endpoint is ejected for `eject_for`. A
     /// request that a stale pooled connection gave back unsent is always
     /// sent again on a new connection. With `kept`, the request's head
-    /// is left there, on every outcome.
+    /// is left there, on every outcome, with the forwarding fields not in
+    /// its map beside it (the own HTTP/1.1 exchange writes them from
+    /// there; a reader of the map adds them first).
     pub async fn send(
         &self,
         out: Outgoing,
         params: &matchit::Params<'_, '_>,
         timeout: Duration,
         client: Option<ClientSocket>,
-        kept: Option<&mut HeaderMap>,
+        kept: Option<(&mut HeaderMap, &mut Forwarded)>,
     ) -> Result<(Response<Body>, Held), ForwardError> {
         // Before anything is read or dialled: a request over the cap
         // costs the upstream nothing.
@@ -46,6 +48,7 @@ impl UpstreamPool {
             method,
             path,
             headers: mut owned,
+            forwarded: mut owned_forwarded,
             mut body,
             affinity,
             own_host,
@@ -55,12 +58,13 @@ impl UpstreamPool {
         // plugin's response hooks read the request as it was forwarded,
         // also on the proxy's own error answer, without a copy per request.
         let keeping = kept.is_some();
-        let headers: &mut HeaderMap = match kept {
-            Some(kept) => {
+        let (headers, forwarded): (&mut HeaderMap, &mut Forwarded) = match kept {
+            Some((kept, later)) => {
                 *kept = owned;
-                kept
+                *later = owned_forwarded;
+                (kept, later)
             }
-            None => &mut owned,
+            None => (&mut owned, &mut owned_forwarded),
         };
         let bodiless = http_body::Body::is_end_stream(&body);
         // A small body of known length is read now: the request is then
@@ -188,7 +192,7 @@ impl UpstreamPool {
                                     prefix,
                                     path.as_str(),
                                     host,
-                                    &*headers,
+                                    (&*headers, &*forwarded),
                                     payload.as_deref(),
                                     timer.as_mut(),
                                 )
@@ -269,6 +273,7 @@ impl UpstreamPool {
                                 Some(p) => Body::full(p.clone()),
                                 None => std::mem::replace(&mut body, Body::empty()),
                             };
+                            forwarded.add_to(headers);
                             // hyper takes the map: a copy while a retry
                             // may need it or the caller keeps it.
                             let head = if last_attempt && !keeping {

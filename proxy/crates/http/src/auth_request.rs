@@ -125,6 +125,7 @@ async fn ask(
         method: Method::GET,
         path: auth.path.clone(),
         headers: sent,
+        forwarded: Default::default(),
         body: Body::empty(),
         affinity: None,
         own_host: false,
@@ -192,7 +193,7 @@ fn subrequest_headers(
     ] {
         out.remove(name);
     }
-    conn.set_forwarded(&mut out, seen, public_host);
+    conn.forwarded(&mut out, seen, public_host, false);
     if !pool.spec.preserve_host {
         out.remove(header::HOST);
     }

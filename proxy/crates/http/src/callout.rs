@@ -50,6 +50,7 @@ fn outgoing(pool: &UpstreamPool, c: Callout, streamed: Option<Body>) -> Result<O
         method: c.method,
         path,
         headers,
+        forwarded: Default::default(),
         body,
         affinity: None,
         own_host: true,

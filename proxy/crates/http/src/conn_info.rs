@@ -39,25 +39,29 @@ pub struct ConnInfo {
 impl ConnInfo {
     /// Sets the `X-Forwarded-*` headers of a request from this connection
     /// bound upstream (`seen`: which of them the client sent, from
-    /// [`forward::remove_hop_by_hop`]; `public_host`: the host it asked for).
+    /// [`forward::remove_hop_by_hop`]; `public_host`: the host it asked
+    /// for). With `defer`, those the request lacks are not inserted but
+    /// returned, to add later ([`forward::Forwarded`]); else none are.
     #[inline]
-    pub fn set_forwarded(
+    pub fn forwarded(
         &self,
         headers: &mut http::HeaderMap,
         seen: forward::Seen,
         public_host: Option<HeaderValue>,
-    ) {
+        defer: bool,
+    ) -> forward::Forwarded {
         let proto = if self.tls { "https" } else { "http" };
-        forward::set_forwarded(
-            headers,
-            (
-                &self.client_ip,
-                self.client_cert.as_ref().map(|c| &c.header),
-                seen,
-            ),
-            proto,
-            public_host,
-            self.listener.trust_forwarded_headers,
+        let client = (
+            &self.client_ip,
+            self.client_cert.as_ref().map(|c| &c.header),
+            seen,
         );
+        let trust = self.listener.trust_forwarded_headers;
+        if defer {
+            forward::forwarded(headers, client, proto, public_host, trust)
+        } else {
+            forward::set_forwarded(headers, client, proto, public_host, trust);
+            forward::Forwarded::default()
+        }
     }
 }

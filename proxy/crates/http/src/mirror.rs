@@ -106,6 +106,7 @@ impl Mirror {
                 method,
                 path,
                 headers,
+                forwarded: Default::default(),
                 body,
                 affinity: None,
                 own_host: false,

@@ -36,6 +36,9 @@ pub mod drain;
 // Public: a connection's field names kept parsed from one head to the
 // next, for the heads the forwarding reads and the server codec's (forward).
 pub mod field_names;
+// Public: the forwarding fields a request still lacks, made and written by
+// the forwarding, added to the map a plugin reads (forward, plugin, http).
+pub mod forwarded_fields;
 // Public: reading files with errors that name them, for the binary, the
 // config, logs and tunnel tokens (bin, config, obs, tunnel).
 pub mod files;

@@ -89,6 +89,8 @@ impl seam::Plugin for Binding {
             status: lent.status,
         };
         let parts = (head, &mut *lent.headers);
+        // The hook's request is the whole head as forwarded.
+        lent.request_later.add_to(lent.request_headers);
         Ok(
             match self.call_on_response(lent.facts, lent.request_headers, parts)? {
                 ResponseDecision::Forward(edits) => {
@@ -117,6 +119,7 @@ impl seam::Plugin for Binding {
             status: lent.status,
         };
         let parts = (head, &mut *lent.headers);
+        lent.request_later.add_to(lent.request_headers);
         Ok(
             match self.call_on_response_body(lent.facts, lent.request_headers, parts, body)? {
                 ResponseBodyDecision::Forward(edits) => {

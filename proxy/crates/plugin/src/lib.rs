@@ -89,8 +89,9 @@ pub use facts::{RequestFacts, apply_edits, to_wit_headers};
 pub use host::{PluginHost, disk_cache_outcomes, forget_unused, host, use_disk_cache};
 pub use rollout::Rollout;
 pub use seam::{
-    BodyVerdict, Callout, CalloutAnswer, Callouts, GrpcReply, Hooks, LocalAnswer, Noted, Plugin,
-    RequestLent, ResponseLent, ResponseVerdict, Steer, Stream, StreamEvent, Verdict, WholeVerdicts,
+    BodyVerdict, Callout, CalloutAnswer, Callouts, Forwarded, GrpcReply, Hooks, LocalAnswer, Noted,
+    Plugin, RequestLent, ResponseLent, ResponseVerdict, Steer, Stream, StreamEvent, Verdict,
+    WholeVerdicts,
 };
 pub use shadow::Shadow;
 pub use use_reports::{RolloutReport, ShadowReport};

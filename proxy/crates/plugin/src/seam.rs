@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use portcullis_config::FailMode;
+pub use portcullis_net::forwarded_fields::Forwarded;
 
 use crate::{PluginError, RequestFacts};
 
@@ -253,7 +254,14 @@ pub const MAX_BUFFERED_BODY: u32 = 1 << 20;
 /// while the head is held for the body).
 pub struct ResponseLent<'a> {
     pub facts: &'a mut Option<RequestFacts>,
+    /// The request's head as forwarded, but for the forwarding fields in
+    /// `request_later`: read it through [`Self::request`] (or add them
+    /// first), which completes it.
     pub request_headers: &'a mut http::HeaderMap,
+    /// The proxy's `X-Forwarded-*` fields not yet in `request_headers`:
+    /// added on the first read, so a call that never reads the request
+    /// costs nothing for them.
+    pub request_later: &'a mut Forwarded,
     pub status: u16,
     pub headers: &'a mut http::HeaderMap,
     /// Whether the response has no body (in a head call), or this is its
@@ -264,6 +272,14 @@ pub struct ResponseLent<'a> {
     /// on the head fail as in Envoy, which lets go of a head once the
     /// filter lets it go on.
     pub head_sent: bool,
+}
+
+impl ResponseLent<'_> {
+    /// The request's head as forwarded, with the proxy's fields in it.
+    pub fn request(&mut self) -> &mut http::HeaderMap {
+        self.request_later.add_to(self.request_headers);
+        self.request_headers
+    }
 }
 
 /// An answer a plugin made itself.
@@ -417,6 +433,7 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
         let ResponseLent {
             facts,
             request_headers,
+            request_later,
             status,
             headers,
             ..
@@ -426,6 +443,7 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
             ResponseLent {
                 facts: &mut *facts,
                 request_headers: &mut *request_headers,
+                request_later: &mut *request_later,
                 status,
                 headers,
                 end_of_stream: false,
@@ -439,6 +457,7 @@ pub trait Plugin: Send + Sync + std::fmt::Debug {
         let lent = ResponseLent {
             facts,
             request_headers,
+            request_later,
             status,
             headers: &mut gone,
             end_of_stream: true,

@@ -206,14 +206,19 @@ impl Shadow {
 struct Copies {
     facts: Option<RequestFacts>,
     request: http::HeaderMap,
+    /// Empty: the copy of the request has the proxy's fields in it.
+    later: crate::seam::Forwarded,
     response: http::HeaderMap,
 }
 
 impl Copies {
     fn of(lent: &ResponseLent<'_>) -> Copies {
+        let mut request = lent.request_headers.clone();
+        lent.request_later.clone().add_to(&mut request);
         Copies {
             facts: lent.facts.clone(),
-            request: lent.request_headers.clone(),
+            request,
+            later: Default::default(),
             response: lent.headers.clone(),
         }
     }
@@ -223,6 +228,7 @@ impl Copies {
         ResponseLent {
             facts: &mut self.facts,
             request_headers: &mut self.request,
+            request_later: &mut self.later,
             status: lent.status,
             headers: &mut self.response,
             end_of_stream: lent.end_of_stream,

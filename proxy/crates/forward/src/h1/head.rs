@@ -11,15 +11,17 @@ pub(super) fn head_too_large() -> ExchangeError {
 
 /// Writes the request head, then `body`, into `out`. Header values are
 /// valid by construction (`HeaderValue` holds no CR or LF), so nothing
-/// needs escaping. `host`, when given, is the only `Host` written. The body's length is written from the bytes at hand;
-/// a `Content-Length` in `headers` is not copied.
+/// needs escaping. `host`, when given, is the only `Host` written; the
+/// forwarding fields not in `headers` follow its fields. The body's
+/// length is written from the bytes at hand; a `Content-Length` in
+/// `headers` is not copied.
 pub(super) fn encode_head(
     out: &mut Vec<u8>,
     method: &Method,
     prefix: &str,
     path: &str,
     host: Option<&HeaderValue>,
-    headers: &HeaderMap,
+    (headers, forwarded): (&HeaderMap, &crate::Forwarded),
     body: Option<&[u8]>,
 ) {
     out.clear();
@@ -47,6 +49,7 @@ pub(super) fn encode_head(
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
+    forwarded.write(out);
     match body {
         Some(b) if !b.is_empty() => {
             use std::io::Write as _;

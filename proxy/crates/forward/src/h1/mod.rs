@@ -267,7 +267,7 @@ impl H1Conn {
         prefix: &str,
         path: &str,
         host: Option<&HeaderValue>,
-        headers: &HeaderMap,
+        headers: (&HeaderMap, &crate::Forwarded),
         body: Option<&[u8]>,
         mut deadline: Option<&mut Pin<Box<Sleep>>>,
     ) -> Result<(Response<()>, Framing, bool), ExchangeError> {

@@ -126,7 +126,15 @@ async fn a_recycled_request_map_holds_only_the_response_headers() {
         .await
         .unwrap();
     let (resp, ..) = conn
-        .exchange(&Method::GET, "", "/", None, &HeaderMap::new(), None, None)
+        .exchange(
+            &Method::GET,
+            "",
+            "/",
+            None,
+            (&HeaderMap::new(), &Default::default()),
+            None,
+            None,
+        )
         .await
         .unwrap();
     let names: Vec<&str> = resp.headers().keys().map(|k| k.as_str()).collect();
@@ -209,18 +217,38 @@ fn head_is_encoded_with_host_first_and_zero_length_for_post() {
         "/base",
         "/p?q=1",
         Some(&host),
-        &headers,
+        (&headers, &Default::default()),
         None,
     );
     assert_eq!(
         out,
         b"POST /base/p?q=1 HTTP/1.1\r\nhost: up:80\r\nx-a: 1\r\ncontent-length: 0\r\n\r\n"
     );
-    encode_head(&mut out, &Method::GET, "", "/", None, &headers, None);
+    // The forwarding fields not in the map follow its fields.
+    let mut none = HeaderMap::new();
+    let seen = crate::remove_hop_by_hop(&mut none, false);
+    let client = crate::client_ip_header("10.0.0.1".parse().unwrap());
+    let later = crate::forwarded(&mut none, (&client, None, seen), "http", None, false);
+    encode_head(
+        &mut out,
+        &Method::GET,
+        "",
+        "/",
+        None,
+        (&headers, &later),
+        None,
+    );
+    assert_eq!(
+        out,
+        b"GET / HTTP/1.1\r\nx-a: 1\r\nx-forwarded-for: 10.0.0.1\r\nx-forwarded-proto: http\r\n\r\n"
+    );
+    let no_fields = (&headers, &Default::default());
+    encode_head(&mut out, &Method::GET, "", "/", None, no_fields, None);
     assert_eq!(out, b"GET / HTTP/1.1\r\nx-a: 1\r\n\r\n");
     // The length comes from the bytes sent, whatever the client said.
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("99"));
-    encode_head(&mut out, &Method::PUT, "", "/", None, &headers, Some(b"{}"));
+    let fields = (&headers, &Default::default());
+    encode_head(&mut out, &Method::PUT, "", "/", None, fields, Some(b"{}"));
     assert_eq!(
         out,
         b"PUT / HTTP/1.1\r\nx-a: 1\r\ncontent-length: 2\r\n\r\n{}"

@@ -159,6 +159,7 @@ pub fn filter_response_body(
         facts: ctx.facts.take(),
         side: Side::Response {
             request_headers: std::mem::take(&mut ctx.request_headers),
+            request_later: std::mem::take(&mut ctx.request_later),
             status: resp.status.as_u16(),
         },
         route: route.name.clone(),
@@ -201,7 +202,8 @@ pub(super) fn through_now(
         let mut stream = ctx.streams.get(place);
         let mut gone = http::HeaderMap::new();
         let status = (resp.status.as_u16(), &mut gone);
-        let lent = lend_gone(&mut ctx.facts, &mut ctx.request_headers, status, true);
+        let request = (&mut ctx.request_headers, &mut ctx.request_later);
+        let lent = lend_gone(&mut ctx.facts, request, status, true);
         let called = binding.on_response_body(&mut stream, lent, &whole);
         ctx.streams.set(place, stream);
         let at = (&mut whole, &mut changed);
@@ -276,6 +278,7 @@ enum Side {
     /// own their streams, ended with the body.
     Response {
         request_headers: http::HeaderMap,
+        request_later: plugin::Forwarded,
         status: u16,
     },
 }
@@ -419,13 +422,14 @@ fn failed(plugin: &dyn Plugin, route: &str, e: PluginError) -> Option<Stopped> {
 /// status, and `gone` (empty) for its headers.
 fn lend_gone<'a>(
     facts: &'a mut Option<RequestFacts>,
-    request_headers: &'a mut http::HeaderMap,
+    (request_headers, request_later): (&'a mut http::HeaderMap, &'a mut plugin::Forwarded),
     (status, gone): (u16, &'a mut http::HeaderMap),
     end_of_stream: bool,
 ) -> plugin::ResponseLent<'a> {
     plugin::ResponseLent {
         facts,
         request_headers,
+        request_later,
         status,
         headers: gone,
         end_of_stream,
@@ -453,10 +457,12 @@ fn call_trailers(
         }
         Side::Response {
             request_headers,
+            request_later,
             status,
         } => {
             let mut gone = http::HeaderMap::new();
-            let lent = lend_gone(facts, request_headers, (*status, &mut gone), true);
+            let request = (request_headers, request_later);
+            let lent = lend_gone(facts, request, (*status, &mut gone), true);
             stage
                 .plugin
                 .on_response_trailers(&mut stage.stream, lent, trailers)
@@ -483,10 +489,12 @@ fn call(
         }
         Side::Response {
             request_headers,
+            request_later,
             status,
         } => {
             let mut gone = http::HeaderMap::new();
-            let lent = lend_gone(facts, request_headers, (*status, &mut gone), end_of_stream);
+            let request = (request_headers, request_later);
+            let lent = lend_gone(facts, request, (*status, &mut gone), end_of_stream);
             stage.plugin.on_response_body(&mut stage.stream, lent, body)
         }
     }

@@ -75,12 +75,19 @@ pub(super) fn local_through(
 ) -> Response<Body> {
     let (mut parts, body) = resp.into_parts();
     let mut bytes = body.in_memory().unwrap_or_default();
+    // Not forwarded: the proxy's fields are not in it, nor to add.
+    let mut none = plugin::Forwarded::default();
     let passed = chain[..=upto].iter().enumerate().rev();
     for (place, binding) in passed.filter(|(_, b)| b.hooks().response && b.hooks().local_answers) {
         let mut stream = progress.streams.get(place);
         let context = &mut *progress.0;
         let facts = &mut context.facts;
-        let lent = lend(facts, request_headers, &mut parts, bytes.is_empty());
+        let lent = lend(
+            facts,
+            (request_headers, &mut none),
+            &mut parts,
+            bytes.is_empty(),
+        );
         let called = binding.on_response(&mut stream, lent);
         let notes = &mut context.notes;
         let mut note = |n: plugin::Noted| notes.get_or_insert_default().0.push(n);
@@ -99,7 +106,7 @@ pub(super) fn local_through(
             if !wants_body {
                 return Ok(());
             }
-            let lent = lend(facts, request_headers, &mut parts, true);
+            let lent = lend(facts, (request_headers, &mut none), &mut parts, true);
             match binding.on_response_body(&mut stream, lent, &bytes) {
                 Ok(plugin::BodyVerdict::Continue(Some(new))) => {
                     parts

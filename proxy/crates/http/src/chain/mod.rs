@@ -70,6 +70,7 @@ impl<'a> Progress<'a> {
         Progress(Box::new(PluginContext {
             facts,
             request_headers: http::HeaderMap::new(),
+            request_later: Default::default(),
             chain,
             upstream: None,
             path: None,
@@ -160,6 +161,10 @@ pub struct PluginContext<'a> {
     /// The request headers as forwarded, likewise: the forwarding leaves
     /// them here ([`PluginContext::request_headers_slot`]).
     request_headers: http::HeaderMap,
+    /// The proxy's forwarding fields not yet in `request_headers`, added
+    /// when a response hook first reads them (see
+    /// [`plugin::ResponseLent::request_later`]).
+    request_later: plugin::Forwarded,
     /// Whether a response hook will read them.
     keeps_request_headers: bool,
     /// Borrowed from the pipeline, which outlives the request: no
@@ -194,9 +199,12 @@ impl PluginContext<'_> {
     /// when a response hook reads it (`None`: none does): the map sent is
     /// the map kept, no copy made for the hooks (~500 instructions a
     /// request of a header-only proxy-wasm filter, bench/instructions.sh).
-    pub fn request_headers_slot(&mut self) -> Option<&mut http::HeaderMap> {
+    /// With the map, where the forwarding fields it leaves out of it go.
+    pub fn request_headers_slot(
+        &mut self,
+    ) -> Option<(&mut http::HeaderMap, &mut plugin::Forwarded)> {
         self.keeps_request_headers
-            .then_some(&mut self.request_headers)
+            .then_some((&mut self.request_headers, &mut self.request_later))
     }
 
     /// Whether plugins in shadow mode noted anything.
@@ -464,13 +472,14 @@ fn after_call(
 /// What a response call is lent.
 fn lend<'a>(
     facts: &'a mut Option<RequestFacts>,
-    request_headers: &'a mut http::HeaderMap,
+    (request_headers, request_later): (&'a mut http::HeaderMap, &'a mut plugin::Forwarded),
     parts: &'a mut http::response::Parts,
     end_of_stream: bool,
 ) -> plugin::ResponseLent<'a> {
     plugin::ResponseLent {
         facts,
         request_headers,
+        request_later,
         status: parts.status.as_u16(),
         headers: &mut parts.headers,
         end_of_stream,

@@ -57,7 +57,7 @@ fn heads(
         let mut stream = ctx.streams.get(place);
         let lent = lend(
             &mut ctx.facts,
-            &mut ctx.request_headers,
+            (&mut ctx.request_headers, &mut ctx.request_later),
             resp,
             end_of_stream,
         );
@@ -159,7 +159,12 @@ fn bodies(
             continue;
         }
         let mut stream = ctx.streams.get(place);
-        let lent = lend(&mut ctx.facts, &mut ctx.request_headers, resp, true);
+        let lent = lend(
+            &mut ctx.facts,
+            (&mut ctx.request_headers, &mut ctx.request_later),
+            resp,
+            true,
+        );
         let called = binding.on_response_body(&mut stream, lent, bytes);
         ctx.streams.set(place, stream);
         match called {

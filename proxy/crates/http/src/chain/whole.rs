@@ -37,7 +37,12 @@ pub fn whole_response(
     let mut whole = body.take_whole()?;
     let binding = &*chain[place];
     let mut stream = ctx.streams.take(place);
-    let lent = lend(&mut ctx.facts, &mut ctx.request_headers, resp, false);
+    let lent = lend(
+        &mut ctx.facts,
+        (&mut ctx.request_headers, &mut ctx.request_later),
+        resp,
+        false,
+    );
     let called = binding.on_response_whole(&mut stream, lent, &whole);
     // Left out when the plugin ended it with the body.
     ctx.streams.set(place, stream);

@@ -105,7 +105,7 @@ impl Pipeline {
             Err(resp) => return done(resp),
         };
         let timeout = route.timeout.unwrap_or(pool.spec.timeouts.request);
-        let body = match self.mirror_copy(&routed, conn, &out, body, timeout) {
+        let body = match self.mirror_copy(&routed, conn, &mut out, body, timeout) {
             Mirrored::Plain(body) => body,
             Mirrored::Copying(copy) => match copy.await {
                 Ok(body) => body,

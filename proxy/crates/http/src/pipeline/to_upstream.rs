@@ -32,7 +32,7 @@ impl Pipeline {
         &self,
         routed: &Routed<'a, '_>,
         conn: &ConnInfo,
-        out: &'a Outgoing,
+        out: &'a mut Outgoing,
         body: Body,
         timeout: std::time::Duration,
     ) -> Mirrored<impl std::future::Future<Output = Result<Body, ForwardError>> + Send + 'a> {
@@ -41,6 +41,8 @@ impl Pipeline {
             _ => return Mirrored::Plain(body),
         };
         let to = self.upstreams[conn.worker % self.upstreams.len()][mirror.upstream].clone();
+        // The copy takes the fields from the map.
+        out.forwarded.add_to(&mut out.headers);
         let head = (&out.method, &out.path, &out.headers);
         Mirrored::Copying(Box::pin(crate::mirror::copy(
             mirror, to, head, body, timeout,
@@ -231,7 +233,12 @@ impl Pipeline {
             Some(a) => HeaderValue::from_str(a.as_str()).ok(),
             None => headers.get(header::HOST).cloned(),
         };
-        conn.set_forwarded(&mut headers, seen, public_host);
+        // Written by the send after the map's fields, not inserted here,
+        // unless the route's edits (which may change them) read the map
+        // first. A plugin's response hook that reads the request adds
+        // them then (`plugin::ResponseLent::request_later`).
+        let defer = route.request_headers.is_empty();
+        let forwarded = conn.forwarded(&mut headers, seen, public_host, defer);
         // The client's `Host` stays in the map: unless the upstream
         // preserves it, the send writes the endpoint's in its place (a
         // removal here was ~450 instructions a request). A route that
@@ -249,6 +256,7 @@ impl Pipeline {
             method: method.clone(),
             path: new_path,
             headers,
+            forwarded,
             body: Body::empty(),
             affinity,
             own_host,

@@ -43,8 +43,10 @@ pub(super) fn whole(
         let id = parts(*stream).2;
         let status = lent.status;
         let (facts, request_headers) = (lent.facts, lent.request_headers);
+        let later = lent.request_later;
         let mut call = vm.blank();
         call.lend(facts, request_headers, Some(lent.headers));
+        call.lend_later(later);
         call.status = Some(status);
         let (mut call, action) = vm.response_headers(filter, id, call, false);
         call.unlend();
@@ -64,6 +66,7 @@ pub(super) fn whole(
         // fail, and a listing of it is empty, as on a streamed body.
         call.clear();
         call.lend(facts, request_headers, None);
+        call.lend_later(later);
         call.status = Some(status);
         call.response_body = Some(body.clone());
         call.head_sent = true;
@@ -132,6 +135,7 @@ pub(super) fn lend<T>(
 ) -> (Box<Call>, T) {
     let mut call = vm.blank();
     call.lend(lent.facts, lent.request_headers, Some(lent.headers));
+    call.lend_later(lent.request_later);
     call.status = Some(lent.status);
     call.response_body = body;
     call.head_sent = lent.head_sent;

@@ -6,6 +6,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 
 use crate::RequestFacts;
+use crate::seam::Forwarded;
 use crate::seam::LocalAnswer;
 
 /// What a call is lent, swapped into the store for it and back after.
@@ -90,6 +91,9 @@ pub(super) type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
 pub(super) struct Lent {
     facts: *mut Option<RequestFacts>,
     request_headers: *mut HeaderMap,
+    /// In a response call, the forwarding fields not yet in the request's
+    /// map: added on the call's first read of it.
+    request_later: *mut Forwarded,
     response_headers: *mut HeaderMap,
 }
 
@@ -98,6 +102,7 @@ impl Default for Lent {
         Lent {
             facts: std::ptr::null_mut(),
             request_headers: std::ptr::null_mut(),
+            request_later: std::ptr::null_mut(),
             response_headers: std::ptr::null_mut(),
         }
     }
@@ -123,9 +128,33 @@ impl Call {
         self.lent = Lent {
             facts,
             request_headers,
+            request_later: std::ptr::null_mut(),
             response_headers: response_headers
                 .map_or(std::ptr::null_mut(), |h| h as *mut HeaderMap),
         };
+    }
+
+    /// Lends, with the request's head [`Self::lend`] lent, the forwarding
+    /// fields not yet in it (a response call's).
+    pub(super) fn lend_later(&mut self, later: &mut Forwarded) {
+        self.lent.request_later = later;
+    }
+
+    /// Adds the forwarding fields still apart to the request's map, once:
+    /// before the first reference into the map is handed out.
+    fn complete_request(&self) {
+        // SAFETY: null or valid for the call, lent with the map (see
+        // `Lent`). Fields are added only while some remain, which is
+        // before this call's first read of the map: no reference into
+        // the map is alive while it is changed here.
+        unsafe {
+            if let Some(later) = self.lent.request_later.as_mut()
+                && !later.is_empty()
+                && let Some(map) = self.lent.request_headers.as_mut()
+            {
+                later.add_to(map);
+            }
+        }
     }
 
     /// Ends what [`Self::lend`] lent.
@@ -141,6 +170,7 @@ impl Call {
 
     /// The request's head (empty when not lent).
     pub(super) fn request_headers(&self) -> &HeaderMap {
+        self.complete_request();
         // SAFETY: null or valid for the call (see `Lent`).
         unsafe { self.lent.request_headers.as_ref() }.unwrap_or(&NO_HEADERS)
     }
@@ -154,6 +184,7 @@ impl Call {
     /// The request's head to edit (the scratch map when not lent);
     /// borrowed from the call, so no two can be held at once.
     pub(super) fn request_headers_mut(&mut self) -> &mut HeaderMap {
+        self.complete_request();
         // SAFETY: null or valid and not otherwise borrowed for the call
         // (see `Lent`); `&mut self` keeps this borrow unique.
         unsafe { self.lent.request_headers.as_mut() }.unwrap_or(&mut self.scratch)
@@ -194,5 +225,57 @@ mod tests {
         assert!(call.response_headers_mut().is_empty());
         assert_eq!(request.get("x-b").unwrap(), "2");
         assert!(request.get("x-c").is_none() && request.get("x-d").is_none());
+    }
+
+    /// The forwarding fields lent apart reach the request's map on the
+    /// call's first read of it, once; a call that never reads the map
+    /// leaves them apart.
+    #[test]
+    fn the_proxys_fields_join_the_request_on_its_first_read() {
+        use portcullis_net::forwarded_fields::Fields;
+        let fields = || {
+            Forwarded::new(Fields {
+                for_: Some("10.0.0.1".parse().unwrap()),
+                proto: Some("http"),
+                ..Fields::default()
+            })
+        };
+        let (mut facts, mut request) = (None, HeaderMap::new());
+        request.insert("x-a", "1".parse().unwrap());
+        let mut later = fields();
+        let mut call = Call::default();
+        call.lend(&mut facts, &mut request, None);
+        call.lend_later(&mut later);
+        assert!(call.response_headers().is_empty());
+        call.unlend();
+        assert!(!later.is_empty(), "not read: still apart");
+        assert_eq!(request.len(), 1);
+
+        call.lend(&mut facts, &mut request, None);
+        call.lend_later(&mut later);
+        assert_eq!(
+            call.request_headers().get("x-forwarded-proto").unwrap(),
+            "http"
+        );
+        call.request_headers_mut().remove("x-forwarded-for");
+        assert!(
+            call.request_headers().get("x-forwarded-for").is_none(),
+            "added once"
+        );
+        call.unlend();
+        assert!(later.is_empty());
+        let names: Vec<&str> = request.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["x-a", "x-forwarded-proto"]);
+
+        // Written to first: added before the edit.
+        let mut request = HeaderMap::new();
+        let mut later = fields();
+        call.lend(&mut facts, &mut request, None);
+        call.lend_later(&mut later);
+        call.request_headers_mut()
+            .insert("x-forwarded-proto", "https".parse().unwrap());
+        call.unlend();
+        assert_eq!(request["x-forwarded-proto"], "https");
+        assert_eq!(request["x-forwarded-for"], "10.0.0.1");
     }
 }
