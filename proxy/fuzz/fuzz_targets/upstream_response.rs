@@ -46,8 +46,9 @@ fuzz_target!(|bytes: &[u8]| {
     rt.block_on(async move {
         let stream = tokio::net::TcpStream::from_std(proxy_end).expect("tokio stream");
         let mut conn = H1Conn::new(Io::Tcp(stream));
+        let fields = (&HeaderMap::new(), &Default::default());
         let Ok((resp, framing, keep_alive)) = conn
-            .exchange(&method, "", "/", None, &HeaderMap::new(), None, None)
+            .exchange(&method, "", "/", None, fields, None, None)
             .await
         else {
             return;
