@@ -46,9 +46,15 @@ impl BodyProgress {
     /// ends: `None` if it has already passed. Both waits on a body (for
     /// the upstream's answer, for a plugin's read) start again from there.
     pub fn wait_ends(&self, timeout: Duration) -> Option<tokio::time::Instant> {
+        self.wait_left(timeout)
+            .map(|rest| tokio::time::Instant::now() + rest)
+    }
+
+    /// What is left of that wait from now (`None`: nothing).
+    pub fn wait_left(&self, timeout: Duration) -> Option<Duration> {
         let quiet = coarse_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed));
         let rest = timeout.checked_sub(Duration::from_millis(quiet))?;
-        (!rest.is_zero()).then(|| tokio::time::Instant::now() + rest)
+        (!rest.is_zero()).then_some(rest)
     }
 
     /// Whether all of the body has been read.

@@ -28,6 +28,9 @@ pub mod client_cert;
 pub mod client_tls;
 // Public: the cheap clock of the request path's deadlines (http).
 pub mod coarse_clock;
+// Public: long waits kept by a worker's list and its anchor tick, for the
+// upstream exchange's timeout (forward, http).
+pub mod coarse_deadline;
 // Public: the DER reader, for its fuzz target.
 pub mod der;
 // Public: graceful drain of connections, for both kinds of server (http,

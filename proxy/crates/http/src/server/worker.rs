@@ -1,6 +1,7 @@
 //! A worker thread: its runtime, its listeners' accept loops, and each accepted connection (PROXY header, TLS) handed to the shared connection server.
 
 use super::*;
+use portcullis_net::coarse_deadline;
 use portcullis_net::worker_beat::Heartbeats;
 
 /// One worker thread's share of the server.
@@ -102,16 +103,22 @@ impl Worker {
 /// period on an idle worker.
 ///
 /// Each tick is also the worker's heartbeat (`worker_beat`): a worker
-/// whose thread something blocks stops beating, and readiness says so.
+/// whose thread something blocks stops beating, and readiness says so;
+/// and it wakes the worker's long waits that have ended
+/// (`coarse_deadline`: requests' upstream timeouts). For a worker's
+/// one-thread runtime: the waits are the thread's.
 pub async fn timer_anchor(beats: Arc<Heartbeats>, worker: usize) {
     // At once: the interval's first tick waits for the timer driver, and
-    // a worker blocked before that must count as started.
+    // a worker blocked before that must count as started. A wait begun
+    // before this keeps tokio's timer.
     beats.beat(worker);
+    coarse_deadline::keep_here();
     let mut tick = tokio::time::interval(ANCHOR_PERIOD);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         beats.beat(worker);
+        coarse_deadline::tick();
     }
 }
 
