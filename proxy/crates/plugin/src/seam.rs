@@ -255,8 +255,8 @@ pub const MAX_BUFFERED_BODY: u32 = 1 << 20;
 pub struct ResponseLent<'a> {
     pub facts: &'a mut Option<RequestFacts>,
     /// The request's head as forwarded, but for the forwarding fields in
-    /// `request_later`: read it through [`Self::request`] (or add them
-    /// first), which completes it.
+    /// `request_later`: a reader adds them first
+    /// ([`Forwarded::add_to`]), which completes it.
     pub request_headers: &'a mut http::HeaderMap,
     /// The proxy's `X-Forwarded-*` fields not yet in `request_headers`:
     /// added on the first read, so a call that never reads the request
@@ -272,14 +272,6 @@ pub struct ResponseLent<'a> {
     /// on the head fail as in Envoy, which lets go of a head once the
     /// filter lets it go on.
     pub head_sent: bool,
-}
-
-impl ResponseLent<'_> {
-    /// The request's head as forwarded, with the proxy's fields in it.
-    pub fn request(&mut self) -> &mut http::HeaderMap {
-        self.request_later.add_to(self.request_headers);
-        self.request_headers
-    }
 }
 
 /// An answer a plugin made itself.
