@@ -37,6 +37,11 @@ impl ProxyWasm {
             match me.start(shard) {
                 Ok(vm) => {
                     let mut slot = me.slot(shard);
+                    // Done before the VM can be seen, under the slot's
+                    // lock: a request that fails the fresh VM at once
+                    // must find no restart under way, or it would start
+                    // none and the slot would stay empty.
+                    me.restarting[shard].0.store(0, Ordering::Release);
                     if slot.is_none() {
                         *slot = Some(vm);
                     }
@@ -47,10 +52,10 @@ impl ProxyWasm {
                     tracing::info!(plugin = %me.name, shard, "proxy-wasm VM started again");
                 }
                 Err(e) => {
+                    me.restarting[shard].0.store(0, Ordering::Release);
                     tracing::warn!(plugin = %me.name, error = %e, "proxy-wasm VM could not start again");
                 }
             }
-            me.restarting[shard].0.store(0, Ordering::Release);
         });
     }
 
