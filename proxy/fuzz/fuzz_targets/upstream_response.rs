@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 
 use http::{HeaderMap, HeaderValue, Method, header};
 use libfuzzer_sys::fuzz_target;
+use portcullis::forward::h1::parse::{ParseError, Span, parse_response};
 use portcullis::forward::h1::{Framing, H1Body, H1Conn, Io};
 
 /// One runtime and one listener for every input.
@@ -25,10 +26,49 @@ fn world() -> &'static (tokio::runtime::Runtime, std::net::TcpListener) {
     })
 }
 
+/// Asserts that the parser and httparse read `head` alike: complete or
+/// not, the same error, the same fields (room for `room`).
+fn read_as_httparse(head: &[u8], room: usize) {
+    let mut spans = vec![std::mem::MaybeUninit::<Span>::uninit(); room];
+    let ours = parse_response(head, &mut spans);
+    let mut fields = vec![httparse::EMPTY_HEADER; room];
+    let mut resp = httparse::Response::new(&mut fields);
+    let theirs = resp.parse(head);
+    match (ours, theirs) {
+        (Ok(None), Ok(httparse::Status::Partial)) => {}
+        (Ok(Some(ours)), Ok(httparse::Status::Complete(len))) => {
+            assert_eq!(ours.len, len);
+            assert_eq!(Some(ours.minor), resp.version);
+            assert_eq!(Some(ours.code), resp.code);
+            assert_eq!(ours.fields, resp.headers.len());
+            for (span, field) in spans.iter().zip(resp.headers.iter()) {
+                // SAFETY: the parser wrote one span per field it counted.
+                let [ns, nl, vs, vl] = unsafe { span.assume_init() }.map(|x| x as usize);
+                assert_eq!(&head[ns..ns + nl], field.name.as_bytes());
+                assert_eq!(&head[vs..vs + vl], field.value);
+            }
+        }
+        (Err(e), Err(h)) => {
+            let same = matches!(
+                (e, h),
+                (ParseError::HeaderName, httparse::Error::HeaderName)
+                    | (ParseError::HeaderValue, httparse::Error::HeaderValue)
+                    | (ParseError::NewLine, httparse::Error::NewLine)
+                    | (ParseError::Status, httparse::Error::Status)
+                    | (ParseError::TooManyHeaders, httparse::Error::TooManyHeaders)
+                    | (ParseError::Version, httparse::Error::Version)
+            );
+            assert!(same, "{e:?} against httparse's {h:?}");
+        }
+        (ours, theirs) => panic!("{ours:?} against httparse's {theirs:?}"),
+    }
+}
+
 fuzz_target!(|bytes: &[u8]| {
     let Some((&first, response)) = bytes.split_first() else {
         return;
     };
+    read_as_httparse(response, 4 + usize::from(first >> 4));
     let method = if first & 1 == 1 {
         Method::HEAD
     } else {

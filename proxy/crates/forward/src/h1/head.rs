@@ -72,58 +72,40 @@ pub(super) fn needs_zero_length(m: &Method) -> bool {
     ) && *m != Method::CONNECT
 }
 
-/// Takes a whole response head off the front of `buf`: `None` while it is
-/// incomplete. Header values share the head's bytes rather than being
-/// copied; the header map is `spare`'s when it has one. A plain function
-/// (not async): its 4 KiB of parse state lives on the stack for the call
-/// only, not in every request's future.
+/// Takes a whole response head off the front of `buf` (read by
+/// [`parse`]): `None` while it is incomplete. Header values share the
+/// head's bytes rather than being copied; the header map is `spare`'s
+/// when it has one. A plain function (not async): its 2 KiB of spans
+/// live on the stack for the call only, not in every request's future.
 pub(super) fn take_head(
     buf: &mut BytesMut,
     spare: &mut HeaderMap,
     names: &mut FieldNames,
 ) -> Result<Option<(Response<()>, HeadFields)>, ExchangeError> {
-    // Left uninitialized: 128 fields and their spans are 6 KiB, and writing
-    // them all out for every response (~6 fields) cost more than parsing.
-    let mut fields = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
-    let mut parsed = httparse::Response::new(&mut []);
-    let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
-        &mut parsed,
-        buf,
-        &mut fields,
-    ) {
-        Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(httparse::Error::TooManyHeaders) => {
+    // Left uninitialized: 128 spans are 2 KiB, and writing them all out
+    // for every response (~6 fields) cost more than parsing.
+    let mut spans = [const { std::mem::MaybeUninit::<parse::Span>::uninit() }; MAX_HEADERS];
+    let parsed = match parse::parse_response(buf, &mut spans) {
+        Ok(Some(parsed)) => parsed,
+        Ok(None) => return Ok(None),
+        Err(parse::ParseError::TooManyHeaders) => {
             return Err(ExchangeError::Failed(format!(
                 "upstream response has more than {MAX_HEADERS} header fields"
             )));
         }
         Err(e) => return Err(ExchangeError::Failed(format!("invalid response head: {e}"))),
     };
+    let len = parsed.len;
     if len > MAX_HEAD {
         return Err(head_too_large());
     }
-    let status = parsed
-        .code
-        .and_then(|c| StatusCode::from_u16(c).ok())
-        .ok_or_else(|| ExchangeError::Failed("invalid response status".into()))?;
-    let version = match parsed.version {
-        Some(0) => Version::HTTP_10,
+    let status = StatusCode::from_u16(parsed.code)
+        .map_err(|_| ExchangeError::Failed("invalid response status".into()))?;
+    let version = match parsed.minor {
+        0 => Version::HTTP_10,
         _ => Version::HTTP_11,
     };
-    // Where each field sits in the head, to slice the frozen bytes with.
-    let base = buf.as_ptr() as usize;
-    // Offsets fit in u32: the head is at most MAX_HEAD bytes.
-    let mut spans = [const { std::mem::MaybeUninit::<[u32; 4]>::uninit() }; MAX_HEADERS];
-    let n = parsed.headers.len();
-    for (span, h) in spans.iter_mut().zip(parsed.headers.iter()) {
-        span.write([
-            (h.name.as_ptr() as usize - base) as u32,
-            h.name.len() as u32,
-            (h.value.as_ptr() as usize - base) as u32,
-            h.value.len() as u32,
-        ]);
-    }
+    let n = parsed.fields;
     let head = buf.split_to(len).freeze();
     let mut resp = Response::new(());
     *resp.status_mut() = status;
@@ -138,7 +120,7 @@ pub(super) fn take_head(
     headers.reserve(n);
     let mut seen = HeadFields::default();
     for (i, span) in spans[..n].iter().enumerate() {
-        // SAFETY: the loop above wrote the first `n` spans.
+        // SAFETY: the parser wrote the first `n` spans.
         let [ns, nl, vs, vl] = unsafe { span.assume_init() }.map(|x| x as usize);
         if nl == 10 && connection_only(&head[ns..ns + nl], &head[vs..vs + vl], &mut seen) {
             continue;
@@ -149,10 +131,10 @@ pub(super) fn take_head(
                 String::from_utf8_lossy(&head[ns..ns + nl])
             ))
         })?;
-        // SAFETY: httparse accepted the value, and its value bytes (tab,
+        // SAFETY: the parser accepted the value, and its value bytes (tab,
         // visible ASCII, space, obs-text; no other control byte, no DEL) are
-        // exactly the ones `HeaderValue` allows; obs-fold is refused by the
-        // default parser config. hyper relies on the same for its heads;
+        // exactly the ones `HeaderValue` allows; obs-fold is refused (as by
+        // httparse's default config). hyper relies on the same for its heads;
         // checking every byte again cost 3% of a forwarded request.
         let value = unsafe { HeaderValue::from_maybe_shared_unchecked(head.slice(vs..vs + vl)) };
         if name == header::CONTENT_LENGTH {

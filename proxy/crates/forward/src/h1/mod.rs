@@ -31,6 +31,8 @@ use tokio_rustls::client::TlsStream;
 use portcullis_net::field_names::FieldNames;
 
 mod head;
+// Public: the response head's reader, for its fuzz target (fuzz).
+pub mod parse;
 mod response_body;
 // Public: where a request's kept head map comes back when it ends (http).
 pub mod spare_maps;
