@@ -82,9 +82,9 @@ pub fn request_host<'a>(
         (None, Some(h)) => {
             let (host, upper) =
                 host_part(h.as_bytes()).ok_or(Refused::Host("invalid host header"))?;
-            // ASCII: `host_part` took no other byte.
-            let host =
-                std::str::from_utf8(host).map_err(|_| Refused::Host("invalid host header"))?;
+            // SAFETY: `host_part` takes ASCII bytes only. Checked again,
+            // this was ~125 instructions a request.
+            let host = unsafe { std::str::from_utf8_unchecked(host) };
             (host, upper)
         }
     };
@@ -104,12 +104,13 @@ pub fn request_host<'a>(
 /// digits, `-`, `.` and `_`, then at most a port of up to five digits.
 /// Stricter than RFC 3986's reg-name, which allows `,`, `;` or `!`: no
 /// DNS name has those, and a `Host: a,b` reads as two hosts to whatever
-/// parses it next. One pass over the bytes: the searches it replaced
-/// (`find`, `rfind`, `contains`, each a memchr set up for a few bytes)
-/// were ~800 instructions a request.
+/// parses it next. One pass over the bytes, each looked up once in
+/// [`HOST_BYTES`]: the searches it replaced (`find`, `rfind`, `contains`,
+/// each a memchr set up for a few bytes) were ~800 instructions a
+/// request, and testing each byte's kinds one by one ~13 a byte.
+/// What it returns is ASCII.
 fn host_part(h: &[u8]) -> Option<(&[u8], bool)> {
-    let mut upper = false;
-    let end = if h.first() == Some(&b'[') {
+    let (end, upper) = if h.first() == Some(&b'[') {
         let close = h.iter().position(|&c| c == b']')?;
         let literal = &h[1..close];
         if literal.is_empty()
@@ -119,24 +120,22 @@ fn host_part(h: &[u8]) -> Option<(&[u8], bool)> {
         {
             return None;
         }
-        upper = literal.iter().any(u8::is_ascii_uppercase);
-        close + 1
+        (close + 1, literal.iter().any(u8::is_ascii_uppercase))
     } else {
-        let mut end = h.len();
-        for (i, &c) in h.iter().enumerate() {
-            if c == b':' {
-                end = i;
+        let mut end = 0;
+        let mut kinds = 0;
+        while end < h.len() {
+            let kind = HOST_BYTES[h[end] as usize];
+            if kind & NAME == 0 {
                 break;
             }
-            if !(c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_')) {
-                return None;
-            }
-            upper |= c.is_ascii_uppercase();
+            kinds |= kind;
+            end += 1;
         }
-        if end == 0 {
+        if end == 0 || (end < h.len() && h[end] != b':') {
             return None;
         }
-        end
+        (end, kinds & UPPER != 0)
     };
     let port = &h[end..];
     let port_ok = match port.split_first() {
@@ -146,6 +145,28 @@ fn host_part(h: &[u8]) -> Option<(&[u8], bool)> {
     };
     port_ok.then_some((&h[..end], upper))
 }
+
+/// A byte of a host name (a letter, a digit, `-`, `.` or `_`).
+const NAME: u8 = 1;
+/// An upper-case letter.
+const UPPER: u8 = 2;
+
+/// Each byte's kinds, for [`host_part`].
+static HOST_BYTES: [u8; 256] = {
+    let mut table = [0u8; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_') {
+            table[b] = NAME;
+        }
+        if c.is_ascii_uppercase() {
+            table[b] |= UPPER;
+        }
+        b += 1;
+    }
+    table
+};
 
 /// The checks every request head passes before it is routed, on the
 /// routing core's listeners and the tunnel server's public side alike:
@@ -369,6 +390,32 @@ mod tests {
             request_host(p.version, &p.uri, &p.headers),
             Err(Refused::Host("invalid host in the request target"))
         );
+    }
+
+    #[test]
+    fn every_byte_in_a_host_name_is_taken_or_refused_by_its_kind() {
+        // The rule, byte by byte: name bytes up to an optional `:port`.
+        fn by_rule(h: &[u8]) -> Option<(&[u8], bool)> {
+            let end = h.iter().position(|&c| c == b':').unwrap_or(h.len());
+            let name = &h[..end];
+            let ok = !name.is_empty()
+                && name
+                    .iter()
+                    .all(|&c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_'));
+            let port = &h[end..];
+            let port_ok =
+                port.is_empty() || (port.len() <= 6 && port[1..].iter().all(u8::is_ascii_digit));
+            (ok && port_ok).then(|| (name, name.iter().any(u8::is_ascii_uppercase)))
+        }
+        for b in 0..=255u8 {
+            for at in 0..4 {
+                let mut h = b"ab.c:80".to_vec();
+                h[at] = b;
+                assert_eq!(host_part(&h), by_rule(&h), "{h:?}");
+                h.truncate(4);
+                assert_eq!(host_part(&h), by_rule(&h), "{h:?}");
+            }
+        }
     }
 
     #[test]
