@@ -354,8 +354,9 @@ mod tests {
     #[test]
     fn the_word_scan_finds_what_the_byte_scan_finds() {
         // Every byte value at every place of values of 1 to 24 bytes,
-        // among bytes that need no escaping and others that flag falsely
-        // next to them (0x7e, 0x21, 0x23).
+        // among bytes that need no escaping: plain ones, and ones next
+        // to which a word test might flag falsely (0x7e, 0x21, 0x23,
+        // 0x5b: one off DEL, `"` and `\`).
         for fill in [b'a', 0x7e, 0x21, 0x23, 0x5b] {
             for len in 1..=24 {
                 for at in 0..len {
