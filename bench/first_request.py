@@ -7,6 +7,12 @@ anew; with CHANGE `other`, only another route changes, so the filter's
 use and its VMs are kept), reloads through `POST /reload` (answered once the new policies
 serve), then sends REQUESTS requests, each on a new connection (so they
 spread over the workers), timing each from connect to the last byte.
+
+Each round first makes the same requests after a `POST /reload` that
+changes nothing (the policies as they are: nothing is applied), the
+control: the first request after any pause of the client's costs more
+than the hundredth here (cold caches on both sides, the client's own
+code), reload or not, and that part is not the reload's.
 Usage: first_request.py BINARY FILTER.wasm|none UPSTREAM_PORT ROUNDS REQUESTS [filter|other]
 (`none`: the same reloads with no filter, what a reload costs by itself).
 """
@@ -69,22 +75,36 @@ def timed_get():
 
 
 firsts, hundredths, rest, reload_ms = [], [], [], []
+# After a reload that applies nothing, and each round's difference.
+paused, over = [], []
+
+
+def reload():
+    t0 = time.perf_counter()
+    a = http.client.HTTPConnection(ahost, int(aport))
+    a.request("POST", "/reload")
+    answer = a.getresponse()
+    answer.read()
+    assert answer.status == 200, answer.status
+    return (time.perf_counter() - t0) * 1000
+
+
 try:
     for _ in range(requests):
         timed_get()
     for n in range(1, rounds + 1):
+        # The control first: the policies as they are.
+        reload()
+        paused.append(timed_get())
+        for _ in range(requests - 1):
+            timed_get()
         write_policy(n)
-        t0 = time.perf_counter()
-        a = http.client.HTTPConnection(ahost, int(aport))
-        a.request("POST", "/reload")
-        answer = a.getresponse()
-        answer.read()
-        assert answer.status == 200, answer.status
-        reload_ms.append((time.perf_counter() - t0) * 1000)
+        reload_ms.append(reload())
         times = [timed_get() for _ in range(requests)]
         firsts.append(times[0])
         hundredths.append(times[-1])
         rest.extend(times[1:])
+        over.append(times[0] - paused[-1])
 finally:
     proc.terminate()
     proc.wait()
@@ -100,6 +120,8 @@ else:
 print(f"{name}, {rounds} reloads, {requests} requests after each, "
       f"each on a new connection (ms):")
 print(f"  request 1 after a reload:    p50 {statistics.median(firsts):.2f}  p90 {q(firsts, 0.9):.2f}  max {max(firsts):.2f}")
+print(f"  request 1 after one that changes nothing: p50 {statistics.median(paused):.2f}  p90 {q(paused, 0.9):.2f}  max {max(paused):.2f}")
+print(f"  request 1, the reload's less the no-op's: p50 {statistics.median(over):+.2f}  p90 {q(over, 0.9):+.2f}")
 print(f"  request {requests} after a reload:  p50 {statistics.median(hundredths):.2f}  p90 {q(hundredths, 0.9):.2f}  max {max(hundredths):.2f}")
 print(f"  requests 2-{requests}:              p50 {statistics.median(rest):.2f}  p90 {q(rest, 0.9):.2f}  p99 {q(rest, 0.99):.2f}")
 print(f"  POST /reload (VMs started on every worker before it answers): p50 {statistics.median(reload_ms):.0f}")
