@@ -4,8 +4,9 @@
 # them from PyPI): Higress's transformer (Go) and ai-data-masking (Rust).
 # Every worker's VM starts before a reload is applied, so the first
 # request should cost what the rest do; each filter is run twice: reloads
-# that change its config (its VMs new), and reloads that change another
-# route only (its use and VMs kept).
+# that change its config (a new use, configured in the running VMs when
+# its configure is quick enough: docs/plugins.md), and reloads that
+# change another route only (its use and VMs kept).
 #   ROUNDS=20 REQUESTS=100 bench/first-request.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

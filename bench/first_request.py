@@ -2,9 +2,10 @@
 """The first requests after a reload against the rest, through a large
 proxy-wasm filter: is the first as fast as the hundredth?
 
-Each round rewrites the filter's config (so every worker's VM is made
-anew; with CHANGE `other`, only another route changes, so the filter's
-use and its VMs are kept), reloads through `POST /reload` (answered once the new policies
+Each round rewrites the filter's config (a new use, configured in the
+running VMs when its configure is quick enough, else in VMs of its own;
+with CHANGE `other`, only another route changes, so the filter's use and
+its VMs are kept), reloads through `POST /reload` (answered once the new policies
 serve), then sends REQUESTS requests, each on a new connection (so they
 spread over the workers), timing each from connect to the last byte.
 

@@ -29,6 +29,7 @@ mod proxy_wasm_grpc;
 mod proxy_wasm_grpc_stream;
 mod proxy_wasm_isolation;
 mod proxy_wasm_redis;
+mod proxy_wasm_reload;
 mod proxy_wasm_reset;
 mod proxy_wasm_settings;
 mod rollout;

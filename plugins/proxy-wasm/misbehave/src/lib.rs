@@ -25,8 +25,12 @@
 //! the response into `x-state-seen`.
 //!
 //! Otherwise it answers with how many requests its VM has seen
-//! (`x-vm-requests`), so a test can tell a fresh VM from the old one, and
-//! with the route it was told it is on (`x-route-name`, the `route_name`
+//! (`x-vm-requests`), so a test can tell a fresh VM from the old one, how
+//! many root contexts the VM has that are not done (`x-vm-roots`), the
+//! plugin configuration its root context was given (`x-config`; with
+//! `"configure_ms": N` in it, its configure takes N ms) and the
+//! host's plugin configuration as the response comes (`x-config-now`),
+//! and the route it was told it is on (`x-route-name`, the `route_name`
 //! property).
 
 use std::cell::Cell;
@@ -38,24 +42,56 @@ use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
 
 thread_local! {
     static SEEN: Cell<u64> = const { Cell::new(0) };
+    /// Root contexts made and not yet done.
+    static ROOTS: Cell<u64> = const { Cell::new(0) };
 }
 
 proxy_wasm::main! {{
     // Every line goes to the host, which decides what is written (as a
     // filter that logs by its own level, not the host's, does).
     proxy_wasm::set_log_level(LogLevel::Trace);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root) });
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+        ROOTS.with(|r| r.set(r.get() + 1));
+        Box::new(Root {
+            config: String::new(),
+        })
+    });
 }}
 
-struct Root;
+struct Root {
+    config: String,
+}
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_done(&mut self) -> bool {
+        ROOTS.with(|r| r.set(r.get() - 1));
+        true
+    }
+}
 
 impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let config = self.get_plugin_configuration().unwrap_or_default();
+        self.config = String::from_utf8_lossy(&config).into_owned();
+        // `"configure_ms": N` in its config: a configure that takes N ms.
+        let ms: u64 = (self.config.split("\"configure_ms\":").nth(1))
+            .map(|rest| {
+                rest.chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+            })
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        let began = self.get_current_time();
+        while self.get_current_time() < began + Duration::from_millis(ms) {}
+        true
+    }
+
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Filter {
             seen: 0,
             framing: false,
+            config: self.config.clone(),
         }))
     }
 
@@ -68,6 +104,8 @@ struct Filter {
     seen: u64,
     /// Whether it sets framing fields on the response too.
     framing: bool,
+    /// Its root context's plugin configuration.
+    config: String,
 }
 
 impl Context for Filter {
@@ -201,6 +239,16 @@ impl HttpContext for Filter {
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
         self.set_http_response_header("x-vm-requests", Some(&self.seen.to_string()));
+        let roots = ROOTS.with(Cell::get).to_string();
+        self.set_http_response_header("x-vm-roots", Some(&roots));
+        self.set_http_response_header("x-config", Some(&self.config));
+        // What the host gives as the plugin configuration now: that of
+        // the use whose context this is, while another's is in the VM.
+        let buffer = proxy_wasm::types::BufferType::PluginConfiguration;
+        if let Ok(Some(now)) = hostcalls::get_buffer(buffer, 0, usize::MAX) {
+            let now = String::from_utf8_lossy(&now).into_owned();
+            self.set_http_response_header("x-config-now", Some(&now));
+        }
         if let Some(route) = self.get_property(vec!["route_name"]) {
             let route = String::from_utf8_lossy(&route).into_owned();
             self.set_http_response_header("x-route-name", Some(&route));

@@ -84,7 +84,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
             let value = read(&mut c, ptr, len)?;
             let state = c.data_mut();
             let id = state.context;
-            if id == super::vm::ROOT as u32 {
+            if id == state.root_context {
                 return Ok(Status::NotFound as i32);
             }
             Ok(match state.filter_state.set(id, path, value) {

@@ -35,13 +35,14 @@ mod names;
 mod properties;
 mod queue;
 mod redis;
+mod set;
 mod shared;
 mod tick;
 mod vm;
 mod vms;
 mod wasi;
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -108,6 +109,8 @@ pub struct VmState {
     /// The context the current call is for (its first argument, or the
     /// one `proxy_set_effective_context` named).
     context: u32,
+    /// The bound use's root context (`vm::roots`).
+    root_context: u32,
     /// What each HTTP context keeps (`proxy_set_property`).
     filter_state: filter_state::FilterState,
     /// While the VM starts, the last lines the filter logged: a filter
@@ -176,23 +179,15 @@ pub struct ProxyWasm {
     route_names: Arc<[Arc<str>]>,
     upstreams: UpstreamNames,
     route: Option<Arc<str>>,
-    memory_peak: Arc<AtomicUsize>,
-    /// Each thread shard's VM: `None` until its first request, and after
-    /// one failed.
-    vms: [VmSlot; SHARDS],
+    /// Its VMs, which a use it was reloaded from may share (`set.rs`).
+    set: Arc<set::VmSet>,
     /// Calls by shard, each on its own cache line: one counter shared by
     /// the workers would move between their cores on every call.
     calls: [Count; SHARDS],
     /// Callouts in flight that no request waits on, by shard (its VM's).
     background: [Count; SHARDS],
-    /// 1 while a shard's VM is starting again off the request path.
-    restarting: [Count; SHARDS],
-    /// Numbers the VMs, so a request's stream names the one it is on.
-    generations: AtomicU64,
     /// Itself, for its VMs' tickers (which stop when it is dropped).
     me: Weak<ProxyWasm>,
-    /// VMs dropped for a failure in the current second, and when it began.
-    restarts: Mutex<(std::time::Instant, u32)>,
     /// Where its root contexts' HTTP calls go: the pools of the newest
     /// pipeline it is in (a use kept across a reload is in two).
     callouts: Mutex<Option<Arc<dyn seam::Callouts>>>,
@@ -275,6 +270,7 @@ impl ProxyWasm {
         let pre = linker
             .instantiate_pre(module)
             .map_err(|e| format!("cannot be linked: {e:#}"))?;
+        let set = set::VmSet::for_use(module, &settings);
         let filter = ProxyWasm {
             name: settings.name,
             fail: settings.fail,
@@ -289,24 +285,21 @@ impl ProxyWasm {
             route_names: settings.route_names,
             upstreams: settings.upstreams,
             route: settings.route,
-            memory_peak: Default::default(),
-            vms: std::array::from_fn(|_| VmSlot::default()),
+            set,
             calls: std::array::from_fn(|_| Count::default()),
             background: std::array::from_fn(|_| Count::default()),
-            restarting: std::array::from_fn(|_| Count::default()),
-            generations: AtomicU64::new(0),
             me: Weak::new(),
-            restarts: Mutex::new((std::time::Instant::now(), 0)),
             callouts: Mutex::new(None),
         };
         let filter = Arc::new_cyclic(|me| ProxyWasm {
             me: me.clone(),
             ..filter
         });
-        // Started once here, which `check` reports, and kept as the first
+        filter.set.serve(filter.me.clone());
+        // Started once here (or configured in the VM of the use it was
+        // reloaded from), which `check` reports, and kept as the first
         // worker's VM (the others start in `warm`).
-        let vm = filter.start(0).map_err(|e| e.to_string())?;
-        *filter.slot(0) = Some(vm);
+        filter.warm_shard(0).map_err(|e| e.to_string())?;
         Ok(filter)
     }
 }
@@ -351,7 +344,7 @@ impl seam::Plugin for ProxyWasm {
     fn memory_use(&self) -> (Option<&str>, usize, usize) {
         (
             self.route.as_deref(),
-            self.memory_peak.load(Ordering::Relaxed),
+            self.set.memory_peak.load(Ordering::Relaxed),
             self.memory,
         )
     }
@@ -515,6 +508,7 @@ impl seam::Plugin for ProxyWasm {
         let mut slot = self.slot(shard);
         if let Some(vm) = slot.as_mut()
             && vm.generation & 0xff_ffff == generation
+            && vm.bind(self)
             && let Err(e) = vm.end(self, id)
         {
             drop(slot);
@@ -524,19 +518,14 @@ impl seam::Plugin for ProxyWasm {
 
     fn warm(&self, shards: std::ops::Range<usize>) -> Result<(), PluginError> {
         for shard in shards {
-            if self.slot(shard).is_some() {
-                continue;
-            }
-            let vm = self.start(shard)?;
-            let mut slot = self.slot(shard);
-            if slot.is_none() {
-                *slot = Some(vm);
-            }
+            self.warm_shard(shard)?;
         }
         Ok(())
     }
 
     fn ready(&self) -> usize {
-        (0..SHARDS).filter(|&s| self.slot(s).is_some()).count()
+        (0..SHARDS)
+            .filter(|&s| self.slot(s).as_ref().is_some_and(|vm| vm.serves(self)))
+            .count()
     }
 }

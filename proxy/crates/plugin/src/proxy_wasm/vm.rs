@@ -11,6 +11,11 @@ use crate::PluginError;
 /// The callbacks that bring a VM the outcome of what it asked for: HTTP
 /// and gRPC calls, gRPC streams, Redis calls.
 mod answers;
+/// The root contexts of the uses a VM serves (one, and a second while a
+/// reload that changed a use's config has the old and new both serving).
+mod roots;
+
+pub use roots::Root;
 
 /// A context's callouts not yet answered, in the order made.
 #[derive(Default)]
@@ -21,7 +26,8 @@ pub struct Waiting {
     pub(super) path: Option<String>,
 }
 
-/// The root context's id; HTTP contexts count up from the next.
+/// The first root context's id; HTTP contexts (and later root contexts)
+/// count up from the next.
 pub(super) const ROOT: i32 = 1;
 
 pub struct Vm {
@@ -31,13 +37,10 @@ pub struct Vm {
     /// Each HTTP context's callouts not yet answered, and the path it set
     /// before it paused for them.
     pub waiting: std::collections::HashMap<u32, Waiting>,
-    /// The period its ticker runs at, if one does.
-    pub ticking: Option<std::time::Duration>,
-    /// HTTP calls its root context made (as it started, or in a call
-    /// outside any request) not sent yet: its driver sends them once the
-    /// call is over, on the VM's worker ([`super::ProxyWasm::on_home`],
-    /// [`super::ProxyWasm::on_vm`]).
-    pub unsent_calls: Vec<(u32, crate::seam::Callout)>,
+    /// Its root contexts, one a use it serves, and which one the store
+    /// holds the settings of ([`Vm::bind`]).
+    roots: Vec<Root>,
+    bound: usize,
     /// Every export a VM calls, typed, with its parameter count, by
     /// [`Export`] (`None`: not exported): looked up by name once, when the
     /// VM starts, not on every call.
@@ -48,6 +51,8 @@ pub struct Vm {
     /// Whether its start is over (its calls then have the use's
     /// `timeout`, not its `start_timeout`).
     started: bool,
+    /// How long its first root context's `proxy_on_configure` took.
+    pub configure_took: std::time::Duration,
 }
 
 /// The exports a VM calls.
@@ -220,11 +225,12 @@ impl Vm {
             generation,
             next: ROOT as u32 + 1,
             waiting: Default::default(),
-            ticking: None,
-            unsent_calls: Vec::new(),
+            roots: vec![Root::of(filter, ROOT as u32)],
+            bound: 0,
             exports: called,
             spare: None,
             started: false,
+            configure_took: Default::default(),
         });
         if let Err(e) = vm.run_start(filter) {
             return Err(with_start_log(e, vm.store.data_mut().start_log.take()));
@@ -234,7 +240,7 @@ impl Vm {
         // Started: calls from now on have the use's `timeout`.
         vm.store.data_mut().deadline.set_budget(filter.timeout);
         vm.started = true;
-        vm.unsent_calls = std::mem::take(&mut vm.store.data_mut().call.callouts);
+        vm.roots[0].unsent = std::mem::take(&mut vm.store.data_mut().call.callouts);
         Ok(vm)
     }
 
@@ -259,7 +265,10 @@ impl Vm {
             return Err(setup("refused to start (proxy_on_vm_start returned false)"));
         }
         let config = self.store.data().config.len() as i32;
-        if self.call(filter, Export::Configure, &[ROOT, config], 1)? == Some(0) {
+        let began = std::time::Instant::now();
+        let configured = self.call(filter, Export::Configure, &[ROOT, config], 1)?;
+        self.configure_took = began.elapsed();
+        if configured == Some(0) {
             return Err(setup(
                 "refused its configuration (proxy_on_configure returned false)",
             ));
@@ -269,9 +278,9 @@ impl Vm {
 
     /// A new HTTP context under the root context: its id.
     pub fn new_context(&mut self, filter: &ProxyWasm) -> Result<u32, PluginError> {
-        let id = self.next;
-        self.next = self.next.wrapping_add(1).max(ROOT as u32 + 1);
-        self.call(filter, Export::ContextCreate, &[id as i32, ROOT], 0)?;
+        let id = self.next_id();
+        let root = self.root();
+        self.call(filter, Export::ContextCreate, &[id as i32, root], 0)?;
         Ok(id)
     }
 
@@ -371,19 +380,21 @@ impl Vm {
         )
     }
 
-    /// The tick period the filter set.
+    /// The tick period the bound root context set.
     pub fn tick_period(&self) -> Option<std::time::Duration> {
         self.store.data().tick
     }
 
-    /// `proxy_on_tick` on the root context.
+    /// `proxy_on_tick` on the bound root context.
     pub fn tick(&mut self, filter: &ProxyWasm) -> Result<(), PluginError> {
-        self.on_root(filter, Export::Tick, &[ROOT])
+        let root = self.root();
+        self.on_root(filter, Export::Tick, &[root])
     }
 
-    /// `proxy_on_queue_ready` on the root context for queue `token`.
+    /// `proxy_on_queue_ready` on the bound root context for queue `token`.
     pub fn queue_ready(&mut self, filter: &ProxyWasm, token: u32) -> Result<(), PluginError> {
-        self.on_root(filter, Export::QueueReady, &[ROOT, token as i32])
+        let root = self.root();
+        self.on_root(filter, Export::QueueReady, &[root, token as i32])
     }
 
     /// A call on the root context, outside any request; the HTTP calls it
@@ -402,9 +413,9 @@ impl Vm {
     }
 
     /// Keeps the HTTP calls a root context call left in `call`, for the
-    /// driver to send ([`Vm::unsent_calls`]), and takes the call back.
+    /// driver to send ([`Vm::take_unsent`]), and takes the call back.
     pub fn root_calls(&mut self, mut call: Box<Call>) {
-        self.unsent_calls.append(&mut call.callouts);
+        self.roots[self.bound].unsent.append(&mut call.callouts);
         self.recycle(call);
     }
 

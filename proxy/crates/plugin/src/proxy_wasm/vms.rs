@@ -1,6 +1,7 @@
 //! A filter's VMs, one a worker slot: started before traffic (`warm`),
-//! used by the slot's requests, and started again off the request path
-//! when one fails, at most [`MAX_RESTARTS_PER_SECOND`] a second.
+//! or joined when the use it was reloaded from has them (`set.rs`), used
+//! by the slot's requests, and started again off the request path when
+//! one fails, at most [`MAX_RESTARTS_PER_SECOND`] a second.
 
 use std::sync::MutexGuard;
 use std::sync::atomic::Ordering;
@@ -20,11 +21,11 @@ impl ProxyWasm {
         let Some(me) = self.me.upgrade() else {
             return;
         };
-        if self.restarting[shard].0.swap(1, Ordering::AcqRel) == 1 {
+        if self.set.restarting[shard].0.swap(1, Ordering::AcqRel) == 1 {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            self.restarting[shard].0.store(0, Ordering::Release);
+            self.set.restarting[shard].0.store(0, Ordering::Release);
             return;
         };
         runtime.spawn_blocking(move || {
@@ -34,14 +35,14 @@ impl ProxyWasm {
                 count(&me.name, "vm_restarts_refused");
                 std::thread::sleep(left);
             }
-            match me.start(shard) {
+            match me.start_all(shard) {
                 Ok(vm) => {
                     let mut slot = me.slot(shard);
                     // Done before the VM can be seen, under the slot's
                     // lock: a request that fails the fresh VM at once
                     // must find no restart under way, or it would start
                     // none and the slot would stay empty.
-                    me.restarting[shard].0.store(0, Ordering::Release);
+                    me.set.restarting[shard].0.store(0, Ordering::Release);
                     if slot.is_none() {
                         *slot = Some(vm);
                     }
@@ -52,7 +53,7 @@ impl ProxyWasm {
                     tracing::info!(plugin = %me.name, shard, "proxy-wasm VM started again");
                 }
                 Err(e) => {
-                    me.restarting[shard].0.store(0, Ordering::Release);
+                    me.set.restarting[shard].0.store(0, Ordering::Release);
                     tracing::warn!(plugin = %me.name, error = %e, "proxy-wasm VM could not start again");
                 }
             }
@@ -61,7 +62,67 @@ impl ProxyWasm {
 
     /// Shard `shard`'s VM slot, locked.
     pub(super) fn slot(&self, shard: usize) -> MutexGuard<'_, Option<Box<Vm>>> {
-        self.vms[shard].0.lock().unwrap_or_else(|p| p.into_inner())
+        self.set.slot(shard)
+    }
+
+    /// Makes sure shard `shard` has a VM with this use's root context:
+    /// its own in the running VM of a use it shares VMs with, or a VM
+    /// started for it (and the other uses it shares them with).
+    pub(super) fn warm_shard(&self, shard: usize) -> Result<(), PluginError> {
+        loop {
+            {
+                let mut slot = self.slot(shard);
+                if let Some(vm) = slot.as_mut() {
+                    if vm.serves(self) {
+                        return Ok(());
+                    }
+                    return match vm.add_root(self) {
+                        Ok(took) => {
+                            self.set.configured_in(took);
+                            Ok(())
+                        }
+                        Err((e, usable)) => {
+                            if !usable {
+                                tracing::warn!(plugin = %self.name, error = %e, "proxy-wasm VM failed configuring a reloaded use; a fresh one takes its place");
+                                *slot = None;
+                                drop(slot);
+                                self.count_restart();
+                                self.restart_later(shard);
+                            }
+                            Err(e)
+                        }
+                    };
+                }
+            }
+            // Started without the slot's lock (a start may take a second);
+            // one another use started meanwhile is configured instead.
+            let vm = self.start_all(shard)?;
+            let mut slot = self.slot(shard);
+            if slot.is_none() {
+                *slot = Some(vm);
+                return Ok(());
+            }
+        }
+    }
+
+    /// A VM for shard `shard` with this use's root context first, then
+    /// those of the other uses sharing its VMs (one that fails to
+    /// configure again is left out, its requests on this shard failing by
+    /// its `fail`).
+    pub(super) fn start_all(&self, shard: usize) -> Result<Box<Vm>, PluginError> {
+        let mut vm = self.start(shard)?;
+        self.set.configured_in(vm.configure_took);
+        for other in self.set.others(self) {
+            match vm.add_root(&other) {
+                Ok(took) => self.set.configured_in(took),
+                Err((e, true)) => {
+                    tracing::warn!(plugin = %other.name, error = %e, "proxy-wasm use refused its configuration in a fresh VM");
+                }
+                Err((e, false)) => return Err(e),
+            }
+        }
+        vm.bind(self);
+        Ok(vm)
     }
 
     /// Runs `f` on the VM `home` names, if it still runs; a VM whose call
@@ -75,11 +136,14 @@ impl ProxyWasm {
         let Some(vm) = slot.as_mut().filter(|vm| vm.generation == home.generation) else {
             return;
         };
+        if !vm.bind(self) {
+            return;
+        }
         let result = f(vm, self);
         // What the call asked for goes even if the call then failed, as
         // it would have gone the moment it was made.
-        if !vm.unsent_calls.is_empty() {
-            let calls = std::mem::take(&mut vm.unsent_calls);
+        if vm.has_unsent() {
+            let calls = vm.take_unsent();
             callout::send_from_root(self, &vm.home(), calls);
         }
         match result {
@@ -112,7 +176,7 @@ impl ProxyWasm {
     /// While this second's restarts are spent: how long it has left, and
     /// the failures in it.
     pub(super) fn restarts_spent(&self) -> Option<(Duration, u32)> {
-        let (since, dropped) = *self.restarts.lock().unwrap_or_else(|p| p.into_inner());
+        let (since, dropped) = *self.set.restarts.lock().unwrap_or_else(|p| p.into_inner());
         let left = Duration::from_secs(1).checked_sub(since.elapsed())?;
         (dropped >= MAX_RESTARTS_PER_SECOND).then_some((left, dropped))
     }
@@ -120,7 +184,7 @@ impl ProxyWasm {
     /// Counts a VM dropped for a failure, against this second's restarts.
     pub(super) fn count_restart(&self) {
         {
-            let mut restarts = self.restarts.lock().unwrap_or_else(|p| p.into_inner());
+            let mut restarts = self.set.restarts.lock().unwrap_or_else(|p| p.into_inner());
             if restarts.0.elapsed() >= Duration::from_secs(1) {
                 *restarts = (std::time::Instant::now(), 0);
             }
@@ -130,7 +194,7 @@ impl ProxyWasm {
     }
 
     pub(super) fn start(&self, shard: usize) -> Result<Box<Vm>, PluginError> {
-        let generation = self.generations.fetch_add(1, Ordering::Relaxed);
+        let generation = self.set.generations.fetch_add(1, Ordering::Relaxed);
         let home = queue::Home {
             filter: self.me.clone(),
             shard,
@@ -145,13 +209,14 @@ impl ProxyWasm {
             route: self.route.clone(),
             upstreams: self.upstreams.clone(),
             next_token: 1,
-            limits: MemoryCap::new(self.memory, self.memory_peak.clone()),
+            limits: MemoryCap::new(self.memory, self.set.memory_peak.clone()),
             deadline: CpuDeadline::new(self.start_timeout),
             tick: None,
             home,
             exports: guest::Exports::default(),
             call: Box::default(),
             context: 0,
+            root_context: vm::ROOT as u32,
             filter_state: Default::default(),
             start_log: Some(Default::default()),
             grpc: Default::default(),
@@ -189,10 +254,19 @@ impl ProxyWasm {
                 message: "its VM on this worker is starting (again, after a failure)".into(),
             });
         };
-        if !vm.unsent_calls.is_empty() {
+        if !vm.bind(self) {
+            // A VM started again without this use's root context (its
+            // configure failed there): its requests on this worker fail
+            // by its `fail`.
+            return Err(PluginError::Setup {
+                plugin: self.name.clone(),
+                message: "its VM on this worker does not have it configured".into(),
+            });
+        }
+        if vm.has_unsent() {
             // The HTTP calls its start made (a key set fetched when
             // configured, say), sent now that it is on its worker.
-            let started = std::mem::take(&mut vm.unsent_calls);
+            let started = vm.take_unsent();
             let home = vm.home();
             callout::send_from_root(self, &home, started);
         }
@@ -203,7 +277,13 @@ impl ProxyWasm {
             let id = vm.new_context(self)?;
             *stream = stream_of(shard, vm.generation, id);
         }
-        let result = f(vm, stream);
+        let mut result = f(vm, stream);
+        if result.is_ok()
+            && vm.roots() > 1
+            && let Err(e) = vm.end_gone_roots(self)
+        {
+            result = Err(e);
+        }
         if result.is_err() {
             tracing::warn!(plugin = %self.name, "proxy-wasm VM failed; a fresh one takes its place");
             self.count_restart();

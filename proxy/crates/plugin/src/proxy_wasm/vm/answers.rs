@@ -4,7 +4,7 @@
 //! `proxy_on_redis_call_response`), each on the root context, as Envoy
 //! (and Higress) call them; the SDKs find the context that asked.
 
-use super::{Call, Export, ProxyWasm, ROOT, Vm};
+use super::{Call, Export, ProxyWasm, Vm};
 use crate::PluginError;
 
 impl Vm {
@@ -21,7 +21,7 @@ impl Vm {
             .answer
             .as_ref()
             .map_or((0, 0), |(h, b)| (h.len() as i32, b.len() as i32));
-        let args = [ROOT, token as i32, headers, body, 0];
+        let args = [self.root(), token as i32, headers, body, 0];
         let (call, result) = self.with_call(call, |vm| {
             vm.call(filter, Export::HttpCallResponse, &args, 0)
         });
@@ -56,7 +56,8 @@ impl Vm {
         (token, last): (u32, i32),
         call: Box<Call>,
     ) -> (Box<Call>, Result<(), PluginError>) {
-        self.root_callback(filter, export, &[ROOT, token as i32, last], call)
+        let args = [self.root(), token as i32, last];
+        self.root_callback(filter, export, &args, call)
     }
 
     /// A Redis call's outcome for call `token` (Higress's
@@ -73,7 +74,7 @@ impl Vm {
             .answer
             .as_ref()
             .map_or(0, |(_, body)| body.len() as i32);
-        let args = [ROOT, token as i32, status, size];
+        let args = [self.root(), token as i32, status, size];
         self.root_callback(filter, Export::RedisCallResponse, &args, call)
     }
 
