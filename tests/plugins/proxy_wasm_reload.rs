@@ -193,8 +193,8 @@ pub(super) async fn a_changed_config_is_configured_beside_the_old_one_in_the_run
         "its own use's"
     );
     // The old use goes with its last request (as the request's answer
-    // ends, just after the client has it); its root context is ended on
-    // the VM's next call.
+    // ends, just after the client has it); its root context is ended as
+    // the VM's next request ends.
     let mut roots = Vec::new();
     for _ in 0..50 {
         let a = conn.send(get()).await;

@@ -31,7 +31,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
 #[inline]
 pub fn keep_ticking(filter: &ProxyWasm, shard: usize, vm: &mut Vm) {
     // After every call of every request: the check inline, the rest not.
-    if vm.tick_period() != *vm.ticking() {
+    if vm.tick_period() != vm.ticking {
         tick_anew(filter, shard, vm);
     }
 }
@@ -39,7 +39,7 @@ pub fn keep_ticking(filter: &ProxyWasm, shard: usize, vm: &mut Vm) {
 #[cold]
 fn tick_anew(filter: &ProxyWasm, shard: usize, vm: &mut Vm) {
     let wanted = vm.tick_period();
-    *vm.ticking() = wanted;
+    vm.ticking = wanted;
     let (Some(period), Ok(runtime)) = (wanted, tokio::runtime::Handle::try_current()) else {
         return;
     };
@@ -79,7 +79,7 @@ impl Ticker {
             };
             let mut going = false;
             filter.on_home(&home, |vm, filter| {
-                going = *vm.ticking() == Some(self.period);
+                going = vm.ticking == Some(self.period);
                 if going { vm.tick(filter) } else { Ok(()) }
             });
             if !going {

@@ -41,6 +41,17 @@ pub struct Vm {
     /// holds the settings of ([`Vm::bind`]).
     roots: Vec<Root>,
     bound: usize,
+    /// What of the bound root's is kept here, not in `roots`, so that a
+    /// call of the use bound already (every call, but while a reload's
+    /// two uses share the VM) touches nothing more than before there
+    /// were roots: its use's address, its ticker's period, and the HTTP
+    /// calls it made outside requests, not sent yet (sent on its worker
+    /// once the call is over: [`super::ProxyWasm::on_home`],
+    /// [`super::ProxyWasm::on_vm`]).
+    bound_addr: usize,
+    bound_context: u32,
+    pub ticking: Option<std::time::Duration>,
+    unsent: Vec<(u32, crate::seam::Callout)>,
     /// Every export a VM calls, typed, with its parameter count, by
     /// [`Export`] (`None`: not exported): looked up by name once, when the
     /// VM starts, not on every call.
@@ -227,6 +238,10 @@ impl Vm {
             waiting: Default::default(),
             roots: vec![Root::of(filter, ROOT as u32)],
             bound: 0,
+            bound_addr: roots::addr(filter),
+            bound_context: ROOT as u32,
+            ticking: None,
+            unsent: Vec::new(),
             exports: called,
             spare: None,
             started: false,
@@ -240,7 +255,7 @@ impl Vm {
         // Started: calls from now on have the use's `timeout`.
         vm.store.data_mut().deadline.set_budget(filter.timeout);
         vm.started = true;
-        vm.roots[0].unsent = std::mem::take(&mut vm.store.data_mut().call.callouts);
+        vm.unsent = std::mem::take(&mut vm.store.data_mut().call.callouts);
         Ok(vm)
     }
 
@@ -278,7 +293,8 @@ impl Vm {
 
     /// A new HTTP context under the root context: its id.
     pub fn new_context(&mut self, filter: &ProxyWasm) -> Result<u32, PluginError> {
-        let id = self.next_id();
+        let id = self.next;
+        self.next = self.next.wrapping_add(1).max(ROOT as u32 + 1);
         let root = self.root();
         self.call(filter, Export::ContextCreate, &[id as i32, root], 0)?;
         Ok(id)
@@ -415,7 +431,7 @@ impl Vm {
     /// Keeps the HTTP calls a root context call left in `call`, for the
     /// driver to send ([`Vm::take_unsent`]), and takes the call back.
     pub fn root_calls(&mut self, mut call: Box<Call>) {
-        self.roots[self.bound].unsent.append(&mut call.callouts);
+        self.unsent.append(&mut call.callouts);
         self.recycle(call);
     }
 
@@ -437,6 +453,11 @@ impl Vm {
             if self.export(name).is_some() {
                 self.call(filter, name, &[id as i32], results)?;
             }
+        }
+        // The root contexts of uses gone are ended here: once a request,
+        // and only while a reload's two uses share the VM.
+        if self.roots.len() > 1 {
+            self.end_gone_roots(filter)?;
         }
         Ok(())
     }

@@ -277,13 +277,7 @@ impl ProxyWasm {
             let id = vm.new_context(self)?;
             *stream = stream_of(shard, vm.generation, id);
         }
-        let mut result = f(vm, stream);
-        if result.is_ok()
-            && vm.roots() > 1
-            && let Err(e) = vm.end_gone_roots(self)
-        {
-            result = Err(e);
-        }
+        let result = f(vm, stream);
         if result.is_err() {
             tracing::warn!(plugin = %self.name, "proxy-wasm VM failed; a fresh one takes its place");
             self.count_restart();

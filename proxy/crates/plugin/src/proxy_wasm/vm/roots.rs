@@ -6,7 +6,7 @@
 //! runtime warm (a fresh Go VM's first request cost ~0.06 ms more,
 //! bench/first-request.sh). Requests already on the old use finish on
 //! its root context, which is ended (`proxy_on_done`, `proxy_on_delete`)
-//! on the VM's next call once its use is gone.
+//! as the VM's next request ends once its use is gone.
 //!
 //! The store holds one use's settings at a time (its name, configs,
 //! route, upstreams): [`Vm::bind`] puts the calling use's there before
@@ -35,12 +35,11 @@ pub struct Root {
     upstreams: UpstreamNames,
     /// The tick period it set, kept here while another root is bound.
     tick: Option<Duration>,
-    /// The period its ticker runs at, if one does.
+    /// The period its ticker runs at, and the HTTP calls it made outside
+    /// requests not sent yet, kept here while another root is bound
+    /// ([`Vm::ticking`]).
     ticking: Option<Duration>,
-    /// HTTP calls it made outside requests (as it was configured, in a
-    /// tick) not sent yet: sent on its worker once the call is over
-    /// ([`ProxyWasm::on_home`], [`ProxyWasm::on_vm`]).
-    pub(super) unsent: Vec<(u32, crate::seam::Callout)>,
+    unsent: Vec<(u32, crate::seam::Callout)>,
 }
 
 impl Root {
@@ -62,33 +61,34 @@ impl Root {
     }
 }
 
-fn addr(filter: &ProxyWasm) -> usize {
+pub(super) fn addr(filter: &ProxyWasm) -> usize {
     filter as *const ProxyWasm as usize
 }
 
 impl Vm {
     /// The bound root context's id.
+    #[inline]
     pub(in crate::proxy_wasm) fn root(&self) -> i32 {
-        self.roots[self.bound].context as i32
+        self.bound_context as i32
     }
 
-    /// A fresh id for an HTTP or root context.
-    pub(super) fn next_id(&mut self) -> u32 {
-        loop {
-            let id = self.next;
-            self.next = self.next.wrapping_add(1).max(ROOT as u32 + 1);
-            // After the ids wrap (4 billion contexts), past the roots'.
-            if !self.roots.iter().any(|r| r.context == id) {
-                return id;
-            }
-        }
+    /// A fresh id for a root context after the first: counted down from
+    /// the top, where HTTP contexts (counted up from the first root's)
+    /// reach only after 4 billion requests on the VM.
+    fn next_root_id(&self) -> u32 {
+        let lowest = self
+            .roots
+            .iter()
+            .map(|r| r.context)
+            .filter(|&c| c != ROOT as u32);
+        lowest.min().map_or(u32::MAX, |c| c - 1)
     }
 
     /// Puts `filter`'s root context's settings in the store for its
     /// calls; `false` if this VM does not serve it.
     #[inline]
     pub(in crate::proxy_wasm) fn bind(&mut self, filter: &ProxyWasm) -> bool {
-        self.roots[self.bound].addr == addr(filter) || self.bind_other(addr(filter))
+        self.bound_addr == addr(filter) || self.bind_other(addr(filter))
     }
 
     /// Whether this VM has `filter`'s root context.
@@ -106,9 +106,16 @@ impl Vm {
     }
 
     fn bind_at(&mut self, at: usize) {
-        let was = self.bound;
-        self.roots[was].tick = self.store.data().tick;
+        let was = &mut self.roots[self.bound];
+        was.tick = self.store.data().tick;
+        was.ticking = self.ticking;
+        was.unsent = std::mem::take(&mut self.unsent);
         self.bound = at;
+        let root = &mut self.roots[at];
+        self.bound_addr = root.addr;
+        self.bound_context = root.context;
+        self.ticking = root.ticking;
+        self.unsent = std::mem::take(&mut root.unsent);
         let root = &self.roots[at];
         let state = self.store.data_mut();
         state.plugin = root.plugin.clone();
@@ -122,26 +129,15 @@ impl Vm {
         state.home.filter = root.filter.clone();
     }
 
-    /// The period the bound root's ticker runs at, if one does.
-    pub(in crate::proxy_wasm) fn ticking(&mut self) -> &mut Option<Duration> {
-        &mut self.roots[self.bound].ticking
-    }
-
     /// Whether the bound root has HTTP calls to send.
     #[inline]
     pub(in crate::proxy_wasm) fn has_unsent(&self) -> bool {
-        !self.roots[self.bound].unsent.is_empty()
+        !self.unsent.is_empty()
     }
 
     /// The bound root's HTTP calls to send.
     pub(in crate::proxy_wasm) fn take_unsent(&mut self) -> Vec<(u32, crate::seam::Callout)> {
-        std::mem::take(&mut self.roots[self.bound].unsent)
-    }
-
-    /// How many root contexts it has.
-    #[inline]
-    pub(in crate::proxy_wasm) fn roots(&self) -> usize {
-        self.roots.len()
+        std::mem::take(&mut self.unsent)
     }
 
     /// Makes and configures `filter`'s root context in this running VM,
@@ -154,7 +150,7 @@ impl Vm {
         filter: &ProxyWasm,
     ) -> Result<Duration, (PluginError, bool)> {
         let was = self.bound;
-        let context = self.next_id();
+        let context = self.next_root_id();
         self.roots.push(Root::of(filter, context));
         self.bind_at(self.roots.len() - 1);
         self.starting(filter, true);
@@ -164,8 +160,7 @@ impl Vm {
         self.starting(filter, false);
         match configured {
             Ok(()) => {
-                let made = std::mem::take(&mut self.store.data_mut().call.callouts);
-                self.roots[self.bound].unsent = made;
+                self.unsent = std::mem::take(&mut self.store.data_mut().call.callouts);
                 Ok(took)
             }
             Err((e, usable)) => {
@@ -212,8 +207,9 @@ impl Vm {
     }
 
     /// Ends the root contexts of uses that are gone (`proxy_on_done`,
-    /// `proxy_on_delete`, as Envoy ends a removed config's), on a call
-    /// of `filter`'s, which stays bound. An error leaves the VM unusable.
+    /// `proxy_on_delete`, as Envoy ends a removed config's), as a request
+    /// of `filter`'s ends (`filter` stays bound). An error leaves the VM
+    /// unusable.
     #[cold]
     pub(in crate::proxy_wasm) fn end_gone_roots(
         &mut self,
