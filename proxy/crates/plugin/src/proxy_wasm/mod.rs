@@ -4,7 +4,9 @@
 //!
 //! As in Envoy, a filter runs in a VM (one instance of the module) per
 //! worker thread, which lives across requests: its root context is
-//! configured once when the VM starts, and each request gets an HTTP
+//! configured once when the VM starts (and a use reloaded with another
+//! config gets a root context of its own in the same VM: `set.rs`,
+//! `vm/roots.rs`), and each request gets an HTTP
 //! context on the VM of the thread it runs on, from its request headers to
 //! its end (`proxy_on_done`, `proxy_on_log`, `proxy_on_delete`). Every call
 //! runs under the use's CPU deadline and memory cap; a call that traps,
@@ -13,7 +15,8 @@
 //! still on it fail their next call, and the thread's next request starts
 //! a fresh VM.
 //!
-//! Here: the use and its VMs; `vm.rs` a VM's start and calls, `abi.rs`
+//! Here: the use; `vms.rs` and `set.rs` its VMs, `vm.rs` a VM's start
+//! and calls, `abi.rs`
 //! and `wasi.rs` the host calls, `call.rs` what a call is lent,
 //! `properties.rs` the attributes,
 //! `map.rs` the serialized header map, `names.rs` the header names it asked
