@@ -234,3 +234,49 @@ pub(super) async fn a_slow_configure_gets_fresh_vms_instead() {
         "{a:?}"
     );
 }
+
+/// The same as Envoy 1.40: a listener update that changes only the
+/// filter's configuration configures it in the running VM (its count of
+/// requests goes on), and the new requests get the new configuration.
+/// Each proxy runs one worker; the old config's requests and the new
+/// one's on one connection each time.
+#[tokio::test]
+pub(super) async fn a_changed_config_keeps_the_vm_as_in_envoy() {
+    let app = upstream::echo("app").await;
+    let (slow, _arrived, _release) = upstream::holding().await;
+    let filter = plugin_file("proxy-wasm-misbehave");
+    let envoy =
+        crate::support::envoy::Envoy::with_filter_reloadable(&filter, r#"{"v":1}"#, app.addr).await;
+    let (dir, proxy, mut conn) = one_worker(&app, &slow, "{ v: 1 }").await;
+    let seen = |a: &client::Answer| {
+        (
+            a.header("x-vm-requests").map(str::to_owned),
+            a.header("x-config").map(str::to_owned),
+        )
+    };
+    let mut ours = Vec::new();
+    let mut envoys = Vec::new();
+    let get = |url: String| Request::get(url).body(body(Bytes::new())).unwrap();
+    let mut at_envoy = client::Connection::open(envoy.addr).await;
+    for round in 0..4 {
+        if round == 2 {
+            let policy = misbehave_policy(&app, &slow, "{ v: 2 }");
+            reload_to(&proxy, dir.path(), policy).await;
+            envoy.set_configuration(r#"{"v":2}"#).await;
+            // Envoy drains the old listener's connections (their requests
+            // keep its old config): a new one for each.
+            conn = client::Connection::open(proxy.addr).await;
+            at_envoy = client::Connection::open(envoy.addr).await;
+        }
+        ours.push(seen(&conn.send(get_filter(&proxy)).await));
+        let to_envoy = get(format!("http://{}/filter", envoy.addr));
+        envoys.push(seen(&at_envoy.send(to_envoy).await));
+    }
+    let config = |v: &str| Some(format!(r#"{{"v":{v}}}"#));
+    let expected: Vec<_> = [("1", "1"), ("2", "1"), ("3", "2"), ("4", "2")]
+        .iter()
+        .map(|(n, v)| (Some(n.to_string()), config(v)))
+        .collect();
+    assert_eq!(envoys, expected, "Envoy");
+    assert_eq!(ours, expected, "Portcullis");
+}

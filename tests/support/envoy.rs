@@ -23,7 +23,97 @@ pub struct Envoy {
     child: Child,
     /// Its listener.
     pub addr: SocketAddr,
+    /// Its admin API's address.
+    admin: String,
+    /// Where its listener comes from, when it can be changed.
+    reloadable: Option<Reloadable>,
     _dir: tempfile::TempDir,
+}
+
+/// A listener file Envoy watches, and what goes in it.
+struct Reloadable {
+    lds: PathBuf,
+    filter: PathBuf,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Reloadable {
+    /// The listener with the filter given `configuration`, written as
+    /// Envoy wants a watched file changed: moved into place whole.
+    fn write(&self, configuration: &str) {
+        let listener = listener_yaml(&self.filter, configuration, "app", self.port);
+        let listener = listener.replacen(
+            "name: main",
+            "\"@type\": type.googleapis.com/envoy.config.listener.v3.Listener\nname: main",
+            1,
+        );
+        let text = format!("resources:\n{}", indented(&listener, "- ", "  "));
+        let next = self.dir.path().join("lds.next.yaml");
+        std::fs::write(&next, text).expect("write the listener");
+        std::fs::rename(&next, &self.lds).expect("move the listener into place");
+    }
+}
+
+/// The listener (`name: main`, on `port`) routing everything to
+/// `cluster` through the proxy-wasm filter `filter` given
+/// `configuration`, as YAML lines of a list item without its dash.
+fn listener_yaml(filter: &Path, configuration: &str, cluster: &str, port: u16) -> String {
+    format!(
+        r#"name: main
+address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
+filter_chains:
+- filters:
+  - name: envoy.filters.network.http_connection_manager
+    typed_config:
+      "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+      stat_prefix: main
+      route_config:
+        virtual_hosts:
+        - {{ name: all, domains: ["*"], routes: [{{ match: {{ prefix: "/" }}, route: {{ cluster: {cluster} }} }}] }}
+      http_filters:
+      - name: envoy.filters.http.wasm
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+          config:
+            name: pw
+            configuration:
+              "@type": type.googleapis.com/google.protobuf.StringValue
+              value: {configuration:?}
+            vm_config:
+              runtime: envoy.wasm.runtime.v8
+              code: {{ local: {{ filename: {filter:?} }} }}
+      - name: envoy.filters.http.router
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+"#,
+        filter = filter.display().to_string(),
+    )
+}
+
+/// `text`'s lines, the first after `first`, the rest after `rest`.
+fn indented(text: &str, first: &str, rest: &str) -> String {
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| format!("{}{l}\n", if i == 0 { first } else { rest }))
+        .collect()
+}
+
+/// The clusters, as YAML list items under `clusters:`, speaking HTTP/2
+/// when `http2`.
+fn clusters_yaml(clusters: &[(&str, SocketAddr)], http2: bool) -> String {
+    let protocol = if http2 {
+        r#", typed_extension_protocol_options: { envoy.extensions.upstreams.http.v3.HttpProtocolOptions: { "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions, explicit_http_config: { http2_protocol_options: {} } } }"#
+    } else {
+        ""
+    };
+    clusters
+        .iter()
+        .map(|(name, addr)| format!(
+            "  - {{ name: {name}, connect_timeout: 2s, type: STATIC, load_assignment: {{ cluster_name: {name}, endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }} }}] }}] }}{protocol} }}\n",
+            addr.port()
+        ))
+        .collect()
 }
 
 impl Drop for Envoy {
@@ -72,54 +162,76 @@ impl Envoy {
         clusters: &[(&str, SocketAddr)],
         http2: bool,
     ) -> Envoy {
-        let protocol = if http2 {
-            r#", typed_extension_protocol_options: { envoy.extensions.upstreams.http.v3.HttpProtocolOptions: { "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions, explicit_http_config: { http2_protocol_options: {} } } }"#
-        } else {
-            ""
-        };
-        let dir = tempfile::tempdir().expect("tempdir");
+        let listener = listener_yaml(filter, configuration, clusters[0].0, 0);
         let config = format!(
-            r#"
-static_resources:
-  listeners:
-  - name: main
-    address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: main
-          route_config:
-            virtual_hosts:
-            - {{ name: all, domains: ["*"], routes: [{{ match: {{ prefix: "/" }}, route: {{ cluster: {first} }} }}] }}
-          http_filters:
-          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: pw
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: {configuration:?}
-                vm_config:
-                  runtime: envoy.wasm.runtime.v8
-                  code: {{ local: {{ filename: {filter:?} }} }}
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-{clusters}"#,
-            filter = filter.display().to_string(),
-            first = clusters[0].0,
-            clusters = clusters
-                .iter()
-                .map(|(name, addr)| format!(
-                    "  - {{ name: {name}, connect_timeout: 2s, type: STATIC, load_assignment: {{ cluster_name: {name}, endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }} }}] }}] }}{protocol} }}\n",
-                    addr.port()
-                ))
-                .collect::<String>(),
+            "static_resources:\n  listeners:\n{}  clusters:\n{}",
+            indented(&listener, "  - ", "    "),
+            clusters_yaml(clusters, http2),
         );
+        Self::launch(config, None).await
+    }
+
+    /// [`Envoy::with_filter`] with its listener from a file Envoy watches
+    /// (LDS from the filesystem), so [`Envoy::set_configuration`] can
+    /// change the filter's configuration as a control plane would.
+    pub async fn with_filter_reloadable(
+        filter: &Path,
+        configuration: &str,
+        upstream: SocketAddr,
+    ) -> Envoy {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lds = dir.path().join("lds.yaml");
+        // A port of its own, not 0: an update keeps the listener's
+        // socket only when its address is the same.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let reloadable = Reloadable {
+            lds: lds.clone(),
+            filter: filter.to_owned(),
+            port,
+            dir,
+        };
+        reloadable.write(configuration);
+        let config = format!(
+            "node: {{ id: test, cluster: test }}\ndynamic_resources:\n  lds_config: {{ resource_api_version: V3, path_config_source: {{ path: {:?} }} }}\nstatic_resources:\n  clusters:\n{}",
+            lds.display().to_string(),
+            clusters_yaml(&[("app", upstream)], false),
+        );
+        Self::launch(config, Some(reloadable)).await
+    }
+
+    /// Gives the filter `configuration` by a listener update, once Envoy
+    /// has applied it.
+    pub async fn set_configuration(&self, configuration: &str) {
+        let reloadable = self.reloadable.as_ref().expect("a reloadable Envoy");
+        let before = self.stat("listener_manager.lds.update_success").await;
+        reloadable.write(configuration);
+        let started = Instant::now();
+        while self.stat("listener_manager.lds.update_success").await <= before {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "envoy did not apply the listener update in 30 s"
+            );
+            // A counter to poll: Envoy signals an update nowhere else.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A counter or gauge of Envoy's, from its admin API.
+    async fn stat(&self, name: &str) -> u64 {
+        let url = format!("http://{}/stats?filter=^{name}$", self.admin);
+        let answer = crate::support::client::get(&url).await;
+        let text = String::from_utf8_lossy(&answer.body);
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    async fn launch(config: String, reloadable: Option<Reloadable>) -> Envoy {
+        let dir = tempfile::tempdir().expect("tempdir");
         let config_path = dir.path().join("envoy.yaml");
         std::fs::write(&config_path, config).expect("write envoy.yaml");
         let admin_path = dir.path().join("admin-address");
@@ -146,6 +258,8 @@ static_resources:
         let mut envoy = Envoy {
             child,
             addr: "127.0.0.1:0".parse().unwrap(),
+            admin: String::new(),
+            reloadable,
             _dir: dir,
         };
         envoy.addr = envoy.listener(&admin_path).await;
@@ -163,11 +277,12 @@ static_resources:
                     log.unwrap_or_default()
                 );
             }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "envoy not ready in 30 s"
-            );
+            if started.elapsed() > Duration::from_secs(30) {
+                let log = std::fs::read_to_string(self._dir.path().join("envoy.log"));
+                panic!("envoy not ready in 30 s\n{}", log.unwrap_or_default());
+            }
             let admin = std::fs::read_to_string(admin_path).unwrap_or_default();
+            self.admin = admin.trim().to_owned();
             if !admin.trim().is_empty() {
                 let url = format!("http://{}/listeners?format=json", admin.trim());
                 let answer = crate::support::client::get(&url).await;
