@@ -59,14 +59,18 @@ pub(super) struct VmSet {
     users: Mutex<Vec<Weak<ProxyWasm>>>,
     /// The longest a root context's configure took in it, in nanoseconds.
     configure_took: AtomicU64,
+    /// What a use must have to join it (its module kept alive by the
+    /// uses, which hold it anyway, not by the list of sets).
+    key: Key,
 }
 
-/// The sets uses may join, by key.
-static SETS: Mutex<Vec<(Key, Weak<VmSet>)>> = Mutex::new(Vec::new());
+/// The sets uses may join.
+static SETS: Mutex<Vec<Weak<VmSet>>> = Mutex::new(Vec::new());
 
 impl VmSet {
-    fn new() -> VmSet {
+    fn new(key: Key) -> VmSet {
         VmSet {
+            key,
             vms: std::array::from_fn(|_| VmSlot::default()),
             restarting: std::array::from_fn(|_| Count::default()),
             generations: AtomicU64::new(0),
@@ -90,17 +94,15 @@ impl VmSet {
             budgets: (settings.memory, settings.timeout, settings.start_timeout),
         };
         let mut sets = SETS.lock().unwrap_or_else(|p| p.into_inner());
-        sets.retain(|(_, set)| set.strong_count() > 0);
+        sets.retain(|set| set.strong_count() > 0);
         let within = u64::try_from(settings.timeout.as_nanos()).unwrap_or(u64::MAX);
-        let joined = (sets.iter())
-            .filter(|(k, _)| k.same(&key))
-            .filter_map(|(_, set)| set.upgrade())
-            .find(|set| set.configure_took.load(Ordering::Relaxed) <= within);
+        let joined = (sets.iter().filter_map(Weak::upgrade))
+            .find(|set| set.key.same(&key) && set.configure_took.load(Ordering::Relaxed) <= within);
         if let Some(set) = joined {
             return set;
         }
-        let set = Arc::new(VmSet::new());
-        sets.push((key, Arc::downgrade(&set)));
+        let set = Arc::new(VmSet::new(key));
+        sets.push(Arc::downgrade(&set));
         set
     }
 
