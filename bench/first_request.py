@@ -64,15 +64,21 @@ host, port = addr.rsplit(":", 1)
 ahost, aport = admin.rsplit(":", 1)
 
 
-def timed_get():
+def timed(method, at, path):
+    """`method path` on a new connection to `at` (host, port), answered
+    200: how long it took, connect to last byte (ms)."""
     t0 = time.perf_counter()
-    conn = http.client.HTTPConnection(host, int(port))
-    conn.request("GET", "/x")
+    conn = http.client.HTTPConnection(at[0], int(at[1]))
+    conn.request(method, path)
     r = conn.getresponse()
     r.read()
     conn.close()
     assert r.status == 200, r.status
     return (time.perf_counter() - t0) * 1000
+
+
+def timed_get():
+    return timed("GET", (host, port), "/x")
 
 
 firsts, hundredths, rest, reload_ms = [], [], [], []
@@ -81,13 +87,7 @@ paused, over = [], []
 
 
 def reload():
-    t0 = time.perf_counter()
-    a = http.client.HTTPConnection(ahost, int(aport))
-    a.request("POST", "/reload")
-    answer = a.getresponse()
-    answer.read()
-    assert answer.status == 200, answer.status
-    return (time.perf_counter() - t0) * 1000
+    return timed("POST", (ahost, aport), "/reload")
 
 
 try:
