@@ -29,6 +29,41 @@ async fn chunked_bodies_with_extensions_and_trailers_arrive_whole_and_the_connec
     );
 }
 
+/// The upstream's hop-by-hop fields (named so, or listed by its
+/// `Connection`) stop at the proxy; the rest reach the client, and the
+/// connection, kept alive, serves the next request.
+#[tokio::test]
+async fn an_answers_hop_by_hop_fields_stop_at_the_proxy() {
+    let up = Scripted::start(|_, _| {
+        keep(
+            "HTTP/1.1 200 OK\r\nConnection: keep-alive, x-hop\r\nx-hop: 1\r\nTE: trailers\r\n\
+             Trailer: x-sum\r\nUpgrade: h2c\r\nProxy-Connection: keep-alive\r\n\
+             Keep-Alive: timeout=5\r\nx-kept: 2\r\ncontent-length: 2\r\n\r\nok",
+        )
+    })
+    .await;
+    let proxy = Proxy::start_yaml(&up.yaml()).await;
+    let mut c = client::Connection::open(proxy.addr).await;
+    for _ in 0..2 {
+        let a = get(&mut c, &proxy, "GET", "/h").await;
+        assert_eq!(a.status, 200);
+        assert_eq!(&a.body[..], b"ok");
+        assert_eq!(a.header("x-kept"), Some("2"));
+        for hop in [
+            "x-hop",
+            "te",
+            "trailer",
+            "upgrade",
+            "proxy-connection",
+            "keep-alive",
+        ] {
+            assert_eq!(a.header(hop), None, "{hop} reached the client");
+        }
+        assert_ne!(a.header("connection"), Some("keep-alive, x-hop"));
+    }
+    assert_eq!(up.connections(), 1, "the connection was kept");
+}
+
 #[tokio::test]
 async fn content_length_bodies_keep_the_connection_and_the_request_head_is_as_sent() {
     let up = Scripted::start(|_, _| ok()).await;

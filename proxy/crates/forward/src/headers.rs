@@ -82,6 +82,12 @@ fn listed(name: &str) -> Option<Listed> {
     }))
 }
 
+/// Whether `name` is one of the hop-by-hop headers
+/// [`remove_hop_by_hop`] removes by name (not those `Connection` lists).
+pub(crate) fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(listed(name.as_str()), Some(Listed::HopByHop(_)))
+}
+
 /// Removes hop-by-hop headers, including any the `Connection` header names.
 /// With `keep_upgrade`, `Connection: upgrade` and `Upgrade` survive, for a
 /// WebSocket handshake that must reach the other side. Returns which of

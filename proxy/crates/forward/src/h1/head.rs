@@ -147,10 +147,20 @@ pub(super) fn take_head(
             seen.length = true;
         }
         seen.coding |= name == header::TRANSFER_ENCODING;
+        // Most names' lengths are none of the hop-by-hop names': no compare.
+        if nl < 32 && HOP_LENGTHS >> nl & 1 != 0 {
+            seen.hop |= crate::headers::is_hop_by_hop(&name);
+        }
         headers.append(name, value);
     }
     Ok(Some((resp, seen)))
 }
+
+/// The lengths of the hop-by-hop names (`TE` 2, `Trailer` and `Upgrade`
+/// 7, `Connection` 10, `Proxy-Connection` 16, `Transfer-Encoding` 17,
+/// `Proxy-Authorization` 19), a bit each: a field of another length is
+/// none of them, known without comparing its name.
+const HOP_LENGTHS: u32 = 1 << 2 | 1 << 7 | 1 << 10 | 1 << 16 | 1 << 17 | 1 << 19;
 
 /// Whether a field of a 10-byte name, `Connection: keep-alive` (or
 /// `close`) or `Keep-Alive`, says only how this connection goes on (noted
@@ -191,6 +201,10 @@ pub(super) struct HeadFields {
     /// A `Connection` field other than a bare `keep-alive` or `close`,
     /// left in the map (`keep-alive, close`, `upgrade`, names).
     connection: bool,
+    /// A hop-by-hop field left in the map (`Transfer-Encoding`, such a
+    /// `Connection`, `Trailer`...): the reader removes them before the
+    /// answer leaves it, and a head without any is spared the pass.
+    pub(super) hop: bool,
 }
 
 /// How the response body is delimited (RFC 9112 §6.3).

@@ -257,8 +257,9 @@ impl H1Conn {
     /// Sends a request (head and `body`, in one write) and reads the
     /// response head, unless `deadline` passes first. `host` is written
     /// first when given; `prefix` goes before `path` (an endpoint's base
-    /// path). With the answer: how its body is framed, and whether the
-    /// connection may carry another request after it. The deadline is looked at here, between reads, rather than
+    /// path). With the answer (its hop-by-hop fields removed): how its
+    /// body is framed, and whether the connection may carry another
+    /// request after it. The deadline is looked at here, between reads, rather than
     /// by a timeout around this future: a second way of awaiting it made
     /// the compiler stop inlining it into the request's, at ~250
     /// instructions a request.
@@ -309,6 +310,12 @@ impl H1Conn {
                         })?;
                     }
                     let keep_alive = keeps_alive(&resp, framing, seen);
+                    // Framing and `Connection` read: the answer leaves
+                    // without this hop's fields (the caller skips the pass
+                    // for this reader's answers).
+                    if seen.hop {
+                        let _ = crate::headers::remove_hop_by_hop(resp.headers_mut(), false);
+                    }
                     return Ok((resp, framing, keep_alive));
                 }
                 if self.buf.len() >= MAX_HEAD {

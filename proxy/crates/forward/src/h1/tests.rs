@@ -12,6 +12,22 @@ async fn pair() -> (Box<H1Conn>, TcpStream) {
     (H1Conn::new(Io::Tcp(ours)), theirs)
 }
 
+/// `GET /` on `conn`, no fields, no body: the answer's head, framing and
+/// whether the connection goes on.
+async fn get(conn: &mut H1Conn) -> (Response<()>, Framing, bool) {
+    conn.exchange(
+        &Method::GET,
+        "",
+        "/",
+        None,
+        (&HeaderMap::new(), &Default::default()),
+        None,
+        None,
+    )
+    .await
+    .unwrap()
+}
+
 async fn next_data(body: &mut H1Body) -> Bytes {
     let frame = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await;
     frame
@@ -125,18 +141,7 @@ async fn a_recycled_request_map_holds_only_the_response_headers() {
     up.write_all(b"HTTP/1.1 200 OK\r\nserver: up\r\ncontent-length: 0\r\n\r\n")
         .await
         .unwrap();
-    let (resp, ..) = conn
-        .exchange(
-            &Method::GET,
-            "",
-            "/",
-            None,
-            (&HeaderMap::new(), &Default::default()),
-            None,
-            None,
-        )
-        .await
-        .unwrap();
+    let (resp, ..) = get(&mut conn).await;
     let names: Vec<&str> = resp.headers().keys().map(|k| k.as_str()).collect();
     assert_eq!(names, ["server", "content-length"]);
     assert_eq!(resp.headers().capacity(), reused, "the map was not reused");
@@ -146,6 +151,33 @@ async fn a_recycled_request_map_holds_only_the_response_headers() {
     big.insert("x-big", HeaderValue::from_static("1"));
     conn.recycle(big);
     assert!(conn.spare.capacity() < 4 * SPARE_HEADERS);
+}
+
+/// The answer leaves the reader without this hop's fields: those named
+/// hop-by-hop, and those `Connection` lists, the rest in their order.
+#[tokio::test]
+async fn an_answer_leaves_without_its_hop_by_hop_fields() {
+    let (mut conn, mut up) = pair().await;
+    up.write_all(
+        b"HTTP/1.1 200 OK\r\nserver: up\r\nConnection: keep-alive, x-hop\r\nx-hop: 1\r\n\
+          TE: trailers\r\nTrailer: x-sum\r\nUpgrade: h2c\r\nProxy-Connection: keep-alive\r\n\
+          Proxy-Authorization: Basic eA==\r\nx-kept: 2\r\nTransfer-Encoding: chunked\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let (resp, framing, _) = get(&mut conn).await;
+    assert_eq!(framing, Framing::Chunked, "framed before the fields went");
+    let names: Vec<&str> = resp.headers().keys().map(|k| k.as_str()).collect();
+    assert_eq!(names, ["server", "x-kept"]);
+
+    // A head with none keeps every field (and is spared the pass).
+    let (mut conn, mut up) = pair().await;
+    up.write_all(b"HTTP/1.1 200 OK\r\nserver: up\r\nx-te: 1\r\ncontent-length: 0\r\n\r\n")
+        .await
+        .unwrap();
+    let (resp, ..) = get(&mut conn).await;
+    let names: Vec<&str> = resp.headers().keys().map(|k| k.as_str()).collect();
+    assert_eq!(names, ["server", "x-te", "content-length"]);
 }
 
 #[tokio::test]

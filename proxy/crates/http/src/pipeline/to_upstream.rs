@@ -106,13 +106,15 @@ impl Pipeline {
             return Answered::Ready((r, forward::Held::default()));
         }
         let (mut parts, body) = resp.into_parts();
-        // Before the hop-by-hop pass takes Transfer-Encoding. The own
-        // HTTP/1.1 reader's answers have one plain length at most already
-        // (`forward::h1`'s framing), and skip the two lookups.
+        // The own HTTP/1.1 reader's answers have one plain length at most
+        // and no hop-by-hop fields already (`forward::h1` reads both as it
+        // parses the head), and skip the passes. Others' first have their
+        // length made single, before the hop-by-hop pass takes
+        // Transfer-Encoding.
         if !matches!(body, Body::Upstream { .. }) {
             forward::single_content_length(&mut parts.headers);
+            let _ = forward::remove_hop_by_hop(&mut parts.headers, false);
         }
-        let _ = forward::remove_hop_by_hop(&mut parts.headers, false);
         let mut body = body;
         if let Some(ctx) = f.plugins.as_mut() {
             let filtered = match chain::whole_response(ctx, route, &mut parts, &mut body) {
