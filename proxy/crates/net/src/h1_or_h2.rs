@@ -295,55 +295,31 @@ where
 {
     type Output = Result<(), ConnError>;
 
+    // Every request of an HTTP/1 connection is polled from here, hyper's
+    // dispatch and the service inlined: the rarer steps (a protocol
+    // chosen, a connection parked or woken, HTTP/2) are functions of
+    // their own, so that their temporaries (hyper's connection states,
+    // several KiB) do not widen this frame. At 37 KiB it cost every poll
+    // a probe of each of its pages (~100 instructions a request).
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut state = self.project().state;
         loop {
             match state.as_mut().project() {
-                StateProj::Sniffing {
-                    io,
-                    sniffed,
-                    builder,
-                    service,
-                } => {
+                StateProj::Sniffing { io, sniffed, .. } => {
                     let h2 = ready!(sniff(io.as_mut().expect("until served"), sniffed, cx))?;
-                    let io = TokioIo::new(Rewind {
-                        sniffed: *sniffed,
-                        io: io.take().expect("until served"),
-                        failed: None,
-                    });
-                    let service = service.take().expect("until served");
-                    let next = if h2 {
-                        State::H2 {
-                            conn: builder.http2.serve_connection(io, service),
-                        }
-                    } else {
-                        State::H1 {
-                            conn: Some(Box::new(
-                                builder.http1.serve_connection(io, service).with_upgrades(),
-                            )),
-                            builder: builder.clone(),
-                        }
-                    };
-                    state.set(next);
+                    state.as_mut().serve_sniffed(h2);
                 }
-                StateProj::H1 { conn, builder } => {
+                StateProj::H1 { conn, .. } => {
                     let Some(served) = conn.as_mut() else {
                         return Poll::Ready(Ok(()));
                     };
                     ready!(Pin::new(&mut **served).poll(cx))?;
                     // Closed: for good, or to be parked.
-                    let Some(parked) = conn.take().and_then(|c| parked(*c, builder)) else {
+                    if !state.as_mut().park() {
                         return Poll::Ready(Ok(()));
-                    };
-                    state.set(parked);
+                    }
                 }
-                StateProj::Parked {
-                    io,
-                    service,
-                    builder,
-                    timeout,
-                    ..
-                } => {
+                StateProj::Parked { io, timeout, .. } => {
                     if let Some(t) = timeout
                         && t.as_mut().poll(cx).is_ready()
                     {
@@ -362,22 +338,105 @@ where
                         ..rewind.sniffed
                     };
                     rewind.io.unpark();
-                    let rewind = io.take().expect("until served");
-                    let service = service.take().expect("until served");
-                    let conn = builder
-                        .http1
-                        .serve_connection(TokioIo::new(rewind), service)
-                        .with_upgrades();
-                    let builder = builder.clone();
-                    state.set(State::H1 {
-                        conn: Some(Box::new(conn)),
-                        builder,
-                    });
+                    state.as_mut().unpark();
                 }
-                StateProj::H2 { conn } => return conn.poll(cx).map_err(Into::into),
+                StateProj::H2 { conn } => return State::poll_h2(conn, cx),
                 StateProj::Closed => return Poll::Ready(Ok(())),
             }
         }
+    }
+}
+
+impl<I, S, B> State<I, S>
+where
+    I: AsyncRead + AsyncWrite + Park + Unpin + Send + 'static,
+    S: HttpService<Incoming, ResBody = B>,
+    S::Error: Into<ConnError>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<ConnError>,
+    TokioExecutor: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
+{
+    /// A sniffed connection handed to hyper's server for its protocol.
+    #[inline(never)]
+    fn serve_sniffed(mut self: Pin<&mut Self>, h2: bool) {
+        let StateProj::Sniffing {
+            io,
+            sniffed,
+            builder,
+            service,
+        } = self.as_mut().project()
+        else {
+            unreachable!("only a sniffing connection is served");
+        };
+        let io = TokioIo::new(Rewind {
+            sniffed: *sniffed,
+            io: io.take().expect("until served"),
+            failed: None,
+        });
+        let service = service.take().expect("until served");
+        let next = if h2 {
+            State::H2 {
+                conn: builder.http2.serve_connection(io, service),
+            }
+        } else {
+            State::H1 {
+                conn: Some(Box::new(
+                    builder.http1.serve_connection(io, service).with_upgrades(),
+                )),
+                builder: builder.clone(),
+            }
+        };
+        self.set(next);
+    }
+
+    /// An HTTP/1 connection hyper closed, parked if it closed to be
+    /// parked ([`parked`]); `false` when the connection ends.
+    #[inline(never)]
+    fn park(mut self: Pin<&mut Self>) -> bool {
+        let StateProj::H1 { conn, builder } = self.as_mut().project() else {
+            unreachable!("only an HTTP/1 connection is parked");
+        };
+        let Some(parked) = conn.take().and_then(|c| parked(*c, builder)) else {
+            return false;
+        };
+        self.set(parked);
+        true
+    }
+
+    /// A parked connection whose client sent its next bytes, served by
+    /// hyper again.
+    #[inline(never)]
+    fn unpark(mut self: Pin<&mut Self>) {
+        let StateProj::Parked {
+            io,
+            service,
+            builder,
+            ..
+        } = self.as_mut().project()
+        else {
+            unreachable!("only a parked connection is woken");
+        };
+        let rewind = io.take().expect("until served");
+        let service = service.take().expect("until served");
+        let conn = builder
+            .http1
+            .serve_connection(TokioIo::new(rewind), service)
+            .with_upgrades();
+        let builder = builder.clone();
+        self.set(State::H1 {
+            conn: Some(Box::new(conn)),
+            builder,
+        });
+    }
+
+    /// An HTTP/2 connection's poll, its frame apart from HTTP/1's.
+    #[inline(never)]
+    fn poll_h2(
+        conn: Pin<&mut http2::Connection<Io<I>, S, TokioExecutor>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), ConnError>> {
+        conn.poll(cx).map_err(Into::into)
     }
 }
 
