@@ -374,9 +374,14 @@ mod tests {
             "application/vnd.api+json",
             "application/atom+xml",
             "text/html;charset=utf-8",
+            "APPLICATION/VND.X+JSON",
         ] {
             assert!(s.covers(&HeaderValue::from_static(yes)), "{yes}");
         }
+        // Longer than the copy the type is lowered into.
+        let long = |sub: &str| HeaderValue::from_str(&format!("Application/{sub}")).unwrap();
+        assert!(s.covers(&long(&format!("{}+JSON", "x".repeat(200)))));
+        assert!(!s.covers(&long(&"x".repeat(200))));
         for no in [
             "image/png",
             "text/event-stream",
