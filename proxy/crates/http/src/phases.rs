@@ -147,9 +147,7 @@ where
     );
     let (request_id, made) = match entry.request_ids {
         RequestIds::Keep => (
-            req.headers()
-                .get(portcullis_obs::request_id::HEADER)
-                .cloned(),
+            crate::request_head::first(req.headers(), &portcullis_obs::request_id::HEADER).cloned(),
             false,
         ),
         RequestIds::Make => (

@@ -3,15 +3,61 @@
 
 use std::borrow::Cow;
 
-use http::{HeaderMap, StatusCode, Uri, Version, header};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri, Version, header};
 
-/// Size of a request head as it was on the wire, near enough for a limit.
-pub fn head_size(req: &http::request::Parts) -> usize {
+/// The first `name` field of a request's head: among a few fields (most
+/// requests bring three to ten), found by comparing names in order,
+/// which for a standard name is one byte each; among more, by hash.
+/// `HeaderMap::get` hashes the name first, ~100 instructions for the
+/// request's `X-Request-Id`, present or not.
+pub fn first<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a HeaderValue> {
+    if headers.len() > 12 {
+        return headers.get(name);
+    }
+    headers.iter().find(|(k, _)| *k == name).map(|(_, v)| v)
+}
+
+/// What one pass over a request head's fields finds: its size, and the
+/// fields routing reads before a guard or plugin may change the head.
+/// Looked up one by one, each hashed its name (~100 instructions), and
+/// most requests have none of them but `Host`.
+#[derive(Debug, Clone, Copy)]
+pub struct Scanned<'a> {
+    /// The head's size as it was on the wire, near enough for a limit.
+    pub size: usize,
+    /// The first `Host`, and whether another followed.
+    pub host: (Option<&'a HeaderValue>, bool),
+    /// The first `Origin`.
+    pub origin: Option<&'a HeaderValue>,
+    /// An `Accept-Encoding` field.
+    pub accept_encoding: bool,
+}
+
+/// One pass over `req`'s fields ([`Scanned`]).
+pub fn scan(req: &http::request::Parts) -> Scanned<'_> {
     let line =
         req.method.as_str().len() + req.uri.path_and_query().map_or(1, |p| p.as_str().len()) + 12;
-    req.headers
-        .iter()
-        .fold(line, |n, (k, v)| n + k.as_str().len() + v.len() + 4)
+    let mut found = Scanned {
+        size: line,
+        host: (None, false),
+        origin: None,
+        accept_encoding: false,
+    };
+    for (k, v) in &req.headers {
+        found.size += k.as_str().len() + v.len() + 4;
+        // Standard names compare as one byte each.
+        if *k == header::HOST {
+            match found.host.0 {
+                None => found.host.0 = Some(v),
+                Some(_) => found.host.1 = true,
+            }
+        } else if *k == header::ORIGIN {
+            found.origin = found.origin.or(Some(v));
+        } else if *k == header::ACCEPT_ENCODING {
+            found.accept_encoding = true;
+        }
+    }
+    found
 }
 
 /// What RFC 9112 says a server must refuse in a request's framing.
@@ -54,10 +100,20 @@ pub fn request_host<'a>(
     uri: &'a Uri,
     headers: &'a HeaderMap,
 ) -> Result<Option<Cow<'a, str>>, Refused> {
+    let mut hosts = headers.get_all(header::HOST).iter();
+    let first = hosts.next();
+    host_of(version, uri, (first, hosts.next().is_some()))
+}
+
+/// [`request_host`], given the request's first `Host` and whether another
+/// followed ([`scan`] finds both).
+pub fn host_of<'a>(
+    version: Version,
+    uri: &'a Uri,
+    (first, more): (Option<&'a HeaderValue>, bool),
+) -> Result<Option<Cow<'a, str>>, Refused> {
     let first = if version < Version::HTTP_2 {
-        let mut hosts = headers.get_all(header::HOST).iter();
-        let first = hosts.next();
-        if hosts.next().is_some() {
+        if more {
             return Err(Refused::Host("more than one host header"));
         }
         if first.is_none() && version == Version::HTTP_11 {
@@ -66,7 +122,7 @@ pub fn request_host<'a>(
         first
     } else if uri.authority().is_none() {
         // HTTP/2 names the host in `:authority`; `Host` only stands in.
-        headers.get(header::HOST)
+        first
     } else {
         None
     };
@@ -179,10 +235,16 @@ pub fn admit_head<'a>(
     body: &impl http_body::Body,
 ) -> Result<Option<Cow<'a, str>>, Refused> {
     let host = request_host(version, uri, headers)?;
-    if unsupported_coding(headers, body) {
-        return Err(Refused::Coding);
-    }
+    admit_coding(headers, body)?;
     Ok(host)
+}
+
+/// [`admit_head`]'s check of the body's coding alone.
+pub fn admit_coding(headers: &HeaderMap, body: &impl http_body::Body) -> Result<(), Refused> {
+    match unsupported_coding(headers, body) {
+        true => Err(Refused::Coding),
+        false => Ok(()),
+    }
 }
 
 /// Whether a request body's transfer coding is one the proxy cannot pass
@@ -252,6 +314,75 @@ mod tests {
             b = b.header(*k, *v);
         }
         b.body(()).unwrap().into_parts().0
+    }
+
+    /// Found by name among a few fields or by hash among many, a field
+    /// is the one a lookup gives: the first of its name.
+    #[test]
+    fn the_first_field_of_a_name_is_found_among_few_and_many() {
+        let id = HeaderName::from_static("x-request-id");
+        for n in [0, 3, 10, 11, 40] {
+            let mut h = HeaderMap::new();
+            for i in 0..n {
+                let name = HeaderName::from_bytes(format!("x-f{i}").as_bytes()).unwrap();
+                h.append(name, HeaderValue::from(i));
+            }
+            h.append(&id, HeaderValue::from_static("a"));
+            h.append(&id, HeaderValue::from_static("b"));
+            h.append(header::HOST, HeaderValue::from_static("h"));
+            assert_eq!(first(&h, &id).unwrap(), "a", "{n} fields before");
+            assert_eq!(first(&h, &header::HOST), h.get(header::HOST));
+            assert_eq!(first(&h, &header::ORIGIN), None);
+        }
+    }
+
+    /// The one pass finds what lookups would: the first `Host` and
+    /// whether another came, the first `Origin`, an `Accept-Encoding`,
+    /// and the head's size.
+    #[test]
+    fn one_pass_finds_the_fields_routing_reads() {
+        let p = parts(
+            &[
+                ("host", "a.test"),
+                ("origin", "https://o.test"),
+                ("origin", "https://p.test"),
+                ("accept-encoding", "gzip"),
+                ("x-a", "1"),
+            ],
+            Version::HTTP_11,
+            "/p?q",
+        );
+        let s = scan(&p);
+        assert_eq!(s.host.0, p.headers.get(header::HOST));
+        assert!(!s.host.1);
+        assert_eq!(s.origin, p.headers.get(header::ORIGIN));
+        assert!(s.accept_encoding);
+        let fields: usize = [("host", "a.test"), ("origin", "https://o.test")]
+            .iter()
+            .chain(&[
+                ("origin", "https://p.test"),
+                ("accept-encoding", "gzip"),
+                ("x-a", "1"),
+            ])
+            .map(|(k, v)| k.len() + v.len() + 4)
+            .sum();
+        assert_eq!(s.size, "GET".len() + "/p?q".len() + 12 + fields);
+
+        let two = parts(
+            &[("host", "a.test"), ("host", "b.test")],
+            Version::HTTP_11,
+            "/",
+        );
+        let s = scan(&two);
+        assert_eq!(s.host.0.map(|h| h.as_bytes()), Some(&b"a.test"[..]));
+        assert!(s.host.1);
+        assert_eq!(
+            host_of(Version::HTTP_11, &two.uri, s.host),
+            request_host(Version::HTTP_11, &two.uri, &two.headers)
+        );
+        let none = parts(&[("x-a", "1")], Version::HTTP_11, "/");
+        let s = scan(&none);
+        assert_eq!((s.host.0, s.origin, s.accept_encoding), (None, None, false));
     }
 
     #[test]

@@ -22,8 +22,9 @@ impl Pipeline {
     {
         let done = |resp| (resp, forward::Held::default());
         let (mut parts, body) = req.into_parts();
-        let origin = parts.headers.get(header::ORIGIN).cloned();
-        let host = match admit(&parts, &body, conn) {
+        let scanned = request_head::scan(&parts);
+        let origin = scanned.origin.cloned();
+        let host = match admit(&parts, scanned, &body, conn) {
             Ok(host) => host,
             Err(resp) => return done(resp),
         };
@@ -46,9 +47,8 @@ impl Pipeline {
         }
         // Read before the headers go upstream; only routes that compress
         // look.
-        let coding = route
-            .compress
-            .as_ref()
+        let coding = (route.compress.as_ref())
+            .filter(|_| scanned.accept_encoding)
             .and_then(|c| crate::compress::negotiate(&parts.headers, c));
         let head = route.compress.is_some() && parts.method == Method::HEAD;
         *stats = self.stats[found.route];
@@ -489,10 +489,11 @@ pub(super) fn redirect_to(
 #[inline]
 fn admit<'a, B: http_body::Body>(
     parts: &'a http::request::Parts,
+    scanned: request_head::Scanned<'a>,
     body: &B,
     conn: &ConnInfo,
 ) -> Result<Option<std::borrow::Cow<'a, str>>, Response<Body>> {
-    if request_head::head_size(parts) > conn.listener.max_request_header_size {
+    if scanned.size > conn.listener.max_request_header_size {
         let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
         return Err(error_response(
             status,
@@ -501,6 +502,9 @@ fn admit<'a, B: http_body::Body>(
             None,
         ));
     }
-    request_head::admit_head(parts.version, &parts.uri, &parts.headers, body)
-        .map_err(|refused| refused_response(&refused))
+    let host = request_head::host_of(parts.version, &parts.uri, scanned.host)
+        .map_err(|refused| refused_response(&refused))?;
+    request_head::admit_coding(&parts.headers, body)
+        .map_err(|refused| refused_response(&refused))?;
+    Ok(host)
 }

@@ -233,7 +233,7 @@ impl Pipeline {
         // HTTP/2 clients send the host as :authority, HTTP/1 as Host.
         let public_host = match uri.authority() {
             Some(a) => HeaderValue::from_str(a.as_str()).ok(),
-            None => headers.get(header::HOST).cloned(),
+            None => crate::request_head::first(&headers, &header::HOST).cloned(),
         };
         // Written by the send after the map's fields, not inserted here,
         // unless the route's edits (which may change them) read the map
