@@ -1,5 +1,6 @@
 //! Request heads written and response heads read: the bytes on the wire, and how long the body that follows is.
 
+use super::caseless::Caseless;
 use super::*;
 
 pub(super) fn head_too_large() -> ExchangeError {
@@ -169,13 +170,15 @@ const HOP_LENGTHS: u32 = 1 << 2 | 1 << 7 | 1 << 10 | 1 << 16 | 1 << 17 | 1 << 19
 /// lookups for framing, ~900 instructions a response).
 #[inline]
 fn connection_only(name: &[u8], value: &[u8], seen: &mut HeadFields) -> bool {
-    if name.eq_ignore_ascii_case(b"keep-alive") {
+    const KEEP_ALIVE: Caseless = Caseless::new(b"keep-alive");
+    const CONNECTION: Caseless = Caseless::new(b"connection");
+    if KEEP_ALIVE.matches(name) {
         return true;
     }
-    if !name.eq_ignore_ascii_case(b"connection") {
+    if !CONNECTION.matches(name) {
         return false;
     }
-    if value.eq_ignore_ascii_case(b"keep-alive") {
+    if KEEP_ALIVE.matches(value) {
         return true;
     }
     if value.eq_ignore_ascii_case(b"close") {

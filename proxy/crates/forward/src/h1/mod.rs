@@ -30,6 +30,7 @@ use tokio_rustls::client::TlsStream;
 
 use portcullis_net::field_names::FieldNames;
 
+mod caseless;
 mod head;
 // Public: the response head's reader, for its fuzz target (fuzz).
 pub mod parse;
