@@ -171,15 +171,21 @@ async fn json_is_compressed_for_clients_that_take_it_and_left_alone_otherwise() 
         assert_eq!(a.header("vary"), Some("accept-encoding"), "{accept:?}");
         assert_eq!(a.header("etag"), Some("\"v1\""), "{accept:?}");
     }
-    // HEAD keeps the upstream's length.
+    // HEAD keeps the upstream's length, and says the GET would vary.
     let a = get(&proxy, "HEAD", "/json", Some("gzip")).await;
     assert_eq!(a.header("content-encoding"), None);
     assert_eq!(a.header("content-length"), Some(&*plain.len().to_string()));
+    assert_eq!(a.header("vary"), Some("accept-encoding"));
 
     // Too small, not a compressible type, already encoded, or forbidden.
+    // Too small for anyone to get it compressed, an answer does not vary
+    // (nginx's gzip_vary the same), nor does its HEAD.
     let a = get(&proxy, "GET", "/small", Some("gzip")).await;
     assert_eq!(a.header("content-encoding"), None);
     assert_eq!(a.body, json_of(100).as_bytes());
+    assert_eq!(a.header("vary"), None);
+    let a = get(&proxy, "HEAD", "/small", Some("gzip")).await;
+    assert_eq!(a.header("vary"), None);
     let a = get(&proxy, "GET", "/png", Some("gzip")).await;
     assert_eq!(a.header("content-encoding"), None);
     assert_eq!(a.header("vary"), None);

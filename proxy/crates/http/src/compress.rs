@@ -86,7 +86,9 @@ pub fn negotiate(headers: &HeaderMap, settings: &Compression) -> Option<Coding> 
 /// encoded, `Cache-Control: no-transform`, a status without a body or a
 /// partial one (206), a declared length under the minimum, a HEAD
 /// request. A compressible response says `Vary: Accept-Encoding` either
-/// way, so a cache in between keeps the two apart.
+/// way, so a cache in between keeps the two apart; not one whose declared
+/// length is under the minimum, which no client gets compressed (nginx's
+/// `gzip_vary` the same).
 pub fn apply(
     settings: &Compression,
     coding: Option<Coding>,
@@ -104,17 +106,24 @@ pub fn apply(
     }
     // The body's own exact length, when it knows it, is its declared
     // one (the upstream reader's is read from `Content-Length`): parsing
-    // the field again cost ~200 instructions a response.
-    let exact = http_body::Body::size_hint(resp.body()).exact();
+    // the field again cost ~200 instructions a response. Not a HEAD
+    // answer's: its body is empty, its field the GET's length.
+    let exact = (!head)
+        .then(|| http_body::Body::size_hint(resp.body()).exact())
+        .flatten();
     let Some(Fields { short, vary_named }) = compressible(resp.headers(), settings, exact) else {
         return resp;
     };
+    // Too short to be compressed for anyone: the answer does not vary.
+    if short {
+        return resp;
+    }
     if !vary_named {
         resp.headers_mut()
             .append(header::VARY, HeaderValue::from_static("accept-encoding"));
     }
     let empty = resp.body().is_end_stream();
-    let Some(coding) = coding.filter(|_| !(short || empty || head)) else {
+    let Some(coding) = coding.filter(|_| !(empty || head)) else {
         return resp;
     };
     let (mut parts, body) = resp.into_parts();
