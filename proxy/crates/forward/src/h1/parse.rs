@@ -230,7 +230,7 @@ fn line_end(buf: &[u8], at: usize, error: ParseError) -> Result<Option<usize>, P
 #[inline]
 fn field(buf: &[u8], at: usize) -> Result<Option<(Span, usize)>, ParseError> {
     let name = at;
-    let mut at = at;
+    let mut at = name_blocks(buf, at);
     while at < buf.len() && is(TOKEN, buf[at]) {
         at += 1;
     }
@@ -284,24 +284,19 @@ fn value_end(buf: &[u8], at: usize) -> usize {
     at
 }
 
-/// Past the 16-byte blocks from `at` that are all value bytes other than
-/// tab, and the bytes of the next block before its first other byte.
+/// Past the 16-byte blocks from `at` whose bytes are all in `class` (its
+/// mask: 0xff for a byte in it), and the bytes of the next block before
+/// its first other byte.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn value_blocks(buf: &[u8], mut at: usize) -> usize {
-    use std::arch::x86_64::{
-        __m128i, _mm_andnot_si128, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_max_epu8,
-        _mm_movemask_epi8, _mm_set1_epi8,
-    };
+fn blocks(buf: &[u8], mut at: usize, class: impl Fn(X86Block) -> X86Block) -> usize {
+    use std::arch::x86_64::{_mm_loadu_si128, _mm_movemask_epi8};
     while at + 16 <= buf.len() {
         // SAFETY: SSE2 is part of every x86_64 CPU; the load reads the 16
         // bytes from `at`, inside `buf` (checked above), unaligned.
         let plain = unsafe {
-            let x = _mm_loadu_si128(buf.as_ptr().add(at).cast::<__m128i>());
-            // Not under 0x20 (unsigned: the larger of it and 0x20 is it).
-            let printable = _mm_cmpeq_epi8(_mm_max_epu8(x, _mm_set1_epi8(0x20)), x);
-            let del = _mm_cmpeq_epi8(x, _mm_set1_epi8(0x7f));
-            _mm_movemask_epi8(_mm_andnot_si128(del, printable)) as u32
+            let x = _mm_loadu_si128(buf.as_ptr().add(at).cast::<X86Block>());
+            _mm_movemask_epi8(class(x)) as u32
         };
         if plain != 0xffff {
             return at + plain.trailing_ones() as usize;
@@ -311,10 +306,63 @@ fn value_blocks(buf: &[u8], mut at: usize) -> usize {
     at
 }
 
-/// Elsewhere, the byte loop in [`value_end`] does it all.
+#[cfg(target_arch = "x86_64")]
+type X86Block = std::arch::x86_64::__m128i;
+
+/// Past the 16-byte blocks from `at` that are all value bytes other than
+/// tab, and the bytes of the next block before its first other byte.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn value_blocks(buf: &[u8], at: usize) -> usize {
+    use std::arch::x86_64::{_mm_andnot_si128, _mm_cmpeq_epi8, _mm_max_epu8, _mm_set1_epi8};
+    // SAFETY (each block): SSE2 is part of every x86_64 CPU.
+    blocks(buf, at, |x| unsafe {
+        // Not under 0x20 (unsigned: the larger of it and 0x20 is it).
+        let printable = _mm_cmpeq_epi8(_mm_max_epu8(x, _mm_set1_epi8(0x20)), x);
+        let del = _mm_cmpeq_epi8(x, _mm_set1_epi8(0x7f));
+        _mm_andnot_si128(del, printable)
+    })
+}
+
+/// Past the 16-byte blocks from `at` that are all letters, digits and
+/// `-` (the bytes of nearly every field name; any other token byte is
+/// left to the byte loop in [`field`]), and the bytes of the next block
+/// before its first other byte. The byte loop cost ~7 instructions a
+/// byte, ~330 for the names of an upstream's usual head (#66).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn name_blocks(buf: &[u8], at: usize) -> usize {
+    use std::arch::x86_64::{
+        _mm_and_si128, _mm_cmpeq_epi8, _mm_cmpgt_epi8, _mm_or_si128, _mm_set1_epi8,
+    };
+    // SAFETY (each block): SSE2 is part of every x86_64 CPU. The compares
+    // are signed: bytes from 0x80 are below every range.
+    blocks(buf, at, |x| unsafe {
+        let within = |x, lo: u8, hi: u8| {
+            _mm_and_si128(
+                _mm_cmpgt_epi8(x, _mm_set1_epi8(lo as i8 - 1)),
+                _mm_cmpgt_epi8(_mm_set1_epi8(hi as i8 + 1), x),
+            )
+        };
+        // With 0x20 set, exactly the letters fall in `a`..=`z`.
+        let letter = within(_mm_or_si128(x, _mm_set1_epi8(0x20)), b'a', b'z');
+        let digit = within(x, b'0', b'9');
+        let dash = _mm_cmpeq_epi8(x, _mm_set1_epi8(b'-' as i8));
+        _mm_or_si128(_mm_or_si128(letter, digit), dash)
+    })
+}
+
+/// Elsewhere, the byte loops in [`value_end`] and [`field`] do it all.
 #[cfg(not(target_arch = "x86_64"))]
 #[inline(always)]
 fn value_blocks(_buf: &[u8], at: usize) -> usize {
+    at
+}
+
+/// See [`value_blocks`].
+#[cfg(not(target_arch = "x86_64"))]
+#[inline(always)]
+fn name_blocks(_buf: &[u8], at: usize) -> usize {
     at
 }
 

@@ -135,6 +135,30 @@ fn values_of_every_length_around_a_word_read_whole() {
 }
 
 #[test]
+fn names_of_every_length_with_every_byte_read_whole() {
+    // The name block scan's edges: every byte value (the letters' and
+    // digits' neighbours, `|0x20` images, bytes from 0x80) at the end of
+    // names up to three blocks long, and inside a long one.
+    for len in 0..=40 {
+        for odd in 0..=255u8 {
+            let mut head = b"HTTP/1.1 200 OK\r\n".to_vec();
+            head.extend(std::iter::repeat_n(b'N', len));
+            head.push(odd);
+            head.extend_from_slice(b"x-Y9: v\r\n\r\n");
+            same(&head, 8);
+        }
+    }
+    for at in 0..34 {
+        for odd in 0..=255u8 {
+            let mut head =
+                b"HTTP/1.1 200 OK\r\nAbcdefghijklmnopqrstuvwxyz-0123456: v\r\n\r\n".to_vec();
+            head[17 + at] = odd;
+            same(&head, 8);
+        }
+    }
+}
+
+#[test]
 fn a_field_past_the_room_is_an_error_once_read_whole() {
     let head = b"HTTP/1.1 200 OK\r\nA: 1\r\nB: 2\r\n\r\n";
     assert_eq!(ours(head, 1), Err(ParseError::TooManyHeaders));
