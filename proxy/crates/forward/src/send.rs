@@ -222,7 +222,7 @@ impl UpstreamPool {
                                     // The head's map serves the next
                                     // response's, unless the caller keeps it.
                                     if !keeping {
-                                        conn.recycle(std::mem::take(headers));
+                                        conn.recycle(headers);
                                     }
                                     let home = keep_alive.then_some(slot as Arc<dyn h1::Home>);
                                     let body = H1Body::new(conn, framing, home);

@@ -111,13 +111,16 @@ pub(super) fn take_head(
     let mut resp = Response::new(());
     *resp.status_mut() = status;
     *resp.version_mut() = version;
-    let headers = resp.headers_mut();
-    *headers = match spare.capacity() {
+    if spare.capacity() == 0 {
         // The request's map was kept by the caller: one another request
         // left on this thread, if any.
-        0 => spare_maps::take(),
-        _ => std::mem::take(spare),
-    };
+        *spare = spare_maps::take();
+    }
+    // Swapped, not assigned: the response's own empty map becomes the
+    // spare, where the next request's map takes its place the same way.
+    // Each empty map dropped cost ~60 instructions (#66).
+    let headers = resp.headers_mut();
+    std::mem::swap(headers, spare);
     headers.reserve(n);
     let mut seen = HeadFields::default();
     for (i, span) in spans[..n].iter().enumerate() {

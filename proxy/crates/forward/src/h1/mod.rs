@@ -190,10 +190,12 @@ impl H1Conn {
 
     /// Keeps a request's header map, emptied, for the next response head.
     /// A map grown for an unusual message is let go.
-    pub fn recycle(&mut self, mut headers: HeaderMap) {
+    pub fn recycle(&mut self, headers: &mut HeaderMap) {
         if headers.capacity() <= SPARE_HEADERS {
             headers.clear();
-            self.spare = headers;
+            // The spare left (empty, the last head's) goes back in its
+            // place rather than being dropped here.
+            std::mem::swap(&mut self.spare, headers);
         }
     }
 

@@ -137,7 +137,11 @@ async fn a_recycled_request_map_holds_only_the_response_headers() {
     request.insert(header::AUTHORIZATION, HeaderValue::from_static("secret"));
     request.insert("x-request-only", HeaderValue::from_static("1"));
     let reused = request.capacity();
-    conn.recycle(request);
+    conn.recycle(&mut request);
+    assert!(
+        request.is_empty(),
+        "the spare left was not handed back empty"
+    );
     up.write_all(b"HTTP/1.1 200 OK\r\nserver: up\r\ncontent-length: 0\r\n\r\n")
         .await
         .unwrap();
@@ -149,8 +153,9 @@ async fn a_recycled_request_map_holds_only_the_response_headers() {
     // A map grown past the bound is not kept.
     let mut big = HeaderMap::with_capacity(4 * SPARE_HEADERS);
     big.insert("x-big", HeaderValue::from_static("1"));
-    conn.recycle(big);
+    conn.recycle(&mut big);
     assert!(conn.spare.capacity() < 4 * SPARE_HEADERS);
+    assert_eq!(big.len(), 1, "a map not kept stays the caller's");
 }
 
 /// The answer leaves the reader without this hop's fields: those named

@@ -107,7 +107,7 @@ impl Pipeline {
             asked,
             path: &path,
             upgrade: upgrade.then(|| parts.extensions.remove::<hyper::upgrade::OnUpgrade>()),
-            headers: std::mem::take(&mut parts.headers),
+            headers: &mut parts.headers,
             log,
             request_id,
         };
