@@ -8,7 +8,7 @@ use super::*;
 #[derive(Clone)]
 pub struct SharedEndpoints {
     /// Requests in flight per endpoint (least-requests reads them).
-    pub(super) in_flight: Arc<[AtomicUsize]>,
+    pub(super) in_flight: crate::held::InFlightCounts,
     /// Endpoints out of the rotation after a failed connect.
     pub(super) ejections: Arc<Ejections>,
     /// Requests in flight to the whole upstream, counted only when it
@@ -33,7 +33,7 @@ pub fn shared_endpoints(spec: &Upstream, previous: Option<&UpstreamPool>) -> Sha
         }
     }
     SharedEndpoints {
-        in_flight: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+        in_flight: Arc::new((0..n).map(|_| AtomicUsize::new(0)).collect()),
         ejections: Arc::new(ejections),
         requests: Arc::new(AtomicUsize::new(0)),
         retries: Arc::default(),

@@ -81,7 +81,7 @@ pub struct UpstreamPool {
     /// The upstream's settings.
     pub spec: Arc<Upstream>,
     conns: ConnPool,
-    in_flight: Arc<[AtomicUsize]>,
+    in_flight: held::InFlightCounts,
     ejections: Arc<Ejections>,
     requests: Arc<AtomicUsize>,
     /// The cap on `requests` when they are counted: `max_requests`, or

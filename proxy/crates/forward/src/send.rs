@@ -159,7 +159,7 @@ impl UpstreamPool {
                 let guard = (self.spec.balance == Balance::LeastRequests).then(|| {
                     let slot = if template { 0 } else { i };
                     self.in_flight[slot].fetch_add(1, Ordering::Relaxed);
-                    InFlight(self.in_flight.clone(), slot)
+                    InFlight(self.in_flight.clone(), slot as u32)
                 });
                 let mut req = None;
                 let mut fresh = false;
@@ -319,7 +319,7 @@ impl UpstreamPool {
                                 Held {
                                     in_flight: guard,
                                     admitted: admitted.take(),
-                                    lease: conn.into_lease(),
+                                    lease: conn.into_lease().map(Box::new),
                                     read_timeout_ms: 0,
                                     endpoint: answerer(i),
                                 },

@@ -184,22 +184,21 @@ pub fn json_error_about(
 /// health probe, a local answer, its JSON errors) failed so, as did a
 /// local or plugin answer of 204 or 304 with a body. A HEAD answer keeps
 /// the length the body had declared, as for GET. An upstream's answer,
-/// bodiless already, is left as it is.
-pub fn bodiless_answer(resp: Response<Body>, head: bool) -> Response<Body> {
+/// bodiless already, is left as it is. In place: every answer passes
+/// here, and one passed by value was copied in and out.
+pub fn make_bodiless(resp: &mut Response<Body>, head: bool) {
     use http_body::Body as _;
     let status = resp.status();
     let never = status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
     if !(head || never) || resp.body().is_end_stream() {
-        return resp;
+        return;
     }
-    let (mut parts, body) = resp.into_parts();
-    if !never && let Some(len) = body.size_hint().exact() {
-        parts
-            .headers
+    if !never && let Some(len) = resp.body().size_hint().exact() {
+        resp.headers_mut()
             .entry(header::CONTENT_LENGTH)
             .or_insert_with(|| HeaderValue::from(len));
     }
-    Response::from_parts(parts, Body::empty())
+    *resp.body_mut() = Body::empty();
 }
 
 /// A small JSON answer the proxy makes itself (never cached).

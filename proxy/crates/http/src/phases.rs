@@ -17,15 +17,15 @@
 //!    touches, and the body carries the log record and the count to the
 //!    response's end, where 499s and cut bodies are told apart.
 
+use portcullis_net::stamp::Stamp;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
 
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, Version};
 
-use crate::answers::bodiless_answer;
+use crate::answers::make_bodiless;
 use portcullis_config::{RequestIds, Tracing};
 use portcullis_forward::client_watch::ClientSocket;
 use portcullis_forward::{Body, ResponseBody};
@@ -129,7 +129,7 @@ where
     P: Phases,
     B: http_body::Body + Into<Body> + Send,
 {
-    let start = Instant::now();
+    let start = Stamp::now();
     let version = req.version();
     let entry = phases.entry(conn, version);
     // Before the access-log record: a sampled request needs one.
@@ -175,14 +175,14 @@ where
         counted,
         uncounted: metrics::unrouted(),
     };
-    let (resp, held) = phases.serve(req, conn, &mut ctx).await;
+    let (mut resp, held) = phases.serve(req, conn, &mut ctx).await;
     let status = resp.status().as_u16();
     // Logged and counted with the HTTP status chosen; answered in gRPC's
     // terms.
-    let mut resp = match grpc {
-        Some(content_type) => crate::grpc_local::answer(resp, content_type),
-        None => bodiless_answer(resp, head),
-    };
+    match grpc {
+        Some(content_type) => resp = crate::grpc_local::answer(resp, content_type),
+        None => make_bodiless(&mut resp, head),
+    }
     let RequestCtx {
         mut log,
         request_id,

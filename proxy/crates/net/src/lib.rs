@@ -92,6 +92,8 @@ pub mod shared_dial;
 // Public: listening sockets, one per worker, for every listener (http, obs,
 // tunnel).
 pub mod sockets;
+// Public: a request's precise time stamps and durations (http, obs).
+pub mod stamp;
 // Public: TLS session ticket keys from files, for listeners' settings
 // (config).
 pub mod ticket_keys;

@@ -1,8 +1,9 @@
 //! Logging setup and the access log.
 
+use portcullis_net::stamp::Stamp;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::Method;
 use http::uri::PathAndQuery;
@@ -117,7 +118,7 @@ pub struct AccessLog {
     /// upstream's share of `duration`.
     pub upstream_header: Option<Duration>,
     /// When the request head was received.
-    pub start: Instant,
+    pub start: Stamp,
     /// Response body bytes sent.
     pub bytes_sent: u64,
     /// The response body did not end: it broke (an upstream reset
@@ -155,7 +156,7 @@ impl AccessLog {
     pub fn start(
         (method, path, protocol): (&Method, Option<&PathAndQuery>, http::Version),
         (client, worker): (SocketAddr, usize),
-        start: Instant,
+        start: Stamp,
         needed: bool,
     ) -> Option<Box<AccessLog>> {
         let wanted = needed || crate::access_log::enabled();

@@ -10,6 +10,7 @@
 use std::borrow::Cow;
 use std::cell::RefCell;
 
+use portcullis_net::stamp::Stamp;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Instant;
@@ -34,7 +35,7 @@ mod route;
 mod to_upstream;
 
 use crate::answers::*;
-pub use crate::answers::{Linger, bodiless_answer, error_response, json_error, json_response};
+pub use crate::answers::{Linger, error_response, json_error, json_response, make_bodiless};
 pub use crate::conn_info::ConnInfo;
 use route::*;
 use to_upstream::*;

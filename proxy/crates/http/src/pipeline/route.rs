@@ -134,7 +134,7 @@ impl Pipeline {
         };
         let watch = watchable(conn, f.asked.2);
         // For the upstream's time to answer, in its metrics and the log.
-        let asked = Instant::now();
+        let asked = Stamp::now();
         let kept = f.plugins.as_mut().and_then(|c| c.request_headers_slot());
         let sent = pool.send(out, &routed.params, timeout, watch, kept).await;
         match self.upstream_answer(&routed, pool, f, sent, (extra, asked)) {

@@ -58,7 +58,7 @@ impl Pipeline {
         pool: &UpstreamPool,
         mut f: Forwarding<'c, '_>,
         sent: Result<(Response<Body>, forward::Held), ForwardError>,
-        ((set_cookie, client_upgrade), asked): (Extra, Instant),
+        ((set_cookie, client_upgrade), asked): (Extra, Stamp),
     ) -> Answered<'c> {
         let route = routed.route;
         let (mut resp, held) = match sent {
