@@ -221,6 +221,38 @@ async fn settings_pick_types_and_size_and_routes_without_compress_are_untouched(
     assert_eq!(a.header("vary"), None);
 }
 
+/// The proxy's own answers are judged by their length too, with or
+/// without a `Content-Length` field: a short one goes as it is and does
+/// not vary, a long one is compressed.
+#[tokio::test]
+async fn the_proxys_own_answers_are_compressed_only_past_min_size() {
+    let long = "x".repeat(2_000);
+    let proxy = Proxy::start_yaml(&format!(
+        r#"
+listeners: [{{ name: http, bind: "127.0.0.1:0" }}]
+routes:
+  - name: short
+    match: {{ path: /short }}
+    respond: {{ status: 200, body: "short text", headers: {{ content-type: text/plain }} }}
+    compress: true
+  - name: long
+    match: {{ path: /long }}
+    respond: {{ status: 200, body: "{long}", headers: {{ content-type: text/plain }} }}
+    compress: true
+"#
+    ))
+    .await;
+    let a = get(&proxy, "GET", "/short", Some("gzip")).await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.header("content-encoding"), None);
+    assert_eq!(a.header("vary"), None);
+    assert_eq!(a.body, "short text".as_bytes());
+    let a = get(&proxy, "GET", "/long", Some("gzip")).await;
+    assert_eq!(a.header("content-encoding"), Some("gzip"));
+    assert_eq!(a.header("vary"), Some("accept-encoding"));
+    assert_eq!(gunzip(&a.body), long.as_bytes());
+}
+
 /// Each frame the upstream sends is flushed compressed at once: the
 /// first line of a stream is readable by the client while the upstream
 /// still holds the second, with either coding.

@@ -84,11 +84,12 @@ pub fn negotiate(headers: &HeaderMap, settings: &Compression) -> Option<Coding> 
 /// Compresses `resp` with `coding` (what the client takes, if anything)
 /// when the route compresses its type and nothing rules it out: a body already
 /// encoded, `Cache-Control: no-transform`, a status without a body or a
-/// partial one (206), a declared length under the minimum, a HEAD
-/// request. A compressible response says `Vary: Accept-Encoding` either
-/// way, so a cache in between keeps the two apart; not one whose declared
-/// length is under the minimum, which no client gets compressed (nginx's
-/// `gzip_vary` the same).
+/// partial one (206), a length under the minimum (the body's own when it
+/// knows it, else its declared one), a HEAD request. A compressible
+/// response says `Vary: Accept-Encoding` either way, so a cache in
+/// between keeps the two apart; not one whose length is under the
+/// minimum, which no client gets compressed (nginx's `gzip_vary` the
+/// same).
 pub fn apply(
     settings: &Compression,
     coding: Option<Coding>,
@@ -111,6 +112,13 @@ pub fn apply(
     let exact = (!head)
         .then(|| http_body::Body::size_hint(resp.body()).exact())
         .flatten();
+    // A body shorter than the minimum by its own length is sent as it
+    // is, and does not vary, whatever its fields say: decided before
+    // they are read (~400 instructions a response), as nginx checks the
+    // length first.
+    if exact.is_some_and(|len| len < settings.min_size) {
+        return resp;
+    }
     let Some(Fields { short, vary_named }) = compressible(resp.headers(), settings, exact) else {
         return resp;
     };
